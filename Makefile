@@ -1,0 +1,29 @@
+# The two commands of the README: `make demo` and `make test`. Each sets up what it needs.
+# Re-running is fast: the venv and the install are reused while pyproject.toml/setup.py
+# are unchanged.
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.swarm-node-installed
+
+.PHONY: demo test setup clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml setup.py
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@# CPU torch first, and only if none is importable, so pip never resolves a CUDA build.
+	@$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $@
+
+demo: setup
+	$(VENV)/bin/swarm-node demo
+
+test: setup
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,1 @@
+"""The `swarm-node` command line."""

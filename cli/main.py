@@ -1,0 +1,186 @@
+"""`swarm-node`: a thin typer layer over `swarm_node.node`.
+
+Heavy modules (torch, transformers, libp2p, vllm) are imported inside the commands, so
+`swarm-node --help` answers fast.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+app = typer.Typer(
+    name="swarm-node",
+    help="Decentralized, verified RL post-training of language models.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+ConfigOpt = typer.Option(None, "--config", "-c", help="TOML config file.", exists=False)
+DataDirOpt = typer.Option(None, "--data-dir", help="Data directory (key, buffers, checkpoints).")
+
+
+def _fail(message: str, code: int = 2) -> None:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code)
+
+
+def _load(config: Optional[Path], overrides: dict[str, Any]):
+    from ..node.config import load_config
+    from ..node.errors import NodeError
+
+    try:
+        return load_config(config, overrides)
+    except NodeError as e:
+        _fail(str(e))
+
+
+@app.command()
+def keygen(
+    config: Optional[Path] = ConfigOpt,
+    data_dir: Optional[Path] = DataDirOpt,
+    key: Optional[Path] = typer.Option(None, "--key", help="Key file to write."),
+    force: bool = typer.Option(False, "--force", help="Overwrite an existing key."),
+) -> None:
+    """Create the node's Ed25519 key (PEM, mode 0600) and print its peer ID."""
+    from ..node.identity import Identity
+
+    cfg = _load(config, {"node.data_dir": data_dir, "identity.key_path": key})
+    path = cfg.key_path
+    if path.exists() and not force:
+        _fail(f"{path} already exists (use --force to replace it; the peer ID would change)")
+    ident = Identity.generate()
+    ident.save(path)
+    typer.echo(f"wrote {path}")
+    typer.echo(ident.peer_id)
+
+
+@app.command("id")
+def show_id(
+    config: Optional[Path] = ConfigOpt,
+    data_dir: Optional[Path] = DataDirOpt,
+    key: Optional[Path] = typer.Option(None, "--key", help="Key file to read."),
+) -> None:
+    """Print this node's libp2p peer ID."""
+    from ..node.errors import NodeError
+    from ..node.identity import Identity
+
+    cfg = _load(config, {"node.data_dir": data_dir, "identity.key_path": key})
+    try:
+        typer.echo(Identity.load(cfg.key_path).peer_id)
+    except NodeError as e:
+        _fail(str(e))
+
+
+@app.command()
+def join(
+    role: Optional[str] = typer.Option(None, "--role", "-r",
+                                       help="inference | trainer | relay | verifier"),
+    config: Optional[Path] = ConfigOpt,
+    data_dir: Optional[Path] = DataDirOpt,
+    bootstrap: Optional[list[str]] = typer.Option(
+        None, "--bootstrap", "-b", help="Multiaddr of a peer to join through (repeatable)."),
+    listen: Optional[list[str]] = typer.Option(None, "--listen", help="Multiaddr to listen on."),
+    swarm: Optional[str] = typer.Option(None, "--swarm", help="Swarm id."),
+    follow: Optional[list[str]] = typer.Option(None, "--follow",
+                                               help="Peer ID of a trainer to follow."),
+    model: Optional[str] = typer.Option(None, "--model", help="HF model id or local dir."),
+    admin_port: Optional[int] = typer.Option(None, "--admin-port"),
+    log_json: Optional[bool] = typer.Option(None, "--log-json/--log-text"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved config and exit."),
+) -> None:
+    """Join a swarm (or start one) in the given role."""
+    overrides = {
+        "node.role": role, "node.data_dir": str(data_dir) if data_dir else None,
+        "node.bootstrap": bootstrap or None, "node.listen": listen or None,
+        "node.swarm_id": swarm, "node.follow": follow or None, "model.name": model,
+        "admin.port": admin_port, "node.log_json": log_json,
+    }
+    cfg = _load(config, overrides)
+    if dry_run:
+        typer.echo(cfg.to_toml())
+        return
+    from ..node.errors import NodeError
+
+    try:
+        from ..node.runner import run_node
+    except ImportError as e:
+        _fail(f"this build cannot run a node yet: {e}", 1)
+    try:
+        run_node(cfg)
+    except NodeError as e:
+        _fail(str(e), 1)
+    except KeyboardInterrupt:
+        pass
+
+
+@app.command()
+def demo(
+    rounds: int = typer.Option(0, "--rounds", help="Training steps (0: the demo's default)."),
+    inference_peers: int = typer.Option(2, "--inference-peers", help="Honest inference peers."),
+    workdir: Optional[Path] = typer.Option(None, "--workdir", help="Where the demo keeps files."),
+) -> None:
+    """Run a complete local swarm on loopback with the built-in tiny model."""
+    from ..node.errors import NodeError
+
+    try:
+        from ..node.demo import run_demo
+    except ImportError as e:
+        _fail(f"this build cannot run the demo yet: {e}", 1)
+    try:
+        code = run_demo(rounds=rounds, inference_peers=inference_peers, workdir=workdir)
+    except NodeError as e:
+        _fail(str(e), 1)
+    raise typer.Exit(code or 0)
+
+
+@app.command()
+def status(
+    config: Optional[Path] = ConfigOpt,
+    data_dir: Optional[Path] = DataDirOpt,
+    port: Optional[int] = typer.Option(None, "--port", help="Admin port (default: from data dir)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the raw JSON."),
+) -> None:
+    """Show the local node's status (peers, policy version, rollouts, reward)."""
+    from ..node.errors import NodeError
+
+    cfg = _load(config, {"node.data_dir": str(data_dir) if data_dir else None})
+    try:
+        from ..node.admin import print_status
+    except ImportError as e:
+        _fail(f"this build has no status endpoint yet: {e}", 1)
+    try:
+        print_status(cfg, port=port, as_json=as_json)
+    except NodeError as e:
+        _fail(str(e), 1)
+
+
+@app.command("make-tiny-model")
+def make_tiny_model(
+    directory: Path = typer.Argument(..., help="Folder to write the model and tokenizer to."),
+    seed: int = typer.Option(0, "--seed"),
+) -> None:
+    """Build the built-in tiny model (Qwen2 architecture, local tokenizer) into DIRECTORY."""
+    from ..node.errors import NodeError
+    from ..node.models import build_tiny_model
+
+    try:
+        build_tiny_model(directory, seed=seed)
+    except NodeError as e:
+        _fail(str(e), 1)
+    typer.echo(f"wrote tiny model to {directory}")
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Everything that runs: transport host, roles, sampler, trainer, broadcaster, config."""

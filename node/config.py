@@ -1,0 +1,255 @@
+"""One typed config tree: loaded from TOML, overridden by CLI flags, unknown keys rejected.
+
+Every field has a docstring (shown by `swarm-node join --dry-run` as the resolved value) and
+a default that works for a local node. Errors name the key, the value and what was expected.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import ConfigError
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True,
+                              use_attribute_docstrings=True)
+
+
+class NodeSection(Section):
+    role: Literal["inference", "trainer", "relay", "verifier"] = "inference"
+    """What this node does in the swarm."""
+    swarm_id: str = Field("default", pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    """Name of the swarm; part of every topic, so different swarms never mix."""
+    data_dir: Path = Path("~/.swarm-node")
+    """Where the key, buffers, checkpoints and reputation live."""
+    listen: list[str] = ["/ip4/0.0.0.0/tcp/4001"]
+    """libp2p multiaddrs to listen on (tests use /ip4/127.0.0.1/tcp/0)."""
+    bootstrap: list[str] = []
+    """Multiaddrs (with /p2p/<peer id>) of peers to join through. Empty: start a new swarm."""
+    follow: list[str] = []
+    """Peer IDs of trainers whose policy this node follows. Empty: the first trainer seen."""
+    log_json: bool = False
+    """Log one JSON object per line instead of plain text."""
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Minimum level of log lines."""
+
+
+class IdentitySection(Section):
+    key_path: Path | None = None
+    """Ed25519 key (PEM, mode 0600). Default: <data_dir>/node_key.pem, created on first run."""
+
+
+class ModelSection(Section):
+    name: str = "builtin:tiny"
+    """Hugging Face model id, local directory, or `builtin:tiny` (built locally on first use)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights dtype for sampling and training."""
+    device: str = "auto"
+    """torch device: `auto` (cuda if present), `cpu`, `cuda`, `cuda:1`, ..."""
+    max_context: int = Field(1024, ge=16)
+    """Longest prompt + completion accepted, in tokens."""
+
+
+class TasksSection(Section):
+    mix: dict[str, float] = {"toy/digit_successor": 1.0}
+    """Task datasets and their weights. `toy/...` are built-in; `rg/<name>` are reasoning-gym."""
+    tasks_per_round: int = Field(4, ge=1)
+    """Distinct tasks drawn per round."""
+    format_reward: float = Field(0.0, ge=0.0, le=1.0)
+    """Extra reward for a well-formed answer (0 disables)."""
+
+
+class SamplerSection(Section):
+    backend: Literal["auto", "hf", "vllm"] = "auto"
+    """`auto`: vLLM when installed and a GPU is present, else Hugging Face transformers."""
+    completions_per_task: int = Field(8, ge=1, le=256)
+    """Group size G: completions sampled per task (GRPO needs G > 1)."""
+    temperature: float = Field(1.0, ge=0.0, le=10.0)
+    """Sampling temperature."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling cutoff."""
+    max_new_tokens: int = Field(16, ge=1)
+    """Longest completion, in tokens."""
+
+
+class TrainerSection(Section):
+    learning_rate: float = Field(1e-3, gt=0)
+    """Adam learning rate."""
+    local_items: int = Field(4, ge=0)
+    """I: tasks (groups) per step from this trainer's own policy."""
+    external_items: int = Field(4, ge=0)
+    """J: tasks (groups) per step from other policies in the swarm (SAPO)."""
+    external_selection: Literal["uniform", "variance"] = "variance"
+    """How external groups are picked: uniform over non-zero-advantage groups, or by reward variance."""
+    max_staleness: int = Field(4, ge=0)
+    """Drop rollouts produced by a policy more than this many versions old."""
+    eps_low: float = Field(0.2, ge=0)
+    """PPO clip below 1."""
+    eps_high: float = Field(0.28, ge=0)
+    """PPO clip above 1."""
+    delta: float = Field(4.0, gt=1)
+    """Cap on the importance ratio before PPO clipping (two-sided clipping)."""
+    kl_coef: float = Field(0.0, ge=0)
+    """KL penalty to the initial policy (0: off)."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus coefficient."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Gradient-norm clip."""
+    keep_checkpoints: int = Field(3, ge=1)
+    """How many checkpoint versions to keep on disk."""
+
+
+class VerifierSection(Section):
+    enabled: bool = True
+    """Verify untrusted rollouts before training on them."""
+    spot_check_fraction: float = Field(1.0, ge=0.0, le=1.0)
+    """Fraction of a trusted peer's rollouts to verify (new or low-score peers: always)."""
+    ban_threshold: float = Field(-5.0)
+    """Reputation below which a peer is banned."""
+    ban_seconds: float = Field(3600.0, ge=0)
+    """How long a ban lasts."""
+
+
+class BroadcastSection(Section):
+    shard_size: int = Field(4 * 1024 * 1024, ge=4096)
+    """Bytes per checkpoint shard."""
+    keep_versions: int = Field(3, ge=1)
+    """Checkpoint versions to keep for serving."""
+    max_uploads_per_peer: int = Field(4, ge=1)
+    """Concurrent shard uploads to one peer."""
+    max_uploads_total: int = Field(32, ge=1)
+    """Concurrent shard uploads in total."""
+    parallel_downloads: int = Field(4, ge=1)
+    """Shards fetched at once."""
+
+
+class P2PSection(Section):
+    inline_payload_max: int = Field(256 * 1024, ge=1024)
+    """Payloads up to this size travel inside gossip messages; larger ones are pulled."""
+    bootstrap_timeout_s: float = Field(30.0, gt=0)
+    """How long to keep trying the bootstrap peers before giving up."""
+    target_peers: int = Field(8, ge=1)
+    """Connections to keep open."""
+    request_timeout_s: float = Field(30.0, gt=0)
+    """Per-request timeout on stream protocols."""
+
+
+class LimitsSection(Section):
+    max_message_bytes: dict[str, int] = {}
+    """Per-type payload limits overriding the defaults in NODE_SPEC.md (e.g. rollout_batch)."""
+    max_clock_skew_s: float = Field(300.0, gt=0)
+    """Messages whose timestamp is further than this from now are rejected."""
+
+    def to_limits(self):
+        from ..protocol.limits import DEFAULT_MAX_BYTES, Limits
+
+        return Limits({**DEFAULT_MAX_BYTES, **self.max_message_bytes})
+
+
+class AdminSection(Section):
+    port: int = Field(0, ge=0, le=65535)
+    """Port of the status/metrics endpoint on 127.0.0.1 (0: pick a free one, written to data_dir)."""
+    enabled: bool = True
+    """Serve GET /status and GET /metrics on 127.0.0.1."""
+
+
+class Config(Section):
+    node: NodeSection = NodeSection()
+    identity: IdentitySection = IdentitySection()
+    model: ModelSection = ModelSection()
+    tasks: TasksSection = TasksSection()
+    sampler: SamplerSection = SamplerSection()
+    trainer: TrainerSection = TrainerSection()
+    verifier: VerifierSection = VerifierSection()
+    broadcast: BroadcastSection = BroadcastSection()
+    p2p: P2PSection = P2PSection()
+    limits: LimitsSection = LimitsSection()
+    admin: AdminSection = AdminSection()
+
+    @property
+    def data_dir(self) -> Path:
+        return self.node.data_dir.expanduser()
+
+    @property
+    def key_path(self) -> Path:
+        return (self.identity.key_path or self.data_dir / "node_key.pem").expanduser()
+
+    def to_toml(self) -> str:
+        return dump_toml(self.model_dump(mode="json"))
+
+
+def _describe(err: dict[str, Any], source: str) -> str:
+    key = ".".join(str(p) for p in err["loc"])
+    if err["type"] == "extra_forbidden":
+        return f"{source}: unknown key `{key}`"
+    value = err.get("input")
+    return f"{source}: `{key}` = {value!r}: {err['msg']}"
+
+
+def build_config(data: dict[str, Any], source: str = "config") -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        lines = [_describe(err, source) for err in e.errors()]
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
+
+
+def load_config(path: Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    """Read TOML (if given), apply dotted-key overrides ("node.role": "trainer"), validate."""
+    data: dict[str, Any] = {}
+    source = "config"
+    if path is not None:
+        path = Path(path)
+        source = str(path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    for dotted, value in (overrides or {}).items():
+        if value is None:
+            continue
+        node = data
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{source}: `{part}` must be a table")
+        node[leaf] = value
+    return build_config(data, source)
+
+
+def dump_toml(data: dict[str, Any]) -> str:
+    """Minimal TOML writer for the resolved config (tables of scalars, lists, inline maps)."""
+    out: list[str] = []
+    for section, values in data.items():
+        out.append(f"[{section}]")
+        for key, value in values.items():
+            if value is None:  # TOML has no null: an unset optional is left out
+                out.append(f"# {key} = (unset)")
+                continue
+            out.append(f"{key} = {_toml_value(value)}")
+        out.append("")
+    return "\n".join(out)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f'"{k}" = {_toml_value(v)}' for k, v in value.items()) + " }"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")

@@ -1,0 +1,317 @@
+"""Typed wire structs. Each message type has a name and a schema version.
+
+Models are strict pydantic models (no coercion, unknown fields rejected, frozen), so a
+decoded message has exactly the types written here. Tensors travel as {dtype, shape, data};
+nothing is ever pickled.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .codec import pack, tensor_nbytes, unpack
+from .errors import SchemaViolation
+from .limits import Limits
+
+U64 = Annotated[int, Field(ge=0, lt=2**64)]
+U32 = Annotated[int, Field(ge=0, lt=2**32)]
+Hash32 = Annotated[bytes, Field(min_length=32, max_length=32)]
+PeerIdStr = Annotated[str, Field(min_length=1, max_length=128)]
+ShortStr = Annotated[str, Field(max_length=128)]
+Scalar = bool | int | float | Annotated[str, Field(max_length=256)]
+
+
+class WireModel(BaseModel):
+    """Base of every wire struct."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+    TYPE: ClassVar[str] = ""
+    VERSION: ClassVar[int] = 1
+
+    def to_wire(self) -> dict[str, Any]:
+        return self.model_dump(mode="python")
+
+    def encode(self) -> bytes:
+        return pack(self.to_wire())
+
+    @classmethod
+    def from_wire(cls, value: Any):
+        """Validate a decoded msgpack value; any failure is a `SchemaViolation`."""
+        try:
+            return cls.model_validate(value)
+        except ValidationError as e:
+            first = e.errors()[0] if e.errors() else {}
+            where = ".".join(str(p) for p in first.get("loc", ())) or "<root>"
+            raise SchemaViolation(
+                f"{cls.__name__}: field {where}: {first.get('msg', 'invalid')}"
+            ) from None
+        except (ValueError, TypeError, RecursionError) as e:
+            raise SchemaViolation(f"{cls.__name__}: {e}") from None
+
+    @classmethod
+    def decode(cls, data: bytes, *, max_size: int | None = None):
+        limit = max_size if max_size is not None else Limits().max_for(cls.TYPE)
+        return cls.from_wire(unpack(data, max_size=limit))
+
+
+class TensorData(WireModel):
+    """A dense tensor: dtype name, shape, raw little-endian bytes (C order)."""
+
+    dtype: Literal["float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
+                   "uint8", "bool"]
+    shape: Annotated[list[Annotated[int, Field(ge=0, lt=2**31)]], Field(max_length=8)]
+    data: bytes
+
+    @model_validator(mode="after")
+    def _size_matches(self):
+        if tensor_nbytes(self.dtype, self.shape) != len(self.data):
+            raise ValueError(
+                f"data is {len(self.data)} bytes but {self.dtype}{self.shape} needs "
+                f"{tensor_nbytes(self.dtype, self.shape)}"
+            )
+        return self
+
+    @classmethod
+    def from_numpy(cls, array) -> "TensorData":
+        import numpy as np
+
+        array = np.ascontiguousarray(array)
+        dtype = str(array.dtype)
+        return cls(dtype=dtype, shape=list(array.shape), data=array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes())
+
+    @classmethod
+    def from_torch(cls, tensor) -> "TensorData":
+        import torch
+
+        tensor = tensor.detach().cpu().contiguous()
+        if tensor.dtype == torch.bfloat16:
+            raw = tensor.view(torch.int16).numpy().tobytes()
+            return cls(dtype="bfloat16", shape=list(tensor.shape), data=raw)
+        return cls.from_numpy(tensor.numpy())
+
+    def to_numpy(self):
+        import numpy as np
+
+        if self.dtype == "bfloat16":
+            raise ValueError("numpy has no bfloat16; use to_torch()")
+        return np.frombuffer(self.data, dtype=np.dtype(self.dtype).newbyteorder("<")).reshape(self.shape)
+
+    def to_torch(self):
+        import torch
+
+        if self.dtype == "bfloat16":
+            flat = torch.frombuffer(bytearray(self.data), dtype=torch.int16) if self.data else torch.empty(0, dtype=torch.int16)
+            return flat.view(torch.bfloat16).reshape(self.shape)
+        return torch.from_numpy(self.to_numpy().copy())
+
+
+# Tasks and rollouts ----------------------------------------------------------------------
+
+
+class TaskRef(WireModel):
+    """Names a task so that any node can regenerate its question and ground truth.
+
+    `dataset` is e.g. "toy/digit_copy" or "rg/basic_arithmetic"; `params` is the generator
+    config; (dataset, params, seed, index) determines the task.
+    """
+
+    dataset: Annotated[str, Field(min_length=1, max_length=96)]
+    params: Annotated[dict[Annotated[str, Field(max_length=64)], Scalar], Field(max_length=32)] = {}
+    seed: U64
+    index: U64
+
+
+class SamplingParams(WireModel):
+    temperature: Annotated[float, Field(ge=0.0, le=10.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Field(ge=0, le=1_000_000)] = 0
+    max_new_tokens: Annotated[int, Field(ge=1, le=65536)] = 64
+
+
+class Completion(WireModel):
+    """One sampled completion of one task, with what verification needs."""
+
+    task: TaskRef
+    prompt_ids: TensorData
+    completion_ids: TensorData
+    logprobs: TensorData
+    finish_reason: Literal["eos", "length"]
+    seed: U64
+    claimed_reward: float
+    text: Annotated[str, Field(max_length=262_144)] = ""
+    proof: bytes = b""
+
+    @model_validator(mode="after")
+    def _shapes(self):
+        for name in ("prompt_ids", "completion_ids", "logprobs"):
+            t = getattr(self, name)
+            if len(t.shape) != 1:
+                raise ValueError(f"{name} must be 1-D")
+        if self.prompt_ids.dtype != "int32" or self.completion_ids.dtype != "int32":
+            raise ValueError("token ids must be int32")
+        if self.logprobs.dtype != "float32":
+            raise ValueError("logprobs must be float32")
+        if self.logprobs.shape != self.completion_ids.shape:
+            raise ValueError("logprobs and completion_ids differ in length")
+        return self
+
+
+class RolloutBatch(WireModel):
+    """Completions sampled by one node with one policy version in one round."""
+
+    TYPE: ClassVar[str] = "rollout_batch"
+
+    swarm_id: ShortStr
+    round: U64
+    policy_id: PeerIdStr
+    policy_version: U64
+    sampling: SamplingParams
+    completions: Annotated[list[Completion], Field(min_length=1, max_length=4096)]
+
+
+# Checkpoints and shards ------------------------------------------------------------------
+
+
+class FileEntry(WireModel):
+    name: Annotated[str, Field(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9._-]+$")]
+    size: U64
+
+
+class CheckpointManifest(WireModel):
+    """A trainer's signed description of one policy version, split into shards.
+
+    The checkpoint is the concatenation of `files` in order; shard i covers bytes
+    [i*shard_size, min((i+1)*shard_size, total_size)).
+    """
+
+    TYPE: ClassVar[str] = "checkpoint_manifest"
+
+    policy_id: PeerIdStr
+    version: U64
+    parent_version: Annotated[int, Field(ge=-1, lt=2**63)] = -1
+    created_ms: U64 = 0
+    hash_algo: Literal["blake3"] = "blake3"
+    files: Annotated[list[FileEntry], Field(min_length=1, max_length=1024)]
+    total_size: Annotated[int, Field(ge=1, lt=2**50)]
+    shard_size: Annotated[int, Field(ge=4096, le=1 << 30)]
+    shard_hashes: Annotated[list[Hash32], Field(min_length=1, max_length=1 << 20)]
+    checkpoint_hash: Hash32
+
+    @model_validator(mode="after")
+    def _layout(self):
+        if sum(f.size for f in self.files) != self.total_size:
+            raise ValueError("file sizes do not add up to total_size")
+        expected = -(-self.total_size // self.shard_size)
+        if len(self.shard_hashes) != expected:
+            raise ValueError(f"{len(self.shard_hashes)} shard hashes, layout needs {expected}")
+        if len({f.name for f in self.files}) != len(self.files):
+            raise ValueError("duplicate file names")
+        return self
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.shard_hashes)
+
+    def shard_range(self, index: int) -> tuple[int, int]:
+        start = index * self.shard_size
+        return start, min(start + self.shard_size, self.total_size)
+
+
+class ShardRequest(WireModel):
+    TYPE: ClassVar[str] = "shard_request"
+
+    policy_id: PeerIdStr
+    version: U64
+    shard: U32
+    offset: U32 = 0
+    length: Annotated[int, Field(ge=0, lt=2**31)] = 0  # 0: to the end of the shard
+
+
+class ShardResponseHeader(WireModel):
+    """Sent before the raw bytes of a shard (or instead of them, with an error)."""
+
+    TYPE: ClassVar[str] = "shard_response"
+
+    ok: bool
+    error: ShortStr = ""
+    length: Annotated[int, Field(ge=0, lt=2**31)] = 0
+
+
+class ShardAdvert(WireModel):
+    """Which shards of which version a peer holds (verified) and can serve."""
+
+    TYPE: ClassVar[str] = "shard_advert"
+
+    policy_id: PeerIdStr
+    version: U64
+    complete: bool
+    have: Annotated[bytes, Field(max_length=1 << 17)] = b""  # bitmap, bit i = shard i
+
+
+# Peers -----------------------------------------------------------------------------------
+
+Role = Literal["inference", "trainer", "relay", "verifier"]
+
+
+class Hello(WireModel):
+    TYPE: ClassVar[str] = "hello"
+
+    swarm_id: ShortStr
+    role: Role
+    agent: ShortStr
+    listen_addrs: Annotated[list[Annotated[str, Field(max_length=256)]], Field(max_length=16)] = []
+    policy_id: Annotated[str, Field(max_length=128)] = ""
+    policy_version: Annotated[int, Field(ge=-1, lt=2**63)] = -1
+
+
+class Status(WireModel):
+    TYPE: ClassVar[str] = "status"
+
+    swarm_id: ShortStr
+    role: Role
+    policy_id: Annotated[str, Field(max_length=128)] = ""
+    policy_version: Annotated[int, Field(ge=-1, lt=2**63)] = -1
+    round: U64 = 0
+    peers: U32 = 0
+
+
+class Verdict(WireModel):
+    """A verifier's decision about one rollout. Others treat it as a hint unless they
+    re-verify (the rollout itself is not inside)."""
+
+    TYPE: ClassVar[str] = "verdict"
+
+    rollout_id: Hash32
+    subject: PeerIdStr
+    accept: bool
+    reason: Annotated[str, Field(max_length=64)]
+    policy_version: U64 = 0
+    detail: Annotated[str, Field(max_length=512)] = ""
+
+
+class PayloadAnnounce(WireModel):
+    """A payload too large for gossip: announced by hash and size, pulled over a stream."""
+
+    TYPE: ClassVar[str] = "payload_announce"
+
+    inner_type: Annotated[str, Field(max_length=64)]
+    content_hash: Hash32
+    size: Annotated[int, Field(ge=1, lt=2**40)]
+
+
+MESSAGE_TYPES: dict[str, type[WireModel]] = {
+    cls.TYPE: cls
+    for cls in (RolloutBatch, CheckpointManifest, ShardRequest, ShardResponseHeader,
+                ShardAdvert, Hello, Status, Verdict, PayloadAnnounce)
+}
+
+
+def register_message_type(cls: type[WireModel]) -> type[WireModel]:
+    """Class decorator for message types defined outside this module."""
+    if not cls.TYPE or cls.TYPE in MESSAGE_TYPES:
+        raise ValueError(f"message type {cls.TYPE!r} is empty or already registered")
+    MESSAGE_TYPES[cls.TYPE] = cls
+    return cls

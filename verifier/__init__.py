@@ -1,0 +1,1 @@
+"""Decides whether a rollout is honest: activation-hash proofs, rollout checks, reputation."""

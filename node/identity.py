@@ -7,6 +7,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -59,19 +60,26 @@ class Identity:
     def save(self, path: Path) -> None:
         """Write the key as PKCS8 PEM, created with mode 0600 (never world-readable)."""
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         pem = self.private_key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
             serialization.NoEncryption())
         tmp = path.with_name(path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, KEY_FILE_MODE)
         try:
-            os.fchmod(fd, KEY_FILE_MODE)
-            os.write(fd, pem)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            # O_EXCL after unlinking: never write the key through a planted file or symlink.
+            tmp.unlink(missing_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, KEY_FILE_MODE)
+            try:
+                os.fchmod(fd, KEY_FILE_MODE)
+                view = memoryview(pem)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except OSError as e:
+            raise IdentityError(f"cannot write key file {path}: {e.strerror or e}") from None
 
     @classmethod
     def load(cls, path: Path) -> "Identity":
@@ -92,7 +100,7 @@ class Identity:
             key = serialization.load_pem_private_key(data, password=None)
         except OSError as e:
             raise IdentityError(f"cannot read key file {path}: {e.strerror}") from None
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, UnsupportedAlgorithm) as e:
             raise IdentityError(f"key file {path} is not a valid PEM private key ({e})") from None
         if not isinstance(key, Ed25519PrivateKey):
             raise IdentityError(

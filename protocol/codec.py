@@ -40,7 +40,6 @@ def unpack(data: bytes, *, max_size: int) -> Any:
             strict_map_key=True,
             use_list=True,
             ext_hook=_no_ext,
-            max_buffer_size=max(size, 1),
             max_str_len=size,
             max_bin_len=size,
             max_array_len=size,
@@ -51,7 +50,7 @@ def unpack(data: bytes, *, max_size: int) -> Any:
         raise
     except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError,
             msgpack.StackError, UnicodeDecodeError, OverflowError, RecursionError) as e:
-        raise MalformedMessage(f"invalid msgpack: {e}") from e
+        raise MalformedMessage(f"invalid msgpack: {type(e).__name__}: {e}") from None
     if _depth(value) > MAX_DEPTH:
         raise MalformedMessage(f"nesting deeper than {MAX_DEPTH}")
     return value

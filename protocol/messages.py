@@ -11,7 +11,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .codec import pack, tensor_nbytes, unpack
+from .codec import DTYPE_SIZES, pack, tensor_nbytes, unpack
 from .errors import SchemaViolation
 from .limits import Limits
 
@@ -20,7 +20,10 @@ U32 = Annotated[int, Field(ge=0, lt=2**32)]
 Hash32 = Annotated[bytes, Field(min_length=32, max_length=32)]
 PeerIdStr = Annotated[str, Field(min_length=1, max_length=128)]
 ShortStr = Annotated[str, Field(max_length=128)]
-Scalar = bool | int | float | Annotated[str, Field(max_length=256)]
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+Scalar = bool | int | FiniteFloat | Annotated[str, Field(max_length=256)]
+DTypeName = Literal["float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
+                    "bool"]
 
 
 class WireModel(BaseModel):
@@ -60,8 +63,7 @@ class WireModel(BaseModel):
 class TensorData(WireModel):
     """A dense tensor: dtype name, shape, raw little-endian bytes (C order)."""
 
-    dtype: Literal["float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
-                   "uint8", "bool"]
+    dtype: DTypeName
     shape: Annotated[list[Annotated[int, Field(ge=0, lt=2**31)]], Field(max_length=8)]
     data: bytes
 
@@ -72,6 +74,8 @@ class TensorData(WireModel):
                 f"data is {len(self.data)} bytes but {self.dtype}{self.shape} needs "
                 f"{tensor_nbytes(self.dtype, self.shape)}"
             )
+        if self.dtype == "bool" and self.data.translate(None, b"\x00\x01"):
+            raise ValueError("bool tensor bytes must be 0 or 1")
         return self
 
     @classmethod
@@ -79,8 +83,11 @@ class TensorData(WireModel):
         import numpy as np
 
         array = np.ascontiguousarray(array)
-        dtype = str(array.dtype)
-        return cls(dtype=dtype, shape=list(array.shape), data=array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes())
+        dtype = array.dtype.name
+        if dtype not in DTYPE_SIZES:
+            raise ValueError(f"dtype {dtype} cannot travel; use one of {sorted(DTYPE_SIZES)}")
+        little = array.astype(array.dtype.newbyteorder("<"), copy=False)
+        return cls(dtype=dtype, shape=list(array.shape), data=little.tobytes())
 
     @classmethod
     def from_torch(cls, tensor) -> "TensorData":
@@ -97,13 +104,17 @@ class TensorData(WireModel):
 
         if self.dtype == "bfloat16":
             raise ValueError("numpy has no bfloat16; use to_torch()")
-        return np.frombuffer(self.data, dtype=np.dtype(self.dtype).newbyteorder("<")).reshape(self.shape)
+        little = np.dtype(self.dtype).newbyteorder("<")
+        return np.frombuffer(self.data, dtype=little).reshape(self.shape)
 
     def to_torch(self):
         import torch
 
         if self.dtype == "bfloat16":
-            flat = torch.frombuffer(bytearray(self.data), dtype=torch.int16) if self.data else torch.empty(0, dtype=torch.int16)
+            if self.data:
+                flat = torch.frombuffer(bytearray(self.data), dtype=torch.int16)
+            else:
+                flat = torch.empty(0, dtype=torch.int16)
             return flat.view(torch.bfloat16).reshape(self.shape)
         return torch.from_numpy(self.to_numpy().copy())
 
@@ -140,7 +151,7 @@ class Completion(WireModel):
     logprobs: TensorData
     finish_reason: Literal["eos", "length"]
     seed: U64
-    claimed_reward: float
+    claimed_reward: FiniteFloat
     text: Annotated[str, Field(max_length=262_144)] = ""
     proof: bytes = b""
 

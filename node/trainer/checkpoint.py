@@ -1,0 +1,232 @@
+"""Atomic, versioned checkpoints: one flat directory of files per policy version.
+
+Layout under `root` (the trainer's `<data_dir>/trainer/checkpoints`):
+
+    step-00000007/
+        config.json, generation_config.json, model.safetensors   policy (save_pretrained)
+        tokenizer.json, tokenizer_config.json, ...               tokenizer (save_pretrained)
+        checkpoint.json                                          version, files, sizes
+        trainer_state.safetensors                                optimizer tensors + RNG
+        trainer_state.json                                       optimizer groups, scheduler,
+                                                                 counters, python RNG
+
+The policy files (everything not starting with `trainer_`) form a model directory that
+`load_model(dir)` and the sampler load directly and the broadcaster ships as-is. Nothing is
+ever read with torch.load / pickle: tensors are safetensors, the rest JSON.
+
+Atomicity: files are written into `.tmp-step-...`, each fsync'd, the directory fsync'd, then
+renamed to `step-XXXXXXXX` and the parent fsync'd. A directory named `step-*` is therefore
+always complete; leftovers of a crash (`.tmp-*`, `.trash-*`) are removed on open. Only the
+last `keep` versions stay on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import NodeError
+
+STEP_RE = re.compile(r"^step-(\d{8,})$")
+TRAINER_PREFIX = "trainer_"
+MAX_JSON_BYTES = 16 * 1024 * 1024
+
+
+class CheckpointError(NodeError):
+    """A checkpoint cannot be written or read."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    version: int
+
+    def policy_files(self) -> list[Path]:
+        """Files a sampler or the broadcaster needs (sorted by name; no trainer state)."""
+        return sorted(p for p in self.path.iterdir()
+                      if p.is_file() and not p.name.startswith(TRAINER_PREFIX))
+
+    def all_files(self) -> list[Path]:
+        return sorted(p for p in self.path.iterdir() if p.is_file())
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class CheckpointStore:
+    def __init__(self, root: Path, keep: int = 3):
+        if keep < 1:
+            raise CheckpointError("keep must be >= 1")
+        self.root = Path(root)
+        self.keep = keep
+        self.root.mkdir(parents=True, exist_ok=True)
+        for leftover in self.root.iterdir():
+            if leftover.name.startswith((".tmp-", ".trash-")):
+                shutil.rmtree(leftover, ignore_errors=True)
+
+    def list(self) -> list[Checkpoint]:
+        out = []
+        for p in self.root.iterdir():
+            m = STEP_RE.match(p.name)
+            if m and p.is_dir():
+                out.append(Checkpoint(p, int(m.group(1))))
+        return sorted(out, key=lambda c: c.version)
+
+    def latest(self) -> Checkpoint | None:
+        cks = self.list()
+        return cks[-1] if cks else None
+
+    def save(self, version: int, model, tokenizer, optimizer=None, scheduler=None,
+             state: dict[str, Any] | None = None) -> Checkpoint:
+        """Write version `version` atomically; prune to the last `keep`."""
+        from safetensors.torch import save_file
+
+        target = self.root / f"step-{version:08d}"
+        if target.exists():
+            raise CheckpointError(f"checkpoint {target} already exists")
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step-{version:08d}-", dir=self.root))
+        try:
+            model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            tensors, meta = _trainer_state(optimizer, scheduler)
+            meta["state"] = state or {}
+            meta["version"] = version
+            save_file(tensors, str(tmp / "trainer_state.safetensors"))
+            (tmp / "trainer_state.json").write_text(json.dumps(meta))
+            files = sorted(p for p in tmp.iterdir() if p.is_file())
+            manifest = {"version": version,
+                        "files": [{"name": p.name, "size": p.stat().st_size} for p in files
+                                  if not p.name.startswith(TRAINER_PREFIX)]}
+            (tmp / "checkpoint.json").write_text(json.dumps(manifest, indent=1))
+            for p in tmp.iterdir():
+                if not p.is_file():
+                    raise CheckpointError(f"unexpected non-file {p.name} in checkpoint")
+                _fsync_file(p)
+            _fsync_dir(tmp)
+            os.rename(tmp, target)
+            _fsync_dir(self.root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self._prune()
+        return Checkpoint(target, version)
+
+    def _prune(self) -> None:
+        for ck in self.list()[:-self.keep]:
+            trash = self.root / f".trash-{ck.path.name}"
+            os.rename(ck.path, trash)  # a step-* name is either complete or gone
+            shutil.rmtree(trash, ignore_errors=True)
+        _fsync_dir(self.root)
+
+    def restore(self, ckpt: Checkpoint, optimizer=None, scheduler=None) -> dict[str, Any]:
+        """Load optimizer/scheduler/RNG state from `ckpt` (weights: `load_model(ckpt.path)`).
+
+        Returns the free-form `state` dict saved with it.
+        """
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        meta_path = ckpt.path / "trainer_state.json"
+        try:
+            if meta_path.stat().st_size > MAX_JSON_BYTES:
+                raise CheckpointError(f"{meta_path} is larger than {MAX_JSON_BYTES} bytes")
+            meta = json.loads(meta_path.read_text())
+            tensors = load_file(str(ckpt.path / "trainer_state.safetensors"))
+        except (OSError, ValueError, SafetensorError) as e:
+            raise CheckpointError(f"cannot read trainer state of {ckpt.path}: {e}") from None
+        if meta.get("version") != ckpt.version:
+            raise CheckpointError(f"{meta_path} says version {meta.get('version')}, "
+                                  f"directory says {ckpt.version}")
+        _restore_trainer_state(tensors, meta, optimizer, scheduler)
+        return meta.get("state", {})
+
+
+def _trainer_state(optimizer, scheduler) -> tuple[dict, dict]:
+    import torch
+
+    tensors: dict[str, torch.Tensor] = {"rng.torch": torch.get_rng_state()}
+    meta: dict[str, Any] = {"rng_python": _py_rng_to_json(random.getstate())}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"rng.cuda.{i}"] = s
+    if optimizer is not None:
+        sd = optimizer.state_dict()
+        scalars: dict[str, dict[str, Any]] = {}
+        for idx, st in sd["state"].items():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    tensors[f"optim.{idx}.{k}"] = v.detach().cpu().contiguous()
+                else:
+                    scalars.setdefault(str(idx), {})[k] = v
+        meta["optimizer"] = {"param_groups": sd["param_groups"], "scalars": scalars}
+    if scheduler is not None:
+        meta["scheduler"] = {k: v for k, v in scheduler.state_dict().items()
+                             if _jsonable(v)}
+    return tensors, meta
+
+
+def _restore_trainer_state(tensors, meta, optimizer, scheduler) -> None:
+    import torch
+
+    try:
+        torch.set_rng_state(tensors["rng.torch"])
+        random.setstate(_py_rng_from_json(meta["rng_python"]))
+        if torch.cuda.is_available():
+            states = [tensors[k] for k in sorted(tensors) if k.startswith("rng.cuda.")]
+            if len(states) == torch.cuda.device_count():
+                torch.cuda.set_rng_state_all(states)
+        if optimizer is not None and "optimizer" in meta:
+            state: dict[int, dict[str, Any]] = {}
+            for name, t in tensors.items():
+                if name.startswith("optim."):
+                    _, idx, key = name.split(".", 2)
+                    state.setdefault(int(idx), {})[key] = t
+            for idx, sc in meta["optimizer"]["scalars"].items():
+                state.setdefault(int(idx), {}).update(sc)
+            groups = meta["optimizer"]["param_groups"]
+            for g in groups:
+                if isinstance(g.get("betas"), list):
+                    g["betas"] = tuple(g["betas"])
+            optimizer.load_state_dict({"state": state, "param_groups": groups})
+        if scheduler is not None and "scheduler" in meta:
+            scheduler.load_state_dict({**scheduler.state_dict(), **meta["scheduler"]})
+    except (KeyError, ValueError, TypeError, RuntimeError) as e:
+        raise CheckpointError(f"trainer state does not fit this trainer: {e}") from None
+
+
+def _jsonable(v: Any) -> bool:
+    try:
+        json.dumps(v)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def _py_rng_to_json(state) -> list:
+    version, internal, gauss = state
+    return [version, list(internal), gauss]
+
+
+def _py_rng_from_json(data) -> tuple:
+    version, internal, gauss = data
+    return (version, tuple(internal), gauss)

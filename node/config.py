@@ -116,16 +116,41 @@ class VerifierSection(Section):
 
 
 class BroadcastSection(Section):
-    shard_size: int = Field(4 * 1024 * 1024, ge=4096)
-    """Bytes per checkpoint shard."""
+    shard_size: int = Field(4 * 1024 * 1024, ge=4096, le=1 << 30)
+    """Bytes per checkpoint shard (the trainer's choice; followers accept any size within
+    [min_shard_size, max_shard_size])."""
+    min_shard_size: int = Field(64 * 1024, ge=4096)
+    """Smallest shard size accepted in a peer's manifest."""
+    max_shard_size: int = Field(64 * 1024 * 1024, ge=4096, le=1 << 30)
+    """Largest shard size accepted in a peer's manifest (also the largest request served)."""
+    max_checkpoint_bytes: int = Field(256 * 1024**3, ge=4096)
+    """Largest checkpoint accepted in a peer's manifest."""
     keep_versions: int = Field(3, ge=1)
-    """Checkpoint versions to keep for serving."""
+    """Complete checkpoint versions to keep (and serve) per policy; older ones are deleted."""
     max_uploads_per_peer: int = Field(4, ge=1)
-    """Concurrent shard uploads to one peer."""
+    """Concurrent shard uploads to one peer; more are answered `busy` at once."""
     max_uploads_total: int = Field(32, ge=1)
-    """Concurrent shard uploads in total."""
-    parallel_downloads: int = Field(4, ge=1)
+    """Concurrent shard uploads in total; more are answered `busy` at once."""
+    upload_rate_mib_s: float = Field(0.0, ge=0)
+    """Cap on this node's total upload rate in MiB/s (0: unlimited)."""
+    parallel_downloads: int = Field(4, ge=1, le=256)
     """Shards fetched at once."""
+    per_source_downloads: int = Field(2, ge=1)
+    """Shards fetched at once from one source."""
+    chunk_size: int = Field(1024 * 1024, ge=4096, le=16 * 1024 * 1024)
+    """Bytes per read/write when streaming a shard (bounds memory per transfer)."""
+    request_timeout_s: float = Field(10.0, gt=0)
+    """Time allowed to open a stream, send a request and read the response header."""
+    chunk_timeout_s: float = Field(10.0, gt=0)
+    """A transfer that delivers no bytes for this long is abandoned and retried elsewhere."""
+    stall_timeout_s: float = Field(120.0, gt=0)
+    """A download with no verified shard and no usable source for this long fails."""
+    max_corrupt_per_source: int = Field(1, ge=1)
+    """Corrupt shards after which a source is no longer used for this version."""
+    advert_interval_s: float = Field(0.5, gt=0)
+    """Minimum time between two holdings adverts (ShardAdvert) while shards arrive."""
+    relay_keep_versions: int = Field(2, ge=1)
+    """Versions a relay keeps per trainer."""
 
 
 class P2PSection(Section):
@@ -137,6 +162,44 @@ class P2PSection(Section):
     """Connections to keep open."""
     request_timeout_s: float = Field(30.0, gt=0)
     """Per-request timeout on stream protocols."""
+    dial_timeout_s: float = Field(10.0, gt=0)
+    """Timeout of one dial attempt (TCP connect + Noise + Yamux negotiation)."""
+    discovery_interval_s: float = Field(5.0, gt=0)
+    """Seconds between peer-exchange rounds (learn peers, redial lost ones)."""
+    reconnect_max_backoff_s: float = Field(60.0, gt=0)
+    """Upper bound of the exponential backoff between redials of one peer."""
+    mesh_degree: int = Field(6, ge=1)
+    """GossipSub D: mesh peers per topic."""
+    mesh_degree_low: int = Field(4, ge=1)
+    """GossipSub D_low: graft more peers below this."""
+    mesh_degree_high: int = Field(12, ge=1)
+    """GossipSub D_high: prune peers above this."""
+    heartbeat_interval_s: int = Field(1, ge=1)
+    """GossipSub heartbeat (mesh maintenance and IHAVE gossip), seconds."""
+    max_messages_per_second: int = Field(1000, ge=1)
+    """Per peer and topic; above it GossipSub drops (py-libp2p's default of 10 loses rollouts)."""
+    outbound_queue: int = Field(2048, ge=32)
+    """Slots of the per-peer outbound RPC queue (py-libp2p default: 32, then drops)."""
+    publish_high_water: int = Field(512, ge=1)
+    """`publish` waits while any peer's outbound queue holds more RPCs than this."""
+    publish_timeout_s: float = Field(60.0, gt=0)
+    """How long `publish` waits for queue capacity before raising PublishError(queue_full)."""
+    mesh_wait_s: float = Field(10.0, ge=0)
+    """How long a publish waits for the topic's mesh to form (counted as publish_no_mesh after)."""
+    subscription_queue: int = Field(8192, ge=32)
+    """Messages buffered per subscribed topic between libp2p and the handler (drops counted)."""
+    max_request_bytes: int = Field(1024 * 1024, ge=1024)
+    """Largest request body a request handler accepts."""
+    max_response_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    """Largest response body `request` accepts (and a handler may return)."""
+    max_requests_per_peer: int = Field(8, ge=1)
+    """Requests from one peer handled at once (more are answered `busy`)."""
+    max_streams_per_peer: int = Field(16, ge=1)
+    """Raw inbound streams from one peer handled at once (more are reset)."""
+    payload_cache_bytes: int = Field(256 * 1024 * 1024, ge=0)
+    """Announced large payloads kept for peers to pull (oldest evicted first)."""
+    payload_fetch_parallel: int = Field(4, ge=1)
+    """Announced payloads pulled at once."""
 
 
 class LimitsSection(Section):

@@ -1,0 +1,157 @@
+"""Fetches the missing shards of one version from several sources in parallel.
+
+Each shard is streamed to disk while it is hashed (memory: one chunk per transfer), and
+kept only if its BLAKE3 matches the signed manifest. A bad shard is re-fetched from another
+source and the sender is penalised (`SourceBook.corrupt`); a failed or stalled transfer is
+retried elsewhere. Shards already verified on disk (after a restart) are never fetched
+again. When every shard verified, the store assembles the checkpoint and checks the whole
+hash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+from ...protocol.messages import ShardRequest
+from .errors import DownloadFailed, ShardFetchError, StoreError
+from .progress import Progress
+from .sources import SourceBook
+from .store import ShardStore, VersionEntry
+from .wire import ShardTransport, fetch
+
+log = logging.getLogger(__name__)
+IDLE_POLL_S = 0.05
+
+
+class Downloader:
+    def __init__(self, store: ShardStore, entry: VersionEntry, transport: ShardTransport,
+                 book: SourceBook, cfg, *, on_shard: Callable[[int], None] | None = None,
+                 progress: Progress | None = None):
+        self.store, self.entry, self.transport, self.book, self.cfg = (
+            store, entry, transport, book, cfg)
+        self.on_shard = on_shard
+        self.progress = progress
+        self.in_flight: set[int] = set()
+        self.tried: dict[int, set[str]] = {}  # sources that failed a shard (this round)
+        self.metrics: Counter[str] = Counter()
+        self.last_progress = time.monotonic()
+        n = entry.manifest.num_shards
+        start = random.randrange(n)  # different peers start at different shards
+        self.order = [(start + i) % n for i in range(n)]
+        self.changed = asyncio.Event()
+
+    # Public --------------------------------------------------------------------------
+
+    def sources_changed(self) -> None:
+        """Call after `book.add(...)` so idle workers look again."""
+        self.changed.set()
+
+    async def run(self) -> Path:
+        m = self.entry.manifest
+        self.metrics["shards_resumed"] = len(self.entry.have)
+        if self.progress is not None:
+            self.progress.advance(sum(self.entry.shard_len(i) for i in self.entry.have))
+        workers = [asyncio.create_task(self._worker()) for _ in range(self.cfg.parallel_downloads)]
+        try:
+            await asyncio.gather(*workers)
+        finally:
+            for w in workers:
+                w.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+        try:
+            path = await asyncio.to_thread(self.store.assemble, self.entry)
+        except StoreError as e:
+            if self.progress is not None:
+                self.progress.close(ok=False)
+            raise DownloadFailed(str(e), reason=e.reason) from e
+        if self.progress is not None:
+            self.progress.close(ok=True)
+        log.info("policy %s v%d complete: %d shards, sources %s", m.policy_id, m.version,
+                 m.num_shards, self.book.summary())
+        return path
+
+    # Workers -------------------------------------------------------------------------
+
+    def _next_job(self) -> tuple[int, str] | None:
+        for shard in self.order:
+            if shard in self.in_flight or self.entry.has(shard):
+                continue
+            tried = self.tried.setdefault(shard, set())
+            peer = self.book.pick(shard, tried)
+            if peer is None and tried and self.book.holders(shard, tried) == 0:
+                tried.clear()  # every holder failed it once: let them try again
+                peer = self.book.pick(shard)
+            if peer is not None:
+                return shard, peer
+        return None
+
+    async def _worker(self) -> None:
+        while self.entry.missing():
+            job = self._next_job()
+            if job is None:
+                if time.monotonic() - self.last_progress > self.cfg.stall_timeout_s:
+                    raise DownloadFailed(
+                        f"no shard verified for {self.cfg.stall_timeout_s:.0f}s; "
+                        f"{len(self.entry.missing())} missing; sources {self.book.summary()}",
+                        reason="stalled")
+                self.changed.clear()
+                try:
+                    await asyncio.wait_for(self.changed.wait(), IDLE_POLL_S)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            shard, peer = job
+            self.in_flight.add(shard)
+            self.book.started(peer)
+            try:
+                await self._fetch(shard, peer)
+            finally:
+                self.in_flight.discard(shard)
+                self.book.finished(peer)
+                self.changed.set()
+
+    async def _fetch(self, shard: int, peer: str) -> None:
+        m, cfg = self.entry.manifest, self.cfg
+        size = self.entry.shard_len(shard)
+        req = ShardRequest(policy_id=m.policy_id, version=m.version, shard=shard)
+        writer = self.store.begin_shard(self.entry, shard)
+        t0 = time.monotonic()
+        try:
+            async for data in fetch(self.transport, peer, req, expected_len=size,
+                                    request_timeout=cfg.request_timeout_s,
+                                    chunk_timeout=cfg.chunk_timeout_s,
+                                    chunk_size=cfg.chunk_size):
+                writer.write(data)
+                self.metrics["bytes_fetched"] += len(data)
+        except (ShardFetchError, StoreError) as e:
+            writer.abort()
+            self.metrics[f"fail_{e.reason}"] += 1
+            self.metrics["bytes_wasted"] += writer.received
+            self.tried.setdefault(shard, set()).add(peer)
+            self.book.failure(peer, e.reason, shard)
+            log.debug("shard %d from %s failed: %s", shard, peer, e)
+            return
+        except BaseException:
+            writer.abort()
+            raise
+        if not await asyncio.to_thread(writer.commit):
+            self.metrics["shards_corrupt"] += 1
+            self.metrics["bytes_corrupt"] += writer.received
+            self.tried.setdefault(shard, set()).add(peer)
+            self.book.corrupt(peer)
+            log.warning("shard %d from %s does not match its hash: source penalised",
+                        shard, peer)
+            return
+        self.metrics["shards_ok"] += 1
+        self.last_progress = time.monotonic()
+        self.book.success(peer, size, time.monotonic() - t0)
+        if self.progress is not None:
+            self.progress.advance(size)
+        if self.on_shard is not None:
+            self.on_shard(shard)

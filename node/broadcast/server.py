@@ -1,0 +1,109 @@
+"""Serves verified shards over the shard protocol (wire.py), with limits.
+
+Every request gets an answer or a closed stream, never a hang: a malformed request gets
+`bad_request`, a shard not held (or not yet verified) `unknown_shard`, a range outside the
+shard `bad_range`, and a request over the concurrency limits `busy` at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+
+from ...protocol.errors import ProtocolError
+from ...protocol.messages import ShardRequest, ShardResponseHeader
+from .errors import BroadcastError
+from .store import ShardStore
+from .wire import ByteStream, read_frame, write_frame
+
+log = logging.getLogger(__name__)
+
+
+class RateLimiter:
+    """Token bucket over bytes; rate 0 means unlimited."""
+
+    def __init__(self, rate_bytes_s: float, burst_s: float = 0.25):
+        self.rate = rate_bytes_s
+        self.capacity = rate_bytes_s * burst_s
+        self.tokens = self.capacity
+        self.last = time.monotonic()
+
+    async def acquire(self, n: int) -> None:
+        if self.rate <= 0:
+            return
+        now = time.monotonic()
+        self.tokens = min(self.capacity, self.tokens + (now - self.last) * self.rate)
+        self.last = now
+        self.tokens -= n
+        if self.tokens < 0:
+            await asyncio.sleep(-self.tokens / self.rate)
+
+
+class ShardServer:
+    def __init__(self, store: ShardStore, cfg):
+        self.store = store
+        self.cfg = cfg
+        self.active: Counter[str] = Counter()
+        self.active_total = 0
+        self.limiter = RateLimiter(cfg.upload_rate_mib_s * 2**20)
+        self.metrics: Counter[str] = Counter()
+
+    async def handle(self, peer: str, stream: ByteStream) -> None:
+        """One request on one stream (a `set_stream_handler` handler)."""
+        try:
+            await self._handle(peer, stream)
+        except Exception as e:  # noqa: BLE001 - a broken peer stream must not kill the node
+            self.metrics["aborted"] += 1
+            log.debug("shard upload to %s aborted: %r", peer, e)
+        finally:
+            try:
+                await asyncio.wait_for(stream.close(), 2.0)
+            except Exception:  # noqa: BLE001 - already broken
+                pass
+
+    async def _error(self, stream: ByteStream, code: str) -> None:
+        self.metrics[f"error_{code}"] += 1
+        await write_frame(stream, ShardResponseHeader(ok=False, error=code).encode())
+
+    async def _handle(self, peer: str, stream: ByteStream) -> None:
+        try:
+            raw = await asyncio.wait_for(read_frame(stream), self.cfg.request_timeout_s)
+            req = ShardRequest.decode(raw)
+        except (ProtocolError, BroadcastError):
+            return await self._error(stream, "bad_request")
+        self.metrics["requests"] += 1
+        entry = self.store.get(req.policy_id, req.version)
+        if entry is None or req.shard >= entry.manifest.num_shards or not entry.has(req.shard):
+            return await self._error(stream, "unknown_shard")
+        size = entry.shard_len(req.shard)
+        length = size - req.offset if req.length == 0 else req.length
+        if req.offset > size or length <= 0 or req.offset + length > size \
+                or length > self.cfg.max_shard_size:
+            return await self._error(stream, "bad_range")
+        if (self.active[peer] >= self.cfg.max_uploads_per_peer
+                or self.active_total >= self.cfg.max_uploads_total):
+            return await self._error(stream, "busy")
+        self.active[peer] += 1
+        self.active_total += 1
+        try:
+            chunks = self.store.read_shard(entry, req.shard, req.offset, length,
+                                           self.cfg.chunk_size)
+            try:
+                first = next(chunks)  # open the file before promising the bytes
+            except (OSError, BroadcastError, StopIteration):
+                return await self._error(stream, "unknown_shard")
+            await write_frame(stream, ShardResponseHeader(ok=True, length=length).encode())
+            data = first
+            while data is not None:
+                await self.limiter.acquire(len(data))
+                await stream.write(data)
+                self.metrics["bytes_sent"] += len(data)
+                data = next(chunks, None)
+            self.metrics["shards_sent"] += 1
+        finally:
+            self.active[peer] -= 1
+            if self.active[peer] <= 0:
+                del self.active[peer]
+            self.active_total -= 1

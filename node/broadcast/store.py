@@ -1,0 +1,356 @@
+"""On-disk shard store, one directory per (policy, version).
+
+    <root>/<policy_id>/<version:012d>/
+        manifest.env           the trainer's signed manifest envelope, as received
+        shards/<i:08d>.bin     verified shards (a `.part-*` file until its hash matched)
+        checkpoint/            the assembled checkpoint, once every shard and the whole
+                               hash verified (the shard files are then deleted)
+        COMPLETE               marker written after `checkpoint/` is in place
+
+Shards are streamed to disk with bounded memory and renamed into place only after their
+BLAKE3 hash matched, so after a restart the store re-hashes what is on disk and resumes from
+the verified shards. Only verified shards and complete checkpoints are ever served.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import blake3
+
+from ...protocol.envelope import open_envelope
+from ...protocol.errors import ProtocolError
+from ...protocol.messages import CheckpointManifest, ShardAdvert
+from .errors import StoreError
+from .manifest import READ_CHUNK, AcceptedManifest, iter_range
+
+log = logging.getLogger(__name__)
+
+POLICY_DIR = re.compile(r"^[A-Za-z0-9]{1,128}$")
+MANIFEST_FILE = "manifest.env"
+COMPLETE_FILE = "COMPLETE"
+
+
+@dataclass
+class VersionEntry:
+    """One (policy, version) in the store: its manifest and which shards are verified."""
+
+    manifest: CheckpointManifest
+    envelope: bytes
+    path: Path
+    have: set[int] = field(default_factory=set)
+    complete: bool = False
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.manifest.policy_id, self.manifest.version
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.path / "checkpoint"
+
+    @property
+    def shards_dir(self) -> Path:
+        return self.path / "shards"
+
+    def shard_path(self, index: int) -> Path:
+        return self.shards_dir / f"{index:08d}.bin"
+
+    def shard_len(self, index: int) -> int:
+        start, end = self.manifest.shard_range(index)
+        return end - start
+
+    def has(self, index: int) -> bool:
+        return self.complete or index in self.have
+
+    def missing(self) -> list[int]:
+        if self.complete:
+            return []
+        return [i for i in range(self.manifest.num_shards) if i not in self.have]
+
+    def bitmap(self) -> bytes:
+        n = self.manifest.num_shards
+        bits = bytearray((n + 7) // 8)
+        for i in range(n) if self.complete else self.have:
+            bits[i // 8] |= 1 << (i % 8)
+        return bytes(bits)
+
+    def advert(self) -> ShardAdvert:
+        return ShardAdvert(policy_id=self.manifest.policy_id, version=self.manifest.version,
+                           complete=self.complete, have=b"" if self.complete else self.bitmap())
+
+
+def advert_shards(advert: ShardAdvert, num_shards: int) -> set[int] | None:
+    """Shard indices an advert claims (None: all of them)."""
+    if advert.complete:
+        return None
+    return {i for i in range(min(num_shards, len(advert.have) * 8))
+            if advert.have[i // 8] >> (i % 8) & 1}
+
+
+class ShardWriter:
+    """Streams one shard to a `.part` file, hashing as it goes; `commit` renames it into
+    place only if the length and hash match."""
+
+    def __init__(self, entry: VersionEntry, index: int):
+        self.entry, self.index = entry, index
+        self.expected_len = entry.shard_len(index)
+        entry.shards_dir.mkdir(parents=True, exist_ok=True)
+        self.part = entry.shards_dir / f"{index:08d}.part-{secrets.token_hex(4)}"
+        self._f = open(self.part, "wb")
+        self._h = blake3.blake3()
+        self.received = 0
+
+    def write(self, data: bytes) -> None:
+        if self.received + len(data) > self.expected_len:
+            raise StoreError(f"shard {self.index}: more than {self.expected_len} bytes",
+                             reason="too_long")
+        self._h.update(data)
+        self._f.write(data)
+        self.received += len(data)
+
+    def commit(self) -> bool:
+        """True: verified and in place. False: wrong hash or length (the data is deleted)."""
+        self._f.close()
+        ok = (self.received == self.expected_len
+              and self._h.digest() == self.entry.manifest.shard_hashes[self.index])
+        if not ok:
+            self.part.unlink(missing_ok=True)
+            return False
+        try:
+            os.replace(self.part, self.entry.shard_path(self.index))
+        except OSError as e:  # the version was pruned meanwhile
+            self.part.unlink(missing_ok=True)
+            raise StoreError(f"shard {self.index}: {e}") from e
+        self.entry.have.add(self.index)
+        return True
+
+    def abort(self) -> None:
+        self._f.close()
+        self.part.unlink(missing_ok=True)
+
+
+def _hash_file(path: Path) -> bytes:
+    h = blake3.blake3()
+    with open(path, "rb") as f:
+        while data := f.read(READ_CHUNK):
+            h.update(data)
+    return h.digest()
+
+
+class ShardStore:
+    """All versions this node holds. Blocking file work: call the heavy methods (`load`,
+    `open_version`, `add_checkpoint`, `assemble`) in a thread."""
+
+    def __init__(self, root: Path, keep_versions: int = 3):
+        self.root = Path(root)
+        self.keep_versions = keep_versions
+        self.entries: dict[tuple[str, int], VersionEntry] = {}
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    # Lookup --------------------------------------------------------------------------
+
+    def get(self, policy_id: str, version: int) -> VersionEntry | None:
+        return self.entries.get((policy_id, version))
+
+    def current_version(self, policy_id: str) -> int:
+        """Newest complete version of `policy_id`, -1 if none."""
+        done = [v for (p, v), e in self.entries.items() if p == policy_id and e.complete]
+        return max(done, default=-1)
+
+    def latest_complete(self, policy_id: str) -> VersionEntry | None:
+        v = self.current_version(policy_id)
+        return self.entries.get((policy_id, v)) if v >= 0 else None
+
+    def _version_dir(self, policy_id: str, version: int) -> Path:
+        if not POLICY_DIR.match(policy_id):
+            raise StoreError(f"policy id {policy_id[:64]!r} is not a valid directory name")
+        return self.root / policy_id / f"{version:012d}"
+
+    # Opening and resuming ------------------------------------------------------------
+
+    def load(self) -> list[VersionEntry]:
+        """Rediscover versions on disk after a restart (re-verifying every shard found)."""
+        found = []
+        for mf in sorted(self.root.glob(f"*/*/{MANIFEST_FILE}")):
+            try:
+                env = open_envelope(mf.read_bytes(), expected_type=CheckpointManifest.TYPE,
+                                    max_skew_s=None)
+            except (OSError, ProtocolError) as e:
+                log.warning("ignoring %s: %s", mf, e)
+                continue
+            m = env.message
+            if mf.parent != self._version_dir(m.policy_id, m.version):
+                log.warning("ignoring %s: does not match its manifest", mf)
+                continue
+            found.append(self._open(AcceptedManifest(m, mf.read_bytes(), env.sender)))
+        return found
+
+    def open_version(self, accepted: AcceptedManifest) -> VersionEntry:
+        """The entry for an accepted manifest, created or resumed from disk."""
+        entry = self.entries.get((accepted.manifest.policy_id, accepted.manifest.version))
+        return entry if entry is not None else self._open(accepted)
+
+    def _open(self, accepted: AcceptedManifest) -> VersionEntry:
+        m = accepted.manifest
+        path = self._version_dir(m.policy_id, m.version)
+        path.mkdir(parents=True, exist_ok=True)
+        mf = path / MANIFEST_FILE
+        if not mf.exists() or mf.read_bytes() != accepted.envelope:
+            tmp = path / (MANIFEST_FILE + ".tmp")
+            tmp.write_bytes(accepted.envelope)
+            os.replace(tmp, mf)
+        entry = VersionEntry(m, accepted.envelope, path)
+        if (path / COMPLETE_FILE).exists() and entry.checkpoint_dir.is_dir():
+            entry.complete = True
+        else:
+            shutil.rmtree(entry.checkpoint_dir, ignore_errors=True)
+            self._rescan(entry)
+        self.entries[entry.key] = entry
+        return entry
+
+    def _rescan(self, entry: VersionEntry) -> None:
+        if not entry.shards_dir.is_dir():
+            return
+        for p in entry.shards_dir.iterdir():
+            if ".part-" in p.name:
+                p.unlink(missing_ok=True)
+                continue
+            try:
+                index = int(p.name.removesuffix(".bin"))
+            except ValueError:
+                continue
+            if (0 <= index < entry.manifest.num_shards
+                    and p.stat().st_size == entry.shard_len(index)
+                    and _hash_file(p) == entry.manifest.shard_hashes[index]):
+                entry.have.add(index)
+            else:
+                log.warning("dropping shard %s: does not verify", p)
+                p.unlink(missing_ok=True)
+
+    def add_checkpoint(self, accepted: AcceptedManifest, ckpt_dir: Path) -> VersionEntry:
+        """The origin's own checkpoint: linked (or copied) into the store, complete."""
+        entry = self.open_version(accepted)
+        if entry.complete:
+            return entry
+        tmp = entry.path / "checkpoint.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        for f in entry.manifest.files:
+            src, dst = Path(ckpt_dir) / f.name, tmp / f.name
+            try:
+                os.link(src, dst)
+            except OSError:
+                shutil.copyfile(src, dst)
+            if dst.stat().st_size != f.size:
+                raise StoreError(f"{src}: size changed since the manifest was built")
+        os.replace(tmp, entry.checkpoint_dir)
+        (entry.path / COMPLETE_FILE).touch()
+        entry.complete = True
+        shutil.rmtree(entry.shards_dir, ignore_errors=True)
+        entry.have.clear()
+        return entry
+
+    # Writing, reading, assembling ----------------------------------------------------
+
+    def begin_shard(self, entry: VersionEntry, index: int) -> ShardWriter:
+        return ShardWriter(entry, index)
+
+    def read_shard(self, entry: VersionEntry, index: int, offset: int = 0,
+                   length: int = 0, chunk: int = READ_CHUNK) -> Iterator[bytes]:
+        """Verified bytes of shard `index` from `offset` (length 0: to the shard's end)."""
+        size = entry.shard_len(index)
+        end = size if length == 0 else offset + length
+        if entry.complete:
+            start, _ = entry.manifest.shard_range(index)
+            return iter_range(entry.checkpoint_dir, entry.manifest.files, start + offset,
+                              start + end, chunk)
+        return _read_file(entry.shard_path(index), offset, end - offset, chunk)
+
+    def assemble(self, entry: VersionEntry) -> Path:
+        """Concatenate the verified shards into the checkpoint files, checking the whole hash.
+
+        Raises StoreError(reason="checkpoint_hash_mismatch") and deletes the version if the
+        shards verify but the whole does not (an inconsistent manifest).
+        """
+        if entry.complete:
+            return entry.checkpoint_dir
+        if entry.missing():
+            raise StoreError(f"{len(entry.missing())} shards missing", reason="incomplete")
+        m = entry.manifest
+        tmp = entry.path / "checkpoint.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        whole = blake3.blake3()
+        pieces = self._shard_stream(entry)
+        carry = b""
+        for f in m.files:
+            left = f.size
+            with open(tmp / f.name, "wb") as out:
+                while left > 0:
+                    if not carry:
+                        carry = next(pieces)
+                    take, carry = carry[:left], carry[left:]
+                    out.write(take)
+                    whole.update(take)
+                    left -= len(take)
+        if whole.digest() != m.checkpoint_hash:
+            self.remove(entry)
+            raise StoreError(f"{m.policy_id} v{m.version}: whole-checkpoint hash mismatch",
+                             reason="checkpoint_hash_mismatch")
+        os.replace(tmp, entry.checkpoint_dir)
+        (entry.path / COMPLETE_FILE).touch()
+        entry.complete = True
+        shutil.rmtree(entry.shards_dir, ignore_errors=True)
+        entry.have.clear()
+        return entry.checkpoint_dir
+
+    def _shard_stream(self, entry: VersionEntry) -> Iterator[bytes]:
+        for i in range(entry.manifest.num_shards):
+            yield from _read_file(entry.shard_path(i), 0, entry.shard_len(i), READ_CHUNK)
+
+    # Retention -----------------------------------------------------------------------
+
+    def remove(self, entry: VersionEntry) -> None:
+        self.entries.pop(entry.key, None)
+        entry.complete = False
+        entry.have.clear()
+        shutil.rmtree(entry.path, ignore_errors=True)
+
+    def prune(self, policy_id: str, keep: int | None = None) -> list[int]:
+        """Keep the newest `keep` complete versions of a policy (and any incomplete version
+        newer than the newest complete one); delete the rest. Returns deleted versions."""
+        keep = self.keep_versions if keep is None else keep
+        mine = sorted((e for (p, _), e in self.entries.items() if p == policy_id),
+                      key=lambda e: e.manifest.version, reverse=True)
+        complete = [e for e in mine if e.complete]
+        newest = complete[0].manifest.version if complete else -1
+        kept = {id(e) for e in complete[:keep]}
+        dropped = []
+        for e in mine:
+            if id(e) in kept or (not e.complete and e.manifest.version > newest):
+                continue
+            self.remove(e)
+            dropped.append(e.manifest.version)
+        return dropped
+
+    def adverts(self) -> list[ShardAdvert]:
+        return [e.advert() for e in self.entries.values() if e.complete or e.have]
+
+
+def _read_file(path: Path, offset: int, length: int, chunk: int) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        while length > 0:
+            data = f.read(min(chunk, length))
+            if not data:
+                raise StoreError(f"{path}: shorter than expected")
+            length -= len(data)
+            yield data

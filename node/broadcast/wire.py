@@ -1,0 +1,100 @@
+"""The shard protocol (`SHARD_PROTOCOL`, one request per stream).
+
+    client -> server: u32 big-endian length + ShardRequest (msgpack, <= 1 KiB)
+    server -> client: u32 big-endian length + ShardResponseHeader (msgpack, <= 1 KiB)
+                      then, if ok, exactly `length` raw bytes; then the stream is closed.
+
+Error codes in the header: bad_request, bad_range, unknown_shard, busy, internal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from ...protocol.errors import ProtocolError
+from ...protocol.limits import Limits
+from ...protocol.messages import ShardRequest, ShardResponseHeader
+from .errors import ShardFetchError
+
+FRAME_HEADER = struct.Struct(">I")
+MAX_CONTROL_FRAME = 1024
+
+
+class ByteStream(Protocol):
+    """What the shard protocol needs from a stream (libp2p, TCP or in-memory)."""
+
+    async def read(self, n: int) -> bytes: ...  # b"" at end of stream
+    async def readexactly(self, n: int) -> bytes: ...
+    async def write(self, data: bytes) -> None: ...
+    async def close(self) -> None: ...
+
+
+class ShardTransport(Protocol):
+    """Opens a stream to a peer's shard server."""
+
+    async def open(self, peer: str) -> ByteStream: ...
+
+
+async def write_frame(stream: ByteStream, payload: bytes) -> None:
+    await stream.write(FRAME_HEADER.pack(len(payload)) + payload)
+
+
+async def read_frame(stream: ByteStream, max_size: int = MAX_CONTROL_FRAME) -> bytes:
+    (n,) = FRAME_HEADER.unpack(await stream.readexactly(FRAME_HEADER.size))
+    if n > max_size:
+        raise ShardFetchError(f"frame of {n} bytes exceeds {max_size}", reason="bad_frame")
+    return await stream.readexactly(n)
+
+
+async def fetch(transport: ShardTransport, peer: str, request: ShardRequest, *,
+                expected_len: int, request_timeout: float, chunk_timeout: float,
+                chunk_size: int) -> AsyncIterator[bytes]:
+    """Stream the bytes of one shard request from `peer`. Any failure is a ShardFetchError
+    whose reason names it (open_failed, timeout, short_read, bad_header, or the server's
+    error code); the stream is always closed."""
+    try:
+        stream = await asyncio.wait_for(transport.open(peer), request_timeout)
+    except (OSError, asyncio.TimeoutError, ConnectionError, ShardFetchError) as e:
+        raise ShardFetchError(f"{peer}: cannot open stream: {e!r}", reason="open_failed") from e
+    except Exception as e:  # noqa: BLE001 - transports raise their own types; count, retry
+        raise ShardFetchError(f"{peer}: cannot open stream: {e!r}", reason="open_failed") from e
+    try:
+        try:
+            await asyncio.wait_for(write_frame(stream, request.encode()), request_timeout)
+            raw = await asyncio.wait_for(read_frame(stream), request_timeout)
+            header = ShardResponseHeader.decode(raw, max_size=Limits().max_for("shard_response"))
+        except asyncio.TimeoutError as e:
+            raise ShardFetchError(f"{peer}: no response header", reason="timeout") from e
+        except ProtocolError as e:
+            raise ShardFetchError(f"{peer}: bad response header: {e}", reason="bad_header") from e
+        except ShardFetchError:
+            raise
+        except Exception as e:  # noqa: BLE001 - stream reset, EOF: a failed transfer
+            raise ShardFetchError(f"{peer}: {e!r}", reason="short_read") from e
+        if not header.ok:
+            raise ShardFetchError(f"{peer}: {header.error}", reason=header.error or "refused")
+        if header.length != expected_len:
+            raise ShardFetchError(f"{peer}: announces {header.length} bytes, expected "
+                                  f"{expected_len}", reason="bad_header")
+        left = header.length
+        while left > 0:
+            try:
+                data = await asyncio.wait_for(stream.read(min(chunk_size, left)), chunk_timeout)
+            except asyncio.TimeoutError as e:
+                raise ShardFetchError(f"{peer}: stalled with {left} bytes left",
+                                      reason="timeout") from e
+            except Exception as e:  # noqa: BLE001 - stream reset mid-transfer
+                raise ShardFetchError(f"{peer}: {e!r}", reason="short_read") from e
+            if not data:
+                raise ShardFetchError(f"{peer}: stream ended with {left} bytes left",
+                                      reason="short_read")
+            left -= len(data)
+            yield data
+    finally:
+        try:
+            await asyncio.wait_for(stream.close(), 2.0)
+        except Exception:  # noqa: BLE001 - closing a broken stream may fail; nothing to do
+            pass

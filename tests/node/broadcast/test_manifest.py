@@ -1,0 +1,134 @@
+"""Manifest building and the acceptance gate, with real keys and real signatures."""
+
+from __future__ import annotations
+
+import blake3
+import pytest
+
+from swarm_node.node.broadcast.errors import BroadcastError, ManifestRejected
+from swarm_node.node.broadcast.manifest import ManifestGate, build_manifest, iter_range
+from swarm_node.node.identity import Identity
+from swarm_node.protocol.codec import pack, unpack
+from swarm_node.protocol.messages import CheckpointManifest
+
+from .conftest import publish
+
+
+def gate(follow, have=-1, **kw):
+    args = dict(min_shard_size=4096, max_shard_size=1 << 24, max_checkpoint_bytes=1 << 30)
+    args.update(kw)
+    return ManifestGate(follow, current_version=lambda policy: have, **args)
+
+
+def test_manifest_hashes_every_shard_and_the_whole(ckpt, trainer):
+    m = build_manifest(ckpt, policy_id=trainer.peer_id, version=1, shard_size=64 * 1024)
+    blob = b"".join((ckpt / f.name).read_bytes() for f in m.files)
+    assert [f.name for f in m.files] == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert m.total_size == len(blob)
+    assert m.num_shards == -(-len(blob) // (64 * 1024))
+    for i, h in enumerate(m.shard_hashes):
+        start, end = m.shard_range(i)
+        assert h == blake3.blake3(blob[start:end]).digest()
+    assert m.checkpoint_hash == blake3.blake3(blob).digest()
+
+
+def test_iter_range_crosses_file_boundaries(ckpt, trainer):
+    m = build_manifest(ckpt, policy_id=trainer.peer_id, version=1, shard_size=64 * 1024)
+    blob = b"".join((ckpt / f.name).read_bytes() for f in m.files)
+    for start, end in [(0, 1), (1000, 1300), (1234 - 5, 1234 + 5), (0, len(blob)),
+                       (len(blob) - 3, len(blob))]:
+        assert b"".join(iter_range(ckpt, m.files, start, end, chunk=100)) == blob[start:end]
+
+
+def test_subdirectories_are_refused(ckpt, trainer):
+    (ckpt / "sub").mkdir()
+    with pytest.raises(BroadcastError):
+        build_manifest(ckpt, policy_id=trainer.peer_id, version=1, shard_size=4096)
+
+
+def test_followed_trainer_newer_version_accepted(ckpt, trainer):
+    acc = publish(trainer, ckpt, 3, 64 * 1024)
+    got = gate([trainer.peer_id], have=2).check_bytes(acc.envelope)
+    assert got.manifest == acc.manifest and got.sender == trainer.peer_id
+    assert got.envelope == acc.envelope
+
+
+def reject_reason(g: ManifestGate, data: bytes) -> str:
+    with pytest.raises(ManifestRejected) as e:
+        g.check_bytes(data)
+    assert g.rejected[e.value.reason] >= 1
+    return e.value.reason
+
+
+def test_bad_signature_rejected(ckpt, trainer):
+    env = unpack(publish(trainer, ckpt, 1, 64 * 1024).envelope, max_size=1 << 24)
+    env[6] = bytes([env[6][0] ^ 1]) + env[6][1:]
+    assert reject_reason(gate([trainer.peer_id]), pack(env)) == "bad_signature"
+
+
+def test_tampered_payload_rejected(ckpt, trainer):
+    # a relay swapping in its own shard hashes under the trainer's signature
+    env = unpack(publish(trainer, ckpt, 1, 64 * 1024).envelope, max_size=1 << 24)
+    raw = unpack(env[5], max_size=1 << 24)
+    raw["shard_hashes"][0] = b"\0" * 32
+    env[5] = pack(raw)
+    assert reject_reason(gate([trainer.peer_id]), pack(env)) == "bad_signature"
+
+
+def test_unknown_trainer_rejected(ckpt, trainer):
+    other = Identity.generate()
+    data = publish(other, ckpt, 1, 64 * 1024).envelope
+    assert reject_reason(gate([trainer.peer_id]), data) == "not_followed"
+
+
+@pytest.mark.parametrize("have", [5, 6])
+def test_older_or_same_version_rejected(ckpt, trainer, have):
+    data = publish(trainer, ckpt, 5, 64 * 1024).envelope
+    assert reject_reason(gate([trainer.peer_id], have=have), data) == "not_newer"
+
+
+def test_policy_id_must_be_the_signer(ckpt, trainer):
+    other = Identity.generate()
+    m = build_manifest(ckpt, policy_id=other.peer_id, version=1, shard_size=64 * 1024)
+    assert reject_reason(gate([trainer.peer_id]), trainer.seal(m)) == "policy_mismatch"
+
+
+def forged(trainer, ckpt, **changes) -> bytes:
+    """A manifest whose layout the schema forbids, signed by the trainer (model_construct
+    skips validation, as a hostile implementation would)."""
+    m = build_manifest(ckpt, policy_id=trainer.peer_id, version=1, shard_size=64 * 1024)
+    fields = {**m.model_dump(), **changes}
+    fields["files"] = m.files if "files" not in changes else changes["files"]
+    return trainer.seal(CheckpointManifest.model_construct(**fields))
+
+
+def test_shard_count_mismatch_rejected(ckpt, trainer):
+    m = build_manifest(ckpt, policy_id=trainer.peer_id, version=1, shard_size=64 * 1024)
+    data = forged(trainer, ckpt, shard_hashes=m.shard_hashes[:-1])
+    assert reject_reason(gate([trainer.peer_id]), data) == "bad_layout"
+
+
+def test_size_mismatch_rejected(ckpt, trainer):
+    m = build_manifest(ckpt, policy_id=trainer.peer_id, version=1, shard_size=64 * 1024)
+    data = forged(trainer, ckpt, total_size=m.total_size + 1)
+    assert reject_reason(gate([trainer.peer_id]), data) == "bad_layout"
+
+
+def test_shard_size_outside_limits_rejected(ckpt, trainer):
+    data = publish(trainer, ckpt, 1, 64 * 1024).envelope
+    assert reject_reason(gate([trainer.peer_id], min_shard_size=1 << 20), data) == "bad_layout"
+    assert reject_reason(gate([trainer.peer_id], max_checkpoint_bytes=4096), data) == "too_large"
+
+
+def test_garbage_rejected_not_raised(trainer):
+    g = gate([trainer.peer_id])
+    for data in [b"", b"\x00", pack([1, 2, 3]), b"\xff" * 100]:
+        with pytest.raises(ManifestRejected):
+            g.check_bytes(data)
+
+
+def test_empty_follow_adopts_first_trainer_only(ckpt, trainer):
+    g = gate([])
+    g.check_bytes(publish(trainer, ckpt, 1, 64 * 1024).envelope)
+    other = Identity.generate()
+    assert reject_reason(g, publish(other, ckpt, 1, 64 * 1024).envelope) == "not_followed"

@@ -1,0 +1,191 @@
+"""Models: load a causal LM + tokenizer by hub id or directory, and build the tiny model.
+
+`load_model` is the one loading path for every role. Hub ids and local directories go through
+`AutoModelForCausalLM` / `AutoTokenizer`; `builtin:tiny` builds the tiny model once into a
+cache folder and then loads it the same way, so tests and the demo exercise the real path.
+
+The tiny model is a Qwen2-architecture model (hidden 64, 2 layers, 4 heads) with a byte-level
+BPE tokenizer built locally with the `tokenizers` library: the 256 byte symbols (so any text
+encodes), whole-word merges for the words the toy tasks and chat template use, ChatML special
+tokens, EOS `<|im_end|>` and a chat template. It is deterministic for a given seed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .errors import NodeError
+
+BUILTIN_TINY = "builtin:tiny"
+EOS_TOKEN = "<|im_end|>"
+PAD_TOKEN = "<|endoftext|>"
+SPECIAL_TOKENS = [PAD_TOKEN, "<|im_start|>", EOS_TOKEN]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Words that get a single token (with and without a leading space), so toy prompts are short.
+_WORDS = [
+    "user", "assistant", "system", "What", "digit", "comes", "after", "before", "Repeat",
+    "the", "is", "answer", "Answer", "<answer>", "</answer>", "What digit comes after",
+    "What digit comes before", "Repeat the digit",
+]
+TINY_SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+
+_DTYPES = {"float32", "bfloat16", "float16"}
+
+
+def _byte_level_vocab() -> tuple[dict[str, int], list[tuple[str, str]]]:
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()  # the 256 printable stand-ins for bytes
+    vocab: dict[str, int] = {}
+    for sym in sorted(alphabet):
+        vocab[sym] = len(vocab)
+    merges: list[tuple[str, str]] = []
+    space = "\u0120"  # ByteLevel's stand-in for " "
+    words: list[str] = []
+    for w in _WORDS:
+        mapped = w.replace(" ", space)
+        words += [mapped, space + mapped]
+    for word in words:
+        # a prefix chain: w0+w1, (w0w1)+w2, ... so BPE can rebuild the whole word
+        for i in range(1, len(word)):
+            left, right = word[:i], word[i]
+            merged = left + right
+            if merged in vocab:
+                continue
+            merges.append((left, right))
+            vocab[merged] = len(vocab)
+    return vocab, merges
+
+
+def build_tokenizer():
+    """The tiny model's tokenizer (a transformers fast tokenizer)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab, merges = _byte_level_vocab()
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
+        bos_token=None, unk_token=None, chat_template=CHAT_TEMPLATE,
+        model_max_length=TINY_SIZES["max_position_embeddings"],
+    )
+
+
+def build_tiny_model(directory: str | os.PathLike, seed: int = 0) -> Path:
+    """Write the tiny Qwen2 model and its tokenizer to `directory` (save_pretrained)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise NodeError(f"cannot create model directory {directory}: {e.strerror}") from None
+    tokenizer = build_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), tie_word_embeddings=True, rope_theta=10000.0,
+        bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, **TINY_SIZES,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "swarm-node"
+
+
+def ensure_builtin(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Directory of a builtin model, building it (atomically) on first use."""
+    if name != BUILTIN_TINY:
+        raise NodeError(f"unknown builtin model {name!r} (known: {BUILTIN_TINY})")
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = root / "tiny-seed0"
+    if (target / "config.json").exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=root))
+    try:
+        build_tiny_model(tmp, seed=0)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process won the race; its copy is identical
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_model(name_or_dir: str | os.PathLike, dtype: str = "float32", device: str = "cpu",
+               cache_dir: str | os.PathLike | None = None) -> tuple[Any, Any]:
+    """Load (model, tokenizer) from a hub id, a local directory or `builtin:tiny`.
+
+    The model is in eval mode on `device`. Errors name the thing that failed.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if dtype not in _DTYPES:
+        raise NodeError(f"model dtype {dtype!r} is not one of {sorted(_DTYPES)}")
+    name = str(name_or_dir)
+    if name.startswith("builtin:"):
+        source = str(ensure_builtin(name, cache_dir))
+    else:
+        path = Path(name).expanduser()
+        source = str(path) if path.exists() else name
+        if path.exists() and not (path / "config.json").exists():
+            raise NodeError(f"model directory {path} has no config.json")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError, json.JSONDecodeError) as e:
+        raise NodeError(f"cannot load tokenizer of model {name!r}: {_first_line(e)}") from None
+    if tokenizer.eos_token_id is None:
+        raise NodeError(f"tokenizer of model {name!r} has no EOS token; "
+                        "set eos_token in its tokenizer_config.json")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype))
+    except (OSError, ValueError, RuntimeError, json.JSONDecodeError) as e:
+        raise NodeError(f"cannot load model {name!r}: {_first_line(e)}") from None
+    except Exception as e:  # safetensors' own error type on a corrupt file
+        if type(e).__name__ == "SafetensorError":
+            raise NodeError(f"model {name!r} has a corrupt weights file: {e}") from None
+        raise
+    model.to(resolve_device(device))
+    model.eval()
+    return model, tokenizer
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0]

@@ -1,0 +1,14 @@
+"""Samplers: the `Sampler` interface, the HF and vLLM backends, and a factory."""
+
+from __future__ import annotations
+
+from .base import Prompt, Sample, Sampler
+
+__all__ = ["Prompt", "Sample", "Sampler", "make_sampler"]
+
+
+def make_sampler(config, *, peer_id: str = "", model=None, tokenizer=None) -> Sampler:
+    """Build the sampler the config asks for (`sampler.backend`: auto, hf, vllm)."""
+    from .factory import make_sampler as _make
+
+    return _make(config, peer_id=peer_id, model=model, tokenizer=tokenizer)

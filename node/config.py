@@ -37,6 +37,8 @@ class NodeSection(Section):
     """Log one JSON object per line instead of plain text."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     """Minimum level of log lines."""
+    dishonest: Literal["none", "tamper_tokens", "forge_reward", "cheap_model"] = "none"
+    """For demos and tests only: make this inference peer cheat in the given way."""
 
 
 class IdentitySection(Section):
@@ -102,6 +104,16 @@ class TrainerSection(Section):
     """Gradient-norm clip."""
     keep_checkpoints: int = Field(3, ge=1)
     """How many checkpoint versions to keep on disk."""
+    checkpoint_every: int = Field(1, ge=1)
+    """Write a checkpoint every this many steps (buffered rollouts are freed only then)."""
+    micro_batch_size: int = Field(64, ge=1)
+    """Completions per forward/backward pass (gradients are accumulated over a step)."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear learning-rate warm-up steps (0: constant rate)."""
+    seed: int = Field(0, ge=0)
+    """Seed of the trainer's RNGs (external selection; torch on first start)."""
 
 
 class VerifierSection(Section):

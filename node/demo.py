@@ -1,0 +1,290 @@
+"""`swarm-node demo`: a complete local swarm on loopback, in separate processes.
+
+One trainer, one relay, N honest inference peers and one dishonest inference peer (it
+tampers with the tokens of its rollouts after sampling). Every node is a real
+`swarm-node join` process with its own key, data dir and admin endpoint; they find each
+other through the trainer's multiaddr. The demo watches their /status endpoints, shows
+progress, and ends with a summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .config import dump_toml
+from .errors import NodeError
+
+DEFAULT_ROUNDS = 6
+START_TIMEOUT_S = 120.0
+DEFAULT_TIME_LIMIT_S = 900.0
+
+
+@dataclass
+class DemoNode:
+    name: str
+    role: str
+    dir: Path
+    dishonest: str = "none"
+    proc: subprocess.Popen | None = None
+    info: dict = field(default_factory=dict)
+    last_status: dict = field(default_factory=dict)
+
+    @property
+    def log_path(self) -> Path:
+        return self.dir / "node.log"
+
+
+def node_config(node: DemoNode, model_dir: Path, bootstrap: list[str], follow: list[str],
+                swarm_id: str) -> dict:
+    """The TOML config of one demo node: loopback only, small and fast settings."""
+    cfg = {
+        "node": {
+            "role": node.role, "swarm_id": swarm_id, "data_dir": str(node.dir / "data"),
+            "listen": ["/ip4/127.0.0.1/tcp/0"], "bootstrap": bootstrap, "follow": follow,
+            "dishonest": node.dishonest,
+        },
+        "model": {"name": str(model_dir)},
+        "admin": {"port": 0},
+        "p2p": {"bootstrap_timeout_s": 60.0},
+        "broadcast": {"shard_size": 64 * 1024},
+    }
+    return cfg
+
+
+def start_node(node: DemoNode, cfg: dict) -> None:
+    node.dir.mkdir(parents=True, exist_ok=True)
+    path = node.dir / "node.toml"
+    path.write_text(dump_toml(cfg))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    with open(node.log_path, "ab") as log:
+        node.proc = subprocess.Popen(
+            [sys.executable, "-m", "swarm_node.cli.main", "join", "--config", str(path)],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def wait_info(node: DemoNode, timeout: float = START_TIMEOUT_S) -> dict:
+    """Wait until the node wrote node.json (listening, admin up)."""
+    path = node.dir / "data" / "node.json"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if node.proc is not None and node.proc.poll() is not None:
+            raise NodeError(f"demo node {node.name} exited with code {node.proc.returncode}; "
+                            f"its log:\n{tail(node.log_path)}")
+        try:
+            node.info = json.loads(path.read_text())
+            return node.info
+        except (OSError, ValueError):
+            time.sleep(0.2)
+    raise NodeError(f"demo node {node.name} did not start within {timeout:.0f}s; its log:\n"
+                    f"{tail(node.log_path)}")
+
+
+def tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def fetch_status(node: DemoNode, timeout: float = 2.0) -> dict:
+    port = node.info.get("admin_port")
+    if not port:
+        return {}
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=timeout) as r:
+            node.last_status = json.loads(r.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        pass
+    return node.last_status
+
+
+def stop_nodes(nodes: list[DemoNode], grace: float = 20.0) -> None:
+    """SIGTERM each node (clean shutdown), then SIGKILL whatever is left after `grace`."""
+    for node in nodes:
+        if node.proc is not None and node.proc.poll() is None:
+            node.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for node in nodes:
+        if node.proc is None:
+            continue
+        try:
+            node.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            node.proc.kill()
+            node.proc.wait()
+
+
+class Progress:
+    """Live table in a terminal, a plain line every few seconds otherwise."""
+
+    def __init__(self):
+        self.tty = sys.stdout.isatty()
+        self._live = None
+        self._last_line = 0.0
+
+    def __enter__(self):
+        if self.tty:
+            from rich.live import Live
+
+            self._live = Live(refresh_per_second=2)
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._live is not None:
+            self._live.__exit__(*exc)
+
+    def update(self, nodes: list[DemoNode], elapsed: float) -> None:
+        if self._live is not None:
+            self._live.update(render_table(nodes, elapsed))
+        elif time.monotonic() - self._last_line > 5:
+            self._last_line = time.monotonic()
+            print(progress_line(nodes, elapsed), flush=True)
+
+
+def _rejected(st: dict) -> int:
+    rej = st.get("rollouts_rejected", 0)
+    return sum(rej.values()) if isinstance(rej, dict) else int(rej or 0)
+
+
+def progress_line(nodes: list[DemoNode], elapsed: float) -> str:
+    trainer = nodes[0].last_status
+    parts = [f"[{elapsed:5.0f}s] trainer v{trainer.get('policy_version', '?')} "
+             f"reward {_fmt(trainer.get('reward'))}"]
+    for node in nodes[1:]:
+        st = node.last_status
+        if node.role == "inference":
+            parts.append(f"{node.name}: v{st.get('policy_version', '?')} "
+                         f"sent {st.get('rollouts_sent', 0)}")
+    acc = trainer.get("accepted_by_peer", {})
+    parts.append("accepted/rejected by peer: " + ", ".join(
+        f"{_name(nodes, p)} {v.get('accepted', 0)}/{v.get('rejected', 0)}" for p, v in acc.items()))
+    return " | ".join(parts)
+
+
+def render_table(nodes: list[DemoNode], elapsed: float):
+    from rich.table import Table
+
+    trainer = nodes[0].last_status
+    by_peer = trainer.get("accepted_by_peer", {})
+    table = Table(title=f"swarm-node demo, {elapsed:.0f}s: trainer policy "
+                        f"v{trainer.get('policy_version', '?')}, reward "
+                        f"{_fmt(trainer.get('reward'))}")
+    for col in ("node", "role", "policy", "sent", "accepted", "rejected", "peers", "note"):
+        table.add_column(col)
+    for node in nodes:
+        st = node.last_status
+        peer = node.info.get("peer_id", "")
+        mine = by_peer.get(peer, {})
+        note = "BANNED" if peer in trainer.get("banned", []) else (
+            "dishonest" if node.dishonest != "none" else "")
+        table.add_row(node.name, node.role, f"v{st.get('policy_version', '?')}",
+                      str(st.get("rollouts_sent", "")), str(mine.get("accepted", "")),
+                      str(mine.get("rejected", "")), str(len(st.get("peers", []) or [])), note)
+    return table
+
+
+def _fmt(x) -> str:
+    return "?" if x is None else f"{x:.3f}"
+
+
+def _name(nodes: list[DemoNode], peer: str) -> str:
+    for node in nodes:
+        if node.info.get("peer_id") == peer:
+            return node.name
+    return peer[-6:]
+
+
+def summary(nodes: list[DemoNode]) -> tuple[str, bool]:
+    trainer = nodes[0].last_status
+    history = trainer.get("reward_history", [])
+    cheater = next((n for n in nodes if n.dishonest != "none"), None)
+    cheater_id = cheater.info.get("peer_id") if cheater else None
+    by_peer = trainer.get("accepted_by_peer", {})
+    lines = ["", "swarm-node demo summary", "-----------------------"]
+    first = history[0][1] if history else None
+    last = (sum(r for _, r in history[-3:]) / len(history[-3:])) if history else None
+    start = (sum(r for _, r in history[:3]) / len(history[:3])) if history else None
+    lines.append(f"policy versions broadcast: {trainer.get('policy_version', 0)}")
+    lines.append(f"mean reward: first step {_fmt(first)}, first 3 steps {_fmt(start)}, "
+                 f"last 3 steps {_fmt(last)}")
+    for node in nodes[1:]:
+        if node.role != "inference":
+            continue
+        mine = by_peer.get(node.info.get("peer_id"), {})
+        lines.append(f"{node.name:>12}: accepted {mine.get('accepted', 0)}, rejected "
+                     f"{mine.get('rejected', 0)} {mine.get('reasons', {}) or ''}")
+    banned = bool(cheater_id and cheater_id in trainer.get("banned", []))
+    cheater_accepted = by_peer.get(cheater_id, {}).get("accepted", 0) if cheater_id else 0
+    lines.append(f"dishonest peer: {'BANNED' if banned else 'not banned'}, "
+                 f"{cheater_accepted} of its rollouts accepted")
+    rose = start is not None and last is not None and last > start
+    lines.append(f"reward rose: {'yes' if rose else 'no'}")
+    ok = rose and banned and cheater_accepted == 0
+    return "\n".join(lines), ok
+
+
+def run_demo(rounds: int = 0, inference_peers: int = 2, workdir: Path | None = None,
+             time_limit_s: float = DEFAULT_TIME_LIMIT_S) -> int:
+    from .models import build_tiny_model
+
+    rounds = rounds or DEFAULT_ROUNDS
+    if inference_peers < 1:
+        raise NodeError("--inference-peers must be at least 1")
+    work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="swarm-demo-"))
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"demo workdir: {work} (configs, logs and data of every node)")
+    model_dir = work / "model"
+    if not (model_dir / "config.json").exists():
+        build_tiny_model(model_dir, seed=0)
+    swarm_id = "demo"
+    trainer = DemoNode("trainer", "trainer", work / "trainer")
+    relay = DemoNode("relay", "relay", work / "relay")
+    honest = [DemoNode(f"inference-{i + 1}", "inference", work / f"inference-{i + 1}")
+              for i in range(inference_peers)]
+    cheater = DemoNode("cheater", "inference", work / "cheater", dishonest="tamper_tokens")
+    nodes = [trainer, relay, *honest, cheater]
+    t0 = time.monotonic()
+    try:
+        start_node(trainer, node_config(trainer, model_dir, [], [], swarm_id))
+        info = wait_info(trainer)
+        boot = [info["listen_addrs"][0]]
+        print(f"trainer {info['peer_id']} listening on {boot[0]}")
+        for node in nodes[1:]:
+            start_node(node, node_config(node, model_dir, boot, [info["peer_id"]], swarm_id))
+        for node in nodes[1:]:
+            wait_info(node)
+        print(f"{len(nodes)} nodes up after {time.monotonic() - t0:.0f}s; training for "
+              f"{rounds} policy versions")
+        with Progress() as progress:
+            while True:
+                for node in nodes:
+                    fetch_status(node)
+                    if node.proc is not None and node.proc.poll() is not None:
+                        raise NodeError(f"demo node {node.name} exited (code "
+                                        f"{node.proc.returncode}); its log:\n{tail(node.log_path)}")
+                elapsed = time.monotonic() - t0
+                progress.update(nodes, elapsed)
+                st = trainer.last_status
+                banned = cheater.info.get("peer_id") in st.get("banned", [])
+                if st.get("policy_version", 0) >= rounds and banned:
+                    break
+                if elapsed > time_limit_s:
+                    print(f"time limit of {time_limit_s:.0f}s reached", flush=True)
+                    break
+                time.sleep(1.0)
+    finally:
+        stop_nodes(nodes)
+    text, ok = summary(nodes)
+    print(text)
+    return 0 if ok else 1

@@ -1,0 +1,128 @@
+"""The on-disk shard store: verify-before-keep, resume after restart, assembly, retention."""
+
+from __future__ import annotations
+
+import pytest
+
+from swarm_node.node.broadcast.errors import StoreError
+from swarm_node.node.broadcast.manifest import AcceptedManifest, build_manifest
+from swarm_node.node.broadcast.store import ShardStore, advert_shards
+from swarm_node.protocol.messages import CheckpointManifest
+
+from .conftest import make_checkpoint, publish, read_dir
+
+
+def origin_store(tmp_path, trainer, ckpt, version=1, shard_size=64 * 1024):
+    acc = publish(trainer, ckpt, version, shard_size)
+    store = ShardStore(tmp_path / f"origin-{version}")
+    return store, store.add_checkpoint(acc, ckpt), acc
+
+
+def copy_shard(src_store, src_entry, dst_store, dst_entry, i, corrupt=False):
+    w = dst_store.begin_shard(dst_entry, i)
+    for data in src_store.read_shard(src_entry, i, chunk=10_000):
+        if corrupt:
+            data = bytes([data[0] ^ 0xFF]) + data[1:]
+            corrupt = False
+        w.write(data)
+    return w.commit()
+
+
+def test_origin_serves_its_checkpoint(tmp_path, trainer, ckpt):
+    store, entry, acc = origin_store(tmp_path, trainer, ckpt)
+    assert entry.complete and store.current_version(trainer.peer_id) == 1
+    blob = b"".join((ckpt / f.name).read_bytes() for f in acc.manifest.files)
+    start, end = acc.manifest.shard_range(2)
+    assert b"".join(store.read_shard(entry, 2)) == blob[start:end]
+    assert b"".join(store.read_shard(entry, 2, offset=100, length=50)) == blob[start + 100:
+                                                                             start + 150]
+
+
+def test_bad_shard_is_not_kept(tmp_path, trainer, ckpt):
+    src, src_entry, acc = origin_store(tmp_path, trainer, ckpt)
+    store = ShardStore(tmp_path / "client")
+    entry = store.open_version(acc)
+    assert copy_shard(src, src_entry, store, entry, 0, corrupt=True) is False
+    assert not entry.has(0) and list(entry.shards_dir.iterdir()) == []
+    assert copy_shard(src, src_entry, store, entry, 0) is True
+    assert entry.has(0) and entry.shard_path(0).exists()
+
+
+def test_overlong_shard_refused(tmp_path, trainer, ckpt):
+    _, _, acc = origin_store(tmp_path, trainer, ckpt)
+    store = ShardStore(tmp_path / "client")
+    entry = store.open_version(acc)
+    w = store.begin_shard(entry, 0)
+    with pytest.raises(StoreError):
+        w.write(b"x" * (entry.shard_len(0) + 1))
+    w.abort()
+
+
+def test_resume_after_restart_keeps_only_verified_shards(tmp_path, trainer, ckpt):
+    src, src_entry, acc = origin_store(tmp_path, trainer, ckpt)
+    store = ShardStore(tmp_path / "client")
+    entry = store.open_version(acc)
+    for i in (0, 2, 3):
+        copy_shard(src, src_entry, store, entry, i)
+    store.begin_shard(entry, 4).write(b"partial")  # a crash mid-shard leaves a .part file
+    entry.shard_path(3).write_bytes(b"rot" + entry.shard_path(3).read_bytes()[3:])  # bit rot
+
+    restarted = ShardStore(tmp_path / "client")
+    (again,) = restarted.load()
+    assert again.have == {0, 2} and not again.complete
+    assert sorted(p.name for p in again.shards_dir.iterdir()) == ["00000000.bin", "00000002.bin"]
+    assert again.envelope == acc.envelope
+
+
+def test_assemble_is_byte_identical_and_frees_shards(tmp_path, trainer, ckpt):
+    src, src_entry, acc = origin_store(tmp_path, trainer, ckpt)
+    store = ShardStore(tmp_path / "client")
+    entry = store.open_version(acc)
+    with pytest.raises(StoreError):
+        store.assemble(entry)
+    for i in range(acc.manifest.num_shards):
+        copy_shard(src, src_entry, store, entry, i)
+    path = store.assemble(entry)
+    assert read_dir(path) == read_dir(ckpt)
+    assert entry.complete and not entry.shards_dir.exists()
+    restarted = ShardStore(tmp_path / "client")
+    (again,) = restarted.load()
+    assert again.complete and restarted.current_version(trainer.peer_id) == 1
+
+
+def test_whole_hash_mismatch_discards_version(tmp_path, trainer, ckpt):
+    m = build_manifest(ckpt, policy_id=trainer.peer_id, version=1, shard_size=64 * 1024)
+    bad = CheckpointManifest(**{**m.model_dump(), "files": m.files,
+                                "checkpoint_hash": b"\1" * 32})
+    acc = AcceptedManifest(bad, trainer.seal(bad), trainer.peer_id)
+    src, src_entry, _ = origin_store(tmp_path, trainer, ckpt)
+    store = ShardStore(tmp_path / "client")
+    entry = store.open_version(acc)
+    for i in range(bad.num_shards):
+        copy_shard(src, src_entry, store, entry, i)
+    with pytest.raises(StoreError) as e:
+        store.assemble(entry)
+    assert e.value.reason == "checkpoint_hash_mismatch"
+    assert store.get(trainer.peer_id, 1) is None and not entry.path.exists()
+
+
+def test_retention_keeps_last_k(tmp_path, trainer):
+    store = ShardStore(tmp_path / "store", keep_versions=2)
+    for v in range(1, 5):
+        ck = make_checkpoint(tmp_path / f"ck{v}", {"w.bin": 5000 + v}, seed=v)
+        store.add_checkpoint(publish(trainer, ck, v, 4096), ck)
+    dropped = store.prune(trainer.peer_id)
+    assert sorted(dropped) == [1, 2]
+    assert sorted(v for (_, v) in store.entries) == [3, 4]
+    assert sorted(p.name for p in (tmp_path / "store" / trainer.peer_id).iterdir()) == [
+        f"{3:012d}", f"{4:012d}"]
+
+
+def test_advert_bitmap_roundtrip(tmp_path, trainer, ckpt):
+    src, src_entry, acc = origin_store(tmp_path, trainer, ckpt)
+    store = ShardStore(tmp_path / "client")
+    entry = store.open_version(acc)
+    for i in (1, 4):
+        copy_shard(src, src_entry, store, entry, i)
+    assert advert_shards(entry.advert(), acc.manifest.num_shards) == {1, 4}
+    assert advert_shards(src_entry.advert(), acc.manifest.num_shards) is None

@@ -1,0 +1,236 @@
+"""Server + downloader through the real shard protocol, in memory and over TCP."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from swarm_node.node.broadcast.downloader import Downloader
+from swarm_node.node.broadcast.errors import DownloadFailed, ShardFetchError
+from swarm_node.node.broadcast.server import ShardServer
+from swarm_node.node.broadcast.sources import SourceBook
+from swarm_node.node.broadcast.store import ShardStore
+from swarm_node.node.broadcast.transport import MemoryTransport, TcpTransport, serve_tcp
+from swarm_node.node.broadcast.wire import fetch, read_frame, write_frame
+from swarm_node.protocol.messages import ShardRequest, ShardResponseHeader
+
+from .conftest import publish, read_dir
+
+
+class CorruptStore(ShardStore):
+    """Serves a flipped byte in the listed shards (a hostile or broken relay)."""
+
+    def __init__(self, root, bad: set[int]):
+        super().__init__(root)
+        self.bad = bad
+
+    def read_shard(self, entry, index, offset=0, length=0, chunk=1 << 20):
+        it = super().read_shard(entry, index, offset, length, chunk)
+        if index not in self.bad:
+            return it
+
+        def flipped():
+            first = True
+            for data in it:
+                yield bytes([data[0] ^ 1]) + data[1:] if first else data
+                first = False
+        return flipped()
+
+
+class DyingServer(ShardServer):
+    """Sends the header and half a shard, then drops the stream (a relay killed mid-way)."""
+
+    async def _handle(self, peer, stream):
+        raw = await read_frame(stream)
+        req = ShardRequest.decode(raw)
+        entry = self.store.get(req.policy_id, req.version)
+        size = entry.shard_len(req.shard)
+        await write_frame(stream, ShardResponseHeader(ok=True, length=size).encode())
+        data = b"".join(self.store.read_shard(entry, req.shard))
+        await stream.write(data[: size // 2])
+
+
+def serving(tmp_path, name, trainer, ckpt, cfg, store_cls=ShardStore, server_cls=ShardServer,
+            **kw):
+    acc = publish(trainer, ckpt, 1, cfg.shard_size)
+    store = store_cls(tmp_path / name, **kw)
+    store.add_checkpoint(acc, ckpt)
+    return acc, server_cls(store, cfg)
+
+
+def client(tmp_path, acc, cfg, name="client"):
+    store = ShardStore(tmp_path / name)
+    entry = store.open_version(acc)
+    book = SourceBook(per_source=cfg.per_source_downloads, max_corrupt=cfg.max_corrupt_per_source)
+    return store, entry, book
+
+
+async def test_download_from_two_sources_is_byte_identical(tmp_path, trainer, ckpt, cfg):
+    acc, s1 = serving(tmp_path, "a", trainer, ckpt, cfg)
+    _, s2 = serving(tmp_path, "b", trainer, ckpt, cfg)
+    t = MemoryTransport()
+    t.register("a", s1.handle)
+    t.register("b", s2.handle)
+    store, entry, book = client(tmp_path, acc, cfg)
+    book.add("a", None)
+    book.add("b", None)
+    d = Downloader(store, entry, t, book, cfg)
+    path = await d.run()
+    assert read_dir(path) == read_dir(ckpt)
+    assert d.metrics["bytes_fetched"] == acc.manifest.total_size
+    assert book.sources["a"].shards_ok > 0 and book.sources["b"].shards_ok > 0
+
+
+async def test_corrupt_source_costs_one_shard_and_is_dropped(tmp_path, trainer, ckpt, cfg):
+    acc, good = serving(tmp_path, "good", trainer, ckpt, cfg)
+    _, evil = serving(tmp_path, "evil", trainer, ckpt, cfg, store_cls=CorruptStore, bad={2})
+    t = MemoryTransport()
+    t.register("good", good.handle)
+    t.register("evil", evil.handle)
+    store, entry, book = client(tmp_path, acc, cfg)
+    book.add("evil", None)
+    d = Downloader(store, entry, t, book, cfg)
+    # let the client hit shard 2 from "evil" first: the only source until it misbehaves
+    d.order = [2] + [i for i in d.order if i != 2]
+    cfg.parallel_downloads = 1
+    task = asyncio.create_task(d.run())
+    while not book.sources["evil"].dropped:
+        await asyncio.sleep(0.01)
+    book.add("good", None)
+    d.sources_changed()
+    path = await task
+    assert read_dir(path) == read_dir(ckpt)
+    assert d.metrics["shards_corrupt"] == 1
+    assert d.metrics["bytes_corrupt"] == entry.shard_len(2)
+    assert d.metrics["bytes_fetched"] == acc.manifest.total_size + entry.shard_len(2)
+    assert book.sources["evil"].corrupt == 1 and book.sources["evil"].dropped
+
+
+async def test_source_dying_mid_shard_falls_back(tmp_path, trainer, ckpt, cfg):
+    acc, good = serving(tmp_path, "good", trainer, ckpt, cfg)
+    _, dying = serving(tmp_path, "dying", trainer, ckpt, cfg, server_cls=DyingServer)
+    t = MemoryTransport()
+    t.register("good", good.handle)
+    t.register("dying", dying.handle)
+    store, entry, book = client(tmp_path, acc, cfg)
+    book.add("dying", None)
+    book.add("good", None)
+    d = Downloader(store, entry, t, book, cfg)
+    path = await d.run()
+    assert read_dir(path) == read_dir(ckpt)
+    assert d.metrics["fail_short_read"] >= 1
+    assert book.sources["dying"].shards_ok == 0 and book.sources["dying"].failures >= 1
+
+
+async def test_resume_fetches_only_missing_shards(tmp_path, trainer, ckpt, cfg):
+    acc, good = serving(tmp_path, "good", trainer, ckpt, cfg)
+    t = MemoryTransport()
+    t.register("good", good.handle)
+    store, entry, book = client(tmp_path, acc, cfg)
+    for i in (0, 1, 3):
+        w = store.begin_shard(entry, i)
+        for data in good.store.read_shard(good.store.get(*entry.key), i):
+            w.write(data)
+        w.commit()
+    restarted = ShardStore(tmp_path / "client")
+    (entry,) = restarted.load()
+    book.add("good", None)
+    d = Downloader(restarted, entry, t, book, cfg)
+    path = await d.run()
+    assert read_dir(path) == read_dir(ckpt)
+    resumed = sum(entry.shard_len(i) for i in (0, 1, 3))
+    assert d.metrics["shards_resumed"] == 3
+    assert d.metrics["bytes_fetched"] == acc.manifest.total_size - resumed
+
+
+async def test_no_source_stalls_with_error(tmp_path, trainer, ckpt, cfg):
+    acc, _ = serving(tmp_path, "good", trainer, ckpt, cfg)
+    cfg.stall_timeout_s = 0.3
+    store, entry, book = client(tmp_path, acc, cfg)
+    with pytest.raises(DownloadFailed) as e:
+        await Downloader(store, entry, MemoryTransport(), book, cfg).run()
+    assert e.value.reason == "stalled"
+
+
+async def fetch_all(t, peer, req, cfg, expected_len):
+    out = b""
+    async for data in fetch(t, peer, req, expected_len=expected_len, request_timeout=1.0,
+                            chunk_timeout=1.0, chunk_size=cfg.chunk_size):
+        out += data
+    return out
+
+
+async def test_server_errors_are_answers_not_hangs(tmp_path, trainer, ckpt, cfg):
+    acc, server = serving(tmp_path, "good", trainer, ckpt, cfg)
+    t = MemoryTransport()
+    t.register("s", server.handle)
+    m = acc.manifest
+    cases = [(ShardRequest(policy_id=m.policy_id, version=m.version, shard=m.num_shards),
+              "unknown_shard"),
+             (ShardRequest(policy_id=m.policy_id, version=m.version + 1, shard=0),
+              "unknown_shard"),
+             (ShardRequest(policy_id=m.policy_id, version=m.version, shard=0,
+                           offset=m.shard_size + 1), "bad_range")]
+    for req, reason in cases:
+        with pytest.raises(ShardFetchError) as e:
+            await fetch_all(t, "s", req, cfg, 1)
+        assert e.value.reason == reason
+    # a range request returns exactly that range
+    blob = b"".join((ckpt / f.name).read_bytes() for f in m.files)
+    req = ShardRequest(policy_id=m.policy_id, version=m.version, shard=1, offset=10, length=100)
+    assert await fetch_all(t, "s", req, cfg, 100) == blob[m.shard_size + 10: m.shard_size + 110]
+    # garbage instead of a request
+    stream = await t.open("s")
+    await write_frame(stream, b"\x93garbage")
+    hdr = ShardResponseHeader.decode(await read_frame(stream))
+    assert not hdr.ok and hdr.error == "bad_request"
+    # an oversized frame header
+    stream = await t.open("s")
+    await stream.write(b"\xff\xff\xff\xff")
+    hdr = ShardResponseHeader.decode(await read_frame(stream))
+    assert hdr.error == "bad_request"
+    assert server.metrics["error_unknown_shard"] == 2 and server.metrics["error_bad_request"] == 2
+
+
+async def test_silent_client_is_timed_out(tmp_path, trainer, ckpt, cfg):
+    cfg.request_timeout_s = 0.2
+    _, server = serving(tmp_path, "good", trainer, ckpt, cfg)
+    t = MemoryTransport()
+    t.register("s", server.handle)
+    stream = await t.open("s")
+    (task,) = t.tasks
+    await asyncio.wait_for(task, 5)  # the handler returns on its own
+    hdr = ShardResponseHeader.decode(await read_frame(stream))
+    assert hdr.error == "bad_request"
+
+
+async def test_concurrency_limit_answers_busy(tmp_path, trainer, ckpt, cfg):
+    cfg.max_uploads_per_peer = 1
+    acc, server = serving(tmp_path, "good", trainer, ckpt, cfg)
+    m = acc.manifest
+    t = MemoryTransport()
+    t.register("s", server.handle)
+    req = ShardRequest(policy_id=m.policy_id, version=m.version, shard=0)
+    slow = await t.open("s")  # first upload, not read: backpressure keeps it active
+    await write_frame(slow, req.encode())
+    while server.active_total == 0:
+        await asyncio.sleep(0.01)
+    with pytest.raises(ShardFetchError) as e:
+        await fetch_all(t, "s", req, cfg, m.shard_size)
+    assert e.value.reason == "busy"
+    await slow.close()
+
+
+async def test_tcp_transport_end_to_end(tmp_path, trainer, ckpt, cfg):
+    acc, server = serving(tmp_path, "good", trainer, ckpt, cfg)
+    tcp = await serve_tcp(server.handle, "127.0.0.1", 0)
+    port = tcp.sockets[0].getsockname()[1]
+    try:
+        store, entry, book = client(tmp_path, acc, cfg)
+        book.add(f"127.0.0.1:{port}", None)
+        path = await Downloader(store, entry, TcpTransport(), book, cfg).run()
+        assert read_dir(path) == read_dir(ckpt)
+    finally:
+        tcp.close()
+        await tcp.wait_closed()

@@ -37,7 +37,7 @@ class NodeSection(Section):
     """Log one JSON object per line instead of plain text."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     """Minimum level of log lines."""
-    dishonest: Literal["none", "tamper_tokens", "forge_reward", "cheap_model"] = "none"
+    dishonest: Literal["none", "tamper_tokens", "forge_reward"] = "none"
     """For demos and tests only: make this inference peer cheat in the given way."""
 
 
@@ -77,6 +77,10 @@ class SamplerSection(Section):
     """Nucleus sampling cutoff."""
     max_new_tokens: int = Field(16, ge=1)
     """Longest completion, in tokens."""
+    batches_per_version: int = Field(2, ge=1)
+    """Inference peers: rollout batches to publish per policy version before waiting for the next."""
+    version_wait_s: float = Field(30.0, gt=0)
+    """Inference peers: how long to wait for a new policy version before sampling again anyway."""
 
 
 class TrainerSection(Section):

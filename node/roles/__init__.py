@@ -1,0 +1,24 @@
+"""The roles a node can play. One process runs one role (`swarm-node join --role ...`)."""
+
+from __future__ import annotations
+
+
+def make_role(cfg, identity, p2p, state):
+    role = cfg.node.role
+    if role == "inference":
+        from .inference import InferenceRole
+
+        return InferenceRole(cfg, identity, p2p, state)
+    if role == "trainer":
+        from .trainer import TrainerRole
+
+        return TrainerRole(cfg, identity, p2p, state)
+    if role == "relay":
+        from .relay import RelayRole
+
+        return RelayRole(cfg, identity, p2p, state)
+    if role == "verifier":
+        from .verifier import VerifierRole
+
+        return VerifierRole(cfg, identity, p2p, state)
+    raise ValueError(f"unknown role {role!r}")

@@ -1,0 +1,158 @@
+"""Inference peer: follow a trainer's policy, sample rollouts on assigned tasks, gossip them.
+
+Each round r the peer draws its tasks from (swarm id, its peer ID, r), samples G seeded
+completions per task with the current policy version, attaches an activation-hash proof to
+each completion and publishes one signed RolloutBatch. New policy versions arrive through
+the broadcaster and are hot-loaded between rounds. The round counter is persisted, so a
+restart never reuses a round (a verifier rejects replays and stale rounds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from ...protocol.messages import Completion, RolloutBatch, SamplingParams, TensorData
+from .base import Role
+
+log = logging.getLogger("swarm_node")
+
+ROUND_FILE = "round.json"
+
+
+class InferenceRole(Role):
+    name = "inference"
+
+    def __init__(self, cfg, identity, p2p, state):
+        super().__init__(cfg, identity, p2p, state)
+        self.sampler = None
+        self.tokenizer = None
+        self.tasks = None
+        self.follower = None
+        self.policy_id: str | None = cfg.node.follow[0] if cfg.node.follow else None
+        self.pending: tuple[int, object] | None = None  # (version, checkpoint dir)
+        self.new_version = asyncio.Event()
+        self.round = int(self.load_json(ROUND_FILE, {"next_round": 0})["next_round"])
+
+    async def start(self) -> None:
+        from ..broadcast.service import Broadcaster
+        from ..sampler import make_sampler
+        from ..tasks import TaskSource
+
+        self.tasks = TaskSource(self.cfg.tasks.mix, self.cfg.node.swarm_id)
+        self.sampler = await self.work(make_sampler, self.cfg, peer_id=self.identity.peer_id)
+        self.tokenizer = self.sampler.tokenizer
+        self.state.policy_version = self.sampler.version
+        self.follower = Broadcaster(self.cfg, self.identity, self.p2p, self.state,
+                                    on_complete=self._on_checkpoint)
+        await self.follower.start()
+        log.info("inference peer ready: model %s, policy version %d", self.cfg.model.name,
+                 self.sampler.version)
+
+    def _on_checkpoint(self, policy_id: str, version: int, ckpt_dir) -> None:
+        if self.policy_id is None:
+            self.policy_id = policy_id
+        if policy_id == self.policy_id and version > self.sampler.version:
+            if self.pending is None or version > self.pending[0]:
+                self.pending = (version, ckpt_dir)
+                self.new_version.set()
+
+    async def _maybe_reload(self) -> None:
+        if self.pending is None:
+            return
+        version, ckpt_dir = self.pending
+        self.pending = None
+        t0 = time.monotonic()
+        await self.work(self.sampler.load_weights, ckpt_dir, version)
+        self.state.policy_version = version
+        log.info("hot-loaded policy version %d in %.2fs", version, time.monotonic() - t0)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        batches_this_version = 0
+        version_seen = self.sampler.version
+        while not stop.is_set():
+            await self._maybe_reload()
+            if self.sampler.version != version_seen:
+                version_seen, batches_this_version = self.sampler.version, 0
+            if self.policy_id is None:
+                # Nobody to follow yet: wait for the first trainer's manifest.
+                await _wait_any(stop, self.new_version, timeout=5.0)
+                self.new_version.clear()
+                continue
+            if batches_this_version >= self.cfg.sampler.batches_per_version:
+                # Enough rollouts for this policy version; wait for the next (or a timeout,
+                # after which sampling goes on, still within the staleness window).
+                self.new_version.clear()
+                got = await _wait_any(stop, self.new_version,
+                                      timeout=self.cfg.sampler.version_wait_s)
+                if not got:
+                    batches_this_version = 0
+                continue
+            batch = await self.work(self.sample_round, self.round)
+            self.round += 1
+            self.save_json(ROUND_FILE, {"next_round": self.round})
+            try:
+                await self.p2p.publish("rollouts", batch)
+            except Exception as e:  # noqa: BLE001 - counted and logged; the next round retries
+                self.state.count("publish_failed")
+                log.warning("publishing round %d failed: %s", batch.round, e)
+                continue
+            batches_this_version += 1
+            self.state.rollouts_sent += len(batch.completions)
+            rewards = [c.claimed_reward for c in batch.completions]
+            self.state.reward = sum(rewards) / len(rewards)
+            log.info("published round %d: %d completions, policy v%d, mean reward %.3f",
+                     batch.round, len(batch.completions), batch.policy_version, self.state.reward)
+
+    def sample_round(self, round_: int) -> RolloutBatch:
+        """Draw this round's tasks, sample, prove, and build the batch (worker thread)."""
+        from ...verifier.proof import build_proofs
+        from ..tasks import format_prompt, get_task
+        from .dishonest import tamper
+
+        scfg = self.cfg.sampler
+        refs = self.tasks.draw(self.identity.peer_id, round_, self.cfg.tasks.tasks_per_round)
+        tasks = [get_task(ref, self.cfg.tasks.format_reward) for ref in refs]
+        prompts = [(ref, format_prompt(self.tokenizer, task)) for ref, task in zip(refs, tasks)]
+        params = SamplingParams(temperature=scfg.temperature, top_p=scfg.top_p,
+                                max_new_tokens=scfg.max_new_tokens)
+        groups = self.sampler.generate(prompts, scfg.completions_per_task, params)
+        flat = [(task, s) for task, group in zip(tasks, groups) for s in group]
+        proofs = build_proofs([s.hidden for _, s in flat])
+        completions = [
+            Completion(task=s.task, prompt_ids=_ids(s.prompt_ids),
+                       completion_ids=_ids(s.completion_ids),
+                       logprobs=TensorData.from_torch(s.logprobs.float()),
+                       finish_reason=s.finish_reason, seed=s.seed,
+                       claimed_reward=float(task.score(s.text)), text=s.text, proof=proof)
+            for (task, s), proof in zip(flat, proofs)
+        ]
+        batch = RolloutBatch(swarm_id=self.cfg.node.swarm_id, round=round_,
+                             policy_id=self.policy_id, policy_version=self.sampler.version,
+                             sampling=params, completions=completions)
+        if self.cfg.node.dishonest != "none":
+            batch = tamper(batch, self.cfg.node.dishonest, self.tokenizer)
+        return batch
+
+    async def close(self) -> None:
+        if self.follower is not None:
+            await self.follower.close()
+        await super().close()
+
+
+def _ids(ids) -> TensorData:
+    import numpy as np
+
+    return TensorData.from_numpy(np.asarray(ids, dtype=np.int32))
+
+
+async def _wait_any(stop: asyncio.Event, event: asyncio.Event, timeout: float) -> bool:
+    """Wait for `event` or `stop` up to `timeout`; True if `event` fired."""
+    waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(event.wait())]
+    try:
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()
+    return event.is_set()

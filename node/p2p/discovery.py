@@ -1,0 +1,175 @@
+"""Bootstrap, peer exchange and reconnection (asyncio side, on top of P2PNode).
+
+Peer exchange protocol PEERS_PROTOCOL (request/response framing of streams.py):
+  request:  a Hello message (msgpack, messages.Hello) with the asker's swarm and listen addrs
+  response: msgpack array of at most MAX_PEERS_REPLY entries [peer_id, [multiaddr, ...]]
+            (the responder itself first, then the peers it is connected to)
+Every `p2p.discovery_interval_s` a node asks its connected peers for theirs and dials unknown
+ones until it holds `p2p.target_peers` connections; lost peers are redialled with
+exponential backoff (1 s doubling up to `p2p.reconnect_max_backoff_s`). So a swarm whose
+members only know node 0 stays connected after node 0 leaves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+
+from ...protocol.codec import pack, unpack
+from ...protocol.errors import ProtocolError
+from ...protocol.messages import Hello
+from .errors import BootstrapError, DialError, P2PError, RequestError
+
+log = logging.getLogger(__name__)
+
+PEERS_PROTOCOL = "/swarm-node/peers/1.0.0"
+MAX_PEERS_REPLY = 64
+MAX_ADDRS_PER_PEER = 16
+MAX_ADDR_LEN = 256
+AGENT = "swarm-node/0.1"
+
+
+class Discovery:
+    def __init__(self, node):
+        self.node = node
+        self.cfg = node.cfg
+        self.known: dict[str, list[str]] = {}
+        self.bootstrap_addrs: list[str] = []
+        self._backoff: dict[str, float] = {}
+        self._next_try: dict[str, float] = {}
+
+    def install(self) -> None:
+        self.node.set_request_handler(PEERS_PROTOCOL, self._serve_peers)
+
+    # Bootstrap ------------------------------------------------------------------------
+
+    async def bootstrap(self, addrs: list[str]) -> list[str]:
+        """Dial every bootstrap address, retrying with backoff, until at least one answers
+        or `p2p.bootstrap_timeout_s` passes; then BootstrapError naming each address and
+        its last failure. Returns the peer IDs reached."""
+        self.bootstrap_addrs = list(addrs)
+        deadline = time.monotonic() + self.cfg.bootstrap_timeout_s
+        last: dict[str, str] = {a: "not tried" for a in addrs}
+        delay = 0.5
+        while True:
+            remaining = deadline - time.monotonic()
+            timeout = max(0.5, min(self.cfg.dial_timeout_s, remaining))
+            results = await asyncio.gather(*(self._dial(a, timeout) for a in addrs))
+            reached = [peer for peer, _ in results if peer]
+            for a, (peer, why) in zip(addrs, results):
+                if not peer:
+                    last[a] = why
+            if reached:
+                await self.exchange_all()
+                return reached
+            if time.monotonic() + delay >= deadline:
+                break
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 8.0)
+        lines = "\n".join(f"  - {a}: {last[a]}" for a in addrs)
+        raise BootstrapError(
+            f"could not reach any bootstrap peer within {self.cfg.bootstrap_timeout_s:.0f}s:\n"
+            f"{lines}\n"
+            "Check that the bootstrap node is running, that the address (IP, port and "
+            "/p2p/<peer id>) is the one it printed at start, and that no firewall blocks the "
+            "TCP port. To start a new swarm instead, run without --bootstrap.")
+
+    async def _dial(self, addr: str, timeout: float) -> tuple[str | None, str]:
+        try:
+            return await self.node.connect(addr, timeout=timeout), ""
+        except DialError as e:
+            return None, str(e).removeprefix(f"{addr}: ")
+        except P2PError as e:
+            return None, str(e)
+
+    # Peer exchange --------------------------------------------------------------------
+
+    def _hello(self) -> bytes:
+        return Hello(swarm_id=self.node.swarm_id, role=self.node.config.node.role, agent=AGENT,
+                     listen_addrs=self.node.listen_addrs[:MAX_ADDRS_PER_PEER]).encode()
+
+    async def _serve_peers(self, peer: str, body: bytes) -> bytes:
+        hello = Hello.decode(body, max_size=8192)
+        if hello.swarm_id != self.node.swarm_id:
+            raise ValueError(f"this node is in swarm {self.node.swarm_id!r}, "
+                             f"not {hello.swarm_id!r}")
+        addrs = [a for a in hello.listen_addrs if a.endswith(f"/p2p/{peer}")]
+        if addrs:
+            self.known[peer] = addrs
+        entries = [[self.node.peer_id, self.node.listen_addrs[:MAX_ADDRS_PER_PEER]]]
+        others = [p for p in self.node.connected_peers() if p != peer and p in self.known]
+        random.shuffle(others)
+        for p in others[:MAX_PEERS_REPLY - 1]:
+            entries.append([p, self.known[p][:MAX_ADDRS_PER_PEER]])
+        return pack(entries)
+
+    async def exchange(self, peer: str) -> None:
+        try:
+            body = await self.node.request(peer, PEERS_PROTOCOL, self._hello(),
+                                           timeout=self.cfg.dial_timeout_s,
+                                           max_response=MAX_PEERS_REPLY * 5000)
+            entries = unpack(body, max_size=MAX_PEERS_REPLY * 5000)
+        except (RequestError, ProtocolError) as e:
+            log.debug("peer exchange with %s failed: %s", peer, e)
+            return
+        if not isinstance(entries, list):
+            return
+        for entry in entries[:MAX_PEERS_REPLY]:
+            if (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)
+                    and isinstance(entry[1], list) and len(entry[0]) <= 128):
+                pid = entry[0]
+                addrs = [a for a in entry[1][:MAX_ADDRS_PER_PEER]
+                         if isinstance(a, str) and len(a) <= MAX_ADDR_LEN
+                         and a.endswith(f"/p2p/{pid}")]
+                if addrs and pid != self.node.peer_id:
+                    self.known[pid] = addrs
+
+    async def exchange_all(self) -> None:
+        peers = self.node.connected_peers()
+        await asyncio.gather(*(self.exchange(p) for p in peers))
+
+    # Maintenance loop -----------------------------------------------------------------
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.exchange_all()
+                await self.fill()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - one bad round must not end discovery
+                log.warning("discovery round failed: %s: %s", type(e).__name__, e)
+            await asyncio.sleep(self.cfg.discovery_interval_s)
+
+    async def fill(self) -> None:
+        """Dial known peers (and the bootstrap addresses) until target_peers are connected."""
+        connected = set(self.node.connected_peers())
+        missing = self.cfg.target_peers - len(connected)
+        if missing <= 0:
+            return
+        now = time.monotonic()
+        candidates: list[tuple[str, str]] = []
+        for pid, addrs in self.known.items():
+            if pid not in connected and self._next_try.get(pid, 0) <= now:
+                candidates.append((pid, addrs[0]))
+        for addr in self.bootstrap_addrs:
+            pid = addr.rsplit("/p2p/", 1)[-1]
+            if pid not in connected and pid not in self.known and self._next_try.get(pid, 0) <= now:
+                candidates.append((pid, addr))
+        random.shuffle(candidates)
+        await asyncio.gather(*(self._redial(pid, addr) for pid, addr in candidates[:missing]))
+
+    async def _redial(self, pid: str, addr: str) -> None:
+        try:
+            await self.node.connect(addr)
+        except P2PError as e:
+            backoff = min(self._backoff.get(pid, 0.5) * 2, self.cfg.reconnect_max_backoff_s)
+            self._backoff[pid] = backoff
+            self._next_try[pid] = time.monotonic() + backoff
+            log.debug("redial of %s failed (%s); next try in %.0fs", pid, e, backoff)
+            return
+        self._backoff.pop(pid, None)
+        self._next_try.pop(pid, None)
+        await self.exchange(pid)

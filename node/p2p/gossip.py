@@ -1,0 +1,187 @@
+"""GossipSub set up so that nothing is dropped silently (trio side).
+
+py-libp2p 0.8.1's defaults drop messages: 10 messages/s/topic/peer spam limit, 32-slot
+outbound queue per peer, 1 MiB RPC cap, 32-slot subscription channel. Here: the spam limit
+is raised to `p2p.max_messages_per_second`, the outbound queues and the subscription channel
+are enlarged, every remaining drop is counted, and `publish` waits for queue capacity.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+
+import trio
+from libp2p.peer.id import ID
+from libp2p.pubsub.gossipsub import PROTOCOL_ID, PROTOCOL_ID_V11, GossipSub
+from libp2p.pubsub.pubsub import Pubsub
+
+from ...protocol.envelope import Envelope, ReplayCache, open_envelope
+from ...protocol.errors import ProtocolError
+from ...protocol.limits import Limits
+from .metrics import P2PMetrics
+
+log = logging.getLogger(__name__)
+
+# Room for the pubsub framing around one envelope (from, seqno, key, signature, topic, record).
+RPC_OVERHEAD = 16 * 1024
+
+
+def build_gossip(host, cfg, metrics: P2PMetrics) -> tuple[GossipSub, Pubsub]:
+    """GossipSub router + Pubsub for `host` from the `p2p` config section."""
+    router = GossipSub(
+        protocols=[PROTOCOL_ID_V11, PROTOCOL_ID],
+        degree=cfg.mesh_degree,
+        degree_low=cfg.mesh_degree_low,
+        degree_high=cfg.mesh_degree_high,
+        heartbeat_initial_delay=0.1,
+        heartbeat_interval=cfg.heartbeat_interval_s,
+        time_to_live=60,
+        gossip_window=3,
+        gossip_history=5,
+        spam_protection_enabled=True,
+        max_messages_per_topic_per_second=float(cfg.max_messages_per_second),
+        # All peers of a loopback or single-LAN swarm share one IP; the IP-diversity rule
+        # would then prune honest peers from the mesh.
+        eclipse_protection_enabled=False,
+    )
+    pubsub = Pubsub(
+        host, router,
+        cache_size=4096,
+        strict_signing=True,
+        validation_cache_size=4096,
+        max_inbound_rpc_size=max_rpc_size(cfg),
+    )
+    pubsub.peer_queues = TunedQueues(cfg.outbound_queue, max_rpc_size(cfg), pubsub.peer_queues,
+                                     metrics)
+    return router, pubsub
+
+
+def max_rpc_size(cfg) -> int:
+    return cfg.inline_payload_max + RPC_OVERHEAD
+
+
+class TunedQueues(dict):
+    """Replaces Pubsub.peer_queues: each per-peer queue created by py-libp2p is resized
+    as it is registered, and its rejected pushes are counted."""
+
+    def __init__(self, max_size: int, max_message_size: int, initial: dict,
+                 metrics: P2PMetrics):
+        super().__init__(initial)
+        self.metrics = metrics
+        self.max_size = max_size
+        self.max_message_size = max_message_size
+
+    def __setitem__(self, peer_id, queue) -> None:
+        queue._queue.max_size = self.max_size
+        queue.max_message_size = self.max_message_size
+        original_push = queue.push
+        metrics = self.metrics
+
+        def counted_push(rpc, priority: bool = False) -> bool:
+            ok = original_push(rpc, priority)
+            if not ok and len(rpc.publish):
+                metrics.inc("drop_outbound_queue_full", len(rpc.publish))
+            return ok
+
+        queue.push = counted_push
+        super().__setitem__(peer_id, queue)
+
+    def fullest(self) -> tuple[object, int]:
+        worst, worst_len = None, 0
+        for peer, queue in list(self.items()):
+            n = len(queue)
+            if n > worst_len:
+                worst, worst_len = peer, n
+        return worst, worst_len
+
+
+class CountingSendChannel:
+    """Stands in for the subscription channel py-libp2p fills with `send_nowait`;
+    a full channel is counted instead of only logged."""
+
+    def __init__(self, inner: trio.MemorySendChannel, metrics: P2PMetrics):
+        self.inner = inner
+        self.metrics = metrics
+
+    def send_nowait(self, msg) -> None:
+        try:
+            self.inner.send_nowait(msg)
+        except trio.WouldBlock:
+            self.metrics.inc("drop_subscription_full")
+            raise
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class GossipValidator:
+    """Topic validator: the peer filter, then `open_envelope` (size, schema, signature,
+    sender = pubsub origin, skew, replay). Rejects are counted per forwarding peer and
+    reason. Accepted envelopes are kept until delivery so they are decoded once."""
+
+    def __init__(self, self_id: str, limits: Limits, metrics: P2PMetrics,
+                 peer_filter: Callable[[], Callable[[str], bool] | None],
+                 max_skew_s: float):
+        self.self_id = self_id
+        self.limits = limits
+        self.metrics = metrics
+        self.peer_filter = peer_filter
+        self.max_skew_s = max_skew_s
+        self.replay = ReplayCache()
+        self.accepted: OrderedDict[bytes, Envelope] = OrderedDict()
+        self.max_pending = 65536
+
+    def __call__(self, forwarder: ID, msg) -> bool:
+        fwd = forwarder.to_base58()
+        try:
+            origin = ID(msg.from_id).to_base58()
+        except Exception:  # noqa: BLE001 - unparseable origin
+            self.metrics.reject(fwd, "bad_peer_id")
+            return False
+        if origin == self.self_id:
+            return True  # our own publish, sealed by us
+        allow = self.peer_filter()
+        if allow is not None and (not allow(fwd) or not allow(origin)):
+            self.metrics.reject(fwd, "banned")
+            return False
+        try:
+            env = open_envelope(msg.data, limits=self.limits, expected_sender=origin,
+                                replay_cache=self.replay, max_skew_s=self.max_skew_s)
+        except ProtocolError as e:
+            self.metrics.reject(fwd, e.reason)
+            log.info("rejected gossip from %s (origin %s): %s", fwd, origin, e)
+            return False
+        except Exception as e:  # noqa: BLE001 - a decoder bug must not kill the host
+            self.metrics.reject(fwd, "internal_error")
+            log.warning("validator error on message from %s: %s: %s", fwd, type(e).__name__, e)
+            return False
+        self.accepted[msg.from_id + msg.seqno] = env
+        while len(self.accepted) > self.max_pending:
+            self.accepted.popitem(last=False)
+        return True
+
+    def take(self, msg) -> Envelope | None:
+        """The envelope accepted for `msg` (None if it was evicted)."""
+        return self.accepted.pop(msg.from_id + msg.seqno, None)
+
+    def reopen(self, msg) -> Envelope:
+        """Decode again without the replay check (the validator already did it)."""
+        return open_envelope(msg.data, limits=self.limits,
+                             expected_sender=ID(msg.from_id).to_base58(),
+                             max_skew_s=self.max_skew_s)
+
+
+def mesh_ready(router: GossipSub, pubsub: Pubsub, topic: str, degree_low: int) -> tuple[bool, int]:
+    """(ready, topic peers): ready when our mesh (or fanout) holds at least
+    min(topic peers, degree_low) peers."""
+    topic_peers = len(pubsub.peer_topics.get(topic, ()))
+    if topic in router.mesh:
+        have = len(router.mesh[topic])
+    else:
+        have = topic_peers  # fanout: publishing picks from the topic's peers directly
+    return topic_peers > 0 and have >= min(topic_peers, degree_low), topic_peers

@@ -1,0 +1,619 @@
+"""P2PNode: the asyncio API of the libp2p host (Noise only, Yamux only, TCP).
+
+The host, GossipSub and all stream handlers live in a trio thread (bridge.py); every public
+method here is asyncio and crosses into that thread without blocking the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import socket
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+
+import multiaddr
+import trio
+from libp2p import new_host
+from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
+from libp2p.stream_muxer.yamux.yamux import Yamux
+from libp2p.tools.anyio_service import background_trio_service
+
+from ...protocol.envelope import Envelope, open_envelope
+from ...protocol.errors import ProtocolError
+from ...protocol.ids import FETCH_PROTOCOL, topic
+from ...protocol.messages import PayloadAnnounce, WireModel
+from .bridge import TrioBridge
+from .errors import (
+    BadMultiaddr,
+    DialError,
+    NotRunning,
+    P2PError,
+    PublishError,
+    RequestError,
+    StreamError,
+)
+from .gossip import CountingSendChannel, GossipValidator, build_gossip, max_rpc_size, mesh_ready
+from .metrics import P2PMetrics
+from .streams import (
+    AsyncStream,
+    PeerSlots,
+    client_request,
+    close_quietly,
+    remote_peer,
+    reset_quietly,
+    serve_request,
+)
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[Envelope, str], Awaitable[None]]
+StreamHandler = Callable[[str, AsyncStream], Awaitable[None]]
+RequestHandler = Callable[[str, bytes], Awaitable[bytes]]
+
+
+class P2PNode:
+    """A swarm peer. `config` is the whole Config tree (uses `node`, `p2p`, `limits`)."""
+
+    def __init__(self, identity, config):
+        self.identity = identity
+        self.config = config
+        self.cfg = config.p2p
+        self.swarm_id = config.node.swarm_id
+        self.limits = config.limits.to_limits()
+        self.metrics = P2PMetrics()
+        self.peer_id: str = identity.peer_id
+        self.listen_addrs: list[str] = []
+        self._bridge = TrioBridge(f"p2p-{self.peer_id[-6:]}")
+        self._host = None
+        self._router = None
+        self._pubsub = None
+        self._validator: GossipValidator | None = None
+        self._peer_filter: Callable[[str], bool] | None = None
+        self._connected: set[str] = set()
+        self._stream_handlers: dict[str, StreamHandler] = {}
+        self._request_handlers: dict[str, RequestHandler] = {}
+        self._subs: dict[str, list[Handler]] = {}
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._published_topics: set[str] = set()
+        self._client_slots: dict[str, asyncio.Semaphore] = {}
+        self._payloads: OrderedDict[bytes, bytes] = OrderedDict()
+        self._payload_bytes = 0
+        self._fetch_sem = asyncio.Semaphore(self.cfg.payload_fetch_parallel)
+        self._server_slots = PeerSlots(self.cfg.max_requests_per_peer)
+        self._stream_slots = PeerSlots(self.cfg.max_streams_per_peer)
+        self.discovery = None
+        self._closing = False
+        self._started = False
+
+    # Lifecycle ------------------------------------------------------------------------
+
+    async def start(self, *, bootstrap: list[str] | None = None, discovery: bool = True) -> None:
+        """Start the host, listen, and (if any) join through the bootstrap peers.
+
+        Raises BootstrapError (naming every address and why it failed) if bootstrap peers
+        were given and none could be reached within `p2p.bootstrap_timeout_s`."""
+        from .discovery import Discovery
+
+        listen = [_parse_maddr(a, need_peer=False) for a in self.config.node.listen]
+        try:
+            await self._bridge.start(lambda started: self._trio_main(started, listen))
+        except Exception as e:  # noqa: BLE001 - mapped to an operator-facing error
+            raise P2PError(f"cannot start the libp2p host on {', '.join(map(str, listen))}: "
+                           f"{_flatten(e)}", reason="listen_failed") from e
+        self._started = True
+        self.set_request_handler(FETCH_PROTOCOL, self._serve_payload)
+        self.discovery = Discovery(self)
+        self.discovery.install()
+        addrs = self.config.node.bootstrap if bootstrap is None else bootstrap
+        try:
+            if addrs:
+                await self.discovery.bootstrap(addrs)
+            if discovery:
+                self._spawn(self.discovery.run())
+        except BaseException:
+            await self.close()
+            raise
+
+    async def close(self) -> None:
+        """Quiesce (stop our tasks, close connections), stop the host, join its thread."""
+        if self._closing:
+            return
+        self._closing = True
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._bridge.stop()
+
+    async def __aenter__(self) -> "P2PNode":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    @property
+    def running(self) -> bool:
+        return self._bridge.running and not self._closing
+
+    @property
+    def shutdown_errors(self) -> list[str]:
+        return list(self._bridge.shutdown_errors)
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("p2p task failed: %r", task.exception())
+
+    async def _trio_main(self, started, listen: list[multiaddr.Multiaddr]) -> None:
+        key_pair = self.identity.to_libp2p_keypair()
+        noise = NoiseTransport(key_pair, noise_privkey=create_x25519_key_pair().private_key)
+        host = new_host(key_pair=key_pair,
+                        sec_opt={NOISE_PROTOCOL_ID: noise},
+                        muxer_opt={YAMUX_PROTOCOL_ID: Yamux},
+                        listen_addrs=listen)
+        router, pubsub = build_gossip(host, self.cfg, self.metrics)
+        self._validator = GossipValidator(self.peer_id, self.limits, self.metrics,
+                                          lambda: self._peer_filter,
+                                          self.config.limits.max_clock_skew_s)
+        self._host, self._router, self._pubsub = host, router, pubsub
+        host.get_network().register_notifee(_Notifee(self))
+        try:
+            async with host.run(listen_addrs=listen):
+                async with background_trio_service(pubsub), background_trio_service(router):
+                    await pubsub.wait_until_ready()
+                    self.listen_addrs = _dialable(host.get_addrs())
+                    for pid, h in self._stream_handlers.items():
+                        self._t_install_stream_handler(pid, h)
+                    for pid in self._request_handlers:
+                        self._t_install_request_handler(pid)
+                    async with trio.open_nursery() as nursery:
+                        started(nursery)
+                        await self._bridge.stop_event.wait()
+                        nursery.cancel_scope.cancel()
+                    # Quiesce before the services stop: closing under load otherwise
+                    # raises "Nursery is closed to new arrivals" inside py-libp2p.
+                    with trio.move_on_after(3):
+                        for peer in list(host.get_connected_peers()):
+                            try:
+                                await host.disconnect(peer)
+                            except Exception:  # noqa: BLE001 - best effort at shutdown
+                                pass
+                        await trio.sleep(0.05)
+        finally:
+            # Pubsub's seen-message cache owns a sweeper thread; stop it (none left behind).
+            pubsub.seen_messages.stop()
+
+    # Connections ----------------------------------------------------------------------
+
+    async def connect(self, addr: str, timeout: float | None = None) -> str:
+        """Dial a full multiaddr (with /p2p/<peer id>); returns the peer ID.
+        Raises DialError naming the address and why (refused, timeout, wrong peer ID,
+        protocol mismatch)."""
+        info = info_from_p2p_addr(_parse_maddr(addr, need_peer=True))
+        timeout = self.cfg.dial_timeout_s if timeout is None else timeout
+        self.metrics.inc("dials")
+        try:
+            await self._bridge.call(self._t_connect, info, timeout)
+        except DialError:
+            self.metrics.inc("dial_failures")
+            raise
+        except NotRunning:
+            raise
+        except Exception as e:  # noqa: BLE001 - classified into a DialError
+            self.metrics.inc("dial_failures")
+            raise DialError(f"{addr}: {describe_dial_error(e)}") from e
+        return info.peer_id.to_base58()
+
+    async def _t_connect(self, info, timeout: float) -> None:
+        try:
+            with trio.fail_after(timeout):
+                await self._host.connect(info)
+        except trio.TooSlowError:
+            raise DialError(f"timed out after {timeout:.0f}s", reason="timeout") from None
+
+    def connected_peers(self) -> list[str]:
+        return sorted(self._connected)
+
+    async def disconnect(self, peer_id: str) -> None:
+        await self._bridge.call(self._host.disconnect, ID.from_base58(peer_id))
+
+    def set_peer_filter(self, fn: Callable[[str], bool] | None) -> None:
+        """`fn(peer_id) -> bool`: False drops that peer's gossip (at the validator, counted
+        as `banned`) and refuses its requests and streams. Called from the libp2p thread:
+        it must be fast and thread-safe (e.g. a set lookup)."""
+        self._peer_filter = fn
+
+    def _allowed(self, peer: str) -> bool:
+        allow = self._peer_filter
+        return allow is None or bool(allow(peer))
+
+    # Gossip ---------------------------------------------------------------------------
+
+    def topic(self, kind: str) -> str:
+        return topic(self.swarm_id, kind)
+
+    async def subscribe(self, kind: str, handler: Handler) -> None:
+        """Call `await handler(envelope, from_peer)` for every verified message on `kind`
+        from other peers, in arrival order. Payload announcements are resolved first: the
+        handler sees the pulled message, never the announcement."""
+        t = self.topic(kind)
+        first = kind not in self._subs
+        self._subs.setdefault(kind, []).append(handler)
+        if not first:
+            return
+        queue: asyncio.Queue = asyncio.Queue(self.cfg.subscription_queue)
+        self._queues[kind] = queue
+        self._spawn(self._consume(kind, queue))
+        await self._bridge.call(self._t_subscribe, kind, t)
+
+    async def _t_subscribe(self, kind: str, t: str) -> None:
+        pubsub = self._pubsub
+        pubsub.set_topic_validator(t, self._validator, False)
+        await pubsub.subscribe(t)
+        send, recv = trio.open_memory_channel(self.cfg.subscription_queue)
+        pubsub.subscribed_topics_send[t] = CountingSendChannel(send, self.metrics)
+        self._bridge._nursery.start_soon(self._t_read_topic, kind, recv)
+
+    async def _t_read_topic(self, kind: str, recv) -> None:
+        async for msg in recv:
+            try:
+                origin = ID(msg.from_id).to_base58()
+            except Exception:  # noqa: BLE001 - validated already; defensive
+                continue
+            if origin == self.peer_id:
+                self.metrics.inc("own_skipped")
+                continue
+            env = self._validator.take(msg)
+            if env is None:
+                try:
+                    env = self._validator.reopen(msg)
+                except ProtocolError as e:
+                    self.metrics.reject(origin, e.reason)
+                    continue
+            self.metrics.inc("received")
+            self._bridge.to_asyncio_nowait(self._enqueue, kind, env, origin)
+
+    def _enqueue(self, kind: str, env: Envelope, origin: str) -> None:
+        try:
+            self._queues[kind].put_nowait((env, origin))
+        except asyncio.QueueFull:
+            self.metrics.inc("drop_handler_queue_full")
+
+    async def _consume(self, kind: str, queue: asyncio.Queue) -> None:
+        while True:
+            env, origin = await queue.get()
+            if env.type == PayloadAnnounce.TYPE:
+                self._spawn(self._pull_announced(kind, env, origin))
+                continue
+            await self._deliver(kind, env, origin)
+
+    async def _deliver(self, kind: str, env: Envelope, origin: str) -> None:
+        for handler in list(self._subs.get(kind, ())):
+            try:
+                await handler(env, origin)
+                self.metrics.inc("delivered")
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a handler bug must not stop the topic
+                self.metrics.inc("handler_errors")
+                log.exception("handler for %s failed on %s from %s: %s", kind, env.type,
+                              origin, e)
+
+    async def publish(self, kind: str, message: WireModel) -> None:
+        """Seal `message` and gossip it on `kind`. Waits for the topic mesh (first publish)
+        and for outbound queue capacity; raises PublishError(queue_full) only after
+        `p2p.publish_timeout_s`. A sealed message above `p2p.inline_payload_max` is kept
+        here and announced (PayloadAnnounce); subscribers pull it over FETCH_PROTOCOL."""
+        t = self.topic(kind)
+        data = self.identity.seal(message)
+        if len(data) > self.cfg.inline_payload_max:
+            digest = hashlib.sha256(data).digest()
+            self._store_payload(digest, data)
+            data = self.identity.seal(PayloadAnnounce(inner_type=message.TYPE,
+                                                      content_hash=digest, size=len(data)))
+            self.metrics.inc("payload_announced")
+        await self._bridge.call(self._t_publish, t, data)
+
+    async def _t_publish(self, t: str, data: bytes) -> None:
+        await self._t_wait_mesh(t)
+        await self._t_wait_capacity()
+        await self._pubsub.publish(t, data)
+        self._published_topics.add(t)
+        self.metrics.inc("published")
+
+    async def _t_wait_mesh(self, t: str) -> None:
+        if not self._host.get_connected_peers():
+            self.metrics.inc("publish_no_peers")
+            return
+        first = t not in self._published_topics
+        deadline = trio.current_time() + self.cfg.mesh_wait_s
+        while True:
+            ready, topic_peers = mesh_ready(self._router, self._pubsub, t,
+                                            self.cfg.mesh_degree_low)
+            if ready:
+                return
+            if (not first and topic_peers == 0) or trio.current_time() >= deadline:
+                self.metrics.inc("publish_no_mesh")
+                return
+            await trio.sleep(0.02)
+
+    async def _t_wait_capacity(self) -> None:
+        queues = self._pubsub.peer_queues
+        _, fullest = queues.fullest()
+        if fullest <= self.cfg.publish_high_water:
+            return
+        self.metrics.inc("publish_waits")
+        deadline = trio.current_time() + self.cfg.publish_timeout_s
+        while True:
+            await trio.sleep(0.005)
+            peer, fullest = queues.fullest()
+            if fullest <= self.cfg.publish_high_water:
+                return
+            if trio.current_time() >= deadline:
+                raise PublishError(
+                    f"outbound queue to {peer} still holds {fullest} messages after "
+                    f"{self.cfg.publish_timeout_s:.0f}s (peer too slow or stalled)",
+                    reason="queue_full")
+
+    def topic_peers(self, kind: str) -> list[str]:
+        """Peers known to be subscribed to `kind` (a snapshot, for tests and status)."""
+        peers = self._pubsub.peer_topics.get(self.topic(kind), ()) if self._pubsub else ()
+        return sorted(p.to_base58() for p in list(peers))
+
+    def mesh_peers(self, kind: str) -> list[str]:
+        mesh = self._router.mesh.get(self.topic(kind), ()) if self._router else ()
+        return sorted(p.to_base58() for p in list(mesh))
+
+    # Large payloads -------------------------------------------------------------------
+
+    def _store_payload(self, digest: bytes, data: bytes) -> None:
+        if digest in self._payloads:
+            return
+        self._payloads[digest] = data
+        self._payload_bytes += len(data)
+        while self._payload_bytes > self.cfg.payload_cache_bytes and len(self._payloads) > 1:
+            _, old = self._payloads.popitem(last=False)
+            self._payload_bytes -= len(old)
+
+    async def _serve_payload(self, peer: str, body: bytes) -> bytes:
+        data = self._payloads.get(body)
+        if data is None:
+            raise LookupError("payload not held here")
+        return data
+
+    async def _pull_announced(self, kind: str, env: Envelope, origin: str) -> None:
+        ann: PayloadAnnounce = env.message
+        inner_max = self.limits.max_for(ann.inner_type) + 4096
+        if ann.size > inner_max:
+            self.metrics.reject(origin, "too_large")
+            return
+        async with self._fetch_sem:
+            try:
+                data = await self.request(origin, FETCH_PROTOCOL, ann.content_hash,
+                                          max_response=ann.size)
+            except RequestError as e:
+                self.metrics.inc("payload_fetch_failed")
+                log.warning("could not pull announced %s from %s: %s", ann.inner_type, origin, e)
+                return
+        if len(data) != ann.size or hashlib.sha256(data).digest() != ann.content_hash:
+            self.metrics.reject(origin, "hash_mismatch")
+            return
+        try:
+            inner = open_envelope(data, limits=self.limits, expected_sender=origin,
+                                  expected_type=ann.inner_type, replay_cache=self._validator.replay,
+                                  max_skew_s=self.config.limits.max_clock_skew_s)
+        except ProtocolError as e:
+            self.metrics.reject(origin, e.reason)
+            return
+        self._store_payload(ann.content_hash, data)
+        self.metrics.inc("payload_fetched")
+        await self._deliver(kind, inner, origin)
+
+    # Streams and requests -------------------------------------------------------------
+
+    def set_stream_handler(self, protocol_id: str, handler: StreamHandler) -> None:
+        """`await handler(peer_id, stream)` for each inbound stream on `protocol_id`; the
+        stream is closed when the handler returns."""
+        self._stream_handlers[protocol_id] = handler
+        if self.running:
+            self._bridge.call_soon(self._t_install_stream_handler, protocol_id, handler)
+
+    def _t_install_stream_handler(self, protocol_id: str, handler: StreamHandler) -> None:
+        async def on_stream(stream) -> None:
+            peer = remote_peer(stream)
+            if not self._allowed(peer) or not self._stream_slots.try_take(peer):
+                self.metrics.inc("streams_refused")
+                await reset_quietly(stream)
+                return
+            try:
+                await self._bridge.to_asyncio(
+                    handler, peer, AsyncStream(self._bridge, stream, peer, protocol_id))
+            except Exception as e:  # noqa: BLE001 - counted; the stream is reset
+                self.metrics.inc("stream_handler_errors")
+                log.info("stream handler %s for %s failed: %s: %s", protocol_id, peer,
+                         type(e).__name__, e)
+                await reset_quietly(stream)
+                return
+            finally:
+                self._stream_slots.give(peer)
+            await close_quietly(stream)
+
+        self._host.set_stream_handler(protocol_id, on_stream)
+
+    async def open_stream(self, peer_id: str, protocol_id: str,
+                          timeout: float | None = None) -> AsyncStream:
+        timeout = self.cfg.request_timeout_s if timeout is None else timeout
+        stream = await self._bridge.call(self._t_open_stream, ID.from_base58(peer_id),
+                                         protocol_id, timeout)
+        return AsyncStream(self._bridge, stream, peer_id, protocol_id)
+
+    async def _t_open_stream(self, peer: ID, protocol_id: str, timeout: float):
+        try:
+            with trio.fail_after(timeout):
+                return await self._host.new_stream(peer, [protocol_id])
+        except trio.TooSlowError:
+            raise StreamError(f"opening {protocol_id} to {peer} timed out after {timeout:.0f}s",
+                              reason="timeout") from None
+        except Exception as e:  # noqa: BLE001 - any open failure is a StreamError
+            raise StreamError(f"cannot open {protocol_id} to {peer}: {type(e).__name__}: {e}",
+                              reason="open_failed") from e
+
+    def set_request_handler(self, protocol_id: str, handler: RequestHandler) -> None:
+        """`await handler(peer_id, request_bytes) -> response_bytes`; a raised exception is
+        sent back as an error response. Sizes and per-peer concurrency are limited by config."""
+        self._request_handlers[protocol_id] = handler
+        if self.running:
+            self._bridge.call_soon(self._t_install_request_handler, protocol_id)
+
+    def _t_install_request_handler(self, protocol_id: str) -> None:
+        async def on_stream(stream) -> None:
+            peer = remote_peer(stream)
+            if not self._allowed(peer):
+                self.metrics.inc("streams_refused")
+                await reset_quietly(stream)
+                return
+            await serve_request(self._bridge, stream, self._request_handlers[protocol_id],
+                                slots=self._server_slots, timeout=self.cfg.request_timeout_s,
+                                max_request=self.cfg.max_request_bytes,
+                                max_response=self.cfg.max_response_bytes, metrics=self.metrics)
+
+        self._host.set_stream_handler(protocol_id, on_stream)
+
+    async def request(self, peer_id: str, protocol_id: str, payload: bytes,
+                      timeout: float | None = None, *, max_response: int | None = None) -> bytes:
+        """Send one framed request and return the response body. RequestError.reason is one
+        of timeout, open_failed, too_large, busy, remote_error, no_handler, eof, reset."""
+        timeout = self.cfg.request_timeout_s if timeout is None else timeout
+        max_response = self.cfg.max_response_bytes if max_response is None else max_response
+        slots = self._client_slots.get(peer_id)
+        if slots is None:
+            slots = self._client_slots[peer_id] = asyncio.Semaphore(self.cfg.max_requests_per_peer)
+        async with slots:
+            self.metrics.inc("requests_sent")
+            try:
+                return await self._bridge.call(
+                    _client_request_kw, self._host, ID.from_base58(peer_id), protocol_id,
+                    bytes(payload), timeout, max_response)
+            except RequestError:
+                self.metrics.inc("requests_failed")
+                raise
+
+    # Connection tracking (called in the trio thread) -----------------------------------
+
+    def _t_peers_changed(self) -> None:
+        peers = {p.to_base58() for p in self._host.get_connected_peers()}
+        self._bridge.to_asyncio_nowait(self._set_connected, peers)
+
+    def _set_connected(self, peers: set[str]) -> None:
+        self._connected = peers
+
+
+async def _client_request_kw(host, peer, protocol_id, payload, timeout, max_response):
+    return await client_request(host, peer, protocol_id, payload, timeout=timeout,
+                                max_response=max_response)
+
+
+class _Notifee:
+    """py-libp2p network notifee: keeps P2PNode's connected-peer set current."""
+
+    def __init__(self, node: P2PNode):
+        self.node = node
+
+    async def opened_stream(self, network, stream) -> None:
+        pass
+
+    async def closed_stream(self, network, stream) -> None:
+        pass
+
+    async def connected(self, network, conn) -> None:
+        self.node._t_peers_changed()
+
+    async def disconnected(self, network, conn) -> None:
+        self.node._t_peers_changed()
+
+    async def listen(self, network, multiaddr) -> None:
+        pass
+
+    async def listen_close(self, network, multiaddr) -> None:
+        pass
+
+
+def _parse_maddr(addr: str, *, need_peer: bool) -> multiaddr.Multiaddr:
+    try:
+        m = multiaddr.Multiaddr(addr)
+    except Exception as e:  # noqa: BLE001 - multiaddr raises several types
+        raise BadMultiaddr(f"{addr!r} is not a valid multiaddr ({e})") from None
+    if need_peer and "/p2p/" not in str(m):
+        raise BadMultiaddr(f"{addr} lacks the /p2p/<peer id> part (copy the full address "
+                           "the other node printed)")
+    return m
+
+
+def _dialable(addrs) -> list[str]:
+    """Full multiaddrs others can dial: 0.0.0.0 expands to this machine's addresses."""
+    out: list[str] = []
+    for a in addrs:
+        s = str(a)
+        if "/ip4/0.0.0.0/" in s:
+            for ip in _local_ips():
+                out.append(s.replace("/ip4/0.0.0.0/", f"/ip4/{ip}/"))
+        else:
+            out.append(s)
+    return list(dict.fromkeys(out))
+
+
+def _local_ips() -> list[str]:
+    ips = ["127.0.0.1"]
+    try:
+        for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET):
+            ips.append(info[4][0])
+    except OSError:
+        pass
+    return list(dict.fromkeys(ips))
+
+
+def describe_dial_error(e: BaseException) -> str:
+    """One line saying why a dial failed, for operators."""
+    text = f"{type(e).__name__}: {e}"
+    seen: list[BaseException] = []
+    cur: BaseException | None = e
+    while cur is not None and cur not in seen:
+        seen.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    blob = " | ".join(f"{type(x).__name__}: {x}" for x in seen).lower()
+    if isinstance(e, DialError) and e.reason == "timeout":
+        return f"{e} (host down, firewall, or wrong IP/port?)"
+    if "refused" in blob:
+        return "connection refused (nothing listening there: is the node running, is the port right?)"
+    if "peer id" in blob or "peerid" in blob or "mismatch" in blob and "id" in blob:
+        return f"wrong peer ID: the node at that address has another identity ({text})"
+    if "protocol" in blob or "negotiat" in blob or "handshake" in blob or "noise" in blob:
+        return ("protocol mismatch: the other side did not complete Noise + Yamux "
+                f"(not a swarm-node peer, or an incompatible version?) ({text})")
+    if "timed out" in blob or "timeout" in blob:
+        return "timed out (host down, firewall, or wrong IP/port?)"
+    if "unreachable" in blob or "no route" in blob:
+        return "network unreachable (check the IP address and your network)"
+    return text
+
+
+def _flatten(e: BaseException) -> str:
+    """Leaf errors of a (possibly nested) exception group, one line."""
+    if isinstance(e, BaseExceptionGroup):
+        return "; ".join(_flatten(x) for x in e.exceptions)
+    return f"{type(e).__name__}: {e}"

@@ -1,0 +1,45 @@
+"""Counters of the peer-to-peer layer. Incremented from both threads (single dict
+operations under the GIL); read with `snapshot()`."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+
+class P2PMetrics:
+    """Named counters plus gossip rejects per (sender, reason).
+
+    Counter names (NODE_SPEC.md lists them): published, publish_waits, publish_no_peers,
+    publish_no_mesh, received, delivered, own_skipped, rejected, drop_outbound_queue_full,
+    drop_outbound_oversized, drop_subscription_full, drop_handler_queue_full, handler_errors,
+    payload_announced, payload_fetched, payload_fetch_failed, requests_sent, requests_failed,
+    requests_served, requests_busy, requests_too_large, streams_refused, dials, dial_failures.
+    """
+
+    def __init__(self) -> None:
+        self.counters: Counter[str] = Counter()
+        self.rejects: Counter[tuple[str, str]] = Counter()
+
+    def inc(self, name: str, n: int = 1) -> None:
+        self.counters[name] += n
+
+    def reject(self, sender: str, reason: str) -> None:
+        self.rejects[(sender, reason)] += 1
+        self.counters["rejected"] += 1
+        self.counters[f"rejected.{reason}"] += 1
+
+    def __getitem__(self, name: str) -> int:
+        return self.counters.get(name, 0)
+
+    def rejects_by_sender(self, sender: str) -> dict[str, int]:
+        return {reason: n for (s, reason), n in list(self.rejects.items()) if s == sender}
+
+    def drops(self) -> int:
+        return sum(n for k, n in list(self.counters.items()) if k.startswith("drop_"))
+
+    def snapshot(self) -> dict:
+        return {
+            "counters": dict(self.counters),
+            "rejects": [{"sender": s, "reason": r, "count": n}
+                        for (s, r), n in list(self.rejects.items())],
+        }

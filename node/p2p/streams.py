@@ -1,0 +1,256 @@
+"""Streams over libp2p (Noise + Yamux): an asyncio-facing stream object and the
+length-prefixed request/response protocol.
+
+Request/response framing on one stream per request:
+  request:  u32 big-endian length, then that many bytes
+  response: u8 status, u32 big-endian length, then that many bytes
+Status codes: 0 ok (body = response), 1 error (body = UTF-8 message), 2 busy (too many
+requests from this peer in flight), 3 too_large (request above the server's limit),
+4 no_handler. The server closes the stream after the response.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from collections import Counter
+from collections.abc import Awaitable, Callable
+
+import trio
+from libp2p.network.stream.exceptions import StreamEOF, StreamReset
+
+from .bridge import TrioBridge
+from .errors import RequestError, StreamError
+from .metrics import P2PMetrics
+
+log = logging.getLogger(__name__)
+
+STATUS_OK, STATUS_ERROR, STATUS_BUSY, STATUS_TOO_LARGE, STATUS_NO_HANDLER = range(5)
+STATUS_REASONS = {STATUS_ERROR: "remote_error", STATUS_BUSY: "busy",
+                  STATUS_TOO_LARGE: "too_large", STATUS_NO_HANDLER: "no_handler"}
+_LEN = struct.Struct(">I")
+_RESP = struct.Struct(">BI")
+MAX_ERROR_TEXT = 1024
+
+
+# trio side -------------------------------------------------------------------------------
+
+async def read_exactly(stream, n: int) -> bytes:
+    """Read exactly n bytes from a libp2p stream; StreamError(reason="eof") if it ends."""
+    parts: list[bytes] = []
+    got = 0
+    while got < n:
+        try:
+            chunk = await stream.read(min(n - got, 1 << 20))
+        except StreamEOF:
+            chunk = b""
+        except StreamReset as e:
+            raise StreamError("the peer reset the stream", reason="reset") from e
+        if not chunk:
+            raise StreamError(f"stream ended after {got} of {n} bytes", reason="eof")
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
+
+
+async def read_some(stream, n: int) -> bytes:
+    """Up to n bytes; b"" at end of stream."""
+    try:
+        return await stream.read(n)
+    except StreamEOF:
+        return b""
+    except StreamReset as e:
+        raise StreamError("the peer reset the stream", reason="reset") from e
+
+
+async def write_all(stream, data: bytes) -> None:
+    try:
+        await stream.write(data)
+    except StreamReset as e:
+        raise StreamError("the peer reset the stream", reason="reset") from e
+    except Exception as e:  # noqa: BLE001 - libp2p raises many types for a dead stream
+        raise StreamError(f"write failed: {type(e).__name__}: {e}", reason="write_failed") from e
+
+
+async def close_quietly(stream) -> None:
+    try:
+        with trio.move_on_after(2):
+            await stream.close()
+    except Exception:  # noqa: BLE001 - closing a broken stream is best effort
+        try:
+            await stream.reset()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+async def reset_quietly(stream) -> None:
+    try:
+        await stream.reset()
+    except Exception:  # noqa: BLE001 - best effort
+        pass
+
+
+def remote_peer(stream) -> str:
+    return stream.muxed_conn.peer_id.to_base58()
+
+
+class PeerSlots:
+    """Counts in-flight work per peer; `try_take` fails when a peer is at its limit."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.inflight: Counter[str] = Counter()
+
+    def try_take(self, peer: str) -> bool:
+        if self.inflight[peer] >= self.limit:
+            return False
+        self.inflight[peer] += 1
+        return True
+
+    def give(self, peer: str) -> None:
+        self.inflight[peer] -= 1
+        if self.inflight[peer] <= 0:
+            del self.inflight[peer]
+
+
+async def client_request(host, peer_id, protocol_id: str, payload: bytes, *,
+                         timeout: float, max_response: int) -> bytes:
+    """Open a stream, send one framed request, read one framed response (trio side)."""
+    stream = None
+    try:
+        with trio.fail_after(timeout):
+            try:
+                stream = await host.new_stream(peer_id, [protocol_id])
+            except Exception as e:  # noqa: BLE001 - any open failure is a RequestError
+                raise RequestError(f"cannot open {protocol_id} to {peer_id}: "
+                                   f"{type(e).__name__}: {e}", reason="open_failed") from e
+            await write_all(stream, _LEN.pack(len(payload)) + payload)
+            status, length = _RESP.unpack(await read_exactly(stream, _RESP.size))
+            limit = max_response if status == STATUS_OK else MAX_ERROR_TEXT
+            if length > limit:
+                raise RequestError(f"response of {length} bytes from {peer_id} exceeds "
+                                   f"{limit}", reason="too_large")
+            body = await read_exactly(stream, length)
+    except trio.TooSlowError:
+        if stream is not None:
+            await reset_quietly(stream)
+        raise RequestError(f"{protocol_id} request to {peer_id} timed out after {timeout:.1f}s",
+                           reason="timeout") from None
+    except StreamError as e:
+        if stream is not None:
+            await reset_quietly(stream)
+        raise RequestError(f"{protocol_id} request to {peer_id} failed: {e}",
+                           reason=e.reason) from e
+    except RequestError:
+        if stream is not None:
+            await reset_quietly(stream)
+        raise
+    await close_quietly(stream)
+    if status == STATUS_OK:
+        return body
+    reason = STATUS_REASONS.get(status, "remote_error")
+    text = body.decode("utf-8", "replace")
+    raise RequestError(f"{peer_id} answered {protocol_id} with {reason}: {text}", reason=reason)
+
+
+async def serve_request(bridge: TrioBridge, stream, handler: Callable[[str, bytes],
+                        Awaitable[bytes]], *, slots: PeerSlots, timeout: float,
+                        max_request: int, max_response: int, metrics: P2PMetrics) -> None:
+    """Trio-side stream handler for one request (the asyncio handler does the work)."""
+    peer = remote_peer(stream)
+    slot = f"{peer} {stream.get_protocol()}"  # per peer and protocol: bulk can't starve others
+    try:
+        with trio.fail_after(timeout):
+            (length,) = _LEN.unpack(await read_exactly(stream, _LEN.size))
+            if length > max_request:
+                metrics.inc("requests_too_large")
+                await _respond(stream, STATUS_TOO_LARGE,
+                               f"request of {length} bytes exceeds {max_request}".encode())
+                return
+            if not slots.try_take(slot):
+                metrics.inc("requests_busy")
+                await _respond(stream, STATUS_BUSY, b"too many requests in flight")
+                return
+            try:
+                body = await read_exactly(stream, length)
+                try:
+                    response = await bridge.to_asyncio(handler, peer, body)
+                except Exception as e:  # noqa: BLE001 - reported to the requester, counted
+                    metrics.inc("request_handler_errors")
+                    log.info("request handler for %s failed: %s: %s",
+                             stream.get_protocol(), type(e).__name__, e)
+                    await _respond(stream, STATUS_ERROR,
+                                   f"{type(e).__name__}: {e}".encode()[:MAX_ERROR_TEXT])
+                    return
+            finally:
+                slots.give(slot)
+            if not isinstance(response, bytes | bytearray | memoryview):
+                await _respond(stream, STATUS_ERROR, b"handler returned a non-bytes response")
+                return
+            if len(response) > max_response:
+                await _respond(stream, STATUS_ERROR,
+                               f"response of {len(response)} bytes exceeds {max_response}"
+                               .encode())
+                return
+            await _respond(stream, STATUS_OK, bytes(response))
+            metrics.inc("requests_served")
+    except trio.TooSlowError:
+        metrics.inc("requests_timed_out")
+        await reset_quietly(stream)
+        return
+    except StreamError:
+        metrics.inc("requests_broken")
+        await reset_quietly(stream)
+        return
+    await close_quietly(stream)
+
+
+async def _respond(stream, status: int, body: bytes) -> None:
+    await write_all(stream, _RESP.pack(status, len(body)) + body)
+
+
+# asyncio side ----------------------------------------------------------------------------
+
+class AsyncStream:
+    """A libp2p stream used from asyncio. Every call runs in the trio thread."""
+
+    def __init__(self, bridge: TrioBridge, stream, peer_id: str, protocol_id: str):
+        self._bridge = bridge
+        self._stream = stream
+        self.peer_id = peer_id
+        self.protocol_id = protocol_id
+
+    async def read(self, n: int = 65536) -> bytes:
+        """Up to n bytes; b"" at end of stream."""
+        return await self._bridge.call(read_some, self._stream, n)
+
+    async def readexactly(self, n: int) -> bytes:
+        """Exactly n bytes, or StreamError(reason="eof") if the stream ends first."""
+        if n < 0:
+            raise ValueError("n must be >= 0")
+        if n == 0:
+            return b""
+        return await self._bridge.call(read_exactly, self._stream, n)
+
+    async def write(self, data: bytes) -> None:
+        await self._bridge.call(write_all, self._stream, bytes(data))
+
+    async def close(self) -> None:
+        """Close our side (the peer reads EOF); never raises."""
+        try:
+            await self._bridge.call(close_quietly, self._stream)
+        except Exception:  # noqa: BLE001 - host already closed
+            pass
+
+    async def reset(self) -> None:
+        """Abort the stream in both directions; never raises."""
+        try:
+            await self._bridge.call(reset_quietly, self._stream)
+        except Exception:  # noqa: BLE001
+            pass
+
+    async def __aenter__(self) -> "AsyncStream":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -1,0 +1,84 @@
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from swarm_node.node.config import Config
+from swarm_node.node.identity import Identity
+
+PEER_PROC = Path(__file__).with_name("peer_proc.py")
+
+
+def p2p_config(**p2p) -> Config:
+    cfg = Config()
+    cfg.node.listen = ["/ip4/127.0.0.1/tcp/0"]
+    cfg.p2p.discovery_interval_s = 0.5
+    cfg.p2p.bootstrap_timeout_s = 5
+    cfg.p2p.dial_timeout_s = 3
+    cfg.p2p.mesh_wait_s = 5
+    for k, v in p2p.items():
+        setattr(cfg.p2p, k, v)
+    return cfg
+
+
+@pytest.fixture
+async def make_node():
+    """Factory of started P2PNodes on loopback; all are closed at the end of the test."""
+    from swarm_node.node.p2p import P2PNode
+
+    nodes = []
+
+    async def make(identity=None, bootstrap=None, discovery=True, **p2p):
+        node = P2PNode(identity or Identity.generate(), p2p_config(**p2p))
+        await node.start(bootstrap=bootstrap or [], discovery=discovery)
+        nodes.append(node)
+        return node
+
+    yield make
+    for node in nodes:
+        await node.close()
+
+
+class PeerProcess:
+    """A peer_proc.py subprocess; `stop()` closes its stdin and returns its final report."""
+
+    def __init__(self, *args: str):
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([sys.executable, str(PEER_PROC), *args],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, env=env)
+        self.info: dict = {}
+
+    async def ready(self, timeout: float = 60) -> dict:
+        line = await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.readline), timeout)
+        if not line:
+            raise RuntimeError(f"peer process died: {self.proc.stderr.read()[-3000:]}")
+        self.info = json.loads(line)
+        return self.info
+
+    async def stop(self, timeout: float = 30) -> dict:
+        try:
+            self.proc.stdin.close()
+            out = await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.read), timeout)
+            await asyncio.wait_for(asyncio.to_thread(self.proc.wait), timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+        lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+        return json.loads(lines[-1]) if lines else {}
+
+
+async def wait_until(pred, timeout: float = 20, interval: float = 0.05, what: str = "condition"):
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not pred():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(interval)

@@ -1,0 +1,62 @@
+"""A swarm peer in its own process, driven by the p2p tests and the gossip benchmark.
+
+Prints one JSON line {"peer_id", "addrs"} when up; serves /test/echo/1.0.0 (reversed bytes)
+and /test/raw-echo/1.0.0 (raw stream echo); subscribes to "verdicts" and echoes each Status
+it receives back as a request-free gossip count. Exits cleanly when stdin closes.
+Usage: python peer_proc.py [--key PEM] [--bootstrap MULTIADDR]...
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import threading
+
+
+async def main() -> int:
+    from swarm_node.node.config import Config
+    from swarm_node.node.identity import Identity
+    from swarm_node.node.p2p import P2PNode
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--key")
+    ap.add_argument("--bootstrap", action="append", default=[])
+    ap.add_argument("--discovery-interval", type=float, default=0.5)
+    args = ap.parse_args()
+    cfg = Config()
+    cfg.node.listen = ["/ip4/127.0.0.1/tcp/0"]
+    cfg.p2p.discovery_interval_s = args.discovery_interval
+    cfg.p2p.bootstrap_timeout_s = 10
+    ident = Identity.load_or_create(args.key) if args.key else Identity.generate()
+    node = P2PNode(ident, cfg)
+
+    async def echo(peer: str, body: bytes) -> bytes:
+        return body[::-1]
+
+    async def raw_echo(peer: str, stream) -> None:
+        while data := await stream.read(1 << 20):
+            await stream.write(data)
+
+    received = []
+
+    async def on_status(env, peer):
+        received.append(env.message.round)
+
+    node.set_request_handler("/test/echo/1.0.0", echo)
+    node.set_stream_handler("/test/raw-echo/1.0.0", raw_echo)
+    await node.start(bootstrap=args.bootstrap)
+    await node.subscribe("verdicts", on_status)
+    print(json.dumps({"peer_id": node.peer_id, "addrs": node.listen_addrs}), flush=True)
+    await asyncio.to_thread(sys.stdin.read)  # until the test closes our stdin
+    await node.close()
+    leftover = [t.name for t in threading.enumerate()
+                if t.name.startswith("p2p-") or "_background_cleanup" in t.name]
+    print(json.dumps({"received": len(received), "shutdown_errors": node.shutdown_errors,
+                      "leftover_threads": leftover}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))

@@ -1,0 +1,109 @@
+"""P2PNode on real libp2p hosts over loopback: connect, requests, streams, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+
+import pytest
+
+from swarm_node.node.p2p import P2PError, RequestError
+
+from .conftest import PeerProcess, wait_until
+
+
+async def test_two_processes_request_response_and_stream(make_node):
+    peer = PeerProcess()
+    try:
+        info = await peer.ready()
+        node = await make_node()
+        remote = await node.connect(info["addrs"][0])
+        assert remote == info["peer_id"]
+        await wait_until(lambda: remote in node.connected_peers(), what="connection")
+
+        assert await node.request(remote, "/test/echo/1.0.0", b"swarm") == b"mraws"
+        big = os.urandom(300_000)
+        assert await node.request(remote, "/test/echo/1.0.0", big) == big[::-1]
+
+        stream = await node.open_stream(remote, "/test/raw-echo/1.0.0")
+        blob = os.urandom(2 * 1024 * 1024 + 17)
+        await stream.write(blob)
+        echoed = await stream.readexactly(len(blob))
+        await stream.close()
+        assert echoed == blob
+    finally:
+        report = await peer.stop()
+    assert peer.proc.returncode == 0
+    assert report["shutdown_errors"] == [] and report["leftover_threads"] == []
+
+
+async def test_request_failures_are_classified(make_node):
+    server = await make_node(max_requests_per_peer=1, max_request_bytes=4096,
+                             request_timeout_s=5)
+    client = await make_node(bootstrap=server.listen_addrs)
+    gate = asyncio.Event()
+
+    async def slow(peer, body):
+        await gate.wait()
+        return b"late"
+
+    async def broken(peer, body):
+        raise ValueError("no such thing")
+
+    async def echo(peer, body):
+        return body
+
+    server.set_request_handler("/t/slow/1", slow)
+    server.set_request_handler("/t/broken/1", broken)
+    server.set_request_handler("/t/echo/1", echo)
+    await asyncio.sleep(0.1)  # handlers are installed in the libp2p thread
+
+    with pytest.raises(RequestError) as e:
+        await client.request(server.peer_id, "/t/echo/1", b"x" * 5000)
+    assert e.value.reason == "too_large"
+    with pytest.raises(RequestError) as e:
+        await client.request(server.peer_id, "/t/broken/1", b"?")
+    assert e.value.reason == "remote_error" and "no such thing" in str(e.value)
+    with pytest.raises(RequestError) as e:
+        await client.request(server.peer_id, "/t/unknown/1", b"?", timeout=3)
+    assert e.value.reason == "open_failed"
+
+    first = asyncio.create_task(client.request(server.peer_id, "/t/slow/1", b"1", timeout=10))
+    await wait_until(lambda: server._server_slots.inflight, what="first slow request")
+    with pytest.raises(RequestError) as e:  # server allows one request per peer at a time
+        await client.request(server.peer_id, "/t/slow/1", b"2")
+    assert e.value.reason == "busy"
+    gate.set()
+    assert await first == b"late"
+
+    gate.clear()
+    with pytest.raises(RequestError) as e:
+        await client.request(server.peer_id, "/t/slow/1", b"3", timeout=0.5)
+    assert e.value.reason == "timeout"
+    gate.set()
+    assert await client.request(server.peer_id, "/t/echo/1", b"still fine") == b"still fine"
+    assert server.metrics["requests_too_large"] == 1
+    assert server.metrics["requests_busy"] == 1
+    assert client.metrics["requests_failed"] == 5
+
+
+async def test_close_leaves_no_threads(make_node):
+    a = await make_node()
+    b = await make_node(bootstrap=a.listen_addrs)
+    await wait_until(lambda: a.connected_peers() == [b.peer_id], what="connection")
+    await b.close()
+    await a.close()
+    names = [t.name for t in threading.enumerate()]
+    assert not [n for n in names if n.startswith("p2p-") or "_background_cleanup" in n], names
+    assert a.shutdown_errors == [] and b.shutdown_errors == []
+    with pytest.raises(P2PError):
+        await a.request(b.peer_id, "/t/echo/1", b"x")
+
+
+async def test_bad_multiaddr_is_a_clear_error(make_node):
+    node = await make_node()
+    with pytest.raises(P2PError, match="lacks the /p2p/"):
+        await node.connect("/ip4/127.0.0.1/tcp/4001")
+    with pytest.raises(P2PError, match="not a valid multiaddr"):
+        await node.connect("not-an-address")

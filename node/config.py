@@ -129,6 +129,18 @@ class VerifierSection(Section):
     """Reputation below which a peer is banned."""
     ban_seconds: float = Field(3600.0, ge=0)
     """How long a ban lasts."""
+    reputation_half_life_s: float = Field(3600.0, ge=0)
+    """Half-life of a peer's reputation score (0: no decay)."""
+    new_peer_verdicts: int = Field(20, ge=0)
+    """A peer with fewer verdicts than this is new: all its rollouts are verified."""
+    trust_score: float = 5.0
+    """Score below which every rollout of a peer is verified (spot checks only above it)."""
+    hint_suspect_seconds: float = Field(600.0, ge=0)
+    """After another peer's reject verdict (a hint), verify all the subject's rollouts this long."""
+    max_policy_lag: int = Field(2, ge=0)
+    """Oldest accepted policy version: latest - max_policy_lag (INTELLECT-2's async level)."""
+    proof_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Proof thresholds for samplers running this dtype (auto: the model section's dtype)."""
 
 
 class BroadcastSection(Section):

@@ -1,0 +1,132 @@
+"""Reputation: scores, decay, bans, persistence, spot checks and hints."""
+
+from __future__ import annotations
+
+import json
+
+from swarm_node.node.config import VerifierSection
+from swarm_node.protocol.messages import Verdict
+from swarm_node.verifier.reputation import Reputation
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_accepts_raise_rejects_lower_and_ban(tmp_path):
+    clock = Clock()
+    rep = Reputation(tmp_path / "rep.json", ban_threshold=-5, ban_seconds=100, clock=clock)
+    assert rep.record("a", True) == 1.0
+    rep.record("b", False, "proof_index_mismatch")
+    assert rep.score("b") == -5.0
+    assert not rep.is_banned("b")
+    rep.record("b", False, "proof_index_mismatch")
+    assert rep.is_banned("b")
+    assert rep.banned() == ["b"]
+    assert not rep.is_banned("a")
+    clock.t += 101
+    assert not rep.is_banned("b")
+
+
+def test_light_penalties_for_honest_mistakes():
+    rep = Reputation(None, ban_threshold=-5)
+    for _ in range(9):
+        rep.record("slow", False, "stale_policy")
+    assert not rep.is_banned("slow")  # 9 * -0.5 = -4.5
+
+
+def test_score_decays_with_half_life():
+    clock = Clock()
+    rep = Reputation(None, half_life_s=10, clock=clock)
+    for _ in range(8):
+        rep.record("a", True)
+    clock.t += 10
+    assert abs(rep.score("a") - 4.0) < 1e-9
+    clock.t += 10
+    assert abs(rep.score("a") - 2.0) < 1e-9
+
+
+def test_persisted_across_restarts(tmp_path):
+    clock = Clock()
+    path = tmp_path / "state" / "rep.json"
+    rep = Reputation(path, ban_seconds=50, clock=clock, save_interval_s=1e9)
+    rep.record("good", True)
+    for _ in range(2):
+        rep.record("bad", False, "logprob_mismatch")  # the ban saves at once
+    rep.save()
+    again = Reputation(path, clock=clock)
+    assert again.is_banned("bad")
+    assert again.score("good") == 1.0
+    assert again.secret == rep.secret
+    assert not list(path.parent.glob("*.tmp*"))
+
+
+def test_corrupt_file_moved_aside(tmp_path):
+    path = tmp_path / "rep.json"
+    path.write_text("{not json")
+    rep = Reputation(path)
+    assert rep.peers == {}
+    assert (tmp_path / "rep.json.corrupt").exists()
+    path.write_text(json.dumps({"version": 1, "secret": "zz", "peers": {}}))
+    assert Reputation(path).peers == {}
+
+
+def test_spot_check_fraction_new_low_and_trusted():
+    rep = Reputation(None, spot_check_fraction=0.1, new_peer_verdicts=5, trust_score=3,
+                     half_life_s=0)
+    assert rep.check_fraction("new") == 1.0
+    for _ in range(5):
+        rep.record("ok", True)
+    assert rep.check_fraction("ok") == 0.1
+    for _ in range(4):
+        rep.record("meh", True)
+    rep.record("meh", False, "proof_bias")
+    assert rep.check_fraction("meh") == 1.0  # old enough, but score 4 - 5 < trust_score
+    picked = sum(rep.should_verify("ok", i.to_bytes(8, "little")) for i in range(4000))
+    assert 250 < picked < 550
+
+
+def test_spot_check_is_keyed_by_local_secret():
+    a, b = Reputation(None, spot_check_fraction=0.5, new_peer_verdicts=0, trust_score=-1), \
+        Reputation(None, spot_check_fraction=0.5, new_peer_verdicts=0, trust_score=-1)
+    a.record("p", True)
+    b.record("p", True)
+    ids = [i.to_bytes(4, "little") for i in range(200)]
+    assert [a.should_verify("p", i) for i in ids] != [b.should_verify("p", i) for i in ids]
+
+
+def test_hints_make_suspect_but_never_ban():
+    clock = Clock()
+    rep = Reputation(None, spot_check_fraction=0.0, new_peer_verdicts=0, trust_score=-100,
+                     suspect_seconds=60, clock=clock)
+    rep.record("subject", True)
+    assert rep.check_fraction("subject") == 0.0
+    verdict = Verdict(rollout_id=b"\x01" * 32, subject="subject", accept=False,
+                      reason="proof_index_mismatch")
+    for _ in range(50):
+        assert rep.hint(verdict, "other")
+    assert not rep.is_banned("subject")
+    assert rep.score("subject") == 1.0
+    assert rep.check_fraction("subject") == 1.0
+    clock.t += 61
+    assert rep.check_fraction("subject") == 0.0
+    assert not rep.hint(verdict, "subject")  # about itself
+    accept = Verdict(rollout_id=b"\x01" * 32, subject="subject", accept=True, reason="ok")
+    assert not rep.hint(accept, "other")
+
+
+def test_bounded_peer_table():
+    rep = Reputation(None, max_peers=10)
+    for i in range(25):
+        rep.record(f"p{i}", True)
+    assert len(rep.peers) == 10
+
+
+def test_from_config(tmp_path):
+    section = VerifierSection(spot_check_fraction=0.25, ban_seconds=7)
+    rep = Reputation.from_config(section, tmp_path / "r.json")
+    assert rep.spot_check_fraction == 0.25 and rep.ban_seconds == 7

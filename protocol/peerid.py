@@ -17,7 +17,7 @@ _B58_INDEX = {c: i for i, c in enumerate(_B58)}
 _PB_PREFIX = bytes([0x08, 0x01, 0x12, 0x20])
 # identity multihash: code 0x00, length 36
 _MH_PREFIX = bytes([0x00, 0x24])
-PEER_ID_LEN = 46  # base58 of 38 bytes starting "12D3KooW"
+PEER_ID_LEN = 52  # base58 of 38 bytes, starting "12D3KooW"
 
 
 def b58encode(data: bytes) -> str:

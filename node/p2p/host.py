@@ -166,6 +166,8 @@ class P2PNode:
                         sec_opt={NOISE_PROTOCOL_ID: noise},
                         muxer_opt={YAMUX_PROTOCOL_ID: Yamux},
                         listen_addrs=listen)
+        # One attempt per dial: discovery.py retries with its own backoff and reports why.
+        host.get_network().retry_config.max_retries = 0
         router, pubsub = build_gossip(host, self.cfg, self.metrics)
         self._validator = GossipValidator(self.peer_id, self.limits, self.metrics,
                                           lambda: self._peer_filter,
@@ -209,20 +211,27 @@ class P2PNode:
         self.metrics.inc("dials")
         try:
             await self._bridge.call(self._t_connect, info, timeout)
-        except DialError:
-            self.metrics.inc("dial_failures")
-            raise
         except NotRunning:
             raise
         except Exception as e:  # noqa: BLE001 - classified into a DialError
             self.metrics.inc("dial_failures")
-            raise DialError(f"{addr}: {describe_dial_error(e)}") from e
+            reason = e.reason if isinstance(e, DialError) else "dial_failed"
+            raise DialError(f"{addr}: {describe_dial_error(e)}", reason=reason) from e
         return info.peer_id.to_base58()
 
     async def _t_connect(self, info, timeout: float) -> None:
+        # Dial exactly this address (not every address the peerstore holds for the peer), so
+        # a failure can be attributed to it.
+        network = self._host.get_network()
+        self._host.peerstore.add_addrs(info.peer_id, info.addrs, 3600)
+        if network.connections.get(info.peer_id):
+            return
         try:
             with trio.fail_after(timeout):
-                await self._host.connect(info)
+                conn = await network.dial_addr(info.addrs[0], info.peer_id)
+                started = getattr(conn, "event_started", None)
+                if started is not None:
+                    await started.wait()
         except trio.TooSlowError:
             raise DialError(f"timed out after {timeout:.0f}s", reason="timeout") from None
 
@@ -370,6 +379,11 @@ class P2PNode:
                     f"{self.cfg.publish_timeout_s:.0f}s (peer too slow or stalled)",
                     reason="queue_full")
 
+    async def publish_raw(self, kind: str, data: bytes) -> None:
+        """Gossip `data` as is, without sealing. For tests and tools that check how peers
+        treat malformed traffic; the node itself never uses it."""
+        await self._bridge.call(self._t_publish, self.topic(kind), bytes(data))
+
     def topic_peers(self, kind: str) -> list[str]:
         """Peers known to be subscribed to `kind` (a snapshot, for tests and status)."""
         peers = self._pubsub.peer_topics.get(self.topic(kind), ()) if self._pubsub else ()
@@ -402,14 +416,23 @@ class P2PNode:
         if ann.size > inner_max:
             self.metrics.reject(origin, "too_large")
             return
+        data = None
         async with self._fetch_sem:
-            try:
-                data = await self.request(origin, FETCH_PROTOCOL, ann.content_hash,
-                                          max_response=ann.size)
-            except RequestError as e:
-                self.metrics.inc("payload_fetch_failed")
-                log.warning("could not pull announced %s from %s: %s", ann.inner_type, origin, e)
-                return
+            # The announcer first, then peers that may have pulled it already.
+            sources = [origin] + [p for p in self.connected_peers() if p != origin][:3]
+            for source in sources:
+                try:
+                    data = await self.request(source, FETCH_PROTOCOL, ann.content_hash,
+                                              max_response=ann.size)
+                    break
+                except RequestError as e:
+                    log.info("could not pull announced %s from %s: %s", ann.inner_type,
+                             source, e)
+        if data is None:
+            self.metrics.inc("payload_fetch_failed")
+            log.warning("could not pull announced %s of %s from any of %d peers",
+                        ann.inner_type, origin, len(sources))
+            return
         if len(data) != ann.size or hashlib.sha256(data).digest() != ann.content_hash:
             self.metrics.reject(origin, "hash_mismatch")
             return
@@ -589,27 +612,36 @@ def _local_ips() -> list[str]:
 
 def describe_dial_error(e: BaseException) -> str:
     """One line saying why a dial failed, for operators."""
-    text = f"{type(e).__name__}: {e}"
     seen: list[BaseException] = []
-    cur: BaseException | None = e
-    while cur is not None and cur not in seen:
+    todo: list[BaseException] = [e]
+    while todo:
+        cur = todo.pop()
+        if cur in seen:
+            continue
         seen.append(cur)
-        cur = cur.__cause__ or cur.__context__
-    blob = " | ".join(f"{type(x).__name__}: {x}" for x in seen).lower()
+        todo.extend(x for x in (cur.__cause__, cur.__context__) if x is not None)
+        if isinstance(cur, BaseExceptionGroup):
+            todo.extend(cur.exceptions)
+    blob = " | ".join(f"{type(x).__name__}: {x}" for x in seen)
+    low = blob.lower()
     if isinstance(e, DialError) and e.reason == "timeout":
         return f"{e} (host down, firewall, or wrong IP/port?)"
-    if "refused" in blob:
-        return "connection refused (nothing listening there: is the node running, is the port right?)"
-    if "peer id" in blob or "peerid" in blob or "mismatch" in blob and "id" in blob:
-        return f"wrong peer ID: the node at that address has another identity ({text})"
-    if "protocol" in blob or "negotiat" in blob or "handshake" in blob or "noise" in blob:
-        return ("protocol mismatch: the other side did not complete Noise + Yamux "
-                f"(not a swarm-node peer, or an incompatible version?) ({text})")
-    if "timed out" in blob or "timeout" in blob:
+    if "connectionrefused" in low or "refused" in low:
+        return ("connection refused (nothing listening there: is the node running, is the "
+                "port right?)")
+    if "peeridmismatches" in low or "peer id does not correspond" in low:
+        actual = ""
+        if "remote_peer_id_from_pubkey=" in blob:
+            actual = " (it is " + blob.split("remote_peer_id_from_pubkey=", 1)[1].split()[0] + ")"
+        return f"wrong peer ID: the node at that address has another identity{actual}"
+    if "negotiate" in low or "multiselect" in low or "handshake" in low or "protocol" in low:
+        return ("protocol mismatch: the other side did not complete Noise + Yamux (not a "
+                "swarm-node/libp2p peer, or an incompatible version?)")
+    if "timed out" in low or "timeout" in low:
         return "timed out (host down, firewall, or wrong IP/port?)"
-    if "unreachable" in blob or "no route" in blob:
+    if "unreachable" in low or "no route" in low:
         return "network unreachable (check the IP address and your network)"
-    return text
+    return f"{type(e).__name__}: {e}"
 
 
 def _flatten(e: BaseException) -> str:

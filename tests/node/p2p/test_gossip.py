@@ -1,0 +1,179 @@
+"""GossipSub through P2PNode: bursts without loss, invalid traffic rejected and counted,
+large payloads announced and pulled."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import numpy as np
+
+from swarm_node.protocol.codec import pack
+from swarm_node.protocol.envelope import seal
+from swarm_node.protocol.messages import (
+    Completion,
+    RolloutBatch,
+    SamplingParams,
+    Status,
+    TaskRef,
+    TensorData,
+)
+
+from .conftest import wait_until
+
+KIND = "verdicts"
+
+
+def status(i: int, sender: int = 0, swarm: str = "default") -> Status:
+    return Status(swarm_id=swarm, role="inference", round=i, peers=sender)
+
+
+async def full_mesh(nodes, kind=KIND, timeout=30):
+    n = len(nodes)
+    await wait_until(lambda: all(len(x.topic_peers(kind)) == n - 1 for x in nodes),
+                     timeout, what="every node to see every subscription")
+    await wait_until(lambda: all(len(x.mesh_peers(kind)) >= min(n - 1, 4) for x in nodes),
+                     timeout, what="meshes to form")
+
+
+async def test_five_hosts_burst_without_loss(make_node):
+    first = await make_node()
+    nodes = [first] + [await make_node(bootstrap=first.listen_addrs) for _ in range(4)]
+    received = {x.peer_id: [] for x in nodes}
+
+    def collector(me):
+        async def on_msg(env, peer):
+            received[me].append((peer, env.message.round))
+        return on_msg
+
+    for x in nodes:
+        await x.subscribe(KIND, collector(x.peer_id))
+    await wait_until(lambda: all(len(x.connected_peers()) == 4 for x in nodes), 30,
+                     what="full connectivity through peer exchange")
+    await full_mesh(nodes)
+
+    per_node = 50
+
+    async def burst(idx, x):
+        for i in range(per_node):
+            await x.publish(KIND, status(i, idx))
+
+    await asyncio.gather(*(burst(i, x) for i, x in enumerate(nodes)))
+    expected = {x.peer_id: {(y.peer_id, i) for y in nodes if y is not x for i in range(per_node)}
+                for x in nodes}
+    await wait_until(lambda: all(len(received[p]) >= len(expected[p]) for p in expected), 60,
+                     what="every message at every subscriber")
+    await asyncio.sleep(0.3)  # duplicates, if any, would arrive now
+    for x in nodes:
+        assert len(received[x.peer_id]) == len(expected[x.peer_id])  # no duplicates
+        assert set(received[x.peer_id]) == expected[x.peer_id]
+        # per-sender order is kept
+        for y in nodes:
+            rounds = [r for p, r in received[x.peer_id] if p == y.peer_id]
+            assert rounds == sorted(rounds)
+        assert x.metrics.drops() == 0 and x.metrics["rejected"] == 0
+        assert x.metrics["published"] == per_node
+    assert sum(len(v) for v in received.values()) == 5 * 4 * per_node
+
+
+async def test_invalid_messages_rejected_counted_not_forwarded(make_node):
+    # Line topology honest -- relay -- attacker; discovery off so it stays a line.
+    relay = await make_node(discovery=False)
+    honest = await make_node(bootstrap=relay.listen_addrs, discovery=False)
+    attacker = await make_node(bootstrap=relay.listen_addrs, discovery=False)
+    got = {relay.peer_id: [], honest.peer_id: [], attacker.peer_id: []}
+
+    def collector(me):
+        async def on_msg(env, peer):
+            got[me].append((peer, env.message.round))
+        return on_msg
+
+    await relay.subscribe(KIND, collector(relay.peer_id))
+    await honest.subscribe(KIND, collector(honest.peer_id))
+    await attacker.subscribe(KIND, collector(attacker.peer_id))
+    await wait_until(lambda: len(relay.mesh_peers(KIND)) == 2
+                     and honest.mesh_peers(KIND) == [relay.peer_id]
+                     and attacker.mesh_peers(KIND) == [relay.peer_id], 30, what="line mesh")
+    assert attacker.peer_id not in honest.connected_peers()
+
+    # A valid message from the attacker is forwarded to honest: forwarding works.
+    await attacker.publish(KIND, status(1000))
+    await wait_until(lambda: (attacker.peer_id, 1000) in got[honest.peer_id], what="relay")
+
+    ident = attacker.identity
+    other = honest.identity
+    good = ident.seal(status(1001))
+    bad_sig = bytearray(ident.seal(status(1002)))
+    bad_sig[-5] ^= 0xFF  # last bytes are the signature
+    forged = seal(status(1003), other.private_key, other.peer_id)  # not the origin's envelope
+    wrong_signer = seal(status(1004), other.private_key, ident.peer_id)
+    too_large = pack([1, "status", ident.peer_id, 0, os.urandom(16), os.urandom(8000),
+                      os.urandom(64)])
+    for data in (b"\x00garbage\xff", os.urandom(300), bytes(bad_sig), forged, wrong_signer,
+                 too_large, good, good):
+        await attacker.publish_raw(KIND, data)
+    for i in range(20):
+        await honest.publish(KIND, status(i))
+    await attacker.publish(KIND, status(1006))
+
+    await wait_until(lambda: (attacker.peer_id, 1006) in got[honest.peer_id], 20,
+                     what="attacker's later valid message")
+    await wait_until(lambda: len([r for p, r in got[relay.peer_id] if p == honest.peer_id])
+                     == 20, 20, what="honest traffic at the relay")
+    rejects = relay.metrics.rejects_by_sender(attacker.peer_id)
+    assert rejects.get("malformed", 0) == 2, rejects
+    assert rejects.get("bad_signature", 0) == 2, rejects  # flipped bit, wrong signer
+    assert rejects.get("sender_mismatch", 0) == 1, rejects  # someone else's envelope
+    assert rejects.get("too_large", 0) == 1, rejects
+    assert rejects.get("replay", 0) == 1, rejects  # the second copy of `good`
+    assert relay.metrics.rejects_by_sender(honest.peer_id) == {}
+    # Nothing invalid reached honest: it saw the attacker's three valid messages only.
+    from_attacker = sorted(r for p, r in got[honest.peer_id] if p == attacker.peer_id)
+    assert from_attacker == [1000, 1001, 1006]
+    assert honest.metrics["rejected"] == 0
+
+    # Banning through the peer filter drops the attacker's valid messages too.
+    relay.set_peer_filter(lambda peer: peer != attacker.peer_id)
+    await attacker.publish(KIND, status(1007))
+    await honest.publish(KIND, status(99))
+    await wait_until(lambda: (honest.peer_id, 99) in got[relay.peer_id], what="honest after ban")
+    await wait_until(lambda: relay.metrics.rejects_by_sender(attacker.peer_id).get("banned"),
+                     what="banned count")
+    assert (attacker.peer_id, 1007) not in got[relay.peer_id]
+
+
+def rollout_batch(policy_id: str, n_tokens: int, round_: int = 0) -> RolloutBatch:
+    """A RolloutBatch of roughly 8 * n_tokens bytes."""
+    rng = np.random.default_rng(round_)
+    ids = TensorData.from_numpy(rng.integers(0, 1000, n_tokens).astype(np.int32))
+    lps = TensorData.from_numpy(-rng.random(n_tokens).astype(np.float32))
+    comp = Completion(task=TaskRef(dataset="toy/digit_successor", seed=1, index=round_),
+                      prompt_ids=TensorData.from_numpy(np.arange(8, dtype=np.int32)),
+                      completion_ids=ids, logprobs=lps, finish_reason="length", seed=3,
+                      claimed_reward=0.5)
+    return RolloutBatch(swarm_id="default", round=round_, policy_id=policy_id,
+                        policy_version=0, sampling=SamplingParams(), completions=[comp])
+
+
+async def test_large_payload_is_announced_and_pulled(make_node):
+    a = await make_node(inline_payload_max=64 * 1024)
+    b = await make_node(bootstrap=a.listen_addrs, inline_payload_max=64 * 1024)
+    got = []
+
+    async def on_msg(env, peer):
+        got.append((peer, env))
+
+    await a.subscribe("rollouts", on_msg)
+    await b.subscribe("rollouts", on_msg)
+    await full_mesh([a, b], "rollouts")
+    small = rollout_batch(b.peer_id, 1000, 1)  # ~8 KB: inline
+    large = rollout_batch(b.peer_id, 100_000, 2)  # ~800 KB: announced, then pulled
+    assert len(b.identity.seal(large)) > 64 * 1024
+    await b.publish("rollouts", small)
+    await b.publish("rollouts", large)
+    await wait_until(lambda: len(got) == 2, 30, what="both batches")
+    by_round = {env.message.round: (peer, env) for peer, env in got}
+    assert by_round[2][0] == b.peer_id and by_round[2][1].type == "rollout_batch"
+    assert by_round[2][1].message == large and by_round[1][1].message == small
+    assert b.metrics["payload_announced"] == 1 and a.metrics["payload_fetched"] == 1
+    assert a.metrics["rejected"] == 0

@@ -12,7 +12,7 @@ import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from cryptography.exceptions import InvalidSignature
 
@@ -21,6 +21,7 @@ from .errors import (
     BadSignature,
     MalformedMessage,
     MessageTooLarge,
+    ProtocolError,
     ReplayedMessage,
     SenderMismatch,
     StaleMessage,
@@ -153,10 +154,12 @@ def envelope_size_hint(payload_len: int) -> int:
     return payload_len + ENVELOPE_OVERHEAD
 
 
-def peek_sender(data: bytes) -> Any:
+def peek_sender(data: bytes) -> str | None:
     """The unauthenticated sender field, for logging/counting only; None if unreadable."""
     try:
         raw = unpack(data, max_size=Limits().max_envelope())
-        return raw[2] if isinstance(raw, list) and len(raw) == 7 else None
-    except Exception:  # noqa: BLE001 - best effort, never raises
+    except ProtocolError:
         return None
+    if isinstance(raw, list) and len(raw) == 7 and isinstance(raw[2], str):
+        return raw[2][:128]
+    return None

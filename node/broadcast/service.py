@@ -1,0 +1,267 @@
+"""The broadcaster of one node, over a `P2PNode`: publishes its own checkpoints (trainer),
+follows its trainers' manifests, downloads and serves shards, advertises holdings.
+
+Gossip: manifests on the `checkpoints` topic (the trainer's own signed envelope), holdings
+on the `adverts` topic (ShardAdvert). Streams: shards on SHARD_PROTOCOL; the signed manifest
+envelope of a version on MANIFEST_PROTOCOL (request/response), so a peer that missed the
+gossip learns a version from anyone's advert. Roles: `trainer` publishes; `inference` and
+`relay` follow (the relay mirrors and serves, keeping `relay_keep_versions`); every node
+serves what it verified.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from ...protocol.envelope import Envelope
+from ...protocol.errors import ProtocolError
+from ...protocol.ids import SHARD_PROTOCOL
+from ...protocol.messages import CheckpointManifest, ShardAdvert, ShardRequest
+from .downloader import Downloader
+from .errors import BroadcastError, DownloadFailed, ManifestRejected
+from .manifest import AcceptedManifest, ManifestGate, build_manifest
+from .progress import Progress
+from .server import ShardServer
+from .sources import SourceBook
+from .store import ShardStore, VersionEntry, advert_shards
+from .wire import MANIFEST_PROTOCOL
+
+log = logging.getLogger(__name__)
+
+OnComplete = Callable[[CheckpointManifest, Path], Awaitable[None] | None]
+READVERTISE_S = 10.0
+
+
+class Broadcaster:
+    def __init__(self, node, cfg, store_root: Path, *, follow: list[str] | None = None,
+                 role: str = "inference", on_complete: OnComplete | None = None,
+                 transport=None, interactive: bool | None = None):
+        from .transport import P2PTransport
+
+        self.node, self.cfg, self.role = node, cfg, role
+        keep = cfg.relay_keep_versions if role == "relay" else cfg.keep_versions
+        self.store = ShardStore(store_root, keep_versions=keep)
+        self.gate = ManifestGate.from_config(follow or [], cfg, self.store.current_version)
+        self.server = ShardServer(self.store, cfg)
+        self.transport = transport or P2PTransport(node)
+        self.on_complete = on_complete
+        self.interactive = interactive
+        self.books: dict[tuple[str, int], SourceBook] = {}
+        self.downloads: dict[str, tuple[int, asyncio.Task, Downloader]] = {}
+        self.holders: dict[tuple[str, int], dict[str, set[int] | None]] = {}
+        self.completed: dict[tuple[str, int], Path] = {}
+        self.finished: dict[tuple[str, int], Downloader] = {}
+        self.failures: dict[tuple[str, int], str] = {}
+        self._dirty: set[tuple[str, int]] = set()
+        self._tasks: set[asyncio.Task] = set()
+        self._wake = asyncio.Event()
+
+    # Lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        for entry in await asyncio.to_thread(self.store.load):
+            self._dirty.add(entry.key)
+        self.node.set_stream_handler(SHARD_PROTOCOL, self.server.handle)
+        self.node.set_request_handler(MANIFEST_PROTOCOL, self._serve_manifest)
+        await self.node.subscribe("checkpoints", self._on_manifest)
+        await self.node.subscribe("adverts", self._on_advert)
+        self._spawn(self._advert_loop())
+        # resume interrupted downloads of followed policies
+        for entry in list(self.store.entries.values()):
+            if not entry.complete and entry.manifest.version > self.store.current_version(
+                    entry.manifest.policy_id):
+                self._start_download(AcceptedManifest(entry.manifest, entry.envelope,
+                                                      entry.manifest.policy_id))
+
+    async def close(self) -> None:
+        for _, task, _ in self.downloads.values():
+            task.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, *(t for _, t, _ in self.downloads.values()),
+                             return_exceptions=True)
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # Trainer side ---------------------------------------------------------------------
+
+    async def publish(self, ckpt_dir: Path, version: int, parent_version: int = -1,
+                      shard_size: int | None = None) -> CheckpointManifest:
+        """Hash, store and announce a new checkpoint of this node's own policy."""
+        m = await asyncio.to_thread(
+            build_manifest, ckpt_dir, policy_id=self.node.peer_id, version=version,
+            parent_version=parent_version, shard_size=shard_size or self.cfg.shard_size)
+        accepted = AcceptedManifest(m, self.node.identity.seal(m), self.node.peer_id)
+        entry = await asyncio.to_thread(self.store.add_checkpoint, accepted, ckpt_dir)
+        await asyncio.to_thread(self.store.prune, m.policy_id)
+        self.completed[entry.key] = entry.checkpoint_dir
+        await self.node.publish("checkpoints", m)
+        await self._advertise(entry)
+        log.info("published policy %s v%d: %d bytes in %d shards", m.policy_id[-8:], version,
+                 m.total_size, m.num_shards)
+        return m
+
+    # Follower side --------------------------------------------------------------------
+
+    async def _on_manifest(self, env: Envelope, from_peer: str) -> None:
+        try:
+            accepted = self.gate.check_envelope(env)
+        except ManifestRejected as e:
+            log.warning("%s (from %s)", e, from_peer[-8:])
+            return
+        self._remember(accepted.manifest.policy_id, accepted.manifest.version, env.sender,
+                       None)
+        self._start_download(accepted)
+
+    def accept_bytes(self, data: bytes) -> AcceptedManifest:
+        """Check a sealed manifest from elsewhere (a file, a manifest request) and start
+        downloading it. Raises ManifestRejected."""
+        accepted = self.gate.check_bytes(data)
+        self._start_download(accepted)
+        return accepted
+
+    def _start_download(self, accepted: AcceptedManifest) -> None:
+        m = accepted.manifest
+        current = self.downloads.get(m.policy_id)
+        if current is not None:
+            if current[0] >= m.version:
+                return
+            current[1].cancel()  # a newer version supersedes an unfinished one
+        if self.store.current_version(m.policy_id) >= m.version:
+            return
+        entry = self.store.open_version(accepted)
+        key = entry.key
+        book = self.books.setdefault(key, SourceBook(
+            per_source=self.cfg.per_source_downloads, max_corrupt=self.cfg.max_corrupt_per_source))
+        for peer, holdings in self.holders.get(key, {}).items():
+            book.add(peer, holdings)
+        book.add(m.policy_id, None)  # the trainer holds its own checkpoint
+        progress = Progress(f"policy {m.policy_id[-8:]} v{m.version}", m.total_size,
+                            interactive=self.interactive)
+        d = Downloader(self.store, entry, self.transport, book, self.cfg,
+                       on_shard=lambda i, k=key: self._mark_dirty(k), progress=progress)
+        task = asyncio.create_task(self._download(entry, d))
+        self.downloads[m.policy_id] = (m.version, task, d)
+
+    async def _download(self, entry: VersionEntry, d: Downloader) -> None:
+        m = entry.manifest
+        try:
+            path = await d.run()
+        except DownloadFailed as e:
+            self.failures[entry.key] = e.reason
+            log.error("policy %s v%d failed: %s", m.policy_id[-8:], m.version, e)
+            return
+        finally:
+            if self.downloads.get(m.policy_id, (None, None))[1] is asyncio.current_task():
+                del self.downloads[m.policy_id]
+        self.completed[entry.key] = path
+        self.finished[entry.key] = d
+        self._mark_dirty(entry.key)
+        await asyncio.to_thread(self.store.prune, m.policy_id)
+        if self.on_complete is not None:
+            result = self.on_complete(m, path)
+            if asyncio.iscoroutine(result):
+                await result
+
+    async def wait_complete(self, policy_id: str, version: int, timeout: float) -> Path:
+        """For tests and the CLI: wait until (policy, version) is complete here."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while (policy_id, version) not in self.completed:
+            if (policy_id, version) in self.failures:
+                raise DownloadFailed(f"v{version}: {self.failures[(policy_id, version)]}")
+            if loop.time() > deadline:
+                raise TimeoutError(f"policy {policy_id} v{version} not complete in {timeout}s")
+            await asyncio.sleep(0.05)
+        return self.completed[(policy_id, version)]
+
+    # Adverts --------------------------------------------------------------------------
+
+    def _remember(self, policy_id: str, version: int, peer: str,
+                  holdings: set[int] | None) -> None:
+        key = (policy_id, version)
+        known = self.holders.setdefault(key, {})
+        if peer in known and known[peer] is not None and holdings is not None:
+            known[peer] |= holdings
+        else:
+            known[peer] = None if holdings is None else set(holdings)
+        book = self.books.get(key)
+        current = self.downloads.get(policy_id)
+        if book is not None:
+            book.add(peer, holdings)
+            if current is not None and current[0] == version:
+                current[2].sources_changed()
+
+    async def _on_advert(self, env: Envelope, from_peer: str) -> None:
+        ad: ShardAdvert = env.message
+        if not self.gate._follows(ad.policy_id):
+            return
+        entry = self.store.get(ad.policy_id, ad.version)
+        if entry is None:
+            if ad.version > self.store.current_version(ad.policy_id) and \
+                    ad.policy_id not in self.downloads:
+                self._spawn(self._pull_manifest(env.sender, ad.policy_id, ad.version))
+            n = None
+        else:
+            n = entry.manifest.num_shards
+        holdings = None if ad.complete else advert_shards(ad, n if n is not None else
+                                                          len(ad.have) * 8)
+        self._remember(ad.policy_id, ad.version, env.sender, holdings)
+
+    async def _pull_manifest(self, peer: str, policy_id: str, version: int) -> None:
+        req = ShardRequest(policy_id=policy_id, version=version, shard=0)
+        try:
+            data = await self.node.request(peer, MANIFEST_PROTOCOL, req.encode(),
+                                           timeout=self.cfg.request_timeout_s)
+            self.accept_bytes(data)
+        except ManifestRejected as e:
+            log.info("manifest from %s: %s", peer[-8:], e)
+        except Exception as e:  # noqa: BLE001 - a peer that cannot answer; try the next advert
+            log.debug("manifest pull from %s failed: %r", peer[-8:], e)
+
+    async def _serve_manifest(self, peer: str, body: bytes) -> bytes:
+        try:
+            req = ShardRequest.decode(body)
+        except ProtocolError as e:
+            raise BroadcastError(f"bad manifest request: {e.reason}") from None
+        entry = self.store.get(req.policy_id, req.version)
+        if entry is None:
+            raise LookupError("version not held here")
+        return entry.envelope
+
+    def _mark_dirty(self, key: tuple[str, int]) -> None:
+        self._dirty.add(key)
+        self._wake.set()
+
+    async def _advertise(self, entry: VersionEntry) -> None:
+        try:
+            await self.node.publish("adverts", entry.advert())
+        except Exception as e:  # noqa: BLE001 - gossip congestion: the next round retries
+            log.debug("advert failed: %r", e)
+            self._dirty.add(entry.key)
+
+    async def _advert_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        last_all = loop.time()
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), READVERTISE_S)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            if loop.time() - last_all >= READVERTISE_S:
+                last_all = loop.time()
+                self._dirty |= set(self.store.entries)
+            dirty, self._dirty = self._dirty, set()
+            for key in dirty:
+                entry = self.store.get(*key)
+                if entry is not None and (entry.complete or entry.have):
+                    await self._advertise(entry)
+            await asyncio.sleep(self.cfg.advert_interval_s)

@@ -1,0 +1,139 @@
+"""A broadcast-only peer in its own process (no sampler, no trainer): a trainer origin that
+publishes checkpoint directories, a relay, or a follower. Used by the multi-process fault
+tests and by benchmarks/broadcast.py; also a minimal relay.
+
+    python -m swarm_node.node.broadcast.standalone --role relay --data-dir D \
+        --bootstrap /ip4/127.0.0.1/tcp/4001/p2p/<id> --follow <trainer peer id>
+
+Prints one JSON object per line on stdout: {"event": "ready", "peer_id", "addrs"}, then
+"published", "complete" (with metrics), "rejected" (with a reason). Reads commands on
+stdin, one per line: `publish DIR VERSION`, `offer FILE` (a sealed manifest envelope),
+`stats`, `quit`. `--corrupt-shards 3,7` is fault injection (this peer serves those shards
+with one flipped byte) for tests and benchmarks only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import resource
+import sys
+import time
+from pathlib import Path
+
+
+def emit(**obj) -> None:
+    print(json.dumps(obj), flush=True)
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def corrupting(store, bad: set[int]):
+    """Wrap `store.read_shard` so that the listed shards carry one flipped byte."""
+    inner = store.read_shard
+
+    def read_shard(entry, index, offset=0, length=0, chunk=1 << 20):
+        it = inner(entry, index, offset, length, chunk)
+        if index not in bad:
+            return it
+
+        def flipped():
+            first = True
+            for data in it:
+                yield bytes([data[0] ^ 1]) + data[1:] if first else data
+                first = False
+        return flipped()
+
+    store.read_shard = read_shard
+
+
+async def main(argv: list[str] | None = None) -> int:
+    from ...protocol.messages import CheckpointManifest
+    from ..config import Config
+    from ..identity import Identity
+    from ..p2p import P2PNode
+    from .errors import ManifestRejected
+    from .service import Broadcaster
+
+    ap = argparse.ArgumentParser(prog="swarm-node-broadcast")
+    ap.add_argument("--role", choices=["trainer", "relay", "inference"], required=True)
+    ap.add_argument("--data-dir", type=Path, required=True)
+    ap.add_argument("--key", type=Path)
+    ap.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0")
+    ap.add_argument("--bootstrap", action="append", default=[])
+    ap.add_argument("--follow", action="append", default=[])
+    ap.add_argument("--shard-size", type=int)
+    ap.add_argument("--parallel", type=int)
+    ap.add_argument("--chunk-timeout", type=float)
+    ap.add_argument("--corrupt-shards", default="")
+    ap.add_argument("--log-level", default="WARNING")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    cfg = Config()
+    cfg.node.listen = [args.listen]
+    cfg.node.role = args.role
+    cfg.p2p.discovery_interval_s = 1.0
+    cfg.p2p.bootstrap_timeout_s = 20
+    cfg.p2p.mesh_wait_s = 3
+    if args.shard_size:
+        cfg.broadcast.shard_size = args.shard_size
+    if args.parallel:
+        cfg.broadcast.parallel_downloads = args.parallel
+    if args.chunk_timeout:
+        cfg.broadcast.chunk_timeout_s = args.chunk_timeout
+    ident = Identity.load_or_create(args.key) if args.key else Identity.generate()
+    node = P2PNode(ident, cfg)
+    t_start = time.time()
+
+    def on_complete(m: CheckpointManifest, path: Path) -> None:
+        d = bc.finished.get((m.policy_id, m.version))
+        emit(event="complete", policy=m.policy_id, version=m.version, path=str(path),
+             t=time.time(), metrics=dict(d.metrics) if d else {},
+             sources=bc.books[(m.policy_id, m.version)].summary(),
+             peak_rss_mib=peak_rss_mib())
+
+    bc = Broadcaster(node, cfg.broadcast, args.data_dir / "broadcast", follow=args.follow,
+                     role=args.role, on_complete=on_complete, interactive=False)
+    if args.corrupt_shards:
+        corrupting(bc.store, {int(i) for i in args.corrupt_shards.split(",")})
+    await node.start(bootstrap=args.bootstrap)
+    await bc.start()
+    emit(event="ready", peer_id=node.peer_id, addrs=node.listen_addrs, t=time.time(),
+         startup_s=time.time() - t_start)
+    try:
+        while True:
+            line = await asyncio.to_thread(sys.stdin.readline)
+            if not line or line.strip() == "quit":
+                break
+            cmd, *rest = line.split()
+            if cmd == "publish":
+                t0 = time.time()
+                m = await bc.publish(Path(rest[0]), int(rest[1]))
+                emit(event="published", version=m.version, total=m.total_size,
+                     shards=m.num_shards, t0=t0, t=time.time())
+            elif cmd == "offer":
+                try:
+                    acc = bc.accept_bytes(Path(rest[0]).read_bytes())
+                    emit(event="accepted", version=acc.manifest.version)
+                except ManifestRejected as e:
+                    emit(event="rejected", reason=e.reason, detail=str(e))
+            elif cmd == "stats":
+                emit(event="stats", server=dict(bc.server.metrics),
+                     rejected=dict(bc.gate.rejected), peak_rss_mib=peak_rss_mib(),
+                     downloads={p: dict(d.metrics) for p, (_, _, d) in bc.downloads.items()},
+                     peers=node.connected_peers())
+    finally:
+        await bc.close()
+        await node.close()
+    emit(event="exit", peak_rss_mib=peak_rss_mib())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))

@@ -1,0 +1,78 @@
+"""Broadcaster over real libp2p hosts on loopback (in one process): trainer -> relay ->
+follower, gossip manifests and adverts, shards over SHARD_PROTOCOL."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from swarm_node.node.broadcast.service import Broadcaster
+from swarm_node.node.config import Config
+from swarm_node.node.identity import Identity
+
+from .conftest import make_checkpoint, read_dir
+
+
+def node_config() -> Config:
+    cfg = Config()
+    cfg.node.listen = ["/ip4/127.0.0.1/tcp/0"]
+    cfg.p2p.discovery_interval_s = 0.5
+    cfg.p2p.bootstrap_timeout_s = 5
+    cfg.p2p.dial_timeout_s = 3
+    cfg.p2p.mesh_wait_s = 3
+    cfg.broadcast.shard_size = 64 * 1024
+    cfg.broadcast.min_shard_size = 4096
+    cfg.broadcast.chunk_size = 32 * 1024
+    cfg.broadcast.advert_interval_s = 0.1
+    return cfg
+
+
+@pytest.fixture
+async def swarm(tmp_path):
+    from swarm_node.node.p2p import P2PNode
+
+    made = []
+
+    async def make(name, role, follow=(), bootstrap=(), identity=None, **kw):
+        cfg = node_config()
+        node = P2PNode(identity or Identity.generate(), cfg)
+        await node.start(bootstrap=list(bootstrap))
+        bc = Broadcaster(node, cfg.broadcast, tmp_path / name, follow=list(follow), role=role,
+                         interactive=False, **kw)
+        await bc.start()
+        made.append((node, bc))
+        return node, bc
+
+    yield make
+    for node, bc in reversed(made):
+        await bc.close()
+        await node.close()
+
+
+async def test_trainer_relay_follower(tmp_path, swarm):
+    ckpt = make_checkpoint(tmp_path / "ckpt", {"model.safetensors": 700_000, "config.json": 900})
+    tnode, trainer = await swarm("trainer", "trainer")
+    tid = tnode.peer_id
+    rnode, relay = await swarm("relay", "relay", follow=[tid], bootstrap=tnode.listen_addrs)
+    got = []
+    fnode, follower = await swarm("follower", "inference", follow=[tid],
+                                  bootstrap=rnode.listen_addrs,
+                                  on_complete=lambda m, p: got.append((m.version, p)))
+    await asyncio.sleep(1.5)  # let the gossip mesh form
+    m = await trainer.publish(ckpt, version=1)
+    path = await follower.wait_complete(tid, 1, timeout=60)
+    assert read_dir(path) == read_dir(ckpt)
+    assert got == [(1, path)]
+    rpath = await relay.wait_complete(tid, 1, timeout=60)
+    assert read_dir(rpath) == read_dir(ckpt)
+    assert follower.finished[(tid, 1)].metrics["bytes_fetched"] == m.total_size
+    # a forged manifest (another key claiming to be a trainer) is rejected, not fetched
+    forger = Identity.generate()
+    from swarm_node.node.broadcast.errors import ManifestRejected
+    from swarm_node.node.broadcast.manifest import build_manifest
+
+    fake = build_manifest(ckpt, policy_id=forger.peer_id, version=2, shard_size=65536)
+    with pytest.raises(ManifestRejected) as e:
+        follower.accept_bytes(forger.seal(fake))
+    assert e.value.reason == "not_followed"

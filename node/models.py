@@ -156,14 +156,20 @@ def load_model(name_or_dir: str | os.PathLike, dtype: str = "float32", device: s
 
     if dtype not in _DTYPES:
         raise NodeError(f"model dtype {dtype!r} is not one of {sorted(_DTYPES)}")
+    _quiet_transformers()
     name = str(name_or_dir)
     if name.startswith("builtin:"):
         source = str(ensure_builtin(name, cache_dir))
     else:
         path = Path(name).expanduser()
-        source = str(path) if path.exists() else name
-        if path.exists() and not (path / "config.json").exists():
-            raise NodeError(f"model directory {path} has no config.json")
+        if path.exists():
+            if not (path / "config.json").exists():
+                raise NodeError(f"model directory {path} has no config.json")
+            source = str(path)
+        elif name.startswith(("/", ".", "~")) or os.sep + os.sep in name:
+            raise NodeError(f"model directory {name} does not exist")
+        else:
+            source = _hub_source(name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError, json.JSONDecodeError) as e:
@@ -184,6 +190,40 @@ def load_model(name_or_dir: str | os.PathLike, dtype: str = "float32", device: s
     model.to(resolve_device(device))
     model.eval()
     return model, tokenizer
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def _hub_source(name: str) -> str:
+    """Check a hub id before loading: cached files are used as they are; otherwise one quick
+    request tells "no such model" and "hub unreachable" apart (instead of minutes of retries)."""
+    import huggingface_hub
+    from huggingface_hub.utils import HFValidationError
+
+    try:
+        huggingface_hub.hf_hub_download(name, "config.json", local_files_only=True)
+        return name
+    except HFValidationError as e:
+        raise NodeError(f"model {name!r} is neither a local directory nor a valid Hugging Face "
+                        f"model id: {_first_line(e)}") from None
+    except (OSError, ValueError):  # not in the local cache
+        pass
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        raise NodeError(f"model {name!r} is not a local directory and not in the Hugging Face "
+                        "cache, and HF_HUB_OFFLINE is set") from None
+    try:
+        huggingface_hub.model_info(name, timeout=15)
+    except huggingface_hub.errors.RepositoryNotFoundError:
+        raise NodeError(f"model {name!r} not found: not a local directory and no such model "
+                        "on the Hugging Face hub (or it is private)") from None
+    except Exception as e:  # any transport failure (httpx's errors are not OSErrors)
+        raise NodeError(f"model {name!r} is not a local directory or cached, and the Hugging "
+                        f"Face hub cannot be reached: {_first_line(e)}") from None
+    return name
 
 
 def _first_line(e: BaseException) -> str:

@@ -8,7 +8,9 @@ whole completion when there is no tag). With `format_reward` f > 0 the reward is
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import json
 
 from ...protocol.messages import TaskRef
@@ -37,12 +39,12 @@ def _dataset(name: str, params_json: str, seed: int):
     import reasoning_gym
 
     if name not in rg_names():
-        raise NodeError(f"unknown reasoning-gym dataset {name!r}")
+        raise NodeError(f"unknown reasoning-gym dataset 'rg/{name}'")
     try:
         return reasoning_gym.create_dataset(name, size=INDEX_SPACE, seed=seed,
                                             **json.loads(params_json))
     except (TypeError, ValueError, AssertionError) as e:  # bad generator config
-        raise NodeError(f"reasoning-gym dataset {name!r} rejects params {params_json}: {e}") \
+        raise NodeError(f"reasoning-gym dataset 'rg/{name}' rejects params {params_json}: {e}") \
             from None
 
 
@@ -56,8 +58,10 @@ def rg_task(ref: TaskRef, format_reward: float = 0.0) -> Task:
     name = ref.dataset.removeprefix("rg/")
     if ref.index >= INDEX_SPACE:
         raise NodeError(f"task index {ref.index} of {ref.dataset} is >= {INDEX_SPACE}")
-    ds = _dataset(name, json.dumps(dict(ref.params), sort_keys=True), int(ref.seed))
-    entry = ds[int(ref.index)]
+    # some generators (bf) print while generating; keep stdout clean for the node's output
+    with contextlib.redirect_stdout(io.StringIO()):
+        ds = _dataset(name, json.dumps(dict(ref.params), sort_keys=True), int(ref.seed))
+        entry = ds[int(ref.index)]
     answer = entry.get("answer")
     if answer is None:  # e.g. propositional_logic: any valid conclusion scores
         answer = entry.get("metadata", {}).get("example_answer", "")
@@ -69,7 +73,8 @@ def rg_task(ref: TaskRef, format_reward: float = 0.0) -> Task:
         tagged = extract_answer(text)
         candidate = tagged if tagged is not None else text.strip()
         try:
-            correct = float(ds.score_answer(answer=candidate, entry=entry))
+            with contextlib.redirect_stdout(io.StringIO()):
+                correct = float(ds.score_answer(answer=candidate, entry=entry))
         except Exception:  # a third-party scorer must not let a peer's text crash us
             correct = 0.0
         if format_reward > 0:

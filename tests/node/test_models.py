@@ -1,0 +1,88 @@
+"""The tiny-model builder and the one loading path (directories, builtin:tiny, bad input)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from swarm_node.node.errors import NodeError
+from swarm_node.node.models import build_tiny_model, load_model
+
+
+def test_tiny_model_loads_like_a_hub_model(tiny_model_dir):
+    model, tok = load_model(tiny_model_dir)
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    assert model.config.hidden_size == 64 and model.config.num_hidden_layers == 2
+    assert tok.eos_token == "<|im_end|>" and tok.eos_token_id is not None
+    assert model.config.vocab_size == len(tok)
+    # every digit is one token; any text round-trips (byte-level)
+    for d in "0123456789":
+        assert len(tok.encode(d, add_special_tokens=False)) == 1
+    text = "héllo wörld 12+3=15 ≠ 中"
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_build_is_deterministic_per_seed(tmp_path, tiny_model_dir):
+    build_tiny_model(tmp_path / "a", seed=0)
+    build_tiny_model(tmp_path / "b", seed=1)
+    same = (tmp_path / "a" / "model.safetensors").read_bytes()
+    assert same == (tiny_model_dir / "model.safetensors").read_bytes()
+    assert (tmp_path / "a" / "tokenizer.json").read_bytes() == \
+        (tiny_model_dir / "tokenizer.json").read_bytes()
+    assert (tmp_path / "b" / "model.safetensors").read_bytes() != same
+
+
+def test_builtin_tiny_builds_once_into_the_cache(tmp_path, tiny_model_dir):
+    model, tok = load_model("builtin:tiny", cache_dir=tmp_path)
+    weights = tmp_path / "tiny-seed0" / "model.safetensors"
+    assert weights.read_bytes() == (tiny_model_dir / "model.safetensors").read_bytes()
+    stamp = weights.stat().st_mtime_ns
+    load_model("builtin:tiny", cache_dir=tmp_path)
+    assert weights.stat().st_mtime_ns == stamp
+    with pytest.raises(NodeError, match="builtin:huge"):
+        load_model("builtin:huge", cache_dir=tmp_path)
+
+
+def test_unknown_model_names_it(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    with pytest.raises(NodeError, match="does not exist"):
+        load_model(str(tmp_path / "nope"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(NodeError, match="no-such-org/no-such-model"):
+        load_model("no-such-org/no-such-model")
+    with pytest.raises(NodeError, match="a/b/c"):
+        load_model("a/b/c")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(NodeError, match="no config.json"):
+        load_model(tmp_path / "empty")
+
+
+def test_corrupt_checkpoint_is_a_clear_error(tmp_path, tiny_model_dir):
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_model_dir, bad)
+    weights = bad / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(NodeError, match="cannot load model|corrupt"):
+        load_model(bad)
+
+
+def test_tokenizer_without_eos_is_refused(tmp_path, tiny_model_dir):
+    bad = tmp_path / "noeos"
+    shutil.copytree(tiny_model_dir, bad)
+    cfg_path = bad / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["eos_token"] = None
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(NodeError, match="no EOS"):
+        load_model(bad)
+
+
+def test_bad_dtype(tiny_model_dir):
+    with pytest.raises(NodeError, match="dtype"):
+        load_model(tiny_model_dir, dtype="float8")

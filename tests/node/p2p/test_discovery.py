@@ -1,0 +1,135 @@
+"""Bootstrap failures, peer exchange after the bootstrap node leaves, restart with the same key."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+import pytest
+
+from swarm_node.node.identity import Identity
+from swarm_node.node.p2p import BootstrapError, P2PNode
+from swarm_node.protocol.messages import Status
+
+from .conftest import p2p_config, wait_until
+
+
+def _listener(reply: bytes | None) -> socket.socket:
+    """A TCP server that is not libp2p: answers `reply` and hangs up, or stays silent."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+
+    def serve():
+        conns = []
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                break
+            if reply is not None:
+                conn.sendall(reply)
+                conn.close()
+            else:
+                conns.append(conn)  # keep it open and silent
+        for c in conns:
+            c.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return srv
+
+
+async def test_bootstrap_failure_names_each_address_and_why(make_node):
+    live = await make_node(discovery=False)
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    closed_port = closed.getsockname()[1]
+    closed.close()
+    http, silent = _listener(b"HTTP/1.1 400 Bad Request\r\n\r\n"), _listener(None)
+    live_port = live.listen_addrs[0].split("/tcp/")[1].split("/")[0]
+    ids = [Identity.generate().peer_id for _ in range(4)]
+    addrs = {
+        "refused": f"/ip4/127.0.0.1/tcp/{closed_port}/p2p/{ids[0]}",
+        "wrong peer ID": f"/ip4/127.0.0.1/tcp/{live_port}/p2p/{ids[1]}",
+        "protocol mismatch": f"/ip4/127.0.0.1/tcp/{http.getsockname()[1]}/p2p/{ids[2]}",
+        "timed out": f"/ip4/127.0.0.1/tcp/{silent.getsockname()[1]}/p2p/{ids[3]}",
+    }
+    node = P2PNode(Identity.generate(), p2p_config(bootstrap_timeout_s=3, dial_timeout_s=1))
+    try:
+        with pytest.raises(BootstrapError) as e:
+            await node.start(bootstrap=list(addrs.values()))
+    finally:
+        http.close()
+        silent.close()
+    text = str(e.value)
+    lines = text.splitlines()
+    for why, addr in addrs.items():
+        line = next(ln for ln in lines if addr in ln)
+        assert why in line, line
+    assert live.peer_id in text  # the wrong-ID line names who actually answered
+    assert "Traceback" not in text and "without --bootstrap" in text
+    assert not node.running
+
+
+async def test_swarm_stays_connected_after_bootstrap_node_leaves(make_node):
+    boot = await make_node()
+    others = [await make_node(bootstrap=boot.listen_addrs, target_peers=4) for _ in range(9)]
+    # Everyone learns of others through peer exchange with node 0.
+    await wait_until(lambda: all(len(set(x.connected_peers()) - {boot.peer_id}) >= 2
+                                 for x in others), 60, what="peers beyond the bootstrap node")
+    await boot.close()
+    await wait_until(lambda: all(boot.peer_id not in x.connected_peers() for x in others), 20,
+                     what="departure noticed")
+    # The remaining 9 form one connected graph ...
+    ids = {x.peer_id: x for x in others}
+    seen, todo = set(), [others[0].peer_id]
+    while todo:
+        p = todo.pop()
+        if p not in seen:
+            seen.add(p)
+            todo.extend(q for q in ids[p].connected_peers() if q in ids)
+    assert seen == set(ids)
+    # ... over which gossip reaches everyone.
+    got = {x.peer_id: set() for x in others}
+
+    def collector(me):
+        async def on_msg(env, peer):
+            got[me].add(env.message.round)
+        return on_msg
+
+    for x in others:
+        await x.subscribe("verdicts", collector(x.peer_id))
+    await wait_until(lambda: all(x.mesh_peers("verdicts") for x in others), 30, what="meshes")
+    await asyncio.sleep(1.5)  # a heartbeat or two so meshes span the graph
+    for i in range(5):
+        await others[0].publish("verdicts", Status(swarm_id="default", role="inference", round=i))
+    await wait_until(lambda: all(got[x.peer_id] == set(range(5)) for x in others[1:]), 30,
+                     what="gossip to all 8 other nodes")
+
+
+async def test_restart_with_same_key_rejoins(make_node, tmp_path):
+    a = await make_node()
+    b = await make_node(bootstrap=a.listen_addrs)
+    key = tmp_path / "c.pem"
+    ident = Identity.load_or_create(key)
+    c = await make_node(identity=ident, bootstrap=b.listen_addrs)
+    await wait_until(lambda: c.peer_id in a.connected_peers(), 30, what="c found through b")
+    await c.close()
+    await wait_until(lambda: c.peer_id not in a.connected_peers()
+                     and c.peer_id not in b.connected_peers(), 20, what="c gone")
+
+    again = await make_node(identity=Identity.load(key), bootstrap=b.listen_addrs)
+    assert again.peer_id == c.peer_id
+    await wait_until(lambda: again.peer_id in a.connected_peers(), 30, what="c rejoined")
+    got = []
+
+    async def on_msg(env, peer):
+        got.append((peer, env.message.round))
+
+    await a.subscribe("verdicts", on_msg)
+    await again.subscribe("verdicts", lambda env, peer: asyncio.sleep(0))
+    await wait_until(lambda: again.peer_id in a.topic_peers("verdicts")
+                     and a.peer_id in again.mesh_peers("verdicts"), 30, what="mesh with a")
+    await again.publish("verdicts", Status(swarm_id="default", role="inference", round=42))
+    await wait_until(lambda: got == [(again.peer_id, 42)], 20, what="gossip from restarted node")

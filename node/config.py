@@ -6,6 +6,8 @@ a default that works for a local node. Errors name the key, the value and what w
 
 from __future__ import annotations
 
+import difflib
+import json
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -110,6 +112,8 @@ class TrainerSection(Section):
     """How many checkpoint versions to keep on disk."""
     checkpoint_every: int = Field(1, ge=1)
     """Write a checkpoint every this many steps (buffered rollouts are freed only then)."""
+    updates_per_step: int = Field(1, ge=1, le=64)
+    """Optimizer updates per step on the same batch (PPO epochs); >1 makes the clipping bite."""
     micro_batch_size: int = Field(64, ge=1)
     """Completions per forward/backward pass (gradients are accumulated over a step)."""
     weight_decay: float = Field(0.0, ge=0)
@@ -177,6 +181,8 @@ class BroadcastSection(Section):
     """Corrupt shards after which a source is no longer used for this version."""
     advert_interval_s: float = Field(0.5, gt=0)
     """Minimum time between two holdings adverts (ShardAdvert) while shards arrive."""
+    readvertise_s: float = Field(10.0, gt=0)
+    """Every holding is re-advertised this often (late joiners learn sources and versions)."""
     relay_keep_versions: int = Field(2, ge=1)
     """Versions a relay keeps per trainer."""
 
@@ -274,19 +280,38 @@ class Config(Section):
         return dump_toml(self.model_dump(mode="json"))
 
 
-def _describe(err: dict[str, Any], source: str) -> str:
-    key = ".".join(str(p) for p in err["loc"])
+def _describe(err: dict[str, Any], source: str, overridden: set[str]) -> str:
+    loc = [str(p) for p in err["loc"]]
+    key = ".".join(loc)
+    if any(key == o or key.startswith(o + ".") for o in overridden):
+        source = "command line"
     if err["type"] == "extra_forbidden":
-        return f"{source}: unknown key `{key}`"
+        return f"{source}: unknown key `{key}`{_suggest(loc)}"
     value = err.get("input")
     return f"{source}: `{key}` = {value!r}: {err['msg']}"
 
 
-def build_config(data: dict[str, Any], source: str = "config") -> Config:
+def _suggest(loc: list[str]) -> str:
+    """' (did you mean `x`?)' for a misspelt key, or the list of valid keys."""
+    model: Any = Config
+    for part in loc[:-1]:
+        field = model.model_fields.get(part)
+        model = field.annotation if field is not None else None
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return ""
+    known = sorted(model.model_fields)
+    close = difflib.get_close_matches(loc[-1], known, n=1)
+    if close:
+        return f" (did you mean `{close[0]}`?)"
+    return f" (expected one of: {', '.join(known)})"
+
+
+def build_config(data: dict[str, Any], source: str = "config",
+                 overridden: set[str] | None = None) -> Config:
     try:
         return Config.model_validate(data)
     except ValidationError as e:
-        lines = [_describe(err, source) for err in e.errors()]
+        lines = [_describe(err, source, overridden or set()) for err in e.errors()]
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
 
 
@@ -305,17 +330,19 @@ def load_config(path: Path | None = None, overrides: dict[str, Any] | None = Non
             raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
         except OSError as e:
             raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    overridden = set()
     for dotted, value in (overrides or {}).items():
         if value is None:
             continue
+        overridden.add(dotted)
         node = data
         *parents, leaf = dotted.split(".")
         for part in parents:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"{source}: `{part}` must be a table")
+                raise ConfigError(f"{source}: `{part}` must be a table, got {node!r}")
         node[leaf] = value
-    return build_config(data, source)
+    return build_config(data, source, overridden)
 
 
 def dump_toml(data: dict[str, Any]) -> str:
@@ -338,9 +365,11 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        # A JSON string is a TOML basic string once DEL is escaped too.
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{ " + ", ".join(f'"{k}" = {_toml_value(v)}' for k, v in value.items()) + " }"
+        items = ", ".join(f"{_toml_value(str(k))} = {_toml_value(v)}" for k, v in value.items())
+        return "{ " + items + " }"
     raise TypeError(f"cannot write {type(value).__name__} to TOML")

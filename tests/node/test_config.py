@@ -1,0 +1,172 @@
+"""Config tree: TOML, CLI overrides, error messages, --dry-run."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+from typer.testing import CliRunner
+
+from swarm_node.cli.main import app
+from swarm_node.node.config import Config, build_config, dump_toml, load_config
+from swarm_node.node.errors import ConfigError, NodeError
+from swarm_node.protocol.limits import DEFAULT_MAX_BYTES
+
+NODE_TOML = """
+[node]
+role = "trainer"
+swarm_id = "lab-1"
+data_dir = "/srv/swarm"
+bootstrap = ["/ip4/10.0.0.1/tcp/4001/p2p/12D3KooWExample"]
+
+[sampler]
+completions_per_task = 4
+temperature = 0.7
+
+[tasks]
+mix = { "toy/digit_successor" = 2.0, "rg/basic_arithmetic" = 1.0 }
+
+[limits]
+max_message_bytes = { rollout_batch = 1048576 }
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "node.toml"
+    path.write_text(text)
+    return path
+
+
+def sections():
+    return [(name, info.annotation) for name, info in Config.model_fields.items()]
+
+
+def test_defaults_are_valid_and_documented():
+    cfg = Config()
+    assert cfg.node.role == "inference"
+    for name, section in sections():
+        assert issubclass(section, BaseModel)
+        for field, info in section.model_fields.items():
+            assert info.description, f"{name}.{field} has no docstring"
+
+
+def test_toml_load(tmp_path):
+    cfg = load_config(write(tmp_path, NODE_TOML))
+    assert cfg.node.role == "trainer"
+    assert cfg.node.swarm_id == "lab-1"
+    assert cfg.data_dir == Path("/srv/swarm")
+    assert cfg.key_path == Path("/srv/swarm/node_key.pem")
+    assert cfg.sampler.completions_per_task == 4 and cfg.sampler.temperature == 0.7
+    assert cfg.tasks.mix == {"toy/digit_successor": 2.0, "rg/basic_arithmetic": 1.0}
+    limits = cfg.limits.to_limits()
+    assert limits.max_for("rollout_batch") == 1 << 20
+    assert limits.max_for("hello") == DEFAULT_MAX_BYTES["hello"]
+    assert cfg.trainer == Config().trainer  # untouched sections keep their defaults
+
+
+def test_cli_overrides_win_and_none_means_unset(tmp_path):
+    cfg = load_config(write(tmp_path, NODE_TOML), {
+        "node.role": "relay", "node.swarm_id": None, "admin.port": 9100,
+        "identity.key_path": str(tmp_path / "k.pem"),
+    })
+    assert cfg.node.role == "relay"
+    assert cfg.node.swarm_id == "lab-1"
+    assert cfg.admin.port == 9100
+    assert cfg.key_path == tmp_path / "k.pem"
+
+
+def test_data_dir_expands_user(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert Config().data_dir == tmp_path / ".swarm-node"
+    assert Config().key_path == tmp_path / ".swarm-node" / "node_key.pem"
+
+
+@pytest.mark.parametrize("text,key,hint", [
+    ("[node]\nswarmid = 'x'\n", "node.swarmid", "did you mean `swarm_id`"),
+    ("[nodes]\nrole = 'x'\n", "nodes", "did you mean `node`"),
+    ("[sampler]\nzzz = 1\n", "sampler.zzz", "expected one of:"),
+    ("[trainer]\nlearning_rate = 0.1\n[trainer_extra]\n", "trainer_extra", ""),
+])
+def test_unknown_key_is_named(tmp_path, text, key, hint):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    msg = str(e.value)
+    assert f"unknown key `{key}`" in msg and str(path) in msg and hint in msg
+
+
+@pytest.mark.parametrize("text,key,value,expected", [
+    ('[node]\nrole = "trainr"\n', "node.role", "'trainr'", "'inference', 'trainer'"),
+    ("[sampler]\ntemperature = -1\n", "sampler.temperature", "-1", "greater than or equal to 0"),
+    ('[node]\nswarm_id = "a b"\n', "node.swarm_id", "'a b'", "should match pattern"),
+    ("[admin]\nport = 70000\n", "admin.port", "70000", "less than or equal to 65535"),
+    ('[node]\nlisten = "x"\n', "node.listen", "'x'", "valid list"),
+    ("[sampler]\ncompletions_per_task = 1.5\n", "sampler.completions_per_task", "1.5",
+     "valid integer"),
+])
+def test_bad_value_names_key_value_and_expectation(tmp_path, text, key, value, expected):
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, text))
+    msg = str(e.value)
+    assert f"`{key}` = {value}" in msg and expected in msg
+
+
+def test_all_errors_reported_at_once(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, "[node]\nrole = 1\nnope = 2\n[admin]\nport = -1\n"))
+    assert str(e.value).count("\n  ") == 3
+
+
+def test_override_errors_say_command_line(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, NODE_TOML), {"node.role": "boss"})
+    assert "command line: `node.role` = 'boss'" in str(e.value)
+    with pytest.raises(ConfigError, match="must be a table"):
+        load_config(write(tmp_path, NODE_TOML), {"node.role.sub": 1})
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "absent.toml")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(write(tmp_path, "[node\nrole="))
+    assert issubclass(ConfigError, NodeError)
+
+
+def test_to_toml_round_trips(tmp_path):
+    cfg = load_config(write(tmp_path, NODE_TOML), {
+        "model.name": 'we"ird\\name é', "identity.key_path": str(tmp_path / "k.pem")})
+    text = cfg.to_toml()
+    assert build_config(tomllib.loads(text)) == cfg
+    assert build_config(tomllib.loads(Config().to_toml())) == Config()
+
+
+def test_dump_toml_leaves_out_unset():
+    text = dump_toml({"identity": {"key_path": None}, "x": {"m": {}, "l": [1, "a"]}})
+    assert "# key_path = (unset)" in text
+    assert tomllib.loads(text) == {"identity": {}, "x": {"m": {}, "l": [1, "a"]}}
+
+
+def test_dry_run_prints_resolved_config(tmp_path):
+    path = write(tmp_path, NODE_TOML)
+    result = CliRunner().invoke(app, [
+        "join", "--config", str(path), "--role", "relay", "--swarm", "other",
+        "--bootstrap", "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWA", "--admin-port", "9101",
+        "--log-json", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    printed = tomllib.loads(result.output)
+    cfg = build_config(printed)
+    assert cfg.node.role == "relay" and cfg.node.swarm_id == "other"
+    assert cfg.node.bootstrap == ["/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWA"]
+    assert cfg.admin.port == 9101 and cfg.node.log_json is True
+    assert cfg.sampler.temperature == 0.7  # from the file
+    assert cfg.data_dir == Path("/srv/swarm")
+
+
+def test_dry_run_bad_flag_is_clear_error(tmp_path):
+    result = CliRunner().invoke(app, ["join", "--role", "boss", "--dry-run"])
+    assert result.exit_code == 2
+    assert "command line: `node.role` = 'boss'" in result.output
+    assert "Traceback" not in result.output

@@ -1,0 +1,135 @@
+"""The `swarm-node` console script, run as a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from swarm_node.node.identity import Identity
+
+BIN = Path(sys.executable).parent / "swarm-node"
+HEAVY = ("torch", "transformers", "libp2p", "trio", "vllm", "numpy", "safetensors")
+
+
+def run(*args: str, home: Path, check: bool = False) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HOME": str(home), "NO_COLOR": "1"}
+    proc = subprocess.run([str(BIN), *args], capture_output=True, text=True, env=env,
+                          timeout=120)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{args} exited {proc.returncode}: {proc.stderr}")
+    return proc
+
+
+def test_console_script_installed():
+    assert BIN.exists(), f"{BIN} missing: is the project installed (pip install -e .)?"
+
+
+def test_keygen_then_id(tmp_path):
+    data = tmp_path / "node"
+    out = run("keygen", "--data-dir", str(data), home=tmp_path, check=True).stdout.split()
+    key = data / "node_key.pem"
+    assert out[0] == "wrote" and Path(out[1]) == key
+    peer_id = out[-1]
+    assert peer_id.startswith("12D3KooW")
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    assert Identity.load(key).peer_id == peer_id
+    assert run("id", "--data-dir", str(data), home=tmp_path, check=True).stdout.strip() \
+        == peer_id
+
+    again = run("keygen", "--data-dir", str(data), home=tmp_path)
+    assert again.returncode == 2 and "already exists" in again.stderr and "--force" in again.stderr
+    assert run("id", "--data-dir", str(data), home=tmp_path).stdout.strip() == peer_id
+
+    forced = run("keygen", "--data-dir", str(data), "--force", home=tmp_path, check=True)
+    assert forced.stdout.split()[-1] != peer_id
+
+
+def test_keygen_explicit_key_path_and_default_home(tmp_path):
+    key = tmp_path / "keys" / "a.pem"
+    peer_id = run("keygen", "--key", str(key), home=tmp_path, check=True).stdout.split()[-1]
+    assert run("id", "--key", str(key), home=tmp_path, check=True).stdout.strip() == peer_id
+    # Without flags the data dir is ~/.swarm-node.
+    default = run("keygen", home=tmp_path, check=True).stdout.split()[-1]
+    assert (tmp_path / ".swarm-node" / "node_key.pem").exists()
+    assert run("id", home=tmp_path, check=True).stdout.strip() == default
+
+
+def test_id_errors_are_clear(tmp_path):
+    missing = run("id", "--data-dir", str(tmp_path / "none"), home=tmp_path)
+    assert missing.returncode != 0
+    assert "keygen" in missing.stderr and "Traceback" not in missing.stderr
+
+    key = tmp_path / "loose.pem"
+    Identity.generate().save(key)
+    key.chmod(0o644)
+    loose = run("id", "--key", str(key), home=tmp_path)
+    assert loose.returncode != 0 and str(key) in loose.stderr and "chmod 600" in loose.stderr
+    assert "Traceback" not in loose.stderr
+
+    bad = tmp_path / "bad.pem"
+    bad.write_text("not a key")
+    bad.chmod(0o600)
+    corrupt = run("id", "--key", str(bad), home=tmp_path)
+    assert corrupt.returncode != 0 and str(bad) in corrupt.stderr
+    assert "Traceback" not in corrupt.stderr
+
+
+def test_join_dry_run(tmp_path):
+    cfg_file = tmp_path / "node.toml"
+    cfg_file.write_text('[node]\nrole = "trainer"\n[sampler]\ntemperature = 0.5\n')
+    proc = run("join", "--config", str(cfg_file), "--swarm", "cli-test", "--listen",
+               "/ip4/127.0.0.1/tcp/0", "--data-dir", str(tmp_path / "d"), "--dry-run",
+               home=tmp_path, check=True)
+    resolved = tomllib.loads(proc.stdout)
+    assert resolved["node"]["role"] == "trainer"
+    assert resolved["node"]["swarm_id"] == "cli-test"
+    assert resolved["node"]["listen"] == ["/ip4/127.0.0.1/tcp/0"]
+    assert resolved["node"]["data_dir"] == str(tmp_path / "d")
+    assert resolved["sampler"]["temperature"] == 0.5
+    assert not (tmp_path / "d").exists()  # a dry run touches nothing
+
+
+def test_join_bad_config_is_clear(tmp_path):
+    cfg_file = tmp_path / "node.toml"
+    cfg_file.write_text("[node]\nrol = 'trainer'\n")
+    proc = run("join", "--config", str(cfg_file), "--dry-run", home=tmp_path)
+    assert proc.returncode == 2
+    assert "unknown key `node.rol`" in proc.stderr and "did you mean `role`" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+PROBE = """
+import json, sys
+sys.argv = ["swarm-node", *{args!r}]
+from swarm_node.cli.main import main
+try:
+    main()
+except SystemExit:
+    pass
+print("HEAVY=" + json.dumps(sorted(m for m in {heavy!r} if m in sys.modules)))
+"""
+
+
+@pytest.mark.parametrize("args", [["--help"], ["join", "--help"], ["status", "--help"],
+                                  ["demo", "--help"], ["join", "--dry-run"]])
+def test_help_imports_nothing_heavy(tmp_path, args):
+    code = PROBE.format(args=args, heavy=HEAVY)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "HOME": str(tmp_path)}, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "Usage" in proc.stdout or "[node]" in proc.stdout
+    loaded = json.loads(proc.stdout.rsplit("HEAVY=", 1)[1])
+    assert loaded == [], f"`swarm-node {' '.join(args)}` imported {loaded}"
+
+
+def test_help_lists_commands(tmp_path):
+    out = run("--help", home=tmp_path, check=True).stdout
+    for command in ("keygen", "id", "join", "demo", "status"):
+        assert command in out

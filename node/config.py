@@ -23,7 +23,7 @@ class Section(BaseModel):
 
 
 class NodeSection(Section):
-    role: Literal["inference", "trainer", "relay", "verifier"] = "inference"
+    role: Literal["inference", "trainer", "relay"] = "inference"
     """What this node does in the swarm."""
     swarm_id: str = Field("default", pattern=r"^[A-Za-z0-9_-]{1,64}$")
     """Name of the swarm; part of every topic, so different swarms never mix."""
@@ -110,6 +110,10 @@ class TrainerSection(Section):
     """Gradient-norm clip."""
     keep_checkpoints: int = Field(3, ge=1)
     """How many checkpoint versions to keep on disk."""
+    sample_locally: bool = True
+    """Trainer role: also sample its own rollouts each round (SAPO: every node samples)."""
+    max_steps: int = Field(0, ge=0)
+    """Trainer role: stop training after this many policy versions (0: never)."""
     checkpoint_every: int = Field(1, ge=1)
     """Write a checkpoint every this many steps (buffered rollouts are freed only then)."""
     updates_per_step: int = Field(1, ge=1, le=64)

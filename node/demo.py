@@ -159,8 +159,9 @@ def _rejected(st: dict) -> int:
 
 def progress_line(nodes: list[DemoNode], elapsed: float) -> str:
     trainer = nodes[0].last_status
-    parts = [f"[{elapsed:5.0f}s] trainer v{trainer.get('policy_version', '?')} "
-             f"reward {_fmt(trainer.get('reward'))}"]
+    head = (f"[{elapsed:5.0f}s] trainer v{trainer.get('policy_version', '?')} "
+            f"reward {_fmt(trainer.get('reward'))}")
+    parts = [head]
     for node in nodes[1:]:
         st = node.last_status
         if node.role == "inference":

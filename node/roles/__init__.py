@@ -17,8 +17,4 @@ def make_role(cfg, identity, p2p, state):
         from .relay import RelayRole
 
         return RelayRole(cfg, identity, p2p, state)
-    if role == "verifier":
-        from .verifier import VerifierRole
-
-        return VerifierRole(cfg, identity, p2p, state)
     raise ValueError(f"unknown role {role!r}")

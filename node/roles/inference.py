@@ -44,19 +44,21 @@ class InferenceRole(Role):
         self.sampler = await self.work(make_sampler, self.cfg, peer_id=self.identity.peer_id)
         self.tokenizer = self.sampler.tokenizer
         self.state.policy_version = self.sampler.version
-        self.follower = Broadcaster(self.cfg, self.identity, self.p2p, self.state,
+        self.follower = Broadcaster(self.p2p, self.cfg.broadcast, self.data_dir / "broadcast",
+                                    follow=self.cfg.node.follow, role="inference",
                                     on_complete=self._on_checkpoint)
         await self.follower.start()
         log.info("inference peer ready: model %s, policy version %d", self.cfg.model.name,
                  self.sampler.version)
 
-    def _on_checkpoint(self, policy_id: str, version: int, ckpt_dir) -> None:
+    def _on_checkpoint(self, manifest, ckpt_dir) -> None:
+        policy_id, version = manifest.policy_id, manifest.version
         if self.policy_id is None:
             self.policy_id = policy_id
-        if policy_id == self.policy_id and version > self.sampler.version:
-            if self.pending is None or version > self.pending[0]:
-                self.pending = (version, ckpt_dir)
-                self.new_version.set()
+        newer = self.pending is None or version > self.pending[0]
+        if policy_id == self.policy_id and version > self.sampler.version and newer:
+            self.pending = (version, ckpt_dir)
+            self.new_version.set()
 
     async def _maybe_reload(self) -> None:
         if self.pending is None:

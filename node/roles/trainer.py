@@ -1,0 +1,296 @@
+"""Trainer: verify incoming rollouts, train on a SAPO mix, checkpoint, broadcast each version.
+
+Loop, one iteration per policy version:
+  1. verify the rollout batches that arrived (every check in verifier/checks.py, one prefill
+     per batch); accepted completions enter the crash-safe buffer, rejections are counted
+     per peer and reason and feed the reputation, which bans cheaters at the gossip layer;
+  2. sample this node's own rollouts for the round (SAPO: every trainer also samples);
+  3. one GRPO step on I local + J external groups, a checkpoint, and a signed manifest of
+     the new version for the inference peers and relays.
+Rollouts of this trainer's own policy are verified against the version that produced them
+(kept on disk for `max_staleness` versions). Rollouts of another policy are verified only
+when this node holds that policy's checkpoint (it follows that trainer); otherwise they are
+rejected as `unknown_policy`, never trained on unverified.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import shutil
+from collections import OrderedDict
+from pathlib import Path
+
+from ...protocol.messages import RolloutBatch, SamplingParams
+from .base import Role
+
+log = logging.getLogger("swarm_node")
+
+QUEUE_MAX = 256
+MODEL_CACHE = 4
+
+
+class TrainerRole(Role):
+    name = "trainer"
+
+    def __init__(self, cfg, identity, p2p, state):
+        super().__init__(cfg, identity, p2p, state)
+        self.queue: asyncio.Queue[tuple[RolloutBatch, str]] = asyncio.Queue(QUEUE_MAX)
+        self.trainer = None
+        self.sampler = None
+        self.tasks = None
+        self.reputation = None
+        self.broadcaster = None
+        self.verifiers: dict[str, object] = {}
+        self._models: OrderedDict[tuple[str, int], object] = OrderedDict()
+        self.round = int(self.load_json("round.json", {"next_round": 0})["next_round"])
+
+    # start-up ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        from ...verifier.reputation import Reputation
+        from ..broadcast.service import Broadcaster
+        from ..models import ensure_builtin
+        from ..sampler.hf import HFSampler
+        from ..tasks import TaskSource
+        from ..trainer.trainer import Trainer
+
+        cfg = self.cfg
+        name = cfg.model.name
+        model_dir = ensure_builtin(name) if name.startswith("builtin:") else name
+        self.trainer = await self.work(Trainer, cfg, model_dir, self.data_dir,
+                                       policy_id=self.identity.peer_id)
+        self.sampler = HFSampler(self.trainer.model, self.trainer.tokenizer,
+                                 peer_id=self.identity.peer_id, version=self.trainer.version,
+                                 max_context=cfg.model.max_context)
+        self.tasks = TaskSource(cfg.tasks.mix, cfg.node.swarm_id)
+        self.reputation = Reputation.from_config(cfg.verifier, self.data_dir / "reputation.json")
+        self.p2p.set_peer_filter(lambda peer: not self.reputation.is_banned(peer))
+        self.broadcaster = Broadcaster(self.p2p, cfg.broadcast, self.data_dir / "broadcast",
+                                       follow=[p for p in cfg.node.follow
+                                               if p != self.identity.peer_id],
+                                       role="trainer")
+        await self.broadcaster.start()
+        await self.p2p.subscribe("rollouts", self._on_rollouts)
+        await self.p2p.subscribe("verdicts", self._on_verdict)
+        self.state.policy_id = self.identity.peer_id
+        self.state.policy_version = self.trainer.version
+        self.state.banned = self.reputation.banned()
+        await self._publish_version()
+
+    async def _publish_version(self) -> None:
+        """Announce the current checkpoint (policy files only; no optimizer state)."""
+        ckpt = self.trainer.latest_checkpoint()
+        out = self.data_dir / "publish" / f"v{ckpt.version:08d}"
+        if not out.exists():
+            await self.work(_link_policy_files, ckpt, out)
+        parent = ckpt.version - 1 if ckpt.version > 0 else -1
+        await self.broadcaster.publish(out, ckpt.version, parent_version=parent)
+        await self.work(_prune_publish, self.data_dir / "publish",
+                        self.cfg.broadcast.keep_versions)
+        self.state.versions_published += 1
+
+    # incoming ---------------------------------------------------------------------------
+
+    async def _on_rollouts(self, env, from_peer: str) -> None:
+        if self.reputation.is_banned(env.sender):
+            self.state.reject(env.sender, "banned", len(env.message.completions))
+            return
+        try:
+            self.queue.put_nowait((env.message, env.sender))
+        except asyncio.QueueFull:
+            self.state.count("rollout_queue_full")
+            log.warning("rollout queue full; dropped a batch from %s (not verified, not "
+                        "accepted)", env.sender[-8:])
+
+    async def _on_verdict(self, env, from_peer: str) -> None:
+        # Verdicts from others are hints: they only make the subject always-verified.
+        self.reputation.hint(env.message, env.sender)
+
+    def _model_for(self, policy_id: str):
+        def model_for(version: int):
+            if policy_id == self.identity.peer_id and version == self.trainer.version:
+                return self.trainer.model
+            key = (policy_id, version)
+            if key in self._models:
+                self._models.move_to_end(key)
+                return self._models[key]
+            path = self._checkpoint_path(policy_id, version)
+            if path is None:
+                return None
+            from ..models import load_model
+
+            model, _ = load_model(path, dtype=self.cfg.model.dtype,
+                                  device=str(self.trainer.device))
+            self._models[key] = model
+            while len(self._models) > MODEL_CACHE:
+                self._models.popitem(last=False)
+            return model
+        return model_for
+
+    def _checkpoint_path(self, policy_id: str, version: int) -> Path | None:
+        if policy_id == self.identity.peer_id:
+            for ck in self.trainer.store.list():
+                if ck.version == version:
+                    return ck.path
+            return None
+        return self.broadcaster.completed.get((policy_id, version))
+
+    def _latest_for(self, policy_id: str):
+        def latest() -> int:
+            if policy_id == self.identity.peer_id:
+                return self.trainer.version
+            return self.broadcaster.store.current_version(policy_id)
+        return latest
+
+    def _verifier(self, policy_id: str):
+        from ...verifier.checks import CheckSettings, RolloutVerifier
+
+        v = self.verifiers.get(policy_id)
+        if v is None:
+            scfg = self.cfg.sampler
+            settings = CheckSettings.for_dtype(self.cfg.model.dtype,
+                                               max_policy_lag=self.cfg.trainer.max_staleness)
+            v = RolloutVerifier(
+                self._model_for(policy_id), self.trainer.tokenizer, self.tasks,
+                swarm_id=self.cfg.node.swarm_id, latest_version=self._latest_for(policy_id),
+                settings=settings, policy_ids={policy_id},
+                sampling=SamplingParams(temperature=scfg.temperature, top_p=scfg.top_p,
+                                        max_new_tokens=scfg.max_new_tokens),
+                max_context=self.cfg.model.max_context,
+                format_reward=self.cfg.tasks.format_reward)
+            self.verifiers[policy_id] = v
+        return v
+
+    def verify_and_store(self, batch: RolloutBatch, sender: str):
+        """Verify one batch and store what passed (worker thread). Returns the results."""
+        own = batch.policy_id == self.identity.peer_id
+        known = own or batch.policy_id in self.broadcaster.gate.follow
+        if not known:
+            return None
+        results = self._verifier(batch.policy_id).verify(batch, sender)
+        accepted = [batch.completions[r.index] for r in results if r.accept]
+        if accepted:
+            self.trainer.add_external(batch.model_copy(update={"completions": accepted}))
+        return results
+
+    async def _drain(self) -> None:
+        while not self.queue.empty():
+            batch, sender = self.queue.get_nowait()
+            if self.reputation.is_banned(sender):
+                self.state.reject(sender, "banned", len(batch.completions))
+                continue
+            results = await self.work(self.verify_and_store, batch, sender)
+            if results is None:
+                self.state.reject(sender, "unknown_policy", len(batch.completions))
+                continue
+            first_reject = None
+            for r in results:
+                self.reputation.record(sender, r.accept, r.reason)
+                if r.accept:
+                    self.state.accept(sender)
+                else:
+                    self.state.reject(sender, r.reason)
+                    first_reject = first_reject or r
+            n_ok = sum(r.accept for r in results)
+            log.info("verified round %d from %s: %d accepted, %d rejected%s", batch.round,
+                     sender[-8:], n_ok, len(results) - n_ok,
+                     f" (first: {first_reject.reason})" if first_reject else "")
+            if self.reputation.is_banned(sender) and sender not in self.state.banned:
+                self.state.banned = self.reputation.banned()
+                log.warning("banned peer %s (reputation %.1f)", sender,
+                            self.reputation.score(sender))
+            if first_reject is not None:
+                await self._publish_verdict(first_reject, sender, batch.policy_version)
+
+    async def _publish_verdict(self, result, sender: str, version: int) -> None:
+        try:
+            await self.p2p.publish("verdicts", result.verdict(sender, version))
+        except Exception as e:  # noqa: BLE001 - a hint only; counted
+            self.state.count("verdict_publish_failed")
+            log.debug("verdict not published: %s", e)
+
+    # the loop ---------------------------------------------------------------------------
+
+    def sample_local(self, round_: int) -> float:
+        """Sample this trainer's own rollouts for `round_` into the buffer (worker thread)."""
+        from ..tasks import format_prompt, get_task
+
+        scfg = self.cfg.sampler
+        refs = self.tasks.draw(self.identity.peer_id, round_, self.cfg.tasks.tasks_per_round)
+        prompts = [(ref, format_prompt(self.trainer.tokenizer,
+                                       get_task(ref, self.cfg.tasks.format_reward)))
+                   for ref in refs]
+        params = SamplingParams(temperature=scfg.temperature, top_p=scfg.top_p,
+                                max_new_tokens=scfg.max_new_tokens)
+        self.sampler.version = self.trainer.version
+        was_training = self.trainer.model.training
+        self.trainer.model.eval()
+        try:
+            groups = self.sampler.generate(prompts, scfg.completions_per_task, params)
+        finally:
+            self.trainer.model.train(was_training)
+        samples = [s for g in groups for s in g]
+        self.trainer.add_local(samples)
+        return len(samples)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        from .inference import _wait_any
+
+        while not stop.is_set():
+            await self._drain()
+            if self.cfg.trainer.sample_locally:
+                await self.work(self.sample_local, self.round)
+                self.round += 1
+                self.save_json("round.json", {"next_round": self.round})
+            await self._drain()
+            stats = await self.work(self.trainer.step)
+            self.state.buffer_counters = self.trainer.counters()
+            if not stats.trained:
+                await _wait_any(stop, asyncio.Event(), timeout=1.0)
+                continue
+            self.state.policy_version = stats.version
+            reward = stats.mean_reward_local_new
+            if not math.isnan(reward):
+                self.state.reward = reward
+                self.state.reward_history.append((stats.version, reward))
+            log.info("train step -> v%d: %d local + %d external groups, %d tokens, "
+                     "reward %.3f, loss %.4f, %.1f tok/s", stats.version, stats.groups_local,
+                     stats.groups_external, stats.tokens, reward, stats.loss,
+                     stats.tokens_per_s)
+            if stats.checkpoint:
+                await self._publish_version()
+            if self.cfg.trainer.max_steps and stats.version >= self.cfg.trainer.max_steps:
+                log.info("reached trainer.max_steps = %d; idling (serving checkpoints)",
+                         self.cfg.trainer.max_steps)
+                await stop.wait()
+
+    async def close(self) -> None:
+        if self.broadcaster is not None:
+            await self.broadcaster.close()
+        await super().close()
+        if self.reputation is not None:
+            self.reputation.save()
+        if self.trainer is not None:
+            self.trainer.close()
+
+
+def _link_policy_files(ckpt, out: Path) -> None:
+    """Hard-link (or copy) the policy files of a checkpoint into a publish directory."""
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in ckpt.policy_files():
+        try:
+            os.link(f, tmp / f.name)
+        except OSError:
+            shutil.copy2(f, tmp / f.name)
+    os.replace(tmp, out)
+
+
+def _prune_publish(root: Path, keep: int) -> None:
+    dirs = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.endswith(".tmp"))
+    for p in dirs[:-keep]:
+        shutil.rmtree(p, ignore_errors=True)

@@ -205,6 +205,10 @@ class RolloutBuffer:
             return released, returned
         return self._tx(run)
 
+    def bump(self, name: str, n: int = 1) -> None:
+        """Add n to a persistent counter."""
+        self._tx(lambda db: _bump(db, name, n))
+
     def counters(self) -> dict[str, int]:
         with self._lock:
             return dict(self._db.execute("SELECT name, value FROM counters").fetchall())

@@ -6,7 +6,11 @@ Layout under `root` (the trainer's `<data_dir>/trainer/checkpoints`):
         config.json, generation_config.json, model.safetensors   policy (save_pretrained)
         tokenizer.json, tokenizer_config.json, ...               tokenizer (save_pretrained)
         checkpoint.json                                          version, files, sizes
-        trainer_state.safetensors                                optimizer tensors + RNG
+        trainer_state.tensors                                optimizer tensors + RNG
+                                                                 (safetensors format; not
+                                                                 named *.safetensors so a
+                                                                 loader globbing weights
+                                                                 never picks it up)
         trainer_state.json                                       optimizer groups, scheduler,
                                                                  counters, python RNG
 
@@ -111,7 +115,7 @@ class CheckpointStore:
             tensors, meta = _trainer_state(optimizer, scheduler)
             meta["state"] = state or {}
             meta["version"] = version
-            save_file(tensors, str(tmp / "trainer_state.safetensors"))
+            save_file(tensors, str(tmp / "trainer_state.tensors"))
             (tmp / "trainer_state.json").write_text(json.dumps(meta))
             files = sorted(p for p in tmp.iterdir() if p.is_file())
             manifest = {"version": version,
@@ -151,7 +155,7 @@ class CheckpointStore:
             if meta_path.stat().st_size > MAX_JSON_BYTES:
                 raise CheckpointError(f"{meta_path} is larger than {MAX_JSON_BYTES} bytes")
             meta = json.loads(meta_path.read_text())
-            tensors = load_file(str(ckpt.path / "trainer_state.safetensors"))
+            tensors = load_file(str(ckpt.path / "trainer_state.tensors"))
         except (OSError, ValueError, SafetensorError) as e:
             raise CheckpointError(f"cannot read trainer state of {ckpt.path}: {e}") from None
         if meta.get("version") != ckpt.version:
@@ -165,7 +169,7 @@ def _trainer_state(optimizer, scheduler) -> tuple[dict, dict]:
     import torch
 
     tensors: dict[str, torch.Tensor] = {"rng.torch": torch.get_rng_state()}
-    meta: dict[str, Any] = {"rng_python": _py_rng_to_json(random.getstate())}
+    meta: dict[str, Any] = {"rng_python": rng_to_json(random.getstate())}
     if torch.cuda.is_available():
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
             tensors[f"rng.cuda.{i}"] = s
@@ -190,7 +194,7 @@ def _restore_trainer_state(tensors, meta, optimizer, scheduler) -> None:
 
     try:
         torch.set_rng_state(tensors["rng.torch"])
-        random.setstate(_py_rng_from_json(meta["rng_python"]))
+        random.setstate(rng_from_json(meta["rng_python"]))
         if torch.cuda.is_available():
             states = [tensors[k] for k in sorted(tensors) if k.startswith("rng.cuda.")]
             if len(states) == torch.cuda.device_count():
@@ -222,11 +226,11 @@ def _jsonable(v: Any) -> bool:
         return False
 
 
-def _py_rng_to_json(state) -> list:
+def rng_to_json(state) -> list:
     version, internal, gauss = state
     return [version, list(internal), gauss]
 
 
-def _py_rng_from_json(data) -> tuple:
+def rng_from_json(data) -> tuple:
     version, internal, gauss = data
     return (version, tuple(internal), gauss)

@@ -87,6 +87,6 @@ def test_crash_leftovers_and_corruption(tiny_model_dir, tmp_path):
     with pytest.raises(CheckpointError):
         store.save(1, model, tok)
     # a corrupted trainer state is a clear error, not a crash
-    (ck.path / "trainer_state.safetensors").write_bytes(b"\x00" * 20)
+    (ck.path / "trainer_state.tensors").write_bytes(b"\x00" * 20)
     with pytest.raises(CheckpointError):
         store.restore(ck)

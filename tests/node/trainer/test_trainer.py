@@ -1,0 +1,216 @@
+"""Trainer behaviour: staleness, zero-advantage filter, SAPO re-scoring, resume after SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from swarm_node.node.config import Config
+from swarm_node.node.tasks import format_prompt, get_task
+from swarm_node.node.trainer.trainer import Trainer
+from swarm_node.protocol.messages import Completion, RolloutBatch, SamplingParams, TensorData
+
+from .helpers import mixed_group, ref, right_and_wrong, samples
+
+
+def make_config(**trainer) -> Config:
+    base = {"local_items": 2, "external_items": 2, "max_staleness": 1}
+    return Config.model_validate({"trainer": {**base, **trainer}, "model": {"device": "cpu"}})
+
+
+@pytest.fixture
+def trainer(tiny_model_dir, tmp_path):
+    t = Trainer(make_config(), tiny_model_dir, tmp_path / "data", policy_id="me")
+    yield t
+    t.close()
+
+
+def test_step_updates_weights_and_version(trainer):
+    assert trainer.version == 0 and trainer.latest_checkpoint().version == 0
+    before = {k: v.clone() for k, v in trainer.state_dict().items()}
+    assert trainer.add_local(mixed_group(trainer.tokenizer, 0)) == 1
+    stats = trainer.step()
+    assert stats.trained and stats.version == 1 == trainer.version
+    assert stats.groups_local == 1 and stats.completions == 4
+    assert stats.mean_reward == pytest.approx(0.5)
+    assert stats.tokens > 0 and stats.grad_norm > 0
+    assert trainer.latest_checkpoint().version == 1
+    changed = any(not torch.equal(before[k], v) for k, v in trainer.state_dict().items())
+    assert changed
+    # nothing left: the next step trains on nothing and keeps the version
+    stats = trainer.step()
+    assert not stats.trained and stats.version == 1
+
+
+def test_zero_advantage_groups_are_filtered(trainer):
+    r = ref(1)
+    good, bad = right_and_wrong(r)
+    tok = trainer.tokenizer
+    assert trainer.add_local(samples(tok, r, [good] * 4)) == 0      # all 1.0
+    assert trainer.add_local(samples(tok, ref(2), ["x", "y"])) == 0  # all 0.0
+    assert trainer.counters()["dropped_zero_advantage"] == 2
+    stats = trainer.step()
+    assert not stats.trained and stats.dropped_zero_advantage == 2
+    assert trainer.version == 0
+    # the mean reward of what arrived is still reported (zero-advantage groups included)
+    assert stats.mean_reward_local_new == pytest.approx(4 / 6)
+
+
+def test_stale_rollouts_are_dropped_and_counted(tiny_model_dir, tmp_path):
+    t = Trainer(make_config(max_staleness=1, local_items=1), tiny_model_dir, tmp_path / "d")
+    tok = t.tokenizer
+    for i in range(3):
+        t.add_local(mixed_group(tok, i, version=0))
+    assert t.step().version == 1          # uses one v0 group (age 0)
+    s = t.step()                          # v0 groups have age 1 <= 1: still used
+    assert s.trained and s.dropped_stale == 0 and t.version == 2
+    # the last v0 group is now 2 versions old: dropped, not trained on
+    s = t.step()
+    assert not s.trained and s.dropped_stale == 1 and t.version == 2
+    # arriving already stale: counted, never stored
+    assert t.add_local(mixed_group(tok, 9, version=0)) == 0
+    assert t.add_local(mixed_group(tok, 10, version=1)) == 1
+    c = t.counters()
+    assert c["dropped_stale"] == 2
+    t.close()
+
+
+def _completion(tok, r, text, claimed):
+    junk = TensorData.from_numpy(__import__("numpy").array([5, 6, 7], dtype="int32"))
+    return Completion(task=r, prompt_ids=junk, completion_ids=junk,
+                      logprobs=TensorData.from_numpy(__import__("numpy").zeros(3, "float32")),
+                      finish_reason="eos", seed=1, claimed_reward=claimed, text=text)
+
+
+def test_external_rescored_ignores_sender_reward(trainer):
+    tok = trainer.tokenizer
+    r = ref(3)
+    good, bad = right_and_wrong(r)
+    # the sender lies: it claims 1.0 for the wrong answer and 0.0 for the right one
+    comps = [_completion(tok, r, bad, 1.0), _completion(tok, r, good, 0.0),
+             _completion(tok, r, bad, 1.0), _completion(tok, r, good, 0.0)]
+    batch = RolloutBatch(swarm_id="s", round=0, policy_id="other", policy_version=42,
+                         sampling=SamplingParams(temperature=1.0), completions=comps)
+    assert trainer.add_external(batch) == 1
+    (g,) = trainer.buffer.pending("external")
+    assert g.rewards == [0.0, 1.0, 0.0, 1.0]
+    # re-tokenised under our tokenizer from the regenerated task and the text
+    assert g.prompt_ids == format_prompt(tok, get_task(r))
+    assert g.completions[1].completion_ids == \
+        list(tok.encode(good, add_special_tokens=False)) + [tok.eos_token_id]
+    assert all(c.logprobs is None for c in g.completions)  # recomputed at training time
+    # a sender claiming perfect rewards for an all-wrong group gives no signal: filtered
+    lies = [_completion(tok, ref(4), "x", 1.0) for _ in range(4)]
+    assert trainer.add_external(RolloutBatch(
+        swarm_id="s", round=0, policy_id="other", policy_version=1,
+        sampling=SamplingParams(), completions=lies)) == 0
+    stats = trainer.step()
+    assert stats.trained and stats.groups_external == 1 and stats.groups_local == 0
+    # behaviour logprobs recomputed under the current policy: ratio 1 on the first update
+    assert stats.mean_ratio == pytest.approx(1.0, abs=1e-5)
+
+
+def test_own_policy_batch_counts_as_local(trainer):
+    tok = trainer.tokenizer
+    import numpy as np
+
+    r = ref(5)
+    good, bad = right_and_wrong(r)
+    prompt = np.array(format_prompt(tok, get_task(r)), dtype="int32")
+    comps = []
+    for text in (good, bad):
+        ids = np.array(list(tok.encode(text, add_special_tokens=False)) + [tok.eos_token_id],
+                       dtype="int32")
+        comps.append(Completion(task=r, prompt_ids=TensorData.from_numpy(prompt),
+                                completion_ids=TensorData.from_numpy(ids),
+                                logprobs=TensorData.from_numpy(np.full(len(ids), -1.5, "float32")),
+                                finish_reason="eos", seed=0, claimed_reward=0.0, text=text))
+    batch = RolloutBatch(swarm_id="s", round=0, policy_id="me", policy_version=0,
+                         sampling=SamplingParams(), completions=comps)
+    assert trainer.add_external(batch) == 1
+    (g,) = trainer.buffer.pending("local")
+    assert g.rewards == [1.0, 0.0]  # our reward, not the claimed 0.0
+    # verified behaviour logprobs of our own policy are kept, not recomputed
+    assert g.completions[0].logprobs == [-1.5] * len(g.completions[0].completion_ids)
+    assert g.policy_version == 0
+
+
+CHILD = textwrap.dedent("""
+    import sys, json
+    sys.path.insert(0, {root!r})
+    from tests.node.trainer.helpers import mixed_group
+    from tests.node.trainer.test_trainer import make_config
+    from swarm_node.node.trainer.trainer import Trainer
+    t = Trainer(make_config(local_items=2, max_staleness=1000, checkpoint_every=2),
+                {model!r}, {data!r})
+    i = {start}
+    while True:
+        for _ in range(3):
+            t.add_local(mixed_group(t.tokenizer, i))
+            print(json.dumps({{"acked": i}}), flush=True)
+            i += 1
+        s = t.step()
+        print(json.dumps({{"step": s.version, "ids": s.group_ids,
+                           "ckpt": s.checkpoint is not None}}), flush=True)
+""")
+
+
+def _run_child(root, model, data, start, kill_after_step):
+    code = CHILD.format(root=root, model=str(model), data=str(data), start=start)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            stderr=subprocess.DEVNULL)
+    events = []
+    try:
+        for line in proc.stdout:
+            events.append(json.loads(line))
+            if events[-1].get("step", 0) >= kill_after_step:
+                # let it get into the middle of the next round of adds
+                nxt = proc.stdout.readline()
+                if nxt:
+                    events.append(json.loads(nxt))
+                break
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+        proc.stdout.close()
+    assert proc.returncode == -signal.SIGKILL
+    return events
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill(tiny_model_dir, tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    data = tmp_path / "data"
+    events = _run_child(root, tiny_model_dir, data, start=0, kill_after_step=5)
+    acked = [e["acked"] for e in events if "acked" in e]
+    steps = [e for e in events if "step" in e]
+    last = steps[-1]["step"]
+    last_ckpt = max([s["step"] for s in steps if s["ckpt"]], default=0)
+
+    t = Trainer(make_config(local_items=2, max_staleness=1000, checkpoint_every=2),
+                tiny_model_dir, data)
+    # resumed at the newest durable checkpoint (step 5's own is not due: every 2 steps)
+    assert t.version == last_ckpt == 4 and last == 5
+    # row ids map to task indices through the pending groups and the trained log
+    pending = {g.task["index"]: g.id for g in t.buffer.pending("local")}
+    used_before = {i for s in steps if s["step"] <= last_ckpt for i in s["ids"]}
+    lost_step = {i for s in steps if s["step"] > last_ckpt for i in s["ids"]}
+    # nothing acknowledged is lost: each acked group is pending or was used by a kept step
+    assert len(used_before) == 2 * last_ckpt  # each kept step used 2 distinct groups
+    assert len(pending) + len(used_before) >= len(acked)
+    # groups of the lost step 5 are back in the buffer, groups of kept steps are not
+    assert lost_step <= set(pending.values())
+    assert not used_before & set(pending.values())
+    assert t.counters()["trained"] == len(used_before)
+    # training continues from there and uses only pending groups
+    s = t.step()
+    assert s.trained and s.version == last_ckpt + 1
+    assert set(s.group_ids) <= set(pending.values())
+    t.close()

@@ -13,8 +13,16 @@ from .errors import (
     StreamError,
 )
 
-__all__ = ["P2PNode", "P2PError", "BootstrapError", "DialError", "NotRunning",
-           "PublishError", "RequestError", "StreamError"]
+__all__ = [
+    "BootstrapError",
+    "DialError",
+    "NotRunning",
+    "P2PError",
+    "P2PNode",
+    "PublishError",
+    "RequestError",
+    "StreamError",
+]
 
 
 def __getattr__(name):

@@ -104,7 +104,7 @@ class TrioBridge:
                 pass
         try:
             await asyncio.wait_for(asyncio.shield(self._done), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("libp2p thread did not stop within %.0fs", timeout)
         await asyncio.to_thread(self._thread.join, timeout)
         if self._thread.is_alive():
@@ -129,7 +129,7 @@ class TrioBridge:
                     return
                 try:
                     result = await fn(*args)
-                except BaseException as e:  # noqa: BLE001 - handed to the asyncio caller
+                except BaseException as e:
                     if isinstance(e, trio.Cancelled):
                         loop.call_soon_threadsafe(_set_exception_if_pending, fut,
                                                   NotRunning("the libp2p host is closing"))

@@ -15,12 +15,13 @@ import logging
 import struct
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from typing import Self
 
 import trio
 from libp2p.network.stream.exceptions import StreamEOF, StreamReset
 
 from .bridge import TrioBridge
-from .errors import RequestError, StreamError
+from .errors import NotRunning, RequestError, StreamError
 from .metrics import P2PMetrics
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ async def write_all(stream, data: bytes) -> None:
         await stream.write(data)
     except StreamReset as e:
         raise StreamError("the peer reset the stream", reason="reset") from e
-    except Exception as e:  # noqa: BLE001 - libp2p raises many types for a dead stream
+    except Exception as e:
         raise StreamError(f"write failed: {type(e).__name__}: {e}", reason="write_failed") from e
 
 
@@ -76,18 +77,16 @@ async def close_quietly(stream) -> None:
     try:
         with trio.move_on_after(2):
             await stream.close()
-    except Exception:  # noqa: BLE001 - closing a broken stream is best effort
-        try:
-            await stream.reset()
-        except Exception:  # noqa: BLE001
-            pass
+    except Exception as e:  # noqa: BLE001 - closing a broken stream is best effort
+        log.debug("stream close failed (%s); resetting", e)
+        await reset_quietly(stream)
 
 
 async def reset_quietly(stream) -> None:
     try:
         await stream.reset()
-    except Exception:  # noqa: BLE001 - best effort
-        pass
+    except Exception as e:  # noqa: BLE001 - best effort
+        log.debug("stream reset failed: %s", e)
 
 
 def remote_peer(stream) -> str:
@@ -121,7 +120,7 @@ async def client_request(host, peer_id, protocol_id: str, payload: bytes, *,
         with trio.fail_after(timeout):
             try:
                 stream = await host.new_stream(peer_id, [protocol_id])
-            except Exception as e:  # noqa: BLE001 - any open failure is a RequestError
+            except Exception as e:
                 raise RequestError(f"cannot open {protocol_id} to {peer_id}: "
                                    f"{type(e).__name__}: {e}", reason="open_failed") from e
             await write_all(stream, _LEN.pack(len(payload)) + payload)
@@ -239,17 +238,17 @@ class AsyncStream:
         """Close our side (the peer reads EOF); never raises."""
         try:
             await self._bridge.call(close_quietly, self._stream)
-        except Exception:  # noqa: BLE001 - host already closed
-            pass
+        except NotRunning:
+            log.debug("stream close after the host stopped")
 
     async def reset(self) -> None:
         """Abort the stream in both directions; never raises."""
         try:
             await self._bridge.call(reset_quietly, self._stream)
-        except Exception:  # noqa: BLE001
-            pass
+        except NotRunning:
+            log.debug("stream reset after the host stopped")
 
-    async def __aenter__(self) -> "AsyncStream":
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc) -> None:

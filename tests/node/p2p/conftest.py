@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from swarm_node.node.config import Config
 from swarm_node.node.identity import Identity
 
@@ -41,8 +40,7 @@ async def make_node():
         return node
 
     yield make
-    for node in nodes:
-        await node.close()
+    await asyncio.gather(*(node.close() for node in nodes))
 
 
 class PeerProcess:

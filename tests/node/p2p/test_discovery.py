@@ -7,7 +7,6 @@ import socket
 import threading
 
 import pytest
-
 from swarm_node.node.identity import Identity
 from swarm_node.node.p2p import BootstrapError, P2PNode
 from swarm_node.protocol.messages import Status
@@ -72,6 +71,7 @@ async def test_bootstrap_failure_names_each_address_and_why(make_node):
     assert not node.running
 
 
+@pytest.mark.slow
 async def test_swarm_stays_connected_after_bootstrap_node_leaves(make_node):
     boot = await make_node()
     others = [await make_node(bootstrap=boot.listen_addrs, target_peers=4) for _ in range(9)]

@@ -7,7 +7,7 @@ import asyncio
 import os
 
 import numpy as np
-
+import pytest
 from swarm_node.protocol.codec import pack
 from swarm_node.protocol.envelope import seal
 from swarm_node.protocol.messages import (
@@ -36,6 +36,7 @@ async def full_mesh(nodes, kind=KIND, timeout=30):
                      timeout, what="meshes to form")
 
 
+@pytest.mark.slow
 async def test_five_hosts_burst_without_loss(make_node):
     first = await make_node()
     nodes = [first] + [await make_node(bootstrap=first.listen_addrs) for _ in range(4)]

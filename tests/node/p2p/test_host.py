@@ -7,7 +7,6 @@ import os
 import threading
 
 import pytest
-
 from swarm_node.node.p2p import P2PError, RequestError
 
 from .conftest import PeerProcess, wait_until
@@ -107,3 +106,41 @@ async def test_bad_multiaddr_is_a_clear_error(make_node):
         await node.connect("/ip4/127.0.0.1/tcp/4001")
     with pytest.raises(P2PError, match="not a valid multiaddr"):
         await node.connect("not-an-address")
+
+
+async def test_close_under_load_is_clean(make_node):
+    from swarm_node.protocol.messages import Status
+
+    a = await make_node()
+    b = await make_node(bootstrap=a.listen_addrs)
+    got = []
+
+    async def on_msg(env, peer):
+        got.append(env.message.round)
+
+    async def echo(peer, body):
+        return body
+
+    a.set_request_handler("/t/echo/1", echo)
+    await a.subscribe("verdicts", on_msg)
+    await b.subscribe("verdicts", on_msg)
+    await wait_until(lambda: b.mesh_peers("verdicts") == [a.peer_id], what="mesh")
+    failures = []
+
+    async def flood():
+        for i in range(100_000):
+            try:
+                await b.publish("verdicts", Status(swarm_id="default", role="inference", round=i))
+                await b.request(a.peer_id, "/t/echo/1", b"x" * 1000)
+            except P2PError as e:
+                failures.append(e)
+                return
+
+    task = asyncio.create_task(flood())
+    await wait_until(lambda: len(got) > 20, what="traffic flowing")
+    await b.close()  # mid-flood
+    await asyncio.wait_for(task, 10)
+    assert failures and all(isinstance(f, P2PError) for f in failures)
+    assert b.shutdown_errors == []
+    await a.close()
+    assert a.shutdown_errors == []

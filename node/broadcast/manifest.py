@@ -156,7 +156,7 @@ class ManifestGate:
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
         return ManifestRejected(f"manifest rejected ({reason}): {detail}", reason=reason)
 
-    def _follows(self, sender) -> bool:
+    def follows(self, sender) -> bool:
         return sender in self.follow or (self.adopt_first and not self.follow)
 
     def check_bytes(self, data: bytes) -> AcceptedManifest:
@@ -165,7 +165,7 @@ class ManifestGate:
             env = open_envelope(data, expected_type=CheckpointManifest.TYPE, max_skew_s=None)
         except SchemaViolation as e:
             sender, payload = _sender_payload_of(data)
-            if not self._follows(sender):
+            if not self.follows(sender):
                 raise self._reject("not_followed", f"{sender} is not a followed trainer") from None
             problem = _layout_problem(payload) if payload is not None else None
             if problem:
@@ -180,7 +180,7 @@ class ManifestGate:
         if env.type != CheckpointManifest.TYPE or not isinstance(env.message, CheckpointManifest):
             raise self._reject("unknown_type", f"expected a manifest, got {env.type}")
         m: CheckpointManifest = env.message
-        if not self._follows(env.sender):
+        if not self.follows(env.sender):
             raise self._reject("not_followed", f"{env.sender} is not a followed trainer")
         if m.policy_id != env.sender:
             raise self._reject("policy_mismatch",

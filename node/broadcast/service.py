@@ -32,7 +32,6 @@ from .wire import MANIFEST_PROTOCOL
 log = logging.getLogger(__name__)
 
 OnComplete = Callable[[CheckpointManifest, Path], Awaitable[None] | None]
-READVERTISE_S = 10.0
 
 
 class Broadcaster:
@@ -71,8 +70,9 @@ class Broadcaster:
         self._spawn(self._advert_loop())
         # resume interrupted downloads of followed policies
         for entry in list(self.store.entries.values()):
-            if not entry.complete and entry.manifest.version > self.store.current_version(
-                    entry.manifest.policy_id):
+            policy = entry.manifest.policy_id
+            if (not entry.complete and self.gate.follows(policy)
+                    and entry.manifest.version > self.store.current_version(policy)):
                 self._start_download(AcceptedManifest(entry.manifest, entry.envelope,
                                                       entry.manifest.policy_id))
 
@@ -201,7 +201,7 @@ class Broadcaster:
 
     async def _on_advert(self, env: Envelope, from_peer: str) -> None:
         ad: ShardAdvert = env.message
-        if not self.gate._follows(ad.policy_id):
+        if not self.gate.follows(ad.policy_id):
             return
         entry = self.store.get(ad.policy_id, ad.version)
         if entry is None:
@@ -252,11 +252,11 @@ class Broadcaster:
         last_all = loop.time()
         while True:
             try:
-                await asyncio.wait_for(self._wake.wait(), READVERTISE_S)
+                await asyncio.wait_for(self._wake.wait(), self.cfg.readvertise_s)
             except asyncio.TimeoutError:
                 pass
             self._wake.clear()
-            if loop.time() - last_all >= READVERTISE_S:
+            if loop.time() - last_all >= self.cfg.readvertise_s:
                 last_all = loop.time()
                 self._dirty |= set(self.store.entries)
             dirty, self._dirty = self._dirty, set()

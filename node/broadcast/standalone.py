@@ -8,7 +8,7 @@ tests and by benchmarks/broadcast.py; also a minimal relay.
 Prints one JSON object per line on stdout: {"event": "ready", "peer_id", "addrs"}, then
 "published", "complete" (with metrics), "rejected" (with a reason). Reads commands on
 stdin, one per line: `publish DIR VERSION`, `offer FILE` (a sealed manifest envelope),
-`stats`, `quit`. `--corrupt-shards 3,7` is fault injection (this peer serves those shards
+`rate MIB_S` (cap uploads), `stats`, `quit`. `--corrupt-shards 3,7` is fault injection (this peer serves those shards
 with one flipped byte) for tests and benchmarks only.
 """
 
@@ -57,6 +57,7 @@ async def main(argv: list[str] | None = None) -> int:
     from ..identity import Identity
     from ..p2p import P2PNode
     from .errors import ManifestRejected
+    from .server import RateLimiter
     from .service import Broadcaster
 
     ap = argparse.ArgumentParser(prog="swarm-node-broadcast")
@@ -69,6 +70,7 @@ async def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shard-size", type=int)
     ap.add_argument("--parallel", type=int)
     ap.add_argument("--chunk-timeout", type=float)
+    ap.add_argument("--readvertise", type=float)
     ap.add_argument("--corrupt-shards", default="")
     ap.add_argument("--log-level", default="WARNING")
     args = ap.parse_args(argv)
@@ -85,6 +87,8 @@ async def main(argv: list[str] | None = None) -> int:
         cfg.broadcast.shard_size = args.shard_size
     if args.parallel:
         cfg.broadcast.parallel_downloads = args.parallel
+    if args.readvertise:
+        cfg.broadcast.readvertise_s = args.readvertise
     if args.chunk_timeout:
         cfg.broadcast.chunk_timeout_s = args.chunk_timeout
     ident = Identity.load_or_create(args.key) if args.key else Identity.generate()
@@ -123,6 +127,9 @@ async def main(argv: list[str] | None = None) -> int:
                     emit(event="accepted", version=acc.manifest.version)
                 except ManifestRejected as e:
                     emit(event="rejected", reason=e.reason, detail=str(e))
+            elif cmd == "rate":  # cap this peer's upload rate (MiB/s), e.g. to slow a source
+                bc.server.limiter = RateLimiter(float(rest[0]) * 2**20)
+                emit(event="rate", mib_s=float(rest[0]))
             elif cmd == "stats":
                 emit(event="stats", server=dict(bc.server.metrics),
                      rejected=dict(bc.gate.rejected), peak_rss_mib=peak_rss_mib(),

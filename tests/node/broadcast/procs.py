@@ -1,0 +1,100 @@
+"""Broadcast peers as real subprocesses (node/broadcast/standalone.py), for fault tests and
+the benchmark. Each process is stopped through its own handle."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+
+class BroadcastProc:
+    def __init__(self, name: str, role: str, data_dir: Path, *args: str, key: Path | None = None,
+                 log_level: str = "WARNING"):
+        self.name = name
+        cmd = [sys.executable, "-m", "swarm_node.node.broadcast.standalone", "--role", role,
+               "--data-dir", str(data_dir), "--log-level", log_level, *args]
+        if key is not None:
+            cmd += ["--key", str(key)]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.stderr_path = Path(data_dir).with_suffix(".stderr")
+        Path(data_dir).parent.mkdir(parents=True, exist_ok=True)
+        self._stderr = open(self.stderr_path, "w")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._stderr, text=True, env=env)
+        self.events: queue.Queue = queue.Queue()
+        self.seen: list[dict] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        self.info: dict = {}
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                self.events.put(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        self.events.put({"event": "eof"})
+
+    async def event(self, kind: str, timeout: float = 60) -> dict:
+        """The next event of `kind` (earlier events of other kinds are kept in `seen`)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise TimeoutError(f"{self.name}: no {kind!r} event in {timeout}s; "
+                                   f"stderr: {self.stderr_tail()}")
+            try:
+                ev = await asyncio.to_thread(self.events.get, True, min(left, 0.5))
+            except queue.Empty:
+                continue
+            self.seen.append(ev)
+            if ev["event"] == kind:
+                return ev
+            if ev["event"] == "eof":
+                raise RuntimeError(f"{self.name} exited; stderr: {self.stderr_tail()}")
+
+    async def ready(self, timeout: float = 60) -> dict:
+        self.info = await self.event("ready", timeout)
+        return self.info
+
+    @property
+    def peer_id(self) -> str:
+        return self.info["peer_id"]
+
+    @property
+    def addrs(self) -> list[str]:
+        return self.info["addrs"]
+
+    def send(self, line: str) -> None:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def kill(self) -> None:
+        """SIGKILL: the process gets no chance to clean up (a crash)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self, timeout: float = 15) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.flush()
+                self.proc.stdin.close()
+                self.proc.wait(timeout)
+            except (OSError, subprocess.TimeoutExpired):
+                self.kill()
+        self._stderr.close()
+
+    def stderr_tail(self, n: int = 2000) -> str:
+        try:
+            return self.stderr_path.read_text()[-n:]
+        except OSError:
+            return ""

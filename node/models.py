@@ -97,7 +97,7 @@ def build_tiny_model(directory: str | os.PathLike, seed: int = 0) -> Path:
         raise NodeError(f"cannot create model directory {directory}: {e.strerror}") from None
     tokenizer = build_tokenizer()
     config = Qwen2Config(
-        vocab_size=len(tokenizer), tie_word_embeddings=True, rope_theta=10000.0,
+        vocab_size=len(tokenizer), tie_word_embeddings=False, rope_theta=10000.0,
         bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, **TINY_SIZES,
     )

@@ -1,0 +1,264 @@
+"""RolloutVerifier end to end on the real tiny model: honest rollouts pass, attacks fail."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from swarm_node.protocol.messages import SamplingParams, TensorData
+from swarm_node.verifier import attacks
+from swarm_node.verifier.checks import (
+    CheckSettings, RolloutVerifier, prefill, rollout_id, sampling_shape_z,
+)
+from swarm_node.verifier.reasons import REASONS
+
+SENDER = "12D3KooWHonestInferencePeer"
+PARAMS = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=20)
+VERSION = 3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Two shared cores: one intra-op thread is ~10x faster than two under load."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def kit(tiny_model_dir):
+    from swarm_node.node.models import load_model
+    from swarm_node.node.tasks import TaskSource
+
+    model, tokenizer = load_model(tiny_model_dir)
+    source = TaskSource({"toy/digit_successor": 1.0, "toy/digit_copy": 1.0}, "default")
+    return model, tokenizer, source
+
+
+def verifier(kit, **kw) -> RolloutVerifier:
+    model, tokenizer, source = kit
+    kw.setdefault("latest_version", lambda: VERSION)
+    return RolloutVerifier(lambda v: model if v <= VERSION else None, tokenizer, source,
+                           swarm_id="default", max_context=1024, **kw)
+
+
+def sample(kit, model=None, params=PARAMS, **kw):
+    m, tokenizer, source = kit
+    kw.setdefault("version", VERSION)
+    return attacks.sample_batch(model or m, tokenizer, source, SENDER, params=params, **kw)
+
+
+@pytest.fixture(scope="module")
+def honest(kit):
+    return sample(kit, tasks=3, n=3)
+
+
+def reasons(results) -> set[str]:
+    return {r.reason for r in results}
+
+
+def test_honest_batch_accepted(kit, honest):
+    results = verifier(kit).verify(honest, SENDER)
+    assert [r.accept for r in results] == [True] * len(honest.completions), \
+        [(r.reason, r.detail) for r in results]
+    for r, c in zip(results, honest.completions):
+        assert r.reward == c.claimed_reward
+        assert r.rollout_id == rollout_id(honest, c)
+        assert r.stats["proof_mismatches"] <= 8
+        assert r.stats["logprob_max_diff"] < 1e-3
+    verdict = results[0].verdict(SENDER, VERSION)
+    assert verdict.accept and verdict.reason == "ok"
+
+
+def test_honest_variations_accepted(kit):
+    """Batch size 1 (no KV-cache padding), verified one prefill at a time: same acceptance.
+    (Thread counts and more batch shapes: benchmarks/verifier.py.)"""
+    batch = sample(kit, tasks=2, n=2, max_batch=1, round_=1)
+    v = verifier(kit, settings=CheckSettings(prefill_token_budget=1))  # one prefill each
+    assert reasons(v.verify(batch, SENDER)) == {"ok"}
+
+
+def test_replayed_batch_rejected(kit, honest):
+    v = verifier(kit)
+    assert reasons(v.verify(honest, SENDER)) == {"ok"}
+    assert reasons(v.verify(honest, SENDER)) == {"round_reused"}
+    moved = honest.model_copy(update={"round": honest.round + 1})
+    # the same rollouts under another round: tasks no longer assigned, ids already seen
+    assert reasons(v.verify(moved, SENDER)) <= {"duplicate", "task_not_assigned"}
+
+
+def test_duplicate_inside_batch(kit, honest):
+    batch = honest.model_copy(update={"completions": [honest.completions[0]] * 2})
+    results = verifier(kit).verify(batch, SENDER)
+    assert [r.reason for r in results] == ["ok", "duplicate"]
+
+
+def test_sender_binding(kit, honest):
+    # the same batch relayed as another peer's: its tasks and seeds belong to SENDER
+    assert reasons(verifier(kit).verify(honest, "12D3KooWSomeoneElse")) == {"task_not_assigned"}
+
+
+def test_task_not_assigned(kit):
+    batch = sample(kit, tasks=1, n=2, round_=7, label_round=0)
+    assert reasons(verifier(kit).verify(batch, SENDER)) == {"task_not_assigned"}
+
+
+def test_batch_level_rejects(kit, honest):
+    v = verifier(kit, latest_version=lambda: VERSION + 5)
+    assert reasons(v.verify(honest, SENDER)) == {"stale_policy"}
+    v = verifier(kit, latest_version=lambda: VERSION - 1)
+    assert reasons(v.verify(honest, SENDER)) == {"unknown_policy"}
+    v = verifier(kit, policy_ids={"another-trainer"})
+    assert reasons(v.verify(honest, SENDER)) == {"unknown_policy"}
+    wrong = honest.model_copy(update={"swarm_id": "other"})
+    assert reasons(verifier(kit).verify(wrong, SENDER)) == {"wrong_swarm"}
+    v = verifier(kit, sampling=SamplingParams(temperature=0.7, max_new_tokens=20))
+    assert reasons(v.verify(honest, SENDER)) == {"sampling_params"}
+
+
+def _edit(batch, **update):
+    return batch.model_copy(update={"completions": [c.model_copy(update=update)
+                                                    for c in batch.completions]})
+
+
+def test_seed_and_prompt_binding(kit, honest):
+    assert reasons(verifier(kit).verify(_edit(honest, seed=12345), SENDER)) == {"seed_mismatch"}
+    prompt = honest.completions[0].prompt_ids.to_numpy().copy()
+    prompt[-1] = (prompt[-1] + 1) % 400
+    bad = _edit(honest, prompt_ids=TensorData.from_numpy(prompt))
+    assert reasons(verifier(kit).verify(bad, SENDER)) == {"prompt_mismatch"}
+
+
+def test_bad_shapes(kit, honest):
+    empty = TensorData.from_numpy(np.zeros(0, dtype=np.int32))
+    bad = _edit(honest, completion_ids=empty, logprobs=TensorData.from_numpy(np.zeros(0, np.float32)))
+    assert reasons(verifier(kit).verify(bad, SENDER)) == {"bad_shape"}
+    c = honest.completions[0]
+    huge = c.completion_ids.to_numpy().copy()
+    huge[0] = 10**6
+    bad = _edit(honest, completion_ids=TensorData.from_numpy(huge))
+    assert reasons(verifier(kit).verify(bad, SENDER)) == {"bad_shape"}
+
+
+def test_forged_reward(kit, honest):
+    results = verifier(kit).verify(attacks.forge_reward(honest), SENDER)
+    assert reasons(results) == {"reward_mismatch"}
+
+
+def test_text_mismatch(kit, honest):
+    assert reasons(verifier(kit).verify(_edit(honest, text="7"), SENDER)) == {"text_mismatch"}
+
+
+def test_tampered_logprobs(kit, honest):
+    bad = attacks.tamper_logprobs(honest, random.Random(0))
+    assert reasons(verifier(kit).verify(bad, SENDER)) == {"logprob_mismatch"}
+    nan = _edit(honest, logprobs=TensorData.from_numpy(
+        np.full(honest.completions[0].logprobs.shape, np.nan, dtype=np.float32)))
+    nan = nan.model_copy(update={"completions": nan.completions[:1]})
+    assert reasons(verifier(kit).verify(nan, SENDER)) <= {"logprob_mismatch", "bad_shape"}
+
+
+def test_missing_and_swapped_proofs(kit, honest):
+    assert reasons(verifier(kit).verify(_edit(honest, proof=b""), SENDER)) == {"proof_missing"}
+    swapped = verifier(kit).verify(attacks.swap_proofs(honest), SENDER)
+    assert all(not r.accept and r.reason.startswith("proof_") for r in swapped)
+
+
+def test_tampered_tokens(kit, honest):
+    model, tokenizer, _ = kit
+    vocab, eos = len(tokenizer), {tokenizer.eos_token_id}
+    raw = attacks.tamper_tokens(honest, random.Random(1), vocab, eos)
+    assert all(not r.accept for r in verifier(kit).verify(raw, SENDER))
+    for span in (1, 6):  # consistent forgeries: proof and logprobs recomputed
+        bad = attacks.tamper_tokens(honest, random.Random(span), vocab, eos, span=span,
+                                    model=model, tokenizer=tokenizer)
+        assert reasons(verifier(kit).verify(bad, SENDER)) == {"token_mismatch"}
+
+
+def test_truncated_and_after_eos(kit, honest):
+    model, tokenizer, _ = kit
+    eos = tokenizer.eos_token_id
+    cut = attacks.truncate_with_eos(honest, random.Random(2), eos, model, tokenizer)
+    assert reasons(verifier(kit).verify(cut, SENDER)) <= {"token_mismatch", "eos_improbable"}
+    after = attacks.append_after_eos(honest, random.Random(3), len(tokenizer), eos, model, tokenizer)
+    assert reasons(verifier(kit).verify(after, SENDER)) == {"tokens_after_eos"}
+
+
+def test_finish_reason_must_match(kit, honest):
+    flipped = honest.model_copy(update={"completions": [
+        c.model_copy(update={"finish_reason": "eos" if c.finish_reason == "length" else "length"})
+        for c in honest.completions]})
+    assert reasons(verifier(kit).verify(flipped, SENDER)) == {"bad_finish"}
+
+
+def test_eos_probability_gate(kit):
+    model, tokenizer, _ = kit
+    batch = sample(kit, tasks=2, n=4, round_=4)
+    v = verifier(kit, settings=CheckSettings(min_eos_prob=0.5))
+    for r, c in zip(v.verify(batch, SENDER), batch.completions):
+        assert r.reason == ("eos_improbable" if c.finish_reason == "eos" else "ok")
+
+
+def test_cheap_greedy_decode_caught_by_replay_and_shape(kit):
+    model, tokenizer, _ = kit
+    greedy = sample(kit, params=SamplingParams(temperature=0.0, max_new_tokens=20),
+                    tasks=1, n=2, round_=2)
+    claimed = greedy.model_copy(update={"sampling": PARAMS})
+    claimed = attacks.reprove(claimed, model, tokenizer)
+    results = verifier(kit).verify(claimed, SENDER)
+    assert reasons(results) == {"token_mismatch"}
+    # the shape check alone also rejects it
+    for c in claimed.completions:
+        tokens = c.completion_ids.to_numpy().astype("int64")
+        (_, logits), = prefill(model, [(c.prompt_ids.to_numpy(), tokens)])
+        assert sampling_shape_z(logits, torch.from_numpy(tokens), PARAMS) < -6
+
+
+def test_shape_z_is_standard_for_honest_samples(kit, honest):
+    model, _, _ = kit
+    zs = []
+    for c in honest.completions:
+        tokens = c.completion_ids.to_numpy().astype("int64")
+        (_, logits), = prefill(model, [(c.prompt_ids.to_numpy(), tokens)])
+        zs.append(sampling_shape_z(logits, torch.from_numpy(tokens), PARAMS))
+    assert max(abs(z) for z in zs) < 4
+
+
+@pytest.mark.slow
+def test_other_models_rejected(kit):
+    """A different model, the right one scaled by 1.01, and 1% mixed with another."""
+    from swarm_node.node.models import build_tiny_model, load_model
+
+    model, tokenizer, _ = kit
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        build_tiny_model(d, seed=1)
+        other, _ = load_model(d)
+    for forged in (other, attacks.scaled_copy(model, 1.01), attacks.mixed_copy(model, other, 0.01)):
+        batch = sample(kit, model=forged, tasks=1, n=3, round_=3)
+        results = verifier(kit).verify(batch, SENDER)
+        assert all(not r.accept and r.reason.startswith("proof_") for r in results), \
+            [(r.reason, r.stats) for r in results]
+
+
+def test_broken_model_is_a_counted_reject(kit, honest):
+    model, tokenizer, source = kit
+
+    def broken(version):
+        raise RuntimeError("weights gone")
+
+    v = RolloutVerifier(broken, tokenizer, source, swarm_id="default",
+                        latest_version=lambda: VERSION)
+    assert reasons(v.verify(honest, SENDER)) == {"verifier_error"}
+    assert v.counts["verifier_error"] == len(honest.completions)
+
+
+def test_reasons_registry_covers_codes():
+    for code in ("token_mismatch", "sampling_shape", "eos_improbable", "proof_bias",
+                 "task_not_assigned", "duplicate", "round_reused"):
+        assert code in REASONS

@@ -1,0 +1,415 @@
+"""Rollout verification: every check a rollout must pass before anyone trains on it.
+
+`RolloutVerifier.verify(batch, sender)` returns one `RolloutResult` per completion, each
+accepted or rejected with a stable reason code (`reasons.py`). Checks run cheapest first:
+
+batch:       swarm id; followed policy id; policy version known and within
+             [latest - max_policy_lag, latest]; sampling parameters; round not reused.
+binding:     the task is one the seed assigns to (sender, round) (`TaskSource.assigned`);
+             the prompt is the task's formatted prompt; the seed is
+             `completion_seed(task, sender, version, j)` for some j; the rollout id (content
+             hash) is new.
+structure:   token ids in the vocabulary; nothing after EOS; finish_reason consistent.
+model:       one prefill of prompt + completion with the claimed version's model gives the
+             final-norm hidden states and logits at the positions that chose each token:
+             - activation proof (`proof.py`);
+             - claimed logprobs within `logprob_tol` of log_softmax(logits / T)[token];
+             - seeded replay: each token is the seeded Gumbel-max choice, up to near-ties;
+             - termination: a final EOS had probability >= min_eos_prob;
+             - sampling shape: the summed surprisal of the sampled tokens against its
+               expectation under the claimed temperature/top-p, as a z-score, |z| <= z_max;
+task:        the reward is recomputed from the regenerated task; a different claimed
+             reward is rejected (the claimed value is never used).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..protocol.messages import Completion, RolloutBatch, SamplingParams, Verdict
+from .proof import ProofThresholds, verify_proof
+
+log = logging.getLogger(__name__)
+
+ModelFor = Callable[[int], Any]
+
+
+@dataclass(frozen=True)
+class CheckSettings:
+    """Thresholds of the model checks (defaults calibrated for float32 inference; see
+    benchmarks/verifier.py and NODE_SPEC.md §5)."""
+
+    max_policy_lag: int = 2
+    logprob_tol: float = 1e-3
+    tie_eps: float = 1e-3
+    top_p_eps: float = 1e-4
+    min_eos_prob: float = 1e-4
+    shape_z_max: float = 6.0
+    shape_min_tokens: int = 16
+    max_completions_per_task: int = 256
+    reward_tol: float = 1e-6
+    prefill_token_budget: int = 8192
+    proof: ProofThresholds = field(default_factory=ProofThresholds)
+
+    @classmethod
+    def for_dtype(cls, dtype: str, **overrides) -> "CheckSettings":
+        if dtype in ("bfloat16", "float16"):
+            base = dict(logprob_tol=0.1, tie_eps=0.1, top_p_eps=1e-2,
+                        proof=ProofThresholds.for_dtype(dtype))
+        else:
+            base = {}
+        return cls(**{**base, **overrides})
+
+
+@dataclass
+class RolloutResult:
+    index: int
+    rollout_id: bytes
+    accept: bool
+    reason: str
+    detail: str = ""
+    reward: float | None = None
+    stats: dict = field(default_factory=dict)
+
+    def verdict(self, subject: str, policy_version: int) -> Verdict:
+        return Verdict(rollout_id=self.rollout_id, subject=subject, accept=self.accept,
+                       reason=self.reason, policy_version=policy_version,
+                       detail=self.detail[:512])
+
+
+def rollout_id(batch: RolloutBatch, c: Completion) -> bytes:
+    """Content hash of one rollout: BLAKE2b-256 over the policy, task, tokens and seed."""
+    from ..node.sampler.seeded import ref_bytes
+
+    h = hashlib.blake2b(digest_size=32, person=b"swarm-rollout1")
+    for part in (batch.policy_id.encode(), struct.pack("<Q", batch.policy_version),
+                 ref_bytes(c.task), c.prompt_ids.data, c.completion_ids.data,
+                 struct.pack("<Q", c.seed)):
+        h.update(struct.pack("<Q", len(part)))
+        h.update(part)
+    return h.digest()
+
+
+class SeenSet:
+    """Bounded memory of rollout ids (oldest forgotten first)."""
+
+    def __init__(self, capacity: int = 1_000_000):
+        self.capacity = capacity
+        self._ids: OrderedDict[bytes, None] = OrderedDict()
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._ids
+
+    def add(self, key: bytes) -> None:
+        self._ids[key] = None
+        while len(self._ids) > self.capacity:
+            self._ids.popitem(last=False)
+
+
+class _Reject(Exception):
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(detail)
+        self.reason, self.detail = reason, detail
+
+
+class RolloutVerifier:
+    """Verifies rollout batches from untrusted peers.
+
+    `model_for(version)` returns the model of a policy version (or None when unknown);
+    `latest_version()` the newest version this node knows.
+    """
+
+    def __init__(self, model_for: ModelFor, tokenizer, task_source, *, swarm_id: str,
+                 latest_version: Callable[[], int], settings: CheckSettings | None = None,
+                 policy_ids: set[str] | None = None, sampling: SamplingParams | None = None,
+                 max_context: int = 1 << 20, format_reward: float = 0.0):
+        self.model_for = model_for
+        self.tokenizer = tokenizer
+        self.task_source = task_source
+        self.swarm_id = swarm_id
+        self.latest_version = latest_version
+        self.settings = settings or CheckSettings()
+        self.policy_ids = policy_ids
+        self.sampling = sampling
+        self.max_context = max_context
+        self.format_reward = format_reward
+        self.seen = SeenSet()
+        self.rounds: OrderedDict[tuple[str, int], None] = OrderedDict()
+        self.counts: dict[str, int] = {}
+        self.eos_ids = {tokenizer.eos_token_id}
+        self._assigned_cache: OrderedDict[tuple[str, int], set[bytes]] = OrderedDict()
+
+    # public ------------------------------------------------------------------------------
+
+    def verify(self, batch: RolloutBatch, sender: str) -> list[RolloutResult]:
+        """One result per completion; accepted rollout ids are remembered (replays fail)."""
+        ids = [rollout_id(batch, c) for c in batch.completions]
+        try:
+            results = self._verify(batch, sender, ids)
+        except _Reject as r:
+            results = [RolloutResult(i, rid, False, r.reason, r.detail)
+                       for i, rid in enumerate(ids)]
+        except Exception as e:  # deliberate: count, reject, never crash the node
+            log.exception("verifier error on a batch from %s", sender)
+            results = [RolloutResult(i, rid, False, "verifier_error", f"{type(e).__name__}: {e}")
+                       for i, rid in enumerate(ids)]
+        for r in results:
+            self.counts[r.reason] = self.counts.get(r.reason, 0) + 1
+            if r.accept:
+                self.seen.add(r.rollout_id)
+        if any(r.accept for r in results):
+            self.rounds[(sender, batch.round)] = None
+            while len(self.rounds) > 100_000:
+                self.rounds.popitem(last=False)
+        return results
+
+    # batch checks ------------------------------------------------------------------------
+
+    def _verify(self, batch: RolloutBatch, sender: str, ids: list[bytes]) -> list[RolloutResult]:
+        s = self.settings
+        if batch.swarm_id != self.swarm_id:
+            raise _Reject("wrong_swarm", f"swarm {batch.swarm_id!r}")
+        if self.policy_ids is not None and batch.policy_id not in self.policy_ids:
+            raise _Reject("unknown_policy", f"policy {batch.policy_id} is not followed")
+        latest = self.latest_version()
+        if batch.policy_version > latest:
+            raise _Reject("unknown_policy", f"version {batch.policy_version} > latest {latest}")
+        if batch.policy_version < latest - s.max_policy_lag:
+            raise _Reject("stale_policy", f"version {batch.policy_version}, latest {latest}, "
+                                          f"lag limit {s.max_policy_lag}")
+        if self.sampling is not None and batch.sampling != self.sampling:
+            raise _Reject("sampling_params", f"{batch.sampling} != {self.sampling}")
+        if (sender, batch.round) in self.rounds:
+            raise _Reject("round_reused", f"round {batch.round} already accepted")
+        model = self.model_for(batch.policy_version)
+        if model is None:
+            raise _Reject("unknown_policy", f"no model for version {batch.policy_version}")
+
+        results: list[RolloutResult | None] = [None] * len(batch.completions)
+        pending: list[int] = []
+        in_batch: set[bytes] = set()
+        seeds: set[int] = set()
+        tasks: dict[int, Any] = {}
+        max_prompt = max(c.prompt_ids.shape[0] for c in batch.completions)
+        for i, c in enumerate(batch.completions):
+            try:
+                tasks[i] = self._static_checks(batch, c, sender, ids[i], in_batch, seeds,
+                                               max_prompt)
+                pending.append(i)
+            except _Reject as r:
+                results[i] = RolloutResult(i, ids[i], False, r.reason, r.detail)
+            in_batch.add(ids[i])
+        for group in self._prefill_groups(batch, pending):
+            outs = self._prefill(model, [batch.completions[i] for i in group])
+            for i, (hidden, logits) in zip(group, outs):
+                c = batch.completions[i]
+                try:
+                    stats, reward = self._model_checks(batch, c, hidden, logits, tasks[i])
+                    results[i] = RolloutResult(i, ids[i], True, "ok", reward=reward, stats=stats)
+                except _Reject as r:
+                    results[i] = RolloutResult(i, ids[i], False, r.reason, r.detail)
+        return results  # type: ignore[return-value]
+
+    # per-completion checks without the model ---------------------------------------------
+
+    def _assigned(self, sender: str, round_: int) -> set[bytes]:
+        from ..node.sampler.seeded import ref_bytes
+
+        key = (sender, round_)
+        if key not in self._assigned_cache:
+            n = self.task_source.max_per_round
+            self._assigned_cache[key] = {ref_bytes(self.task_source.ref_at(sender, round_, i))
+                                         for i in range(n)}
+            while len(self._assigned_cache) > 64:
+                self._assigned_cache.popitem(last=False)
+        return self._assigned_cache[key]
+
+    def _static_checks(self, batch, c: Completion, sender, rid, in_batch, seeds, max_prompt):
+        from ..node.errors import NodeError
+        from ..node.sampler.seeded import completion_seed, ref_bytes
+        from ..node.tasks import format_prompt, get_task
+
+        s = self.settings
+        p, t = c.prompt_ids.shape[0], c.completion_ids.shape[0]
+        if p == 0 or t == 0:
+            raise _Reject("bad_shape", f"prompt {p} / completion {t} tokens")
+        if t > batch.sampling.max_new_tokens or p + t > self.max_context:
+            raise _Reject("bad_shape", f"{p}+{t} tokens exceed the limits")
+        ids = c.completion_ids.to_numpy()
+        prompt = c.prompt_ids.to_numpy()
+        vocab = len(self.tokenizer)
+        if (ids < 0).any() or (ids >= vocab).any() or (prompt < 0).any() or (prompt >= vocab).any():
+            raise _Reject("bad_shape", "token id outside the vocabulary")
+        if rid in self.seen or rid in in_batch:
+            raise _Reject("duplicate", "rollout seen before")
+        if ref_bytes(c.task) not in self._assigned(sender, batch.round):
+            raise _Reject("task_not_assigned", f"{c.task.dataset}#{c.task.index} not drawn for "
+                                               f"round {batch.round}")
+        try:
+            task = get_task(c.task, self.format_reward)
+        except (NodeError, ValueError, KeyError) as e:
+            raise _Reject("bad_task", str(e)[:200]) from None
+        if format_prompt(self.tokenizer, task) != prompt.tolist():
+            raise _Reject("prompt_mismatch", "prompt is not the task's formatted prompt")
+        if c.seed in seeds or c.seed not in {
+                completion_seed(c.task, sender, batch.policy_version, j)
+                for j in range(s.max_completions_per_task)}:
+            raise _Reject("seed_mismatch", f"seed {c.seed} not derived for this sender/task")
+        seeds.add(c.seed)
+        eos_at = [k for k, tok in enumerate(ids.tolist()) if tok in self.eos_ids]
+        if eos_at and eos_at[0] < t - 1:
+            raise _Reject("tokens_after_eos", f"EOS at {eos_at[0]}, {t} tokens")
+        if c.finish_reason == "eos" and not eos_at:
+            raise _Reject("bad_finish", "finish_reason eos but no final EOS token")
+        if c.finish_reason == "length":
+            if eos_at:
+                raise _Reject("bad_finish", "finish_reason length but ends with EOS")
+            cap = min(batch.sampling.max_new_tokens, self.max_context - max_prompt)
+            if t < cap:
+                raise _Reject("bad_finish", f"length stop at {t} < {cap} tokens")
+        return task
+
+    # model -------------------------------------------------------------------------------
+
+    def _prefill_groups(self, batch, pending: list[int]) -> list[list[int]]:
+        groups, cur, width = [], [], 0
+        for i in pending:
+            c = batch.completions[i]
+            n = c.prompt_ids.shape[0] + c.completion_ids.shape[0]
+            if cur and max(width, n) * (len(cur) + 1) > self.settings.prefill_token_budget:
+                groups.append(cur)
+                cur, width = [], 0
+            cur.append(i)
+            width = max(width, n)
+        if cur:
+            groups.append(cur)
+        return groups
+
+    def _prefill(self, model, completions: list[Completion]):
+        pairs = [(c.prompt_ids.to_numpy(), c.completion_ids.to_numpy()) for c in completions]
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        return prefill(model, pairs, pad)
+
+    def _model_checks(self, batch, c: Completion, hidden, logits, task):
+        from ..node.sampler.seeded import gumbel_noise, mask_logits
+
+        s = self.settings
+        params = batch.sampling
+        tokens = torch.from_numpy(c.completion_ids.to_numpy().astype("int64"))
+        t = tokens.shape[0]
+        stats: dict[str, float] = {}
+
+        proof = verify_proof(c.proof, hidden, s.proof)
+        stats["proof_mismatches"] = proof.worst_mismatches
+        stats["proof_mean_abs"] = proof.worst_mean_abs
+        stats["proof_bias"] = proof.worst_bias
+        if not proof.ok:
+            raise _Reject(proof.reason, proof.detail)
+
+        temp = params.temperature
+        scaled = logits / temp if temp > 0 else logits
+        logp = torch.log_softmax(scaled, dim=-1)
+        chosen = logp.gather(1, tokens[:, None])[:, 0]
+        claimed = torch.from_numpy(c.logprobs.to_numpy().copy())
+        if not torch.isfinite(claimed).all():
+            raise _Reject("logprob_mismatch", "claimed logprobs contain NaN/inf")
+        diff = (claimed - chosen).abs()
+        stats["logprob_max_diff"] = float(diff.max())
+        if float(diff.max()) > s.logprob_tol:
+            k = int(diff.argmax())
+            raise _Reject("logprob_mismatch", f"position {k}: claimed {float(claimed[k]):.4f}, "
+                                              f"recomputed {float(chosen[k]):.4f}")
+
+        # Seeded replay. Near-ties: the claimed token's noisy score may trail the winner's by
+        # at most tie_eps (floating-point differences between decode and prefill).
+        if temp == 0:
+            best = scaled.max(dim=-1).values
+            gap = best - scaled.gather(1, tokens[:, None])[:, 0]
+        else:
+            noise = torch.stack([gumbel_noise(c.seed, k, logits.shape[-1]) for k in range(t)])
+            masked = mask_logits(scaled, params)
+            loose = mask_logits(scaled, params.model_copy(
+                update={"top_p": min(1.0, params.top_p + s.top_p_eps)})) \
+                if params.top_p < 1.0 else masked
+            best = (masked + noise).max(dim=-1).values
+            mine = (loose + noise).gather(1, tokens[:, None])[:, 0]
+            gap = best - mine
+        stats["replay_max_gap"] = float(gap.max())
+        if not float(gap.max()) <= s.tie_eps:  # also catches NaN / -inf (masked token)
+            k = int(torch.nan_to_num(gap, nan=math.inf).argmax())
+            raise _Reject("token_mismatch", f"position {k}: token {int(tokens[k])} trails the "
+                                            f"seeded choice by {float(gap[k]):.3g}")
+
+        if c.finish_reason == "eos":
+            eos_p = float(torch.softmax(logits[-1].float(), dim=-1)[tokens[-1]])
+            stats["eos_prob"] = eos_p
+            if eos_p < s.min_eos_prob:
+                raise _Reject("eos_improbable", f"EOS probability {eos_p:.2e}")
+
+        if temp > 0 and t >= s.shape_min_tokens:
+            z = sampling_shape_z(scaled, tokens, params)
+            stats["shape_z"] = z
+            if not abs(z) <= s.shape_z_max:
+                raise _Reject("sampling_shape", f"surprisal z-score {z:.2f}")
+
+        text = self.tokenizer.decode(tokens.tolist(), skip_special_tokens=True)
+        if c.text and c.text != text:
+            raise _Reject("text_mismatch", "claimed text is not the decoded completion")
+        reward = task.score(text)
+        if not abs(c.claimed_reward - reward) <= s.reward_tol:
+            raise _Reject("reward_mismatch", f"claimed {c.claimed_reward}, recomputed {reward}")
+        return stats, reward
+
+
+@torch.inference_mode()
+def prefill(model, pairs, pad_id: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One right-padded forward over prompt + completion for each (prompt_ids,
+    completion_ids) pair; returns per pair (hidden [T, H], logits [T, V]), fp32 on the CPU,
+    at the positions P-1 .. P+T-2 whose outputs chose the completion's tokens."""
+    device = next(model.parameters()).device
+    seqs = [torch.cat([torch.as_tensor(list(p), dtype=torch.long),
+                       torch.as_tensor(list(c), dtype=torch.long)]) for p, c in pairs]
+    width = max(len(x) for x in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for r, x in enumerate(seqs):
+        ids[r, :len(x)] = x
+        mask[r, :len(x)] = 1
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    head = model.get_output_embeddings()
+    out = decoder(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
+    results = []
+    for r, (p, c) in enumerate(pairs):
+        h = out.last_hidden_state[r, len(p) - 1:len(p) + len(c) - 1]
+        results.append((h.float().cpu(), head(h).float().cpu()))
+    return results
+
+
+def sampling_shape_z(scaled: torch.Tensor, tokens: torch.Tensor, params: SamplingParams) -> float:
+    """z-score of the summed surprisal -log q(x_t) of the sampled tokens, where q is the
+    claimed sampling distribution (temperature-scaled, top-k/top-p truncated and renormalised)
+    recomputed by the verifier. Honest sampling gives mean 0, variance 1 (CLT over tokens);
+    tokens drawn from another model or temperature shift it."""
+    from ..node.sampler.seeded import mask_logits
+
+    q_logits = mask_logits(scaled, params)
+    logq = torch.log_softmax(q_logits, dim=-1)
+    q = logq.exp()
+    safe = torch.where(q > 0, logq, torch.zeros_like(logq))
+    entropy = -(q * safe).sum(-1)
+    second = (q * safe * safe).sum(-1)
+    var = (second - entropy * entropy).clamp_min(0)
+    surprisal = -logq.gather(1, tokens[:, None])[:, 0]
+    surprisal = torch.nan_to_num(surprisal, posinf=1e4)  # a token outside the support
+    total_var = float(var.sum())
+    if total_var <= 1e-12:
+        return 0.0 if float((surprisal - entropy).abs().max()) < 1e-3 else math.inf
+    return float((surprisal - entropy).sum()) / math.sqrt(total_var)

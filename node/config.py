@@ -56,16 +56,18 @@ class ModelSection(Section):
     device: str = "auto"
     """torch device: `auto` (cuda if present), `cpu`, `cuda`, `cuda:1`, ..."""
     max_context: int = Field(1024, ge=16)
-    """Longest prompt + completion accepted, in tokens."""
+    """Longest prompt + completion accepted, in tokens (capped by the model's own limit)."""
+    cache_dir: Path | None = None
+    """Where `builtin:tiny` is built on first use. Default: $XDG_CACHE_HOME/swarm-node."""
 
 
 class TasksSection(Section):
     mix: dict[str, float] = {"toy/digit_successor": 1.0}
     """Task datasets and their weights. `toy/...` are built-in; `rg/<name>` are reasoning-gym."""
-    tasks_per_round: int = Field(4, ge=1)
-    """Distinct tasks drawn per round."""
+    tasks_per_round: int = Field(4, ge=1, le=256)
+    """Distinct tasks drawn per round (at most 256: the range a verifier checks)."""
     format_reward: float = Field(0.0, ge=0.0, le=1.0)
-    """Extra reward for a well-formed answer (0 disables)."""
+    """rg tasks: weight f of the format reward; reward = (1-f)*correct + f*[has <answer> tag]."""
 
 
 class SamplerSection(Section):
@@ -79,6 +81,14 @@ class SamplerSection(Section):
     """Nucleus sampling cutoff."""
     max_new_tokens: int = Field(16, ge=1)
     """Longest completion, in tokens."""
+    top_k: int = Field(0, ge=0)
+    """Keep only the k most likely tokens (0: off)."""
+    max_batch: int = Field(64, ge=1)
+    """HF backend: most sequences decoded at once (larger requests are split)."""
+    vllm_gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
+    """vLLM backend: fraction of GPU memory the engine may take."""
+    vllm_enforce_eager: bool = True
+    """vLLM backend: skip CUDA-graph capture (faster start, slower decoding)."""
     batches_per_version: int = Field(2, ge=1)
     """Inference peers: rollout batches to publish per policy version before waiting for the next."""
     version_wait_s: float = Field(30.0, gt=0)
@@ -189,6 +199,15 @@ class BroadcastSection(Section):
     """Every holding is re-advertised this often (late joiners learn sources and versions)."""
     relay_keep_versions: int = Field(2, ge=1)
     """Versions a relay keeps per trainer."""
+    tcp_listen: str = ""
+    """Also serve shards over plain TCP on this "host:port" (e.g. "0.0.0.0:4002"; port 0:
+    any), advertised in ShardAdvert.endpoint. Empty: shards only over libp2p streams.
+    Integrity does not depend on it (every shard is hash-checked against the signed
+    manifest); it trades libp2p's encryption for throughput."""
+    tcp_advertise: str = ""
+    """The "host:port" others dial for tcp_listen (empty: the bound address)."""
+    tcp_fetch: bool = True
+    """Fetch from a source over TCP when its advert names an endpoint."""
 
 
 class P2PSection(Section):

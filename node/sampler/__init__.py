@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .base import Prompt, Sample, Sampler
 
-__all__ = ["Prompt", "Sample", "Sampler", "make_sampler"]
+__all__ = ["Prompt", "Sample", "Sampler", "make_sampler", "sampling_params"]
 
 
 def make_sampler(config, *, peer_id: str = "", model=None, tokenizer=None) -> Sampler:
@@ -12,3 +12,10 @@ def make_sampler(config, *, peer_id: str = "", model=None, tokenizer=None) -> Sa
     from .factory import make_sampler as _make
 
     return _make(config, peer_id=peer_id, model=model, tokenizer=tokenizer)
+
+
+def sampling_params(config):
+    """The wire `SamplingParams` for the config's `sampler` section."""
+    from .factory import sampling_params as _params
+
+    return _params(config)

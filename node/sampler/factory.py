@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 
+from ...protocol.messages import SamplingParams
 from ..errors import NodeError
 from .base import Sampler
 
@@ -43,5 +44,14 @@ def make_sampler(config, *, peer_id: str = "", model=None, tokenizer=None) -> Sa
     from .hf import HFSampler
 
     if model is None or tokenizer is None:
-        model, tokenizer = load_model(config.model.name, dtype=config.model.dtype, device=device)
-    return HFSampler(model, tokenizer, peer_id=peer_id, max_context=config.model.max_context)
+        model, tokenizer = load_model(config.model.name, dtype=config.model.dtype, device=device,
+                                      cache_dir=config.model.cache_dir)
+    return HFSampler(model, tokenizer, peer_id=peer_id, max_context=config.model.max_context,
+                     max_batch=config.sampler.max_batch)
+
+
+def sampling_params(config) -> SamplingParams:
+    """The wire `SamplingParams` for this node's `sampler` config section."""
+    sec = config.sampler
+    return SamplingParams(temperature=sec.temperature, top_p=sec.top_p, top_k=sec.top_k,
+                          max_new_tokens=sec.max_new_tokens)

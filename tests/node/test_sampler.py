@@ -231,3 +231,17 @@ def test_top_p_mask_keeps_the_nucleus():
     assert kept.tolist() == [True, False, False, False]
     kept = torch.isfinite(mask_logits(logits, SamplingParams(top_k=3)))
     assert kept.tolist() == [True, True, True, False]
+
+
+def test_factory_builds_the_hf_sampler_from_config(tmp_path):
+    from swarm_node.node.config import load_config
+    from swarm_node.node.sampler import make_sampler, sampling_params
+
+    cfg = load_config(overrides={"model.cache_dir": str(tmp_path), "model.device": "cpu",
+                                 "sampler.backend": "auto", "sampler.top_k": 5,
+                                 "sampler.max_batch": 3})
+    s = make_sampler(cfg, peer_id="peer-z")
+    assert type(s).__name__ == "HFSampler" and s.peer_id == "peer-z" and s.max_batch == 3
+    assert (tmp_path / "tiny-seed0" / "config.json").exists()
+    p = sampling_params(cfg)
+    assert (p.top_k, p.max_new_tokens, p.temperature) == (5, 16, 1.0)

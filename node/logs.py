@@ -42,6 +42,9 @@ def setup_logging(level: str = "INFO", json_lines: bool = False, stream=None) ->
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
-    for noisy in ("libp2p", "multiaddr", "trio", "urllib3", "httpx", "transformers",
-                  "filelock", "asyncio"):
+    for noisy in ("multiaddr", "trio", "urllib3", "httpx", "transformers", "filelock",
+                  "asyncio"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # py-libp2p logs every failed dial/stream of a departed peer at ERROR with a dump of the
+    # connection; our p2p layer reports and counts those failures itself.
+    logging.getLogger("libp2p").setLevel(logging.CRITICAL)

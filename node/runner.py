@@ -43,7 +43,6 @@ def read_node_info(data_dir: Path) -> dict:
 
 
 async def _main(cfg: Config) -> None:
-    from .admin import AdminServer
     from .identity import Identity
     from .metrics import NodeState
     from .p2p import P2PError, P2PNode
@@ -67,7 +66,11 @@ async def _main(cfg: Config) -> None:
         raise NodeError(str(e)) from None
     state.p2p = p2p
     role = make_role(cfg, identity, p2p, state)
-    admin = AdminServer(state, cfg) if cfg.admin.enabled else None
+    admin = None
+    if cfg.admin.enabled:
+        from .admin import AdminServer
+
+        admin = AdminServer(state, cfg)
     try:
         if admin is not None:
             await admin.start()

@@ -71,6 +71,10 @@ class InferenceRole(Role):
         log.info("hot-loaded policy version %d in %.2fs", version, time.monotonic() - t0)
 
     async def run(self, stop: asyncio.Event) -> None:
+        # The trainer announces its current version on start and re-advertises it: wait for
+        # it before the first round, so the first batch is not already stale.
+        if await _wait_any(stop, self.new_version, timeout=self.cfg.sampler.version_wait_s):
+            self.new_version.clear()
         batches_this_version = 0
         version_seen = self.sampler.version
         while not stop.is_set():
@@ -94,6 +98,14 @@ class InferenceRole(Role):
             batch = await self.work(self.sample_round, self.round)
             self.round += 1
             self.save_json(ROUND_FILE, {"next_round": self.round})
+            if self.pending is not None and (
+                    self.pending[0] - batch.policy_version > self.cfg.trainer.max_staleness):
+                # A much newer policy arrived while sampling: verifiers would reject this
+                # batch as stale, so it is not sent.
+                self.state.count("stale_batches_discarded")
+                log.info("discarded round %d: sampled with v%d, v%d already here", batch.round,
+                         batch.policy_version, self.pending[0])
+                continue
             try:
                 await self.p2p.publish("rollouts", batch)
             except Exception as e:  # noqa: BLE001 - counted and logged; the next round retries

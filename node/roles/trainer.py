@@ -24,6 +24,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from ...protocol.messages import RolloutBatch, SamplingParams
+from ...verifier.reasons import BATCH_REASONS
 from .base import Role
 
 log = logging.getLogger("swarm_node")
@@ -187,8 +188,14 @@ class TrainerRole(Role):
                 self.state.reject(sender, "unknown_policy", len(batch.completions))
                 continue
             first_reject = None
+            batch_level = (not any(r.accept for r in results)
+                           and len({r.reason for r in results}) == 1
+                           and results[0].reason in BATCH_REASONS)
+            if batch_level:  # one fault of the batch, not one per completion
+                self.reputation.record(sender, False, results[0].reason)
             for r in results:
-                self.reputation.record(sender, r.accept, r.reason)
+                if not batch_level:
+                    self.reputation.record(sender, r.accept, r.reason)
                 if r.accept:
                     self.state.accept(sender)
                 else:

@@ -5,6 +5,10 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+# Where CPU torch wheels come from besides the configured indexes. Empty here (the machine's
+# pip config serves the CPU wheel); on a machine with internet access use
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu so pip never resolves a CUDA build.
+TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.swarm-node-installed
 
@@ -15,7 +19,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@# CPU torch first, and only if none is importable, so pip never resolves a CUDA build.
-	@$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)"
+	@$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e '.[dev]'
 	@touch $@
 

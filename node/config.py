@@ -179,9 +179,9 @@ class BroadcastSection(Section):
     """Concurrent shard uploads in total; more are answered `busy` at once."""
     upload_rate_mib_s: float = Field(0.0, ge=0)
     """Cap on this node's total upload rate in MiB/s (0: unlimited)."""
-    parallel_downloads: int = Field(4, ge=1, le=256)
+    parallel_downloads: int = Field(8, ge=1, le=256)
     """Shards fetched at once."""
-    per_source_downloads: int = Field(2, ge=1)
+    per_source_downloads: int = Field(4, ge=1)
     """Shards fetched at once from one source."""
     chunk_size: int = Field(1024 * 1024, ge=4096, le=16 * 1024 * 1024)
     """Bytes per read/write when streaming a shard (bounds memory per transfer)."""

@@ -140,7 +140,7 @@ class Downloader:
         except BaseException:
             writer.abort()
             raise
-        if not await asyncio.to_thread(writer.commit):
+        if not writer.commit():
             self.metrics["shards_corrupt"] += 1
             self.metrics["bytes_corrupt"] += writer.received
             self.tried.setdefault(shard, set()).add(peer)

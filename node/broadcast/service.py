@@ -38,14 +38,16 @@ class Broadcaster:
     def __init__(self, node, cfg, store_root: Path, *, follow: list[str] | None = None,
                  role: str = "inference", on_complete: OnComplete | None = None,
                  transport=None, interactive: bool | None = None):
-        from .transport import P2PTransport
+        from .transport import P2PTransport, RoutingTransport
 
         self.node, self.cfg, self.role = node, cfg, role
         keep = cfg.relay_keep_versions if role == "relay" else cfg.keep_versions
         self.store = ShardStore(store_root, keep_versions=keep)
         self.gate = ManifestGate.from_config(follow or [], cfg, self.store.current_version)
         self.server = ShardServer(self.store, cfg)
-        self.transport = transport or P2PTransport(node)
+        self.transport = transport or RoutingTransport(P2PTransport(node), cfg.tcp_fetch)
+        self.endpoint = ""  # our TCP shard server, if cfg.tcp_listen
+        self._tcp_server = None
         self.on_complete = on_complete
         self.interactive = interactive
         self.books: dict[tuple[str, int], SourceBook] = {}
@@ -64,6 +66,8 @@ class Broadcaster:
         for entry in await asyncio.to_thread(self.store.load):
             self._dirty.add(entry.key)
         self.node.set_stream_handler(SHARD_PROTOCOL, self.server.handle)
+        if self.cfg.tcp_listen:
+            await self._start_tcp()
         self.node.set_request_handler(MANIFEST_PROTOCOL, self._serve_manifest)
         await self.node.subscribe("checkpoints", self._on_manifest)
         await self.node.subscribe("adverts", self._on_advert)
@@ -76,7 +80,21 @@ class Broadcaster:
                 self._start_download(AcceptedManifest(entry.manifest, entry.envelope,
                                                       entry.manifest.policy_id))
 
+    async def _start_tcp(self) -> None:
+        from .transport import serve_tcp
+
+        host, _, port = self.cfg.tcp_listen.rpartition(":")
+        try:
+            self._tcp_server = await serve_tcp(self.server.handle, host or "0.0.0.0", int(port))
+        except (OSError, ValueError) as e:
+            raise BroadcastError(f"broadcast.tcp_listen {self.cfg.tcp_listen!r}: {e}") from e
+        bound = self._tcp_server.sockets[0].getsockname()
+        self.endpoint = self.cfg.tcp_advertise or f"{bound[0]}:{bound[1]}"
+        log.info("serving shards over TCP on %s", self.endpoint)
+
     async def close(self) -> None:
+        if self._tcp_server is not None:
+            self._tcp_server.close()
         for _, task, _ in self.downloads.values():
             task.cancel()
         for task in list(self._tasks):
@@ -102,8 +120,8 @@ class Broadcaster:
         entry = await asyncio.to_thread(self.store.add_checkpoint, accepted, ckpt_dir)
         await asyncio.to_thread(self.store.prune, m.policy_id)
         self.completed[entry.key] = entry.checkpoint_dir
+        await self._advertise(entry)  # first, so followers know our TCP endpoint, if any
         await self.node.publish("checkpoints", m)
-        await self._advertise(entry)
         log.info("published policy %s v%d: %d bytes in %d shards", m.policy_id[-8:], version,
                  m.total_size, m.num_shards)
         return m
@@ -203,6 +221,8 @@ class Broadcaster:
         ad: ShardAdvert = env.message
         if not self.gate.follows(ad.policy_id):
             return
+        if ad.endpoint and hasattr(self.transport, "set_endpoint"):
+            self.transport.set_endpoint(env.sender, ad.endpoint)
         entry = self.store.get(ad.policy_id, ad.version)
         if entry is None:
             if ad.version > self.store.current_version(ad.policy_id) and \
@@ -241,8 +261,11 @@ class Broadcaster:
         self._wake.set()
 
     async def _advertise(self, entry: VersionEntry) -> None:
+        advert = entry.advert()
+        if self.endpoint:
+            advert = advert.model_copy(update={"endpoint": self.endpoint})
         try:
-            await self.node.publish("adverts", entry.advert())
+            await self.node.publish("adverts", advert)
         except Exception as e:  # noqa: BLE001 - gossip congestion: the next round retries
             log.debug("advert failed: %r", e)
             self._dirty.add(entry.key)

@@ -71,6 +71,7 @@ async def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parallel", type=int)
     ap.add_argument("--chunk-timeout", type=float)
     ap.add_argument("--readvertise", type=float)
+    ap.add_argument("--tcp-listen", default="", help='also serve shards over TCP ("host:port")')
     ap.add_argument("--corrupt-shards", default="")
     ap.add_argument("--log-level", default="WARNING")
     args = ap.parse_args(argv)
@@ -87,6 +88,8 @@ async def main(argv: list[str] | None = None) -> int:
         cfg.broadcast.shard_size = args.shard_size
     if args.parallel:
         cfg.broadcast.parallel_downloads = args.parallel
+    if args.tcp_listen:
+        cfg.broadcast.tcp_listen = args.tcp_listen
     if args.readvertise:
         cfg.broadcast.readvertise_s = args.readvertise
     if args.chunk_timeout:
@@ -109,7 +112,7 @@ async def main(argv: list[str] | None = None) -> int:
     await node.start(bootstrap=args.bootstrap)
     await bc.start()
     emit(event="ready", peer_id=node.peer_id, addrs=node.listen_addrs, t=time.time(),
-         startup_s=time.time() - t_start)
+         startup_s=time.time() - t_start, peak_rss_mib=peak_rss_mib())
     try:
         while True:
             line = await asyncio.to_thread(sys.stdin.readline)

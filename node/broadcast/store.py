@@ -2,14 +2,18 @@
 
     <root>/<policy_id>/<version:012d>/
         manifest.env           the trainer's signed manifest envelope, as received
-        shards/<i:08d>.bin     verified shards (a `.part-*` file until its hash matched)
-        checkpoint/            the assembled checkpoint, once every shard and the whole
-                               hash verified (the shard files are then deleted)
+        partial/               the checkpoint's files, created sparse at their final sizes;
+                               each shard is written in place at its offset
+        verified.bin           bitmap of the shards whose BLAKE3 matched (bit i = shard i)
+        checkpoint/            `partial/` renamed, once every shard and the whole hash
+                               verified
         COMPLETE               marker written after `checkpoint/` is in place
 
-Shards are streamed to disk with bounded memory and renamed into place only after their
-BLAKE3 hash matched, so after a restart the store re-hashes what is on disk and resumes from
-the verified shards. Only verified shards and complete checkpoints are ever served.
+Shards are streamed to disk with bounded memory (one chunk per transfer) straight into
+their place in the checkpoint files, so completing a version costs one hashing pass and a
+rename, no copy. A shard counts (is served, advertised, skipped on resume) only after its
+hash matched; after a restart the store re-hashes every shard the bitmap claims and resumes
+from those that still verify. Only verified bytes are ever served.
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import secrets
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -35,6 +38,7 @@ log = logging.getLogger(__name__)
 
 POLICY_DIR = re.compile(r"^[A-Za-z0-9]{1,128}$")
 MANIFEST_FILE = "manifest.env"
+VERIFIED_FILE = "verified.bin"
 COMPLETE_FILE = "COMPLETE"
 
 
@@ -57,11 +61,28 @@ class VersionEntry:
         return self.path / "checkpoint"
 
     @property
-    def shards_dir(self) -> Path:
-        return self.path / "shards"
+    def partial_dir(self) -> Path:
+        return self.path / "partial"
 
-    def shard_path(self, index: int) -> Path:
-        return self.shards_dir / f"{index:08d}.bin"
+    @property
+    def bitmap_path(self) -> Path:
+        return self.path / VERIFIED_FILE
+
+    def file_spans(self, start: int, end: int) -> Iterator[tuple[str, int, int]]:
+        """(file name, offset in file, length) pieces of checkpoint bytes [start, end)."""
+        pos = 0
+        for f in self.manifest.files:
+            lo, hi = max(start, pos), min(end, pos + f.size)
+            if lo < hi:
+                yield f.name, lo - pos, hi - lo
+            pos += f.size
+            if pos >= end:
+                break
+
+    def save_bitmap(self) -> None:
+        tmp = self.path / (VERIFIED_FILE + ".tmp")
+        tmp.write_bytes(self.bitmap())
+        os.replace(tmp, self.bitmap_path)
 
     def shard_len(self, index: int) -> int:
         start, end = self.manifest.shard_range(index)
@@ -96,45 +117,58 @@ def advert_shards(advert: ShardAdvert, num_shards: int) -> set[int] | None:
 
 
 class ShardWriter:
-    """Streams one shard to a `.part` file, hashing as it goes; `commit` renames it into
-    place only if the length and hash match."""
+    """Streams one shard into its place in the partial checkpoint files, hashing as it
+    goes; `commit` marks it verified only if the length and hash match."""
 
     def __init__(self, entry: VersionEntry, index: int):
         self.entry, self.index = entry, index
-        self.expected_len = entry.shard_len(index)
-        entry.shards_dir.mkdir(parents=True, exist_ok=True)
-        self.part = entry.shards_dir / f"{index:08d}.part-{secrets.token_hex(4)}"
-        self._f = open(self.part, "wb")
+        self.start, end = entry.manifest.shard_range(index)
+        self.expected_len = end - self.start
+        self._fds: dict[str, int] = {}
         self._h = blake3.blake3()
         self.received = 0
+
+    def _fd(self, name: str) -> int:
+        fd = self._fds.get(name)
+        if fd is None:
+            try:
+                fd = self._fds[name] = os.open(self.entry.partial_dir / name, os.O_WRONLY)
+            except OSError as e:  # the version was pruned meanwhile
+                raise StoreError(f"shard {self.index}: {e}") from e
+        return fd
 
     def write(self, data: bytes) -> None:
         if self.received + len(data) > self.expected_len:
             raise StoreError(f"shard {self.index}: more than {self.expected_len} bytes",
                              reason="too_long")
         self._h.update(data)
-        self._f.write(data)
+        pos = self.start + self.received
+        view = memoryview(data)
+        for name, offset, length in self.entry.file_spans(pos, pos + len(data)):
+            os.pwrite(self._fd(name), view[:length], offset)
+            view = view[length:]
         self.received += len(data)
 
+    def _close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
     def commit(self) -> bool:
-        """True: verified and in place. False: wrong hash or length (the data is deleted)."""
-        self._f.close()
-        ok = (self.received == self.expected_len
-              and self._h.digest() == self.entry.manifest.shard_hashes[self.index])
-        if not ok:
-            self.part.unlink(missing_ok=True)
+        """True: verified (now served and kept across restarts). False: wrong hash or
+        length; the bytes stay unverified and will be overwritten by a re-fetch."""
+        self._close()
+        if (self.received != self.expected_len
+                or self._h.digest() != self.entry.manifest.shard_hashes[self.index]):
             return False
-        try:
-            os.replace(self.part, self.entry.shard_path(self.index))
-        except OSError as e:  # the version was pruned meanwhile
-            self.part.unlink(missing_ok=True)
-            raise StoreError(f"shard {self.index}: {e}") from e
+        if not self.entry.partial_dir.is_dir():
+            raise StoreError(f"shard {self.index}: version removed meanwhile")
         self.entry.have.add(self.index)
+        self.entry.save_bitmap()
         return True
 
     def abort(self) -> None:
-        self._f.close()
-        self.part.unlink(missing_ok=True)
+        self._close()
 
 
 def _hash_file(path: Path) -> bytes:
@@ -212,28 +246,45 @@ class ShardStore:
             entry.complete = True
         else:
             shutil.rmtree(entry.checkpoint_dir, ignore_errors=True)
+            self._prepare_partial(entry)
             self._rescan(entry)
         self.entries[entry.key] = entry
         return entry
 
-    def _rescan(self, entry: VersionEntry) -> None:
-        if not entry.shards_dir.is_dir():
+    def _prepare_partial(self, entry: VersionEntry) -> None:
+        """Create the checkpoint files at their final sizes (sparse) if not all there."""
+        d = entry.partial_dir
+        ok = d.is_dir() and all((d / f.name).is_file() and (d / f.name).stat().st_size == f.size
+                                for f in entry.manifest.files)
+        if ok:
             return
-        for p in entry.shards_dir.iterdir():
-            if ".part-" in p.name:
-                p.unlink(missing_ok=True)
+        shutil.rmtree(d, ignore_errors=True)
+        entry.bitmap_path.unlink(missing_ok=True)
+        d.mkdir(parents=True)
+        for f in entry.manifest.files:
+            with open(d / f.name, "wb") as out:
+                out.truncate(f.size)
+
+    def _rescan(self, entry: VersionEntry) -> None:
+        """Resume: keep only the shards the bitmap claims that still hash correctly."""
+        try:
+            bits = entry.bitmap_path.read_bytes()
+        except OSError:
+            return
+        m = entry.manifest
+        for i in range(min(m.num_shards, len(bits) * 8)):
+            if not bits[i // 8] >> (i % 8) & 1:
                 continue
-            try:
-                index = int(p.name.removesuffix(".bin"))
-            except ValueError:
-                continue
-            if (0 <= index < entry.manifest.num_shards
-                    and p.stat().st_size == entry.shard_len(index)
-                    and _hash_file(p) == entry.manifest.shard_hashes[index]):
-                entry.have.add(index)
+            start, end = m.shard_range(i)
+            h = blake3.blake3()
+            for data in iter_range(entry.partial_dir, m.files, start, end):
+                h.update(data)
+            if h.digest() == m.shard_hashes[i]:
+                entry.have.add(i)
             else:
-                log.warning("dropping shard %s: does not verify", p)
-                p.unlink(missing_ok=True)
+                log.warning("shard %d of %s v%d no longer verifies: re-fetching it", i,
+                            m.policy_id, m.version)
+        entry.save_bitmap()
 
     def add_checkpoint(self, accepted: AcceptedManifest, ckpt_dir: Path) -> VersionEntry:
         """The origin's own checkpoint: linked (or copied) into the store, complete."""
@@ -254,7 +305,8 @@ class ShardStore:
         os.replace(tmp, entry.checkpoint_dir)
         (entry.path / COMPLETE_FILE).touch()
         entry.complete = True
-        shutil.rmtree(entry.shards_dir, ignore_errors=True)
+        shutil.rmtree(entry.partial_dir, ignore_errors=True)
+        entry.bitmap_path.unlink(missing_ok=True)
         entry.have.clear()
         return entry
 
@@ -268,14 +320,13 @@ class ShardStore:
         """Verified bytes of shard `index` from `offset` (length 0: to the shard's end)."""
         size = entry.shard_len(index)
         end = size if length == 0 else offset + length
-        if entry.complete:
-            start, _ = entry.manifest.shard_range(index)
-            return iter_range(entry.checkpoint_dir, entry.manifest.files, start + offset,
-                              start + end, chunk)
-        return _read_file(entry.shard_path(index), offset, end - offset, chunk)
+        start, _ = entry.manifest.shard_range(index)
+        where = entry.checkpoint_dir if entry.complete else entry.partial_dir
+        return iter_range(where, entry.manifest.files, start + offset, start + end, chunk)
 
     def assemble(self, entry: VersionEntry) -> Path:
-        """Concatenate the verified shards into the checkpoint files, checking the whole hash.
+        """Check the whole-checkpoint hash over the verified shards and move the files into
+        `checkpoint/` (a rename, no copy).
 
         Raises StoreError(reason="checkpoint_hash_mismatch") and deletes the version if the
         shards verify but the whole does not (an inconsistent manifest).
@@ -285,36 +336,19 @@ class ShardStore:
         if entry.missing():
             raise StoreError(f"{len(entry.missing())} shards missing", reason="incomplete")
         m = entry.manifest
-        tmp = entry.path / "checkpoint.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        whole = blake3.blake3()
-        pieces = self._shard_stream(entry)
-        carry = b""
-        for f in m.files:
-            left = f.size
-            with open(tmp / f.name, "wb") as out:
-                while left > 0:
-                    if not carry:
-                        carry = next(pieces)
-                    take, carry = carry[:left], carry[left:]
-                    out.write(take)
-                    whole.update(take)
-                    left -= len(take)
+        whole = blake3.blake3(max_threads=blake3.blake3.AUTO)
+        for data in iter_range(entry.partial_dir, m.files, 0, m.total_size, 8 * READ_CHUNK):
+            whole.update(data)
         if whole.digest() != m.checkpoint_hash:
             self.remove(entry)
             raise StoreError(f"{m.policy_id} v{m.version}: whole-checkpoint hash mismatch",
                              reason="checkpoint_hash_mismatch")
-        os.replace(tmp, entry.checkpoint_dir)
+        os.replace(entry.partial_dir, entry.checkpoint_dir)
         (entry.path / COMPLETE_FILE).touch()
         entry.complete = True
-        shutil.rmtree(entry.shards_dir, ignore_errors=True)
+        entry.bitmap_path.unlink(missing_ok=True)
         entry.have.clear()
         return entry.checkpoint_dir
-
-    def _shard_stream(self, entry: VersionEntry) -> Iterator[bytes]:
-        for i in range(entry.manifest.num_shards):
-            yield from _read_file(entry.shard_path(i), 0, entry.shard_len(i), READ_CHUNK)
 
     # Retention -----------------------------------------------------------------------
 
@@ -343,14 +377,3 @@ class ShardStore:
 
     def adverts(self) -> list[ShardAdvert]:
         return [e.advert() for e in self.entries.values() if e.complete or e.have]
-
-
-def _read_file(path: Path, offset: int, length: int, chunk: int) -> Iterator[bytes]:
-    with open(path, "rb") as f:
-        f.seek(offset)
-        while length > 0:
-            data = f.read(min(chunk, length))
-            if not data:
-                raise StoreError(f"{path}: shorter than expected")
-            length -= len(data)
-            yield data

@@ -46,11 +46,11 @@ class TcpTransport:
 
 
 async def serve_tcp(handler: Handler, host: str = "127.0.0.1", port: int = 0):
-    """Run `handler(peer, stream)` per connection; returns the asyncio Server (peer is
-    the remote "host:port")."""
+    """Run `handler(peer, stream)` per connection; returns the asyncio Server. The peer is
+    the remote "tcp:host:port" (unauthenticated: one connection, one peer for the limits)."""
     async def on_conn(reader, writer):
         addr = writer.get_extra_info("peername")
-        await handler(f"{addr[0]}:{addr[1]}", TcpStream(reader, writer))
+        await handler(f"tcp:{addr[0]}:{addr[1]}", TcpStream(reader, writer))
 
     return await asyncio.start_server(on_conn, host, port, limit=1 << 20)
 
@@ -145,3 +145,27 @@ class P2PTransport:
 
     def serve(self, handler: Handler) -> None:
         self.node.set_stream_handler(SHARD_PROTOCOL, handler)
+
+
+class RoutingTransport:
+    """Per source: plain TCP if the source advertised an endpoint (and TCP fetching is on),
+    else a libp2p stream. The source is always named by its peer ID, so throughput,
+    failures and penalties are attributed to the peer that signed the advert."""
+
+    def __init__(self, p2p: "P2PTransport", use_tcp: bool = True):
+        self.p2p = p2p
+        self.tcp = TcpTransport()
+        self.use_tcp = use_tcp
+        self.endpoints: dict[str, str] = {}
+
+    def set_endpoint(self, peer: str, endpoint: str) -> None:
+        host, _, port = endpoint.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            return
+        self.endpoints[peer] = endpoint
+
+    async def open(self, peer: str):
+        endpoint = self.endpoints.get(peer) if self.use_tcp else None
+        if endpoint is not None:
+            return await self.tcp.open(endpoint)
+        return await self.p2p.open(peer)

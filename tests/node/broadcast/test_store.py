@@ -43,9 +43,10 @@ def test_bad_shard_is_not_kept(tmp_path, trainer, ckpt):
     store = ShardStore(tmp_path / "client")
     entry = store.open_version(acc)
     assert copy_shard(src, src_entry, store, entry, 0, corrupt=True) is False
-    assert not entry.has(0) and list(entry.shards_dir.iterdir()) == []
+    assert not entry.has(0) and not entry.bitmap_path.exists()
+    assert ShardStore(tmp_path / "client").load()[0].have == set()
     assert copy_shard(src, src_entry, store, entry, 0) is True
-    assert entry.has(0) and entry.shard_path(0).exists()
+    assert entry.has(0) and ShardStore(tmp_path / "client").load()[0].have == {0}
 
 
 def test_overlong_shard_refused(tmp_path, trainer, ckpt):
@@ -64,14 +65,18 @@ def test_resume_after_restart_keeps_only_verified_shards(tmp_path, trainer, ckpt
     entry = store.open_version(acc)
     for i in (0, 2, 3):
         copy_shard(src, src_entry, store, entry, i)
-    store.begin_shard(entry, 4).write(b"partial")  # a crash mid-shard leaves a .part file
-    entry.shard_path(3).write_bytes(b"rot" + entry.shard_path(3).read_bytes()[3:])  # bit rot
+    store.begin_shard(entry, 4).write(b"partial")  # a crash mid-shard: written, not verified
+    start, _ = acc.manifest.shard_range(3)
+    for name, offset, _ in entry.file_spans(start, start + 1):  # bit rot inside shard 3
+        with open(entry.partial_dir / name, "r+b") as f:
+            f.seek(offset)
+            f.write(b"\xff\xfe\xfd")
 
     restarted = ShardStore(tmp_path / "client")
     (again,) = restarted.load()
     assert again.have == {0, 2} and not again.complete
-    assert sorted(p.name for p in again.shards_dir.iterdir()) == ["00000000.bin", "00000002.bin"]
     assert again.envelope == acc.envelope
+    assert b"".join(restarted.read_shard(again, 2)) == b"".join(src.read_shard(src_entry, 2))
 
 
 def test_assemble_is_byte_identical_and_frees_shards(tmp_path, trainer, ckpt):
@@ -84,7 +89,7 @@ def test_assemble_is_byte_identical_and_frees_shards(tmp_path, trainer, ckpt):
         copy_shard(src, src_entry, store, entry, i)
     path = store.assemble(entry)
     assert read_dir(path) == read_dir(ckpt)
-    assert entry.complete and not entry.shards_dir.exists()
+    assert entry.complete and not entry.partial_dir.exists()
     restarted = ShardStore(tmp_path / "client")
     (again,) = restarted.load()
     assert again.complete and restarted.current_version(trainer.peer_id) == 1

@@ -1,0 +1,263 @@
+"""Checkpoint broadcast on loopback: ours vs shardcast 0.3.2, in the same run.
+
+One origin, one relay (shardcast: middle node), N clients, one checkpoint (default 256 MiB).
+Figures: time from publish until every client holds a verified copy, aggregate throughput
+(client copies delivered per second), peak RSS per client, and bytes re-fetched when the
+relay serves one corrupted shard.
+
+    .venv/bin/python -m benchmarks.broadcast [--mib 256] [--clients 4]
+
+shardcast runs under its own venv (.venv-shardcast: `pip install shardcast==0.3.2 blake3`)
+through benchmarks/shardcast_peer.py, bound to 127.0.0.1, middle-node poll interval 1 s
+(its default is 30 s), default 50 MB shards. Ours: default config (4 MiB shards, Noise +
+Yamux streams), clients bootstrap through the relay; any peer that verified a shard may
+serve it, so the table also shows where the clients' bytes came from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.results import record, table
+from tests.node.broadcast.procs import BroadcastProc
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARDCAST_PY = ROOT / ".venv-shardcast" / "bin" / "python"
+SHARDCAST_PEER = Path(__file__).with_name("shardcast_peer.py")
+MiB = 2**20
+
+
+def make_checkpoint(path: Path, mib: int) -> Path:
+    path.mkdir(parents=True)
+    with open(path / "model.safetensors", "wb") as f:
+        for _ in range(mib):
+            f.write(os.urandom(MiB))
+    (path / "config.json").write_text(json.dumps({"architectures": ["Bench"], "mib": mib}))
+    return path
+
+
+# Ours ------------------------------------------------------------------------------------
+
+
+async def run_ours(work: Path, ckpt: Path, n_clients: int, corrupt: str = "") -> dict:
+    procs: list[BroadcastProc] = []
+    try:
+        trainer = BroadcastProc("trainer", "trainer", work / "trainer")
+        procs.append(trainer)
+        await trainer.ready(120)
+        relay_args = ["--follow", trainer.peer_id, *sum((["--bootstrap", a]
+                                                          for a in trainer.addrs), [])]
+        if corrupt:
+            relay_args += ["--corrupt-shards", corrupt]
+        relay = BroadcastProc("relay", "relay", work / "relay", *relay_args)
+        procs.append(relay)
+        await relay.ready(120)
+        clients = []
+        for i in range(n_clients):
+            c = BroadcastProc(f"c{i}", "inference", work / f"c{i}", "--follow", trainer.peer_id,
+                              *sum((["--bootstrap", a] for a in relay.addrs), []))
+            procs.append(c)
+            clients.append(c)
+        ready = [await c.ready(120) for c in clients]
+        await asyncio.sleep(3)  # gossip mesh
+        t_cmd = time.time()
+        trainer.send(f"publish {ckpt} 1")
+        pub = await trainer.event("published", 300)
+        done = [await c.event("complete", 600) for c in clients]
+        relay_done = await relay.event("complete", 600)
+        total = pub["total"]
+        names = {trainer.peer_id: "origin", relay.peer_id: "relay"}
+        origin_bytes = relay_bytes = peer_bytes = 0
+        shard = (total + pub["shards"] - 1) // pub["shards"]
+        for d in done:
+            for peer, s in d["sources"].items():
+                role = names.get(peer, "peer")
+                nbytes = s["shards_ok"] * shard
+                if role == "origin":
+                    origin_bytes += nbytes
+                elif role == "relay":
+                    relay_bytes += nbytes
+                else:
+                    peer_bytes += nbytes
+        for d in done:
+            same = all((Path(d["path"]) / f.name).read_bytes() == f.read_bytes()
+                       for f in sorted(ckpt.iterdir()))
+            if not same:
+                raise RuntimeError(f"client copy {d['path']} differs from the origin")
+        t_all = max(d["t"] for d in done) - t_cmd
+        return {
+            "t_all": t_all, "t_hash": pub["t"] - pub["t0"], "total": total,
+            "t_relay": relay_done["t"] - t_cmd,
+            "rss": [d["peak_rss_mib"] for d in done],
+            "rss_ready": [r["peak_rss_mib"] for r in ready],
+            "refetched": sum(d["metrics"].get("bytes_fetched", 0) - total for d in done),
+            "corrupt": sum(d["metrics"].get("shards_corrupt", 0) for d in done),
+            "from": (origin_bytes, relay_bytes, peer_bytes),
+            "ok": len(done),
+        }
+    finally:
+        for p in procs:
+            p.stop()
+
+
+# shardcast -------------------------------------------------------------------------------
+
+
+class ScProc:
+    def __init__(self, *args: str):
+        self.proc = subprocess.Popen([str(SHARDCAST_PY), str(SHARDCAST_PEER), *args],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True)
+
+    async def event(self, timeout: float) -> dict:
+        line = await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.readline), timeout)
+        if not line:
+            raise RuntimeError(f"shardcast peer {self.proc.args[2:4]} exited")
+        return json.loads(line)
+
+    def send(self, line: str) -> None:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def middle_holds_all(middle_dir: Path, total: int) -> bool:
+    v1 = middle_dir / "v1"
+    if not v1.is_dir():
+        return False
+    shards = list(v1.glob("shard_*.bin"))
+    return bool(shards) and sum(p.stat().st_size for p in shards) == total
+
+
+async def run_shardcast(work: Path, blob: Path, n_clients: int, corrupt: bool = False) -> dict:
+    procs: list[ScProc] = []
+    total = blob.stat().st_size
+    try:
+        origin = ScProc("origin", str(work / "origin"), str(blob))
+        procs.append(origin)
+        o_url = (await origin.event(120))["url"]
+        middle = ScProc("middle", str(work / "middle"), o_url)
+        procs.append(middle)
+        m_url = (await middle.event(120))["url"]
+        clients = []
+
+        def start_clients():
+            for i in range(n_clients):
+                c = ScProc("client", str(work / f"c{i}"), m_url)
+                procs.append(c)
+                clients.append(c)
+
+        if not corrupt:
+            start_clients()
+            ready = [await c.event(120) for c in clients]
+        t_cmd = time.time()
+        origin.send("go")
+        await origin.event(300)
+        if corrupt:
+            while not middle_holds_all(work / "middle", total):
+                await asyncio.sleep(0.2)
+            victim = sorted((work / "middle" / "v1").glob("shard_*.bin"))[1]
+            with open(victim, "r+b") as f:
+                f.seek(1000)
+                b = f.read(1)
+                f.seek(1000)
+                f.write(bytes([b[0] ^ 1]))
+            start_clients()
+            ready = [await c.event(120) for c in clients]
+        done = [await c.event(900) for c in clients]
+        ok = [d for d in done if d["event"] == "complete"]
+        for d in ok:
+            if Path(d["path"]).read_bytes() != blob.read_bytes():
+                raise RuntimeError("shardcast client copy differs")
+        return {
+            "t_all": (max(d["t"] for d in ok) - t_cmd) if len(ok) == len(done) else None,
+            "total": total, "ok": len(ok),
+            "rss": [d["peak_rss_mib"] for d in done],
+            "rss_child": [d["peak_child_rss_mib"] for d in done],
+            "rss_ready": [r["rss_mib"] for r in ready],
+            # a failed whole-file checksum discards every shard (and shardcast does not retry)
+            "refetched": (len(done) - len(ok)) * total,
+        }
+    finally:
+        for p in procs:
+            p.stop()
+
+
+# Report ----------------------------------------------------------------------------------
+
+
+def fmt_rss(values: list[float]) -> str:
+    return f"{max(values):.0f}" if values else "-"
+
+
+async def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mib", type=int, default=256)
+    ap.add_argument("--clients", type=int, nargs="+", default=[4])
+    ap.add_argument("--skip-shardcast", action="store_true")
+    ap.add_argument("--no-record", action="store_true")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-broadcast-", dir=ROOT / "runs"
+                                     if (ROOT / "runs").is_dir() else None) as tmp:
+        tmp = Path(tmp)
+        ckpt = make_checkpoint(tmp / "ckpt", args.mib)
+        blob = ckpt / "model.safetensors"
+        rows, notes = [], []
+        for n in args.clients:
+            ours = await run_ours(tmp / f"ours-{n}", ckpt, n)
+            print("ours", n, json.dumps(ours), flush=True)
+            bad = await run_ours(tmp / f"ours-bad-{n}", ckpt, n, corrupt="7")
+            print("ours corrupt", n, json.dumps(bad), flush=True)
+            rows.append([f"ours, {n} clients", f"{ours['t_all']:.1f}",
+                         f"{n * ours['total'] / MiB / ours['t_all']:.1f}",
+                         fmt_rss(ours["rss"]), fmt_rss(ours["rss_ready"]),
+                         f"{bad['refetched'] / MiB:.1f} MiB ({bad['corrupt']} bad shards "
+                         f"caught, all {bad['ok']} clients verified)"])
+            o, r, p = (x / MiB for x in ours["from"])
+            notes.append(f"- ours, {n} clients: clients' bytes came from origin {o:.0f} MiB, "
+                         f"relay {r:.0f} MiB, other clients {p:.0f} MiB; hashing the "
+                         f"checkpoint took {ours['t_hash']:.1f} s of the total; relay complete "
+                         f"after {ours['t_relay']:.1f} s.")
+            if args.skip_shardcast:
+                continue
+            sc = await run_shardcast(tmp / f"sc-{n}", blob, n)
+            print("shardcast", n, json.dumps(sc), flush=True)
+            scbad = await run_shardcast(tmp / f"sc-bad-{n}", blob, n, corrupt=True)
+            print("shardcast corrupt", n, json.dumps(scbad), flush=True)
+            t = sc["t_all"]
+            rows.append([f"shardcast 0.3.2, {n} clients",
+                         f"{t:.1f}" if t else f"failed ({sc['ok']}/{n})",
+                         f"{n * sc['total'] / MiB / t:.1f}" if t else "-",
+                         f"{fmt_rss(sc['rss'])} (+ wget {fmt_rss(sc['rss_child'])})",
+                         fmt_rss(sc["rss_ready"]),
+                         f"{scbad['refetched'] / MiB:.1f} MiB discarded, "
+                         f"{scbad['ok']}/{n} clients got a copy"])
+            if t:
+                notes.append(f"- {n} clients: ours took {ours['t_all'] / t:.2f}x shardcast's "
+                             f"time (goal: <= 0.33x).")
+        body = (f"Checkpoint: {args.mib} MiB (+ a config.json for ours; shardcast ships the "
+                f"single weights file). Loopback, all processes on this machine.\n\n"
+                + table(["system", "publish -> all clients verified (s)",
+                         "aggregate MiB/s", "peak RSS per client (MiB)",
+                         "client RSS at start (MiB)", "one corrupted shard at the relay"],
+                        rows) + "\n\n" + "\n".join(notes))
+        print(body)
+        if not args.no_record:
+            record("broadcast", body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))

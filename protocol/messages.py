@@ -260,6 +260,8 @@ class ShardAdvert(WireModel):
     version: U64
     complete: bool
     have: Annotated[bytes, Field(max_length=1 << 17)] = b""  # bitmap, bit i = shard i
+    # "host:port" of a plain-TCP server speaking the same shard protocol (empty: libp2p only)
+    endpoint: Annotated[str, Field(max_length=128)] = ""
 
 
 # Peers -----------------------------------------------------------------------------------

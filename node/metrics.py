@@ -6,7 +6,12 @@ renders it as JSON and the Prometheus exporter reads the same numbers.
 Used by the roles (keep these names): `policy_id`, `policy_version`, `reward`,
 `reward_history`, `rollouts_sent`, `accept(peer)`, `reject(peer, reason, n=1)`,
 `count(name, n=1)`, `banned`, `versions_published`, `buffer_counters`, `p2p` (the P2PNode,
-for connected peers and transport counters), `extra` (free-form role details).
+for connected peers and transport counters), `extra` (free-form role details),
+`set_checkpoint_progress(...)`.
+
+`registry` is this node's own Prometheus `CollectorRegistry` (never the global one, so
+several nodes in one process do not collide); its collector reads the state at scrape time,
+so nothing is counted twice.
 """
 
 from __future__ import annotations
@@ -15,6 +20,12 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
+
+MAX_TRACKED_PEERS = 4096
+"""Peers counted individually; rollouts from further peers are counted under OTHER_PEERS."""
+OTHER_PEERS = "(other)"
+MAX_REASONS = 64
+"""Distinct reject reasons exported as Prometheus labels; more are summed under `other`."""
 
 
 @dataclass
@@ -49,7 +60,9 @@ class NodeState:
     def _peer(self, peer: str) -> PeerCounts:
         rec = self.by_peer.get(peer)
         if rec is None:
-            rec = self.by_peer[peer] = PeerCounts()
+            if len(self.by_peer) >= MAX_TRACKED_PEERS:  # bounded, whatever peers claim
+                peer = OTHER_PEERS
+            rec = self.by_peer.setdefault(peer, PeerCounts())
         return rec
 
     def accept(self, peer: str, n: int = 1) -> None:
@@ -62,6 +75,29 @@ class NodeState:
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] += n
+
+    def set_checkpoint_progress(self, version: int, shards_done: int, shards_total: int,
+                                bytes_done: int = 0, bytes_total: int = 0,
+                                source: str = "") -> None:
+        """Progress of the checkpoint being fetched (or served); shown by /status."""
+        self.checkpoint_progress = {
+            "version": version, "shards_done": shards_done, "shards_total": shards_total,
+            "bytes_done": bytes_done, "bytes_total": bytes_total,
+            "complete": shards_total > 0 and shards_done >= shards_total,
+            **({"source": source} if source else {}),
+        }
+
+    @property
+    def registry(self):
+        """This node's Prometheus registry (created on first use)."""
+        reg = self.__dict__.get("_registry")
+        if reg is None:
+            from prometheus_client import CollectorRegistry
+
+            reg = CollectorRegistry(auto_describe=False)
+            reg.register(_StateCollector(self))
+            self.__dict__["_registry"] = reg
+        return reg
 
     # views ------------------------------------------------------------------------------
 
@@ -91,7 +127,8 @@ class NodeState:
             "role": self.role,
             "swarm_id": self.swarm_id,
             "uptime_s": round(time.time() - self.started, 1),
-            "peers": self.connected_peers(),
+            "connected_peers": len(peers := self.connected_peers()),
+            "peers": peers,
             "policy_id": self.policy_id,
             "policy_version": self.policy_version,
             "reward": self.reward,
@@ -111,3 +148,105 @@ class NodeState:
             "counters": dict(self.counters),
             **({"extra": self.extra} if self.extra else {}),
         }
+
+
+class _StateCollector:
+    """Renders a NodeState as Prometheus metric families at scrape time."""
+
+    def __init__(self, state: NodeState):
+        self.state = state
+
+    def collect(self):
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            InfoMetricFamily,
+        )
+
+        st = self.state
+
+        def gauge(name, doc, value, labels=None):
+            g = GaugeMetricFamily(f"swarm_node_{name}", doc, labels=list(labels or {}))
+            g.add_metric(list((labels or {}).values()), float(value))
+            return g
+
+        yield InfoMetricFamily("swarm_node", "This node's identity.", value={
+            "peer_id": st.peer_id, "role": st.role, "swarm_id": st.swarm_id})
+        yield gauge("uptime_seconds", "Seconds since the node started.",
+                    time.time() - st.started)
+        yield gauge("connected_peers", "Open libp2p connections.", len(st.connected_peers()))
+        yield gauge("policy_version", "Policy version this node samples or trains.",
+                    st.policy_version)
+        if st.reward is not None:
+            yield gauge("reward", "Mean reward of the latest round or train step.", st.reward)
+        yield gauge("banned_peers", "Peers currently banned.", len(st.banned))
+
+        sent = CounterMetricFamily("swarm_node_rollouts_sent", "Rollouts published.")
+        sent.add_metric([], st.rollouts_sent)
+        yield sent
+        accepted = CounterMetricFamily("swarm_node_rollouts_accepted",
+                                       "Rollouts from peers accepted after verification.")
+        accepted.add_metric([], st.rollouts_accepted)
+        yield accepted
+        rejected = CounterMetricFamily("swarm_node_rollouts_rejected",
+                                       "Rollouts from peers rejected, by reason code.",
+                                       labels=["reason"])
+        for reason, n in _capped(st.rejected_by_reason).items():
+            rejected.add_metric([reason], n)
+        yield rejected
+        published = CounterMetricFamily("swarm_node_versions_published",
+                                        "Policy versions this trainer broadcast.")
+        published.add_metric([], st.versions_published)
+        yield published
+        events = CounterMetricFamily("swarm_node_events", "Role events by name.",
+                                     labels=["event"])
+        for name, n in _capped(dict(st.counters)).items():
+            events.add_metric([name], n)
+        yield events
+
+        numbers = {k: v for k, v in st.buffer_counters.items() if _is_number(v)}
+        if numbers:
+            buf = GaugeMetricFamily("swarm_node_buffer", "Rollout buffer counters.",
+                                    labels=["name"])
+            for name, v in _capped(numbers).items():
+                buf.add_metric([name], float(v))
+            yield buf
+        progress = {k: v for k, v in st.checkpoint_progress.items() if _is_number(v)}
+        if progress:
+            ck = GaugeMetricFamily("swarm_node_checkpoint_progress",
+                                   "Checkpoint transfer progress.", labels=["field"])
+            for name, v in progress.items():
+                ck.add_metric([name], float(v))
+            yield ck
+
+        metrics = getattr(st.p2p, "metrics", None)
+        counters = dict(getattr(metrics, "counters", {}) or {})
+        if counters:
+            p2p = CounterMetricFamily("swarm_node_p2p_events", "Transport counters by name.",
+                                      labels=["name"])
+            p2p_rejects = CounterMetricFamily("swarm_node_p2p_rejected",
+                                              "Gossip messages rejected, by reason code.",
+                                              labels=["reason"])
+            rejects = {k.split(".", 1)[1]: n for k, n in counters.items()
+                       if k.startswith("rejected.")}
+            plain = {k: n for k, n in counters.items() if not k.startswith("rejected.")}
+            for name, n in _capped(plain).items():
+                p2p.add_metric([name], n)
+            for reason, n in _capped(rejects).items():
+                p2p_rejects.add_metric([reason], n)
+            yield p2p
+            yield p2p_rejects
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _capped(values: dict[str, int | float]) -> dict[str, int | float]:
+    """At most MAX_REASONS labels (the largest); the rest summed under `other`."""
+    if len(values) <= MAX_REASONS:
+        return values
+    ranked = sorted(values.items(), key=lambda kv: kv[1], reverse=True)
+    out = dict(ranked[:MAX_REASONS - 1])
+    out["other"] = out.get("other", 0) + sum(v for _, v in ranked[MAX_REASONS - 1:])
+    return out

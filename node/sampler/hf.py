@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,8 @@ class HFSampler(Sampler):
         self.lm_head = model.get_output_embeddings()
         params = inspect.signature(self.decoder.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        # cumulative seconds: whole generate calls, token choice, hidden-state capture
+        self.timings = {"generate_s": 0.0, "pick_s": 0.0, "capture_s": 0.0}
 
     @property
     def device(self) -> torch.device:
@@ -63,6 +66,7 @@ class HFSampler(Sampler):
             if len(ids) >= self.max_context:
                 raise NodeError(f"prompt of task {ref.dataset}#{ref.index} has {len(ids)} tokens;"
                                 f" the context holds {self.max_context}")
+        started = time.perf_counter()
         rows = [(i, j) for i in range(len(prompts)) for j in range(n)]
         out: list[list[Sample | None]] = [[None] * n for _ in prompts]
         for start in range(0, len(rows), self.max_batch):
@@ -71,6 +75,7 @@ class HFSampler(Sampler):
                                           [seeds[i][j] for i, j in chunk], params)
             for (i, j), s in zip(chunk, samples):
                 out[i][j] = s
+        self.timings["generate_s"] += time.perf_counter() - started
         return out  # type: ignore[return-value]
 
     @torch.inference_mode()
@@ -102,9 +107,14 @@ class HFSampler(Sampler):
                                use_cache=True, **{self._cache_kw: cache})
             last = out.last_hidden_state[:, -1, :]
             logits = self.lm_head(last)
+            t0 = time.perf_counter()
             chosen, chosen_lp = choose_tokens(logits, seeds, [t] * b, params)
             chosen_cpu, lp_cpu = chosen.cpu(), chosen_lp.cpu()
-            hid_cpu = last.float().cpu() if self.capture_hidden else None
+            t1 = time.perf_counter()
+            # a copy, so the prefill's [B, P, H] output is not kept alive by row views
+            hid_cpu = last.to("cpu", torch.float32, copy=True) if self.capture_hidden else None
+            self.timings["pick_s"] += t1 - t0
+            self.timings["capture_s"] += time.perf_counter() - t1
             for r in range(b):
                 if done[r]:
                     continue
@@ -122,10 +132,13 @@ class HFSampler(Sampler):
             step_ids = feed.unsqueeze(1)
             step_pos = step_pos[:, -1:] + 1
             mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=device)], dim=1)
+        t0 = time.perf_counter()
+        stacked = [(torch.stack(h) if h else torch.zeros((0, last.shape[-1])))
+                   if self.capture_hidden else None for h in hiddens]
+        self.timings["capture_s"] += time.perf_counter() - t0
         samples = []
         for r, (ref, ids) in enumerate(prompts):
-            hidden = (torch.stack(hiddens[r]) if hiddens[r] else
-                      torch.zeros((0, last.shape[-1]))) if self.capture_hidden else None
+            hidden = stacked[r]
             samples.append(Sample(
                 task=ref, prompt_ids=list(ids), completion_ids=tokens[r],
                 logprobs=torch.tensor(logps[r], dtype=torch.float32), finish_reason=finish[r],

@@ -47,6 +47,7 @@ def keygen(
     force: bool = typer.Option(False, "--force", help="Overwrite an existing key."),
 ) -> None:
     """Create the node's Ed25519 key (PEM, mode 0600) and print its peer ID."""
+    from ..node.errors import NodeError
     from ..node.identity import Identity
 
     cfg = _load(config, {"node.data_dir": data_dir, "identity.key_path": key})
@@ -54,7 +55,10 @@ def keygen(
     if path.exists() and not force:
         _fail(f"{path} already exists (use --force to replace it; the peer ID would change)")
     ident = Identity.generate()
-    ident.save(path)
+    try:
+        ident.save(path)
+    except NodeError as e:
+        _fail(str(e), 1)
     typer.echo(f"wrote {path}")
     typer.echo(ident.peer_id)
 

@@ -133,3 +133,11 @@ def test_help_lists_commands(tmp_path):
     out = run("--help", home=tmp_path, check=True).stdout
     for command in ("keygen", "id", "join", "demo", "status"):
         assert command in out
+
+
+def test_keygen_unwritable_is_clear(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    proc = run("keygen", "--key", str(blocker / "key.pem"), home=tmp_path)
+    assert proc.returncode == 1
+    assert "cannot write key file" in proc.stderr and "Traceback" not in proc.stderr

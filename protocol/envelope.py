@@ -142,6 +142,11 @@ def open_envelope(
     if expected_type is not None and msg_type != expected_type:
         raise UnknownMessageType(f"expected {expected_type}, got {msg_type}")
     now = time.time() if now is None else now
+    if replay_cache is not None:
+        # A nonce is remembered for window_s; accepting only timestamps within half of that
+        # means a message replayed after it is forgotten is always stale.
+        half = replay_cache.window_s / 2
+        max_skew_s = half if max_skew_s is None else min(max_skew_s, half)
     if max_skew_s is not None and abs(now - ts_ms / 1000) > max_skew_s:
         raise StaleMessage(f"timestamp {ts_ms} is more than {max_skew_s:.0f}s from now")
     message = cls.decode(payload, max_size=limits.max_for(msg_type))

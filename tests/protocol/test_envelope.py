@@ -279,3 +279,17 @@ def test_all_errors_are_protocol_errors_with_distinct_reasons():
     reasons = [c.reason for c in classes]
     assert len(set(reasons)) == len(reasons) >= 11
     assert set(MESSAGE_TYPES) == set(EXAMPLES)
+
+
+def test_replay_window_bounds_the_accepted_skew():
+    # With a 10 s replay memory, a message more than 5 s from now is stale even when the
+    # caller allows more skew, so nothing can be replayed after its nonce is forgotten.
+    cache = ReplayCache(window_s=10)
+    data = forge(ts_ms=TS - 4_000)
+    open_envelope(data, now=NOW, replay_cache=cache, max_skew_s=None)
+    for later in (6, 11, 100):
+        with pytest.raises((StaleMessage, ReplayedMessage)):
+            open_envelope(data, now=NOW + later, replay_cache=cache, max_skew_s=1000)
+    with pytest.raises(StaleMessage):
+        open_envelope(forge(ts_ms=TS - 6_000, nonce=b"q" * NONCE_LEN), now=NOW,
+                      replay_cache=ReplayCache(window_s=10), max_skew_s=None)

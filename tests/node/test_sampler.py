@@ -245,3 +245,15 @@ def test_factory_builds_the_hf_sampler_from_config(tmp_path):
     assert (tmp_path / "tiny-seed0" / "config.json").exists()
     p = sampling_params(cfg)
     assert (p.top_k, p.max_new_tokens, p.temperature) == (5, 16, 1.0)
+
+
+def test_backend_choice():
+    from swarm_node.node.sampler.factory import choose_backend, vllm_available
+
+    assert choose_backend("hf", "cpu") == "hf"
+    assert choose_backend("auto", "cpu") == "hf"
+    if not vllm_available():
+        with pytest.raises(NodeError, match="vllm"):
+            choose_backend("vllm", "cpu")
+    with pytest.raises(NodeError, match="backend"):
+        choose_backend("tpu", "cpu")

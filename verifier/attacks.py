@@ -62,9 +62,11 @@ def mixed_copy(model, other, alpha: float):
 # Completion forgeries --------------------------------------------------------------------
 
 
-def reprove(batch: RolloutBatch, model, tokenizer, which=None) -> RolloutBatch:
+def reprove(batch: RolloutBatch, model, tokenizer, which=None,
+            hidden_out: dict | None = None) -> RolloutBatch:
     """Recompute logprobs, proofs, text and claimed reward of completions `which` (default:
-    all) from the tokens as they stand, with `model` (the real one for a consistent forgery)."""
+    all) from the tokens as they stand, with `model` (the real one for a consistent forgery).
+    The hidden states the new proofs commit to go into `hidden_out[i]` when given."""
     from ..node.tasks import get_task
 
     which = range(len(batch.completions)) if which is None else which
@@ -75,6 +77,8 @@ def reprove(batch: RolloutBatch, model, tokenizer, which=None) -> RolloutBatch:
     temp = batch.sampling.temperature
     proofs = build_proofs([h for h, _ in outs])
     for i, (hidden, logits), proof in zip(targets, outs, proofs):
+        if hidden_out is not None:
+            hidden_out[i] = hidden
         c = comps[i]
         tokens = torch.from_numpy(c.completion_ids.to_numpy().astype("int64"))
         logp = torch.log_softmax(logits / temp if temp > 0 else logits, dim=-1)
@@ -102,7 +106,7 @@ def _random_token(rng: random.Random, vocab: int, avoid: set[int]) -> int:
 
 
 def tamper_tokens(batch, rng: random.Random, vocab: int, eos_ids: set[int], span: int = 1,
-                  model=None, tokenizer=None) -> RolloutBatch:
+                  model=None, tokenizer=None, hidden_out: dict | None = None) -> RolloutBatch:
     """Replace `span` consecutive non-final tokens of every completion by other tokens
     (consistent when `model` is given)."""
     comps = []
@@ -115,7 +119,7 @@ def tamper_tokens(batch, rng: random.Random, vocab: int, eos_ids: set[int], span
             tokens[k] = _random_token(rng, vocab, eos_ids | {tokens[k]})
         comps.append(_set_tokens(c, tokens))
     out = batch.model_copy(update={"completions": comps})
-    return reprove(out, model, tokenizer) if model is not None else out
+    return reprove(out, model, tokenizer, hidden_out=hidden_out) if model is not None else out
 
 
 def tamper_logprobs(batch, rng: random.Random, delta: float = 0.05) -> RolloutBatch:
@@ -129,27 +133,36 @@ def tamper_logprobs(batch, rng: random.Random, delta: float = 0.05) -> RolloutBa
     return batch.model_copy(update={"completions": comps})
 
 
-def swap_proofs(batch) -> RolloutBatch:
-    """Each completion carries the proof of the next one of the same length (or the next)."""
-    comps = list(batch.completions)
+def proof_partners(batch) -> list[int]:
+    """For each completion, the next other completion of the same length (or just the next)."""
+    comps = batch.completions
     n = len(comps)
     out = []
     for i, c in enumerate(comps):
-        same = [j for j in range(n) if j != i
-                and comps[j].completion_ids.shape == c.completion_ids.shape]
-        j = same[0] if same else (i + 1) % n
-        out.append(c.model_copy(update={"proof": comps[j].proof}))
+        same = [j for j in list(range(i + 1, n)) + list(range(i)) if
+                comps[j].completion_ids.shape == c.completion_ids.shape]
+        out.append(same[0] if same else (i + 1) % n)
+    return out
+
+
+def swap_proofs(batch) -> RolloutBatch:
+    """Each completion carries the proof of another one (`proof_partners`)."""
+    comps = batch.completions
+    out = [c.model_copy(update={"proof": comps[j].proof})
+           for c, j in zip(comps, proof_partners(batch))]
     return batch.model_copy(update={"completions": out})
 
 
-def truncate_with_eos(batch, rng: random.Random, eos_id: int, model, tokenizer) -> RolloutBatch:
+def truncate_with_eos(batch, rng: random.Random, eos_id: int, model, tokenizer,
+                      hidden_out: dict | None = None) -> RolloutBatch:
     """Cut every completion short and end it with EOS, consistently re-proven."""
     comps = []
     for c in batch.completions:
         tokens = c.completion_ids.to_numpy().tolist()
         k = rng.randrange(0, max(1, len(tokens) - 1))
         comps.append(_set_tokens(c, tokens[:k] + [eos_id], "eos"))
-    return reprove(batch.model_copy(update={"completions": comps}), model, tokenizer)
+    return reprove(batch.model_copy(update={"completions": comps}), model, tokenizer,
+                   hidden_out=hidden_out)
 
 
 def append_after_eos(batch, rng: random.Random, vocab: int, eos_id: int, model,
@@ -175,7 +188,7 @@ def forge_reward(batch) -> RolloutBatch:
 def sample_batch(model, tokenizer, task_source, sender: str, *, round_: int = 0,
                  version: int = 0, tasks: int = 2, n: int = 4, params: SamplingParams,
                  swarm_id: str = "default", policy_id: str = "trainer", max_batch: int = 64,
-                 label_round: int | None = None) -> RolloutBatch:
+                 label_round: int | None = None, hidden_out: list | None = None) -> RolloutBatch:
     """Sample `n` completions of each of the first `tasks` tasks of (sender, round_) with the
     HF sampler and pack them (batch labelled `label_round`, default `round_`)."""
     from ..node.sampler.hf import HFSampler
@@ -188,6 +201,8 @@ def sample_batch(model, tokenizer, task_source, sender: str, *, round_: int = 0,
     groups = sampler.generate(prompts, n, params)
     flat_tasks = [t for t, g in zip(regenerated, groups) for _ in g]
     samples = [s for g in groups for s in g]
+    if hidden_out is not None:
+        hidden_out.extend(s.hidden for s in samples)
     return make_batch(flat_tasks, samples, swarm_id=swarm_id,
                       round_=round_ if label_round is None else label_round,
                       policy_id=policy_id, policy_version=version, params=params)

@@ -146,6 +146,7 @@ class RolloutVerifier:
         self.counts: dict[str, int] = {}
         self.eos_ids = {tokenizer.eos_token_id}
         self._assigned_cache: OrderedDict[tuple[str, int], set[bytes]] = OrderedDict()
+        self._seed_cache: OrderedDict[tuple[bytes, str, int], set[int]] = OrderedDict()
 
     # public ------------------------------------------------------------------------------
 
@@ -259,9 +260,13 @@ class RolloutVerifier:
             raise _Reject("bad_task", str(e)[:200]) from None
         if format_prompt(self.tokenizer, task) != prompt.tolist():
             raise _Reject("prompt_mismatch", "prompt is not the task's formatted prompt")
-        if c.seed in seeds or c.seed not in {
-                completion_seed(c.task, sender, batch.policy_version, j)
-                for j in range(s.max_completions_per_task)}:
+        key = (ref_bytes(c.task), sender, batch.policy_version)
+        if key not in self._seed_cache:
+            self._seed_cache[key] = {completion_seed(c.task, sender, batch.policy_version, j)
+                                     for j in range(s.max_completions_per_task)}
+            while len(self._seed_cache) > 4096:
+                self._seed_cache.popitem(last=False)
+        if c.seed in seeds or c.seed not in self._seed_cache[key]:
             raise _Reject("seed_mismatch", f"seed {c.seed} not derived for this sender/task")
         seeds.add(c.seed)
         eos_at = [k for k, tok in enumerate(ids.tolist()) if tok in self.eos_ids]

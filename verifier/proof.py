@@ -136,7 +136,7 @@ def _chunk_topk(hidden: torch.Tensor) -> list[tuple[np.ndarray, np.ndarray]]:
     return out
 
 
-# Field arithmetic (numpy int64; dot products in float64, exact since every sum < 2^53) ---
+# Field arithmetic (numpy int64) ----------------------------------------------------------
 
 
 def _inv_mod(a: np.ndarray) -> np.ndarray:
@@ -169,18 +169,18 @@ def _powers(xs: np.ndarray, k: int) -> np.ndarray:
     return out
 
 
-def _dot_mod(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Batched matmul mod p of int64 arrays with entries < p (inner size <= 2^20)."""
-    return np.rint(np.matmul(a.astype(np.float64), b.astype(np.float64))).astype(np.int64) % PRIME
+def _prod_mod(t: np.ndarray) -> np.ndarray:
+    """Product mod p along the last axis, by pairwise halving."""
+    while t.shape[-1] > 1:
+        if t.shape[-1] % 2:
+            t = np.concatenate([t, np.ones_like(t[..., :1])], axis=-1)
+        half = t.shape[-1] // 2
+        t = t[..., :half] * t[..., half:] % PRIME
+    return t[..., 0]
 
 
-def _interpolate(xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
-    """Coefficients (low to high, [n, k]) of the polynomials with P(xs) = ys over F_p.
-
-    xs: [n, k] int64, distinct within a row, in [0, p); ys: [n, k] int64 in [0, p).
-    Lagrange: P = sum_i a_i M(x) / (x - x_i) with M = prod (x - x_i), a_i = y_i / M'(x_i);
-    the coefficient of x^d is sum_{e > d} M_e S_{e-d-1} with power sums S_r = sum_i a_i x_i^r.
-    """
+def _master_by_steps(xs: np.ndarray) -> np.ndarray:
+    """Coefficients (low to high, [n, k + 1]) of prod_j (x - xs_j), one factor at a time."""
     n, k = xs.shape
     master = np.zeros((n, k + 1), dtype=np.int64)
     master[:, 0] = 1
@@ -188,19 +188,56 @@ def _interpolate(xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
         shifted = np.zeros_like(master)
         shifted[:, 1:] = master[:, :-1]
         master = (shifted - xs[:, j:j + 1] * master) % PRIME
+    return master
+
+
+_LAGRANGE: dict[int, np.ndarray] = {}
+
+
+def _lagrange_basis(m: int) -> np.ndarray:
+    """[m, m]: row s holds the coefficients of the Lagrange basis polynomial of point s on
+    the points 0..m-1 (computed once per m)."""
+    if m not in _LAGRANGE:
+        points = np.tile(np.arange(m, dtype=np.int64), (m, 1))
+        shared = _master_by_steps(points[:1])  # every row has the same points
+        _LAGRANGE[m] = _interpolate(points, np.eye(m, dtype=np.int64),
+                                    lambda xs: np.repeat(shared, m, axis=0))
+    return _LAGRANGE[m]
+
+
+def _master(xs: np.ndarray) -> np.ndarray:
+    """prod_j (x - xs_j) as coefficients: evaluated at 0..k (vectorised), then interpolated
+    with the fixed Lagrange basis."""
+    n, k = xs.shape
+    z = np.arange(k + 1, dtype=np.int64)
+    values = _prod_mod((z[None, :, None] - xs[:, None, :]) % PRIME)  # [n, k + 1]
+    exact = np.rint(values.astype(np.float64) @ _lagrange_basis(k + 1).astype(np.float64))
+    return exact.astype(np.int64) % PRIME
+
+
+def _interpolate(xs: np.ndarray, ys: np.ndarray, master_fn=None) -> np.ndarray:
+    """Coefficients (low to high, [n, k]) of the polynomials with P(xs) = ys over F_p.
+
+    xs: [n, k] int64, distinct within a row, in [0, p); ys: [n, k] int64 in [0, p).
+    Lagrange: P = sum_i a_i M(x) / (x - x_i) with M = prod (x - x_i), a_i = y_i / M'(x_i);
+    the coefficient of x^d is sum_{e > d} M_e S_{e-d-1} with power sums S_r = sum_i a_i x_i^r.
+    Products of two residues are < 2^32 and k <= 2^20 of them sum below 2^63.
+    """
+    n, k = xs.shape
+    master = (master_fn or _master)(xs)
     pw = _powers(xs, k)  # [n, i, r]
     deriv = master[:, 1:] * np.arange(1, k + 1) % PRIME  # M'(x) coefficients
-    weights = _dot_mod(pw, deriv[:, :, None])[..., 0]  # M'(x_i)
+    weights = (pw * deriv[:, None, :]).sum(-1) % PRIME  # M'(x_i)
     a = ys * _inv_mod(weights) % PRIME
-    sums = _dot_mod(a[:, None, :], pw)[:, 0, :]  # S_r
+    sums = (a[:, :, None] * pw).sum(1) % PRIME  # S_r
     r = np.arange(1, k + 1)[None, :] - np.arange(k)[:, None] - 1  # [d, e-1]
     hankel = sums[:, np.clip(r, 0, None)] * (r >= 0)
-    return _dot_mod(hankel, master[:, 1:, None])[..., 0]
+    return (hankel * master[:, None, 1:]).sum(-1) % PRIME
 
 
 def _evaluate(coeffs: np.ndarray, xs: np.ndarray) -> np.ndarray:
     """P(xs) over F_p: coeffs [n, k] (low to high), xs [n, j] -> [n, j]."""
-    return _dot_mod(_powers(xs, coeffs.shape[1]), coeffs[:, :, None])[..., 0]
+    return (_powers(xs, coeffs.shape[1]) * coeffs[:, None, :]).sum(-1) % PRIME
 
 
 def _choose_moduli(idx: np.ndarray) -> np.ndarray:

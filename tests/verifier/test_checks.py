@@ -228,7 +228,6 @@ def test_shape_z_is_standard_for_honest_samples(kit, honest):
     assert max(abs(z) for z in zs) < 4
 
 
-@pytest.mark.slow
 def test_other_models_rejected(kit):
     """A different model, the right one scaled by 1.01, and 1% mixed with another."""
     from swarm_node.node.models import build_tiny_model, load_model

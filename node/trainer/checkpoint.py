@@ -3,20 +3,17 @@
 Layout under `root` (the trainer's `<data_dir>/trainer/checkpoints`):
 
     step-00000007/
-        config.json, generation_config.json, model.safetensors   policy (save_pretrained)
-        tokenizer.json, tokenizer_config.json, ...               tokenizer (save_pretrained)
-        checkpoint.json                                          version, files, sizes
-        trainer_state.tensors                                optimizer tensors + RNG
-                                                                 (safetensors format; not
-                                                                 named *.safetensors so a
-                                                                 loader globbing weights
-                                                                 never picks it up)
-        trainer_state.json                                       optimizer groups, scheduler,
-                                                                 counters, python RNG
+        policy/                      a plain model directory, flat, regular files only:
+            config.json, generation_config.json, model.safetensors   (save_pretrained)
+            tokenizer.json, tokenizer_config.json, ...               (save_pretrained)
+            checkpoint.json          {"version", "files": [{"name", "size"}]}
+        trainer/                     this trainer's own state (never shipped):
+            state.safetensors        optimizer tensors + torch RNG states
+            state.json               optimizer groups, scheduler, python RNG, free-form state
 
-The policy files (everything not starting with `trainer_`) form a model directory that
-`load_model(dir)` and the sampler load directly and the broadcaster ships as-is. Nothing is
-ever read with torch.load / pickle: tensors are safetensors, the rest JSON.
+`policy/` is what `load_model(dir)`, the sampler's `load_weights(dir)` and the broadcaster
+(`checkpoint_files(dir)`) take. Nothing is ever read with torch.load / pickle: tensors are
+safetensors, the rest JSON.
 
 Atomicity: files are written into `.tmp-step-...`, each fsync'd, the directory fsync'd, then
 renamed to `step-XXXXXXXX` and the parent fsync'd. A directory named `step-*` is therefore
@@ -39,7 +36,7 @@ from typing import Any
 from ..errors import NodeError
 
 STEP_RE = re.compile(r"^step-(\d{8,})$")
-TRAINER_PREFIX = "trainer_"
+POLICY, TRAINER = "policy", "trainer"
 MAX_JSON_BYTES = 16 * 1024 * 1024
 
 
@@ -52,13 +49,17 @@ class Checkpoint:
     path: Path
     version: int
 
-    def policy_files(self) -> list[Path]:
-        """Files a sampler or the broadcaster needs (sorted by name; no trainer state)."""
-        return sorted(p for p in self.path.iterdir()
-                      if p.is_file() and not p.name.startswith(TRAINER_PREFIX))
+    @property
+    def policy_dir(self) -> Path:
+        """The model directory a sampler loads and the broadcaster ships."""
+        return self.path / POLICY
 
-    def all_files(self) -> list[Path]:
-        return sorted(p for p in self.path.iterdir() if p.is_file())
+    @property
+    def trainer_dir(self) -> Path:
+        return self.path / TRAINER
+
+    def policy_files(self) -> list[Path]:
+        return sorted(p for p in self.policy_dir.iterdir() if p.is_file())
 
 
 def _fsync_file(path: Path) -> None:
@@ -110,22 +111,26 @@ class CheckpointStore:
             raise CheckpointError(f"checkpoint {target} already exists")
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step-{version:08d}-", dir=self.root))
         try:
-            model.save_pretrained(tmp, safe_serialization=True)
-            tokenizer.save_pretrained(tmp)
+            pol, tr = tmp / POLICY, tmp / TRAINER
+            pol.mkdir()
+            tr.mkdir()
+            model.save_pretrained(pol, safe_serialization=True)
+            tokenizer.save_pretrained(pol)
+            files = sorted(p for p in pol.iterdir() if p.is_file())
+            manifest = {"version": version,
+                        "files": [{"name": p.name, "size": p.stat().st_size} for p in files]}
+            (pol / "checkpoint.json").write_text(json.dumps(manifest, indent=1))
             tensors, meta = _trainer_state(optimizer, scheduler)
             meta["state"] = state or {}
             meta["version"] = version
-            save_file(tensors, str(tmp / "trainer_state.tensors"))
-            (tmp / "trainer_state.json").write_text(json.dumps(meta))
-            files = sorted(p for p in tmp.iterdir() if p.is_file())
-            manifest = {"version": version,
-                        "files": [{"name": p.name, "size": p.stat().st_size} for p in files
-                                  if not p.name.startswith(TRAINER_PREFIX)]}
-            (tmp / "checkpoint.json").write_text(json.dumps(manifest, indent=1))
-            for p in tmp.iterdir():
-                if not p.is_file():
-                    raise CheckpointError(f"unexpected non-file {p.name} in checkpoint")
-                _fsync_file(p)
+            save_file(tensors, str(tr / "state.safetensors"))
+            (tr / "state.json").write_text(json.dumps(meta))
+            for sub in (pol, tr):
+                for p in sub.iterdir():
+                    if not p.is_file():
+                        raise CheckpointError(f"unexpected non-file {p} in checkpoint")
+                    _fsync_file(p)
+                _fsync_dir(sub)
             _fsync_dir(tmp)
             os.rename(tmp, target)
             _fsync_dir(self.root)
@@ -143,19 +148,19 @@ class CheckpointStore:
         _fsync_dir(self.root)
 
     def restore(self, ckpt: Checkpoint, optimizer=None, scheduler=None) -> dict[str, Any]:
-        """Load optimizer/scheduler/RNG state from `ckpt` (weights: `load_model(ckpt.path)`).
+        """Load optimizer/scheduler/RNG state from `ckpt` (weights: `load_model(ckpt.policy_dir)`).
 
         Returns the free-form `state` dict saved with it.
         """
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        meta_path = ckpt.path / "trainer_state.json"
+        meta_path = ckpt.trainer_dir / "state.json"
         try:
             if meta_path.stat().st_size > MAX_JSON_BYTES:
                 raise CheckpointError(f"{meta_path} is larger than {MAX_JSON_BYTES} bytes")
             meta = json.loads(meta_path.read_text())
-            tensors = load_file(str(ckpt.path / "trainer_state.tensors"))
+            tensors = load_file(str(ckpt.trainer_dir / "state.safetensors"))
         except (OSError, ValueError, SafetensorError) as e:
             raise CheckpointError(f"cannot read trainer state of {ckpt.path}: {e}") from None
         if meta.get("version") != ckpt.version:

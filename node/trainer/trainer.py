@@ -4,7 +4,7 @@
     trainer.add_local(samples)        # own sampler's rollouts (behaviour logprobs kept)
     trainer.add_external(batch)       # other policies' rollouts (re-tokenised, re-scored)
     stats = trainer.step()            # I local + J external groups -> version + 1
-    trainer.latest_checkpoint()       # directory the sampler / broadcaster load
+    trainer.latest_checkpoint()       # .policy_dir: what the sampler / broadcaster load
 
 Staleness: a local group sampled by policy version v is dropped (counted `stale`) once
 `trainer.version - v > max_staleness`; an external group is dropped once it has waited more
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -93,7 +94,7 @@ class Trainer:
         self.store = CheckpointStore(root / "checkpoints", keep=self.cfg.keep_checkpoints)
         device = device or config.model.device
         latest = self.store.latest()
-        source = latest.path if latest is not None else model_dir
+        source = latest.policy_dir if latest is not None else model_dir
         self.model, self.tokenizer = load_model(source, dtype=config.model.dtype, device=device)
         self.model.train()
         self.device = next(self.model.parameters()).device
@@ -112,6 +113,7 @@ class Trainer:
         self.rescorer = Rescorer(self.tokenizer, config.model.max_context,
                                  config.tasks.format_reward)
         self._counters = _Counters()
+        self._counters_lock = threading.Lock()  # add_* may run on other threads than step()
         if latest is not None:
             state = self.store.restore(latest, self.optimizer, self.scheduler)
             self.version = latest.version
@@ -187,12 +189,14 @@ class Trainer:
         keep, stale = [], 0
         for g in groups:
             if g.source == "local":
-                self._counters.local_rewards += g.rewards
+                with self._counters_lock:
+                    self._counters.local_rewards += g.rewards
                 if self.version - g.policy_version > self.cfg.max_staleness:
                     stale += 1
                     continue
             if not has_signal(g.rewards):
-                self._counters.zero_adv += 1
+                with self._counters_lock:
+                    self._counters.zero_adv += 1
                 continue
             keep.append(g)
         if stale:
@@ -221,9 +225,9 @@ class Trainer:
         chosen_local = local[:self.cfg.local_items]
         chosen_ext = select_groups(external, self.cfg.external_items,
                                    self.cfg.external_selection, self.rng)
-        new_rewards = self._counters.local_rewards
-        zero_adv = self._counters.zero_adv
-        self._counters = _Counters()
+        with self._counters_lock:
+            counters, self._counters = self._counters, _Counters()
+        new_rewards, zero_adv = counters.local_rewards, counters.zero_adv
         stats = StepStats(version=self.version, trained=False, dropped_stale=stale,
                           dropped_zero_advantage=zero_adv,
                           mean_reward_local_new=_mean(new_rewards))
@@ -236,7 +240,7 @@ class Trainer:
             stats.version, stats.trained = self.version, True
             stats.groups_local, stats.groups_external = len(chosen_local), len(chosen_ext)
             if self.version % self.cfg.checkpoint_every == 0:
-                stats.checkpoint = str(self._checkpoint().path)
+                stats.checkpoint = str(self._checkpoint().policy_dir)
         stats.pending_local = self.buffer.count("local")
         stats.pending_external = self.buffer.count("external")
         stats.seconds = time.perf_counter() - t0
@@ -343,6 +347,8 @@ class Trainer:
         return ck
 
     def latest_checkpoint(self) -> Checkpoint:
+        """The newest durable checkpoint; `.policy_dir` is what samplers load and the
+        broadcaster publishes."""
         return self._last_checkpoint
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -35,13 +35,27 @@ def test_roundtrip_retention_and_layout(tiny_model_dir, tmp_path):
     assert ck.path.name == "step-00000003"
     names = {p.name for p in ck.policy_files()}
     assert "model.safetensors" in names and "config.json" in names
-    assert not any(n.startswith("trainer_") for n in names)
-    manifest = json.loads((ck.path / "checkpoint.json").read_text())
+    assert all(p.is_file() for p in ck.policy_dir.iterdir())  # flat: the broadcaster's rule
+    assert not (ck.policy_dir / "state.safetensors").exists()
+    manifest = json.loads((ck.policy_dir / "checkpoint.json").read_text())
     assert manifest["version"] == 3
-    assert not list(ck.path.glob("*.bin")) and not list(ck.path.glob("*.pt"))
+    assert {f["name"] for f in manifest["files"]} == names - {"checkpoint.json"}
+    assert not list(ck.path.rglob("*.bin")) and not list(ck.path.rglob("*.pt"))
+    from swarm_node.node.broadcast.manifest import checkpoint_files
+
+    assert {e.name for e in checkpoint_files(ck.policy_dir)} == names
 
     # the policy directory loads through the normal model path, weights identical
-    m2, _ = load_model(ck.path)
+    m2, _ = load_model(ck.policy_dir)
+    # ... and through the sampler's weight swap
+    from swarm_node.node.sampler.hf import HFSampler
+
+    m3, tok3 = load_model(tiny_model_dir)
+    sampler = HFSampler(m3, tok3)
+    sampler.load_weights(ck.policy_dir, version=3)
+    assert sampler.version == 3
+    for (n, a), (_, b) in zip(model.state_dict().items(), m3.state_dict().items()):
+        assert torch.equal(a, b), n
     for (n, a), (_, b) in zip(model.state_dict().items(), m2.state_dict().items()):
         assert torch.equal(a, b), n
 
@@ -87,6 +101,6 @@ def test_crash_leftovers_and_corruption(tiny_model_dir, tmp_path):
     with pytest.raises(CheckpointError):
         store.save(1, model, tok)
     # a corrupted trainer state is a clear error, not a crash
-    (ck.path / "trainer_state.tensors").write_bytes(b"\x00" * 20)
+    (ck.trainer_dir / "state.safetensors").write_bytes(b"\x00" * 20)
     with pytest.raises(CheckpointError):
         store.restore(ck)

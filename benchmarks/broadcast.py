@@ -47,23 +47,25 @@ def make_checkpoint(path: Path, mib: int) -> Path:
 # Ours ------------------------------------------------------------------------------------
 
 
-async def run_ours(work: Path, ckpt: Path, n_clients: int, corrupt: str = "") -> dict:
+async def run_ours(work: Path, ckpt: Path, n_clients: int, corrupt: str = "",
+                   tcp: bool = False) -> dict:
     procs: list[BroadcastProc] = []
+    extra = ["--tcp-listen", "127.0.0.1:0"] if tcp else []
     try:
-        trainer = BroadcastProc("trainer", "trainer", work / "trainer")
+        trainer = BroadcastProc("trainer", "trainer", work / "trainer", *extra)
         procs.append(trainer)
         await trainer.ready(120)
         relay_args = ["--follow", trainer.peer_id, *sum((["--bootstrap", a]
                                                           for a in trainer.addrs), [])]
         if corrupt:
             relay_args += ["--corrupt-shards", corrupt]
-        relay = BroadcastProc("relay", "relay", work / "relay", *relay_args)
+        relay = BroadcastProc("relay", "relay", work / "relay", *relay_args, *extra)
         procs.append(relay)
         await relay.ready(120)
         clients = []
         for i in range(n_clients):
             c = BroadcastProc(f"c{i}", "inference", work / f"c{i}", "--follow", trainer.peer_id,
-                              *sum((["--bootstrap", a] for a in relay.addrs), []))
+                              *sum((["--bootstrap", a] for a in relay.addrs), []), *extra)
             procs.append(c)
             clients.append(c)
         ready = [await c.ready(120) for c in clients]
@@ -113,14 +115,18 @@ async def run_ours(work: Path, ckpt: Path, n_clients: int, corrupt: str = "") ->
 
 class ScProc:
     def __init__(self, *args: str):
-        self.proc = subprocess.Popen([str(SHARDCAST_PY), str(SHARDCAST_PEER), *args],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, text=True)
+        Path(args[1]).mkdir(parents=True, exist_ok=True)
+        self.stderr = Path(args[1]) / "stderr.log"
+        with open(self.stderr, "w") as err:
+            self.proc = subprocess.Popen([str(SHARDCAST_PY), str(SHARDCAST_PEER), *args],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=err, text=True)
 
     async def event(self, timeout: float) -> dict:
         line = await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.readline), timeout)
         if not line:
-            raise RuntimeError(f"shardcast peer {self.proc.args[2:4]} exited")
+            raise RuntimeError(f"shardcast peer {self.proc.args[2:4]} exited: "
+                               f"{self.stderr.read_text()[-1500:]}")
         return json.loads(line)
 
     def send(self, line: str) -> None:
@@ -153,31 +159,36 @@ async def run_shardcast(work: Path, blob: Path, n_clients: int, corrupt: bool = 
         m_url = (await middle.event(120))["url"]
         clients = []
 
-        def start_clients():
+        async def start_clients():
+            # one at a time: shardcast clients probe the server through one shared
+            # /tmp/dummy.bin and race on it when started together
+            ready = []
             for i in range(n_clients):
                 c = ScProc("client", str(work / f"c{i}"), m_url)
                 procs.append(c)
                 clients.append(c)
+                ready.append(await c.event(120))
+            return ready
 
         if not corrupt:
-            start_clients()
-            ready = [await c.event(120) for c in clients]
+            ready = await start_clients()
         t_cmd = time.time()
         origin.send("go")
         await origin.event(300)
         if corrupt:
             while not middle_holds_all(work / "middle", total):
                 await asyncio.sleep(0.2)
-            victim = sorted((work / "middle" / "v1").glob("shard_*.bin"))[1]
+            shards = sorted((work / "middle" / "v1").glob("shard_*.bin"))
+            victim = shards[min(1, len(shards) - 1)]
             with open(victim, "r+b") as f:
                 f.seek(1000)
                 b = f.read(1)
                 f.seek(1000)
                 f.write(bytes([b[0] ^ 1]))
-            start_clients()
-            ready = [await c.event(120) for c in clients]
+            ready = await start_clients()
         done = [await c.event(900) for c in clients]
         ok = [d for d in done if d["event"] == "complete"]
+        t_sc = {"t_seen_max": max(d["t_seen"] for d in done) - t_cmd}
         for d in ok:
             if Path(d["path"]).read_bytes() != blob.read_bytes():
                 raise RuntimeError("shardcast client copy differs")
@@ -188,7 +199,7 @@ async def run_shardcast(work: Path, blob: Path, n_clients: int, corrupt: bool = 
             "rss_child": [d["peak_child_rss_mib"] for d in done],
             "rss_ready": [r["rss_mib"] for r in ready],
             # a failed whole-file checksum discards every shard (and shardcast does not retry)
-            "refetched": (len(done) - len(ok)) * total,
+            "refetched": (len(done) - len(ok)) * total, **t_sc,
         }
     finally:
         for p in procs:
@@ -207,6 +218,8 @@ async def main() -> int:
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--clients", type=int, nargs="+", default=[4])
     ap.add_argument("--skip-shardcast", action="store_true")
+    ap.add_argument("--libp2p-corrupt", action="store_true",
+                    help="also run the corrupted-shard case over libp2p streams (slow)")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-broadcast-", dir=ROOT / "runs"
@@ -216,20 +229,28 @@ async def main() -> int:
         blob = ckpt / "model.safetensors"
         rows, notes = [], []
         for n in args.clients:
-            ours = await run_ours(tmp / f"ours-{n}", ckpt, n)
-            print("ours", n, json.dumps(ours), flush=True)
-            bad = await run_ours(tmp / f"ours-bad-{n}", ckpt, n, corrupt="7")
-            print("ours corrupt", n, json.dumps(bad), flush=True)
-            rows.append([f"ours, {n} clients", f"{ours['t_all']:.1f}",
-                         f"{n * ours['total'] / MiB / ours['t_all']:.1f}",
-                         fmt_rss(ours["rss"]), fmt_rss(ours["rss_ready"]),
-                         f"{bad['refetched'] / MiB:.1f} MiB ({bad['corrupt']} bad shards "
-                         f"caught, all {bad['ok']} clients verified)"])
-            o, r, p = (x / MiB for x in ours["from"])
-            notes.append(f"- ours, {n} clients: clients' bytes came from origin {o:.0f} MiB, "
-                         f"relay {r:.0f} MiB, other clients {p:.0f} MiB; hashing the "
-                         f"checkpoint took {ours['t_hash']:.1f} s of the total; relay complete "
-                         f"after {ours['t_relay']:.1f} s.")
+            runs = [("ours (libp2p streams)", False), ("ours (TCP data plane)", True)]
+            results = {}
+            for label, tcp in runs:
+                ours = await run_ours(tmp / f"ours-{n}-{tcp}", ckpt, n, tcp=tcp)
+                print(label, n, json.dumps(ours), flush=True)
+                results[label] = ours
+                corrupt_cell = "not run (slow; see the TCP row)"
+                if tcp or args.libp2p_corrupt:
+                    bad = await run_ours(tmp / f"ours-bad-{n}-{tcp}", ckpt, n, corrupt="1",
+                                         tcp=tcp)
+                    print(label, "corrupt", n, json.dumps(bad), flush=True)
+                    corrupt_cell = (f"{bad['refetched'] / MiB:.1f} MiB re-fetched "
+                                    f"({bad['corrupt']} bad shards caught, {bad['ok']}/{n} "
+                                    f"clients verified, {bad['t_all']:.1f} s)")
+                rows.append([f"{label}, {n} clients", f"{ours['t_all']:.1f}",
+                             f"{n * ours['total'] / MiB / ours['t_all']:.1f}",
+                             fmt_rss(ours["rss"]), fmt_rss(ours["rss_ready"]), corrupt_cell])
+                o, r, p = (x / MiB for x in ours["from"])
+                notes.append(f"- {label}, {n} clients: clients' bytes came from origin {o:.0f} "
+                             f"MiB, relay {r:.0f} MiB, other clients {p:.0f} MiB; hashing took "
+                             f"{ours['t_hash']:.1f} s of the total; relay complete after "
+                             f"{ours['t_relay']:.1f} s.")
             if args.skip_shardcast:
                 continue
             sc = await run_shardcast(tmp / f"sc-{n}", blob, n)
@@ -245,8 +266,9 @@ async def main() -> int:
                          f"{scbad['refetched'] / MiB:.1f} MiB discarded, "
                          f"{scbad['ok']}/{n} clients got a copy"])
             if t:
-                notes.append(f"- {n} clients: ours took {ours['t_all'] / t:.2f}x shardcast's "
-                             f"time (goal: <= 0.33x).")
+                for label, ours in results.items():
+                    notes.append(f"- {n} clients: {label} took {ours['t_all'] / t:.2f}x "
+                                 f"shardcast's time (goal: <= 0.33x).")
         body = (f"Checkpoint: {args.mib} MiB (+ a config.json for ours; shardcast ships the "
                 f"single weights file). Loopback, all processes on this machine.\n\n"
                 + table(["system", "publish -> all clients verified (s)",

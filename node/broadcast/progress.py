@@ -18,12 +18,13 @@ class Progress:
         interactive = sys.stderr.isatty() if interactive is None else interactive
         self._bar = self._task = None
         if interactive:
+            from rich.console import Console
             from rich.progress import (BarColumn, DownloadColumn, Progress as RichProgress,
                                        TimeRemainingColumn, TransferSpeedColumn)
 
             self._bar = RichProgress("[bold]{task.description}", BarColumn(), DownloadColumn(),
                                      TransferSpeedColumn(), TimeRemainingColumn(),
-                                     transient=True)
+                                     console=Console(stderr=True), transient=True)
             self._bar.start()
             self._task = self._bar.add_task(label, total=total_bytes, completed=0)
 

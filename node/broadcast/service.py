@@ -57,6 +57,7 @@ class Broadcaster:
         self.finished: dict[tuple[str, int], Downloader] = {}
         self.failures: dict[tuple[str, int], str] = {}
         self._dirty: set[tuple[str, int]] = set()
+        self._pulling: set[tuple[str, int]] = set()
         self._tasks: set[asyncio.Task] = set()
         self._wake = asyncio.Event()
 
@@ -158,9 +159,9 @@ class Broadcaster:
         key = entry.key
         book = self.books.setdefault(key, SourceBook(
             per_source=self.cfg.per_source_downloads, max_corrupt=self.cfg.max_corrupt_per_source))
+        book.add(m.policy_id, None, origin=True)  # the trainer holds its own checkpoint
         for peer, holdings in self.holders.get(key, {}).items():
             book.add(peer, holdings)
-        book.add(m.policy_id, None)  # the trainer holds its own checkpoint
         progress = Progress(f"policy {m.policy_id[-8:]} v{m.version}", m.total_size,
                             interactive=self.interactive)
         d = Downloader(self.store, entry, self.transport, book, self.cfg,
@@ -225,8 +226,10 @@ class Broadcaster:
             self.transport.set_endpoint(env.sender, ad.endpoint)
         entry = self.store.get(ad.policy_id, ad.version)
         if entry is None:
-            if ad.version > self.store.current_version(ad.policy_id) and \
-                    ad.policy_id not in self.downloads:
+            key = (ad.policy_id, ad.version)
+            if (ad.version > self.store.current_version(ad.policy_id)
+                    and ad.policy_id not in self.downloads and key not in self._pulling):
+                self._pulling.add(key)
                 self._spawn(self._pull_manifest(env.sender, ad.policy_id, ad.version))
             n = None
         else:
@@ -237,6 +240,12 @@ class Broadcaster:
 
     async def _pull_manifest(self, peer: str, policy_id: str, version: int) -> None:
         req = ShardRequest(policy_id=policy_id, version=version, shard=0)
+        try:
+            await self._fetch_manifest(peer, req)
+        finally:
+            self._pulling.discard((policy_id, version))
+
+    async def _fetch_manifest(self, peer: str, req: ShardRequest) -> None:
         try:
             data = await self.node.request(peer, MANIFEST_PROTOCOL, req.encode(),
                                            timeout=self.cfg.request_timeout_s)

@@ -4,8 +4,10 @@ Each source has an EMA of measured throughput (bytes/s over whole shard transfer
 of consecutive failures with an exponential cooldown, a count of corrupt shards, and the
 shards it advertised. A shard goes to the eligible source with the best
 `throughput / (1 + in_flight)`; unmeasured sources are tried first (optimistic estimate) so
-that every source gets measured. A source that sent `max_corrupt` corrupt shards is dropped
-for the rest of the version.
+that every source gets measured. The trainer (origin) has weight `ORIGIN_WEIGHT`: a shard
+that a relay or another peer holds is taken from them rather than from the trainer, whose
+uplink serves everyone. A source that sent `max_corrupt` corrupt shards is dropped for the
+rest of the version.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ OPTIMISTIC_BPS = 1e12  # unmeasured sources are tried first
 COOLDOWN_BASE_S = 0.2
 COOLDOWN_MAX_S = 5.0
 BUSY_COOLDOWN_S = 0.2
+ORIGIN_WEIGHT = 0.25
 
 
 @dataclass
@@ -33,12 +36,13 @@ class SourceStats:
     bytes_ok: int = 0
     cooldown_until: float = 0.0
     dropped: bool = False
+    weight: float = 1.0
 
     def has(self, shard: int) -> bool:
         return self.holdings is None or shard in self.holdings
 
     def score(self) -> float:
-        return (self.throughput or OPTIMISTIC_BPS) / (1 + self.in_flight)
+        return self.weight * (self.throughput or OPTIMISTIC_BPS) / (1 + self.in_flight)
 
 
 class SourceBook:
@@ -48,11 +52,13 @@ class SourceBook:
         self.clock = clock
         self.sources: dict[str, SourceStats] = {}
 
-    def add(self, peer: str, holdings: set[int] | None) -> None:
+    def add(self, peer: str, holdings: set[int] | None, *, origin: bool = False) -> None:
         """Learn (or extend) what `peer` holds; None means the complete version."""
         s = self.sources.get(peer)
         if s is None:
-            self.sources[peer] = SourceStats(peer, holdings if holdings is None else set(holdings))
+            s = self.sources[peer] = SourceStats(
+                peer, holdings if holdings is None else set(holdings))
+            s.weight = ORIGIN_WEIGHT if origin else 1.0
         elif s.holdings is not None:
             if holdings is None:
                 s.holdings = None

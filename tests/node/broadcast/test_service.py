@@ -25,6 +25,7 @@ def node_config() -> Config:
     cfg.broadcast.min_shard_size = 4096
     cfg.broadcast.chunk_size = 32 * 1024
     cfg.broadcast.advert_interval_s = 0.1
+    cfg.broadcast.readvertise_s = 0.5
     return cfg
 
 
@@ -34,8 +35,10 @@ async def swarm(tmp_path):
 
     made = []
 
-    async def make(name, role, follow=(), bootstrap=(), identity=None, **kw):
+    async def make(name, role, follow=(), bootstrap=(), identity=None, tcp=False, **kw):
         cfg = node_config()
+        if tcp:
+            cfg.broadcast.tcp_listen = "127.0.0.1:0"
         node = P2PNode(identity or Identity.generate(), cfg)
         await node.start(bootstrap=list(bootstrap))
         bc = Broadcaster(node, cfg.broadcast, tmp_path / name, follow=list(follow), role=role,
@@ -76,3 +79,18 @@ async def test_trainer_relay_follower(tmp_path, swarm):
     with pytest.raises(ManifestRejected) as e:
         follower.accept_bytes(forger.seal(fake))
     assert e.value.reason == "not_followed"
+
+
+async def test_late_joiner_learns_version_from_adverts_and_uses_tcp(tmp_path, swarm):
+    ckpt = make_checkpoint(tmp_path / "ckpt", {"model.safetensors": 500_000})
+    tnode, trainer = await swarm("trainer", "trainer", tcp=True)
+    assert trainer.endpoint.startswith("127.0.0.1:")
+    m = await trainer.publish(ckpt, version=1)  # nobody listening yet
+    fnode, late = await swarm("late", "inference", follow=[tnode.peer_id],
+                              bootstrap=tnode.listen_addrs, tcp=True)
+    path = await late.wait_complete(tnode.peer_id, 1, timeout=60)
+    assert read_dir(path) == read_dir(ckpt)
+    assert late.transport.endpoints[tnode.peer_id] == trainer.endpoint
+    assert late.finished[(tnode.peer_id, 1)].metrics["bytes_fetched"] == m.total_size
+    # the late joiner now serves it too, over TCP, advertised under its own peer ID
+    assert late.endpoint and late.store.current_version(tnode.peer_id) == 1

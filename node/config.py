@@ -124,6 +124,10 @@ class TrainerSection(Section):
     """Trainer role: also sample its own rollouts each round (SAPO: every node samples)."""
     max_steps: int = Field(0, ge=0)
     """Trainer role: stop training after this many policy versions (0: never)."""
+    peer_batches_per_step: int = Field(0, ge=0)
+    """Trainer role: verified rollout batches from peers to wait for before each step (0: none)."""
+    peer_wait_s: float = Field(60.0, gt=0)
+    """Trainer role: longest wait for those peer batches; then it steps on what it has."""
     checkpoint_every: int = Field(1, ge=1)
     """Write a checkpoint every this many steps (buffered rollouts are freed only then)."""
     updates_per_step: int = Field(1, ge=1, le=64)
@@ -155,10 +159,6 @@ class VerifierSection(Section):
     """Score below which every rollout of a peer is verified (spot checks only above it)."""
     hint_suspect_seconds: float = Field(600.0, ge=0)
     """After another peer's reject verdict (a hint), verify all the subject's rollouts this long."""
-    max_policy_lag: int = Field(2, ge=0)
-    """Oldest accepted policy version: latest - max_policy_lag (INTELLECT-2's async level)."""
-    proof_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Proof thresholds for samplers running this dtype (auto: the model section's dtype)."""
 
 
 class BroadcastSection(Section):

@@ -24,7 +24,7 @@ from pathlib import Path
 from .config import dump_toml
 from .errors import NodeError
 
-DEFAULT_ROUNDS = 6
+DEFAULT_ROUNDS = 20
 START_TIMEOUT_S = 120.0
 DEFAULT_TIME_LIMIT_S = 900.0
 
@@ -57,6 +57,14 @@ def node_config(node: DemoNode, model_dir: Path, bootstrap: list[str], follow: l
         "admin": {"port": 0},
         "p2p": {"bootstrap_timeout_s": 60.0},
         "broadcast": {"shard_size": 64 * 1024},
+        # The toy task: single-digit answers, so two new tokens (digit, EOS) suffice.
+        "tasks": {"mix": {"toy/digit_successor": 1.0}, "tasks_per_round": 8},
+        "sampler": {"completions_per_task": 8, "max_new_tokens": 2, "temperature": 1.0},
+        # Peers' rollouts of this trainer's policy count as local items; one step uses up
+        # to 16 groups and waits (up to 20 s) for a verified batch from a peer, so the
+        # trainer does not race ahead of the swarm it trains with.
+        "trainer": {"learning_rate": 3e-3, "local_items": 16, "external_items": 0,
+                    "peer_batches_per_step": 1, "peer_wait_s": 20.0},
     }
     return cfg
 

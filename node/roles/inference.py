@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 
-from ...protocol.messages import Completion, RolloutBatch, SamplingParams, TensorData
+from ...protocol.messages import RolloutBatch, SamplingParams
 from .base import Role
 
 log = logging.getLogger("swarm_node")
@@ -122,29 +122,21 @@ class InferenceRole(Role):
     def sample_round(self, round_: int) -> RolloutBatch:
         """Draw this round's tasks, sample, prove, and build the batch (worker thread)."""
         from ...verifier.proof import build_proofs
-        from ..tasks import format_prompt, get_task
+        from ..tasks import get_task
+        from ..trainer.loop import sample_round, to_batch
         from .dishonest import tamper
 
-        scfg = self.cfg.sampler
-        refs = self.tasks.draw(self.identity.peer_id, round_, self.cfg.tasks.tasks_per_round)
-        tasks = [get_task(ref, self.cfg.tasks.format_reward) for ref in refs]
-        prompts = [(ref, format_prompt(self.tokenizer, task)) for ref, task in zip(refs, tasks)]
+        scfg, fmt = self.cfg.sampler, self.cfg.tasks.format_reward
         params = SamplingParams(temperature=scfg.temperature, top_p=scfg.top_p,
                                 max_new_tokens=scfg.max_new_tokens)
-        groups = self.sampler.generate(prompts, scfg.completions_per_task, params)
-        flat = [(task, s) for task, group in zip(tasks, groups) for s in group]
-        proofs = build_proofs([s.hidden for _, s in flat])
-        completions = [
-            Completion(task=s.task, prompt_ids=_ids(s.prompt_ids),
-                       completion_ids=_ids(s.completion_ids),
-                       logprobs=TensorData.from_torch(s.logprobs.float()),
-                       finish_reason=s.finish_reason, seed=s.seed,
-                       claimed_reward=float(task.score(s.text)), text=s.text, proof=proof)
-            for (task, s), proof in zip(flat, proofs)
-        ]
-        batch = RolloutBatch(swarm_id=self.cfg.node.swarm_id, round=round_,
-                             policy_id=self.policy_id, policy_version=self.sampler.version,
-                             sampling=params, completions=completions)
+        samples = sample_round(self.sampler, self.tokenizer, self.tasks, self.identity.peer_id,
+                               round_, self.cfg.tasks.tasks_per_round,
+                               scfg.completions_per_task, params)
+        batch = to_batch(samples, self.cfg.node.swarm_id, self.policy_id, round_, params,
+                         score=lambda ref, text: get_task(ref, fmt).score(text))
+        proofs = build_proofs([s.hidden for s in samples])
+        batch = batch.model_copy(update={"completions": [
+            c.model_copy(update={"proof": p}) for c, p in zip(batch.completions, proofs)]})
         if self.cfg.node.dishonest != "none":
             batch = tamper(batch, self.cfg.node.dishonest, self.tokenizer)
         return batch
@@ -153,12 +145,6 @@ class InferenceRole(Role):
         if self.follower is not None:
             await self.follower.close()
         await super().close()
-
-
-def _ids(ids) -> TensorData:
-    import numpy as np
-
-    return TensorData.from_numpy(np.asarray(ids, dtype=np.int32))
 
 
 async def _wait_any(stop: asyncio.Event, event: asyncio.Event, timeout: float) -> bool:

@@ -47,6 +47,7 @@ class TrainerRole(Role):
         self.verifiers: dict[str, object] = {}
         self._models: OrderedDict[tuple[str, int], object] = OrderedDict()
         self.round = int(self.load_json("round.json", {"next_round": 0})["next_round"])
+        self.peer_batches = 0  # verified peer batches with accepted rollouts since the last step
 
     # start-up ---------------------------------------------------------------------------
 
@@ -202,6 +203,7 @@ class TrainerRole(Role):
                     self.state.reject(sender, r.reason)
                     first_reject = first_reject or r
             n_ok = sum(r.accept for r in results)
+            self.peer_batches += n_ok > 0
             log.info("verified round %d from %s: %d accepted, %d rejected%s", batch.round,
                      sender[-8:], n_ok, len(results) - n_ok,
                      f" (first: {first_reject.reason})" if first_reject else "")
@@ -221,27 +223,42 @@ class TrainerRole(Role):
 
     # the loop ---------------------------------------------------------------------------
 
-    def sample_local(self, round_: int) -> float:
-        """Sample this trainer's own rollouts for `round_` into the buffer (worker thread)."""
-        from ..tasks import format_prompt, get_task
+    def sample_local(self, round_: int) -> int:
+        """Sample this trainer's own rollouts for `round_` into the buffer (worker thread).
+
+        The sampler shares the trainer's model object, so it always samples the current
+        version; no weight copy is needed."""
+        from ..trainer.loop import sample_round
 
         scfg = self.cfg.sampler
-        refs = self.tasks.draw(self.identity.peer_id, round_, self.cfg.tasks.tasks_per_round)
-        prompts = [(ref, format_prompt(self.trainer.tokenizer,
-                                       get_task(ref, self.cfg.tasks.format_reward)))
-                   for ref in refs]
         params = SamplingParams(temperature=scfg.temperature, top_p=scfg.top_p,
                                 max_new_tokens=scfg.max_new_tokens)
         self.sampler.version = self.trainer.version
         was_training = self.trainer.model.training
         self.trainer.model.eval()
         try:
-            groups = self.sampler.generate(prompts, scfg.completions_per_task, params)
+            samples = sample_round(self.sampler, self.trainer.tokenizer, self.tasks,
+                                   self.identity.peer_id, round_,
+                                   self.cfg.tasks.tasks_per_round, scfg.completions_per_task,
+                                   params)
         finally:
             self.trainer.model.train(was_training)
-        samples = [s for g in groups for s in g]
         self.trainer.add_local(samples)
         return len(samples)
+
+    async def _wait_for_peers(self, stop: asyncio.Event) -> None:
+        """Pace steps by the swarm: wait for `peer_batches_per_step` verified peer batches
+        (at most `peer_wait_s`), verifying them as they arrive."""
+        need = self.cfg.trainer.peer_batches_per_step
+        deadline = asyncio.get_running_loop().time() + self.cfg.trainer.peer_wait_s
+        while (self.peer_batches < need and not stop.is_set()
+               and asyncio.get_running_loop().time() < deadline):
+            try:
+                item = await asyncio.wait_for(self.queue.get(), timeout=0.5)
+            except TimeoutError:
+                continue
+            self.queue.put_nowait(item)
+            await self._drain()
 
     async def run(self, stop: asyncio.Event) -> None:
         from .inference import _wait_any
@@ -253,6 +270,8 @@ class TrainerRole(Role):
                 self.round += 1
                 self.save_json("round.json", {"next_round": self.round})
             await self._drain()
+            await self._wait_for_peers(stop)
+            self.peer_batches = 0
             stats = await self.work(self.trainer.step)
             self.state.buffer_counters = self.trainer.counters()
             if not stats.trained:

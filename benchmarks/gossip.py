@@ -1,0 +1,352 @@
+"""Rollout sharing: our GossipSub layer vs. the hivemind DHT pattern of Gensyn RL Swarm.
+
+N peers as separate processes on loopback. Every round (every --interval seconds) each peer
+shares one rollout batch of --batch-kib KiB:
+- libp2p: `P2PNode.publish("rollouts", RolloutBatch)`; receivers record arrival times.
+- hivemind baseline (RL Swarm's pattern): `dht.store(key=round, subkey=peer, value=batch)`,
+  then `dht.get(key)` polled by every peer until it holds every peer's batch. Runs in the
+  separate venv .venv-bench (hivemind and libp2p cannot share a process).
+
+Figures: delivery ratio, per-message latency p50/p95/max, aggregate delivered throughput, and
+per round the time until every peer holds every other peer's batch (p50/p95/max over rounds).
+
+    .venv/bin/python benchmarks/gossip.py [--peers 8 --rounds 20 --interval 1.0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH_PY = ROOT / ".venv-bench" / "bin" / "python"
+
+
+# Workers -----------------------------------------------------------------------------------
+
+def emit(obj) -> None:
+    print(json.dumps(obj), flush=True)
+
+
+async def read_line() -> dict:
+    line = await asyncio.to_thread(sys.stdin.readline)
+    return json.loads(line) if line.strip() else {}
+
+
+def make_batch(policy_id: str, round_: int, nbytes: int):
+    import numpy as np
+
+    from swarm_node.protocol.messages import (
+        Completion,
+        RolloutBatch,
+        SamplingParams,
+        TaskRef,
+        TensorData,
+    )
+
+    n = max(1, (nbytes - 600) // 8)  # int32 ids + float32 logprobs per token
+    rng = np.random.default_rng(round_)
+    comp = Completion(task=TaskRef(dataset="toy/digit_successor", seed=round_, index=0),
+                      prompt_ids=TensorData.from_numpy(np.arange(16, dtype=np.int32)),
+                      completion_ids=TensorData.from_numpy(
+                          rng.integers(0, 32000, n).astype(np.int32)),
+                      logprobs=TensorData.from_numpy(-rng.random(n).astype(np.float32)),
+                      finish_reason="length", seed=round_, claimed_reward=0.0)
+    return RolloutBatch(swarm_id="bench", round=round_, policy_id=policy_id, policy_version=0,
+                        sampling=SamplingParams(), completions=[comp])
+
+
+async def libp2p_worker(args) -> None:
+    from swarm_node.node.config import Config
+    from swarm_node.node.identity import Identity
+    from swarm_node.node.p2p import P2PNode
+
+    cfg = Config()
+    cfg.node.swarm_id = "bench"
+    cfg.node.listen = ["/ip4/127.0.0.1/tcp/0"]
+    cfg.p2p.discovery_interval_s = 1.0
+    node = P2PNode(Identity.generate(), cfg)
+    records = []
+
+    async def on_batch(env, peer):
+        records.append([peer, env.message.round, time.time(), env.ts_ms / 1000,
+                        len(env.payload)])
+
+    await node.start(bootstrap=args.bootstrap)
+    await node.subscribe("rollouts", on_batch)
+    emit({"event": "ready", "peer_id": node.peer_id, "addrs": node.listen_addrs})
+    n_others = args.peers - 1
+    while not (len(node.topic_peers("rollouts")) >= n_others
+               and len(node.mesh_peers("rollouts")) >= min(n_others, cfg.p2p.mesh_degree_low)):
+        await asyncio.sleep(0.05)
+    batches = [make_batch(node.peer_id, r, args.batch_kib * 1024) for r in range(args.rounds)]
+    emit({"event": "meshed"})
+    start = (await read_line())["start"]
+    late = []
+    for r in range(args.rounds):
+        delay = start + r * args.interval - time.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        else:
+            late.append(-delay)
+        await node.publish("rollouts", batches[r])
+    expected = n_others * args.rounds
+    deadline = time.time() + args.drain
+    while len(records) < expected and time.time() < deadline:
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.5)
+    emit({"event": "done", "peer_id": node.peer_id, "records": records,
+          "metrics": node.metrics.snapshot()["counters"], "late_publishes": len(late)})
+    await read_line()  # orchestrator says when everyone is done
+    await node.close()
+
+
+def hivemind_worker(args) -> None:
+    asyncio.run(hivemind_worker_async(args))
+
+
+async def hivemind_worker_async(args) -> None:
+    # hivemind.DHT (the process wrapper RL Swarm uses) fails here on 64 KiB values: its
+    # multiprocessing pipe raises BlockingIOError (EAGAIN) in the DHT process. DHTNode is the
+    # same DHT (same p2pd daemon, same RPCs) without that pipe.
+    from hivemind.dht.node import DHTNode
+    from hivemind.utils.timed_storage import get_dht_time
+
+    node = await DHTNode.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                initial_peers=args.bootstrap or None)
+    me = str(node.peer_id)
+    emit({"event": "ready", "peer_id": me,
+          "addrs": [str(a) for a in await node.get_visible_maddrs()]})
+    emit({"event": "meshed"})
+    start = (await read_line())["start"]
+    payload = os.urandom(args.batch_kib * 1024)
+    complete = []  # [round, seconds after the round started, peers held]
+    for r in range(args.rounds):
+        t0 = start + r * args.interval
+        delay = t0 - time.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        key = f"bench_round_{r}"
+        await node.store(key, payload, expiration_time=get_dht_time() + 600, subkey=me)
+        held = 0
+        while time.time() < t0 + args.drain:
+            got = await node.get(key, latest=True)
+            held = len(got.value) if got is not None and isinstance(got.value, dict) else 0
+            if held >= args.peers:
+                break
+            await asyncio.sleep(args.poll)
+        complete.append([r, time.time() - t0, held])
+    emit({"event": "done", "peer_id": me, "complete": complete})
+    await read_line()
+    await node.shutdown()
+
+
+# Orchestrator ------------------------------------------------------------------------------
+
+class Proc:
+    def __init__(self, python: str, kind: str, args, bootstrap: list[str]):
+        cmd = [python, str(Path(__file__).resolve()), "--worker", kind,
+               "--peers", str(args.peers), "--rounds", str(args.rounds),
+               "--interval", str(args.interval), "--batch-kib", str(args.batch_kib),
+               "--drain", str(args.drain), "--poll", str(args.poll)]
+        for b in bootstrap:
+            cmd += ["--bootstrap", b]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.DEVNULL, text=True, env=env, cwd=ROOT)
+
+    def expect(self, event: str, timeout: float = 300) -> dict:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            line = self.p.stdout.readline()
+            if not line:
+                raise RuntimeError(f"worker exited (rc={self.p.poll()}) before {event!r}")
+            if line.startswith("{"):
+                msg = json.loads(line)
+                if msg.get("event") == event:
+                    return msg
+        raise TimeoutError(event)
+
+    def send(self, obj) -> None:
+        self.p.stdin.write(json.dumps(obj) + "\n")
+        self.p.stdin.flush()
+
+    def stop(self) -> None:
+        try:
+            self.send({})
+            self.p.stdin.close()
+            self.p.wait(30)
+        except (OSError, subprocess.TimeoutExpired):
+            self.p.kill()
+            self.p.wait()
+
+
+def run_swarm(python: str, kind: str, args) -> list[dict]:
+    first = Proc(python, kind, args, [])
+    procs = [first]
+    try:
+        ready = first.expect("ready")
+        procs += [Proc(python, kind, args, ready["addrs"][:1]) for _ in range(args.peers - 1)]
+        for p in procs[1:]:
+            p.expect("ready")
+        for p in procs:
+            p.expect("meshed")
+        start = time.time() + 2.0
+        for p in procs:
+            p.send({"start": start})
+        results = [p.expect("done", timeout=args.rounds * args.interval + args.drain + 120)
+                   for p in procs]
+        for r in results:
+            r["start"] = start
+        return results
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))]
+
+
+def summarize_libp2p(results: list[dict], args) -> dict:
+    start = results[0]["start"]
+    peers = [r["peer_id"] for r in results]
+    expected = len(peers) * (len(peers) - 1) * args.rounds
+    seen = set()
+    latencies, nbytes, last = [], 0, start
+    round_done: dict[int, dict[str, float]] = {}
+    for r in results:
+        for sender, rnd, t_recv, t_sent, size in r["records"]:
+            key = (r["peer_id"], sender, rnd)
+            if key in seen:
+                continue
+            seen.add(key)
+            latencies.append(t_recv - t_sent)
+            nbytes += size
+            last = max(last, t_recv)
+            per = round_done.setdefault(rnd, {})
+            per[key[0]] = max(per.get(key[0], 0.0), t_recv - (start + rnd * args.interval))
+    complete_rounds = []
+    for rnd in range(args.rounds):
+        got = sum(1 for (rcv, _, rr) in seen if rr == rnd)
+        if got == len(peers) * (len(peers) - 1):
+            complete_rounds.append(max(round_done[rnd].values()))
+    metrics = [r["metrics"] for r in results]
+    return {
+        "delivered": len(seen), "expected": expected,
+        "ratio": len(seen) / expected,
+        "lat_p50": pct(latencies, 50), "lat_p95": pct(latencies, 95),
+        "lat_max": max(latencies) if latencies else float("nan"),
+        "throughput_mib_s": nbytes / max(1e-9, last - start) / 2**20,
+        "round_p50": pct(complete_rounds, 50), "round_p95": pct(complete_rounds, 95),
+        "round_max": max(complete_rounds) if complete_rounds else float("nan"),
+        "rounds_complete": len(complete_rounds),
+        "drops": sum(v for m in metrics for k, v in m.items() if k.startswith("drop_")),
+        "rejected": sum(m.get("rejected", 0) for m in metrics),
+        "publish_waits": sum(m.get("publish_waits", 0) for m in metrics),
+        "late_publishes": sum(r.get("late_publishes", 0) for r in results),
+    }
+
+
+def summarize_hivemind(results: list[dict], args) -> dict:
+    rounds: dict[int, list[tuple[float, int]]] = {}
+    for r in results:
+        for rnd, secs, held in r["complete"]:
+            rounds.setdefault(rnd, []).append((secs, held))
+    complete = [max(s for s, _ in v) for v in rounds.values()
+                if all(h >= args.peers for _, h in v)]
+    held = sum(min(h, args.peers) - 1 for v in rounds.values() for _, h in v)
+    expected = args.peers * (args.peers - 1) * args.rounds
+    return {"ratio": held / expected, "delivered": held, "expected": expected,
+            "round_p50": pct(complete, 50), "round_p95": pct(complete, 95),
+            "round_max": max(complete) if complete else float("nan"),
+            "rounds_complete": len(complete)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--peers", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--interval", type=float, default=1.0, help="seconds between rounds")
+    ap.add_argument("--batch-kib", type=int, default=64)
+    ap.add_argument("--drain", type=float, default=30.0, help="seconds to wait for stragglers")
+    ap.add_argument("--poll", type=float, default=0.1, help="hivemind get() poll interval")
+    ap.add_argument("--skip-baseline", action="store_true")
+    ap.add_argument("--no-record", action="store_true")
+    ap.add_argument("--worker", choices=["libp2p", "hivemind"])
+    ap.add_argument("--bootstrap", action="append", default=[])
+    args = ap.parse_args()
+    if args.worker == "libp2p":
+        asyncio.run(libp2p_worker(args))
+        return
+    if args.worker == "hivemind":
+        hivemind_worker(args)
+        return
+
+    print(f"libp2p: {args.peers} processes, {args.rounds} rounds of {args.batch_kib} KiB "
+          f"per peer every {args.interval}s", flush=True)
+    ours = summarize_libp2p(run_swarm(sys.executable, "libp2p", args), args)
+    print(json.dumps(ours, indent=1), flush=True)
+    base, base_note = None, ""
+    if args.skip_baseline:
+        base_note = "baseline skipped (--skip-baseline)"
+    elif not BENCH_PY.exists():
+        base_note = f"baseline not run: {BENCH_PY} missing (see benchmarks/README or this file)"
+    else:
+        try:
+            base = summarize_hivemind(run_swarm(str(BENCH_PY), "hivemind", args), args)
+            print(json.dumps(base, indent=1), flush=True)
+        except Exception as e:  # noqa: BLE001 - reported in the results, not hidden
+            base_note = f"baseline failed: {type(e).__name__}: {e}"
+    if base_note:
+        print(base_note)
+    if not args.no_record:
+        record(args, ours, base, base_note)
+
+
+def record(args, ours: dict, base: dict | None, note: str) -> None:
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.results import record as write, table
+
+    def ms(x):
+        return "n/a" if x != x else f"{x * 1000:.0f} ms"
+
+    rows = [["libp2p GossipSub (ours)", f"{ours['ratio']:.2%} ({ours['delivered']}/"
+             f"{ours['expected']})", ms(ours["lat_p50"]), ms(ours["lat_p95"]),
+             ms(ours["lat_max"]), f"{ours['throughput_mib_s']:.2f} MiB/s",
+             ms(ours["round_p50"]), ms(ours["round_p95"]), ms(ours["round_max"]),
+             f"{ours['rounds_complete']}/{args.rounds}"]]
+    if base:
+        rows.append(["hivemind DHT store+get (RL Swarm)",
+                     f"{base['ratio']:.2%} ({base['delivered']}/{base['expected']})",
+                     "-", "-", "-", "-", ms(base["round_p50"]), ms(base["round_p95"]),
+                     ms(base["round_max"]), f"{base['rounds_complete']}/{args.rounds}"])
+    body = (f"{args.peers} peers as separate processes on loopback; each shares one "
+            f"{args.batch_kib} KiB rollout batch per round, one round every {args.interval}s, "
+            f"{args.rounds} rounds. \"All held\" = time from round start until every peer "
+            "holds every other peer's batch.\n\n")
+    body += table(["transport", "delivery", "lat p50", "lat p95", "lat max", "throughput",
+                   "all held p50", "all held p95", "all held max", "rounds complete"], rows)
+    body += (f"\n\nlibp2p counters: drops {ours['drops']}, rejected {ours['rejected']}, "
+             f"publish waits {ours['publish_waits']}, late publishes {ours['late_publishes']}.")
+    if base and base["round_p95"] == base["round_p95"] and ours["round_p95"] == ours["round_p95"]:
+        ratio = ours["round_p95"] / base["round_p95"]
+        body += (f" p95 all-held time is {ratio:.2f}x the hivemind baseline's "
+                 f"(goal: <= 0.5x): {'met' if ratio <= 0.5 else 'NOT met'}.")
+    body += f" hivemind get() polled every {args.poll}s."
+    if note:
+        body += f"\n\n{note}"
+    write("gossip", body)
+
+
+if __name__ == "__main__":
+    main()

@@ -123,14 +123,18 @@ class _Reject(Exception):
 class RolloutVerifier:
     """Verifies rollout batches from untrusted peers.
 
-    `model_for(version)` returns the model of a policy version (or None when unknown);
-    `latest_version()` the newest version this node knows.
+    `model_for(version)` returns the model of a policy version (or None when unknown); a
+    model instead of a callable serves every version. `latest_version()` is the newest
+    version this node knows.
     """
 
     def __init__(self, model_for: ModelFor, tokenizer, task_source, *, swarm_id: str,
                  latest_version: Callable[[], int], settings: CheckSettings | None = None,
                  policy_ids: set[str] | None = None, sampling: SamplingParams | None = None,
                  max_context: int = 1 << 20, format_reward: float = 0.0):
+        if isinstance(model_for, torch.nn.Module):  # one fixed model serves every version
+            fixed = model_for
+            model_for = lambda version: fixed  # noqa: E731
         self.model_for = model_for
         self.tokenizer = tokenizer
         self.task_source = task_source

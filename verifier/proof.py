@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
+from .reasons import PROOF_REASONS as REASONS
+
 FORMAT_VERSION = 1
 PRIME = 65497
 MIN_MODULUS = 32768
@@ -83,21 +85,6 @@ class ProofResult:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-# Reason codes (NODE_SPEC.md §5 lists them).
-REASONS = {
-    "proof_missing": "the completion carries no proof",
-    "proof_version": "unknown proof format version",
-    "proof_length": "proof length does not match the token count and hidden size",
-    "proof_modulus": "a chunk's modulus is outside [MIN_MODULUS, PRIME]",
-    "proof_coefficient": "a coefficient is not reduced modulo PRIME",
-    "proof_hidden": "the verifier's recomputed hidden states are unusable (NaN/inf/shape)",
-    "proof_index_mismatch": "too many top-k positions whose committed value does not match",
-    "proof_deviation": "committed values deviate from the recomputation on average",
-    "proof_bias": "committed values are systematically scaled against the recomputation",
-    "proof_error": "internal error while checking (counted; never expected)",
-}
 
 
 # Chunk layout ----------------------------------------------------------------------------

@@ -1,18 +1,30 @@
 """Stable reject reason codes of the verifier (NODE_SPEC.md §5 lists them).
 
-Each is a short string that labels verdicts, metrics and logs. `CHEATING` reasons are
-evidence of a dishonest peer (heavy reputation penalty); the others can come from an honest
-but slow, misconfigured or unlucky peer (light penalty).
+Each is a short string that labels verdicts, metrics and logs. `HONEST_MISTAKES` can come
+from an honest but slow, misconfigured or unlucky peer (light reputation penalty, see
+`reputation.PENALTIES`); every other reject is evidence of cheating (heavy penalty).
+No torch here: the CLI and roles import this module cheaply.
 """
 
 from __future__ import annotations
 
-from .proof import REASONS as PROOF_REASONS
+PROOF_REASONS = {
+    "proof_missing": "the completion carries no proof",
+    "proof_version": "unknown proof format version",
+    "proof_length": "proof length does not match the token count and hidden size",
+    "proof_modulus": "a chunk's modulus is outside [32768, 65497] or not canonical",
+    "proof_coefficient": "a coefficient is not reduced modulo PRIME",
+    "proof_hidden": "the verifier's recomputed hidden states are unusable (NaN/inf/shape)",
+    "proof_index_mismatch": "too many top-k positions whose committed value does not match",
+    "proof_deviation": "committed values deviate from the recomputation on average",
+    "proof_bias": "committed values are systematically scaled against the recomputation",
+    "proof_error": "internal error while checking (counted; never expected)",
+}
 
 BATCH_REASONS = {
     "wrong_swarm": "the batch names another swarm",
     "unknown_policy": "policy id not followed, or policy version not known to this verifier",
-    "stale_policy": "policy version older than latest - max_policy_lag",
+    "stale_policy": "policy version older than latest - max_policy_lag (trainer.max_staleness)",
     "sampling_params": "sampling parameters differ from the swarm's",
     "round_reused": "the sender already had a batch of this round accepted",
 }
@@ -38,5 +50,5 @@ COMPLETION_REASONS = {
 REASONS: dict[str, str] = {**BATCH_REASONS, **COMPLETION_REASONS, **PROOF_REASONS}
 
 # Reasons an honest peer can produce without cheating.
-HONEST_MISTAKES = {"unknown_policy", "stale_policy", "duplicate", "verifier_error",
-                   "round_reused"}
+HONEST_MISTAKES = {"unknown_policy", "stale_policy", "wrong_swarm", "duplicate", "round_reused",
+                   "sampling_params", "verifier_error"}

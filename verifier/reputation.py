@@ -40,8 +40,11 @@ DEFAULT_PENALTY = -5.0
 PENALTIES: dict[str, float] = {
     "stale_policy": -0.5,
     "unknown_policy": -0.5,
+    "wrong_swarm": -0.5,
     "duplicate": -1.0,
-    "bad_batch": -2.0,
+    "round_reused": -1.0,
+    "sampling_params": -1.0,
+    "verifier_error": 0.0,  # our fault, not the peer's
 }
 
 

@@ -261,3 +261,10 @@ def test_reasons_registry_covers_codes():
     for code in ("token_mismatch", "sampling_shape", "eos_improbable", "proof_bias",
                  "task_not_assigned", "duplicate", "round_reused"):
         assert code in REASONS
+
+
+def test_a_fixed_model_serves_every_version(kit, honest):
+    model, tokenizer, source = kit
+    v = RolloutVerifier(model, tokenizer, source, swarm_id="default",
+                        latest_version=lambda: VERSION)
+    assert reasons(v.verify(honest, SENDER)) == {"ok"}

@@ -171,7 +171,7 @@ _X = hidden(70, 64, seed=7)
 _PROOF = build_proof(_X)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.binary(max_size=2 * len(_PROOF)))
 def test_fuzz_arbitrary_bytes(data):
     result = verify_proof(data, _X)
@@ -201,7 +201,7 @@ def mutations(draw):
     return bytes(data)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(mutations())
 def test_fuzz_mutated_proofs_never_accepted(data):
     result = verify_proof(data, _X)

@@ -5,14 +5,22 @@ task subset and its own trainer (on-disk buffer, checkpoints). Every round each 
 `tasks` x `group` completions of its own tasks with its own policy, publishes them as a
 RolloutBatch, and trains once on I local + J external groups (external = the other nodes'
 batches of this round and the last, re-tokenised and re-scored by the receiver).
-Task subsets: node 0 digit_successor, node 1 digit_predecessor, node 2 digit_copy, node 3 an
-equal mix of the three. Reward: each node's own rollouts on its own tasks. Cumulative reward
+Task subsets (--subsets): `specialised` (default): node 0 digit_successor, node 1
+digit_predecessor, node 2 digit_copy, node 3 an equal mix of the three; `shared`: every node
+the three-family mix, drawing its own tasks. Reward: each node's own rollouts on its own tasks. Cumulative reward
 = sum over nodes and rounds of the node's mean reward in that round (max 4 x rounds).
 
-Run: .venv/bin/python benchmarks/sapo.py [--rounds 50] [--seeds 0 1 2] [--workers 2]
+Run: .venv/bin/python -m benchmarks.sapo [--rounds 50] [--seeds 0 1 2] [--workers 2]
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # also runnable as a plain script
+    sys.path.insert(0, str(ROOT))
 
 import argparse
 import json
@@ -20,17 +28,20 @@ import statistics
 import tempfile
 import time
 from multiprocessing import get_context
-from pathlib import Path
 
 CONFIGS = [(8, 0), (6, 2), (4, 4), (2, 6)]
-FAMILIES = [{"toy/digit_successor": 1.0}, {"toy/digit_predecessor": 1.0},
-            {"toy/digit_copy": 1.0},
-            {"toy/digit_successor": 1.0, "toy/digit_predecessor": 1.0, "toy/digit_copy": 1.0}]
+MIX3 = {"toy/digit_successor": 1.0, "toy/digit_predecessor": 1.0, "toy/digit_copy": 1.0}
+SUBSETS = {
+    # each node its own task family (the fourth: all three)
+    "specialised": [{"toy/digit_successor": 1.0}, {"toy/digit_predecessor": 1.0},
+                    {"toy/digit_copy": 1.0}, MIX3],
+    # every node the same three-family mix; each still draws its own tasks (by peer ID)
+    "shared": [MIX3] * 4,
+}
 
 
 def run(job: dict) -> dict:
     import torch
-
     from swarm_node.node.config import Config
     from swarm_node.node.models import build_tiny_model, load_model
     from swarm_node.node.sampler.hf import HFSampler
@@ -47,7 +58,7 @@ def run(job: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(Path(tmp) / "model", seed=0)
         nodes = []
-        for k, mix in enumerate(FAMILIES):
+        for k, mix in enumerate(SUBSETS[job["subsets"]]):
             cfg = Config.model_validate({
                 "trainer": {"learning_rate": job["lr"], "local_items": local,
                             "external_items": external, "external_selection": job["selection"],
@@ -90,13 +101,18 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--max-new-tokens", type=int, default=2)
     ap.add_argument("--selection", default="uniform", choices=["uniform", "variance"])
+    ap.add_argument("--subsets", default="specialised", choices=sorted(SUBSETS))
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--out", default="benchmarks/sapo_runs.json")
     ap.add_argument("--no-record", action="store_true")
+    ap.add_argument("--report-only", action="store_true", help="record the runs in --out")
     args = ap.parse_args()
-    jobs = [dict(local=i, external=j, seed=s, rounds=args.rounds, tasks=args.tasks,
-                 group=args.group, lr=args.lr, max_new_tokens=args.max_new_tokens,
-                 selection=args.selection) for s in args.seeds for i, j in CONFIGS]
+    if args.report_only:
+        return report(json.loads(Path(args.out).read_text()), args)
+    jobs = [{"local": i, "external": j, "seed": s, "rounds": args.rounds, "tasks": args.tasks,
+                 "group": args.group, "lr": args.lr, "max_new_tokens": args.max_new_tokens,
+                 "selection": args.selection, "subsets": args.subsets}
+            for s in args.seeds for i, j in CONFIGS]
     with get_context("spawn").Pool(args.workers) as pool:
         results = []
         for res in pool.imap_unordered(run, jobs):
@@ -132,8 +148,11 @@ def report(results: list[dict], args) -> None:
     step = max(1, args.rounds // 10)
     marks = list(range(0, args.rounds, step)) + [args.rounds - 1]
     curve_rows = [[f"{k}"] + [curves[k][t] for t in marks] for k in curves]
-    body = (f"4 nodes in-process (tiny model, one CPU thread each), node task subsets: "
-            f"successor / predecessor / copy / mix of the three; {args.tasks} tasks x "
+    subsets = results[0].get("subsets", "specialised")
+    what = ("successor / predecessor / copy / mix of the three" if subsets == "specialised"
+            else "all nodes the same three-family mix, each drawing its own tasks")
+    body = (f"4 nodes in-process (tiny model, one CPU thread each), node task subsets "
+            f"`{subsets}`: {what}; {args.tasks} tasks x "
             f"{args.group} completions per node per round, {args.rounds} rounds, lr {args.lr}, "
             f"max {args.max_new_tokens} new tokens, external selection `{args.selection}`, "
             f"max_staleness 1. Cumulative reward = sum over nodes and rounds of each node's "
@@ -143,7 +162,8 @@ def report(results: list[dict], args) -> None:
                    "mean reward, last 10% of rounds"], rows)
     body += "\n\nLearning curve (mean reward per round, averaged over nodes and seeds):\n\n"
     body += table(["config"] + [f"r{t}" for t in marks], curve_rows)
-    record(f"SAPO local/external mix (toy scale, selection {args.selection})", body)
+    record(f"SAPO local/external mix (toy scale, {subsets} subsets, selection "
+           f"{args.selection})", body)
 
 
 if __name__ == "__main__":

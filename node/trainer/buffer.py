@@ -16,9 +16,10 @@ from __future__ import annotations
 import hashlib
 import sqlite3
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import msgpack
 
@@ -79,7 +80,7 @@ class RolloutGroup:
         }, use_bin_type=True)
 
     @classmethod
-    def from_bytes(cls, data: bytes, row_id: int | None = None) -> "RolloutGroup":
+    def from_bytes(cls, data: bytes, row_id: int | None = None) -> RolloutGroup:
         import numpy as np
 
         d = msgpack.unpackb(data, raw=False, strict_map_key=True)

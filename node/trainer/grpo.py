@@ -65,7 +65,7 @@ def policy_loss(
     behaviour_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    cfg: LossConfig = LossConfig(),
+    cfg: LossConfig | None = None,
     ref_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
@@ -74,6 +74,7 @@ def policy_loss(
     logprobs, behaviour_logprobs, mask (and ref_logprobs, entropy if given): [B, T];
     advantages: [B] (one per completion) or [B, T]. Returns (scalar loss, stats).
     """
+    cfg = cfg or LossConfig()
     mask = mask.to(logprobs.dtype)
     if advantages.dim() == 1:
         advantages = advantages[:, None].expand_as(logprobs)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 import statistics
 from collections import defaultdict
-from typing import Iterable
+from collections.abc import Iterable
 
 from ...protocol.messages import RolloutBatch, TaskRef
 from ..errors import NodeError
@@ -30,7 +30,7 @@ from .grpo import has_signal
 class ExternalText:
     """The parts of an external completion SAPO uses (works for `Completion` and `Sample`)."""
 
-    __slots__ = ("task", "text", "finish_reason")
+    __slots__ = ("finish_reason", "task", "text")
 
     def __init__(self, task: TaskRef, text: str, finish_reason: str):
         self.task, self.text, self.finish_reason = task, text, finish_reason

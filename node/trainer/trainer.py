@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from ...protocol.messages import RolloutBatch, TaskRef
+from ...protocol.messages import RolloutBatch
 from ..config import Config
 from ..errors import NodeError
 from .buffer import CompletionRecord, RolloutBuffer, RolloutGroup

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from swarm_node.node.sampler.base import Sample
 from swarm_node.node.tasks import format_prompt, get_task
 from swarm_node.protocol.messages import TaskRef

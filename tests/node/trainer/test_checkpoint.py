@@ -7,7 +7,6 @@ import random
 
 import pytest
 import torch
-
 from swarm_node.node.models import load_model
 from swarm_node.node.trainer.checkpoint import CheckpointError, CheckpointStore
 

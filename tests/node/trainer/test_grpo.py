@@ -6,9 +6,13 @@ import math
 
 import pytest
 import torch
-
-from swarm_node.node.trainer.grpo import (LossConfig, group_advantages, has_signal,
-                                          policy_loss, token_logprobs)
+from swarm_node.node.trainer.grpo import (
+    LossConfig,
+    group_advantages,
+    has_signal,
+    policy_loss,
+    token_logprobs,
+)
 
 
 def test_group_advantages_hand_computed():
@@ -24,7 +28,7 @@ def test_group_advantages_hand_computed():
     assert not has_signal([0.3, 0.3]) and not has_signal([1.0]) and has_signal([0.0, 1.0])
 
 
-def _one_token(ratio: float, adv: float, cfg=LossConfig()):
+def _one_token(ratio: float, adv: float, cfg=None):
     """Loss and gradient wrt logp for one token with the given ratio and advantage."""
     logp = torch.tensor([[math.log(ratio)]], requires_grad=True)
     loss, stats = policy_loss(logp, torch.zeros(1, 1), torch.tensor([adv]),

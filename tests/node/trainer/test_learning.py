@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from swarm_node.node.config import Config
 from swarm_node.node.models import load_model
 from swarm_node.node.sampler.hf import HFSampler

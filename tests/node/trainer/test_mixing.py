@@ -6,7 +6,7 @@ import random
 from collections import Counter
 
 import pytest
-
+from swarm_node.node.errors import NodeError
 from swarm_node.node.models import load_model
 from swarm_node.node.trainer.buffer import CompletionRecord, RolloutGroup
 from swarm_node.node.trainer.mixing import ExternalText, Rescorer, select_groups
@@ -37,7 +37,7 @@ def test_uniform_vs_variance_preference():
     var = Counter(select_groups(groups, 1, "variance", rng)[0].id for _ in range(2000))
     assert 800 < uni[1] < 1200
     assert var[1] > 1700
-    with pytest.raises(Exception):
+    with pytest.raises(NodeError):
         select_groups(groups, 1, "nonsense", rng)
 
 

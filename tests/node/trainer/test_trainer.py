@@ -11,7 +11,6 @@ import textwrap
 
 import pytest
 import torch
-
 from swarm_node.node.config import Config
 from swarm_node.node.tasks import format_prompt, get_task
 from swarm_node.node.trainer.trainer import Trainer
@@ -51,7 +50,7 @@ def test_step_updates_weights_and_version(trainer):
 
 def test_zero_advantage_groups_are_filtered(trainer):
     r = ref(1)
-    good, bad = right_and_wrong(r)
+    good, _bad = right_and_wrong(r)
     tok = trainer.tokenizer
     assert trainer.add_local(samples(tok, r, [good] * 4)) == 0      # all 1.0
     assert trainer.add_local(samples(tok, ref(2), ["x", "y"])) == 0  # all 0.0

@@ -20,9 +20,8 @@ from pathlib import Path
 def qwen05b_shaped(directory: Path, layers: int = 24) -> Path:
     """Random weights with Qwen2.5-0.5B's shape; the tiny model's tokenizer."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     from swarm_node.node.models import build_tokenizer
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tok = build_tokenizer()
     cfg = Qwen2Config(vocab_size=151_936, hidden_size=896, intermediate_size=4864,
@@ -49,7 +48,6 @@ def run(sampler, prompts, n, params, reps):
 
 def bench_model(label, model_dir, batches, new_tokens, reps, threads):
     import torch
-
     from swarm_node.node.models import load_model
     from swarm_node.node.sampler.hf import HFSampler
     from swarm_node.node.tasks import format_prompt, get_task
@@ -94,11 +92,13 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--large-layers", type=int, default=24)
     ap.add_argument("--threads", default="1,2", help="torch CPU thread counts to try")
+    ap.add_argument("--large-threads", default="1",
+                    help="thread counts for the 0.5B-shaped model (2 is very slow when shared)")
     args = ap.parse_args()
     import torch
+    from swarm_node.node.models import build_tiny_model
 
     from benchmarks.results import record, table
-    from swarm_node.node.models import build_tiny_model
 
     batches = [1, 8] if args.quick else [1, 8, 32]
     reps = 1 if args.quick else 3
@@ -112,7 +112,8 @@ def main() -> None:
             large = qwen05b_shaped(Path(tmp) / "q05", layers=args.large_layers)
             label = f"Qwen2.5-0.5B-shaped, random ({args.large_layers} layers)"
             rows += bench_model(label, large, batches, max(8, args.new_tokens // 2),
-                                max(1, reps - 1), threads)
+                                max(1, reps - 1),
+                                [int(t) for t in args.large_threads.split(",")])
     body = (
         f"HF sampler (`node/sampler/hf.py`), CPU, torch {torch.__version__}, "
         f"torch threads as listed, float32, temperature 1.0, one ~17-token prompt "

@@ -37,8 +37,9 @@ _WORDS = [
     "the", "is", "answer", "Answer", "<answer>", "</answer>", "What digit comes after",
     "What digit comes before", "Repeat the digit",
 ]
-TINY_SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+TINY_SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 1024}
 
 _DTYPES = {"float32", "bfloat16", "float16"}
 
@@ -152,6 +153,7 @@ def load_model(name_or_dir: str | os.PathLike, dtype: str = "float32", device: s
     The model is in eval mode on `device`. Errors name the thing that failed.
     """
     import torch
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if dtype not in _DTYPES:
@@ -181,12 +183,10 @@ def load_model(name_or_dir: str | os.PathLike, dtype: str = "float32", device: s
         tokenizer.pad_token = tokenizer.eos_token
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype))
+    except SafetensorError as e:
+        raise NodeError(f"model {name!r} has a corrupt weights file: {e}") from None
     except (OSError, ValueError, RuntimeError, json.JSONDecodeError) as e:
         raise NodeError(f"cannot load model {name!r}: {_first_line(e)}") from None
-    except Exception as e:  # safetensors' own error type on a corrupt file
-        if type(e).__name__ == "SafetensorError":
-            raise NodeError(f"model {name!r} has a corrupt weights file: {e}") from None
-        raise
     model.to(resolve_device(device))
     model.eval()
     return model, tokenizer
@@ -220,7 +220,7 @@ def _hub_source(name: str) -> str:
     except huggingface_hub.errors.RepositoryNotFoundError:
         raise NodeError(f"model {name!r} not found: not a local directory and no such model "
                         "on the Hugging Face hub (or it is private)") from None
-    except Exception as e:  # any transport failure (httpx's errors are not OSErrors)
+    except Exception as e:  # noqa: BLE001 - any transport failure (httpx's are not OSErrors)
         raise NodeError(f"model {name!r} is not a local directory or cached, and the Hugging "
                         f"Face hub cannot be reached: {_first_line(e)}") from None
     return name

@@ -158,6 +158,7 @@ class HFSampler(Sampler):
 
 def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Tensors of a safetensors file, or of every *.safetensors file in a directory."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -168,7 +169,7 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     for f in files:
         try:
             state.update(load_file(str(f)))
-        except Exception as e:  # SafetensorError, OSError: a truncated or corrupt file
+        except (SafetensorError, OSError) as e:  # a truncated or corrupt file
             raise NodeError(f"checkpoint file {f} is corrupt or unreadable: {e}") from None
     return state
 

@@ -104,7 +104,7 @@ class VLLMSampler(Sampler):
             raise NodeError("could not install the sampling hook in the vLLM worker")
 
     @classmethod
-    def from_config(cls, config, *, peer_id: str = "") -> "VLLMSampler":
+    def from_config(cls, config, *, peer_id: str = "") -> VLLMSampler:
         from ..models import ensure_builtin
 
         name = config.model.name
@@ -182,7 +182,7 @@ class VLLMSampler(Sampler):
         read_state_dict(path)  # a corrupt checkpoint is our NodeError, not an engine crash
         try:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
-        except Exception as e:  # the engine's own errors: report them with the path
+        except Exception as e:  # noqa: BLE001 - the engine's errors, reported with the path
             raise NodeError(f"vLLM could not load weights from {path}: {e}") from None
         self.llm.reset_prefix_cache()
         self.version = self.version + 1 if version is None else int(version)

@@ -9,8 +9,15 @@ from .rg import DEFAULT_RG_MIX, GENSYN_FAMILIES
 from .source import TaskSource
 from .toy import TOY_FAMILIES
 
-__all__ = ["Task", "TaskSource", "get_task", "format_prompt", "DEFAULT_RG_MIX",
-           "GENSYN_FAMILIES", "TOY_FAMILIES"]
+__all__ = [
+    "DEFAULT_RG_MIX",
+    "GENSYN_FAMILIES",
+    "TOY_FAMILIES",
+    "Task",
+    "TaskSource",
+    "format_prompt",
+    "get_task",
+]
 
 
 def get_task(ref: TaskRef, format_reward: float = 0.0) -> Task:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from ...protocol.messages import TaskRef
 
@@ -23,5 +24,5 @@ class Task:
     def score(self, completion_text: str) -> float:
         value = float(self.scorer(completion_text))
         if not 0.0 <= value <= 1.0:  # a third-party scorer's bug must not leak out of [0, 1]
-            value = min(1.0, max(0.0, value)) if value == value else 0.0
+            value = 0.0 if math.isnan(value) else min(1.0, max(0.0, value))
         return value

@@ -75,7 +75,7 @@ def rg_task(ref: TaskRef, format_reward: float = 0.0) -> Task:
         try:
             with contextlib.redirect_stdout(io.StringIO()):
                 correct = float(ds.score_answer(answer=candidate, entry=entry))
-        except Exception:  # a third-party scorer must not let a peer's text crash us
+        except Exception:  # noqa: BLE001 - a third-party scorer must not let a peer's text crash us
             correct = 0.0
         if format_reward > 0:
             return (1.0 - format_reward) * correct + format_reward * (tagged is not None)

@@ -6,7 +6,6 @@ import json
 import shutil
 
 import pytest
-
 from swarm_node.node.errors import NodeError
 from swarm_node.node.models import build_tiny_model, load_model
 
@@ -38,7 +37,7 @@ def test_build_is_deterministic_per_seed(tmp_path, tiny_model_dir):
 
 
 def test_builtin_tiny_builds_once_into_the_cache(tmp_path, tiny_model_dir):
-    model, tok = load_model("builtin:tiny", cache_dir=tmp_path)
+    load_model("builtin:tiny", cache_dir=tmp_path)
     weights = tmp_path / "tiny-seed0" / "model.safetensors"
     assert weights.read_bytes() == (tiny_model_dir / "model.safetensors").read_bytes()
     stamp = weights.stat().st_mtime_ns

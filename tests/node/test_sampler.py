@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from swarm_node.node.errors import NodeError
 from swarm_node.node.models import build_tiny_model, load_model
 from swarm_node.node.sampler.hf import HFSampler
-from swarm_node.node.sampler.seeded import (choose_token, completion_seed, gumbel_noise,
-                                            mask_logits)
+from swarm_node.node.sampler.seeded import choose_token, completion_seed, gumbel_noise, mask_logits
 from swarm_node.node.tasks import TaskSource, format_prompt, get_task
 from swarm_node.protocol.messages import SamplingParams, TaskRef
 
@@ -233,16 +231,15 @@ def test_top_p_mask_keeps_the_nucleus():
     assert kept.tolist() == [True, True, True, False]
 
 
-def test_factory_builds_the_hf_sampler_from_config(tmp_path):
+def test_factory_builds_the_hf_sampler_from_config(tiny_model_dir):
     from swarm_node.node.config import load_config
     from swarm_node.node.sampler import make_sampler, sampling_params
 
-    cfg = load_config(overrides={"model.cache_dir": str(tmp_path), "model.device": "cpu",
+    cfg = load_config(overrides={"model.name": str(tiny_model_dir), "model.device": "cpu",
                                  "sampler.backend": "auto", "sampler.top_k": 5,
                                  "sampler.max_batch": 3})
     s = make_sampler(cfg, peer_id="peer-z")
     assert type(s).__name__ == "HFSampler" and s.peer_id == "peer-z" and s.max_batch == 3
-    assert (tmp_path / "tiny-seed0" / "config.json").exists()
     p = sampling_params(cfg)
     assert (p.top_k, p.max_new_tokens, p.temperature) == (5, 16, 1.0)
 

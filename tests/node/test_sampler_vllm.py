@@ -10,10 +10,10 @@ import torch
 
 pytest.importorskip("vllm")
 
-from swarm_node.node.models import build_tiny_model, load_model  # noqa: E402
-from swarm_node.node.sampler.hf import HFSampler  # noqa: E402
-from swarm_node.node.tasks import TaskSource, format_prompt, get_task  # noqa: E402
-from swarm_node.protocol.messages import SamplingParams  # noqa: E402
+from swarm_node.node.models import build_tiny_model, load_model
+from swarm_node.node.sampler.hf import HFSampler
+from swarm_node.node.tasks import TaskSource, format_prompt, get_task
+from swarm_node.protocol.messages import SamplingParams
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

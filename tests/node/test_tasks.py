@@ -9,10 +9,15 @@ import sys
 from collections import Counter
 
 import pytest
-
 from swarm_node.node.errors import NodeError
-from swarm_node.node.tasks import (DEFAULT_RG_MIX, GENSYN_FAMILIES, TOY_FAMILIES, TaskSource,
-                                   format_prompt, get_task)
+from swarm_node.node.tasks import (
+    DEFAULT_RG_MIX,
+    GENSYN_FAMILIES,
+    TOY_FAMILIES,
+    TaskSource,
+    format_prompt,
+    get_task,
+)
 from swarm_node.protocol.messages import TaskRef
 
 MIXED = {**{name: 1.0 for name in TOY_FAMILIES}, **DEFAULT_RG_MIX}

@@ -157,6 +157,8 @@ def honest_variations(kit: Kit, scale: int):
             batch = kit.sample(tasks=tasks, n=n, params=params, max_batch=max_batch,
                                hidden_out=hidden)
             torch.set_num_threads(1)
+            print(f"  honest: {name}: {len(batch.completions)} completions "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
             yield name, batch, hidden, time.perf_counter() - t0
 
 

@@ -214,9 +214,10 @@ class RolloutVerifier:
             in_batch.add(ids[i])
         for group in self._prefill_groups(batch, pending):
             outs = self._prefill(model, [batch.completions[i] for i in group])
-            for i, (hidden, logits) in zip(group, outs):
+            for i, (hidden, _) in zip(group, outs):
                 c = batch.completions[i]
                 try:
+                    logits = self._logits(model, hidden)
                     stats, reward = self._model_checks(batch, c, hidden, logits, tasks[i])
                     results[i] = RolloutResult(i, ids[i], True, "ok", reward=reward, stats=stats)
                 except _Reject as r:
@@ -305,7 +306,13 @@ class RolloutVerifier:
     def _prefill(self, model, completions: list[Completion]):
         pairs = [(c.prompt_ids.to_numpy(), c.completion_ids.to_numpy()) for c in completions]
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        return prefill(model, pairs, pad)
+        return prefill(model, pairs, pad, with_logits=False)
+
+    @torch.inference_mode()
+    def _logits(self, model, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head on one completion's hidden states (one [T, V] at a time bounds memory)."""
+        head = model.get_output_embeddings()
+        return head(hidden.to(head.weight.device, head.weight.dtype)).float().cpu()
 
     def _model_checks(self, batch, c: Completion, hidden, logits, task):
         from ..node.sampler.seeded import gumbel_noise, mask_logits
@@ -379,10 +386,10 @@ class RolloutVerifier:
 
 
 @torch.inference_mode()
-def prefill(model, pairs, pad_id: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def prefill(model, pairs, pad_id: int = 0, with_logits: bool = True):
     """One right-padded forward over prompt + completion for each (prompt_ids,
-    completion_ids) pair; returns per pair (hidden [T, H], logits [T, V]), fp32 on the CPU,
-    at the positions P-1 .. P+T-2 whose outputs chose the completion's tokens."""
+    completion_ids) pair; returns per pair (hidden [T, H], logits [T, V] or None), fp32 on the
+    CPU, at the positions P-1 .. P+T-2 whose outputs chose the completion's tokens."""
     device = next(model.parameters()).device
     seqs = [torch.cat([torch.as_tensor(list(p), dtype=torch.long),
                        torch.as_tensor(list(c), dtype=torch.long)]) for p, c in pairs]
@@ -398,7 +405,7 @@ def prefill(model, pairs, pad_id: int = 0) -> list[tuple[torch.Tensor, torch.Ten
     results = []
     for r, (p, c) in enumerate(pairs):
         h = out.last_hidden_state[r, len(p) - 1:len(p) + len(c) - 1]
-        results.append((h.float().cpu(), head(h).float().cpu()))
+        results.append((h.float().cpu(), head(h).float().cpu() if with_logits else None))
     return results
 
 

@@ -371,7 +371,9 @@ class RolloutVerifier:
                 raise _Reject("eos_improbable", f"EOS probability {eos_p:.2e}")
 
         if temp > 0 and t >= s.shape_min_tokens:
-            z = sampling_shape_z(scaled, tokens, params)
+            # the loosened top-p, so a boundary near-tie accepted by replay is in the support
+            z = sampling_shape_z(scaled, tokens, params.model_copy(
+                update={"top_p": min(1.0, params.top_p + s.top_p_eps)}))
             stats["shape_z"] = z
             if not abs(z) <= s.shape_z_max:
                 raise _Reject("sampling_shape", f"surprisal z-score {z:.2f}")

@@ -95,39 +95,48 @@ def main() -> None:
     ap.add_argument("--large-threads", default="1",
                     help="thread counts for the 0.5B-shaped model (2 is very slow when shared)")
     args = ap.parse_args()
-    import torch
     from swarm_node.node.models import build_tiny_model
-
-    from benchmarks.results import record, table
 
     batches = [1, 8] if args.quick else [1, 8, 32]
     reps = 1 if args.quick else 3
     threads = [int(t) for t in args.threads.split(",")]
-    rows = []
+    rows: list[list] = []
     with tempfile.TemporaryDirectory() as tmp:
         tiny = build_tiny_model(Path(tmp) / "tiny", seed=0)
         rows += bench_model("tiny (Qwen2, h64, 2 layers)", tiny, batches, args.new_tokens, reps,
                             threads)
+        save(rows, args)  # recorded now, so a slow large model cannot lose these
         if not args.no_large:
             large = qwen05b_shaped(Path(tmp) / "q05", layers=args.large_layers)
             label = f"Qwen2.5-0.5B-shaped, random ({args.large_layers} layers)"
             rows += bench_model(label, large, batches, max(8, args.new_tokens // 2),
                                 max(1, reps - 1),
                                 [int(t) for t in args.large_threads.split(",")])
+            save(rows, args)
+
+
+def save(rows: list[list], args) -> None:
+    import torch
+
+    from benchmarks.results import record, table
+
     body = (
         f"HF sampler (`node/sampler/hf.py`), CPU, torch {torch.__version__}, "
-        f"torch threads as listed, float32, temperature 1.0, one ~17-token prompt "
+        "torch threads as listed, float32, temperature 1.0, one ~17-token prompt "
         "repeated `batch` times, EOS disabled. tokens/s = generated tokens / wall time "
         "(best of the repetitions, prefill included). `hidden share` = time the sampler spent "
         "copying and stacking final-norm hidden states / total generation time (timed inside "
         "the sampler); `on-off` = median wall time with capture vs without (noisy on a shared "
         "machine); `pick share` = time in seeded Gumbel-max token choice (CPU noise of vocab "
         "size per row and step) / total.\n"
-        "The machine is shared with other jobs (load average ~10 on 2 cores while this ran), "
-        "so figures are noisy; under such oversubscription 2 torch threads are far slower "
-        "than 1 (OpenMP threads spin-wait on each other).\n\n"
+        "The machine is shared with other jobs (load average 10-28 on 2 cores while this "
+        "ran), so absolute figures are far below what the hardware does alone; under such "
+        "oversubscription 2 torch threads are much slower than 1 (OpenMP threads spin-wait "
+        "on each other).\n\n"
         + table(["model", "params", "threads", "batch", "new tokens", "tok/s (hidden on)",
                  "tok/s (hidden off)", "hidden share", "on-off", "pick share"], rows))
+    if args.no_large:
+        body += "\n\n(0.5B-shaped model skipped: --no-large)"
     record("sampler", body)
 
 

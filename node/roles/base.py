@@ -35,10 +35,31 @@ class Role:
     async def start(self) -> None:
         """Load what the role needs and subscribe to its topics."""
 
+    def track_downloads(self, broadcaster, interval_s: float = 1.0) -> None:
+        """Mirror the broadcaster's download in progress into `/status`."""
+        async def loop():
+            while True:
+                for version, _task, d in list(broadcaster.downloads.values()):
+                    m = d.entry.manifest
+                    done = d.progress.done if d.progress is not None else 0
+                    self.state.set_checkpoint_progress(version, len(d.entry.have),
+                                                       m.num_shards, done, m.total_size)
+                cp = self.state.checkpoint_progress
+                finished = any(v == cp.get("version") for _, v in broadcaster.completed)
+                if cp and not cp["complete"] and not broadcaster.downloads and finished:
+                    self.state.set_checkpoint_progress(cp["version"], cp["shards_total"],
+                                                       cp["shards_total"], cp["bytes_total"],
+                                                       cp["bytes_total"])
+                await asyncio.sleep(interval_s)
+        self._tracker = asyncio.create_task(loop(), name=f"{self.name}-progress")
+
     async def run(self, stop: asyncio.Event) -> None:
         await stop.wait()
 
     async def close(self) -> None:
+        tracker = getattr(self, "_tracker", None)
+        if tracker is not None:
+            tracker.cancel()
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     # Small persistent counters (survive restarts) -------------------------------------

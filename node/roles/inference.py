@@ -48,6 +48,7 @@ class InferenceRole(Role):
                                     follow=self.cfg.node.follow, role="inference",
                                     on_complete=self._on_checkpoint)
         await self.follower.start()
+        self.track_downloads(self.follower)
         log.info("inference peer ready: model %s, policy version %d", self.cfg.model.name,
                  self.sampler.version)
 

@@ -28,6 +28,7 @@ class RelayRole(Role):
                                        follow=self.cfg.node.follow, role="relay",
                                        on_complete=self._on_complete)
         await self.broadcaster.start()
+        self.track_downloads(self.broadcaster)
 
     def _on_complete(self, manifest, path) -> None:
         self.state.policy_id = manifest.policy_id

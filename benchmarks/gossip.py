@@ -11,6 +11,9 @@ Figures: delivery ratio, per-message latency p50/p95/max, aggregate delivered th
 per round the time until every peer holds every other peer's batch (p50/p95/max over rounds).
 
     .venv/bin/python benchmarks/gossip.py [--peers 8 --rounds 20 --interval 1.0]
+
+Baseline venv (hivemind cannot be imported next to libp2p; it is gitignored):
+    python3 -m venv .venv-bench && .venv-bench/bin/pip install 'hivemind==1.1.12' 'protobuf<7'
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import subprocess
 import sys
@@ -26,6 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_PY = ROOT / ".venv-bench" / "bin" / "python"
+LOAD_BEFORE = float("nan")
 
 
 # Workers -----------------------------------------------------------------------------------
@@ -41,7 +46,6 @@ async def read_line() -> dict:
 
 def make_batch(policy_id: str, round_: int, nbytes: int):
     import numpy as np
-
     from swarm_node.protocol.messages import (
         Completion,
         RolloutBatch,
@@ -71,6 +75,9 @@ async def libp2p_worker(args) -> None:
     cfg.node.swarm_id = "bench"
     cfg.node.listen = ["/ip4/127.0.0.1/tcp/0"]
     cfg.p2p.discovery_interval_s = 1.0
+    for item in args.p2p:
+        key, value = item.split("=", 1)
+        setattr(cfg.p2p, key, type(getattr(cfg.p2p, key))(value))
     node = P2PNode(Identity.generate(), cfg)
     records = []
 
@@ -157,6 +164,8 @@ class Proc:
                "--drain", str(args.drain), "--poll", str(args.poll)]
         for b in bootstrap:
             cmd += ["--bootstrap", b]
+        for item in args.p2p:
+            cmd += ["--p2p", item]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   stderr=subprocess.DEVNULL, text=True, env=env, cwd=ROOT)
@@ -282,8 +291,11 @@ def main() -> None:
     ap.add_argument("--poll", type=float, default=0.1, help="hivemind get() poll interval")
     ap.add_argument("--skip-baseline", action="store_true")
     ap.add_argument("--no-record", action="store_true")
+    ap.add_argument("--section", default="gossip", help="RESULTS.md section to write")
     ap.add_argument("--worker", choices=["libp2p", "hivemind"])
     ap.add_argument("--bootstrap", action="append", default=[])
+    ap.add_argument("--p2p", action="append", default=[], metavar="FIELD=VALUE",
+                    help="override a p2p config field in the libp2p workers (repeatable)")
     args = ap.parse_args()
     if args.worker == "libp2p":
         asyncio.run(libp2p_worker(args))
@@ -292,6 +304,8 @@ def main() -> None:
         hivemind_worker(args)
         return
 
+    global LOAD_BEFORE
+    LOAD_BEFORE = os.getloadavg()[0]
     print(f"libp2p: {args.peers} processes, {args.rounds} rounds of {args.batch_kib} KiB "
           f"per peer every {args.interval}s", flush=True)
     ours = summarize_libp2p(run_swarm(sys.executable, "libp2p", args), args)
@@ -315,13 +329,14 @@ def main() -> None:
 
 def record(args, ours: dict, base: dict | None, note: str) -> None:
     sys.path.insert(0, str(ROOT))
-    from benchmarks.results import record as write, table
+    from benchmarks.results import record as write
+    from benchmarks.results import table
 
     def ms(x):
-        return "n/a" if x != x else f"{x * 1000:.0f} ms"
+        return "n/a" if math.isnan(x) else f"{x * 1000:.0f} ms"
 
-    rows = [["libp2p GossipSub (ours)", f"{ours['ratio']:.2%} ({ours['delivered']}/"
-             f"{ours['expected']})", ms(ours["lat_p50"]), ms(ours["lat_p95"]),
+    delivery = f"{ours['ratio']:.2%} ({ours['delivered']}/{ours['expected']})"
+    rows = [["libp2p GossipSub (ours)", delivery, ms(ours["lat_p50"]), ms(ours["lat_p95"]),
              ms(ours["lat_max"]), f"{ours['throughput_mib_s']:.2f} MiB/s",
              ms(ours["round_p50"]), ms(ours["round_p95"]), ms(ours["round_max"]),
              f"{ours['rounds_complete']}/{args.rounds}"]]
@@ -338,14 +353,22 @@ def record(args, ours: dict, base: dict | None, note: str) -> None:
                    "all held p50", "all held p95", "all held max", "rounds complete"], rows)
     body += (f"\n\nlibp2p counters: drops {ours['drops']}, rejected {ours['rejected']}, "
              f"publish waits {ours['publish_waits']}, late publishes {ours['late_publishes']}.")
-    if base and base["round_p95"] == base["round_p95"] and ours["round_p95"] == ours["round_p95"]:
+    if ours["ratio"] < 1 and ours["drops"] == 0:
+        body += (f" Messages missing from \"delivery\" had not arrived when the {args.drain:.0f}s "
+                 "drain window after the last round closed (0 drops were counted: they were "
+                 "still queued, not lost).")
+    if base and not math.isnan(base["round_p95"]) and not math.isnan(ours["round_p95"]):
         ratio = ours["round_p95"] / base["round_p95"]
         body += (f" p95 all-held time is {ratio:.2f}x the hivemind baseline's "
                  f"(goal: <= 0.5x): {'met' if ratio <= 0.5 else 'NOT met'}.")
     body += f" hivemind get() polled every {args.poll}s."
+    body += (f" Load average (1 min) before/after: {LOAD_BEFORE:.1f}/{os.getloadavg()[0]:.1f} "
+             f"on {os.cpu_count()} cores (machine shared with other jobs).")
+    if args.p2p:
+        body += f" p2p overrides: {', '.join(args.p2p)}."
     if note:
         body += f"\n\n{note}"
-    write("gossip", body)
+    write(args.section, body)
 
 
 if __name__ == "__main__":

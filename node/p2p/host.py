@@ -103,14 +103,19 @@ class P2PNode:
         were given and none could be reached within `p2p.bootstrap_timeout_s`."""
         from .discovery import Discovery
 
+        if self._started:
+            raise P2PError("this P2PNode was already started; create a new one to restart",
+                           reason="already_started")
+        self._started = True
         listen = [_parse_maddr(a, need_peer=False) for a in self.config.node.listen]
         try:
             await self._bridge.start(lambda started: self._trio_main(started, listen))
         except Exception as e:
             raise P2PError(f"cannot start the libp2p host on {', '.join(map(str, listen))}: "
                            f"{_flatten(e)}", reason="listen_failed") from e
-        self._started = True
         self.set_request_handler(FETCH_PROTOCOL, self._serve_payload)
+        for kind in self._subs:  # subscriptions made before start
+            await self._bridge.call(self._t_subscribe, kind, self.topic(kind))
         self.discovery = Discovery(self)
         self.discovery.install()
         addrs = self.config.node.bootstrap if bootstrap is None else bootstrap
@@ -259,7 +264,7 @@ class P2PNode:
 
     async def subscribe(self, kind: str, handler: Handler) -> None:
         """Call `await handler(envelope, from_peer)` for every verified message on `kind`
-        from other peers, in arrival order. Payload announcements are resolved first: the
+        from other peers, in arrival order (may be called before or after start). Payload announcements are resolved first: the
         handler sees the pulled message, never the announcement."""
         t = self.topic(kind)
         first = kind not in self._subs
@@ -269,7 +274,8 @@ class P2PNode:
         queue: asyncio.Queue = asyncio.Queue(self.cfg.subscription_queue)
         self._queues[kind] = queue
         self._spawn(self._consume(kind, queue))
-        await self._bridge.call(self._t_subscribe, kind, t)
+        if self.running:  # else start() subscribes
+            await self._bridge.call(self._t_subscribe, kind, t)
 
     async def _t_subscribe(self, kind: str, t: str) -> None:
         pubsub = self._pubsub

@@ -144,3 +144,29 @@ async def test_close_under_load_is_clean(make_node):
     assert b.shutdown_errors == []
     await a.close()
     assert a.shutdown_errors == []
+
+
+async def test_subscribe_before_start_and_single_start(make_node):
+    from swarm_node.node.identity import Identity
+    from swarm_node.node.p2p import P2PNode
+    from swarm_node.protocol.messages import Status
+
+    from .conftest import p2p_config
+
+    a = await make_node()
+    got = []
+
+    async def on_msg(env, peer):
+        got.append((peer, env.message.round))
+
+    b = P2PNode(Identity.generate(), p2p_config())
+    await b.subscribe("verdicts", on_msg)  # before start
+    await b.start(bootstrap=a.listen_addrs)
+    try:
+        with pytest.raises(P2PError, match="already started"):
+            await b.start()
+        await wait_until(lambda: a.topic_peers("verdicts") == [b.peer_id], what="subscription")
+        await a.publish("verdicts", Status(swarm_id="default", role="inference", round=5))
+        await wait_until(lambda: got == [(a.peer_id, 5)], what="delivery")
+    finally:
+        await b.close()

@@ -116,8 +116,9 @@ def fetch_status(node: DemoNode, timeout: float = 2.0) -> dict:
     return node.last_status
 
 
-def stop_nodes(nodes: list[DemoNode], grace: float = 20.0) -> None:
-    """SIGTERM each node (clean shutdown), then SIGKILL whatever is left after `grace`."""
+def stop_nodes(nodes: list[DemoNode], grace: float = 30.0) -> dict[str, int]:
+    """SIGTERM each node (clean shutdown), then SIGKILL whatever is left after `grace`.
+    Returns each node's exit code (0: it shut down cleanly)."""
     for node in nodes:
         if node.proc is not None and node.proc.poll() is None:
             node.proc.send_signal(signal.SIGTERM)
@@ -130,6 +131,7 @@ def stop_nodes(nodes: list[DemoNode], grace: float = 20.0) -> None:
         except subprocess.TimeoutExpired:
             node.proc.kill()
             node.proc.wait()
+    return {n.name: n.proc.returncode for n in nodes if n.proc is not None}
 
 
 class Progress:

@@ -18,9 +18,14 @@ import time
 import urllib.request
 
 import pytest
-
-from swarm_node.node.demo import DemoNode, fetch_status, node_config, start_node, stop_nodes, \
-    wait_info
+from swarm_node.node.demo import (
+    DemoNode,
+    fetch_status,
+    node_config,
+    start_node,
+    stop_nodes,
+    wait_info,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -98,6 +103,10 @@ def test_swarm_trains_bans_cheater_and_survives_trainer_kill(tmp_path, tiny_mode
                    and trainer.last_status.get("rollouts_accepted", 0) > 0,
                    300, nodes, "swarm carries on after the trainer restart")
         assert ids["cheater"] in trainer.last_status["banned"]  # the ban was persisted
+
+        # SIGTERM: every node shuts down cleanly (exit code 0, not killed after the grace)
+        codes = stop_nodes(nodes, grace=120.0)
+        assert codes == {n.name: 0 for n in nodes}, codes
     finally:
         stop_nodes(nodes)
 

@@ -35,6 +35,18 @@ SHARDCAST_PEER = Path(__file__).with_name("shardcast_peer.py")
 MiB = 2**20
 
 
+def same_file(a: Path, b: Path) -> bool:
+    if a.stat().st_size != b.stat().st_size:
+        return False
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        while True:
+            x, y = fa.read(MiB), fb.read(MiB)
+            if x != y:
+                return False
+            if not x:
+                return True
+
+
 def make_checkpoint(path: Path, mib: int) -> Path:
     path.mkdir(parents=True)
     with open(path / "model.safetensors", "wb") as f:
@@ -90,8 +102,7 @@ async def run_ours(work: Path, ckpt: Path, n_clients: int, corrupt: str = "",
                 else:
                     peer_bytes += nbytes
         for d in done:
-            same = all((Path(d["path"]) / f.name).read_bytes() == f.read_bytes()
-                       for f in sorted(ckpt.iterdir()))
+            same = all(same_file(Path(d["path"]) / f.name, f) for f in sorted(ckpt.iterdir()))
             if not same:
                 raise RuntimeError(f"client copy {d['path']} differs from the origin")
         t_all = max(d["t"] for d in done) - t_cmd
@@ -101,6 +112,7 @@ async def run_ours(work: Path, ckpt: Path, n_clients: int, corrupt: str = "",
             "rss": [d["peak_rss_mib"] for d in done],
             "rss_ready": [r["peak_rss_mib"] for r in ready],
             "refetched": sum(d["metrics"].get("bytes_fetched", 0) - total for d in done),
+            "corrupt_bytes": sum(d["metrics"].get("bytes_corrupt", 0) for d in done),
             "corrupt": sum(d["metrics"].get("shards_corrupt", 0) for d in done),
             "from": (origin_bytes, relay_bytes, peer_bytes),
             "ok": len(done),
@@ -190,7 +202,7 @@ async def run_shardcast(work: Path, blob: Path, n_clients: int, corrupt: bool = 
         ok = [d for d in done if d["event"] == "complete"]
         t_sc = {"t_seen_max": max(d["t_seen"] for d in done) - t_cmd}
         for d in ok:
-            if Path(d["path"]).read_bytes() != blob.read_bytes():
+            if not same_file(Path(d["path"]), blob):
                 raise RuntimeError("shardcast client copy differs")
         return {
             "t_all": (max(d["t"] for d in ok) - t_cmd) if len(ok) == len(done) else None,
@@ -213,11 +225,71 @@ def fmt_rss(values: list[float]) -> str:
     return f"{max(values):.0f}" if values else "-"
 
 
+HEADERS = ["system", "publish -> all clients verified (s)", "aggregate MiB/s",
+           "peak RSS per client (MiB)", "client RSS at start (MiB)",
+           "one corrupted shard at the relay"]
+
+
+async def bench_ours(tmp, ckpt, n, tcp, corrupt_run, rows, notes, results) -> None:
+    label = "ours (TCP data plane)" if tcp else "ours (libp2p streams)"
+    ours = await run_ours(tmp / f"ours-{n}-{tcp}", ckpt, n, tcp=tcp)
+    print(label, n, json.dumps(ours), flush=True)
+    results[label] = ours
+    corrupt_cell = "not run (slow; see the TCP row)"
+    if corrupt_run:
+        bad = await run_ours(tmp / f"ours-bad-{n}-{tcp}", ckpt, n, corrupt="first", tcp=tcp)
+        print(label, "corrupt", n, json.dumps(bad), flush=True)
+        corrupt_cell = (f"{bad['corrupt_bytes'] / MiB:.1f} MiB of bad shards re-fetched "
+                        f"({bad['corrupt']} bad shards caught; {bad['refetched'] / MiB:.1f} MiB "
+                        f"fetched beyond one copy in all; {bad['ok']}/{n} clients verified, "
+                        f"{bad['t_all']:.1f} s)")
+    rows.append([f"{label}, {n} clients", f"{ours['t_all']:.1f}",
+                 f"{n * ours['total'] / MiB / ours['t_all']:.1f}",
+                 fmt_rss(ours["rss"]), fmt_rss(ours["rss_ready"]), corrupt_cell])
+    o, r, p = (x / MiB for x in ours["from"])
+    notes.append(f"- {label}, {n} clients: clients' bytes came from origin {o:.0f} MiB, relay "
+                 f"{r:.0f} MiB, other clients {p:.0f} MiB; {ours['refetched'] / MiB:.1f} MiB "
+                 f"fetched beyond one copy (timed-out transfers); hashing took "
+                 f"{ours['t_hash']:.1f} s of the total; relay complete after "
+                 f"{ours['t_relay']:.1f} s.")
+
+
+async def bench_shardcast(tmp, blob, n, rows, notes, results) -> None:
+    sc = await run_shardcast(tmp / f"sc-{n}", blob, n)
+    print("shardcast", n, json.dumps(sc), flush=True)
+    scbad = await run_shardcast(tmp / f"sc-bad-{n}", blob, n, corrupt=True)
+    print("shardcast corrupt", n, json.dumps(scbad), flush=True)
+    t = sc["t_all"]
+    results["shardcast"] = sc
+    rows.append([f"shardcast 0.3.2, {n} clients", f"{t:.1f}" if t else f"failed ({sc['ok']}/{n})",
+                 f"{n * sc['total'] / MiB / t:.1f}" if t else "-",
+                 f"{fmt_rss(sc['rss'])} (+ wget {fmt_rss(sc['rss_child'])})",
+                 fmt_rss(sc["rss_ready"]),
+                 f"{scbad['refetched'] / MiB:.1f} MiB discarded (whole-file checksum failed), "
+                 f"{scbad['ok']}/{n} clients got a copy"])
+
+
+def report(args, rows, notes, results_by_n) -> str:
+    ratios = []
+    for n, results in results_by_n.items():
+        sc = results.get("shardcast", {}).get("t_all")
+        for label, r in results.items():
+            if label != "shardcast" and sc:
+                ratios.append(f"- {n} clients: {label} took {r['t_all'] / sc:.2f}x shardcast's "
+                              f"time (goal: <= 0.33x).")
+    return (f"Checkpoint: {args.mib} MiB (+ a config.json for ours; shardcast ships the single "
+            f"weights file). Loopback, all processes on this machine, which other jobs shared "
+            f"(see the load average).\n\n" + table(HEADERS, rows) + "\n\n"
+            + "\n".join(notes + ratios) + f"\n\nLoad average at the end: "
+            f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}.")
+
+
 async def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--clients", type=int, nargs="+", default=[4])
     ap.add_argument("--skip-shardcast", action="store_true")
+    ap.add_argument("--skip-libp2p", action="store_true")
     ap.add_argument("--libp2p-corrupt", action="store_true",
                     help="also run the corrupted-shard case over libp2p streams (slow)")
     ap.add_argument("--no-record", action="store_true")
@@ -227,57 +299,24 @@ async def main() -> int:
         tmp = Path(tmp)
         ckpt = make_checkpoint(tmp / "ckpt", args.mib)
         blob = ckpt / "model.safetensors"
-        rows, notes = [], []
+        rows, notes, by_n = [], [], {}
+
+        def save():
+            body = report(args, rows, notes, by_n)
+            print(body, flush=True)
+            if not args.no_record:
+                record("broadcast", body)
+
         for n in args.clients:
-            runs = [("ours (libp2p streams)", False), ("ours (TCP data plane)", True)]
-            results = {}
-            for label, tcp in runs:
-                ours = await run_ours(tmp / f"ours-{n}-{tcp}", ckpt, n, tcp=tcp)
-                print(label, n, json.dumps(ours), flush=True)
-                results[label] = ours
-                corrupt_cell = "not run (slow; see the TCP row)"
-                if tcp or args.libp2p_corrupt:
-                    bad = await run_ours(tmp / f"ours-bad-{n}-{tcp}", ckpt, n, corrupt="1",
-                                         tcp=tcp)
-                    print(label, "corrupt", n, json.dumps(bad), flush=True)
-                    corrupt_cell = (f"{bad['refetched'] / MiB:.1f} MiB re-fetched "
-                                    f"({bad['corrupt']} bad shards caught, {bad['ok']}/{n} "
-                                    f"clients verified, {bad['t_all']:.1f} s)")
-                rows.append([f"{label}, {n} clients", f"{ours['t_all']:.1f}",
-                             f"{n * ours['total'] / MiB / ours['t_all']:.1f}",
-                             fmt_rss(ours["rss"]), fmt_rss(ours["rss_ready"]), corrupt_cell])
-                o, r, p = (x / MiB for x in ours["from"])
-                notes.append(f"- {label}, {n} clients: clients' bytes came from origin {o:.0f} "
-                             f"MiB, relay {r:.0f} MiB, other clients {p:.0f} MiB; hashing took "
-                             f"{ours['t_hash']:.1f} s of the total; relay complete after "
-                             f"{ours['t_relay']:.1f} s.")
-            if args.skip_shardcast:
-                continue
-            sc = await run_shardcast(tmp / f"sc-{n}", blob, n)
-            print("shardcast", n, json.dumps(sc), flush=True)
-            scbad = await run_shardcast(tmp / f"sc-bad-{n}", blob, n, corrupt=True)
-            print("shardcast corrupt", n, json.dumps(scbad), flush=True)
-            t = sc["t_all"]
-            rows.append([f"shardcast 0.3.2, {n} clients",
-                         f"{t:.1f}" if t else f"failed ({sc['ok']}/{n})",
-                         f"{n * sc['total'] / MiB / t:.1f}" if t else "-",
-                         f"{fmt_rss(sc['rss'])} (+ wget {fmt_rss(sc['rss_child'])})",
-                         fmt_rss(sc["rss_ready"]),
-                         f"{scbad['refetched'] / MiB:.1f} MiB discarded, "
-                         f"{scbad['ok']}/{n} clients got a copy"])
-            if t:
-                for label, ours in results.items():
-                    notes.append(f"- {n} clients: {label} took {ours['t_all'] / t:.2f}x "
-                                 f"shardcast's time (goal: <= 0.33x).")
-        body = (f"Checkpoint: {args.mib} MiB (+ a config.json for ours; shardcast ships the "
-                f"single weights file). Loopback, all processes on this machine.\n\n"
-                + table(["system", "publish -> all clients verified (s)",
-                         "aggregate MiB/s", "peak RSS per client (MiB)",
-                         "client RSS at start (MiB)", "one corrupted shard at the relay"],
-                        rows) + "\n\n" + "\n".join(notes))
-        print(body)
-        if not args.no_record:
-            record("broadcast", body)
+            results = by_n[n] = {}
+            await bench_ours(tmp, ckpt, n, True, True, rows, notes, results)
+            save()
+            if not args.skip_shardcast:
+                await bench_shardcast(tmp, blob, n, rows, notes, results)
+                save()
+            if not args.skip_libp2p:
+                await bench_ours(tmp, ckpt, n, False, args.libp2p_corrupt, rows, notes, results)
+                save()
     return 0
 
 

@@ -24,6 +24,14 @@ def emit(**obj) -> None:
 
 
 def peak_rss_mib() -> float:
+    """Peak resident memory of this process (VmHWM: reset by exec, unlike ru_maxrss, which
+    a child inherits from the parent it was forked from)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 

@@ -8,8 +8,8 @@ tests and by benchmarks/broadcast.py; also a minimal relay.
 Prints one JSON object per line on stdout: {"event": "ready", "peer_id", "addrs"}, then
 "published", "complete" (with metrics), "rejected" (with a reason). Reads commands on
 stdin, one per line: `publish DIR VERSION`, `offer FILE` (a sealed manifest envelope),
-`rate MIB_S` (cap uploads), `stats`, `quit`. `--corrupt-shards 3,7` is fault injection (this peer serves those shards
-with one flipped byte) for tests and benchmarks only.
+`rate MIB_S` (cap uploads), `stats`, `quit`. `--corrupt-shards 3,7` (or `first`) is fault
+injection (this peer serves those shards with one flipped byte), for tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -29,15 +29,27 @@ def emit(**obj) -> None:
 
 
 def peak_rss_mib() -> float:
+    """Peak resident memory of this process (VmHWM: reset by exec, unlike ru_maxrss, which
+    a child inherits from the parent it was forked from)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def corrupting(store, bad: set[int]):
-    """Wrap `store.read_shard` so that the listed shards carry one flipped byte."""
+def corrupting(store, spec: str):
+    """Wrap `store.read_shard` so that some shards carry one flipped byte: `spec` is a
+    comma-separated list of indices, or `first` (whichever shard this peer serves first)."""
     inner = store.read_shard
+    bad = set() if spec == "first" else {int(i) for i in spec.split(",")}
 
     def read_shard(entry, index, offset=0, length=0, chunk=1 << 20):
         it = inner(entry, index, offset, length, chunk)
+        if spec == "first" and not bad:
+            bad.add(index)
         if index not in bad:
             return it
 
@@ -108,7 +120,7 @@ async def main(argv: list[str] | None = None) -> int:
     bc = Broadcaster(node, cfg.broadcast, args.data_dir / "broadcast", follow=args.follow,
                      role=args.role, on_complete=on_complete, interactive=False)
     if args.corrupt_shards:
-        corrupting(bc.store, {int(i) for i in args.corrupt_shards.split(",")})
+        corrupting(bc.store, args.corrupt_shards)
     await node.start(bootstrap=args.bootstrap)
     await bc.start()
     emit(event="ready", peer_id=node.peer_id, addrs=node.listen_addrs, t=time.time(),

@@ -50,8 +50,7 @@ def same_file(a: Path, b: Path) -> bool:
 def make_checkpoint(path: Path, mib: int) -> Path:
     path.mkdir(parents=True)
     with open(path / "model.safetensors", "wb") as f:
-        for _ in range(mib):
-            f.write(os.urandom(MiB))
+        f.writelines(os.urandom(MiB) for _ in range(mib))
     (path / "config.json").write_text(json.dumps({"architectures": ["Bench"], "mib": mib}))
     return path
 

@@ -36,7 +36,7 @@ def peak_rss_mib() -> float:
 
 
 def patch_bind() -> None:
-    import shardcast.server as server
+    from shardcast import server
 
     class LoopbackServer(server.ShardcastServer):
         def __init__(self, address, directory, shutdown_event=None):

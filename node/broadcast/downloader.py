@@ -103,7 +103,7 @@ class Downloader:
                 self.changed.clear()
                 try:
                     await asyncio.wait_for(self.changed.wait(), IDLE_POLL_S)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
                 continue
             shard, peer = job

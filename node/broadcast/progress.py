@@ -19,8 +19,13 @@ class Progress:
         self._bar = self._task = None
         if interactive:
             from rich.console import Console
-            from rich.progress import (BarColumn, DownloadColumn, Progress as RichProgress,
-                                       TimeRemainingColumn, TransferSpeedColumn)
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                TimeRemainingColumn,
+                TransferSpeedColumn,
+            )
+            from rich.progress import Progress as RichProgress
 
             self._bar = RichProgress("[bold]{task.description}", BarColumn(), DownloadColumn(),
                                      TransferSpeedColumn(), TimeRemainingColumn(),

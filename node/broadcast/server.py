@@ -71,8 +71,7 @@ class ShardServer:
         try:
             raw = await asyncio.wait_for(read_frame(stream), self.cfg.request_timeout_s)
             req = ShardRequest.decode(raw)
-        except (ProtocolError, BroadcastError, asyncio.TimeoutError,
-                asyncio.IncompleteReadError):
+        except (TimeoutError, ProtocolError, BroadcastError, asyncio.IncompleteReadError):
             return await self._error(stream, "bad_request")
         self.metrics["requests"] += 1
         entry = self.store.get(req.policy_id, req.version)

@@ -285,7 +285,7 @@ class Broadcaster:
         while True:
             try:
                 await asyncio.wait_for(self._wake.wait(), self.cfg.readvertise_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             self._wake.clear()
             if loop.time() - last_all >= self.cfg.readvertise_s:

@@ -152,7 +152,7 @@ class RoutingTransport:
     else a libp2p stream. The source is always named by its peer ID, so throughput,
     failures and penalties are attributed to the peer that signed the advert."""
 
-    def __init__(self, p2p: "P2PTransport", use_tcp: bool = True):
+    def __init__(self, p2p: P2PTransport, use_tcp: bool = True):
         self.p2p = p2p
         self.tcp = TcpTransport()
         self.use_tcp = use_tcp

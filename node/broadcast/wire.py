@@ -57,22 +57,22 @@ async def fetch(transport: ShardTransport, peer: str, request: ShardRequest, *,
     error code); the stream is always closed."""
     try:
         stream = await asyncio.wait_for(transport.open(peer), request_timeout)
-    except (OSError, asyncio.TimeoutError, ConnectionError, ShardFetchError) as e:
+    except (TimeoutError, OSError, ConnectionError, ShardFetchError) as e:
         raise ShardFetchError(f"{peer}: cannot open stream: {e!r}", reason="open_failed") from e
-    except Exception as e:  # noqa: BLE001 - transports raise their own types; count, retry
+    except Exception as e:
         raise ShardFetchError(f"{peer}: cannot open stream: {e!r}", reason="open_failed") from e
     try:
         try:
             await asyncio.wait_for(write_frame(stream, request.encode()), request_timeout)
             raw = await asyncio.wait_for(read_frame(stream), request_timeout)
             header = ShardResponseHeader.decode(raw, max_size=Limits().max_for("shard_response"))
-        except asyncio.TimeoutError as e:
+        except TimeoutError as e:
             raise ShardFetchError(f"{peer}: no response header", reason="timeout") from e
         except ProtocolError as e:
             raise ShardFetchError(f"{peer}: bad response header: {e}", reason="bad_header") from e
         except ShardFetchError:
             raise
-        except Exception as e:  # noqa: BLE001 - stream reset, EOF: a failed transfer
+        except Exception as e:
             raise ShardFetchError(f"{peer}: {e!r}", reason="short_read") from e
         if not header.ok:
             raise ShardFetchError(f"{peer}: {header.error}", reason=header.error or "refused")
@@ -83,10 +83,10 @@ async def fetch(transport: ShardTransport, peer: str, request: ShardRequest, *,
         while left > 0:
             try:
                 data = await asyncio.wait_for(stream.read(min(chunk_size, left)), chunk_timeout)
-            except asyncio.TimeoutError as e:
+            except TimeoutError as e:
                 raise ShardFetchError(f"{peer}: stalled with {left} bytes left",
                                       reason="timeout") from e
-            except Exception as e:  # noqa: BLE001 - stream reset mid-transfer
+            except Exception as e:
                 raise ShardFetchError(f"{peer}: {e!r}", reason="short_read") from e
             if not data:
                 raise ShardFetchError(f"{peer}: stream ended with {left} bytes left",

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
-
 from swarm_node.node.broadcast.manifest import AcceptedManifest, build_manifest
 from swarm_node.node.config import BroadcastSection
 from swarm_node.node.identity import Identity

@@ -6,7 +6,6 @@ import asyncio
 from pathlib import Path
 
 import pytest
-
 from swarm_node.node.broadcast.manifest import build_manifest
 from swarm_node.node.identity import Identity
 from swarm_node.protocol.codec import pack, unpack

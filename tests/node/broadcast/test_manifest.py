@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import blake3
 import pytest
-
 from swarm_node.node.broadcast.errors import BroadcastError, ManifestRejected
 from swarm_node.node.broadcast.manifest import ManifestGate, build_manifest, iter_range
 from swarm_node.node.identity import Identity

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from swarm_node.node.broadcast.service import Broadcaster
 from swarm_node.node.config import Config
 from swarm_node.node.identity import Identity

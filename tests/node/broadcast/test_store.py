@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from swarm_node.node.broadcast.errors import StoreError
 from swarm_node.node.broadcast.manifest import AcceptedManifest, build_manifest
 from swarm_node.node.broadcast.store import ShardStore, advert_shards

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from swarm_node.node.broadcast.downloader import Downloader
 from swarm_node.node.broadcast.errors import DownloadFailed, ShardFetchError
 from swarm_node.node.broadcast.server import ShardServer

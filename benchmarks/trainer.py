@@ -35,7 +35,7 @@ from benchmarks.results import record, table
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--curve", action="store_true", help="record the learning curve instead")
@@ -51,7 +51,7 @@ def main() -> None:
         sampler = HFSampler(model, tok, peer_id="bench", capture_hidden=False)
         params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens)
         source = TaskSource({"toy/digit_successor": 1.0}, "bench")
-        for groups in (4, 8, 16, 32):
+        for groups in (4, 8, 16):
             cfg = Config.model_validate({
                 "trainer": {"local_items": groups, "external_items": 0,
                             "checkpoint_every": 10_000, "max_staleness": 10_000},

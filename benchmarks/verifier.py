@@ -200,6 +200,10 @@ def run_attacks(kit: Kit, n_tasks: int, toploc_ok: bool, workdir: Path):
     rng = random.Random(0)
     base_hidden: list = []
     base = kit.sample(tasks=n_tasks, n=4, params=params, hidden_out=base_hidden)
+    # Token attacks need something to change: drop completions that are a lone EOS.
+    keep = [i for i, c in enumerate(base.completions) if c.completion_ids.shape[0] >= 2]
+    base = base.model_copy(update={"completions": [base.completions[i] for i in keep]})
+    base_hidden = [base_hidden[i] for i in keep]
     out = []
 
     def add(name, batch, prover_hidden, verifier=None, sender=SENDER):
@@ -346,6 +350,8 @@ def fuzz(kit: Kit, n: int):
             crashes += 1
         if r.ok and data != originals[k]:
             accepts += 1
+        elif data == originals[k]:
+            reasons["(mutation left the proof unchanged)"] += 1
     return n, crashes, accepts, reasons, time.perf_counter() - t0
 
 
@@ -523,10 +529,11 @@ def report(rows, stats_all, n_honest, tl_honest, attack_out, tl_attacks, kit, fz
         if a["name"].startswith(("cheap", "greedy", "decode at")):
             shape = f"{shape_detection(kit, a):.0%}"
         passed = [r for r in res if r.accept]
-        if passed and a["name"].startswith("cheap"):
+        if passed and a["name"].startswith(("cheap", "greedy", "decode at")):
             # Every token is the real model's seeded choice: the honest rollout itself.
             same = sum(r.stats.get("replay_max_gap", 1) <= 0 for r in passed)
-            why[f"accepted, token-identical to the honest sample ({same}/{len(passed)})"] = 0
+            why[f"accepted: {same} of {len(passed)} token-identical to the honest seeded "
+                "sample"] = 0
         rows2.append([a["name"], n, f"{rej / n:.0%}",
                       ", ".join(f"{r}={c}" if c else r for r, c in why.most_common()),
                       ours_proof, tl, shape])
@@ -535,7 +542,8 @@ def report(rows, stats_all, n_honest, tl_honest, attack_out, tl_attacks, kit, fz
 
     n_fuzz, crashes, accepts, fuzz_reasons, fuzz_s = fz
     parts.append(f"\n### 3. Fuzzed and mutated proofs\n\n{n_fuzz} proofs: **{crashes} crashes, "
-                 f"{accepts} accepts**, {fuzz_s / n_fuzz * 1e6:.0f} us per verify; reasons: "
+                 f"{accepts} accepts** of a changed proof, {fuzz_s / n_fuzz * 1e6:.0f} us per "
+                 "verify; verdicts: "
                  + ", ".join(f"{r}={c}" for r, c in fuzz_reasons.most_common()))
     if tl_malformed:
         parts.append("\ntoploc 0.1.6 on malformed proofs (one subprocess each): "
@@ -569,7 +577,11 @@ def report(rows, stats_all, n_honest, tl_honest, attack_out, tl_attacks, kit, fz
                         "toploc verify us/tok", "toploc bytes", "toploc accepts"], rows4))
     if why_no_toploc:
         parts.append(f"\ntoploc: {why_no_toploc}")
-    parts.append("\nNo vLLM on this machine: the HF-vs-vLLM honest variation is not measured.")
+    parts.append("\ntoploc cannot prove a chunk with fewer than 128 values (e.g. a 1-token "
+                 "last chunk of the 64-dim tiny model): its build returns null proofs and its "
+                 "verify aborts the process; such honest cases count as toploc rejects above.")
+    parts.append("\nNo vLLM on this machine: the HF-vs-vLLM honest variation is not measured. "
+                 "All timings on 2 cores shared with other jobs (load ~10): noisy.")
     return "\n".join(parts)
 
 

@@ -264,8 +264,9 @@ class P2PNode:
 
     async def subscribe(self, kind: str, handler: Handler) -> None:
         """Call `await handler(envelope, from_peer)` for every verified message on `kind`
-        from other peers, in arrival order (may be called before or after start). Payload announcements are resolved first: the
-        handler sees the pulled message, never the announcement."""
+        from other peers, one at a time in arrival order (GossipSub does not keep a sender's
+        order across paths). May be called before or after start. Payload announcements are
+        resolved first: the handler sees the pulled message, never the announcement."""
         t = self.topic(kind)
         first = kind not in self._subs
         self._subs.setdefault(kind, []).append(handler)

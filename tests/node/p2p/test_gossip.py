@@ -68,10 +68,7 @@ async def test_five_hosts_burst_without_loss(make_node):
     for x in nodes:
         assert len(received[x.peer_id]) == len(expected[x.peer_id])  # no duplicates
         assert set(received[x.peer_id]) == expected[x.peer_id]
-        # per-sender order is kept
-        for y in nodes:
-            rounds = [r for p, r in received[x.peer_id] if p == y.peer_id]
-            assert rounds == sorted(rounds)
+        # (GossipSub does not keep per-sender order: a message can come over another path)
         assert x.metrics.drops() == 0 and x.metrics["rejected"] == 0
         assert x.metrics["published"] == per_node
     assert sum(len(v) for v in received.values()) == 5 * 4 * per_node

@@ -115,6 +115,7 @@ async def main(argv: list[str] | None = None) -> int:
         emit(event="complete", policy=m.policy_id, version=m.version, path=str(path),
              t=time.time(), metrics=dict(d.metrics) if d else {},
              sources=bc.books[(m.policy_id, m.version)].summary(),
+             streams=dict(getattr(bc.transport, "opened", {})),
              peak_rss_mib=peak_rss_mib())
 
     bc = Broadcaster(node, cfg.broadcast, args.data_dir / "broadcast", follow=args.follow,

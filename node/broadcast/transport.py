@@ -157,6 +157,7 @@ class RoutingTransport:
         self.tcp = TcpTransport()
         self.use_tcp = use_tcp
         self.endpoints: dict[str, str] = {}
+        self.opened = {"tcp": 0, "libp2p": 0}
 
     def set_endpoint(self, peer: str, endpoint: str) -> None:
         host, _, port = endpoint.rpartition(":")
@@ -167,5 +168,7 @@ class RoutingTransport:
     async def open(self, peer: str):
         endpoint = self.endpoints.get(peer) if self.use_tcp else None
         if endpoint is not None:
+            self.opened["tcp"] += 1
             return await self.tcp.open(endpoint)
+        self.opened["libp2p"] += 1
         return await self.p2p.open(peer)

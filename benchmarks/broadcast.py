@@ -9,9 +9,13 @@ relay serves one corrupted shard.
 
 shardcast runs under its own venv (.venv-shardcast: `pip install shardcast==0.3.2 blake3`)
 through benchmarks/shardcast_peer.py, bound to 127.0.0.1, middle-node poll interval 1 s
-(its default is 30 s), default 50 MB shards. Ours: default config (4 MiB shards, Noise +
-Yamux streams), clients bootstrap through the relay; any peer that verified a shard may
-serve it, so the table also shows where the clients' bytes came from.
+(its default is 30 s), default 50 MB shards; clients start (and poll) before the publish.
+Ours: default config (4 MiB shards), once with shards over the optional TCP data plane
+(`broadcast.tcp_listen`) and once over libp2p streams (Noise + Yamux through the trio
+bridge); clients bootstrap through the relay; any peer that verified a shard may serve it,
+so the notes show where the clients' bytes came from. The corrupted-shard case makes the
+relay flip one byte of the first shard it serves (and of every later copy of that shard).
+Peak RSS is VmHWM of each client process.
 """
 
 from __future__ import annotations
@@ -26,8 +30,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.results import record, table
-from tests.node.broadcast.procs import BroadcastProc
+if __package__ in (None, ""):  # run as a file: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.results import record, table  # noqa: E402
+from tests.node.broadcast.procs import BroadcastProc  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARDCAST_PY = ROOT / ".venv-shardcast" / "bin" / "python"

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import subprocess
 import sys
@@ -37,7 +36,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.results import record, table  # noqa: E402
+from benchmarks.results import record, table
+
 TOPLOC_PY = ROOT / ".venv-toploc" / "bin" / "python"
 SENDER = "12D3KooWBenchInferencePeer"
 VERSION = 5
@@ -58,7 +58,8 @@ def toploc_available() -> str | None:
     """None when usable, else why not."""
     if not TOPLOC_PY.exists():
         return f"{TOPLOC_PY} missing (build: REFERENCE.md §3)"
-    r = subprocess.run([str(TOPLOC_PY), "-c", "import toploc"], capture_output=True, text=True)
+    r = subprocess.run([str(TOPLOC_PY), "-c", "import toploc"], capture_output=True, text=True,
+                       check=False)
     return None if r.returncode == 0 else f"import toploc failed: {r.stderr.strip()[-300:]}"
 
 
@@ -76,7 +77,7 @@ def run_toploc(workdir: Path, name: str, arrays: dict[str, np.ndarray],
     while start < len(cases):
         r = subprocess.run([str(TOPLOC_PY), str(ROOT / "benchmarks" / "toploc_worker.py"),
                             str(job), str(out), str(start)], capture_output=True, text=True,
-                           timeout=3600)
+                           timeout=3600, check=False)
         if out.exists():
             for line in out.read_text().splitlines():
                 rec = json.loads(line)
@@ -437,8 +438,9 @@ def costs(kit: Kit, workdir: Path, toploc_ok: bool, repeats: int):
             tl_micro.append((sum(r["build_s"] for r in recs) / 5,
                              sum(r["verify_s"] for r in recs) / 5,
                              all(toploc_accepts(r, 0) for r in recs), recs[0]["proof_bytes"]))
-    return dict(gen_s=gen_s, build_s=build_s, verify_s=verify_s, proof_verify_s=proof_verify_s,
-                tokens=tokens, completions=8 * repeats), micro, tl_micro
+    return {"gen_s": gen_s, "build_s": build_s, "verify_s": verify_s,
+            "proof_verify_s": proof_verify_s, "tokens": tokens,
+            "completions": 8 * repeats}, micro, tl_micro
 
 
 # main ------------------------------------------------------------------------------------
@@ -555,10 +557,10 @@ def report(rows, stats_all, n_honest, tl_honest, attack_out, tl_attacks, kit, fz
         ["completions x tokens (256 max, tiny model, HF sampler, 1 thread)",
          f"{g['completions']} x {g['tokens'] / g['completions']:.0f}"],
         ["generation time", f"{g['gen_s']:.2f} s"],
-        ["proof build time (% of generation)", f"{g['build_s'] * 1e3:.1f} ms "
-                                               f"({g['build_s'] / g['gen_s']:.2%})"],
-        ["full verification time (% of generation)", f"{g['verify_s']:.2f} s "
-                                                     f"({g['verify_s'] / g['gen_s']:.1%})"],
+        ["proof build time (% of generation)",
+         f"{g['build_s'] * 1e3:.1f} ms ({g['build_s'] / g['gen_s']:.2%})"],
+        ["full verification time (% of generation)",
+         f"{g['verify_s']:.2f} s ({g['verify_s'] / g['gen_s']:.1%})"],
         ["of which proof checks", f"{g['proof_verify_s'] * 1e3:.1f} ms"],
     ]))
     parts.append("\nProof build / verify per token on the same bf16-representable hidden states "

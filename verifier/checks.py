@@ -29,8 +29,9 @@ import logging
 import math
 import struct
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -60,10 +61,10 @@ class CheckSettings:
     proof: ProofThresholds = field(default_factory=ProofThresholds)
 
     @classmethod
-    def for_dtype(cls, dtype: str, **overrides) -> "CheckSettings":
+    def for_dtype(cls, dtype: str, **overrides) -> CheckSettings:
         if dtype in ("bfloat16", "float16"):
-            base = dict(logprob_tol=0.1, tie_eps=0.1, top_p_eps=1e-2,
-                        proof=ProofThresholds.for_dtype(dtype))
+            base = {"logprob_tol": 0.1, "tie_eps": 0.1, "top_p_eps": 1e-2,
+                    "proof": ProofThresholds.for_dtype(dtype)}
         else:
             base = {}
         return cls(**{**base, **overrides})
@@ -134,7 +135,7 @@ class RolloutVerifier:
                  max_context: int = 1 << 20, format_reward: float = 0.0):
         if isinstance(model_for, torch.nn.Module):  # one fixed model serves every version
             fixed = model_for
-            model_for = lambda version: fixed  # noqa: E731
+            model_for = lambda version: fixed
         self.model_for = model_for
         self.tokenizer = tokenizer
         self.task_source = task_source

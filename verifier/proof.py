@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from .reasons import PROOF_REASONS as REASONS
+from .reasons import PROOF_REASONS as REASONS  # noqa: F401 - re-exported
 
 FORMAT_VERSION = 1
 PRIME = 65497
@@ -62,7 +62,7 @@ class ProofThresholds:
     max_bias: float = 1.2e-4
 
     @classmethod
-    def for_dtype(cls, dtype: str) -> "ProofThresholds":
+    def for_dtype(cls, dtype: str) -> ProofThresholds:
         """Defaults for float32 inference; looser ones for 16-bit inference, whose honest
         recomputation differs by ~2^-8 relative."""
         if dtype in ("bfloat16", "float16"):
@@ -195,7 +195,7 @@ def _lagrange_basis(m: int) -> np.ndarray:
 def _master(xs: np.ndarray) -> np.ndarray:
     """prod_j (x - xs_j) as coefficients: evaluated at 0..k (vectorised), then interpolated
     with the fixed Lagrange basis."""
-    n, k = xs.shape
+    _, k = xs.shape
     z = np.arange(k + 1, dtype=np.int64)
     values = _prod_mod((z[None, :, None] - xs[:, None, :]) % PRIME)  # [n, k + 1]
     exact = np.rint(values.astype(np.float64) @ _lagrange_basis(k + 1).astype(np.float64))
@@ -210,7 +210,7 @@ def _interpolate(xs: np.ndarray, ys: np.ndarray, master_fn=None) -> np.ndarray:
     the coefficient of x^d is sum_{e > d} M_e S_{e-d-1} with power sums S_r = sum_i a_i x_i^r.
     Products of two residues are < 2^32 and k <= 2^20 of them sum below 2^63.
     """
-    n, k = xs.shape
+    _, k = xs.shape
     master = (master_fn or _master)(xs)
     pw = _powers(xs, k)  # [n, i, r]
     deriv = master[:, 1:] * np.arange(1, k + 1) % PRIME  # M'(x) coefficients
@@ -309,7 +309,7 @@ def verify_proof(proof: bytes, hidden: torch.Tensor,
     """Check `proof` against the verifier's own recomputed hidden states [T, H]. Total."""
     try:
         return _verify(proof, hidden, thresholds or ProofThresholds())
-    except Exception as e:  # deliberate: a verdict is always returned; counted as proof_error
+    except Exception as e:  # noqa: BLE001 - deliberate: always a verdict, counted as proof_error
         return ProofResult(False, "proof_error", f"{type(e).__name__}: {e}"[:200])
 
 

@@ -25,9 +25,9 @@ import math
 import os
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class Reputation:
         self._load()
 
     @classmethod
-    def from_config(cls, section, path: str | os.PathLike | None) -> "Reputation":
+    def from_config(cls, section, path: str | os.PathLike | None) -> Reputation:
         """Build from a `VerifierSection`."""
         return cls(path, ban_threshold=section.ban_threshold, ban_seconds=section.ban_seconds,
                    half_life_s=section.reputation_half_life_s,

@@ -7,11 +7,14 @@ import random
 import numpy as np
 import pytest
 import torch
-
 from swarm_node.protocol.messages import SamplingParams, TensorData
 from swarm_node.verifier import attacks
 from swarm_node.verifier.checks import (
-    CheckSettings, RolloutVerifier, prefill, rollout_id, sampling_shape_z,
+    CheckSettings,
+    RolloutVerifier,
+    prefill,
+    rollout_id,
+    sampling_shape_z,
 )
 from swarm_node.verifier.reasons import REASONS
 
@@ -196,7 +199,6 @@ def test_finish_reason_must_match(kit, honest):
 
 
 def test_eos_probability_gate(kit):
-    model, tokenizer, _ = kit
     batch = sample(kit, tasks=2, n=4, round_=4)
     v = verifier(kit, settings=CheckSettings(min_eos_prob=0.5))
     for r, c in zip(v.verify(batch, SENDER), batch.completions):
@@ -230,10 +232,11 @@ def test_shape_z_is_standard_for_honest_samples(kit, honest):
 
 def test_other_models_rejected(kit):
     """A different model, the right one scaled by 1.01, and 1% mixed with another."""
+    import tempfile
+
     from swarm_node.node.models import build_tiny_model, load_model
 
-    model, tokenizer, _ = kit
-    import tempfile
+    model = kit[0]
 
     with tempfile.TemporaryDirectory() as d:
         build_tiny_model(d, seed=1)
@@ -246,7 +249,7 @@ def test_other_models_rejected(kit):
 
 
 def test_broken_model_is_a_counted_reject(kit, honest):
-    model, tokenizer, source = kit
+    _, tokenizer, source = kit
 
     def broken(version):
         raise RuntimeError("weights gone")

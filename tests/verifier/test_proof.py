@@ -8,10 +8,17 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from swarm_node.verifier.proof import (
-    CHUNK_TOKENS, FORMAT_VERSION, PRIME, REASONS, ProofThresholds, build_proof, build_proofs,
-    chunk_layout, proof_size, verify_proof,
+    CHUNK_TOKENS,
+    FORMAT_VERSION,
+    PRIME,
+    REASONS,
+    ProofThresholds,
+    build_proof,
+    build_proofs,
+    chunk_layout,
+    proof_size,
+    verify_proof,
 )
 
 

@@ -132,7 +132,7 @@ class GossipValidator:
         self.metrics = metrics
         self.peer_filter = peer_filter
         self.max_skew_s = max_skew_s
-        self.replay = ReplayCache()
+        self.replay = ReplayCache(window_s=2 * max_skew_s)  # covers the whole skew window
         self.accepted: OrderedDict[bytes, Envelope] = OrderedDict()
         self.max_pending = 65536
 

@@ -92,6 +92,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--large-layers", type=int, default=24)
     ap.add_argument("--threads", default="1,2", help="torch CPU thread counts to try")
+    ap.add_argument("--large-batches", default="1,8,32", help="batch sizes for the 0.5B model")
     ap.add_argument("--large-threads", default="1",
                     help="thread counts for the 0.5B-shaped model (2 is very slow when shared)")
     args = ap.parse_args()
@@ -109,7 +110,8 @@ def main() -> None:
         if not args.no_large:
             large = qwen05b_shaped(Path(tmp) / "q05", layers=args.large_layers)
             label = f"Qwen2.5-0.5B-shaped, random ({args.large_layers} layers)"
-            rows += bench_model(label, large, batches, max(8, args.new_tokens // 2),
+            rows += bench_model(label, large, [int(b) for b in args.large_batches.split(",")],
+                                max(8, args.new_tokens // 2),
                                 max(1, reps - 1),
                                 [int(t) for t in args.large_threads.split(",")])
             save(rows, args)

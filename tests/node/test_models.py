@@ -85,3 +85,13 @@ def test_tokenizer_without_eos_is_refused(tmp_path, tiny_model_dir):
 def test_bad_dtype(tiny_model_dir):
     with pytest.raises(NodeError, match="dtype"):
         load_model(tiny_model_dir, dtype="float8")
+
+
+def test_size_overrides(tmp_path):
+    from transformers import AutoConfig
+
+    build_tiny_model(tmp_path / "m", seed=0, num_attention_heads=2, num_key_value_heads=1)
+    cfg = AutoConfig.from_pretrained(tmp_path / "m")
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size) == (2, 1, 64)
+    with pytest.raises(NodeError, match="bogus"):
+        build_tiny_model(tmp_path / "x", bogus=3)

@@ -18,8 +18,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
-import shutil
 from collections import OrderedDict
 from pathlib import Path
 
@@ -83,15 +81,13 @@ class TrainerRole(Role):
         await self._publish_version()
 
     async def _publish_version(self) -> None:
-        """Announce the current checkpoint (policy files only; no optimizer state)."""
+        """Announce the current checkpoint: its policy directory only (the optimizer state
+        in the checkpoint's trainer/ directory never leaves the node). The broadcaster's
+        store hard-links the files, so pruning old checkpoints does not pull them from
+        under peers still downloading."""
         ckpt = self.trainer.latest_checkpoint()
-        out = self.data_dir / "publish" / f"v{ckpt.version:08d}"
-        if not out.exists():
-            await self.work(_link_policy_files, ckpt, out)
         parent = ckpt.version - 1 if ckpt.version > 0 else -1
-        await self.broadcaster.publish(out, ckpt.version, parent_version=parent)
-        await self.work(_prune_publish, self.data_dir / "publish",
-                        self.cfg.broadcast.keep_versions)
+        await self.broadcaster.publish(ckpt.policy_dir, ckpt.version, parent_version=parent)
         self.state.versions_published += 1
 
     # incoming ---------------------------------------------------------------------------
@@ -136,7 +132,7 @@ class TrainerRole(Role):
         if policy_id == self.identity.peer_id:
             for ck in self.trainer.store.list():
                 if ck.version == version:
-                    return ck.path
+                    return ck.policy_dir
             return None
         return self.broadcaster.completed.get((policy_id, version))
 
@@ -301,22 +297,3 @@ class TrainerRole(Role):
             self.reputation.save()
         if self.trainer is not None:
             self.trainer.close()
-
-
-def _link_policy_files(ckpt, out: Path) -> None:
-    """Hard-link (or copy) the policy files of a checkpoint into a publish directory."""
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for f in ckpt.policy_files():
-        try:
-            os.link(f, tmp / f.name)
-        except OSError:
-            shutil.copy2(f, tmp / f.name)
-    os.replace(tmp, out)
-
-
-def _prune_publish(root: Path, keep: int) -> None:
-    dirs = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.endswith(".tmp"))
-    for p in dirs[:-keep]:
-        shutil.rmtree(p, ignore_errors=True)

@@ -31,6 +31,7 @@ from .wire import MANIFEST_PROTOCOL
 
 log = logging.getLogger(__name__)
 
+CLOSE_TIMEOUT_S = 10.0
 OnComplete = Callable[[CheckpointManifest, Path], Awaitable[None] | None]
 
 
@@ -96,12 +97,14 @@ class Broadcaster:
     async def close(self) -> None:
         if self._tcp_server is not None:
             self._tcp_server.close()
-        for _, task, _ in self.downloads.values():
+        tasks = [*self._tasks, *(t for _, t, _ in self.downloads.values())]
+        for task in tasks:
             task.cancel()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, *(t for _, t, _ in self.downloads.values()),
-                             return_exceptions=True)
+        if tasks:
+            _, stuck = await asyncio.wait(tasks, timeout=CLOSE_TIMEOUT_S)
+            if stuck:
+                log.warning("%d broadcast tasks did not stop within %.0fs", len(stuck),
+                            CLOSE_TIMEOUT_S)
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)

@@ -183,14 +183,18 @@ class Broadcaster:
         finally:
             if self.downloads.get(m.policy_id, (None, None))[1] is asyncio.current_task():
                 del self.downloads[m.policy_id]
-        self.completed[entry.key] = path
         self.finished[entry.key] = d
-        self._mark_dirty(entry.key)
         await asyncio.to_thread(self.store.prune, m.policy_id)
-        if self.on_complete is not None:
-            result = self.on_complete(m, path)
-            if asyncio.iscoroutine(result):
-                await result
+        if self.on_complete is not None:  # hand it over first: `completed` means handed over
+            try:
+                result = self.on_complete(m, path)
+                if asyncio.iscoroutine(result):
+                    await result
+            except Exception:  # noqa: BLE001 - the consumer's fault; the version stays served
+                log.exception("on_complete for policy %s v%d failed", m.policy_id[-8:],
+                              m.version)
+        self.completed[entry.key] = path
+        self._mark_dirty(entry.key)
 
     async def wait_complete(self, policy_id: str, version: int, timeout: float) -> Path:
         """For tests and the CLI: wait until (policy, version) is complete here."""

@@ -131,9 +131,8 @@ def save(rows: list[list], args) -> None:
         "the sampler); `on-off` = median wall time with capture vs without (noisy on a shared "
         "machine); `pick share` = time in seeded Gumbel-max token choice (CPU noise of vocab "
         "size per row and step) / total.\n"
-        "The machine is shared with other jobs (load average 10-28 on 2 cores while this "
-        "ran), so absolute figures are far below what the hardware does alone; under such "
-        "oversubscription 2 torch threads are much slower than 1 (OpenMP threads spin-wait "
+        "The machine is shared with other jobs, so figures are noisy; when cores are "
+        "oversubscribed 2 torch threads are much slower than 1 (OpenMP threads spin-wait "
         "on each other).\n\n"
         + table(["model", "params", "threads", "batch", "new tokens", "tok/s (hidden on)",
                  "tok/s (hidden off)", "hidden share", "on-off", "pick share"], rows))

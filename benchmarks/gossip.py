@@ -363,7 +363,9 @@ def record(args, ours: dict, base: dict | None, note: str) -> None:
                  f"(goal: <= 0.5x): {'met' if ratio <= 0.5 else 'NOT met'}.")
     body += f" hivemind get() polled every {args.poll}s."
     body += (f" Load average (1 min) before/after: {LOAD_BEFORE:.1f}/{os.getloadavg()[0]:.1f} "
-             f"on {os.cpu_count()} cores (machine shared with other jobs).")
+             f"on {os.cpu_count()} cores"
+             + (" (machine shared with other jobs)." if LOAD_BEFORE > 1.0 else
+                " (no other jobs when it started; the load is this benchmark's own)."))
     if args.p2p:
         body += f" p2p overrides: {', '.join(args.p2p)}."
     if note:

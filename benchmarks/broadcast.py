@@ -284,8 +284,8 @@ def report(args, rows, notes, results_by_n) -> str:
                 ratios.append(f"- {n} clients: {label} took {r['t_all'] / sc:.2f}x shardcast's "
                               f"time (goal: <= 0.33x).")
     return (f"Checkpoint: {args.mib} MiB (+ a config.json for ours; shardcast ships the single "
-            f"weights file). Loopback, all processes on this machine, which other jobs shared "
-            f"(see the load average).\n\n" + table(HEADERS, rows) + "\n\n"
+            f"weights file). Loopback, all processes on this machine (the load average below "
+            f"includes this benchmark's own processes).\n\n" + table(HEADERS, rows) + "\n\n"
             + "\n".join(notes + ratios) + f"\n\nLoad average at the end: "
             f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}.")
 

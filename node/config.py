@@ -143,8 +143,6 @@ class TrainerSection(Section):
 
 
 class VerifierSection(Section):
-    enabled: bool = True
-    """Verify untrusted rollouts before training on them."""
     spot_check_fraction: float = Field(1.0, ge=0.0, le=1.0)
     """Fraction of a trusted peer's rollouts to verify (new or low-score peers: always)."""
     ban_threshold: float = Field(-5.0)

@@ -42,6 +42,7 @@ class NodeState:
     swarm_id: str
     started: float = field(default_factory=time.time)
     p2p: Any = None
+    phase: str = "starting"  # starting -> running (role started) -> stopping
     policy_id: str = ""
     policy_version: int = 0
     reward: float | None = None
@@ -126,6 +127,7 @@ class NodeState:
             "peer_id": self.peer_id,
             "role": self.role,
             "swarm_id": self.swarm_id,
+            "phase": self.phase,
             "uptime_s": round(time.time() - self.started, 1),
             "connected_peers": len(peers := self.connected_peers()),
             "peers": peers,

@@ -86,6 +86,7 @@ async def _main(cfg: Config) -> None:
         log.info("joined swarm %r as %s, peer id %s", cfg.node.swarm_id, cfg.node.role,
                  identity.peer_id)
         await role.start()
+        state.phase = "running"
         runner = asyncio.create_task(role.run(stop), name=f"role-{cfg.node.role}")
         stopper = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait({runner, stopper}, return_when=asyncio.FIRST_COMPLETED)
@@ -94,6 +95,7 @@ async def _main(cfg: Config) -> None:
             raise runner.exception()
         await runner
     finally:
+        state.phase = "stopping"
         log.info("shutting down")
         try:
             await role.close()

@@ -22,6 +22,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from ...protocol.messages import RolloutBatch, SamplingParams
+from ...verifier.checks import RolloutResult, rollout_id
 from ...verifier.reasons import BATCH_REASONS
 from .base import Role
 
@@ -168,7 +169,14 @@ class TrainerRole(Role):
         known = own or batch.policy_id in self.broadcaster.gate.follow
         if not known:
             return None
-        results = self._verifier(batch.policy_id).verify(batch, sender)
+        verifier = self._verifier(batch.policy_id)
+        ids = [rollout_id(batch, c) for c in batch.completions]
+        if not self.reputation.should_verify(sender, ids[0]):
+            # Spot checks: a trusted peer's batch that was not drawn for checking is
+            # accepted unverified (`unchecked`); one caught cheat costs it its trust.
+            results = [RolloutResult(i, rid, True, "unchecked") for i, rid in enumerate(ids)]
+        else:
+            results = verifier.verify(batch, sender)
         accepted = [batch.completions[r.index] for r in results if r.accept]
         if accepted:
             self.trainer.add_external(batch.model_copy(update={"completions": accepted}))
@@ -191,7 +199,7 @@ class TrainerRole(Role):
             if batch_level:  # one fault of the batch, not one per completion
                 self.reputation.record(sender, False, results[0].reason)
             for r in results:
-                if not batch_level:
+                if not batch_level and r.reason != "unchecked":  # trust only from checks
                     self.reputation.record(sender, r.accept, r.reason)
                 if r.accept:
                     self.state.accept(sender)
@@ -269,6 +277,7 @@ class TrainerRole(Role):
             await self._wait_for_peers(stop)
             self.peer_batches = 0
             stats = await self.work(self.trainer.step)
+            self.state.banned = self.reputation.banned()  # bans also expire
             self.state.buffer_counters = self.trainer.counters()
             if not stats.trained:
                 await _wait_any(stop, asyncio.Event(), timeout=1.0)

@@ -95,8 +95,9 @@ def test_swarm_trains_bans_cheater_and_survives_trainer_kill(tmp_path, tiny_mode
         (trainer.dir / "data" / "node.json").unlink()
         start_node(trainer, tcfg)
         wait_info(trainer)
-        wait_until(lambda: trainer.last_status.get("policy_version", -1) >= 0, 120, nodes,
-                   "restarted trainer answering /status")
+        trainer.last_status = {}
+        wait_until(lambda: trainer.last_status.get("phase") == "running", 180, nodes,
+                   "restarted trainer running (resumed its checkpoint)")
         resumed = trainer.last_status["policy_version"]
         assert resumed >= version_before - 1  # from its last checkpoint, not from scratch
         wait_until(lambda: trainer.last_status.get("policy_version", 0) >= resumed + 2

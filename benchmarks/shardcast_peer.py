@@ -24,6 +24,8 @@ def emit(**obj) -> None:
 
 
 def peak_rss_mib() -> float:
+    # Same as node/broadcast/standalone.py: this script runs in .venv-shardcast, where the
+    # project is not installed, so it cannot import it.
     """Peak resident memory of this process (VmHWM: reset by exec, unlike ru_maxrss, which
     a child inherits from the parent it was forked from)."""
     try:

@@ -35,13 +35,6 @@ def write_node_info(data_dir: Path, info: dict) -> None:
     os.replace(tmp, data_dir / NODE_INFO_FILE)
 
 
-def read_node_info(data_dir: Path) -> dict:
-    try:
-        return json.loads((Path(data_dir) / NODE_INFO_FILE).read_text())
-    except (OSError, ValueError) as e:
-        raise NodeError(f"no running node found in {data_dir} ({e})") from None
-
-
 async def _main(cfg: Config) -> None:
     from .identity import Identity
     from .metrics import NodeState

@@ -28,7 +28,7 @@ from .errors import (
     UnknownMessageType,
     UnsupportedVersion,
 )
-from .limits import ENVELOPE_OVERHEAD, Limits
+from .limits import Limits
 from .messages import MESSAGE_TYPES, WireModel
 from .peerid import public_key_from_peer_id
 
@@ -62,7 +62,7 @@ def _signed_bytes(v: int, msg_type: str, sender: str, ts_ms: int, nonce: bytes,
     return DOMAIN + pack([v, msg_type, sender, ts_ms, nonce, payload])
 
 
-def seal(message: WireModel, key: "Ed25519PrivateKey", sender: str, *,
+def seal(message: WireModel, key: Ed25519PrivateKey, sender: str, *,
          ts_ms: int | None = None, nonce: bytes | None = None) -> bytes:
     """Encode and sign `message` as `sender` (the peer ID of `key`)."""
     if message.TYPE not in MESSAGE_TYPES:
@@ -153,10 +153,6 @@ def open_envelope(
     if replay_cache is not None:
         replay_cache.check_and_add(sender, nonce, now)
     return Envelope(msg_type, sender, ts_ms, nonce, payload, sig, message)
-
-
-def envelope_size_hint(payload_len: int) -> int:
-    return payload_len + ENVELOPE_OVERHEAD
 
 
 def peek_sender(data: bytes) -> str | None:

@@ -20,6 +20,7 @@ from ...protocol.messages import SamplingParams
 from ..errors import NodeError
 from .base import Prompt, Sample, Sampler, check_seeds, default_seeds
 from .seeded import choose_tokens
+from .stops import context_limit, model_eos_ids
 
 
 class HFSampler(Sampler):
@@ -31,14 +32,9 @@ class HFSampler(Sampler):
         self.version = version
         self.capture_hidden = capture_hidden
         self.max_batch = max_batch
-        limit = getattr(model.config, "max_position_embeddings", None) or 1 << 30
-        self.max_context = min(max_context, limit) if max_context else limit
-        if tokenizer.eos_token_id is None:
-            raise NodeError("tokenizer has no EOS token; cannot tell when a completion ends")
-        self.eos_ids = {tokenizer.eos_token_id}
-        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        if gen_eos is not None:
-            self.eos_ids |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+        # shared with the verifier (stops.py): same EOS set, same context limit
+        self.max_context = context_limit(model.config, max_context)
+        self.eos_ids = set(model_eos_ids(model, tokenizer))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None \
             else tokenizer.eos_token_id
         self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model

@@ -26,6 +26,7 @@ import torch
 from ...protocol.messages import SamplingParams
 from ..errors import NodeError
 from .base import Prompt, Sample, Sampler, check_seeds, default_seeds
+from .stops import eos_token_ids
 
 _STORE_ATTR = "_swarm_node_store"
 
@@ -103,7 +104,8 @@ class VLLMSampler(Sampler):
         self.tokenizer = self.llm.get_tokenizer()
         if self.tokenizer.eos_token_id is None:
             raise NodeError(f"tokenizer of {model_dir} has no EOS token")
-        self.eos_ids = [self.tokenizer.eos_token_id]
+        # the same EOS set as the HF sampler and the verifier (stops.py)
+        self.eos_ids = sorted(eos_token_ids(self.tokenizer, _generation_config(self.model_dir)))
         if not all(self.llm.collective_rpc(_install_hook)):
             raise NodeError("could not install the sampling hook in the vLLM worker")
 
@@ -207,3 +209,13 @@ def _find(stores: dict, request_id: str):
         if key.startswith(f"{request_id}-") or request_id.startswith(f"{key}-"):
             return value
     return None
+
+
+def _generation_config(model_dir: str):
+    """The model's generation_config.json (None when it has none)."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(model_dir)
+    except (OSError, ValueError):
+        return None

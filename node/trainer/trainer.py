@@ -114,6 +114,12 @@ class Trainer:
                                  config.tasks.format_reward)
         self._counters = _Counters()
         self._counters_lock = threading.Lock()  # add_* may run on other threads than step()
+        # Scale-out seams, None for a plain trainer. grad_sync (trainer/distributed.py):
+        # .shard(batch) -> this rank's groups, .after_backward(model) before clipping,
+        # .finish(stats). after_step(trainer) (trainer/group.py): after each trained step,
+        # before its checkpoint (parameter averaging).
+        self.grad_sync = None
+        self.after_step = None
         if latest is not None:
             state = self.store.restore(latest, self.optimizer, self.scheduler)
             self.version = latest.version
@@ -238,6 +244,8 @@ class Trainer:
             self._update(batch, stats)
             self.version += 1
             stats.version, stats.trained = self.version, True
+            if self.after_step is not None:
+                self.after_step(self)
             stats.groups_local, stats.groups_external = len(chosen_local), len(chosen_ext)
             if self.version % self.cfg.checkpoint_every == 0:
                 stats.checkpoint = str(self._checkpoint().policy_dir)
@@ -301,6 +309,8 @@ class Trainer:
         return out
 
     def _update(self, batch: list[RolloutGroup], stats: StepStats) -> None:
+        if self.grad_sync is not None:
+            batch = self.grad_sync.shard(batch)
         self.model.train()
         rows = self._fill_behaviour(self._rows(batch))
         total_tokens = sum(len(r[1]) for r in rows)
@@ -323,6 +333,8 @@ class Trainer:
                 for k in ("loss", "clip_low_frac", "clip_high_frac", "delta_frac",
                           "mean_ratio", "kl", "entropy"):
                     agg[k] += getattr(ls, k) * weight
+            if self.grad_sync is not None:
+                self.grad_sync.after_backward(self.model)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                                        self.cfg.grad_clip)
             self.optimizer.step()
@@ -334,6 +346,8 @@ class Trainer:
         stats.tokens = total_tokens * self.cfg.updates_per_step
         stats.completions = len(rows)
         stats.mean_reward = _mean([r[5] for r in rows])
+        if self.grad_sync is not None:
+            self.grad_sync.finish(stats)
 
     # checkpoints --------------------------------------------------------------------------
 

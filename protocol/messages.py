@@ -79,7 +79,7 @@ class TensorData(WireModel):
         return self
 
     @classmethod
-    def from_numpy(cls, array) -> "TensorData":
+    def from_numpy(cls, array) -> TensorData:
         import numpy as np
 
         array = np.ascontiguousarray(array)
@@ -90,7 +90,7 @@ class TensorData(WireModel):
         return cls(dtype=dtype, shape=list(array.shape), data=little.tobytes())
 
     @classmethod
-    def from_torch(cls, tensor) -> "TensorData":
+    def from_torch(cls, tensor) -> TensorData:
         import torch
 
         tensor = tensor.detach().cpu().contiguous()
@@ -170,8 +170,14 @@ class Completion(WireModel):
         return self
 
 
+ModelDType = Literal["float32", "bfloat16", "float16"]
+
+
 class RolloutBatch(WireModel):
-    """Completions sampled by one node with one policy version in one round."""
+    """Completions sampled by one node with one policy version in one round.
+
+    `dtype` is the prover's inference dtype: a verifier checks in that dtype (its thresholds
+    follow it) or rejects the batch with the non-punitive reason `config_dtype`."""
 
     TYPE: ClassVar[str] = "rollout_batch"
 
@@ -181,6 +187,36 @@ class RolloutBatch(WireModel):
     policy_version: U64
     sampling: SamplingParams
     completions: Annotated[list[Completion], Field(min_length=1, max_length=4096)]
+    dtype: ModelDType = "float32"
+
+
+class BatchRules(BaseModel):
+    """What a batch may contain, so that a sender has no free choice to cherry-pick with
+    (NODE_SPEC §5.2 "Batch rules"); every peer of a swarm must use the same values.
+
+    - groups are complete: every seed index j < `completions_per_task` of each task;
+    - tasks come from the first `tasks_per_round` of the sender's draw for the round;
+    - the round is bound to the policy version: `round_window(version)`, so a sender gets
+      exactly `rounds_per_version` draws per version, known in advance, none to choose from.
+    Not a wire message: it comes from the config (`tasks.tasks_per_round`,
+    `sampler.completions_per_task`, `sampler.batches_per_version`).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    completions_per_task: Annotated[int, Field(ge=1, le=256)]
+    tasks_per_round: Annotated[int, Field(ge=1, le=256)]
+    rounds_per_version: Annotated[int, Field(ge=1, le=1 << 20)]
+
+    def round_window(self, version: int) -> range:
+        """The rounds a batch sampled with `version` may carry."""
+        return range(version * self.rounds_per_version, (version + 1) * self.rounds_per_version)
+
+    def round_for(self, version: int, k: int) -> int:
+        """The k-th round (0-based) of policy `version`."""
+        if not 0 <= k < self.rounds_per_version:
+            raise ValueError(f"round index {k} outside [0, {self.rounds_per_version})")
+        return version * self.rounds_per_version + k
 
 
 # Checkpoints and shards ------------------------------------------------------------------

@@ -1,25 +1,20 @@
 """Rollout verification: every check a rollout must pass before anyone trains on it.
 
 `RolloutVerifier.verify(batch, sender)` returns one `RolloutResult` per completion, each
-accepted or rejected with a stable reason code (`reasons.py`). Checks run cheapest first:
+accepted or rejected with a stable reason code (`reasons.py`). Everything without a forward
+pass runs first, so a bogus batch costs no model compute (NODE_SPEC.md §5.2):
 
 batch:       swarm id; followed policy id; policy version known and within
-             [latest - max_policy_lag, latest]; sampling parameters; round not reused.
-binding:     the task is one the seed assigns to (sender, round) (`TaskSource.assigned`);
-             the prompt is the task's formatted prompt; the seed is
-             `completion_seed(task, sender, version, j)` for some j; the rollout id (content
-             hash) is new.
-structure:   token ids in the vocabulary; nothing after EOS; finish_reason consistent.
-model:       one prefill of prompt + completion with the claimed version's model gives the
-             final-norm hidden states and logits at the positions that chose each token:
-             - activation proof (`proof.py`);
-             - claimed logprobs within `logprob_tol` of log_softmax(logits / T)[token];
-             - seeded replay: each token is the seeded Gumbel-max choice, up to near-ties;
-             - termination: a final EOS had probability >= min_eos_prob;
-             - sampling shape: the summed surprisal of the sampled tokens against its
-               expectation under the claimed temperature/top-p, as a z-score, |z| <= z_max;
-task:        the reward is recomputed from the regenerated task; a different claimed
-             reward is rejected (the claimed value is never used).
+             [latest - max_policy_lag, latest]; prover dtype; sampling parameters; round in
+             the version's window (BatchRules); round not used before (persisted).
+cheap:       shapes and limits (context = min(config, model)); proof length for the
+             verifier's own T and H; vocabulary; duplicates (persisted); the task among the
+             first tasks_per_round of the sender's draw; the prompt; the seed index j;
+             finish (EOS set of tokenizer + generation_config); text == decode(ids); reward.
+groups:      complete groups (every j < completions_per_task); spot checks per group.
+model:       one prefill of prompt + completion: activation proof; logprobs within
+             `logprob_tol` (the recomputed ones are handed on, never the claimed ones);
+             seeded replay up to near-ties; EOS probability; sampling shape.
 """
 
 from __future__ import annotations
@@ -35,12 +30,14 @@ from typing import Any
 
 import torch
 
-from ..protocol.messages import Completion, RolloutBatch, SamplingParams, Verdict
+from ..protocol.messages import BatchRules, Completion, RolloutBatch, SamplingParams, Verdict
 from .proof import ProofThresholds, verify_proof
+from .seen import SeenStore
 
 log = logging.getLogger(__name__)
 
 ModelFor = Callable[[int], Any]
+SpotCheck = Callable[[list[bytes]], bool]
 
 
 @dataclass(frozen=True)
@@ -79,6 +76,8 @@ class RolloutResult:
     detail: str = ""
     reward: float | None = None
     stats: dict = field(default_factory=dict)
+    text: str | None = None  # decoded from the verified token ids
+    logprobs: Any = None  # recomputed float32 [T] (numpy); None when not model-checked
 
     def verdict(self, subject: str, policy_version: int) -> Verdict:
         return Verdict(rollout_id=self.rollout_id, subject=subject, accept=self.accept,
@@ -99,22 +98,6 @@ def rollout_id(batch: RolloutBatch, c: Completion) -> bytes:
     return h.digest()
 
 
-class SeenSet:
-    """Bounded memory of rollout ids (oldest forgotten first)."""
-
-    def __init__(self, capacity: int = 1_000_000):
-        self.capacity = capacity
-        self._ids: OrderedDict[bytes, None] = OrderedDict()
-
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._ids
-
-    def add(self, key: bytes) -> None:
-        self._ids[key] = None
-        while len(self._ids) > self.capacity:
-            self._ids.popitem(last=False)
-
-
 class _Reject(Exception):
     def __init__(self, reason: str, detail: str = ""):
         super().__init__(detail)
@@ -126,40 +109,52 @@ class RolloutVerifier:
 
     `model_for(version)` returns the model of a policy version (or None when unknown); a
     model instead of a callable serves every version. `latest_version()` is the newest
-    version this node knows.
+    version this node knows. `dtype` is the dtype the models run in: batches stating another
+    prover dtype are rejected as `config_dtype` (no penalty). `rules` (BatchRules) turns on
+    the no-free-choice rules; `seen` (SeenStore) persists accepted ids and used rounds.
     """
 
     def __init__(self, model_for: ModelFor, tokenizer, task_source, *, swarm_id: str,
                  latest_version: Callable[[], int], settings: CheckSettings | None = None,
                  policy_ids: set[str] | None = None, sampling: SamplingParams | None = None,
-                 max_context: int = 1 << 20, format_reward: float = 0.0):
+                 max_context: int = 1 << 20, format_reward: float = 0.0,
+                 rules: BatchRules | None = None, dtype: str = "float32",
+                 generation_config=None, seen: SeenStore | None = None):
+        from ..node.sampler.stops import eos_token_ids
+
         if isinstance(model_for, torch.nn.Module):  # one fixed model serves every version
             fixed = model_for
+            generation_config = generation_config or getattr(fixed, "generation_config", None)
             model_for = lambda version: fixed
         self.model_for = model_for
         self.tokenizer = tokenizer
         self.task_source = task_source
         self.swarm_id = swarm_id
         self.latest_version = latest_version
-        self.settings = settings or CheckSettings()
+        self.dtype = dtype
+        self.settings = settings or CheckSettings.for_dtype(dtype)
         self.policy_ids = policy_ids
         self.sampling = sampling
         self.max_context = max_context
         self.format_reward = format_reward
-        self.seen = SeenSet()
-        self.rounds: OrderedDict[tuple[str, int], None] = OrderedDict()
+        self.rules = rules
+        self.seen = seen or SeenStore()
         self.counts: dict[str, int] = {}
-        self.eos_ids = {tokenizer.eos_token_id}
+        self.eos_ids = eos_token_ids(tokenizer, generation_config)
         self._assigned_cache: OrderedDict[tuple[str, int], set[bytes]] = OrderedDict()
-        self._seed_cache: OrderedDict[tuple[bytes, str, int], set[int]] = OrderedDict()
+        self._seed_cache: OrderedDict[tuple[bytes, str, int], dict[int, int]] = OrderedDict()
 
     # public ------------------------------------------------------------------------------
 
-    def verify(self, batch: RolloutBatch, sender: str) -> list[RolloutResult]:
-        """One result per completion; accepted rollout ids are remembered (replays fail)."""
+    def verify(self, batch: RolloutBatch, sender: str,
+               spot_check: SpotCheck | None = None) -> list[RolloutResult]:
+        """One result per completion. `spot_check(group_ids)` (optional) decides per task
+        group whether its model checks run; a group it skips passes the cheap checks only and
+        is accepted as `unchecked` (no recomputed logprobs). Accepted and unchecked rollout
+        ids are remembered on disk with the round (replays fail, also after a restart)."""
         ids = [rollout_id(batch, c) for c in batch.completions]
         try:
-            results = self._verify(batch, sender, ids)
+            results = self._verify(batch, sender, ids, spot_check)
         except _Reject as r:
             results = [RolloutResult(i, rid, False, r.reason, r.detail)
                        for i, rid in enumerate(ids)]
@@ -169,17 +164,15 @@ class RolloutVerifier:
                        for i, rid in enumerate(ids)]
         for r in results:
             self.counts[r.reason] = self.counts.get(r.reason, 0) + 1
-            if r.accept:
-                self.seen.add(r.rollout_id)
-        if any(r.accept for r in results):
-            self.rounds[(sender, batch.round)] = None
-            while len(self.rounds) > 100_000:
-                self.rounds.popitem(last=False)
+        kept = [r.rollout_id for r in results if r.accept]
+        if kept:
+            self.seen.add(kept, batch.policy_version, sender, batch.round)
+        self.seen.prune(self.latest_version() - self.settings.max_policy_lag)
         return results
 
     # batch checks ------------------------------------------------------------------------
 
-    def _verify(self, batch: RolloutBatch, sender: str, ids: list[bytes]) -> list[RolloutResult]:
+    def _batch_checks(self, batch: RolloutBatch, sender: str):
         s = self.settings
         if batch.swarm_id != self.swarm_id:
             raise _Reject("wrong_swarm", f"swarm {batch.swarm_id!r}")
@@ -191,39 +184,101 @@ class RolloutVerifier:
         if batch.policy_version < latest - s.max_policy_lag:
             raise _Reject("stale_policy", f"version {batch.policy_version}, latest {latest}, "
                                           f"lag limit {s.max_policy_lag}")
+        if batch.dtype != self.dtype:
+            raise _Reject("config_dtype", f"batch sampled in {batch.dtype}; this verifier "
+                                          f"checks {self.dtype} (set model.dtype = "
+                                          f"\"{self.dtype}\")")
         if self.sampling is not None and batch.sampling != self.sampling:
             raise _Reject("sampling_params", f"{batch.sampling} != {self.sampling}")
-        if (sender, batch.round) in self.rounds:
+        if self.rules is not None and batch.round not in self.rules.round_window(
+                batch.policy_version):
+            w = self.rules.round_window(batch.policy_version)
+            raise _Reject("round_out_of_range", f"round {batch.round} of v{batch.policy_version}"
+                                                f" must be in [{w.start}, {w.stop})")
+        if self.seen.round_used(sender, batch.round):
             raise _Reject("round_reused", f"round {batch.round} already accepted")
         model = self.model_for(batch.policy_version)
         if model is None:
             raise _Reject("unknown_policy", f"no model for version {batch.policy_version}")
+        return model
 
+    def _verify(self, batch, sender, ids, spot_check) -> list[RolloutResult]:
+        model = self._batch_checks(batch, sender)
+        from ..node.sampler.stops import context_limit
+
+        limits = (context_limit(model.config, self.max_context), model.config.hidden_size)
         results: list[RolloutResult | None] = [None] * len(batch.completions)
-        pending: list[int] = []
+        cheap: dict[int, tuple] = {}  # index -> (task, seed index j, text, reward)
         in_batch: set[bytes] = set()
         seeds: set[int] = set()
-        tasks: dict[int, Any] = {}
         max_prompt = max(c.prompt_ids.shape[0] for c in batch.completions)
         for i, c in enumerate(batch.completions):
             try:
-                tasks[i] = self._static_checks(batch, c, sender, ids[i], in_batch, seeds,
-                                               max_prompt)
-                pending.append(i)
+                cheap[i] = self._static_checks(batch, c, sender, ids[i], in_batch, seeds,
+                                               max_prompt, limits)
             except _Reject as r:
                 results[i] = RolloutResult(i, ids[i], False, r.reason, r.detail)
             in_batch.add(ids[i])
-        for group in self._prefill_groups(batch, pending):
+        to_check: list[int] = []
+        groups = self._groups(batch, results, cheap, ids)
+        for members in groups:
+            if spot_check is not None and not spot_check([ids[i] for i in members]):
+                for i in members:
+                    _, _, text, reward = cheap[i]
+                    results[i] = RolloutResult(i, ids[i], True, "unchecked", reward=reward,
+                                               text=text)
+            else:
+                to_check += members
+        for group in self._prefill_groups(batch, to_check):
             outs = self._prefill(model, [batch.completions[i] for i in group])
             for i, (hidden, _) in zip(group, outs):
-                c = batch.completions[i]
                 try:
                     logits = self._logits(model, hidden)
-                    stats, reward = self._model_checks(batch, c, hidden, logits, tasks[i])
-                    results[i] = RolloutResult(i, ids[i], True, "ok", reward=reward, stats=stats)
+                    stats, logprobs = self._model_checks(batch, batch.completions[i], hidden,
+                                                         logits)
+                    _, _, text, reward = cheap[i]
+                    results[i] = RolloutResult(i, ids[i], True, "ok", reward=reward,
+                                               stats=stats, text=text, logprobs=logprobs)
                 except _Reject as r:
                     results[i] = RolloutResult(i, ids[i], False, r.reason, r.detail)
+        for members in groups:  # a group is used whole or not at all
+            if any(not results[i].accept for i in members):
+                for i in members:
+                    if results[i].accept:
+                        results[i] = RolloutResult(i, ids[i], False, "group_member_rejected",
+                                                   "another completion of its group failed")
         return results  # type: ignore[return-value]
+
+    def _groups(self, batch, results, cheap, ids) -> list[list[int]]:
+        """Task groups whose members all passed the cheap checks; with `rules`, a group must
+        hold exactly the seed indices 0..completions_per_task-1 (else `incomplete_group` for
+        all of it: a sender may not keep only the completions it likes)."""
+        from ..node.sampler.seeded import ref_bytes
+
+        by_task: dict[bytes, list[int]] = {}
+        for i, c in enumerate(batch.completions):
+            by_task.setdefault(ref_bytes(c.task), []).append(i)
+        groups = []
+        for members in by_task.values():
+            if any(results[i] is not None for i in members):
+                self._reject_group(members, results, ids, "group_member_rejected",
+                                   "another completion of its group failed")
+                continue
+            if self.rules is not None:
+                got = sorted(cheap[i][1] for i in members)
+                if got != list(range(self.rules.completions_per_task)):
+                    self._reject_group(members, results, ids, "incomplete_group",
+                                       f"seed indices {got[:8]}..., need 0.."
+                                       f"{self.rules.completions_per_task - 1}")
+                    continue
+            groups.append(members)
+        return groups
+
+    @staticmethod
+    def _reject_group(members, results, ids, reason: str, detail: str) -> None:
+        for i in members:
+            if results[i] is None:
+                results[i] = RolloutResult(i, ids[i], False, reason, detail)
 
     # per-completion checks without the model ---------------------------------------------
 
@@ -232,50 +287,82 @@ class RolloutVerifier:
 
         key = (sender, round_)
         if key not in self._assigned_cache:
-            n = self.task_source.max_per_round
+            n = self.rules.tasks_per_round if self.rules else self.task_source.max_per_round
             self._assigned_cache[key] = {ref_bytes(self.task_source.ref_at(sender, round_, i))
                                          for i in range(n)}
             while len(self._assigned_cache) > 64:
                 self._assigned_cache.popitem(last=False)
         return self._assigned_cache[key]
 
-    def _static_checks(self, batch, c: Completion, sender, rid, in_batch, seeds, max_prompt):
-        from ..node.errors import NodeError
+    def _seed_index(self, c: Completion, sender: str, version: int) -> int | None:
+        """j such that c.seed == completion_seed(task, sender, version, j), j < 256."""
         from ..node.sampler.seeded import completion_seed, ref_bytes
-        from ..node.tasks import format_prompt, get_task
 
-        s = self.settings
+        key = (ref_bytes(c.task), sender, version)
+        if key not in self._seed_cache:
+            self._seed_cache[key] = {completion_seed(c.task, sender, version, j): j
+                                     for j in range(self.settings.max_completions_per_task)}
+            while len(self._seed_cache) > 4096:
+                self._seed_cache.popitem(last=False)
+        return self._seed_cache[key].get(c.seed)
+
+    def _static_checks(self, batch, c: Completion, sender, rid, in_batch, seeds, max_prompt,
+                       limits) -> tuple:
+        """Everything that needs no forward pass, cheapest first. Returns (task, seed index,
+        decoded text, recomputed reward)."""
+        from ..node.errors import NodeError
+        from ..node.sampler.seeded import ref_bytes
+        from ..node.tasks import format_prompt, get_task
+        from .proof import proof_size
+
+        max_context, hidden_size = limits
         p, t = c.prompt_ids.shape[0], c.completion_ids.shape[0]
         if p == 0 or t == 0:
             raise _Reject("bad_shape", f"prompt {p} / completion {t} tokens")
-        if t > batch.sampling.max_new_tokens or p + t > self.max_context:
+        if t > batch.sampling.max_new_tokens or p + t > max_context:
             raise _Reject("bad_shape", f"{p}+{t} tokens exceed the limits")
+        if not c.proof:
+            raise _Reject("proof_missing", "empty proof")
+        if len(c.proof) != proof_size(t, hidden_size):
+            raise _Reject("proof_length", f"{len(c.proof)} bytes, {t} tokens x {hidden_size} "
+                                          f"need {proof_size(t, hidden_size)}")
         ids = c.completion_ids.to_numpy()
         prompt = c.prompt_ids.to_numpy()
         vocab = len(self.tokenizer)
         if (ids < 0).any() or (ids >= vocab).any() or (prompt < 0).any() or (prompt >= vocab).any():
             raise _Reject("bad_shape", "token id outside the vocabulary")
-        if rid in self.seen or rid in in_batch:
+        if rid in in_batch or self.seen.seen(rid):
             raise _Reject("duplicate", "rollout seen before")
         if ref_bytes(c.task) not in self._assigned(sender, batch.round):
-            raise _Reject("task_not_assigned", f"{c.task.dataset}#{c.task.index} not drawn for "
-                                               f"round {batch.round}")
+            raise _Reject("config_task_mix", f"{c.task.dataset}#{c.task.index} is not among "
+                                             f"the tasks drawn for round {batch.round} "
+                                             "(check tasks.mix and tasks.tasks_per_round)")
+        j = self._seed_index(c, sender, batch.policy_version)
+        if c.seed in seeds or j is None:
+            raise _Reject("seed_mismatch", f"seed {c.seed} not derived for this sender/task")
+        if self.rules is not None and j >= self.rules.completions_per_task:
+            raise _Reject("config_group_size", f"seed index {j} >= completions_per_task "
+                                               f"{self.rules.completions_per_task}")
+        seeds.add(c.seed)
+        self._finish_checks(batch, c, ids.tolist(), max_prompt, max_context)
         try:
             task = get_task(c.task, self.format_reward)
         except (NodeError, ValueError, KeyError) as e:
             raise _Reject("bad_task", str(e)[:200]) from None
         if format_prompt(self.tokenizer, task) != prompt.tolist():
             raise _Reject("prompt_mismatch", "prompt is not the task's formatted prompt")
-        key = (ref_bytes(c.task), sender, batch.policy_version)
-        if key not in self._seed_cache:
-            self._seed_cache[key] = {completion_seed(c.task, sender, batch.policy_version, j)
-                                     for j in range(s.max_completions_per_task)}
-            while len(self._seed_cache) > 4096:
-                self._seed_cache.popitem(last=False)
-        if c.seed in seeds or c.seed not in self._seed_cache[key]:
-            raise _Reject("seed_mismatch", f"seed {c.seed} not derived for this sender/task")
-        seeds.add(c.seed)
-        eos_at = [k for k, tok in enumerate(ids.tolist()) if tok in self.eos_ids]
+        # The text and reward the trainer uses come from the token ids, never from the sender.
+        text = self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)
+        if c.text and c.text != text:
+            raise _Reject("text_mismatch", "claimed text is not the decoded completion")
+        reward = task.score(text)
+        if not abs(c.claimed_reward - reward) <= self.settings.reward_tol:
+            raise _Reject("reward_mismatch", f"claimed {c.claimed_reward}, recomputed {reward}")
+        return task, j, text, reward
+
+    def _finish_checks(self, batch, c, ids: list[int], max_prompt: int, max_context: int):
+        t = len(ids)
+        eos_at = [k for k, tok in enumerate(ids) if tok in self.eos_ids]
         if eos_at and eos_at[0] < t - 1:
             raise _Reject("tokens_after_eos", f"EOS at {eos_at[0]}, {t} tokens")
         if c.finish_reason == "eos" and not eos_at:
@@ -283,10 +370,9 @@ class RolloutVerifier:
         if c.finish_reason == "length":
             if eos_at:
                 raise _Reject("bad_finish", "finish_reason length but ends with EOS")
-            cap = min(batch.sampling.max_new_tokens, self.max_context - max_prompt)
+            cap = min(batch.sampling.max_new_tokens, max_context - max_prompt)
             if t < cap:
                 raise _Reject("bad_finish", f"length stop at {t} < {cap} tokens")
-        return task
 
     # model -------------------------------------------------------------------------------
 
@@ -315,13 +401,12 @@ class RolloutVerifier:
         head = model.get_output_embeddings()
         return head(hidden.to(head.weight.device, head.weight.dtype)).float().cpu()
 
-    def _model_checks(self, batch, c: Completion, hidden, logits, task):
-        from ..node.sampler.seeded import gumbel_noise, mask_logits
-
+    def _model_checks(self, batch, c: Completion, hidden, logits):
+        """Proof, logprobs, seeded replay, EOS and shape. Returns (stats, recomputed
+        logprobs float32 [T]): the trainer trains on these, never on the claimed ones."""
         s = self.settings
         params = batch.sampling
         tokens = torch.from_numpy(c.completion_ids.to_numpy().astype("int64"))
-        t = tokens.shape[0]
         stats: dict[str, float] = {}
 
         proof = verify_proof(c.proof, hidden, s.proof)
@@ -333,60 +418,61 @@ class RolloutVerifier:
 
         temp = params.temperature
         scaled = logits / temp if temp > 0 else logits
-        logp = torch.log_softmax(scaled, dim=-1)
-        chosen = logp.gather(1, tokens[:, None])[:, 0]
+        chosen = torch.log_softmax(scaled, dim=-1).gather(1, tokens[:, None])[:, 0]
         claimed = torch.from_numpy(c.logprobs.to_numpy().copy())
         if not torch.isfinite(claimed).all():
             raise _Reject("logprob_mismatch", "claimed logprobs contain NaN/inf")
-        diff = (claimed - chosen).abs()
-        stats["logprob_max_diff"] = float(diff.max())
-        if float(diff.max()) > s.logprob_tol:
-            k = int(diff.argmax())
+        err = claimed - chosen
+        stats["logprob_max_diff"] = float(err.abs().max())
+        stats["lp_err_sum"] = float(err.double().sum())  # per-peer bias test (sequential.py)
+        stats["lp_n"] = float(err.numel())
+        if float(err.abs().max()) > s.logprob_tol:
+            k = int(err.abs().argmax())
             raise _Reject("logprob_mismatch", f"position {k}: claimed {float(claimed[k]):.4f}, "
                                               f"recomputed {float(chosen[k]):.4f}")
-
-        # Seeded replay. Near-ties: the claimed token's noisy score may trail the winner's by
-        # at most tie_eps (floating-point differences between decode and prefill).
-        if temp == 0:
-            best = scaled.max(dim=-1).values
-            gap = best - scaled.gather(1, tokens[:, None])[:, 0]
-        else:
-            noise = torch.stack([gumbel_noise(c.seed, k, logits.shape[-1]) for k in range(t)])
-            masked = mask_logits(scaled, params)
-            loose = mask_logits(scaled, params.model_copy(
-                update={"top_p": min(1.0, params.top_p + s.top_p_eps)})) \
-                if params.top_p < 1.0 else masked
-            best = (masked + noise).max(dim=-1).values
-            mine = (loose + noise).gather(1, tokens[:, None])[:, 0]
-            gap = best - mine
-        stats["replay_max_gap"] = float(gap.max())
-        if not float(gap.max()) <= s.tie_eps:  # also catches NaN / -inf (masked token)
-            k = int(torch.nan_to_num(gap, nan=math.inf).argmax())
-            raise _Reject("token_mismatch", f"position {k}: token {int(tokens[k])} trails the "
-                                            f"seeded choice by {float(gap[k]):.3g}")
-
+        stats.update(self._replay(c, params, scaled, tokens))
         if c.finish_reason == "eos":
             eos_p = float(torch.softmax(logits[-1].float(), dim=-1)[tokens[-1]])
             stats["eos_prob"] = eos_p
             if eos_p < s.min_eos_prob:
                 raise _Reject("eos_improbable", f"EOS probability {eos_p:.2e}")
-
-        if temp > 0 and t >= s.shape_min_tokens:
+        if temp > 0 and tokens.shape[0] >= s.shape_min_tokens:
             # the loosened top-p, so a boundary near-tie accepted by replay is in the support
             z = sampling_shape_z(scaled, tokens, params.model_copy(
                 update={"top_p": min(1.0, params.top_p + s.top_p_eps)}))
             stats["shape_z"] = z
             if not abs(z) <= s.shape_z_max:
                 raise _Reject("sampling_shape", f"surprisal z-score {z:.2f}")
+        return stats, chosen.float().numpy()
 
-        text = self.tokenizer.decode(tokens.tolist(), skip_special_tokens=True)
-        if c.text and c.text != text:
-            raise _Reject("text_mismatch", "claimed text is not the decoded completion")
-        reward = task.score(text)
-        if not abs(c.claimed_reward - reward) <= s.reward_tol:
-            raise _Reject("reward_mismatch", f"claimed {c.claimed_reward}, recomputed {reward}")
-        return stats, reward
+    def _replay(self, c, params, scaled, tokens) -> dict[str, float]:
+        """Seeded replay. Near-ties: the claimed token's noisy score may trail the winner's by
+        at most tie_eps (floating-point differences between decode and prefill). Also counts
+        near-tie positions and how often the claimed token is not the verifier's own choice
+        there (`ties`, `tie_flips`): the per-peer steering test (sequential.py) uses them."""
+        from ..node.sampler.seeded import gumbel_noise, mask_logits
 
+        s = self.settings
+        if params.temperature == 0:
+            best_scores, mine_scores = scaled, scaled
+        else:
+            noise = torch.stack([gumbel_noise(c.seed, k, scaled.shape[-1])
+                                 for k in range(tokens.shape[0])])
+            best_scores = mask_logits(scaled, params) + noise
+            loose = mask_logits(scaled, params.model_copy(
+                update={"top_p": min(1.0, params.top_p + s.top_p_eps)})) \
+                if params.top_p < 1.0 else mask_logits(scaled, params)
+            mine_scores = loose + noise
+        top2 = best_scores.topk(2, dim=-1)
+        gap = top2.values[:, 0] - mine_scores.gather(1, tokens[:, None])[:, 0]
+        if not float(gap.max()) <= s.tie_eps:  # also catches NaN / -inf (masked token)
+            k = int(torch.nan_to_num(gap, nan=math.inf).argmax())
+            raise _Reject("token_mismatch", f"position {k}: token {int(tokens[k])} trails the "
+                                            f"seeded choice by {float(gap[k]):.3g}")
+        ties = (top2.values[:, 0] - top2.values[:, 1]) <= s.tie_eps
+        flips = ties & (tokens != top2.indices[:, 0])
+        return {"replay_max_gap": float(gap.max()), "ties": float(ties.sum()),
+                "tie_flips": float(flips.sum())}
 
 @torch.inference_mode()
 def prefill(model, pairs, pad_id: int = 0, with_logits: bool = True):

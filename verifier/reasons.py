@@ -1,8 +1,11 @@
 """Stable reject reason codes of the verifier (NODE_SPEC.md §5 lists them).
 
-Each is a short string that labels verdicts, metrics and logs. `HONEST_MISTAKES` can come
-from an honest but slow, misconfigured or unlucky peer (light reputation penalty, see
-`reputation.PENALTIES`); every other reject is evidence of cheating (heavy penalty).
+Each is a short string that labels verdicts, metrics and logs. `CONFIG_REASONS` mean the
+peer runs with other settings than this verifier (task mix, sampling parameters, dtype,
+group size, round numbering): no reputation penalty at all, and the verdict is published so
+the peer sees it. `HONEST_MISTAKES` (a superset) can come from an honest but slow,
+misconfigured or unlucky peer (light or no penalty, see `reputation.PENALTIES`); every other
+reject is evidence of cheating (heavy penalty).
 No torch here: the CLI and roles import this module cheaply.
 """
 
@@ -25,14 +28,22 @@ BATCH_REASONS = {
     "wrong_swarm": "the batch names another swarm",
     "unknown_policy": "policy id not followed, or policy version not known to this verifier",
     "stale_policy": "policy version older than latest - max_policy_lag (trainer.max_staleness)",
-    "sampling_params": "sampling parameters differ from the swarm's",
+    "sampling_params": "sampling parameters differ from the swarm's (config; no penalty)",
+    "config_dtype": "the batch states a prover dtype this verifier does not check in (config; "
+                    "no penalty)",
+    "round_out_of_range": "the round is outside the policy version's window (config; no penalty)",
     "round_reused": "the sender already had a batch of this round accepted",
 }
 
 COMPLETION_REASONS = {
     "bad_shape": "empty prompt or completion, too long, or token ids outside the vocabulary",
     "bad_task": "the task reference cannot be regenerated",
-    "task_not_assigned": "the task is not among those the seed assigns to (sender, round)",
+    "config_task_mix": "the task is not among the first tasks_per_round drawn for (sender, "
+                       "round) under this swarm's task mix (config; no penalty)",
+    "config_group_size": "a seed index j >= completions_per_task (config; no penalty)",
+    "incomplete_group": "a task group lacks some seed index j < completions_per_task",
+    "group_member_rejected": "another completion of the same task group was rejected (a group "
+                             "is used whole or not at all; the penalty goes to that one)",
     "prompt_mismatch": "prompt tokens are not the formatted prompt of the task",
     "seed_mismatch": "the seed is not derived from (task, sender, policy version, index)",
     "duplicate": "the rollout id (content hash) was seen before, or twice in the batch",
@@ -45,10 +56,17 @@ COMPLETION_REASONS = {
     "reward_mismatch": "the claimed reward differs from the reward of the regenerated task",
     "text_mismatch": "the claimed text is not the decoded completion",
     "verifier_error": "internal error while verifying (counted; never expected)",
+    "over_budget": "the sender's verification budget is spent (probation or flood; "
+                   "not verified, no penalty)",
 }
 
 REASONS: dict[str, str] = {**BATCH_REASONS, **COMPLETION_REASONS, **PROOF_REASONS}
 
+# Honest misconfiguration: no penalty, the verdict tells the peer what to fix.
+CONFIG_REASONS = {"sampling_params", "config_dtype", "config_task_mix", "config_group_size",
+                  "round_out_of_range"}
+
 # Reasons an honest peer can produce without cheating.
-HONEST_MISTAKES = {"unknown_policy", "stale_policy", "wrong_swarm", "duplicate", "round_reused",
-                   "sampling_params", "verifier_error"}
+HONEST_MISTAKES = CONFIG_REASONS | {"unknown_policy", "stale_policy", "wrong_swarm", "duplicate",
+                                    "round_reused", "verifier_error", "over_budget",
+                                    "group_member_rejected"}

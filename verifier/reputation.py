@@ -29,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .reasons import CONFIG_REASONS
+
 log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
@@ -43,8 +45,10 @@ PENALTIES: dict[str, float] = {
     "wrong_swarm": -0.5,
     "duplicate": -1.0,
     "round_reused": -1.0,
-    "sampling_params": -1.0,
     "verifier_error": 0.0,  # our fault, not the peer's
+    "over_budget": 0.0,  # not verified at all
+    "group_member_rejected": 0.0,  # collateral of a sibling's reject, which is penalised
+    **{reason: 0.0 for reason in CONFIG_REASONS},  # honest misconfiguration: never punished
 }
 
 

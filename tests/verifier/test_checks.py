@@ -91,23 +91,23 @@ def test_replayed_batch_rejected(kit, honest):
     assert reasons(v.verify(honest, SENDER)) == {"round_reused"}
     moved = honest.model_copy(update={"round": honest.round + 1})
     # the same rollouts under another round: tasks no longer assigned, ids already seen
-    assert reasons(v.verify(moved, SENDER)) <= {"duplicate", "task_not_assigned"}
+    assert reasons(v.verify(moved, SENDER)) <= {"duplicate", "config_task_mix"}
 
 
 def test_duplicate_inside_batch(kit, honest):
     batch = honest.model_copy(update={"completions": [honest.completions[0]] * 2})
     results = verifier(kit).verify(batch, SENDER)
-    assert [r.reason for r in results] == ["ok", "duplicate"]
+    assert [r.reason for r in results] == ["group_member_rejected", "duplicate"]
 
 
 def test_sender_binding(kit, honest):
     # the same batch relayed as another peer's: its tasks and seeds belong to SENDER
-    assert reasons(verifier(kit).verify(honest, "12D3KooWSomeoneElse")) == {"task_not_assigned"}
+    assert reasons(verifier(kit).verify(honest, "12D3KooWSomeoneElse")) == {"config_task_mix"}
 
 
-def test_task_not_assigned(kit):
+def test_task_not_assigned_is_config(kit):
     batch = sample(kit, tasks=1, n=2, round_=7, label_round=0)
-    assert reasons(verifier(kit).verify(batch, SENDER)) == {"task_not_assigned"}
+    assert reasons(verifier(kit).verify(batch, SENDER)) == {"config_task_mix"}
 
 
 def test_batch_level_rejects(kit, honest):
@@ -262,7 +262,7 @@ def test_broken_model_is_a_counted_reject(kit, honest):
 
 def test_reasons_registry_covers_codes():
     for code in ("token_mismatch", "sampling_shape", "eos_improbable", "proof_bias",
-                 "task_not_assigned", "duplicate", "round_reused"):
+                 "config_task_mix", "duplicate", "round_reused"):
         assert code in REASONS
 
 

@@ -1,0 +1,16 @@
+"""The swarm's batch rules from a node config (`BatchRules` in protocol/messages.py).
+
+Senders (inference role) and verifiers (trainer role) call this one function, so both read
+the same three settings the same way.
+"""
+
+from __future__ import annotations
+
+from ..protocol.messages import BatchRules
+
+
+def batch_rules(cfg) -> BatchRules:
+    """tasks.tasks_per_round, sampler.completions_per_task, sampler.batches_per_version."""
+    return BatchRules(completions_per_task=cfg.sampler.completions_per_task,
+                      tasks_per_round=cfg.tasks.tasks_per_round,
+                      rounds_per_version=cfg.sampler.batches_per_version)

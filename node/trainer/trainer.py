@@ -27,6 +27,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ...protocol.messages import RolloutBatch
@@ -182,7 +183,7 @@ class Trainer:
             ref = items[0].task
             comps = [CompletionRecord([int(x) for x in c.completion_ids.to_numpy()],
                                       self.rescorer.score(ref, c.text),
-                                      c.logprobs.to_numpy().astype(float).tolist(),
+                                      _verified_or_none(c.logprobs),
                                       c.finish_reason, c.text)
                      for c in items if c.completion_ids.shape[0] > 0]
             groups.append(RolloutGroup("local", ref.model_dump(mode="json"),
@@ -374,6 +375,14 @@ class Trainer:
 
     def close(self) -> None:
         self.buffer.close()
+
+
+def _verified_or_none(logprobs) -> list[float] | None:
+    """Behaviour logprobs of a verified own-policy batch: the trainer role hands the
+    verifier's recomputed ones; NaN marks a spot-check-skipped rollout (nothing verified):
+    None, so they are recomputed under the current policy before the update."""
+    values = logprobs.to_numpy().astype(float)
+    return values.tolist() if np.isfinite(values).all() else None
 
 
 def _as_list(logprobs) -> list[float] | None:

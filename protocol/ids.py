@@ -1,8 +1,17 @@
-"""Protocol IDs and gossip topic names. Every one carries a version."""
+"""Protocol IDs and gossip topic names. Every one carries a version.
 
-FETCH_PROTOCOL = "/swarm-node/fetch/1.0.0"
-SHARD_PROTOCOL = "/swarm-node/shard/1.0.0"
-HELLO_PROTOCOL = "/swarm-node/hello/1.0.0"
+NODE_SPEC.md lists the same IDs in a table; tests/protocol/test_spec_ids.py keeps the two equal.
+"""
+
+# Stream protocols (libp2p protocol IDs).
+FETCH_PROTOCOL = "/swarm-node/fetch/1.0.0"  # payload pull after a PayloadAnnounce
+SHARD_PROTOCOL = "/swarm-node/shard/1.0.0"  # checkpoint shard download
+# Request: a ShardRequest naming policy and version; response: the trainer's signed manifest
+# envelope bytes, re-checked by the asker.
+MANIFEST_PROTOCOL = "/swarm-node/manifest/1.0.0"
+PEERS_PROTOCOL = "/swarm-node/peers/1.0.0"  # peer exchange (Hello in, peer list out)
+
+STREAM_PROTOCOLS = (FETCH_PROTOCOL, SHARD_PROTOCOL, MANIFEST_PROTOCOL, PEERS_PROTOCOL)
 
 TOPIC_KINDS = ("rollouts", "checkpoints", "verdicts", "adverts")
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ...protocol.envelope import Envelope
 from ...protocol.errors import ProtocolError
-from ...protocol.ids import SHARD_PROTOCOL
+from ...protocol.ids import MANIFEST_PROTOCOL, SHARD_PROTOCOL
 from ...protocol.messages import CheckpointManifest, ShardAdvert, ShardRequest
 from .downloader import Downloader
 from .errors import BroadcastError, DownloadFailed, ManifestRejected
@@ -27,7 +27,6 @@ from .progress import Progress
 from .server import ShardServer
 from .sources import SourceBook
 from .store import ShardStore, VersionEntry, advert_shards
-from .wire import MANIFEST_PROTOCOL
 
 log = logging.getLogger(__name__)
 

@@ -98,8 +98,3 @@ async def fetch(transport: ShardTransport, peer: str, request: ShardRequest, *,
             await asyncio.wait_for(stream.close(), 2.0)
         except Exception:  # noqa: BLE001 - closing a broken stream may fail; nothing to do
             pass
-
-
-# The signed manifest envelope of a version, by request (body: a ShardRequest naming the
-# policy and version; response: the trainer's envelope bytes, re-checked by the asker).
-MANIFEST_PROTOCOL = "/swarm-node/manifest/1.0.0"

@@ -19,12 +19,12 @@ import time
 
 from ...protocol.codec import pack, unpack
 from ...protocol.errors import ProtocolError
+from ...protocol.ids import PEERS_PROTOCOL
 from ...protocol.messages import Hello
 from .errors import BootstrapError, DialError, P2PError, RequestError
 
 log = logging.getLogger(__name__)
 
-PEERS_PROTOCOL = "/swarm-node/peers/1.0.0"
 MAX_PEERS_REPLY = 64
 MAX_ADDRS_PER_PEER = 16
 MAX_ADDR_LEN = 256

@@ -35,3 +35,40 @@ class Limits:
 
     def max_envelope(self) -> int:
         return max(self.max_bytes.values()) + ENVELOPE_OVERHEAD
+
+
+# Which message types may travel on which gossip topic (NODE_SPEC §1.4 step 10, §3).
+# A payload announcement is allowed where its `inner_type` is.
+TOPIC_MESSAGE_TYPES: dict[str, frozenset[str]] = {
+    "rollouts": frozenset({"rollout_batch"}),
+    "checkpoints": frozenset({"checkpoint_manifest"}),
+    "verdicts": frozenset({"verdict"}),
+    "adverts": frozenset({"shard_advert"}),
+}
+ANNOUNCE_TYPE = "payload_announce"
+
+
+@dataclass(frozen=True)
+class TopicRate:
+    """Token bucket for one (forwarding peer, topic): `per_s` refill, `burst` capacity."""
+
+    per_s: float
+    burst: float
+
+
+# Inbound gossip per forwarding peer and topic, applied BEFORE signature checks and
+# decoding. A forwarder relays every origin's messages, so these are sized for a whole
+# swarm's honest traffic through one peer, far below what a flooder sends.
+DEFAULT_TOPIC_RATES: dict[str, TopicRate] = {
+    "rollouts": TopicRate(per_s=200.0, burst=1000.0),
+    "checkpoints": TopicRate(per_s=5.0, burst=50.0),
+    "verdicts": TopicRate(per_s=200.0, burst=1000.0),
+    "adverts": TopicRate(per_s=50.0, burst=200.0),
+}
+OTHER_TOPIC_RATE = TopicRate(per_s=10.0, burst=20.0)
+
+# Yamux: most bytes a peer may have buffered at us on one stream / one connection. An
+# honest sender never exceeds the receive window we granted (16 MiB at most); a peer that
+# does is cut.
+MAX_STREAM_BUFFER = 16 * MiB + 64 * KiB
+MAX_CONN_BUFFER = 64 * MiB

@@ -41,6 +41,9 @@ class TrioBridge:
         self._done: asyncio.Future | None = None
         self.shutdown_errors: list[str] = []
         self.running = False
+        self.stop_requested = False
+        # Called on the asyncio loop with one line of text if the thread ends on its own.
+        self.on_death: Callable[[str], None] | None = None
 
     # Lifecycle ------------------------------------------------------------------------
 
@@ -78,6 +81,9 @@ class TrioBridge:
         elif error is not None:
             self.shutdown_errors.append(f"{type(error).__name__}: {error}")
             log.warning("libp2p thread ended with %s: %s", type(error).__name__, error)
+        if self._ready.done() and not self.stop_requested and self.on_death is not None:
+            why = _describe(error) if error is not None else "it returned without being stopped"
+            self.on_death(why)
         if not self._done.done():
             self._done.set_result(None)
 
@@ -94,6 +100,7 @@ class TrioBridge:
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Ask body to return, then wait for the thread to end (joined, never left behind)."""
+        self.stop_requested = True
         if self._thread is None:
             return
         token = self._token
@@ -204,6 +211,13 @@ class TrioBridge:
                 loop.call_soon_threadsafe(fn, *args)
             except RuntimeError:
                 pass
+
+
+def _describe(error: BaseException) -> str:
+    """The innermost error of a (possibly grouped) exception, one line."""
+    while isinstance(error, BaseExceptionGroup) and error.exceptions:
+        error = error.exceptions[0]
+    return f"{type(error).__name__}: {error}"
 
 
 def _set_result_if_pending(fut: asyncio.Future, value: Any) -> None:

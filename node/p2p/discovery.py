@@ -40,8 +40,13 @@ class Discovery:
         self._backoff: dict[str, float] = {}
         self._next_try: dict[str, float] = {}
 
-    def install(self) -> None:
-        self.node.set_request_handler(PEERS_PROTOCOL, self._serve_peers)
+    def install(self):
+        """Serve PEERS_PROTOCOL; returns an awaitable done once the handler is live."""
+        return self.node.set_request_handler(PEERS_PROTOCOL, self._serve_peers)
+
+    def forget(self, peer: str) -> None:
+        """A cut peer: drop its addresses so it is not redialled or handed to others."""
+        self.known.pop(peer, None)
 
     # Bootstrap ------------------------------------------------------------------------
 
@@ -93,8 +98,8 @@ class Discovery:
     async def _serve_peers(self, peer: str, body: bytes) -> bytes:
         hello = Hello.decode(body, max_size=8192)
         if hello.swarm_id != self.node.swarm_id:
-            raise ValueError(f"this node is in swarm {self.node.swarm_id!r}, "
-                             f"not {hello.swarm_id!r}")
+            # Never name our swarm: the peer list is only for members of the same swarm.
+            raise ValueError(f"not a member of swarm {hello.swarm_id[:64]!r}")
         addrs = [a for a in hello.listen_addrs if a.endswith(f"/p2p/{peer}")]
         if addrs:
             self.known[peer] = addrs
@@ -152,7 +157,8 @@ class Discovery:
         now = time.monotonic()
         candidates: list[tuple[str, str]] = []
         for pid, addrs in self.known.items():
-            if pid not in connected and self._next_try.get(pid, 0) <= now:
+            if (pid not in connected and self._next_try.get(pid, 0) <= now
+                    and not self.node.penalties.refused(pid)):
                 candidates.append((pid, addrs[0]))
         for addr in self.bootstrap_addrs:
             pid = addr.rsplit("/p2p/", 1)[-1]

@@ -19,7 +19,7 @@ from libp2p.pubsub.pubsub import Pubsub
 
 from ...protocol.envelope import Envelope, ReplayCache, open_envelope
 from ...protocol.errors import ProtocolError
-from ...protocol.limits import Limits
+from ...protocol.limits import ANNOUNCE_TYPE, TOPIC_MESSAGE_TYPES, Limits
 from .metrics import P2PMetrics
 
 log = logging.getLogger(__name__)
@@ -121,28 +121,40 @@ class CountingSendChannel:
 
 class GossipValidator:
     """Topic validator: the peer filter, then `open_envelope` (size, schema, signature,
-    sender = pubsub origin, skew, replay). Rejects are counted per forwarding peer and
-    reason. Accepted envelopes are kept until delivery so they are decoded once."""
+    sender = pubsub origin, skew, replay), then the topic <-> type rule. Rejects are
+    counted per forwarding peer and reason and reported to `on_reject(peer, reason)` (the
+    penalties). Accepted envelopes are kept until delivery so they are decoded once."""
 
     def __init__(self, self_id: str, limits: Limits, metrics: P2PMetrics,
                  peer_filter: Callable[[], Callable[[str], bool] | None],
-                 max_skew_s: float):
+                 max_skew_s: float, on_reject: Callable[[str, str], object] | None = None):
         self.self_id = self_id
         self.limits = limits
         self.metrics = metrics
         self.peer_filter = peer_filter
         self.max_skew_s = max_skew_s
+        self.on_reject = on_reject
         self.replay = ReplayCache(window_s=2 * max_skew_s)  # covers the whole skew window
         self.accepted: OrderedDict[bytes, Envelope] = OrderedDict()
         self.max_pending = 65536
 
-    def __call__(self, forwarder: ID, msg) -> bool:
+    def for_kind(self, kind: str) -> Callable[[ID, object], bool]:
+        """The validator of topic `kind`: only its message types pass."""
+        allowed = TOPIC_MESSAGE_TYPES.get(kind, frozenset())
+        return lambda forwarder, msg: self.validate(allowed, forwarder, msg)
+
+    def _reject(self, fwd: str, reason: str) -> bool:
+        self.metrics.reject(fwd, reason)
+        if self.on_reject is not None:
+            self.on_reject(fwd, reason)
+        return False
+
+    def validate(self, allowed: frozenset[str], forwarder: ID, msg) -> bool:
         fwd = forwarder.to_base58()
         try:
             origin = ID(msg.from_id).to_base58()
         except Exception:  # noqa: BLE001 - unparseable origin
-            self.metrics.reject(fwd, "bad_peer_id")
-            return False
+            return self._reject(fwd, "bad_peer_id")
         if origin == self.self_id:
             return True  # our own publish, sealed by us
         allow = self.peer_filter()
@@ -153,13 +165,16 @@ class GossipValidator:
             env = open_envelope(msg.data, limits=self.limits, expected_sender=origin,
                                 replay_cache=self.replay, max_skew_s=self.max_skew_s)
         except ProtocolError as e:
-            self.metrics.reject(fwd, e.reason)
             log.info("rejected gossip from %s (origin %s): %s", fwd, origin, e)
-            return False
+            return self._reject(fwd, e.reason)
         except Exception as e:  # noqa: BLE001 - a decoder bug must not kill the host
-            self.metrics.reject(fwd, "internal_error")
             log.warning("validator error on message from %s: %s: %s", fwd, type(e).__name__, e)
-            return False
+            return self._reject(fwd, "internal_error")
+        inner = env.message.inner_type if env.type == ANNOUNCE_TYPE else env.type
+        if inner not in allowed:
+            log.info("rejected a %s envelope from %s (origin %s) on a topic for %s", inner,
+                     fwd, origin, "/".join(sorted(allowed)) or "nothing")
+            return self._reject(fwd, "wrong_topic")
         self.accepted[msg.from_id + msg.seqno] = env
         while len(self.accepted) > self.max_pending:
             self.accepted.popitem(last=False)

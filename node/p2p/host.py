@@ -29,6 +29,7 @@ from libp2p.tools.anyio_service import background_trio_service
 from ...protocol.envelope import Envelope, open_envelope
 from ...protocol.errors import ProtocolError
 from ...protocol.ids import FETCH_PROTOCOL, topic
+from ...protocol.limits import TOPIC_MESSAGE_TYPES
 from ...protocol.messages import PayloadAnnounce, WireModel
 from .bridge import TrioBridge
 from .errors import (
@@ -41,7 +42,9 @@ from .errors import (
     StreamError,
 )
 from .gossip import CountingSendChannel, GossipValidator, build_gossip, mesh_ready
+from .guard import check_libp2p_version, guard_pubsub, guard_stream_handlers
 from .metrics import P2PMetrics
+from .penalties import PeerPenalties, TopicRateLimiter
 from .streams import (
     AsyncStream,
     PeerSlots,
@@ -51,6 +54,7 @@ from .streams import (
     reset_quietly,
     serve_request,
 )
+from .yamux import bound_buffers
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +82,7 @@ class P2PNode:
         self._validator: GossipValidator | None = None
         self._peer_filter: Callable[[str], bool] | None = None
         self._connected: set[str] = set()
-        self._stream_handlers: dict[str, StreamHandler] = {}
+        self._stream_handlers: dict[str, tuple[StreamHandler, int]] = {}
         self._request_handlers: dict[str, RequestHandler] = {}
         self._subs: dict[str, list[Handler]] = {}
         self._queues: dict[str, asyncio.Queue] = {}
@@ -90,6 +94,12 @@ class P2PNode:
         self._fetch_sem = asyncio.Semaphore(self.cfg.payload_fetch_parallel)
         self._server_slots = PeerSlots(self.cfg.max_requests_per_peer)
         self._stream_slots = PeerSlots(self.cfg.max_streams_per_peer)
+        self.penalties = PeerPenalties(self._cut)
+        self.rate_limiter = TopicRateLimiter()
+        self.failure: str | None = None
+        self._failed = asyncio.Event()
+        self._nursery: trio.Nursery | None = None  # ours, inside the libp2p thread
+        self._bridge.on_death = self._on_host_death
         self.discovery = None
         self._closing = False
         self._started = False
@@ -113,11 +123,11 @@ class P2PNode:
         except Exception as e:
             raise P2PError(f"cannot start the libp2p host on {', '.join(map(str, listen))}: "
                            f"{_flatten(e)}", reason="listen_failed") from e
-        self.set_request_handler(FETCH_PROTOCOL, self._serve_payload)
+        await self.set_request_handler(FETCH_PROTOCOL, self._serve_payload)
         for kind in self._subs:  # subscriptions made before start
             await self._bridge.call(self._t_subscribe, kind, self.topic(kind))
         self.discovery = Discovery(self)
-        self.discovery.install()
+        await self.discovery.install()
         addrs = self.config.node.bootstrap if bootstrap is None else bootstrap
         try:
             if addrs:
@@ -154,6 +164,66 @@ class P2PNode:
     def shutdown_errors(self) -> list[str]:
         return list(self._bridge.shutdown_errors)
 
+    # Health (a supervised host) -------------------------------------------------------
+
+    def _on_host_death(self, why: str) -> None:
+        self.failure = why
+        self._failed.set()
+        log.error("the libp2p host died (%s); this node can no longer reach its peers", why)
+
+    async def wait_failed(self) -> str:
+        """Return (with one line saying why) once the libp2p thread ended without
+        `close()`: the runner then exits non-zero so a supervisor restarts the node."""
+        await self._failed.wait()
+        return self.failure or "unknown"
+
+    def health(self) -> dict:
+        """For /status: `alive` is False from the moment the libp2p thread ends."""
+        c = self.metrics.counters
+        return {"alive": self.running and self.failure is None, "failure": self.failure,
+                "stream_faults": c.get("stream_faults", 0),
+                "rate_limited": c.get("rejected.rate_limited", 0),
+                "window_violations": c.get("window_violations", 0),
+                **self.penalties.snapshot()}
+
+    # Penalties ------------------------------------------------------------------------
+
+    def report_misbehaviour(self, peer_id: str, n: int = 1, reason: str = "bogus_batch") -> bool:
+        """Add `n` offences of `reason` (penalties.POINTS) to `peer_id`, the peer whose
+        connection carried them (not the envelope signer: sybils sign with fresh keys).
+        Past the threshold the connection is cut and the peer refused for a backoff.
+        Returns True if this report cut it. Callable from any thread."""
+        return self.penalties.penalise(peer_id, reason, n)
+
+    def _cut(self, peer: str) -> None:
+        self.metrics.inc("peers_cut")
+        if self.discovery is not None:
+            self.discovery.forget(peer)
+        try:
+            self._bridge.call_soon(self._t_disconnect_soon, peer)
+        except NotRunning:
+            pass
+
+    def _t_disconnect_soon(self, peer: str) -> None:
+        if self._nursery is not None:
+            self._nursery.start_soon(self._t_disconnect, peer)
+
+    async def _t_disconnect(self, peer: str) -> None:
+        try:
+            await self._host.disconnect(ID.from_base58(peer))
+        except Exception as e:  # noqa: BLE001 - already gone is fine
+            log.debug("disconnect of %s: %s", peer, e)
+
+    def _t_stream_fault(self, peer: str, protocol_id: str, error: BaseException) -> None:
+        self.metrics.inc("stream_faults")
+        log.warning("stream %s from %s raised %s: %s (stream reset, peer penalised)",
+                    protocol_id, peer, type(error).__name__, str(error)[:200])
+        self.penalties.penalise(peer, "stream_fault")
+
+    def _t_window_violation(self, peer: str, nbytes: int) -> None:
+        self.metrics.inc("window_violations")
+        self.penalties.penalise(peer, "window_violation")
+
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
@@ -174,10 +244,15 @@ class P2PNode:
                         listen_addrs=listen)
         # One attempt per dial: discovery.py retries with its own backoff and reports why.
         host.get_network().retry_config.max_retries = 0
+        check_libp2p_version()
+        guard_stream_handlers(host, self._t_stream_fault)  # before pubsub adds its handlers
         router, pubsub = build_gossip(host, self.cfg, self.metrics)
+        guard_pubsub(pubsub, host.get_id(), self.rate_limiter, self.penalties, self.metrics,
+                     self._t_stream_fault)
         self._validator = GossipValidator(self.peer_id, self.limits, self.metrics,
-                                          lambda: self._peer_filter,
-                                          self.config.limits.max_clock_skew_s)
+                                          lambda: self._allowed,
+                                          self.config.limits.max_clock_skew_s,
+                                          on_reject=self.penalties.penalise)
         self._host, self._router, self._pubsub = host, router, pubsub
         host.get_network().register_notifee(_Notifee(self))
         try:
@@ -185,14 +260,16 @@ class P2PNode:
                         background_trio_service(router)):
                 await pubsub.wait_until_ready()
                 self.listen_addrs = _dialable(host.get_addrs())
-                for pid, h in self._stream_handlers.items():
-                    self._t_install_stream_handler(pid, h)
+                for pid, (h, limit) in self._stream_handlers.items():
+                    self._t_install_stream_handler(pid, h, limit)
                 for pid in self._request_handlers:
                     self._t_install_request_handler(pid)
                 async with trio.open_nursery() as nursery:
+                    self._nursery = nursery
                     started(nursery)
                     await self._bridge.stop_event.wait()
                     nursery.cancel_scope.cancel()
+                self._nursery = None
                 # Quiesce before the services stop: closing under load otherwise
                 # raises "Nursery is closed to new arrivals" inside py-libp2p.
                 with trio.move_on_after(3):
@@ -254,6 +331,8 @@ class P2PNode:
         self._peer_filter = fn
 
     def _allowed(self, peer: str) -> bool:
+        if self.penalties.refused(peer):
+            return False
         allow = self._peer_filter
         return allow is None or bool(allow(peer))
 
@@ -280,11 +359,11 @@ class P2PNode:
 
     async def _t_subscribe(self, kind: str, t: str) -> None:
         pubsub = self._pubsub
-        pubsub.set_topic_validator(t, self._validator, False)
+        pubsub.set_topic_validator(t, self._validator.for_kind(kind), False)
         await pubsub.subscribe(t)
         send, recv = trio.open_memory_channel(self.cfg.subscription_queue)
         pubsub.subscribed_topics_send[t] = CountingSendChannel(send, self.metrics)
-        self._bridge._nursery.start_soon(self._t_read_topic, kind, recv)
+        self._nursery.start_soon(self._t_read_topic, kind, recv)
 
     async def _t_read_topic(self, kind: str, recv) -> None:
         async for msg in recv:
@@ -337,6 +416,9 @@ class P2PNode:
         `p2p.publish_timeout_s`. A sealed message above `p2p.inline_payload_max` is kept
         here and announced (PayloadAnnounce); subscribers pull it over FETCH_PROTOCOL."""
         t = self.topic(kind)
+        if message.TYPE not in TOPIC_MESSAGE_TYPES.get(kind, ()):
+            raise PublishError(f"a {message.TYPE} message may not be published on {kind}",
+                               reason="wrong_topic")
         data = self.identity.seal(message)
         if len(data) > self.cfg.inline_payload_max:
             digest = hashlib.sha256(data).digest()
@@ -457,14 +539,28 @@ class P2PNode:
 
     # Streams and requests -------------------------------------------------------------
 
-    def set_stream_handler(self, protocol_id: str, handler: StreamHandler) -> None:
+    def set_stream_handler(self, protocol_id: str, handler: StreamHandler, *,
+                           max_inbound: int | None = None) -> Awaitable[None]:
         """`await handler(peer_id, stream)` for each inbound stream on `protocol_id`; the
-        stream is closed when the handler returns."""
-        self._stream_handlers[protocol_id] = handler
-        if self.running:
-            self._bridge.call_soon(self._t_install_stream_handler, protocol_id, handler)
+        stream is closed when the handler returns. The peer may send at most `max_inbound`
+        bytes per stream (default `p2p.max_request_bytes`); more breaks the stream.
+        Returns an awaitable that completes once the handler is live (at once before
+        start: start() installs it before it returns)."""
+        limit = self.cfg.max_request_bytes if max_inbound is None else max_inbound
+        self._stream_handlers[protocol_id] = (handler, limit)
+        return self._install(self._t_install_stream_handler, protocol_id, handler, limit)
 
-    def _t_install_stream_handler(self, protocol_id: str, handler: StreamHandler) -> None:
+    def _install(self, fn, *args) -> Awaitable[None]:
+        if not self.running:
+            return _LIVE  # start() installs it before it returns
+
+        async def install() -> None:
+            fn(*args)
+
+        return self._spawn(self._bridge.call(install))
+
+    def _t_install_stream_handler(self, protocol_id: str, handler: StreamHandler,
+                                  max_inbound: int) -> None:
         async def on_stream(stream) -> None:
             peer = remote_peer(stream)
             if not self._allowed(peer) or not self._stream_slots.try_take(peer):
@@ -473,7 +569,8 @@ class P2PNode:
                 return
             try:
                 await self._bridge.to_asyncio(
-                    handler, peer, AsyncStream(self._bridge, stream, peer, protocol_id))
+                    handler, peer, AsyncStream(self._bridge, stream, peer, protocol_id,
+                                               max_inbound=max_inbound))
             except Exception as e:  # noqa: BLE001 - counted; the stream is reset
                 self.metrics.inc("stream_handler_errors")
                 log.info("stream handler %s for %s failed: %s: %s", protocol_id, peer,
@@ -504,12 +601,13 @@ class P2PNode:
             raise StreamError(f"cannot open {protocol_id} to {peer}: {type(e).__name__}: {e}",
                               reason="open_failed") from e
 
-    def set_request_handler(self, protocol_id: str, handler: RequestHandler) -> None:
+    def set_request_handler(self, protocol_id: str, handler: RequestHandler) -> Awaitable[None]:
         """`await handler(peer_id, request_bytes) -> response_bytes`; a raised exception is
-        sent back as an error response. Sizes and per-peer concurrency are limited by config."""
+        sent back as an error response (and the stream closed). Sizes and per-peer
+        concurrency are limited by config. Returns an awaitable that completes once the
+        handler is live."""
         self._request_handlers[protocol_id] = handler
-        if self.running:
-            self._bridge.call_soon(self._t_install_request_handler, protocol_id)
+        return self._install(self._t_install_request_handler, protocol_id)
 
     def _t_install_request_handler(self, protocol_id: str) -> None:
         async def on_stream(stream) -> None:
@@ -554,6 +652,17 @@ class P2PNode:
         self._connected = peers
 
 
+class _Live:
+    """Awaitable that is already done: a handler set before start() is live once start()
+    returns."""
+
+    def __await__(self):
+        return iter(())
+
+
+_LIVE = _Live()
+
+
 async def _client_request_kw(host, peer, protocol_id, payload, timeout, max_response):
     return await client_request(host, peer, protocol_id, payload, timeout=timeout,
                                 max_response=max_response)
@@ -572,7 +681,14 @@ class _Notifee:
         pass
 
     async def connected(self, network, conn) -> None:
-        self.node._t_peers_changed()
+        node = self.node
+        peer = conn.muxed_conn.peer_id.to_base58()
+        bound_buffers(conn.muxed_conn, peer, node._t_window_violation)
+        if node.penalties.refused(peer):
+            node.metrics.inc("connections_refused")
+            node._t_disconnect_soon(peer)
+            return
+        node._t_peers_changed()
 
     async def disconnected(self, network, conn) -> None:
         self.node._t_peers_changed()

@@ -155,44 +155,15 @@ async def client_request(host, peer_id, protocol_id: str, payload: bytes, *,
 async def serve_request(bridge: TrioBridge, stream, handler: Callable[[str, bytes],
                         Awaitable[bytes]], *, slots: PeerSlots, timeout: float,
                         max_request: int, max_response: int, metrics: P2PMetrics) -> None:
-    """Trio-side stream handler for one request (the asyncio handler does the work)."""
-    peer = remote_peer(stream)
-    slot = f"{peer} {stream.get_protocol()}"  # per peer and protocol: bulk can't starve others
+    """Trio-side stream handler for one request (the asyncio handler does the work).
+    Every answer, error replies included, ends with the stream closed (or reset when
+    broken), so nothing is left open for the connection's life."""
     try:
         with trio.fail_after(timeout):
-            (length,) = _LEN.unpack(await read_exactly(stream, _LEN.size))
-            if length > max_request:
-                metrics.inc("requests_too_large")
-                await _respond(stream, STATUS_TOO_LARGE,
-                               f"request of {length} bytes exceeds {max_request}".encode())
-                return
-            if not slots.try_take(slot):
-                metrics.inc("requests_busy")
-                await _respond(stream, STATUS_BUSY, b"too many requests in flight")
-                return
-            try:
-                body = await read_exactly(stream, length)
-                try:
-                    response = await bridge.to_asyncio(handler, peer, body)
-                except Exception as e:  # noqa: BLE001 - reported to the requester, counted
-                    metrics.inc("request_handler_errors")
-                    log.info("request handler for %s failed: %s: %s",
-                             stream.get_protocol(), type(e).__name__, e)
-                    await _respond(stream, STATUS_ERROR,
-                                   f"{type(e).__name__}: {e}".encode()[:MAX_ERROR_TEXT])
-                    return
-            finally:
-                slots.give(slot)
-            if not isinstance(response, bytes | bytearray | memoryview):
-                await _respond(stream, STATUS_ERROR, b"handler returned a non-bytes response")
-                return
-            if len(response) > max_response:
-                await _respond(stream, STATUS_ERROR,
-                               f"response of {len(response)} bytes exceeds {max_response}"
-                               .encode())
-                return
-            await _respond(stream, STATUS_OK, bytes(response))
-            metrics.inc("requests_served")
+            status, body = await _answer(bridge, stream, handler, slots=slots,
+                                         max_request=max_request, max_response=max_response,
+                                         metrics=metrics)
+            await _respond(stream, status, body)
     except trio.TooSlowError:
         metrics.inc("requests_timed_out")
         await reset_quietly(stream)
@@ -201,7 +172,39 @@ async def serve_request(bridge: TrioBridge, stream, handler: Callable[[str, byte
         metrics.inc("requests_broken")
         await reset_quietly(stream)
         return
+    if status == STATUS_OK:
+        metrics.inc("requests_served")
     await close_quietly(stream)
+
+
+async def _answer(bridge: TrioBridge, stream, handler, *, slots: PeerSlots, max_request: int,
+                  max_response: int, metrics: P2PMetrics) -> tuple[int, bytes]:
+    """Read one framed request and compute (status, body) of the reply."""
+    peer = remote_peer(stream)
+    slot = f"{peer} {stream.get_protocol()}"  # per peer and protocol: bulk can't starve others
+    (length,) = _LEN.unpack(await read_exactly(stream, _LEN.size))
+    if length > max_request:
+        metrics.inc("requests_too_large")
+        return STATUS_TOO_LARGE, f"request of {length} bytes exceeds {max_request}".encode()
+    if not slots.try_take(slot):
+        metrics.inc("requests_busy")
+        return STATUS_BUSY, b"too many requests in flight"
+    try:
+        body = await read_exactly(stream, length)
+        try:
+            response = await bridge.to_asyncio(handler, peer, body)
+        except Exception as e:  # noqa: BLE001 - reported to the requester, counted
+            metrics.inc("request_handler_errors")
+            log.info("request handler for %s failed: %s: %s",
+                     stream.get_protocol(), type(e).__name__, e)
+            return STATUS_ERROR, f"{type(e).__name__}: {e}".encode()[:MAX_ERROR_TEXT]
+    finally:
+        slots.give(slot)
+    if not isinstance(response, bytes | bytearray | memoryview):
+        return STATUS_ERROR, b"handler returned a non-bytes response"
+    if len(response) > max_response:
+        return STATUS_ERROR, f"response of {len(response)} bytes exceeds {max_response}".encode()
+    return STATUS_OK, bytes(response)
 
 
 async def _respond(stream, status: int, body: bytes) -> None:
@@ -211,17 +214,29 @@ async def _respond(stream, status: int, body: bytes) -> None:
 # asyncio side ----------------------------------------------------------------------------
 
 class AsyncStream:
-    """A libp2p stream used from asyncio. Every call runs in the trio thread."""
+    """A libp2p stream used from asyncio. Every call runs in the trio thread.
+    `max_inbound` (inbound streams: the node's `p2p.max_request_bytes`) bounds the bytes
+    the peer may send on it; past it reads raise StreamError(reason="too_large")."""
 
-    def __init__(self, bridge: TrioBridge, stream, peer_id: str, protocol_id: str):
+    def __init__(self, bridge: TrioBridge, stream, peer_id: str, protocol_id: str, *,
+                 max_inbound: int | None = None):
         self._bridge = bridge
         self._stream = stream
         self.peer_id = peer_id
         self.protocol_id = protocol_id
+        self.max_inbound = max_inbound
+        self.received = 0
+
+    def _count(self, data: bytes) -> bytes:
+        self.received += len(data)
+        if self.max_inbound is not None and self.received > self.max_inbound:
+            raise StreamError(f"{self.peer_id} sent more than {self.max_inbound} bytes on "
+                              f"{self.protocol_id}", reason="too_large")
+        return data
 
     async def read(self, n: int = 65536) -> bytes:
         """Up to n bytes; b"" at end of stream."""
-        return await self._bridge.call(read_some, self._stream, n)
+        return self._count(await self._bridge.call(read_some, self._stream, n))
 
     async def readexactly(self, n: int) -> bytes:
         """Exactly n bytes, or StreamError(reason="eof") if the stream ends first."""
@@ -229,7 +244,10 @@ class AsyncStream:
             raise ValueError("n must be >= 0")
         if n == 0:
             return b""
-        return await self._bridge.call(read_exactly, self._stream, n)
+        if self.max_inbound is not None and self.received + n > self.max_inbound:
+            raise StreamError(f"{self.peer_id} would exceed {self.max_inbound} bytes on "
+                              f"{self.protocol_id}", reason="too_large")
+        return self._count(await self._bridge.call(read_exactly, self._stream, n))
 
     async def write(self, data: bytes) -> None:
         await self._bridge.call(write_all, self._stream, bytes(data))

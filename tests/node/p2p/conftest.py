@@ -10,8 +10,18 @@ from pathlib import Path
 import pytest
 from swarm_node.node.config import Config
 from swarm_node.node.identity import Identity
+from swarm_node.protocol.messages import Verdict
 
 PEER_PROC = Path(__file__).with_name("peer_proc.py")
+
+
+SUBJECT = Identity.generate().peer_id  # the peer the test verdicts are about
+
+
+def verdict(i: int, subject: str = SUBJECT) -> Verdict:
+    """A small valid message for the "verdicts" topic; `policy_version` carries `i`."""
+    return Verdict(rollout_id=i.to_bytes(32, "big"), subject=subject, accept=True,
+                   reason="ok", policy_version=i)
 
 
 def p2p_config(**p2p) -> Config:

@@ -1,8 +1,8 @@
 """A swarm peer in its own process, driven by the p2p tests and the gossip benchmark.
 
 Prints one JSON line {"peer_id", "addrs"} when up; serves /test/echo/1.0.0 (reversed bytes)
-and /test/raw-echo/1.0.0 (raw stream echo); subscribes to "verdicts" and echoes each Status
-it receives back as a request-free gossip count. Exits cleanly when stdin closes.
+and /test/raw-echo/1.0.0 (raw stream echo); subscribes to "verdicts" and counts each Verdict
+it receives. Exits cleanly when stdin closes.
 Usage: python peer_proc.py [--key PEM] [--bootstrap MULTIADDR]...
 """
 
@@ -42,10 +42,10 @@ async def main() -> int:
     received = []
 
     async def on_status(env, peer):
-        received.append(env.message.round)
+        received.append(env.message.policy_version)
 
     node.set_request_handler("/test/echo/1.0.0", echo)
-    node.set_stream_handler("/test/raw-echo/1.0.0", raw_echo)
+    node.set_stream_handler("/test/raw-echo/1.0.0", raw_echo, max_inbound=64 << 20)
     await node.start(bootstrap=args.bootstrap)
     await node.subscribe("verdicts", on_status)
     print(json.dumps({"peer_id": node.peer_id, "addrs": node.listen_addrs}), flush=True)

@@ -9,9 +9,8 @@ import threading
 import pytest
 from swarm_node.node.identity import Identity
 from swarm_node.node.p2p import BootstrapError, P2PNode
-from swarm_node.protocol.messages import Status
 
-from .conftest import p2p_config, wait_until
+from .conftest import p2p_config, verdict, wait_until
 
 
 def _listener(reply: bytes | None) -> socket.socket:
@@ -95,7 +94,7 @@ async def test_swarm_stays_connected_after_bootstrap_node_leaves(make_node):
 
     def collector(me):
         async def on_msg(env, peer):
-            got[me].add(env.message.round)
+            got[me].add(env.message.policy_version)
         return on_msg
 
     for x in others:
@@ -103,7 +102,7 @@ async def test_swarm_stays_connected_after_bootstrap_node_leaves(make_node):
     await wait_until(lambda: all(x.mesh_peers("verdicts") for x in others), 30, what="meshes")
     await asyncio.sleep(1.5)  # a heartbeat or two so meshes span the graph
     for i in range(5):
-        await others[0].publish("verdicts", Status(swarm_id="default", role="inference", round=i))
+        await others[0].publish("verdicts", verdict(i))
     await wait_until(lambda: all(got[x.peer_id] == set(range(5)) for x in others[1:]), 30,
                      what="gossip to all 8 other nodes")
 
@@ -125,11 +124,11 @@ async def test_restart_with_same_key_rejoins(make_node, tmp_path):
     got = []
 
     async def on_msg(env, peer):
-        got.append((peer, env.message.round))
+        got.append((peer, env.message.policy_version))
 
     await a.subscribe("verdicts", on_msg)
     await again.subscribe("verdicts", lambda env, peer: asyncio.sleep(0))
     await wait_until(lambda: again.peer_id in a.topic_peers("verdicts")
                      and a.peer_id in again.mesh_peers("verdicts"), 30, what="mesh with a")
-    await again.publish("verdicts", Status(swarm_id="default", role="inference", round=42))
+    await again.publish("verdicts", verdict(42))
     await wait_until(lambda: got == [(again.peer_id, 42)], 20, what="gossip from restarted node")

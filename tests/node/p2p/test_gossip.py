@@ -14,18 +14,17 @@ from swarm_node.protocol.messages import (
     Completion,
     RolloutBatch,
     SamplingParams,
-    Status,
     TaskRef,
     TensorData,
 )
 
-from .conftest import wait_until
+from .conftest import verdict, wait_until
 
 KIND = "verdicts"
 
 
-def status(i: int, sender: int = 0, swarm: str = "default") -> Status:
-    return Status(swarm_id=swarm, role="inference", round=i, peers=sender)
+def status(i: int) -> object:
+    return verdict(i)
 
 
 async def full_mesh(nodes, kind=KIND, timeout=30):
@@ -44,7 +43,7 @@ async def test_five_hosts_burst_without_loss(make_node):
 
     def collector(me):
         async def on_msg(env, peer):
-            received[me].append((peer, env.message.round))
+            received[me].append((peer, env.message.policy_version))
         return on_msg
 
     for x in nodes:
@@ -57,7 +56,7 @@ async def test_five_hosts_burst_without_loss(make_node):
 
     async def burst(idx, x):
         for i in range(per_node):
-            await x.publish(KIND, status(i, idx))
+            await x.publish(KIND, status(i))
 
     await asyncio.gather(*(burst(i, x) for i, x in enumerate(nodes)))
     expected = {x.peer_id: {(y.peer_id, i) for y in nodes if y is not x for i in range(per_node)}
@@ -83,7 +82,7 @@ async def test_invalid_messages_rejected_counted_not_forwarded(make_node):
 
     def collector(me):
         async def on_msg(env, peer):
-            got[me].append((peer, env.message.round))
+            got[me].append((peer, env.message.policy_version))
         return on_msg
 
     await relay.subscribe(KIND, collector(relay.peer_id))
@@ -105,7 +104,7 @@ async def test_invalid_messages_rejected_counted_not_forwarded(make_node):
     bad_sig[-5] ^= 0xFF  # last bytes are the signature
     forged = seal(status(1003), other.private_key, other.peer_id)  # not the origin's envelope
     wrong_signer = seal(status(1004), other.private_key, ident.peer_id)
-    too_large = pack([1, "status", ident.peer_id, 0, os.urandom(16), os.urandom(8000),
+    too_large = pack([1, "verdict", ident.peer_id, 0, os.urandom(16), os.urandom(8000),
                       os.urandom(64)])
     for data in (b"\x00garbage\xff", os.urandom(300), bytes(bad_sig), forged, wrong_signer,
                  too_large, good, good):

@@ -9,7 +9,7 @@ import threading
 import pytest
 from swarm_node.node.p2p import P2PError, RequestError
 
-from .conftest import PeerProcess, wait_until
+from .conftest import PeerProcess, verdict, wait_until
 
 
 async def test_two_processes_request_response_and_stream(make_node):
@@ -53,10 +53,9 @@ async def test_request_failures_are_classified(make_node):
     async def echo(peer, body):
         return body
 
-    server.set_request_handler("/t/slow/1", slow)
-    server.set_request_handler("/t/broken/1", broken)
-    server.set_request_handler("/t/echo/1", echo)
-    await asyncio.sleep(0.1)  # handlers are installed in the libp2p thread
+    await server.set_request_handler("/t/slow/1", slow)  # live once awaited
+    await server.set_request_handler("/t/broken/1", broken)
+    await server.set_request_handler("/t/echo/1", echo)
 
     with pytest.raises(RequestError) as e:
         await client.request(server.peer_id, "/t/echo/1", b"x" * 5000)
@@ -109,14 +108,12 @@ async def test_bad_multiaddr_is_a_clear_error(make_node):
 
 
 async def test_close_under_load_is_clean(make_node):
-    from swarm_node.protocol.messages import Status
-
     a = await make_node()
     b = await make_node(bootstrap=a.listen_addrs)
     got = []
 
     async def on_msg(env, peer):
-        got.append(env.message.round)
+        got.append(env.message.policy_version)
 
     async def echo(peer, body):
         return body
@@ -130,7 +127,7 @@ async def test_close_under_load_is_clean(make_node):
     async def flood():
         for i in range(100_000):
             try:
-                await b.publish("verdicts", Status(swarm_id="default", role="inference", round=i))
+                await b.publish("verdicts", verdict(i))
                 await b.request(a.peer_id, "/t/echo/1", b"x" * 1000)
             except P2PError as e:
                 failures.append(e)
@@ -149,7 +146,6 @@ async def test_close_under_load_is_clean(make_node):
 async def test_subscribe_before_start_and_single_start(make_node):
     from swarm_node.node.identity import Identity
     from swarm_node.node.p2p import P2PNode
-    from swarm_node.protocol.messages import Status
 
     from .conftest import p2p_config
 
@@ -157,7 +153,7 @@ async def test_subscribe_before_start_and_single_start(make_node):
     got = []
 
     async def on_msg(env, peer):
-        got.append((peer, env.message.round))
+        got.append((peer, env.message.policy_version))
 
     b = P2PNode(Identity.generate(), p2p_config())
     await b.subscribe("verdicts", on_msg)  # before start
@@ -166,7 +162,7 @@ async def test_subscribe_before_start_and_single_start(make_node):
         with pytest.raises(P2PError, match="already started"):
             await b.start()
         await wait_until(lambda: a.topic_peers("verdicts") == [b.peer_id], what="subscription")
-        await a.publish("verdicts", Status(swarm_id="default", role="inference", round=5))
+        await a.publish("verdicts", verdict(5))
         await wait_until(lambda: got == [(a.peer_id, 5)], what="delivery")
     finally:
         await b.close()

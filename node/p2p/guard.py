@@ -1,0 +1,101 @@
+"""Our thin layer over py-libp2p's weak spots (trio side), pinned to the version it patches.
+
+py-libp2p 0.8.1 lets an exception raised in any stream handler end the whole host: its
+pubsub reader catches only its own ParseError, so `03 ff ff ff` on /meshsub/1.1.0 (a
+protobuf DecodeError) killed the libp2p thread. Here:
+- every stream handler (py-libp2p's own and ours, installed before or after) is wrapped:
+  an exception is caught, counted, the stream reset and the peer penalised;
+- pubsub's `push_msg` gets a per-peer, per-topic rate limit BEFORE the signature check,
+  the topic validators and local delivery (py-libp2p limits only when forwarding), and
+  the same catch-count-penalise guard.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+import libp2p
+
+from .penalties import PeerPenalties, TopicRateLimiter
+from .streams import remote_peer, reset_quietly
+
+log = logging.getLogger(__name__)
+
+# The py-libp2p release whose internals (multiselect.handlers, Pubsub.push_msg, the yamux
+# stream buffers) this module and yamux.py were written and tested against.
+PINNED_LIBP2P = "0.8.1"
+
+FaultHook = Callable[[str, str, BaseException], None]
+
+
+def check_libp2p_version(version: str | None = None) -> bool:
+    """True if the installed py-libp2p is the pinned one; else one loud warning."""
+    version = libp2p.__version__ if version is None else version
+    if version == PINNED_LIBP2P:
+        return True
+    log.warning("py-libp2p %s is installed but swarm-node's transport guards were written "
+                "for %s: stream-handler, rate-limit and yamux-window protections may not "
+                "apply. Install libp2p==%s.", version, PINNED_LIBP2P, PINNED_LIBP2P)
+    return False
+
+
+def guarded(protocol_id: str, handler, on_fault: FaultHook):
+    """Wrap one libp2p stream handler so that no exception leaves it."""
+    if getattr(handler, "_swarm_guarded", False):
+        return handler
+
+    async def guard(stream) -> None:
+        try:
+            await handler(stream)
+        except Exception as e:  # noqa: BLE001 - any bytes must not end the host: counted
+            try:
+                peer = remote_peer(stream)
+            except Exception:  # noqa: BLE001 - a stream without a peer: nobody to blame
+                peer = "?"
+            on_fault(peer, protocol_id, e)
+            await reset_quietly(stream)
+
+    guard._swarm_guarded = True
+    return guard
+
+
+class GuardedHandlers(dict):
+    """Replaces `host.multiselect.handlers`: each handler is wrapped as it is stored."""
+
+    def __init__(self, initial: dict, on_fault: FaultHook):
+        super().__init__()
+        self.on_fault = on_fault
+        for pid, handler in initial.items():
+            self[pid] = handler
+
+    def __setitem__(self, protocol_id, handler) -> None:
+        if handler is not None:
+            handler = guarded(str(protocol_id), handler, self.on_fault)
+        super().__setitem__(protocol_id, handler)
+
+
+def guard_stream_handlers(host, on_fault: FaultHook) -> None:
+    mux = host.get_mux()
+    mux.handlers = GuardedHandlers(mux.handlers, on_fault)
+
+
+def guard_pubsub(pubsub, self_id, limiter: TopicRateLimiter, penalties: PeerPenalties,
+                 metrics, on_fault: FaultHook) -> None:
+    """Rate-limit and guard `pubsub.push_msg` (called once per received message)."""
+    inner: Callable[..., Awaitable[None]] = pubsub.push_msg
+
+    async def push_msg(forwarder, msg) -> None:
+        if forwarder != self_id:
+            fwd = forwarder.to_base58()
+            for t in msg.topicIDs:
+                if not limiter.allow(fwd, t):
+                    metrics.reject(fwd, "rate_limited")
+                    penalties.penalise(fwd, "rate_limited")
+                    return
+        try:
+            await inner(forwarder, msg)
+        except Exception as e:  # noqa: BLE001 - one message must not end pubsub: counted
+            on_fault(forwarder.to_base58(), "pubsub.push_msg", e)
+
+    pubsub.push_msg = push_msg

@@ -9,15 +9,20 @@ the rollout id that the peer cannot predict.
 
 Verdicts received from other peers are hints only: they make the subject "suspect" (every
 rollout verified) for a while, never change its score or ban it, since they are not
-verifiable without the rollout.
+verifiable without the rollout. Suspects live in their own small LRU table (not persisted,
+`max_suspects`), so a flood of verdicts about made-up subjects costs O(1) each and bounded
+memory. The peer table is LRU too (`max_peers`; banned peers are kept while banned).
 
-State is a JSON file replaced atomically (write temp, fsync, rename), so a crash leaves
-either the old or the new state; an unreadable file is moved aside and the node starts
-fresh.
+State: a JSON snapshot replaced atomically (write temp, fsync, rename) plus an append-only
+journal `<name>.log` of changed records (one JSON line each, fsynced): a ban writes one
+line, not the whole table; the journal is folded into a new snapshot when it grows past
+`max(4096, 2 x peers)` lines. A torn last journal line is ignored; an unreadable snapshot
+is moved aside and the node starts fresh.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -25,6 +30,7 @@ import math
 import os
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -59,7 +65,6 @@ class PeerRecord:
     accepted: int = 0
     rejected: int = 0
     banned_until: float = 0.0
-    suspect_until: float = 0.0
     last_reason: str = ""
 
 
@@ -69,6 +74,7 @@ class Reputation:
                  spot_check_fraction: float = 1.0, new_peer_verdicts: int = 20,
                  trust_score: float = 5.0, suspect_seconds: float = 600.0,
                  max_peers: int = 100_000, save_interval_s: float = 5.0,
+                 max_suspects: int = 4096, probation_accepts: int = 8,
                  clock: Callable[[], float] = time.time):
         self.path = Path(path) if path is not None else None
         self.ban_threshold = ban_threshold
@@ -80,11 +86,15 @@ class Reputation:
         self.suspect_seconds = suspect_seconds
         self.max_peers = max_peers
         self.save_interval_s = save_interval_s
+        self.max_suspects = max_suspects
+        self.probation_accepts = probation_accepts
         self.clock = clock
-        self.peers: dict[str, PeerRecord] = {}
+        self.peers: OrderedDict[str, PeerRecord] = OrderedDict()  # least recently used first
+        self.suspects: OrderedDict[str, float] = OrderedDict()  # subject -> suspect until
         self.secret = secrets.token_bytes(16)
         self.hints = 0
-        self._dirty = False
+        self._dirty: set[str] = set()
+        self._journal_lines = 0
         self._last_save = 0.0
         self._load()
 
@@ -116,6 +126,7 @@ class Reputation:
         if rec is None:
             self._make_room()
             rec = self.peers[peer] = PeerRecord(updated=now)
+        self.peers.move_to_end(peer)
         weight = ACCEPT_WEIGHT if accepted else PENALTIES.get(reason, DEFAULT_PENALTY)
         rec.score = min(MAX_SCORE, self._decayed(rec, now) + weight)
         rec.updated = now
@@ -124,7 +135,7 @@ class Reputation:
             rec.accepted += 1
         else:
             rec.rejected += 1
-        self._dirty = True
+        self._dirty.add(peer)
         if rec.score < self.ban_threshold and rec.banned_until <= now:
             rec.banned_until = now + self.ban_seconds
             log.warning("banned peer %s for %.0f s (score %.2f, last reason %s)",
@@ -147,7 +158,20 @@ class Reputation:
         if rec is not None:
             rec.banned_until = 0.0
             rec.score = max(rec.score, self.ban_threshold)
+            self._dirty.add(peer)
             self.save()
+
+    def established(self, peer: str) -> bool:
+        """Out of probation: at least `probation_accepts` accepted rollouts, positive score,
+        not suspect. The verification queue serves established peers first (intake.py)."""
+        rec = self.peers.get(peer)
+        now = self.clock()
+        return (rec is not None and rec.accepted >= self.probation_accepts
+                and self._decayed(rec, now) > 0 and not self._suspect(peer, now))
+
+    def _suspect(self, peer: str, now: float) -> bool:
+        until = self.suspects.get(peer)
+        return until is not None and until > now
 
     # spot checks -------------------------------------------------------------------------
 
@@ -157,7 +181,7 @@ class Reputation:
         now = self.clock()
         if rec is None or rec.accepted + rec.rejected < self.new_peer_verdicts:
             return 1.0
-        if rec.suspect_until > now or self._decayed(rec, now) < self.trust_score:
+        if self._suspect(peer, now) or self._decayed(rec, now) < self.trust_score:
             return 1.0
         return self.spot_check_fraction
 
@@ -171,43 +195,81 @@ class Reputation:
         h = hashlib.blake2b(rollout_id, key=self.secret, digest_size=8).digest()
         return int.from_bytes(h, "little") / 2**64 < fraction
 
+    def should_verify_group(self, peer: str, rollout_ids: list[bytes]) -> bool:
+        """Spot check of one task group: keyed hash over all its rollout ids (the sender
+        cannot tell which of its groups will be checked)."""
+        return self.should_verify(peer, b"".join(sorted(rollout_ids)))
+
     def hint(self, verdict, from_peer: str) -> bool:
         """A `Verdict` published by another peer. Rejects make the subject suspect (always
         verified) for `suspect_seconds`; nothing else changes. Returns whether it was used."""
         if verdict.accept or self.is_banned(from_peer) or verdict.subject == from_peer:
             return False
         self.hints += 1
-        rec = self.peers.get(verdict.subject)
-        if rec is None:
-            self._make_room()
-            rec = self.peers[verdict.subject] = PeerRecord(updated=self.clock())
-        rec.suspect_until = max(rec.suspect_until, self.clock() + self.suspect_seconds)
-        self._dirty = True
-        self.maybe_save()
+        subject = verdict.subject
+        self.suspects[subject] = max(self.suspects.get(subject, 0.0),
+                                     self.clock() + self.suspect_seconds)
+        self.suspects.move_to_end(subject)
+        while len(self.suspects) > self.max_suspects:
+            self.suspects.popitem(last=False)
         return True
 
     # persistence -------------------------------------------------------------------------
 
     def _make_room(self) -> None:
-        if len(self.peers) < self.max_peers:
-            return
+        """Forget least recently updated unbanned peers until one more fits (banned ones are
+        moved to the back and kept while banned)."""
         now = self.clock()
-        # Forget the unbanned peer with the least at stake (smallest |score|).
-        candidates = [(abs(self._decayed(r, now)), p) for p, r in self.peers.items()
-                      if r.banned_until <= now]
-        if candidates:
-            del self.peers[min(candidates)[1]]
+        for _ in range(len(self.peers)):
+            if len(self.peers) < self.max_peers:
+                return
+            peer, rec = next(iter(self.peers.items()))
+            if rec.banned_until > now:
+                self.peers.move_to_end(peer)
+                continue
+            del self.peers[peer]
+            self._dirty.add(peer)  # journalled as a deletion
 
     def maybe_save(self) -> None:
         if self._dirty and self.clock() - self._last_save >= self.save_interval_s:
             self.save()
 
+    @property
+    def _journal(self) -> Path:
+        return self.path.with_name(self.path.name + ".log")
+
     def save(self) -> None:
-        """Write the state atomically (no-op without a path)."""
+        """Append the changed records to the journal (no-op without a path); fold the
+        journal into a new snapshot when it has grown long. A full disk is logged and the
+        changes stay pending (retried at the next save): the node keeps running."""
         self._last_save = self.clock()
         if self.path is None:
-            self._dirty = False
+            self._dirty.clear()
             return
+        try:
+            self._save()
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            log.warning("reputation not saved (disk full); %d changes kept in memory",
+                        len(self._dirty))
+
+    def _save(self) -> None:
+        if not self.path.exists() or self._journal_lines > max(4096, 2 * len(self.peers)):
+            self._snapshot()
+            return
+        if not self._dirty:
+            return
+        lines = [json.dumps({"peer": p, "record": asdict(self.peers[p]) if p in self.peers
+                             else None}) + "\n" for p in sorted(self._dirty)]
+        with open(self._journal, "a") as f:
+            f.writelines(lines)
+            f.flush()
+            os.fsync(f.fileno())
+        self._journal_lines += len(lines)
+        self._dirty.clear()
+
+    def _snapshot(self) -> None:
         state = {"version": STATE_VERSION, "secret": self.secret.hex(),
                  "peers": {p: asdict(r) for p, r in self.peers.items()}}
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -217,15 +279,10 @@ class Reputation:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
-        try:
-            fd = os.open(self.path.parent, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except OSError:
-            pass
-        self._dirty = False
+        self._journal.unlink(missing_ok=True)  # folded into the snapshot
+        _fsync_dir(self.path.parent)
+        self._journal_lines = 0
+        self._dirty.clear()
 
     def _load(self) -> None:
         if self.path is None or not self.path.exists():
@@ -234,16 +291,52 @@ class Reputation:
             state = json.loads(self.path.read_text())
             if state.get("version") != STATE_VERSION:
                 raise ValueError(f"state version {state.get('version')!r}")
-            peers = {str(p): PeerRecord(**{k: (str(v) if k == "last_reason" else float(v)
-                                                 if k not in ("accepted", "rejected") else int(v))
-                                           for k, v in r.items()})
-                     for p, r in state["peers"].items()}
+            peers = {str(p): _record(r) for p, r in state["peers"].items()}
             secret = bytes.fromhex(state["secret"])
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             aside = self.path.with_name(self.path.name + ".corrupt")
             log.error("reputation file %s is unreadable (%s); moved to %s, starting fresh",
                       self.path, e, aside)
             os.replace(self.path, aside)
+            self._journal.unlink(missing_ok=True)
             return
-        self.peers = peers
+        self._journal_lines = self._replay_journal(peers)
+        self.peers = OrderedDict(sorted(peers.items(), key=lambda kv: kv[1].updated))
         self.secret = secret
+
+    def _replay_journal(self, peers: dict[str, PeerRecord]) -> int:
+        if not self._journal.exists():
+            return 0
+        n = 0
+        for line in self._journal.read_text().splitlines():
+            try:
+                entry = json.loads(line)
+                peer, rec = str(entry["peer"]), entry["record"]
+            except (ValueError, KeyError, TypeError):
+                continue  # a torn last line after a crash
+            n += 1
+            if rec is None:
+                peers.pop(peer, None)
+            else:
+                try:
+                    peers[peer] = _record(rec)
+                except (ValueError, TypeError, AttributeError):
+                    continue
+        return n
+
+
+def _record(r: dict) -> PeerRecord:
+    fields = {k: (str(v) if k == "last_reason" else int(v) if k in ("accepted", "rejected")
+                  else float(v)) for k, v in r.items() if k != "suspect_until"}
+    return PeerRecord(**fields)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from ...protocol.messages import RolloutBatch, SamplingParams
 from .base import Role
@@ -30,6 +31,9 @@ class InferenceRole(Role):
         self.tokenizer = None
         self.tasks = None
         self.follower = None
+        # Applied to every batch before it is published; None except in the demo's and the
+        # tests' cheater (node/testing/dishonest.py).
+        self.outgoing: Callable[[RolloutBatch], RolloutBatch] | None = None
         self.policy_id: str | None = cfg.node.follow[0] if cfg.node.follow else None
         self.pending: tuple[int, object] | None = None  # (version, checkpoint dir)
         self.new_version = asyncio.Event()
@@ -125,7 +129,6 @@ class InferenceRole(Role):
         from ...verifier.proof import build_proofs
         from ..tasks import get_task
         from ..trainer.loop import sample_round, to_batch
-        from .dishonest import tamper
 
         scfg, fmt = self.cfg.sampler, self.cfg.tasks.format_reward
         params = SamplingParams(temperature=scfg.temperature, top_p=scfg.top_p,
@@ -138,8 +141,8 @@ class InferenceRole(Role):
         proofs = build_proofs([s.hidden for s in samples])
         batch = batch.model_copy(update={"completions": [
             c.model_copy(update={"proof": p}) for c, p in zip(batch.completions, proofs)]})
-        if self.cfg.node.dishonest != "none":
-            batch = tamper(batch, self.cfg.node.dishonest, self.tokenizer)
+        if self.outgoing is not None:
+            batch = self.outgoing(batch)
         return batch
 
     async def close(self) -> None:

@@ -1,4 +1,4 @@
-"""Cheating on purpose, for the demo and the integration tests (`node.dishonest`).
+"""Cheating on purpose, for the demo and the integration tests (`node.dishonest` config).
 
 `tamper_tokens`: after honest sampling and proving, every completion is replaced by the
 ground-truth answer followed by EOS, with logprobs of 0 (probability 1) and a claimed reward
@@ -11,11 +11,16 @@ from __future__ import annotations
 import numpy as np
 
 from ...protocol.messages import RolloutBatch, TensorData
+from ..errors import NodeError
+from ..tasks import get_task
+
+MODES = ("tamper_tokens", "forge_reward")
 
 
 def tamper(batch: RolloutBatch, mode: str, tokenizer) -> RolloutBatch:
-    from ..tasks import get_task
-
+    """`batch` as a cheater in `mode` would send it."""
+    if mode not in MODES:
+        raise ValueError(f"unknown dishonest mode {mode!r}")
     completions = []
     for c in batch.completions:
         if mode == "tamper_tokens":
@@ -25,9 +30,17 @@ def tamper(batch: RolloutBatch, mode: str, tokenizer) -> RolloutBatch:
                 "completion_ids": TensorData.from_numpy(np.asarray(ids, dtype=np.int32)),
                 "logprobs": TensorData.from_numpy(np.zeros(len(ids), dtype=np.float32)),
                 "finish_reason": "eos", "text": answer, "claimed_reward": 1.0})
-        elif mode == "forge_reward":
-            c = c.model_copy(update={"claimed_reward": 1.0})
         else:
-            raise ValueError(f"unknown dishonest mode {mode!r}")
+            c = c.model_copy(update={"claimed_reward": 1.0})
         completions.append(c)
     return batch.model_copy(update={"completions": completions})
+
+
+def make_dishonest(role, mode: str) -> None:
+    """Make an inference role tamper with every batch it publishes."""
+    if mode not in MODES:
+        raise ValueError(f"unknown dishonest mode {mode!r}")
+    if not hasattr(role, "outgoing"):
+        raise NodeError(f"node.dishonest = {mode!r}: only an inference peer can cheat, "
+                        f"not a {role.name}")
+    role.outgoing = lambda batch: tamper(batch, mode, role.tokenizer)

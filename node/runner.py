@@ -59,17 +59,17 @@ async def _main(cfg: Config) -> None:
         raise NodeError(str(e)) from None
     state.p2p = p2p
     role = make_role(cfg, identity, p2p, state)
-    if cfg.node.dishonest != "none":
-        # The cheat kit is loaded only when a (demo or test) config asks for a cheater.
-        from .testing.dishonest import make_dishonest
-
-        make_dishonest(role, cfg.node.dishonest)
     admin = None
     if cfg.admin.enabled:
         from .admin import AdminServer
 
         admin = AdminServer(state, cfg)
     try:
+        if cfg.node.dishonest != "none":
+            # The cheat kit is loaded only when a (demo or test) config asks for a cheater.
+            from .testing.dishonest import make_dishonest
+
+            make_dishonest(role, cfg.node.dishonest)
         if admin is not None:
             await admin.start()
         write_node_info(data_dir, {

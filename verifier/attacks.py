@@ -206,3 +206,24 @@ def sample_batch(model, tokenizer, task_source, sender: str, *, round_: int = 0,
     return make_batch(flat_tasks, samples, swarm_id=swarm_id,
                       round_=round_ if label_round is None else label_round,
                       policy_id=policy_id, policy_version=version, params=params)
+
+
+def bogus_batch(batch, rng: random.Random, vocab: int, proof: bytes | None = None,
+                hidden_size: int | None = None) -> RolloutBatch:
+    """The sybil flood's batch: `batch`'s tasks, prompts, seeds and finish reasons with
+    random tokens, zero logprobs and a garbage proof (`proof`, or random bytes of the exact
+    length for `hidden_size`, which passes every check before the forward pass)."""
+    from .proof import proof_size
+
+    comps = []
+    for c in batch.completions:
+        n = c.completion_ids.shape[0]
+        tokens = [rng.randrange(vocab) for _ in range(n)]
+        if c.finish_reason == "eos":
+            tokens[-1] = int(c.completion_ids.to_numpy()[-1])
+        junk = proof if proof is not None else bytes([1]) + rng.randbytes(
+            proof_size(n, hidden_size) - 1)
+        comps.append(c.model_copy(update={
+            "completion_ids": ids_tensor(tokens), "text": "",
+            "logprobs": TensorData.from_numpy(np.zeros(n, dtype=np.float32)), "proof": junk}))
+    return batch.model_copy(update={"completions": comps})

@@ -469,10 +469,15 @@ class RolloutVerifier:
             k = int(torch.nan_to_num(gap, nan=math.inf).argmax())
             raise _Reject("token_mismatch", f"position {k}: token {int(tokens[k])} trails the "
                                             f"seeded choice by {float(gap[k]):.3g}")
-        ties = (top2.values[:, 0] - top2.values[:, 1]) <= s.tie_eps
+        margin = top2.values[:, 0] - top2.values[:, 1]
+        ties = margin <= s.tie_eps
         flips = ties & (tokens != top2.indices[:, 0])
+        # "wide" ties (margin above a quarter of tie_eps): an honest float difference rarely
+        # reorders those, a steering sender takes the runner-up there as often as it likes
+        wide = ties & (margin > s.tie_eps / 4)
         return {"replay_max_gap": float(gap.max()), "ties": float(ties.sum()),
-                "tie_flips": float(flips.sum())}
+                "tie_flips": float(flips.sum()), "wide_ties": float(wide.sum()),
+                "wide_flips": float((wide & flips).sum())}
 
 @torch.inference_mode()
 def prefill(model, pairs, pad_id: int = 0, with_logits: bool = True):

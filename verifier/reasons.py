@@ -60,7 +60,15 @@ COMPLETION_REASONS = {
                    "not verified, no penalty)",
 }
 
-REASONS: dict[str, str] = {**BATCH_REASONS, **COMPLETION_REASONS, **PROOF_REASONS}
+# Per-peer sequential tests across batches (sequential.py): verdicts about a peer, not about
+# one rollout (the rollout that tipped the test is named).
+PEER_REASONS = {
+    "logprob_bias": "the signs of the peer's logprob errors are not a fair coin (CUSUM)",
+    "tie_steering": "the peer takes the runner-up token at near-ties too often (CUSUM)",
+}
+
+REASONS: dict[str, str] = {**BATCH_REASONS, **COMPLETION_REASONS, **PROOF_REASONS,
+                           **PEER_REASONS}
 
 # Honest misconfiguration: no penalty, the verdict tells the peer what to fix.
 CONFIG_REASONS = {"sampling_params", "config_dtype", "config_task_mix", "config_group_size",

@@ -14,3 +14,10 @@ def batch_rules(cfg) -> BatchRules:
     return BatchRules(completions_per_task=cfg.sampler.completions_per_task,
                       tasks_per_round=cfg.tasks.tasks_per_round,
                       rounds_per_version=cfg.sampler.batches_per_version)
+
+
+def retention(cfg, keep: int) -> int:
+    """Versions to keep (own checkpoints or a followed policy's): at least
+    trainer.max_staleness + 1, so an honest peer at the largest allowed lag finds its
+    version."""
+    return max(int(keep), cfg.trainer.max_staleness + 1)

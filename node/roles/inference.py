@@ -80,28 +80,22 @@ class InferenceRole(Role):
         # it before the first round, so the first batch is not already stale.
         if await _wait_any(stop, self.new_version, timeout=self.cfg.sampler.version_wait_s):
             self.new_version.clear()
-        batches_this_version = 0
-        version_seen = self.sampler.version
         while not stop.is_set():
             await self._maybe_reload()
-            if self.sampler.version != version_seen:
-                version_seen, batches_this_version = self.sampler.version, 0
             if self.policy_id is None:
                 # Nobody to follow yet: wait for the first trainer's manifest.
                 await _wait_any(stop, self.new_version, timeout=5.0)
                 self.new_version.clear()
                 continue
-            if batches_this_version >= self.cfg.sampler.batches_per_version:
-                # Enough rollouts for this policy version; wait for the next (or a timeout,
-                # after which sampling goes on, still within the staleness window).
+            round_ = self._next_round()
+            if round_ is None:
+                # This version's rounds are used up (BatchRules: rounds are bound to the
+                # version, verifiers accept no others); wait for the next version.
                 self.new_version.clear()
-                got = await _wait_any(stop, self.new_version,
-                                      timeout=self.cfg.sampler.version_wait_s)
-                if not got:
-                    batches_this_version = 0
+                await _wait_any(stop, self.new_version, timeout=self.cfg.sampler.version_wait_s)
                 continue
-            batch = await self.work(self.sample_round, self.round)
-            self.round += 1
+            batch = await self.work(self.sample_round, round_)
+            self.round = round_ + 1
             self.save_json(ROUND_FILE, {"next_round": self.round})
             if self.pending is not None and (
                     self.pending[0] - batch.policy_version > self.cfg.trainer.max_staleness):
@@ -117,12 +111,19 @@ class InferenceRole(Role):
                 self.state.count("publish_failed")
                 log.warning("publishing round %d failed: %s", batch.round, e)
                 continue
-            batches_this_version += 1
             self.state.rollouts_sent += len(batch.completions)
             rewards = [c.claimed_reward for c in batch.completions]
             self.state.reward = sum(rewards) / len(rewards)
             log.info("published round %d: %d completions, policy v%d, mean reward %.3f",
                      batch.round, len(batch.completions), batch.policy_version, self.state.reward)
+
+    def _next_round(self) -> int | None:
+        """The next unused round of the current version's window, or None when used up."""
+        from ...verifier.rules import batch_rules
+
+        window = batch_rules(self.cfg).round_window(self.sampler.version)
+        round_ = max(self.round, window.start)
+        return round_ if round_ in window else None
 
     def sample_round(self, round_: int) -> RolloutBatch:
         """Draw this round's tasks, sample, prove, and build the batch (worker thread)."""
@@ -139,7 +140,7 @@ class InferenceRole(Role):
         batch = to_batch(samples, self.cfg.node.swarm_id, self.policy_id, round_, params,
                          score=lambda ref, text: get_task(ref, fmt).score(text))
         proofs = build_proofs([s.hidden for s in samples])
-        batch = batch.model_copy(update={"completions": [
+        batch = batch.model_copy(update={"dtype": self.cfg.model.dtype, "completions": [
             c.model_copy(update={"proof": p}) for c, p in zip(batch.completions, proofs)]})
         if self.outgoing is not None:
             batch = self.outgoing(batch)

@@ -18,17 +18,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections import OrderedDict
 from pathlib import Path
 
 from ...protocol.messages import RolloutBatch, SamplingParams
 from ...verifier.checks import RolloutResult, rollout_id
-from ...verifier.reasons import BATCH_REASONS
+from ...verifier.intake import Budget, IntakeLimits, VerificationQueue
+from ...verifier.reasons import BATCH_REASONS, HONEST_MISTAKES
+from ...verifier.sequential import PeerMonitor
 from .base import Role
 
 log = logging.getLogger("swarm_node")
 
-QUEUE_MAX = 256
+DRAIN_MAX_S = 30.0  # longest verification stretch before training gets its turn
+BOGUS_PROBATION_REPORT = 1  # connection-penalty offences per bogus probation batch
 MODEL_CACHE = 4
 
 
@@ -37,7 +41,11 @@ class TrainerRole(Role):
 
     def __init__(self, cfg, identity, p2p, state):
         super().__init__(cfg, identity, p2p, state)
-        self.queue: asyncio.Queue[tuple[RolloutBatch, str]] = asyncio.Queue(QUEUE_MAX)
+        # fair across senders, new keys on probation (verifier/intake.py)
+        self.queue = VerificationQueue(self._established, IntakeLimits())
+        self.budget = Budget(IntakeLimits())
+        self.arrived = asyncio.Event()
+        self.monitor = PeerMonitor()  # per-peer bias / steering tests (verifier/sequential.py)
         self.trainer = None
         self.sampler = None
         self.tasks = None
@@ -52,6 +60,7 @@ class TrainerRole(Role):
 
     async def start(self) -> None:
         from ...verifier.reputation import Reputation
+        from ...verifier.rules import retention
         from ..broadcast.service import Broadcaster
         from ..models import ensure_builtin
         from ..sampler.hf import HFSampler
@@ -68,8 +77,13 @@ class TrainerRole(Role):
                                  max_context=cfg.model.max_context)
         self.tasks = TaskSource(cfg.tasks.mix, cfg.node.swarm_id)
         self.reputation = Reputation.from_config(cfg.verifier, self.data_dir / "reputation.json")
+        # Honest peers at lag max_staleness must find their version: keep max_staleness + 1.
+        self.trainer.store.keep = retention(cfg, self.trainer.store.keep)
         self.p2p.set_peer_filter(lambda peer: not self.reputation.is_banned(peer))
-        self.broadcaster = Broadcaster(self.p2p, cfg.broadcast, self.data_dir / "broadcast",
+        # the same retention for followed policies' versions (verified up to the same lag)
+        bcfg = cfg.broadcast.model_copy(update={"keep_versions": retention(
+            cfg, cfg.broadcast.keep_versions)})
+        self.broadcaster = Broadcaster(self.p2p, bcfg, self.data_dir / "broadcast",
                                        follow=[p for p in cfg.node.follow
                                                if p != self.identity.peer_id],
                                        role="trainer")
@@ -93,16 +107,18 @@ class TrainerRole(Role):
 
     # incoming ---------------------------------------------------------------------------
 
+    def _established(self, sender: str) -> bool:
+        return self.reputation is not None and self.reputation.established(sender)
+
     async def _on_rollouts(self, env, from_peer: str) -> None:
         if self.reputation.is_banned(env.sender):
             self.state.reject(env.sender, "banned", len(env.message.completions))
             return
-        try:
-            self.queue.put_nowait((env.message, env.sender))
-        except asyncio.QueueFull:
+        if not self.queue.put(env.sender, (env.message, from_peer)):
             self.state.count("rollout_queue_full")
-            log.warning("rollout queue full; dropped a batch from %s (not verified, not "
-                        "accepted)", env.sender[-8:])
+            log.debug("verification queue: dropped a batch from %s (not verified, not "
+                      "accepted)", env.sender[-8:])
+        self.arrived.set()
 
     async def _on_verdict(self, env, from_peer: str) -> None:
         # Verdicts from others are hints: they only make the subject always-verified.
@@ -146,77 +162,117 @@ class TrainerRole(Role):
 
     def _verifier(self, policy_id: str):
         from ...verifier.checks import CheckSettings, RolloutVerifier
+        from ...verifier.rules import batch_rules
+        from ...verifier.seen import SeenStore
+        from ..sampler.stops import context_limit
 
         v = self.verifiers.get(policy_id)
         if v is None:
-            scfg = self.cfg.sampler
-            settings = CheckSettings.for_dtype(self.cfg.model.dtype,
-                                               max_policy_lag=self.cfg.trainer.max_staleness)
+            cfg, scfg = self.cfg, self.cfg.sampler
+            model = self.trainer.model
+            settings = CheckSettings.for_dtype(cfg.model.dtype,
+                                               max_policy_lag=cfg.trainer.max_staleness)
+            seen = SeenStore(self.data_dir / "verifier" / f"seen-{policy_id[-16:]}.sqlite")
             v = RolloutVerifier(
                 self._model_for(policy_id), self.trainer.tokenizer, self.tasks,
-                swarm_id=self.cfg.node.swarm_id, latest_version=self._latest_for(policy_id),
+                swarm_id=cfg.node.swarm_id, latest_version=self._latest_for(policy_id),
                 settings=settings, policy_ids={policy_id},
                 sampling=SamplingParams(temperature=scfg.temperature, top_p=scfg.top_p,
                                         max_new_tokens=scfg.max_new_tokens),
-                max_context=self.cfg.model.max_context,
-                format_reward=self.cfg.tasks.format_reward)
+                max_context=context_limit(model.config, cfg.model.max_context),
+                format_reward=cfg.tasks.format_reward, rules=batch_rules(cfg),
+                dtype=cfg.model.dtype, generation_config=getattr(model, "generation_config",
+                                                                 None),
+                seen=seen)
             self.verifiers[policy_id] = v
         return v
 
     def verify_and_store(self, batch: RolloutBatch, sender: str):
-        """Verify one batch and store what passed (worker thread). Returns the results."""
+        """Verify one batch and store what passed (worker thread). Returns the results.
+
+        The trainer gets only what was verified: text decoded from the verified token ids,
+        the verifier's recomputed logprobs (never the claimed ones), the recomputed reward.
+        Spot checks are drawn per task group with the reputation's secret key (the sender
+        cannot predict them); a skipped group passes every cheap check, is marked seen, and
+        goes to the trainer with NaN logprobs, which it recomputes under its current policy
+        (node/trainer/trainer.py `_verified_or_none`)."""
         own = batch.policy_id == self.identity.peer_id
         known = own or batch.policy_id in self.broadcaster.gate.follow
         if not known:
             return None
         verifier = self._verifier(batch.policy_id)
-        ids = [rollout_id(batch, c) for c in batch.completions]
-        if not self.reputation.should_verify(sender, ids[0]):
-            # Spot checks: a trusted peer's batch that was not drawn for checking is
-            # accepted unverified (`unchecked`); one caught cheat costs it its trust.
-            results = [RolloutResult(i, rid, True, "unchecked") for i, rid in enumerate(ids)]
-        else:
-            results = verifier.verify(batch, sender)
-        accepted = [batch.completions[r.index] for r in results if r.accept]
+        results = verifier.verify(
+            batch, sender, spot_check=lambda ids: self.reputation.should_verify_group(sender, ids))
+        accepted = [_verified_completion(batch.completions[r.index], r)
+                    for r in results if r.accept]
         if accepted:
             self.trainer.add_external(batch.model_copy(update={"completions": accepted}))
         return results
 
     async def _drain(self) -> None:
-        while not self.queue.empty():
-            batch, sender = self.queue.get_nowait()
+        """Verify queued batches, fairly across senders, for at most DRAIN_MAX_S (a flood
+        must not stop training)."""
+        deadline = time.monotonic() + DRAIN_MAX_S
+        while len(self.queue) and time.monotonic() < deadline:
+            sender, (batch, from_peer) = self.queue.get()
             if self.reputation.is_banned(sender):
                 self.state.reject(sender, "banned", len(batch.completions))
                 continue
-            results = await self.work(self.verify_and_store, batch, sender)
+            established = self._established(sender)
+            tokens = sum(c.completion_ids.shape[0] for c in batch.completions)
+            if not self.budget.charge(sender, tokens, established):
+                results = [RolloutResult(i, rollout_id(batch, c), False, "over_budget",
+                                         "verification budget of this sender is spent")
+                           for i, c in enumerate(batch.completions)]
+            else:
+                t0 = time.monotonic()
+                results = await self.work(self.verify_and_store, batch, sender)
+                self.state.observe("verify_batch_seconds", time.monotonic() - t0)
             if results is None:
                 self.state.reject(sender, "unknown_policy", len(batch.completions))
                 continue
-            first_reject = None
-            batch_level = (not any(r.accept for r in results)
-                           and len({r.reason for r in results}) == 1
-                           and results[0].reason in BATCH_REASONS)
-            if batch_level:  # one fault of the batch, not one per completion
-                self.reputation.record(sender, False, results[0].reason)
-            for r in results:
-                if not batch_level and r.reason != "unchecked":  # trust only from checks
-                    self.reputation.record(sender, r.accept, r.reason)
-                if r.accept:
-                    self.state.accept(sender)
-                else:
-                    self.state.reject(sender, r.reason)
-                    first_reject = first_reject or r
-            n_ok = sum(r.accept for r in results)
-            self.peer_batches += n_ok > 0
-            log.info("verified round %d from %s: %d accepted, %d rejected%s", batch.round,
-                     sender[-8:], n_ok, len(results) - n_ok,
-                     f" (first: {first_reject.reason})" if first_reject else "")
-            if self.reputation.is_banned(sender) and sender not in self.state.banned:
-                self.state.banned = self.reputation.banned()
-                log.warning("banned peer %s (reputation %.1f)", sender,
-                            self.reputation.score(sender))
-            if first_reject is not None:
-                await self._publish_verdict(first_reject, sender, batch.policy_version)
+            await self._after_verify(batch, sender, from_peer, results, established)
+
+    async def _after_verify(self, batch, sender, from_peer, results, established) -> None:
+        """Reputation, metrics, logs, verdicts and connection penalties of one batch."""
+        first_reject = None
+        batch_level = (not any(r.accept for r in results)
+                       and len({r.reason for r in results}) == 1
+                       and results[0].reason in BATCH_REASONS)
+        if batch_level:  # one fault of the batch, not one per completion
+            self.reputation.record(sender, False, results[0].reason)
+        for r in results:
+            if not batch_level and r.reason != "unchecked":  # trust only from checks
+                self.reputation.record(sender, r.accept, r.reason)
+            alarm = self.monitor.observe(sender, r.stats) if r.reason == "ok" else None
+            if alarm:  # across batches: the peer, not this rollout, failed the test
+                self.reputation.record(sender, False, alarm)
+                self.state.count(f"sequential_{alarm}")
+                log.warning("peer %s failed the %s test", sender[-8:], alarm)
+                await self._publish_verdict(RolloutResult(r.index, r.rollout_id, False, alarm,
+                                                          "per-peer sequential test"),
+                                            sender, batch.policy_version)
+            if r.accept:
+                self.state.accept(sender)
+            else:
+                self.state.reject(sender, r.reason)
+                first_reject = first_reject or r
+        n_ok = sum(r.accept for r in results)
+        self.peer_batches += n_ok > 0
+        log.info("verified round %d from %s: %d accepted, %d rejected%s", batch.round,
+                 sender[-8:], n_ok, len(results) - n_ok,
+                 f" (first: {first_reject.reason})" if first_reject else "")
+        cheat = [r for r in results if not r.accept and r.reason not in HONEST_MISTAKES]
+        report = getattr(self.p2p, "report_misbehaviour", None)
+        if cheat and not established and report is not None and from_peer:
+            # Sybil economics: the connection that carries fresh-key bogus batches pays.
+            report(from_peer, BOGUS_PROBATION_REPORT, "bogus_batch")
+        if self.reputation.is_banned(sender) and sender not in self.state.banned:
+            self.state.banned = self.reputation.banned()
+            log.warning("banned peer %s (reputation %.1f)", sender,
+                        self.reputation.score(sender))
+        if first_reject is not None:
+            await self._publish_verdict(first_reject, sender, batch.policy_version)
 
     async def _publish_verdict(self, result, sender: str, version: int) -> None:
         try:
@@ -257,11 +313,12 @@ class TrainerRole(Role):
         deadline = asyncio.get_running_loop().time() + self.cfg.trainer.peer_wait_s
         while (self.peer_batches < need and not stop.is_set()
                and asyncio.get_running_loop().time() < deadline):
-            try:
-                item = await asyncio.wait_for(self.queue.get(), timeout=0.5)
-            except TimeoutError:
-                continue
-            self.queue.put_nowait(item)
+            if not len(self.queue):
+                self.arrived.clear()
+                try:
+                    await asyncio.wait_for(self.arrived.wait(), timeout=0.5)
+                except TimeoutError:
+                    continue
             await self._drain()
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -306,3 +363,18 @@ class TrainerRole(Role):
             self.reputation.save()
         if self.trainer is not None:
             self.trainer.close()
+
+def _verified_completion(c, result: RolloutResult):
+    """The completion as the trainer may use it: decoded text, recomputed logprobs (NaN for
+    a spot-check-skipped one: recomputed by the trainer), recomputed reward."""
+    import numpy as np
+
+    from ...protocol.messages import TensorData
+
+    n = c.completion_ids.shape[0]
+    logprobs = result.logprobs if result.logprobs is not None \
+        else np.full(n, np.nan, dtype=np.float32)
+    return c.model_copy(update={"text": result.text or "",
+                                "logprobs": TensorData.from_numpy(
+                                    np.asarray(logprobs, dtype=np.float32)),
+                                "claimed_reward": float(result.reward or 0.0)})

@@ -17,4 +17,6 @@ for folder in FOLDERS:
     packages.append(name)
     packages += [f"{name}.{sub}" for sub in find_packages(folder)]
 
-setup(packages=packages, package_dir=package_dir)
+# The dashboard page is data, not code.
+setup(packages=packages, package_dir=package_dir,
+      package_data={"swarm_node.node.dashboard": ["*.html"]})

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 
@@ -24,26 +24,54 @@ ConfigOpt = typer.Option(None, "--config", "-c", help="TOML config file.", exist
 DataDirOpt = typer.Option(None, "--data-dir", help="Data directory (key, buffers, checkpoints).")
 
 
-def _fail(message: str, code: int = 2) -> None:
-    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+def _fail(message: str, code: int = 2, json_line: bool = False) -> None:
+    if json_line:  # `--log-json`: the last line is a JSON object like every other
+        import json
+        import time
+
+        typer.echo(json.dumps({"ts": round(time.time(), 3), "level": "ERROR",
+                               "logger": "swarm_node", "msg": message}), err=True)
+    else:
+        typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code)
 
 
-def _load(config: Optional[Path], overrides: dict[str, Any]):
-    from ..node.config import load_config
+def _load(config: Path | None, overrides: dict[str, Any], sets: list[str] | None = None):
+    from ..node.config import load_config, parse_set
     from ..node.errors import NodeError
 
     try:
-        return load_config(config, overrides)
+        # --set items first, so a dedicated flag (--model, --role, ...) wins over them
+        return load_config(config, {**parse_set(sets or []), **overrides})
     except NodeError as e:
         _fail(str(e))
 
 
+def _version(value: bool) -> None:
+    if value:
+        from ..node.runner import software_version
+        from ..protocol import PROTOCOL_VERSION
+
+        typer.echo(f"swarm-node {software_version()} (protocol {PROTOCOL_VERSION})")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the software and protocol version.")):
+    """Decentralized, verified RL post-training of language models."""
+
+
+SetOpt = typer.Option(None, "--set", "-s", metavar="KEY=VALUE",
+                      help="Override any config key, e.g. --set model.dtype=bfloat16 "
+                           "(repeatable; validated like the TOML file).")
+
+
 @app.command()
 def keygen(
-    config: Optional[Path] = ConfigOpt,
-    data_dir: Optional[Path] = DataDirOpt,
-    key: Optional[Path] = typer.Option(None, "--key", help="Key file to write."),
+    config: Path | None = ConfigOpt,
+    data_dir: Path | None = DataDirOpt,
+    key: Path | None = typer.Option(None, "--key", help="Key file to write."),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing key."),
 ) -> None:
     """Create the node's Ed25519 key (PEM, mode 0600) and print its peer ID."""
@@ -65,9 +93,9 @@ def keygen(
 
 @app.command("id")
 def show_id(
-    config: Optional[Path] = ConfigOpt,
-    data_dir: Optional[Path] = DataDirOpt,
-    key: Optional[Path] = typer.Option(None, "--key", help="Key file to read."),
+    config: Path | None = ConfigOpt,
+    data_dir: Path | None = DataDirOpt,
+    key: Path | None = typer.Option(None, "--key", help="Key file to read."),
 ) -> None:
     """Print this node's libp2p peer ID."""
     from ..node.errors import NodeError
@@ -82,20 +110,26 @@ def show_id(
 
 @app.command()
 def join(
-    role: Optional[str] = typer.Option(None, "--role", "-r",
-                                       help="inference | trainer | relay | verifier"),
-    config: Optional[Path] = ConfigOpt,
-    data_dir: Optional[Path] = DataDirOpt,
-    bootstrap: Optional[list[str]] = typer.Option(
+    role: str | None = typer.Option(None, "--role", "-r",
+                                       help="inference | trainer | relay"),
+    config: Path | None = ConfigOpt,
+    data_dir: Path | None = DataDirOpt,
+    bootstrap: list[str] | None = typer.Option(
         None, "--bootstrap", "-b", help="Multiaddr of a peer to join through (repeatable)."),
-    listen: Optional[list[str]] = typer.Option(None, "--listen", help="Multiaddr to listen on."),
-    swarm: Optional[str] = typer.Option(None, "--swarm", help="Swarm id."),
-    follow: Optional[list[str]] = typer.Option(None, "--follow",
+    listen: list[str] | None = typer.Option(None, "--listen", help="Multiaddr to listen on."),
+    swarm: str | None = typer.Option(None, "--swarm", help="Swarm id."),
+    follow: list[str] | None = typer.Option(None, "--follow",
                                                help="Peer ID of a trainer to follow."),
-    model: Optional[str] = typer.Option(None, "--model", help="HF model id or local dir."),
-    admin_port: Optional[int] = typer.Option(None, "--admin-port"),
-    log_json: Optional[bool] = typer.Option(None, "--log-json/--log-text"),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved config and exit."),
+    model: str | None = typer.Option(None, "--model", help="HF model id or local dir."),
+    admin_port: int | None = typer.Option(None, "--admin-port"),
+    log_json: bool | None = typer.Option(None, "--log-json/--log-text"),
+    sets: list[str] | None = SetOpt,
+    new_model: bool = typer.Option(False, "--new-model",
+                                   help="The data dir holds another model's checkpoints: "
+                                        "move them aside and start this model afresh."),
+    dry_run: bool = typer.Option(False, "--dry-run",
+                                 help="Check the config (addresses, peer ids, tasks, device, "
+                                      "model, checkpoints), print it resolved, and exit."),
 ) -> None:
     """Join a swarm (or start one) in the given role."""
     overrides = {
@@ -104,29 +138,58 @@ def join(
         "node.swarm_id": swarm, "node.follow": follow or None, "model.name": model,
         "admin.port": admin_port, "node.log_json": log_json,
     }
-    cfg = _load(config, overrides)
-    if dry_run:
-        typer.echo(cfg.to_toml())
-        return
+    cfg = _load(config, overrides, sets)
     from ..node.errors import NodeError
 
+    as_json = cfg.node.log_json
+    if dry_run:
+        from ..node.preflight import check_config
+
+        try:
+            notes = check_config(cfg, new_model=new_model)
+        except NodeError as e:
+            _fail(str(e), 1, as_json)
+        typer.echo(cfg.to_toml())
+        for note in notes:
+            typer.echo(f"# {note}")
+        typer.echo("# config ok")
+        return
     try:
         from ..node.runner import run_node
     except ImportError as e:
-        _fail(f"this build cannot run a node yet: {e}", 1)
+        _fail(f"this build cannot run a node yet: {e}", 1, as_json)
     try:
-        run_node(cfg)
+        run_node(cfg, new_model=new_model)
     except NodeError as e:
-        _fail(str(e), 1)
+        _fail(str(e), 1, as_json)
     except KeyboardInterrupt:
-        pass
+        raise typer.Exit(130) from None
+
+
+@app.command()
+def doctor(
+    config: Path | None = ConfigOpt,
+    model: str | None = typer.Option(None, "--model", help="HF model id or local dir."),
+    sets: list[str] | None = SetOpt,
+) -> None:
+    """Print the hardware, what fits (model, dtype, batch sizes by memory) and any problem."""
+    from ..node.doctor import doctor_report
+
+    cfg = _load(config, {"model.name": model}, sets)
+    lines, problems = doctor_report(cfg)
+    for line in lines:
+        typer.echo(line)
+    for p in problems:
+        typer.secho(f"problem: {p}", fg=typer.colors.YELLOW)
+    typer.echo("no problems found" if not problems else f"{len(problems)} problem(s)")
+    raise typer.Exit(1 if problems else 0)
 
 
 @app.command()
 def demo(
     rounds: int = typer.Option(0, "--rounds", help="Training steps (0: the demo's default)."),
     inference_peers: int = typer.Option(2, "--inference-peers", help="Honest inference peers."),
-    workdir: Optional[Path] = typer.Option(None, "--workdir", help="Where the demo keeps files."),
+    workdir: Path | None = typer.Option(None, "--workdir", help="Where the demo keeps files."),
 ) -> None:
     """Run a complete local swarm on loopback with the built-in tiny model."""
     from ..node.errors import NodeError
@@ -144,9 +207,9 @@ def demo(
 
 @app.command()
 def status(
-    config: Optional[Path] = ConfigOpt,
-    data_dir: Optional[Path] = DataDirOpt,
-    port: Optional[int] = typer.Option(None, "--port", help="Admin port (default: from data dir)."),
+    config: Path | None = ConfigOpt,
+    data_dir: Path | None = DataDirOpt,
+    port: int | None = typer.Option(None, "--port", help="Admin port (default: from data dir)."),
     as_json: bool = typer.Option(False, "--json", help="Print the raw JSON."),
 ) -> None:
     """Show the local node's status (peers, policy version, rollouts, reward)."""

@@ -57,7 +57,8 @@ class AdminServer:
         self.port = self._server.sockets[0].getsockname()[1]
         if self.port_file is not None:
             _write_atomic(self.port_file, f"{self.port}\n")
-        log.info("admin endpoint on http://%s:%d (/status, /metrics)", HOST, self.port)
+        log.info("admin endpoint on http://%s:%d (/dashboard, /status, /metrics)", HOST,
+                 self.port)
 
     async def close(self) -> None:
         if self._server is None:
@@ -94,7 +95,7 @@ class AdminServer:
         try:
             writer.write(head.encode() + body)
             await asyncio.wait_for(writer.drain(), READ_TIMEOUT_S)
-        except (OSError, asyncio.TimeoutError):
+        except (TimeoutError, OSError):
             pass
         finally:
             writer.close()
@@ -102,7 +103,7 @@ class AdminServer:
     async def _respond(self, reader: asyncio.StreamReader) -> tuple[int, str, bytes]:
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return 408, "text/plain", b"request timeout\n"
         except asyncio.LimitOverrunError:
             return 431, "text/plain", b"request too large\n"
@@ -112,10 +113,14 @@ class AdminServer:
         if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
             return 400, "text/plain", b"bad request line\n"
         method, target = parts[0], parts[1].split(b"?", 1)[0]
-        if target not in (b"/status", b"/metrics"):
-            return 404, "text/plain", b"not found: try /status or /metrics\n"
+        if target not in (b"/status", b"/metrics", b"/", b"/dashboard"):
+            return 404, "text/plain", b"not found: try /status, /metrics or /dashboard\n"
         if method != b"GET":
             return 405, "text/plain", b"only GET\n"
+        if target in (b"/", b"/dashboard"):
+            from .dashboard import page
+
+            return 200, "text/html; charset=utf-8", page()
         if target == b"/status":
             body = json.dumps(self.state.status(), default=str).encode()
             return 200, "application/json", body
@@ -150,10 +155,24 @@ def find_port(cfg: Config) -> int:
         return int((data_dir / PORT_FILE).read_text().strip())
     except (OSError, ValueError):
         pass
-    if cfg.admin.port:
-        return cfg.admin.port
     raise NodeError(f"no node is running with data dir {data_dir} (no {PORT_FILE} there); "
                     "start one with `swarm-node join`, or pass --data-dir or --port")
+
+
+def _port_or_default(cfg: Config) -> int:
+    """find_port, else the configured port if a node answers there."""
+    try:
+        return find_port(cfg)
+    except NodeError:
+        if not cfg.admin.port:
+            raise
+        try:
+            fetch_status(cfg.admin.port, timeout=2.0)
+        except NodeError:
+            raise NodeError(f"no node is running with data dir {cfg.data_dir} (no {PORT_FILE} "
+                            f"there, nothing on 127.0.0.1:{cfg.admin.port}); start one with "
+                            "`swarm-node join`, or pass --data-dir or --port") from None
+        return cfg.admin.port
 
 
 def fetch_status(port: int, timeout: float = 5.0) -> dict[str, Any]:
@@ -180,7 +199,7 @@ def fetch_status(port: int, timeout: float = 5.0) -> dict[str, Any]:
 
 def print_status(cfg: Config, port: int | None = None, as_json: bool = False) -> None:
     """Print the local node's status: a rich table, or the raw JSON."""
-    doc = fetch_status(port if port is not None else find_port(cfg))
+    doc = fetch_status(port if port is not None else _port_or_default(cfg))
     if as_json:
         print(json.dumps(doc, indent=2, sort_keys=True))
         return

@@ -34,7 +34,11 @@ class NodeSection(Section):
     bootstrap: list[str] = []
     """Multiaddrs (with /p2p/<peer id>) of peers to join through. Empty: start a new swarm."""
     follow: list[str] = []
-    """Peer IDs of trainers whose policy this node follows. Empty: the first trainer seen."""
+    """Peer IDs of trainers whose policy this node follows. Empty: a trainer follows nobody;
+    an inference peer or relay follows the trainer its bootstrap peer announces (once, logged,
+    kept in <data_dir>/follow.json)."""
+    min_free_disk_mib: int = Field(256, ge=0)
+    """Free disk space (MiB) every large write leaves; below it the writing work pauses."""
     log_json: bool = False
     """Log one JSON object per line instead of plain text."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
@@ -140,6 +144,22 @@ class TrainerSection(Section):
     """Linear learning-rate warm-up steps (0: constant rate)."""
     seed: int = Field(0, ge=0)
     """Seed of the trainer's RNGs (external selection; torch on first start)."""
+    procs: int = Field(1, ge=1, le=256)
+    """Trainer role: ranks of this one trainer (torch.distributed, `join --procs N`); rank 0
+    alone runs the node. See README "Scaling a trainer out"."""
+    group: str = ""
+    """Trainer group: average parameters with the group's other trainers through hivemind
+    every `group_every` steps (empty: train alone)."""
+    group_every: int = Field(10, ge=1)
+    """Steps between averaging rounds (a multiple of checkpoint_every)."""
+    group_key_path: str = "group.key"
+    """The group's shared secret (64 hex chars, mode 0600); relative paths are under data_dir."""
+    group_peers: list[str] = []
+    """hivemind multiaddrs of group members to join through (empty: the first member)."""
+    group_listen: list[str] = ["/ip4/0.0.0.0/tcp/0"]
+    """Multiaddrs the group's hivemind daemon listens on."""
+    group_timeout_s: float = Field(60.0, gt=0)
+    """Longest wait for one averaging round; after it the trainer carries on alone."""
 
 
 class VerifierSection(Section):
@@ -168,7 +188,14 @@ class BroadcastSection(Section):
     max_shard_size: int = Field(64 * 1024 * 1024, ge=4096, le=1 << 30)
     """Largest shard size accepted in a peer's manifest (also the largest request served)."""
     max_checkpoint_bytes: int = Field(256 * 1024**3, ge=4096)
-    """Largest checkpoint accepted in a peer's manifest."""
+    """Largest checkpoint accepted in a peer's manifest (it must also fit the free disk)."""
+    max_shards: int = Field(1 << 17, ge=1, le=1 << 20)
+    """Most shards accepted in a peer's manifest."""
+    max_unproven_sources: int = Field(4, ge=0)
+    """Per version: advertisers we never verified a shard from that are used as sources
+    (peers that delivered verified shards before, and the trainer, are not capped)."""
+    max_sources_per_host: int = Field(2, ge=1)
+    """Per version: sources sharing one TCP endpoint host that are used."""
     keep_versions: int = Field(3, ge=1)
     """Complete checkpoint versions to keep (and serve) per policy; older ones are deleted."""
     max_uploads_per_peer: int = Field(4, ge=1)
@@ -269,9 +296,13 @@ class LimitsSection(Section):
         return Limits({**DEFAULT_MAX_BYTES, **self.max_message_bytes})
 
 
+DEFAULT_ADMIN_PORT = 4010
+
+
 class AdminSection(Section):
-    port: int = Field(0, ge=0, le=65535)
-    """Port of /status and /metrics on 127.0.0.1 (0: a free one, written to data_dir/admin.port)."""
+    port: int = Field(DEFAULT_ADMIN_PORT, ge=0, le=65535)
+    """Port of /status, /metrics and /dashboard on 127.0.0.1 (0: a free one; the port in use
+    is written to data_dir/admin.port). A second node on one machine needs another port."""
     enabled: bool = True
     """Serve GET /status and GET /metrics on 127.0.0.1."""
 
@@ -333,6 +364,8 @@ def build_config(data: dict[str, Any], source: str = "config",
         return Config.model_validate(data)
     except ValidationError as e:
         lines = [_describe(err, source, overridden or set()) for err in e.errors()]
+        if len(lines) == 1:  # the common case stays one line
+            raise ConfigError(f"invalid configuration: {lines[0]}") from None
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
 
 
@@ -364,6 +397,24 @@ def load_config(path: Path | None = None, overrides: dict[str, Any] | None = Non
                 raise ConfigError(f"{source}: `{part}` must be a table, got {node!r}")
         node[leaf] = value
     return build_config(data, source, overridden)
+
+
+def parse_set(items: list[str]) -> dict[str, Any]:
+    """`--set model.dtype=bfloat16` items as dotted overrides. The value is read as a TOML
+    value (numbers, booleans, lists, inline tables, quoted strings); anything else is a
+    plain string. The result is validated like the TOML file."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip().removeprefix("--")
+        if not sep or not key or any(not p for p in key.split(".")):
+            raise ConfigError(f"--set {item!r}: expected <section>.<key>=<value>, "
+                              "e.g. --set model.dtype=bfloat16")
+        try:
+            out[key] = tomllib.loads(f"v = {raw.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key] = raw.strip()
+    return out
 
 
 def dump_toml(data: dict[str, Any]) -> str:

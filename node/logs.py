@@ -70,16 +70,93 @@ def event(logger: logging.Logger, name: str, message: str = "", level: int = log
     logger.log(level, message or name, extra={"event": name, **fields})
 
 
+class RateLimit(logging.Filter):
+    """Repeated warnings are shown `burst` times per `window_s`; the rest are counted and the
+    next one shown says how many were held back (`suppressed=N`). Two warnings repeat when
+    they share the logger, the level, the format string and the head of the first argument
+    (so "manifest rejected (not_newer): ..." collapses, other reasons do not)."""
+
+    def __init__(self, burst: int = 3, window_s: float = 60.0, clock=time.monotonic):
+        super().__init__()
+        self.burst, self.window_s, self.clock = burst, window_s, clock
+        self._seen: dict[tuple, list] = {}  # key -> [window start, shown, held back]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING or record.levelno >= logging.CRITICAL:
+            return True
+        key = _repeat_key(record)
+        now = self.clock()
+        slot = self._seen.get(key)
+        if slot is None or now - slot[0] > self.window_s:
+            held = slot[2] if slot else 0
+            if len(self._seen) > 1024:  # bounded whatever the messages are
+                self._seen.clear()
+            self._seen[key] = [now, 1, 0]
+            if held:
+                record.suppressed = held
+            return True
+        if slot[1] < self.burst:
+            slot[1] += 1
+            return True
+        slot[2] += 1
+        return False
+
+
+def _repeat_key(record: logging.LogRecord) -> tuple:
+    first = ""
+    if isinstance(record.args, tuple) and record.args:
+        first = str(record.args[0]).split(":", 1)[0][:60]
+    return record.name, record.levelno, str(record.msg)[:200], first
+
+
+LIBRARY_LOGGERS = ("libp2p", "multiaddr", "trio", "urllib3", "httpx", "transformers",
+                   "filelock", "asyncio", "huggingface_hub", "py.warnings", "torch")
+LIBRARY_ROOTS = {name.split(".", 1)[0] for name in LIBRARY_LOGGERS}
+
+
+def route_library_logs() -> None:
+    """Send every library's records through our handler: drop handlers libraries installed
+    on their own loggers (transformers does) and make them propagate to the root."""
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("swarm_node"):
+            continue
+        logger = logging.getLogger(name)
+        logger.handlers[:] = []
+        logger.propagate = True
+        if name.split(".", 1)[0] in LIBRARY_ROOTS and "." in name:
+            # a module's own level (py-libp2p sets INFO on some) must not override the
+            # library's level set in setup_logging
+            logger.setLevel(logging.NOTSET)
+
+
 def setup_logging(level: str = "INFO", json_lines: bool = False, stream=None) -> None:
-    """Configure the root logger once: our lines at `level`, noisy libraries at WARNING."""
+    """Configure the root logger once: our lines at `level`, noisy libraries at WARNING,
+    every library and Python warning through our formatter, repeated warnings limited."""
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(JsonFormatter() if json_lines else PlainFormatter())
+    handler.addFilter(RateLimit())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
-    for noisy in ("multiaddr", "trio", "urllib3", "httpx", "transformers", "filelock",
-                  "asyncio"):
+    for noisy in LIBRARY_LOGGERS:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     # py-libp2p logs every failed dial/stream of a departed peer at ERROR with a dump of the
     # connection; our p2p layer reports and counts those failures itself.
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
+    logging.captureWarnings(True)
+    route_library_logs()
+    _route_uncaught(logging.getLogger("swarm_node.uncaught"))
+
+
+def _route_uncaught(logger: logging.Logger) -> None:
+    """Uncaught exceptions in threads (trio's, the worker's) become one log line."""
+    import threading
+
+    def hook(args) -> None:
+        if args.exc_type is SystemExit:
+            return
+        logger.error("uncaught %s in thread %s: %s", args.exc_type.__name__,
+                     getattr(args.thread, "name", "?"), args.exc_value,
+                     exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
+
+    threading.excepthook = hook

@@ -17,7 +17,7 @@ so nothing is counted twice.
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +26,86 @@ MAX_TRACKED_PEERS = 4096
 OTHER_PEERS = "(other)"
 MAX_REASONS = 64
 """Distinct reject reasons exported as Prometheus labels; more are summed under `other`."""
+
+
+HISTORY = 500
+"""Points kept for the dashboard's curves and download table."""
+DEFAULT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+HISTOGRAMS = {
+    "train_step_seconds": DEFAULT_BUCKETS,
+    "verify_batch_seconds": DEFAULT_BUCKETS,
+    "sample_round_seconds": DEFAULT_BUCKETS,
+    "download_seconds": DEFAULT_BUCKETS,
+    "checkpoint_load_seconds": DEFAULT_BUCKETS,
+}
+"""Histograms exported at /metrics as swarm_node_<name> (seconds unless named otherwise)."""
+
+
+class Histogram:
+    """Cumulative-bucket histogram, rendered as a Prometheus histogram at scrape time."""
+
+    def __init__(self, buckets=DEFAULT_BUCKETS):
+        self.buckets = tuple(buckets)
+        self.counts = [0] * (len(self.buckets) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        value = float(value)
+        i = next((i for i, b in enumerate(self.buckets) if value <= b), len(self.buckets))
+        self.counts[i] += 1
+        self.sum += value
+        self.count += 1
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        out, total = [], 0
+        for bound, n in zip([*map(str, self.buckets), "+Inf"], self.counts):
+            total += n
+            out.append((bound, total))
+        return out
+
+    def summary(self) -> dict[str, float]:
+        return {"count": self.count, "sum": round(self.sum, 6),
+                "mean": round(self.sum / self.count, 6) if self.count else 0.0}
+
+
+class OwnVerdicts:
+    """What trainers said about this node's rollouts (signed verdicts on the verdicts topic,
+    subject = this node): accepted counts, rejects by reason, bans, the latest few."""
+
+    def __init__(self, keep: int = 50):
+        self.accepted = 0
+        self.rejected: Counter = Counter()
+        self.by_trainer: dict[str, dict[str, Any]] = {}
+        self.banned_by: dict[str, dict[str, Any]] = {}
+        self.recent: deque = deque(maxlen=keep)
+
+    def add(self, trainer: str, accept: bool, reason: str, n: int, detail: str = "",
+            version: int = 0) -> None:
+        if len(self.by_trainer) >= MAX_TRACKED_PEERS and trainer not in self.by_trainer:
+            trainer = OTHER_PEERS
+        rec = self.by_trainer.setdefault(trainer, {"accepted": 0, "rejected": 0,
+                                                   "reasons": Counter()})
+        if accept:
+            self.accepted += n
+            rec["accepted"] += n
+        else:
+            self.rejected[reason] += n
+            rec["rejected"] += n
+            rec["reasons"][reason] += n
+        if reason == "banned" and not accept:
+            self.banned_by[trainer] = {"since": round(time.time(), 1), "detail": detail}
+        elif accept:
+            self.banned_by.pop(trainer, None)
+        self.recent.append({"t": round(time.time(), 1), "trainer": trainer, "accept": accept,
+                            "reason": reason, "n": n, "version": version,
+                            "detail": detail[:200]})
+
+    def view(self) -> dict[str, Any]:
+        return {"accepted": self.accepted, "rejected": dict(self.rejected),
+                "by_trainer": {p: {**r, "reasons": dict(r["reasons"])}
+                               for p, r in self.by_trainer.items()},
+                "banned_by": dict(self.banned_by), "recent": list(self.recent)[-20:]}
 
 
 @dataclass
@@ -55,6 +135,14 @@ class NodeState:
     buffer_counters: dict[str, int] = field(default_factory=dict)
     checkpoint_progress: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    software_version: str = ""
+    protocol_version: int = 0
+    hardware: dict[str, Any] = field(default_factory=dict)
+    own_verdicts: OwnVerdicts = field(default_factory=lambda: OwnVerdicts())
+    histograms: dict[str, Histogram] = field(default_factory=dict)
+    gauges: dict[str, float] = field(default_factory=dict)
+    steps: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
+    downloads: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
 
     # updates ----------------------------------------------------------------------------
 
@@ -76,6 +164,30 @@ class NodeState:
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] += n
+
+    def observe(self, name: str, value: float) -> None:
+        """One observation of a histogram in HISTOGRAMS (seconds, bytes, ...)."""
+        hist = self.histograms.get(name)
+        if hist is None:
+            hist = self.histograms[name] = Histogram(HISTOGRAMS.get(name, DEFAULT_BUCKETS))
+        hist.observe(value)
+
+    def record_step(self, version: int, reward: float | None, **values: float) -> None:
+        """One training step or sampling round for the dashboard's curves (bounded)."""
+        point = {"t": round(time.time(), 1), "version": version, "reward": reward}
+        point.update({k: v for k, v in values.items() if v is not None})
+        self.steps.append(point)
+        for key, value in values.items():
+            if _is_number(value):
+                self.gauges[key] = float(value)
+
+    def record_download(self, version: int, policy_id: str, nbytes: int, seconds: float,
+                        source: str = "") -> None:
+        self.downloads.append({"t": round(time.time(), 1), "version": version,
+                               "policy_id": policy_id, "bytes": nbytes,
+                               "seconds": round(seconds, 3), "source": source})
+        self.count("bytes_downloaded", nbytes)
+        self.observe("download_seconds", seconds)
 
     def set_checkpoint_progress(self, version: int, shards_done: int, shards_total: int,
                                 bytes_done: int = 0, bytes_total: int = 0,
@@ -129,6 +241,7 @@ class NodeState:
             "swarm_id": self.swarm_id,
             "phase": self.phase,
             "uptime_s": round(time.time() - self.started, 1),
+            "p2p": self.p2p.health() if hasattr(self.p2p, "health") else None,
             "connected_peers": len(peers := self.connected_peers()),
             "peers": peers,
             "policy_id": self.policy_id,
@@ -148,6 +261,13 @@ class NodeState:
             "checkpoint_progress": self.checkpoint_progress,
             "buffer": self.buffer_counters,
             "counters": dict(self.counters),
+            "software_version": self.software_version,
+            "protocol_version": self.protocol_version,
+            "runtime": self.hardware,
+            "verdicts_about_me": self.own_verdicts.view(),
+            "steps": list(self.steps),
+            "downloads": list(self.downloads),
+            "histograms": {k: h.summary() for k, h in self.histograms.items()},
             **({"extra": self.extra} if self.extra else {}),
         }
 
@@ -221,6 +341,8 @@ class _StateCollector:
                 ck.add_metric([name], float(v))
             yield ck
 
+        yield from _extra_families(st)
+
         metrics = getattr(st.p2p, "metrics", None)
         counters = dict(getattr(metrics, "counters", {}) or {})
         if counters:
@@ -252,3 +374,38 @@ def _capped(values: dict[str, int | float]) -> dict[str, int | float]:
     out = dict(ranked[:MAX_REASONS - 1])
     out["other"] = out.get("other", 0) + sum(v for _, v in ranked[MAX_REASONS - 1:])
     return out
+
+
+def _extra_families(st: NodeState):
+    """Histograms, training gauges and verdicts about this node."""
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+    )
+
+    for name, hist in st.histograms.items():
+        h = HistogramMetricFamily(f"swarm_node_{name}", f"Histogram of {name}.")
+        h.add_metric([], hist.cumulative(), hist.sum)
+        yield h
+    for name, value in _capped(dict(st.gauges)).items():
+        yield GaugeMetricFamily(f"swarm_node_last_{_metric_name(name)}",
+                                f"Latest {name} of a training step or sampling round.",
+                                value=float(value))
+    mine = st.own_verdicts
+    acc = CounterMetricFamily("swarm_node_own_rollouts_accepted",
+                              "This node's rollouts that trainers reported accepted.")
+    acc.add_metric([], mine.accepted)
+    yield acc
+    rej = CounterMetricFamily("swarm_node_own_rollouts_rejected",
+                              "This node's rollouts that trainers reported rejected, by reason.",
+                              labels=["reason"])
+    for reason, n in _capped(dict(mine.rejected)).items():
+        rej.add_metric([reason], n)
+    yield rej
+    yield GaugeMetricFamily("swarm_node_banned_by", "Trainers that reported banning this node.",
+                            value=len(mine.banned_by))
+
+
+def _metric_name(name: str) -> str:
+    return "".join(c if c.isalnum() or c == "_" else "_" for c in name)[:64]

@@ -1,7 +1,10 @@
 """`swarm-node join`: one process, one role, until SIGINT/SIGTERM.
 
-Start-up order: logging, identity, p2p host (listen, bootstrap), admin endpoint, role.
-Shutdown order is the reverse; the role finishes or persists its in-flight work first.
+Start-up order: logging, checks (config, data-dir lock, ports), identity, p2p host (listen,
+bootstrap), admin endpoint, role (loads the model), and only then "joined swarm". Every
+failure before that point is one line naming what failed (a NodeError). Shutdown order is
+the reverse; the role finishes or persists its in-flight work first. A second Ctrl-C exits
+at once.
 """
 
 from __future__ import annotations
@@ -21,11 +24,35 @@ log = logging.getLogger("swarm_node")
 NODE_INFO_FILE = "node.json"
 
 
-def run_node(cfg: Config) -> None:
-    from .logs import setup_logging
+def software_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
 
+    try:
+        return version("swarm-node")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def run_node(cfg: Config, *, new_model: bool = False) -> None:
+    from .logs import setup_logging
+    from .preflight import check_config, check_ports, claim_data_dir, record_model
+
+    # Library progress bars are not log lines (they break one-line and JSON logs).
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     setup_logging(cfg.node.log_level, json_lines=cfg.node.log_json)
-    asyncio.run(_main(cfg))
+    notes = check_config(cfg, new_model=new_model)
+    lock = claim_data_dir(cfg)
+    try:
+        check_ports(cfg)
+        record_model(cfg, new_model=new_model)
+        for note in notes:
+            log.info("%s", note)
+        asyncio.run(_main(cfg))
+    except OSError as e:  # anything the checks did not foresee: still one line
+        raise NodeError(f"{e.strerror or e}{': ' + str(e.filename) if e.filename else ''}"
+                        ) from None
+    finally:
+        lock.release()
 
 
 def write_node_info(data_dir: Path, info: dict) -> None:
@@ -35,26 +62,56 @@ def write_node_info(data_dir: Path, info: dict) -> None:
     os.replace(tmp, data_dir / NODE_INFO_FILE)
 
 
+class Interrupts:
+    """First SIGINT/SIGTERM: stop gracefully and say what the node waits for; second: exit
+    now (exit code 130), skipping the rest of the shutdown."""
+
+    def __init__(self, stop: asyncio.Event):
+        self.stop = stop
+        self.waiting_for = "the role to start"
+        self.role = None  # once set, its current work item is named
+        self.count = 0
+
+    def install(self, loop: asyncio.AbstractEventLoop) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.fire)
+
+    def fire(self) -> None:
+        self.count += 1
+        if self.count == 1:
+            current = getattr(self.role, "current_work", None)
+            what = f"{current} to finish" if current else self.waiting_for
+            log.warning("stopping: waiting for %s (press Ctrl-C again to exit now)", what)
+            self.stop.set()
+            return
+        log.warning("second interrupt: exiting now without a clean shutdown")
+        logging.shutdown()
+        os._exit(130)
+
+
 async def _main(cfg: Config) -> None:
+    from ..protocol import PROTOCOL_VERSION
+    from .doctor import runtime_summary
     from .identity import Identity
+    from .logs import route_library_logs
     from .metrics import NodeState
     from .p2p import P2PError, P2PNode
     from .roles import make_role
 
-    data_dir = cfg.data_dir
-    data_dir.mkdir(parents=True, exist_ok=True)
     identity = Identity.load_or_create(cfg.key_path)
     state = NodeState(peer_id=identity.peer_id, role=cfg.node.role, swarm_id=cfg.node.swarm_id)
-
+    state.software_version = software_version()
+    state.protocol_version = PROTOCOL_VERSION
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    interrupts = Interrupts(stop)
+    interrupts.install(asyncio.get_running_loop())
 
+    interrupts.waiting_for = "the libp2p host to start"
     p2p = P2PNode(identity, cfg)
     try:
         await p2p.start(bootstrap=cfg.node.bootstrap)
-    except P2PError as e:
+        _check_listening(cfg, p2p)
+    except (P2PError, NodeError) as e:
         await p2p.close()
         raise NodeError(str(e)) from None
     state.p2p = p2p
@@ -72,26 +129,26 @@ async def _main(cfg: Config) -> None:
             make_dishonest(role, cfg.node.dishonest)
         if admin is not None:
             await admin.start()
-        write_node_info(data_dir, {
+        write_node_info(cfg.data_dir, {
             "peer_id": identity.peer_id, "role": cfg.node.role, "pid": os.getpid(),
             "listen_addrs": p2p.listen_addrs,
             "admin_port": admin.port if admin is not None else None,
         })
-        if not cfg.node.bootstrap:
-            addr = p2p.listen_addrs[0] if p2p.listen_addrs else "?"
-            log.info("started a new swarm %r; others join with: swarm-node join --bootstrap %s",
-                     cfg.node.swarm_id, addr)
-        log.info("joined swarm %r as %s, peer id %s", cfg.node.swarm_id, cfg.node.role,
-                 identity.peer_id)
+        interrupts.waiting_for = "the model to load"
         await role.start()
+        route_library_logs()  # libraries imported by the role may have added handlers
+        state.hardware = runtime_summary(cfg, role)
+        _log_joined(cfg, identity.peer_id, p2p.listen_addrs, state.hardware)
         state.phase = "running"
-        runner = asyncio.create_task(role.run(stop), name=f"role-{cfg.node.role}")
-        stopper = asyncio.create_task(stop.wait())
-        done, _ = await asyncio.wait({runner, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        stop.set()
-        if runner in done and runner.exception() is not None:
-            raise runner.exception()
-        await runner
+        interrupts.role = role
+        interrupts.waiting_for = "the role's loop to stop"
+        host_watch = asyncio.create_task(_stop_if_host_dies(p2p, stop))  # supervised host
+        await _run_role(role, stop, cfg.node.role)
+        host_watch.cancel()
+        if p2p.failure is not None:
+            state.phase = "failed"
+            raise NodeError(f"the libp2p host died ({p2p.failure}); exiting so that a "
+                            "supervisor restarts this node")
     finally:
         state.phase = "stopping"
         log.info("shutting down")
@@ -102,3 +159,40 @@ async def _main(cfg: Config) -> None:
                 await admin.close()
             await p2p.close()
     log.info("stopped")
+
+
+async def _stop_if_host_dies(p2p, stop: asyncio.Event) -> None:
+    await p2p.wait_failed()
+    stop.set()
+
+
+async def _run_role(role, stop: asyncio.Event, name: str) -> None:
+    runner = asyncio.create_task(role.run(stop), name=f"role-{name}")
+    stopper = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait({runner, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    stop.set()
+    if runner in done and runner.exception() is not None:
+        raise runner.exception()
+    await runner
+
+
+def _check_listening(cfg: Config, p2p) -> None:
+    """py-libp2p logs a failed listener and runs on; a node that cannot be dialled must
+    not announce itself."""
+    if not p2p.listen_addrs:
+        raise NodeError(f"not listening on any of {', '.join(cfg.node.listen)} (the libp2p "
+                        "host started without a listener); check --listen")
+    for addr in cfg.node.listen:
+        port = addr.rstrip("/").rsplit("/tcp/", 1)[-1].split("/", 1)[0]
+        if port != "0" and not any(f"/tcp/{port}/" in a for a in p2p.listen_addrs):
+            raise NodeError(f"cannot listen on {addr}: the libp2p host did not bind it")
+
+
+def _log_joined(cfg: Config, peer_id: str, addrs: list[str], hw: dict) -> None:
+    log.info("runtime: device %s, dtype %s, sampler %s, memory %s", hw.get("device"),
+             hw.get("dtype"), hw.get("backend"), hw.get("memory"))
+    if not cfg.node.bootstrap:
+        log.info("started a new swarm %r; others join with: swarm-node join --bootstrap %s",
+                 cfg.node.swarm_id, addrs[0])
+    log.info("joined swarm %r as %s, peer id %s, listening on %s", cfg.node.swarm_id,
+             cfg.node.role, peer_id, ", ".join(addrs))

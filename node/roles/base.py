@@ -10,10 +10,51 @@ import asyncio
 import json
 import logging
 import os
+import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from ...verifier.reasons import REASONS as REASON_TEXT
+from ..errors import NodeError
+
 log = logging.getLogger("swarm_node")
+
+SUMMARY_REASON = "batch_summary"
+"""Verdict reason of a trainer's per-batch summary to the batch's sender (NODE_SPEC §5)."""
+BAN_NOTICE_INTERVAL_S = 60.0
+
+
+def summary_detail(accepted: int, reasons: Counter, round_: int) -> str:
+    """`accepted=6 rejected=2 round=4 reasons=task_not_assigned:2` (fits Verdict.detail)."""
+    text = ",".join(f"{r}:{n}" for r, n in reasons.most_common(12))
+    return (f"accepted={accepted} rejected={sum(reasons.values())} round={round_} "
+            f"reasons={text}")[:512]
+
+
+def parse_summary(detail: str) -> dict:
+    """Inverse of `summary_detail`; tolerant (a peer's text is untrusted: bad parts skipped)."""
+    out = {"accepted": 0, "round": "?", "reasons": {}}
+    for part in detail.split():
+        key, _, value = part.partition("=")
+        if key == "accepted" and value.isdigit():
+            out["accepted"] = min(int(value), 1 << 20)
+        elif key == "round" and value.isdigit():
+            out["round"] = value
+        elif key == "reasons":
+            for item in value.split(",")[:12]:
+                reason, _, n = item.rpartition(":")
+                if reason and n.isdigit() and len(reason) <= 64:
+                    out["reasons"][reason] = min(int(n), 1 << 20)
+    return out
+
+
+def _reasons_text(reasons: dict) -> str:
+    return ", ".join(f"{n} {r}: {REASON_TEXT.get(r, r)}" for r, n in reasons.items())
+
+
+def _knob(field: str) -> str:
+    return {"max_batch": "sampler.max_batch"}.get(field, f"trainer.{field}")
 
 
 class Role:
@@ -28,15 +69,113 @@ class Role:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-work")
 
     async def work(self, fn, *args, **kwargs):
-        """Run `fn` in the role's worker thread."""
+        """Run `fn` in the role's worker thread (its name is what Ctrl-C says it waits for)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
+        self.current_work = getattr(fn, "__name__", "work")
+        try:
+            return await loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
+        finally:
+            self.current_work = None
+
+    async def work_oom_safe(self, fn, *args, sampler=None, holder=None, field: str = ""):
+        """`work(fn, *args)`, retried with half the batch after an out-of-memory error.
+
+        The batch knob is `sampler.max_batch`, or `holder.<field>` (e.g. the trainer's
+        micro_batch_size). At 1 there is nothing smaller to try: one-line NodeError."""
+        from .oom import is_oom, release_cached
+
+        holder, field = (sampler, "max_batch") if sampler is not None else (holder, field)
+        while True:
+            try:
+                return await self.work(fn, *args)
+            except Exception as e:
+                if not is_oom(e):
+                    raise
+                release_cached()
+                size = getattr(holder, field)
+                self.state.count("out_of_memory")
+                if size <= 1:
+                    raise NodeError(f"out of memory in {fn.__name__} even with {field} = 1: "
+                                    "use a smaller model, --set model.dtype=bfloat16, or a "
+                                    "larger device (`swarm-node doctor` shows what fits)"
+                                    ) from None
+                setattr(holder, field, max(1, size // 2))
+                log.warning("out of memory in %s with %s = %d; retrying with %d (hint: set "
+                            "--set %s=%d, `swarm-node doctor` shows what fits)",
+                            fn.__name__, field, size, size // 2, _knob(field), size // 2)
+
+    # Verdicts about this node's rollouts (issue 14: peers must see why they are rejected)
+
+    async def watch_verdicts(self) -> None:
+        """Listen on the verdicts topic for verdicts whose subject is this node."""
+        await self.p2p.subscribe("verdicts", self._on_own_verdict)
+
+    async def _on_own_verdict(self, env, from_peer: str) -> None:
+        v = env.message
+        if v.subject != self.identity.peer_id:
+            return
+        mine = self.state.own_verdicts
+        if v.reason == SUMMARY_REASON:
+            counts = parse_summary(v.detail)
+            if counts["accepted"]:
+                mine.add(env.sender, True, "accepted", counts["accepted"], "", v.policy_version)
+            for reason, n in counts["reasons"].items():
+                mine.add(env.sender, False, reason, n, v.detail, v.policy_version)
+            level = logging.INFO if not counts["reasons"] else logging.WARNING
+            log.log(level, "trainer %s verified my round %s: %d accepted, %d rejected%s",
+                    env.sender[-8:], counts["round"], counts["accepted"],
+                    sum(counts["reasons"].values()),
+                    f" ({_reasons_text(counts['reasons'])})" if counts["reasons"] else "")
+            return
+        if v.reason == "banned" and not v.accept:
+            mine.add(env.sender, False, "banned", 0, v.detail, v.policy_version)
+            log.error("trainer %s banned this node: %s", env.sender[-8:], v.detail)
+            return
+        if not v.accept:  # the per-rollout verdict beside the summary: its detail says why
+            mine.recent.append({"trainer": env.sender, "accept": False, "reason": v.reason,
+                                "n": 1, "version": v.policy_version, "detail": v.detail[:200]})
+            log.warning("trainer %s rejected a rollout of mine: %s (%s)", env.sender[-8:],
+                        v.reason, v.detail[:200] or REASON_TEXT.get(v.reason, ""))
+
+    async def announce_batch_verdicts(self, batch, sender: str, results) -> None:
+        """Trainer side: one signed summary verdict per verified batch to its sender (how
+        many accepted, rejects by reason), so an honest peer sees what happens to its work."""
+        if not results or sender == self.identity.peer_id:
+            return
+        reasons = Counter(r.reason for r in results if not r.accept)
+        n_ok = sum(1 for r in results if r.accept)
+        detail = summary_detail(n_ok, reasons, batch.round)
+        await self._publish_verdict_msg(results[0].rollout_id, sender, n_ok > 0, SUMMARY_REASON,
+                                        batch.policy_version, detail)
+
+    async def announce_ban(self, sender: str, rollout_id: bytes, detail: str) -> None:
+        """Trainer side: tell a banned peer (at most once a minute per peer)."""
+        now = time.monotonic()
+        told = self.__dict__.setdefault("_told_banned", {})
+        if now - told.get(sender, -1e9) < BAN_NOTICE_INTERVAL_S:
+            return
+        told[sender] = now
+        await self._publish_verdict_msg(rollout_id, sender, False, "banned", 0, detail)
+
+    async def _publish_verdict_msg(self, rollout_id, subject, accept, reason, version,
+                                   detail) -> None:
+        from ...protocol.messages import Verdict
+
+        msg = Verdict(rollout_id=rollout_id, subject=subject, accept=accept, reason=reason,
+                      policy_version=version, detail=detail[:512])
+        try:
+            await self.p2p.publish("verdicts", msg)
+        except Exception as e:  # noqa: BLE001 - feedback only; counted
+            self.state.count("verdict_publish_failed")
+            log.debug("verdict to %s not published: %s", subject[-8:], e)
 
     async def start(self) -> None:
         """Load what the role needs and subscribe to its topics."""
 
     def track_downloads(self, broadcaster, interval_s: float = 1.0) -> None:
         """Mirror the broadcaster's download in progress into `/status`."""
+        started: dict[tuple[str, int], tuple[float, int]] = {}
+
         async def loop():
             while True:
                 for version, _task, d in list(broadcaster.downloads.values()):
@@ -44,6 +183,11 @@ class Role:
                     done = d.progress.done if d.progress is not None else 0
                     self.state.set_checkpoint_progress(version, len(d.entry.have),
                                                        m.num_shards, done, m.total_size)
+                    started.setdefault((m.policy_id, version), (time.monotonic(),
+                                                                m.total_size))
+                for key in [k for k in started if k in broadcaster.completed]:
+                    t0, size = started.pop(key)
+                    self.state.record_download(key[1], key[0], size, time.monotonic() - t0)
                 cp = self.state.checkpoint_progress
                 finished = any(v == cp.get("version") for _, v in broadcaster.completed)
                 if cp and not cp["complete"] and not broadcaster.downloads and finished:

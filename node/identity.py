@@ -11,6 +11,7 @@ from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from ..protocol.envelope import seal
 from ..protocol.peerid import peer_id_from_public_bytes
 from .errors import IdentityError
 
@@ -22,7 +23,7 @@ class Identity:
     private_key: Ed25519PrivateKey
 
     @classmethod
-    def generate(cls) -> "Identity":
+    def generate(cls) -> Identity:
         return cls(Ed25519PrivateKey.generate())
 
     @property
@@ -45,12 +46,11 @@ class Identity:
 
     def seal(self, message) -> bytes:
         """Sign a wire message into an envelope as this node."""
-        from ..protocol.envelope import seal
-
         return seal(message, self.private_key, self.peer_id)
 
     def to_libp2p_keypair(self):
-        """The same key as a py-libp2p KeyPair (imports libp2p lazily)."""
+        """The same key as a py-libp2p KeyPair."""
+        # libp2p (and trio) load only when a host starts: `keygen` and `id` do without.
         from libp2p.crypto.ed25519 import create_new_key_pair
 
         return create_new_key_pair(self.private_bytes)
@@ -82,7 +82,7 @@ class Identity:
             raise IdentityError(f"cannot write key file {path}: {e.strerror or e}") from None
 
     @classmethod
-    def load(cls, path: Path) -> "Identity":
+    def load(cls, path: Path) -> Identity:
         path = Path(path)
         try:
             mode = stat.S_IMODE(path.stat().st_mode)
@@ -109,7 +109,7 @@ class Identity:
         return cls(key)
 
     @classmethod
-    def load_or_create(cls, path: Path) -> "Identity":
+    def load_or_create(cls, path: Path) -> Identity:
         path = Path(path)
         if path.exists():
             return cls.load(path)

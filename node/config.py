@@ -191,10 +191,10 @@ class BroadcastSection(Section):
     """Largest checkpoint accepted in a peer's manifest (it must also fit the free disk)."""
     max_shards: int = Field(1 << 17, ge=1, le=1 << 20)
     """Most shards accepted in a peer's manifest."""
-    max_unproven_sources: int = Field(4, ge=0)
+    max_unproven_sources: int = Field(8, ge=0)
     """Per version: advertisers we never verified a shard from that are used as sources
     (peers that delivered verified shards before, and the trainer, are not capped)."""
-    max_sources_per_host: int = Field(2, ge=1)
+    max_sources_per_host: int = Field(4, ge=1)
     """Per version: sources sharing one TCP endpoint host that are used."""
     keep_versions: int = Field(3, ge=1)
     """Complete checkpoint versions to keep (and serve) per policy; older ones are deleted."""

@@ -91,6 +91,7 @@ class Interrupts:
 
 async def _main(cfg: Config) -> None:
     from ..protocol import PROTOCOL_VERSION
+    from .diskspace import configure as configure_disk
     from .doctor import runtime_summary
     from .identity import Identity
     from .logs import route_library_logs
@@ -98,6 +99,7 @@ async def _main(cfg: Config) -> None:
     from .p2p import P2PError, P2PNode
     from .roles import make_role
 
+    configure_disk(cfg.node.min_free_disk_mib * 2**20)  # the margin every large write keeps
     identity = Identity.load_or_create(cfg.key_path)
     state = NodeState(peer_id=identity.peer_id, role=cfg.node.role, swarm_id=cfg.node.swarm_id)
     state.software_version = software_version()

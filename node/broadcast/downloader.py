@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ...protocol.messages import ShardRequest
+from ..diskspace import DiskFull, DiskWatch, ensure_free
 from .errors import DownloadFailed, ShardFetchError, StoreError
 from .progress import Progress
 from .sources import SourceBook
@@ -32,11 +33,14 @@ IDLE_POLL_S = 0.05
 class Downloader:
     def __init__(self, store: ShardStore, entry: VersionEntry, transport: ShardTransport,
                  book: SourceBook, cfg, *, on_shard: Callable[[int], None] | None = None,
-                 progress: Progress | None = None):
+                 progress: Progress | None = None, disk: DiskWatch | None = None,
+                 on_verified: Callable[[str], None] | None = None):
         self.store, self.entry, self.transport, self.book, self.cfg = (
             store, entry, transport, book, cfg)
         self.on_shard = on_shard
         self.progress = progress
+        self.on_verified = on_verified  # a source delivered a verified shard
+        self.disk = disk or DiskWatch("checkpoint download", store.root)
         self.in_flight: set[int] = set()
         self.tried: dict[int, set[str]] = {}  # sources that failed a shard (this round)
         self.metrics: Counter[str] = Counter()
@@ -66,10 +70,10 @@ class Downloader:
             await asyncio.gather(*workers, return_exceptions=True)
         try:
             path = await asyncio.to_thread(self.store.assemble, self.entry)
-        except StoreError as e:
+        except (StoreError, OSError) as e:
             if self.progress is not None:
                 self.progress.close(ok=False)
-            raise DownloadFailed(str(e), reason=e.reason) from e
+            raise DownloadFailed(str(e), reason=getattr(e, "reason", "store_error")) from e
         if self.progress is not None:
             self.progress.close(ok=True)
         log.info("policy %s v%d complete: %d shards, sources %s", m.policy_id, m.version,
@@ -95,6 +99,8 @@ class Downloader:
         while self.entry.missing():
             job = self._next_job()
             if job is None:
+                if self.disk.paused:
+                    self.last_progress = time.monotonic()  # waiting for space, not stalled
                 if time.monotonic() - self.last_progress > self.cfg.stall_timeout_s:
                     raise DownloadFailed(
                         f"no shard verified for {self.cfg.stall_timeout_s:.0f}s; "
@@ -111,15 +117,23 @@ class Downloader:
             self.book.started(peer)
             try:
                 await self._fetch(shard, peer)
+            except DiskFull as e:
+                # Not the source's fault: pause this worker until the shard fits again.
+                self.metrics["disk_full"] += 1
+                self.disk.hit(e)
             finally:
                 self.in_flight.discard(shard)
                 self.book.finished(peer)
                 self.changed.set()
+            if self.disk.paused:
+                await self.disk.wait_for_space(self.entry.shard_len(shard))
+                self.last_progress = time.monotonic()  # a pause is not a stall
 
     async def _fetch(self, shard: int, peer: str) -> None:
         m, cfg = self.entry.manifest, self.cfg
         size = self.entry.shard_len(shard)
         req = ShardRequest(policy_id=m.policy_id, version=m.version, shard=shard)
+        ensure_free(self.entry.path, size)  # DiskFull: the worker pauses, nothing fetched
         writer = self.store.begin_shard(self.entry, shard)
         t0 = time.monotonic()
         try:
@@ -140,6 +154,7 @@ class Downloader:
         except BaseException:
             writer.abort()
             raise
+        self.disk.resumed()
         if not writer.commit():
             self.metrics["shards_corrupt"] += 1
             self.metrics["bytes_corrupt"] += writer.received
@@ -151,6 +166,8 @@ class Downloader:
         self.metrics["shards_ok"] += 1
         self.last_progress = time.monotonic()
         self.book.success(peer, size, time.monotonic() - t0)
+        if self.on_verified is not None:
+            self.on_verified(peer)
         if self.progress is not None:
             self.progress.advance(size)
         if self.on_shard is not None:

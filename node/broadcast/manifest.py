@@ -23,6 +23,7 @@ from ...protocol.envelope import Envelope, open_envelope
 from ...protocol.errors import ProtocolError, SchemaViolation
 from ...protocol.limits import Limits
 from ...protocol.messages import CheckpointManifest, FileEntry
+from ..diskspace import DiskFull
 from .errors import BroadcastError, ManifestRejected
 
 READ_CHUNK = 1 << 20
@@ -126,38 +127,83 @@ class AcceptedManifest:
     sender: str
 
 
+def file_name_problem(name: str) -> str | None:
+    """Why `name` may not be a file of a stored checkpoint (None: it is safe).
+
+    Only plain names inside one directory: no separators, not `.`/`..`, no hidden files
+    (they could shadow our own bookkeeping files), printable ASCII of `[A-Za-z0-9._-]`."""
+    if not name:
+        return "empty file name"
+    if len(name) > 255 or not FILE_NAME.match(name):
+        return f"file name {name[:64]!r} has characters outside [A-Za-z0-9._-]"
+    if name.startswith("."):
+        return f"file name {name[:64]!r} is hidden or a relative path"
+    return None
+
+
+def layout_problem(m: CheckpointManifest, *, min_shard_size: int, max_shard_size: int,
+                   max_checkpoint_bytes: int, max_shards: int) -> tuple[str, str] | None:
+    """(reason, detail) if a manifest's layout is outside this node's limits or unsafe to
+    write; None if it may be stored. Checked before any byte is written, and again for
+    each stored manifest on start."""
+    for f in m.files:
+        problem = file_name_problem(f.name)
+        if problem:
+            return "bad_file_name", problem
+    if not min_shard_size <= m.shard_size <= max_shard_size:
+        return "bad_layout", (f"shard size {m.shard_size} outside "
+                              f"[{min_shard_size}, {max_shard_size}]")
+    if m.num_shards > max_shards:
+        return "bad_layout", f"{m.num_shards} shards > {max_shards}"
+    if m.total_size > max_checkpoint_bytes:
+        return "too_large", f"{m.total_size} bytes > {max_checkpoint_bytes}"
+    if m.parent_version >= m.version:
+        return "bad_layout", "parent_version is not older than version"
+    return None
+
+
 class ManifestGate:
     """Decides which manifests a node acts on.
 
     Accepted only if: the envelope's signature verifies; its sender is a followed trainer
-    (with `follow` empty, the first trainer seen is adopted); `policy_id` equals the sender;
-    the version is newer than `current_version(policy_id)`; the layout is consistent and
-    within this node's limits. Each rejection is a `ManifestRejected` with a reason code and
-    is counted in `rejected`.
+    (`follow`; empty: nobody, until `follow_policy` adds one); `policy_id` equals the
+    sender; the version is newer than `current_version(policy_id)`; the layout is
+    consistent, its file names safe and its size within this node's limits and within the
+    free disk space (`space_check(total_size)` raises DiskFull otherwise). Each rejection
+    is a `ManifestRejected` with a reason code and is counted in `rejected`.
     """
 
     def __init__(self, follow: list[str], *, min_shard_size: int, max_shard_size: int,
-                 max_checkpoint_bytes: int, current_version: Callable[[str], int]):
+                 max_checkpoint_bytes: int, current_version: Callable[[str], int],
+                 max_shards: int = 1 << 17,
+                 space_check: Callable[[CheckpointManifest], None] | None = None):
         self.follow = set(follow)
-        self.adopt_first = not follow
-        self.min_shard_size = min_shard_size
-        self.max_shard_size = max_shard_size
-        self.max_checkpoint_bytes = max_checkpoint_bytes
+        self.limits = {"min_shard_size": min_shard_size, "max_shard_size": max_shard_size,
+                       "max_checkpoint_bytes": max_checkpoint_bytes, "max_shards": max_shards}
         self.current_version = current_version
+        self.space_check = space_check
         self.rejected: dict[str, int] = {}
 
     @classmethod
-    def from_config(cls, follow: list[str], cfg, current_version: Callable[[str], int]):
+    def from_config(cls, follow: list[str], cfg, current_version: Callable[[str], int],
+                    space_check: Callable[[CheckpointManifest], None] | None = None):
         return cls(follow, min_shard_size=cfg.min_shard_size, max_shard_size=cfg.max_shard_size,
-                   max_checkpoint_bytes=cfg.max_checkpoint_bytes,
-                   current_version=current_version)
+                   max_checkpoint_bytes=cfg.max_checkpoint_bytes, max_shards=cfg.max_shards,
+                   current_version=current_version, space_check=space_check)
 
     def _reject(self, reason: str, detail: str) -> ManifestRejected:
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
         return ManifestRejected(f"manifest rejected ({reason}): {detail}", reason=reason)
 
     def follows(self, sender) -> bool:
-        return sender in self.follow or (self.adopt_first and not self.follow)
+        return sender in self.follow
+
+    def follow_policy(self, policy_id: str) -> None:
+        """Start following `policy_id` (an explicit choice: see follow.py)."""
+        self.follow.add(policy_id)
+
+    def problem(self, m: CheckpointManifest) -> tuple[str, str] | None:
+        return layout_problem(m, **self.limits)
 
     def check_bytes(self, data: bytes) -> AcceptedManifest:
         """Open and check a sealed manifest envelope (signature checked here)."""
@@ -188,15 +234,14 @@ class ManifestGate:
         current = self.current_version(m.policy_id)
         if m.version <= current:
             raise self._reject("not_newer", f"version {m.version}, have {current}")
-        if not self.min_shard_size <= m.shard_size <= self.max_shard_size:
-            raise self._reject("bad_layout", f"shard size {m.shard_size} outside "
-                               f"[{self.min_shard_size}, {self.max_shard_size}]")
-        if m.total_size > self.max_checkpoint_bytes:
-            raise self._reject("too_large", f"{m.total_size} bytes > {self.max_checkpoint_bytes}")
-        if m.parent_version >= m.version:
-            raise self._reject("bad_layout", "parent_version is not older than version")
-        if self.adopt_first and not self.follow:
-            self.follow.add(env.sender)
+        problem = self.problem(m)
+        if problem:
+            raise self._reject(*problem)
+        if self.space_check is not None:
+            try:
+                self.space_check(m)
+            except DiskFull as e:
+                raise self._reject("no_space", str(e)) from None
         return AcceptedManifest(m, data if data is not None else envelope_bytes(env), env.sender)
 
 

@@ -60,8 +60,8 @@ class ShardServer:
         finally:
             try:
                 await asyncio.wait_for(stream.close(), 2.0)
-            except Exception:  # noqa: BLE001 - already broken
-                pass
+            except Exception as e:  # noqa: BLE001 - already broken
+                log.debug("closing the stream to %s failed: %r", peer, e)
 
     async def _error(self, stream: ByteStream, code: str) -> None:
         self.metrics[f"error_{code}"] += 1

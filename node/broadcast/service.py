@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -20,8 +21,10 @@ from ...protocol.envelope import Envelope
 from ...protocol.errors import ProtocolError
 from ...protocol.ids import MANIFEST_PROTOCOL, SHARD_PROTOCOL
 from ...protocol.messages import CheckpointManifest, ShardAdvert, ShardRequest
+from ..diskspace import DiskWatch, ensure_free, is_disk_full
 from .downloader import Downloader
-from .errors import BroadcastError, DownloadFailed, ManifestRejected
+from .errors import BroadcastError, DownloadFailed, ManifestRejected, StoreError
+from .follow import TrainerChoice
 from .manifest import AcceptedManifest, ManifestGate, build_manifest
 from .progress import Progress
 from .server import ShardServer
@@ -31,19 +34,29 @@ from .store import ShardStore, VersionEntry, advert_shards
 log = logging.getLogger(__name__)
 
 CLOSE_TIMEOUT_S = 10.0
+MAX_PROVEN = 4096  # peers remembered as having delivered verified shards
+MAX_VERSIONS_TRACKED = 16  # versions per policy whose advertised sources are remembered
+PULL_BACKOFF_S = 60.0
 OnComplete = Callable[[CheckpointManifest, Path], Awaitable[None] | None]
 
 
 class Broadcaster:
     def __init__(self, node, cfg, store_root: Path, *, follow: list[str] | None = None,
                  role: str = "inference", on_complete: OnComplete | None = None,
-                 transport=None, interactive: bool | None = None):
+                 transport=None, interactive: bool | None = None,
+                 choice: TrainerChoice | None = None):
         from .transport import P2PTransport, RoutingTransport
 
         self.node, self.cfg, self.role = node, cfg, role
         keep = cfg.relay_keep_versions if role == "relay" else cfg.keep_versions
         self.store = ShardStore(store_root, keep_versions=keep)
-        self.gate = ManifestGate.from_config(follow or [], cfg, self.store.current_version)
+        self.choice = choice  # followers without --follow: the one explicit trainer choice
+        if choice is not None and choice.chosen:
+            follow = [*(follow or []), choice.chosen]
+        self.gate = ManifestGate.from_config(follow or [], cfg, self.store.current_version,
+                                             space_check=self._space_check)
+        self.disk = DiskWatch("checkpoint downloads", self.store.root)
+        self.proven: OrderedDict[str, None] = OrderedDict()  # peers we verified shards from
         self.server = ShardServer(self.store, cfg)
         self.transport = transport or RoutingTransport(P2PTransport(node), cfg.tcp_fetch)
         self.endpoint = ""  # our TCP shard server, if cfg.tcp_listen
@@ -52,10 +65,15 @@ class Broadcaster:
         self.interactive = interactive
         self.books: dict[tuple[str, int], SourceBook] = {}
         self.downloads: dict[str, tuple[int, asyncio.Task, Downloader]] = {}
+        self._jobs: dict[str, tuple[int, asyncio.Task]] = {}  # per policy: version, task
         self.holders: dict[tuple[str, int], dict[str, set[int] | None]] = {}
         self.completed: dict[tuple[str, int], Path] = {}
         self.finished: dict[tuple[str, int], Downloader] = {}
         self.failures: dict[tuple[str, int], str] = {}
+        self.source_hosts: dict[tuple[str, int], dict[str, str]] = {}
+        self.unproven: dict[tuple[str, int], set[str]] = {}
+        self.advert_metrics: Counter[str] = Counter()
+        self._pull_backoff: dict[str, float] = {}
         self._dirty: set[tuple[str, int]] = set()
         self._pulling: set[tuple[str, int]] = set()
         self._tasks: set[asyncio.Task] = set()
@@ -64,7 +82,7 @@ class Broadcaster:
     # Lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:
-        for entry in await asyncio.to_thread(self.store.load):
+        for entry in await asyncio.to_thread(self.store.load, self.gate.problem):
             self._dirty.add(entry.key)
         self.node.set_stream_handler(SHARD_PROTOCOL, self.server.handle)
         if self.cfg.tcp_listen:
@@ -96,7 +114,7 @@ class Broadcaster:
     async def close(self) -> None:
         if self._tcp_server is not None:
             self._tcp_server.close()
-        tasks = [*self._tasks, *(t for _, t, _ in self.downloads.values())]
+        tasks = [*self._tasks, *(t for _, t in self._jobs.values())]
         for task in tasks:
             task.cancel()
         if tasks:
@@ -132,6 +150,9 @@ class Broadcaster:
     # Follower side --------------------------------------------------------------------
 
     async def _on_manifest(self, env: Envelope, from_peer: str) -> None:
+        policy = getattr(env.message, "policy_id", None)
+        if policy == env.sender:
+            self._offer_choice(env.sender, policy)
         try:
             accepted = self.gate.check_envelope(env)
         except ManifestRejected as e:
@@ -148,17 +169,30 @@ class Broadcaster:
         self._start_download(accepted)
         return accepted
 
+    def _space_check(self, m: CheckpointManifest) -> None:
+        """Gate check: the version must fit the free disk now (with the margin); raises
+        DiskFull, so the manifest is refused before any byte is written."""
+        entry = self.store.get(m.policy_id, m.version)
+        have = sum(entry.shard_len(i) for i in entry.have) if entry is not None else 0
+        try:
+            ensure_free(self.store.root, m.total_size - have)
+        except Exception as e:
+            self.disk.hit(e)
+            raise
+
     def _start_download(self, accepted: AcceptedManifest) -> None:
         m = accepted.manifest
-        current = self.downloads.get(m.policy_id)
+        current = self._jobs.get(m.policy_id)
         if current is not None:
             if current[0] >= m.version:
                 return
             current[1].cancel()  # a newer version supersedes an unfinished one
         if self.store.current_version(m.policy_id) >= m.version:
             return
-        entry = self.store.open_version(accepted)
-        key = entry.key
+        self._jobs[m.policy_id] = (m.version, asyncio.create_task(self._download(accepted)))
+
+    def _downloader(self, accepted: AcceptedManifest, entry: VersionEntry) -> Downloader:
+        m, key = accepted.manifest, entry.key
         book = self.books.setdefault(key, SourceBook(
             per_source=self.cfg.per_source_downloads, max_corrupt=self.cfg.max_corrupt_per_source))
         book.add(m.policy_id, None, origin=True)  # the trainer holds its own checkpoint
@@ -166,22 +200,36 @@ class Broadcaster:
             book.add(peer, holdings)
         progress = Progress(f"policy {m.policy_id[-8:]} v{m.version}", m.total_size,
                             interactive=self.interactive)
-        d = Downloader(self.store, entry, self.transport, book, self.cfg,
-                       on_shard=lambda i, k=key: self._mark_dirty(k), progress=progress)
-        task = asyncio.create_task(self._download(entry, d))
-        self.downloads[m.policy_id] = (m.version, task, d)
+        return Downloader(self.store, entry, self.transport, book, self.cfg,
+                          on_shard=lambda i, k=key: self._mark_dirty(k), progress=progress,
+                          disk=self.disk, on_verified=self._prove)
 
-    async def _download(self, entry: VersionEntry, d: Downloader) -> None:
-        m = entry.manifest
+    async def _open_entry(self, accepted: AcceptedManifest) -> VersionEntry:
+        """Create (or resume) the version on disk; waits while the disk is full."""
+        while True:
+            try:
+                return await asyncio.to_thread(self.store.open_version, accepted)
+            except OSError as e:
+                if not is_disk_full(e):
+                    raise StoreError(f"cannot create the version on disk: {e}") from e
+                self.disk.hit(e)
+            await self.disk.wait_for_space(accepted.manifest.total_size)
+
+    async def _download(self, accepted: AcceptedManifest) -> None:
+        m = accepted.manifest
         try:
+            entry = await self._open_entry(accepted)
+            d = self._downloader(accepted, entry)
+            self.downloads[m.policy_id] = (m.version, asyncio.current_task(), d)
             path = await d.run()
-        except DownloadFailed as e:
-            self.failures[entry.key] = e.reason
+        except (DownloadFailed, StoreError) as e:
+            self.failures[(m.policy_id, m.version)] = e.reason
             log.error("policy %s v%d failed: %s", m.policy_id[-8:], m.version, e)
             return
         finally:
-            if self.downloads.get(m.policy_id, (None, None))[1] is asyncio.current_task():
-                del self.downloads[m.policy_id]
+            if self._jobs.get(m.policy_id, (None, None))[1] is asyncio.current_task():
+                del self._jobs[m.policy_id]
+                self.downloads.pop(m.policy_id, None)
         self.finished[entry.key] = d
         await asyncio.to_thread(self.store.prune, m.policy_id)
         if self.on_complete is not None:  # hand it over first: `completed` means handed over
@@ -189,7 +237,7 @@ class Broadcaster:
                 result = self.on_complete(m, path)
                 if asyncio.iscoroutine(result):
                     await result
-            except Exception:  # noqa: BLE001 - the consumer's fault; the version stays served
+            except Exception:  # the consumer's fault; the version stays served
                 log.exception("on_complete for policy %s v%d failed", m.policy_id[-8:],
                               m.version)
         self.completed[entry.key] = path
@@ -226,15 +274,19 @@ class Broadcaster:
 
     async def _on_advert(self, env: Envelope, from_peer: str) -> None:
         ad: ShardAdvert = env.message
+        self._offer_choice(env.sender, ad.policy_id)
         if not self.gate.follows(ad.policy_id):
+            return
+        key = (ad.policy_id, ad.version)
+        if not self._admit(key, env.sender, ad.endpoint):
+            self.advert_metrics["adverts_not_admitted"] += 1
             return
         if ad.endpoint and hasattr(self.transport, "set_endpoint"):
             self.transport.set_endpoint(env.sender, ad.endpoint)
         entry = self.store.get(ad.policy_id, ad.version)
         if entry is None:
-            key = (ad.policy_id, ad.version)
             if (ad.version > self.store.current_version(ad.policy_id)
-                    and ad.policy_id not in self.downloads and key not in self._pulling):
+                    and ad.policy_id not in self._jobs and self._may_pull(env.sender, key)):
                 self._pulling.add(key)
                 self._spawn(self._pull_manifest(env.sender, ad.policy_id, ad.version))
             n = None
@@ -243,6 +295,59 @@ class Broadcaster:
         holdings = None if ad.complete else advert_shards(ad, n if n is not None else
                                                           len(ad.have) * 8)
         self._remember(ad.policy_id, ad.version, env.sender, holdings)
+
+    # Who may be a source (advert poisoning) --------------------------------------------
+
+    def _offer_choice(self, announcer: str, policy_id: str) -> None:
+        if self.choice is not None and self.choice.offer(announcer, policy_id):
+            self.gate.follow_policy(policy_id)
+
+    def _prove(self, peer: str) -> None:
+        self.proven[peer] = None
+        self.proven.move_to_end(peer)
+        while len(self.proven) > MAX_PROVEN:
+            self.proven.popitem(last=False)
+
+    def _admit(self, key: tuple[str, int], peer: str, endpoint: str) -> bool:
+        """Whether `peer`'s advert for `key` makes it a candidate source. The trainer and
+        peers we verified shards from always; others ("unproven") only up to
+        `max_unproven_sources` per version, ever, and at most `max_sources_per_host` of
+        them per TCP endpoint host; candidates are tracked for at most
+        MAX_VERSIONS_TRACKED versions per policy (sybil keys cost nothing, so none of this
+        grows with them). An unproven peer becomes proven with its first verified shard."""
+        known = self.holders.get(key)
+        if known is not None and peer in known:
+            return True
+        if known is None:
+            self._track_version(key)
+            known = self.holders.setdefault(key, {})
+        hosts = self.source_hosts.setdefault(key, {})
+        host = endpoint.rpartition(":")[0] if endpoint else ""
+        if peer != key[0] and peer not in self.proven:
+            unproven = self.unproven.setdefault(key, set())
+            same_host = sum(1 for p, h in hosts.items() if h == host and p in unproven)
+            if (len(unproven) >= self.cfg.max_unproven_sources
+                    or (host and same_host >= self.cfg.max_sources_per_host)):
+                return False
+            unproven.add(peer)
+        hosts[peer] = host
+        return True
+
+    def _track_version(self, key: tuple[str, int]) -> None:
+        mine = [k for k in self.holders if k[0] == key[0]]
+        for old in sorted(mine, key=lambda k: k[1])[:max(0, len(mine) - MAX_VERSIONS_TRACKED + 1)]:
+            if self._jobs.get(old[0], (None,))[0] == old[1]:
+                continue
+            for d in (self.holders, self.source_hosts, self.unproven):
+                d.pop(old, None)
+
+    def _may_pull(self, peer: str, key: tuple[str, int]) -> bool:
+        """One manifest pull in flight per policy; an advertiser whose pull failed is not
+        asked again for PULL_BACKOFF_S (fake versions cost the attacker, not us)."""
+        if any(k[0] == key[0] for k in self._pulling):
+            return False
+        until = self._pull_backoff.get(peer, 0.0)
+        return until <= asyncio.get_running_loop().time()
 
     async def _pull_manifest(self, peer: str, policy_id: str, version: int) -> None:
         req = ShardRequest(policy_id=policy_id, version=version, shard=0)
@@ -256,10 +361,18 @@ class Broadcaster:
             data = await self.node.request(peer, MANIFEST_PROTOCOL, req.encode(),
                                            timeout=self.cfg.request_timeout_s)
             self.accept_bytes(data)
+            return
         except ManifestRejected as e:
             log.info("manifest from %s: %s", peer[-8:], e)
+            if e.reason in ("no_space", "not_newer"):
+                return  # our state, not the peer's fault: ask again at its next advert
         except Exception as e:  # noqa: BLE001 - a peer that cannot answer; try the next advert
             log.debug("manifest pull from %s failed: %r", peer[-8:], e)
+        if peer == req.policy_id:
+            return  # the trainer itself is never backed off
+        self._pull_backoff[peer] = asyncio.get_running_loop().time() + PULL_BACKOFF_S
+        while len(self._pull_backoff) > MAX_PROVEN:
+            self._pull_backoff.pop(next(iter(self._pull_backoff)))
 
     async def _serve_manifest(self, peer: str, body: bytes) -> bytes:
         try:

@@ -66,9 +66,11 @@ def corrupting(store, spec: str):
 async def main(argv: list[str] | None = None) -> int:
     from ...protocol.messages import CheckpointManifest
     from ..config import Config
+    from ..diskspace import configure as configure_disk
     from ..identity import Identity
     from ..p2p import P2PNode
     from .errors import ManifestRejected
+    from .follow import TrainerChoice, bootstrap_peer_ids
     from .server import RateLimiter
     from .service import Broadcaster
 
@@ -85,6 +87,8 @@ async def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--readvertise", type=float)
     ap.add_argument("--tcp-listen", default="", help='also serve shards over TCP ("host:port")')
     ap.add_argument("--corrupt-shards", default="")
+    ap.add_argument("--min-free-mib", type=int, default=256,
+                    help="free disk space every large write leaves (node.min_free_disk_mib)")
     ap.add_argument("--log-level", default="WARNING")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
@@ -118,8 +122,11 @@ async def main(argv: list[str] | None = None) -> int:
              streams=dict(getattr(bc.transport, "opened", {})),
              peak_rss_mib=peak_rss_mib())
 
+    configure_disk(args.min_free_mib * 2**20)
+    choice = None if args.role == "trainer" else TrainerChoice(
+        args.data_dir, args.follow, bootstrap_peer_ids(args.bootstrap))
     bc = Broadcaster(node, cfg.broadcast, args.data_dir / "broadcast", follow=args.follow,
-                     role=args.role, on_complete=on_complete, interactive=False)
+                     role=args.role, on_complete=on_complete, interactive=False, choice=choice)
     if args.corrupt_shards:
         corrupting(bc.store, args.corrupt_shards)
     await node.start(bootstrap=args.bootstrap)
@@ -150,6 +157,9 @@ async def main(argv: list[str] | None = None) -> int:
                 emit(event="stats", server=dict(bc.server.metrics),
                      rejected=dict(bc.gate.rejected), peak_rss_mib=peak_rss_mib(),
                      downloads={p: dict(d.metrics) for p, (_, _, d) in bc.downloads.items()},
+                     disk=bc.disk.status(), follow=sorted(bc.gate.follow),
+                     held=[list(k) for k, e in bc.store.entries.items() if e.complete],
+                     adverts=dict(bc.advert_metrics),
                      peers=node.connected_peers())
     finally:
         await bc.close()

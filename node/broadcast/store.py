@@ -31,6 +31,7 @@ import blake3
 from ...protocol.envelope import open_envelope
 from ...protocol.errors import ProtocolError
 from ...protocol.messages import CheckpointManifest, ShardAdvert
+from ..diskspace import as_disk_full, is_disk_full
 from .errors import StoreError
 from .manifest import READ_CHUNK, AcceptedManifest, iter_range
 
@@ -40,6 +41,7 @@ POLICY_DIR = re.compile(r"^[A-Za-z0-9]{1,128}$")
 MANIFEST_FILE = "manifest.env"
 VERIFIED_FILE = "verified.bin"
 COMPLETE_FILE = "COMPLETE"
+QUARANTINE_DIR = ".quarantine"
 
 
 @dataclass
@@ -145,7 +147,12 @@ class ShardWriter:
         pos = self.start + self.received
         view = memoryview(data)
         for name, offset, length in self.entry.file_spans(pos, pos + len(data)):
-            os.pwrite(self._fd(name), view[:length], offset)
+            try:
+                os.pwrite(self._fd(name), view[:length], offset)
+            except OSError as e:
+                if is_disk_full(e):  # the download pauses; the source is not at fault
+                    raise as_disk_full(e, self.entry.partial_dir, length) from e
+                raise StoreError(f"shard {self.index}: {e}") from e
             view = view[length:]
         self.received += len(data)
 
@@ -164,7 +171,11 @@ class ShardWriter:
         if not self.entry.partial_dir.is_dir():
             raise StoreError(f"shard {self.index}: version removed meanwhile")
         self.entry.have.add(self.index)
-        self.entry.save_bitmap()
+        try:
+            self.entry.save_bitmap()
+        except OSError as e:  # disk full: kept in memory, saved with the next shard
+            if not is_disk_full(e):
+                raise StoreError(f"shard {self.index}: cannot save the bitmap: {e}") from e
         return True
 
     def abort(self) -> None:
@@ -210,22 +221,44 @@ class ShardStore:
 
     # Opening and resuming ------------------------------------------------------------
 
-    def load(self) -> list[VersionEntry]:
-        """Rediscover versions on disk after a restart (re-verifying every shard found)."""
+    def load(self, check=None) -> list[VersionEntry]:
+        """Rediscover versions on disk after a restart (re-verifying every shard found).
+
+        `check(manifest)` returns (reason, detail) for a manifest this node must not act on
+        (unsafe file names, over the limits). Such a version, and one whose directory
+        cannot be opened, is moved to `<root>/.quarantine/` with one log line: a bad stored
+        manifest never stops the node from starting."""
         found = []
         for mf in sorted(self.root.glob(f"*/*/{MANIFEST_FILE}")):
+            if not POLICY_DIR.match(mf.parent.parent.name):
+                continue  # .quarantine and anything else that is not ours
             try:
-                env = open_envelope(mf.read_bytes(), expected_type=CheckpointManifest.TYPE,
+                data = mf.read_bytes()
+                env = open_envelope(data, expected_type=CheckpointManifest.TYPE,
                                     max_skew_s=None)
-            except (OSError, ProtocolError) as e:
-                log.warning("ignoring %s: %s", mf, e)
-                continue
-            m = env.message
-            if mf.parent != self._version_dir(m.policy_id, m.version):
-                log.warning("ignoring %s: does not match its manifest", mf)
-                continue
-            found.append(self._open(AcceptedManifest(m, mf.read_bytes(), env.sender)))
+                m = env.message
+                problem = check(m) if check is not None else None
+                if problem:
+                    raise StoreError(f"{problem[0]}: {problem[1]}", reason=problem[0])
+                if mf.parent != self._version_dir(m.policy_id, m.version):
+                    raise StoreError("directory does not match its manifest")
+                found.append(self._open(AcceptedManifest(m, data, env.sender)))
+            except (OSError, ProtocolError, StoreError, ValueError) as e:
+                self.quarantine(mf.parent, e)
         return found
+
+    def quarantine(self, path: Path, why: BaseException) -> None:
+        """Move a version directory out of the way (kept for inspection, never loaded)."""
+        dest = self.root / QUARANTINE_DIR / f"{path.parent.name[-16:]}-{path.name}-{os.getpid()}"
+        try:
+            dest.parent.mkdir(exist_ok=True)
+            shutil.rmtree(dest, ignore_errors=True)
+            os.replace(path, dest)
+            log.warning("stored manifest %s quarantined to %s: %s", path, dest, why)
+        except OSError as e:
+            shutil.rmtree(path, ignore_errors=True)
+            log.warning("stored manifest %s deleted (%s; quarantine failed: %s)", path, why, e)
+        self.entries = {k: e for k, e in self.entries.items() if e.path != path}
 
     def open_version(self, accepted: AcceptedManifest) -> VersionEntry:
         """The entry for an accepted manifest, created or resumed from disk."""

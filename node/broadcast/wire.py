@@ -10,6 +10,7 @@ Error codes in the header: bad_request, bad_range, unknown_shard, busy, internal
 from __future__ import annotations
 
 import asyncio
+import logging
 import struct
 from collections.abc import AsyncIterator
 from typing import Protocol
@@ -19,6 +20,7 @@ from ...protocol.limits import Limits
 from ...protocol.messages import ShardRequest, ShardResponseHeader
 from .errors import ShardFetchError
 
+log = logging.getLogger(__name__)
 FRAME_HEADER = struct.Struct(">I")
 MAX_CONTROL_FRAME = 1024
 
@@ -96,5 +98,5 @@ async def fetch(transport: ShardTransport, peer: str, request: ShardRequest, *,
     finally:
         try:
             await asyncio.wait_for(stream.close(), 2.0)
-        except Exception:  # noqa: BLE001 - closing a broken stream may fail; nothing to do
-            pass
+        except Exception as e:  # noqa: BLE001 - closing a broken stream may fail
+            log.debug("closing the stream to %s failed: %r", peer, e)

@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable
 
 from ...protocol.messages import RolloutBatch, SamplingParams
+from ..broadcast.follow import trainer_choice
+from ..diskspace import until_written
 from .base import Role
 
 log = logging.getLogger("swarm_node")
@@ -50,16 +52,19 @@ class InferenceRole(Role):
         self.state.policy_version = self.sampler.version
         self.follower = Broadcaster(self.p2p, self.cfg.broadcast, self.data_dir / "broadcast",
                                     follow=self.cfg.node.follow, role="inference",
-                                    on_complete=self._on_checkpoint)
+                                    on_complete=self._on_checkpoint,
+                                    choice=trainer_choice(self.cfg))
+        self.policy_id = self.follower.choice.chosen
         await self.follower.start()
+        self.state.extra["disk"] = self.follower.disk.status()
         self.track_downloads(self.follower)
         log.info("inference peer ready: model %s, policy version %d", self.cfg.model.name,
                  self.sampler.version)
 
     def _on_checkpoint(self, manifest, ckpt_dir) -> None:
         policy_id, version = manifest.policy_id, manifest.version
-        if self.policy_id is None:
-            self.policy_id = policy_id
+        if self.policy_id is None:  # the explicit choice (follow.py) was made meanwhile
+            self.policy_id = self.follower.choice.chosen
         newer = self.pending is None or version > self.pending[0]
         if policy_id == self.policy_id and version > self.sampler.version and newer:
             self.pending = (version, ckpt_dir)
@@ -83,7 +88,7 @@ class InferenceRole(Role):
         while not stop.is_set():
             await self._maybe_reload()
             if self.policy_id is None:
-                # Nobody to follow yet: wait for the first trainer's manifest.
+                # Nobody to follow yet: wait for the bootstrap peer's announcement.
                 await _wait_any(stop, self.new_version, timeout=5.0)
                 self.new_version.clear()
                 continue
@@ -96,7 +101,9 @@ class InferenceRole(Role):
                 continue
             batch = await self.work(self.sample_round, round_)
             self.round = round_ + 1
-            self.save_json(ROUND_FILE, {"next_round": self.round})
+            # disk full: sampling pauses here (the round is persisted before publishing)
+            await until_written(self.follower.disk, self.work, self.save_json, ROUND_FILE,
+                                {"next_round": self.round})
             if self.pending is not None and (
                     self.pending[0] - batch.policy_version > self.cfg.trainer.max_staleness):
                 # A much newer policy arrived while sampling: verifiers would reject this

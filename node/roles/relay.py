@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+from ..broadcast.follow import trainer_choice
 from .base import Role
 
 log = logging.getLogger("swarm_node")
@@ -26,8 +27,10 @@ class RelayRole(Role):
 
         self.broadcaster = Broadcaster(self.p2p, self.cfg.broadcast, self.data_dir / "broadcast",
                                        follow=self.cfg.node.follow, role="relay",
-                                       on_complete=self._on_complete)
+                                       on_complete=self._on_complete,
+                                       choice=trainer_choice(self.cfg))
         await self.broadcaster.start()
+        self.state.extra["disk"] = self.broadcaster.disk.status()
         self.track_downloads(self.broadcaster)
 
     def _on_complete(self, manifest, path) -> None:

@@ -27,6 +27,7 @@ from ...verifier.checks import RolloutResult, rollout_id
 from ...verifier.intake import Budget, IntakeLimits, VerificationQueue
 from ...verifier.reasons import BATCH_REASONS, HONEST_MISTAKES
 from ...verifier.sequential import PeerMonitor
+from ..diskspace import DiskWatch, until_written
 from .base import Role
 
 log = logging.getLogger("swarm_node")
@@ -51,6 +52,7 @@ class TrainerRole(Role):
         self.tasks = None
         self.reputation = None
         self.broadcaster = None
+        self.disk = DiskWatch("training writes (buffer, checkpoints)", self.data_dir)
         self.verifiers: dict[str, object] = {}
         self._models: OrderedDict[tuple[str, int], object] = OrderedDict()
         self.round = int(self.load_json("round.json", {"next_round": 0})["next_round"])
@@ -92,6 +94,7 @@ class TrainerRole(Role):
         await self.p2p.subscribe("verdicts", self._on_verdict)
         self.state.policy_id = self.identity.peer_id
         self.state.policy_version = self.trainer.version
+        self.state.extra["disk"] = self.disk.status()
         self.state.banned = self.reputation.banned()
         await self._publish_version()
 
@@ -226,7 +229,8 @@ class TrainerRole(Role):
                            for i, c in enumerate(batch.completions)]
             else:
                 t0 = time.monotonic()
-                results = await self.work(self.verify_and_store, batch, sender)
+                results = await until_written(self.disk, self.work, self.verify_and_store,
+                                              batch, sender)  # disk full: pause, keep batch
                 self.state.observe("verify_batch_seconds", time.monotonic() - t0)
             if results is None:
                 self.state.reject(sender, "unknown_policy", len(batch.completions))
@@ -327,13 +331,14 @@ class TrainerRole(Role):
         while not stop.is_set():
             await self._drain()
             if self.cfg.trainer.sample_locally:
-                await self.work(self.sample_local, self.round)
+                await until_written(self.disk, self.work, self.sample_local, self.round)
                 self.round += 1
-                self.save_json("round.json", {"next_round": self.round})
+                await until_written(self.disk, self.work, self.save_json, "round.json",
+                                    {"next_round": self.round})
             await self._drain()
             await self._wait_for_peers(stop)
             self.peer_batches = 0
-            stats = await self.work(self.trainer.step)
+            stats = await until_written(self.disk, self.work, self.trainer.step)
             self.state.banned = self.reputation.banned()  # bans also expire
             self.state.buffer_counters = self.trainer.counters()
             if not stats.trained:

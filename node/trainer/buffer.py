@@ -23,6 +23,8 @@ from typing import Any
 
 import msgpack
 
+from ..diskspace import DiskFull, ensure_free
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS groups (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -123,15 +125,19 @@ class RolloutBuffer:
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 out = fn(self._db)
-            except BaseException:
-                self._db.execute("ROLLBACK")
+                self._db.execute("COMMIT")
+            except BaseException as e:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                if isinstance(e, sqlite3.OperationalError) and "full" in str(e):
+                    raise DiskFull(f"{self.path}: {e}", path=self.path) from e  # diskspace.py
                 raise
-            self._db.execute("COMMIT")
             return out
 
     def add(self, groups: Iterable[RolloutGroup]) -> list[int]:
         """Store groups durably; returns the new row ids (duplicates are skipped)."""
         groups = list(groups)
+        ensure_free(self.path.parent, sum(len(g.to_bytes()) for g in groups))  # else DiskFull
 
         def run(db):
             ids = []

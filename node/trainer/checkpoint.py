@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..diskspace import as_disk_full, ensure_free, is_disk_full
 from ..errors import NodeError
 
 STEP_RE = re.compile(r"^step-(\d{8,})$")
@@ -109,6 +110,8 @@ class CheckpointStore:
         target = self.root / f"step-{version:08d}"
         if target.exists():
             raise CheckpointError(f"checkpoint {target} already exists")
+        # weights + optimizer state (~2x for Adam); DiskFull: the caller pauses (diskspace.py)
+        ensure_free(self.root, 3 * sum(p.numel() * p.element_size() for p in model.parameters()))
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step-{version:08d}-", dir=self.root))
         try:
             pol, tr = tmp / POLICY, tmp / TRAINER
@@ -134,8 +137,10 @@ class CheckpointStore:
             _fsync_dir(tmp)
             os.rename(tmp, target)
             _fsync_dir(self.root)
-        except BaseException:
+        except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, OSError) and is_disk_full(e):
+                raise as_disk_full(e, self.root) from e
             raise
         self._prune()
         return Checkpoint(target, version)

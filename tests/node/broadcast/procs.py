@@ -25,7 +25,7 @@ class BroadcastProc:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.stderr_path = Path(data_dir).with_suffix(".stderr")
         Path(data_dir).parent.mkdir(parents=True, exist_ok=True)
-        self._stderr = open(self.stderr_path, "w")
+        self._stderr = open(self.stderr_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._stderr, text=True, env=env)
         self.events: queue.Queue = queue.Queue()

@@ -48,7 +48,7 @@ async def seeded_swarm(tmp_path, procs, ckpt, relays: dict[str, list[str]]):
     started = {}
     for name, extra in relays.items():
         r = procs(name, "relay", tmp_path / name, "--follow", trainer.peer_id,
-                  *sum((["--bootstrap", a] for a in trainer.addrs), []), *extra)
+                  *boot_args(trainer.addrs), *extra)
         started[name] = r
     for r in started.values():
         await r.ready()
@@ -60,14 +60,18 @@ async def seeded_swarm(tmp_path, procs, ckpt, relays: dict[str, list[str]]):
     return key, trainer, started
 
 
+def boot_args(addrs: list[str]) -> list[str]:
+    return [arg for a in addrs for arg in ("--bootstrap", a)]
+
+
 def client(procs, tmp_path, name, trainer, bootstrap, *extra, **kw):
     return procs(name, "inference", tmp_path / name, "--follow", trainer.peer_id,
-                 *sum((["--bootstrap", a] for a in bootstrap), []), *extra, **kw)
+                 *boot_args(bootstrap), *extra, **kw)
 
 
 async def test_relay_killed_mid_transfer(tmp_path, procs):
     ckpt = make_checkpoint(tmp_path / "ckpt", {"model.safetensors": 6 * 2**20, "config.json": 999})
-    key, trainer, relays = await seeded_swarm(tmp_path, procs, ckpt, {"r1": [], "r2": []})
+    _key, trainer, relays = await seeded_swarm(tmp_path, procs, ckpt, {"r1": [], "r2": []})
     for p in (trainer, *relays.values()):
         p.send("rate 1.5")  # slow sources, so that a kill lands mid-transfer
         await p.event("rate")
@@ -88,7 +92,7 @@ async def test_relay_killed_mid_transfer(tmp_path, procs):
 async def test_corrupt_relay_is_penalised_and_costs_only_bad_shards(tmp_path, procs):
     size = 4 * 2**20 + 12345
     ckpt = make_checkpoint(tmp_path / "ckpt", {"model.safetensors": size})
-    key, trainer, relays = await seeded_swarm(
+    _key, trainer, relays = await seeded_swarm(
         tmp_path, procs, ckpt, {"good": [], "evil": ["--corrupt-shards", ",".join(
             str(i) for i in range(64))]})
     trainer.send("rate 2")
@@ -112,7 +116,7 @@ async def test_corrupt_relay_is_penalised_and_costs_only_bad_shards(tmp_path, pr
 async def test_client_killed_and_restarted_resumes(tmp_path, procs):
     size = 6 * 2**20
     ckpt = make_checkpoint(tmp_path / "ckpt", {"model.safetensors": size})
-    key, trainer, _ = await seeded_swarm(tmp_path, procs, ckpt, {})
+    _key, trainer, _ = await seeded_swarm(tmp_path, procs, ckpt, {})
     trainer.send("rate 1.5")
     await trainer.event("rate")
     ckey = tmp_path / "c1.pem"
@@ -125,7 +129,7 @@ async def test_client_killed_and_restarted_resumes(tmp_path, procs):
 
     def verified() -> int:
         try:
-            return sum(bin(b).count("1") for b in bitmap.read_bytes())
+            return sum((b).bit_count() for b in bitmap.read_bytes())
         except OSError:
             return 0
 
@@ -138,7 +142,7 @@ async def test_client_killed_and_restarted_resumes(tmp_path, procs):
     assert 0 < kept < -(-size // SHARD)
     # the same key and data directory as the killed client
     again = procs("c1-restarted", "inference", tmp_path / "c1", "--follow", trainer.peer_id,
-                  *sum((["--bootstrap", a] for a in trainer.addrs), []), key=ckey)
+                  *boot_args(trainer.addrs), key=ckey)
     await again.ready()
     done = await again.event("complete", timeout=90)
     assert read_dir(Path(done["path"])) == read_dir(ckpt)

@@ -8,13 +8,13 @@ from swarm_node.node.broadcast.errors import BroadcastError, ManifestRejected
 from swarm_node.node.broadcast.manifest import ManifestGate, build_manifest, iter_range
 from swarm_node.node.identity import Identity
 from swarm_node.protocol.codec import pack, unpack
-from swarm_node.protocol.messages import CheckpointManifest
+from swarm_node.protocol.messages import CheckpointManifest, FileEntry
 
 from .conftest import publish
 
 
 def gate(follow, have=-1, **kw):
-    args = dict(min_shard_size=4096, max_shard_size=1 << 24, max_checkpoint_bytes=1 << 30)
+    args = {"min_shard_size": 4096, "max_shard_size": 1 << 24, "max_checkpoint_bytes": 1 << 30}
     args.update(kw)
     return ManifestGate(follow, current_version=lambda policy: have, **args)
 
@@ -97,7 +97,7 @@ def forged(trainer, ckpt, **changes) -> bytes:
     skips validation, as a hostile implementation would)."""
     m = build_manifest(ckpt, policy_id=trainer.peer_id, version=1, shard_size=64 * 1024)
     fields = {**m.model_dump(), **changes}
-    fields["files"] = m.files if "files" not in changes else changes["files"]
+    fields["files"] = changes.get("files", m.files)
     return trainer.seal(CheckpointManifest.model_construct(**fields))
 
 
@@ -126,8 +126,44 @@ def test_garbage_rejected_not_raised(trainer):
             g.check_bytes(data)
 
 
-def test_empty_follow_adopts_first_trainer_only(ckpt, trainer):
+def test_empty_follow_follows_nobody(ckpt, trainer):
+    # issue 17.3: an unconfigured node adopted the first key's checkpoint
     g = gate([])
+    assert reject_reason(g, publish(trainer, ckpt, 1, 64 * 1024).envelope) == "not_followed"
+    g.follow_policy(trainer.peer_id)
     g.check_bytes(publish(trainer, ckpt, 1, 64 * 1024).envelope)
     other = Identity.generate()
     assert reject_reason(g, publish(other, ckpt, 1, 64 * 1024).envelope) == "not_followed"
+
+
+@pytest.mark.parametrize("name", ["..", ".", ".hidden", "a/b", "", "../x", "x\\y", "é"])
+def test_unsafe_file_names_rejected(ckpt, trainer, name):
+    # issue 17.4: a file named `..` was stored and then blocked every start
+    m = build_manifest(ckpt, policy_id=trainer.peer_id, version=1, shard_size=64 * 1024)
+    files = [FileEntry.model_construct(name=name, size=m.files[0].size), *m.files[1:]]
+    assert reject_reason(gate([trainer.peer_id]), forged(trainer, ckpt, files=files)) in (
+        "bad_file_name", "bad_schema")
+
+
+def test_dot_dot_passes_the_schema_but_not_the_gate(ckpt, trainer):
+    # the wire pattern [A-Za-z0-9._-]+ admits "..": the gate is what refuses it
+    m = build_manifest(ckpt, policy_id=trainer.peer_id, version=1, shard_size=64 * 1024)
+    files = [FileEntry(name="..", size=m.files[0].size), *m.files[1:]]
+    assert reject_reason(gate([trainer.peer_id]), forged(trainer, ckpt, files=files)) \
+        == "bad_file_name"
+
+
+def test_shard_count_bounded(ckpt, trainer):
+    data = publish(trainer, ckpt, 1, 4096).envelope  # ~84 shards
+    assert reject_reason(gate([trainer.peer_id], max_shards=16), data) == "bad_layout"
+
+
+def test_manifest_larger_than_free_disk_rejected(ckpt, trainer, tmp_path):
+    from swarm_node.node.diskspace import ensure_free, free_bytes
+
+    data = publish(trainer, ckpt, 1, 64 * 1024).envelope
+    keep = free_bytes(tmp_path)  # the margin alone uses all free space: nothing fits
+    g = gate([trainer.peer_id], space_check=lambda m: ensure_free(tmp_path, m.total_size, keep))
+    assert reject_reason(g, data) == "no_space"
+    g = gate([trainer.peer_id], space_check=lambda m: ensure_free(tmp_path, m.total_size, 0))
+    assert g.check_bytes(data).manifest.version == 1

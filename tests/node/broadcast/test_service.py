@@ -58,7 +58,7 @@ async def test_trainer_relay_follower(tmp_path, swarm):
     tid = tnode.peer_id
     rnode, relay = await swarm("relay", "relay", follow=[tid], bootstrap=tnode.listen_addrs)
     got = []
-    fnode, follower = await swarm("follower", "inference", follow=[tid],
+    _fnode, follower = await swarm("follower", "inference", follow=[tid],
                                   bootstrap=rnode.listen_addrs,
                                   on_complete=lambda m, p: got.append((m.version, p)))
     await asyncio.sleep(1.5)  # let the gossip mesh form
@@ -85,7 +85,7 @@ async def test_late_joiner_learns_version_from_adverts_and_uses_tcp(tmp_path, sw
     tnode, trainer = await swarm("trainer", "trainer", tcp=True)
     assert trainer.endpoint.startswith("127.0.0.1:")
     m = await trainer.publish(ckpt, version=1)  # nobody listening yet
-    fnode, late = await swarm("late", "inference", follow=[tnode.peer_id],
+    _fnode, late = await swarm("late", "inference", follow=[tnode.peer_id],
                               bootstrap=tnode.listen_addrs, tcp=True)
     path = await late.wait_complete(tnode.peer_id, 1, timeout=60)
     assert read_dir(path) == read_dir(ckpt)

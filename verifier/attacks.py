@@ -209,10 +209,12 @@ def sample_batch(model, tokenizer, task_source, sender: str, *, round_: int = 0,
 
 
 def bogus_batch(batch, rng: random.Random, vocab: int, proof: bytes | None = None,
-                hidden_size: int | None = None) -> RolloutBatch:
+                hidden_size: int | None = None, tokenizer=None) -> RolloutBatch:
     """The sybil flood's batch: `batch`'s tasks, prompts, seeds and finish reasons with
     random tokens, zero logprobs and a garbage proof (`proof`, or random bytes of the exact
-    length for `hidden_size`, which passes every check before the forward pass)."""
+    length for `hidden_size`). With `tokenizer`, text and claimed reward match the random
+    tokens, so the batch passes every check before the forward pass."""
+    from ..node.tasks import get_task
     from .proof import proof_size
 
     comps = []
@@ -223,7 +225,38 @@ def bogus_batch(batch, rng: random.Random, vocab: int, proof: bytes | None = Non
             tokens[-1] = int(c.completion_ids.to_numpy()[-1])
         junk = proof if proof is not None else bytes([1]) + rng.randbytes(
             proof_size(n, hidden_size) - 1)
+        text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer else ""
+        reward = float(get_task(c.task).score(text)) if tokenizer else c.claimed_reward
         comps.append(c.model_copy(update={
-            "completion_ids": ids_tensor(tokens), "text": "",
+            "completion_ids": ids_tensor(tokens), "text": text, "claimed_reward": reward,
             "logprobs": TensorData.from_numpy(np.zeros(n, dtype=np.float32)), "proof": junk}))
     return batch.model_copy(update={"completions": comps})
+
+
+def bogus_round(tokenizer, task_source, sender: str, *, round_: int, version: int, tasks: int,
+                n: int, params: SamplingParams, hidden_size: int, rng: random.Random,
+                policy_id: str, swarm_id: str = "default", length: int = 8) -> RolloutBatch:
+    """A sybil's batch for (sender, round_) built without any model: the right tasks,
+    prompts, seeds and proof length, random tokens (text and reward made consistent), so
+    only the forward pass can reject it."""
+    from ..node.sampler.seeded import completion_seed
+    from ..node.tasks import format_prompt, get_task
+    from .proof import proof_size
+
+    eos = tokenizer.eos_token_id
+    comps = []
+    for ref in task_source.draw(sender, round_, tasks):
+        task = get_task(ref)
+        prompt = format_prompt(tokenizer, task)
+        for j in range(n):
+            tokens = [_random_token(rng, len(tokenizer), {eos}) for _ in range(length - 1)]
+            tokens.append(eos)
+            text = tokenizer.decode(tokens, skip_special_tokens=True)
+            comps.append(Completion(
+                task=ref, prompt_ids=ids_tensor(prompt), completion_ids=ids_tensor(tokens),
+                logprobs=TensorData.from_numpy(np.zeros(length, dtype=np.float32)),
+                finish_reason="eos", seed=completion_seed(ref, sender, version, j),
+                claimed_reward=float(task.score(text)), text=text,
+                proof=bytes([1]) + rng.randbytes(proof_size(length, hidden_size) - 1)))
+    return RolloutBatch(swarm_id=swarm_id, round=round_, policy_id=policy_id,
+                        policy_version=version, sampling=params, completions=comps)

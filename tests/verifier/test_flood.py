@@ -1,0 +1,184 @@
+"""Issue 11 finding 12 / issue 17 finding 8 over real libp2p: while sybils send bogus
+batches (random tokens, valid tasks, prompts, seeds and proof length, so each costs a
+forward pass), an established honest peer's batches are all verified and accepted, almost
+no flood batch reaches the model first, and the connections that carried the flood are
+penalised. Each sybil is its own libp2p peer: the transport already cuts a connection whose
+envelopes are signed by another key than the connection's (`sender_mismatch`), so a fresh
+key costs the attacker a fresh libp2p identity and connection.
+
+The trainer side is the real TrainerRole intake (`_on_rollouts`, `_drain`,
+`verify_and_store`, the fair queue, the real Trainer on the tiny model); only the checkpoint
+broadcaster, which plays no part in verification of the trainer's own policy, is left out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import types
+
+import pytest
+import torch
+from swarm_node.node.config import Config
+from swarm_node.node.identity import Identity
+from swarm_node.protocol.messages import SamplingParams
+from swarm_node.verifier import attacks
+from swarm_node.verifier.rules import batch_rules
+
+HONEST_BATCHES = 4
+SYBILS = 5
+PER_SYBIL = 8  # = batches_per_version: every round of version 0
+FLOOD_BATCHES = SYBILS * PER_SYBIL
+
+
+def config(tmp_path) -> Config:
+    cfg = Config()
+    cfg.node.listen = ["/ip4/127.0.0.1/tcp/0"]
+    cfg.node.data_dir = str(tmp_path / "trainer")
+    cfg.p2p.discovery_interval_s = 0.5
+    cfg.p2p.bootstrap_timeout_s = 5
+    cfg.p2p.mesh_wait_s = 5
+    cfg.tasks.mix = {"toy/digit_successor": 1.0}
+    cfg.tasks.tasks_per_round = 2
+    cfg.sampler.completions_per_task = 2
+    cfg.sampler.max_new_tokens = 8
+    cfg.sampler.batches_per_version = 8
+    cfg.sampler.temperature, cfg.sampler.top_p = 1.0, 1.0
+    return cfg
+
+
+async def wait_until(pred, timeout: float, what: str):
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not pred():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+async def started(cfg, identity=None, bootstrap=None):
+    from swarm_node.node.p2p import P2PNode
+
+    node = P2PNode(identity or Identity.generate(), cfg)
+    await node.start(bootstrap=bootstrap or [], discovery=True)
+    return node
+
+
+async def trainer_role(cfg, tiny_model_dir, p2p, identity):
+    from swarm_node.node.metrics import NodeState
+    from swarm_node.node.roles.trainer import TrainerRole
+    from swarm_node.node.tasks import TaskSource
+    from swarm_node.node.trainer.trainer import Trainer
+    from swarm_node.verifier.reputation import Reputation
+
+    role = TrainerRole(cfg, identity, p2p, NodeState(identity.peer_id, "trainer",
+                                                     cfg.node.swarm_id))
+    role.trainer = await role.work(Trainer, cfg, tiny_model_dir, role.data_dir,
+                                   policy_id=identity.peer_id)
+    role.tasks = TaskSource(cfg.tasks.mix, cfg.node.swarm_id)
+    role.reputation = Reputation(None)
+    role.broadcaster = types.SimpleNamespace(gate=types.SimpleNamespace(follow=set()))
+    role.arrivals = []
+
+    async def on_rollouts(env, from_peer):
+        role.arrivals.append(env.sender)
+        await role._on_rollouts(env, from_peer)
+
+    await p2p.subscribe("rollouts", on_rollouts)
+    return role
+
+
+@pytest.mark.slow
+async def test_honest_batches_accepted_during_a_fresh_key_flood(tmp_path, tiny_model_dir):
+    from swarm_node.node.models import load_model
+    from swarm_node.node.tasks import TaskSource
+
+    torch.set_num_threads(1)
+    cfg = config(tmp_path)
+    trainer_id = Identity.generate()
+    hub = await started(cfg, trainer_id)
+    honest_node = await started(cfg, bootstrap=hub.listen_addrs)
+    sybils = [await started(cfg, bootstrap=hub.listen_addrs) for _ in range(SYBILS)]
+    role = None
+    try:
+        role = await trainer_role(cfg, tiny_model_dir, hub, trainer_id)
+        # history: the honest peer's earlier work was accepted (it is out of probation)
+        for _ in range(role.reputation.probation_accepts):
+            role.reputation.record(honest_node.peer_id, True)
+        order = []
+        real = role.verify_and_store
+
+        def spy(batch, sender):
+            order.append(sender)
+            return real(batch, sender)
+
+        role.verify_and_store = spy
+
+        model, tokenizer = load_model(tiny_model_dir)
+        source = TaskSource(cfg.tasks.mix, cfg.node.swarm_id)
+        rules = batch_rules(cfg)
+        params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=8)
+        honest = [attacks.sample_batch(model, tokenizer, source, honest_node.peer_id,
+                                       round_=rules.round_for(0, k), version=0, tasks=2, n=2,
+                                       params=params, policy_id=trainer_id.peer_id)
+                  for k in range(HONEST_BATCHES)]
+        rng = random.Random(0)
+
+        def flood_batches(sybil):
+            return [attacks.bogus_round(tokenizer, source, sybil.peer_id, round_=k, version=0,
+                                        tasks=2, n=2, params=params, rng=rng,
+                                        hidden_size=model.config.hidden_size,
+                                        policy_id=trainer_id.peer_id)
+                    for k in range(PER_SYBIL)]
+
+        flood = {s.peer_id: flood_batches(s) for s in sybils}
+        await wait_until(lambda: all(trainer_id.peer_id in n.topic_peers("rollouts")
+                                     for n in [honest_node, *sybils]), 30,
+                         "every sender to see the trainer's subscription")
+
+        async def send_flood():
+            for k in range(PER_SYBIL):
+                for s in sybils:
+                    await s.publish("rollouts", flood[s.peer_id][k])
+
+        async def send_honest():
+            for i, batch in enumerate(honest):
+                await honest_node.publish("rollouts", batch)
+                await asyncio.sleep(0)  # interleave with the flood
+
+        await asyncio.gather(send_flood(), send_honest())
+        honest_id = honest_node.peer_id
+
+        def honest_done():
+            return order.count(honest_id) == HONEST_BATCHES
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 120
+        while not honest_done():
+            assert loop.time() < deadline, f"honest batches verified: {order.count(honest_id)}"
+            if len(role.queue):
+                await role._drain()
+            else:
+                await asyncio.sleep(0.05)
+        counts = role.state.by_peer[honest_id]
+        assert counts.accepted == HONEST_BATCHES * 4 and not counts.rejected
+        last_honest = max(i for i, s in enumerate(order) if s == honest_id)
+        flood_before = sum(1 for s in order[:last_honest] if s != honest_id)
+        # probation share 0.2: at most about one flood batch per four honest ones
+        assert flood_before <= 2, order
+        assert len(role.queue) <= role.queue.limits.max_probation
+        # the flood did arrive; what was not verified was dropped from the probation queue
+        await wait_until(lambda: len(role.arrivals) >= FLOOD_BATCHES + HONEST_BATCHES, 30,
+                         "the flood to arrive")
+        assert sum(role.queue.dropped.values()) >= FLOOD_BATCHES // 2, role.queue.dropped
+        await role._drain()  # what is left: every flood batch verified fails ...
+        flood_ids = {s for s in order if s != honest_id}
+        assert flood_ids and all(not role.state.by_peer[s].accepted for s in flood_ids)
+        # ... and the connections that carried them are penalised
+        assert all(hub.penalties.score(s) > 0 or hub.penalties.refused(s) for s in flood_ids), \
+            [(s[-6:], hub.penalties.score(s), hub.penalties.refused(s)) for s in flood_ids]
+    finally:
+        if role is not None:
+            role.trainer.close()
+        for n in (*sybils, honest_node, hub):
+            await n.close()

@@ -170,10 +170,11 @@ async def test_honest_batches_accepted_during_a_fresh_key_flood(tmp_path, tiny_m
         # the flood did arrive; what was not verified was dropped from the probation queue
         await wait_until(lambda: len(role.arrivals) >= FLOOD_BATCHES + HONEST_BATCHES, 30,
                          "the flood to arrive")
-        assert sum(role.queue.dropped.values()) >= FLOOD_BATCHES // 2, role.queue.dropped
         await role._drain()  # what is left: every flood batch verified fails ...
         flood_ids = {s for s in order if s != honest_id}
         assert flood_ids and all(not role.state.by_peer[s].accepted for s in flood_ids)
+        # a sybil's first bogus batch bans its key; its queued rest is never verified
+        assert len(order) - HONEST_BATCHES <= 2 * SYBILS, order
         # ... and the connections that carried them are penalised
         assert all(hub.penalties.score(s) > 0 or hub.penalties.refused(s) for s in flood_ids), \
             [(s[-6:], hub.penalties.score(s), hub.penalties.refused(s)) for s in flood_ids]

@@ -130,13 +130,15 @@ def join(
     dry_run: bool = typer.Option(False, "--dry-run",
                                  help="Check the config (addresses, peer ids, tasks, device, "
                                       "model, checkpoints), print it resolved, and exit."),
+    procs: int | None = typer.Option(
+        None, "--procs", help="Trainer: N ranks of this trainer (torchrun); rank 0 is the node."),
 ) -> None:
     """Join a swarm (or start one) in the given role."""
     overrides = {
         "node.role": role, "node.data_dir": str(data_dir) if data_dir else None,
         "node.bootstrap": bootstrap or None, "node.listen": listen or None,
         "node.swarm_id": swarm, "node.follow": follow or None, "model.name": model,
-        "admin.port": admin_port, "node.log_json": log_json,
+        "admin.port": admin_port, "node.log_json": log_json, "trainer.procs": procs,
     }
     cfg = _load(config, overrides, sets)
     from ..node.errors import NodeError
@@ -158,6 +160,10 @@ def join(
         from ..node.runner import run_node
     except ImportError as e:
         _fail(f"this build cannot run a node yet: {e}", 1, as_json)
+    if cfg.node.role == "trainer" and cfg.trainer.procs > 1:  # re-executes under torchrun
+        from ..node.trainer.distributed import launch
+
+        launch(cfg, cfg.trainer.procs, cfg.data_dir / "trainer" / "ranks" / "config.toml")
     try:
         run_node(cfg, new_model=new_model)
     except NodeError as e:

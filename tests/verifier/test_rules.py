@@ -274,7 +274,7 @@ def test_12_bogus_batch_costs_no_forward_pass(kit, honest):
         assert calls == []
         # with a proof of the right length the same junk does cost a prefill (and fails)
         sized = attacks.bogus_batch(honest, random.Random(5), len(tokenizer),
-                                    hidden_size=model.config.hidden_size)
+                                    hidden_size=model.config.hidden_size, tokenizer=tokenizer)
         assert not any(r.accept for r in verifier(kit).verify(sized, SENDER))
         assert calls
     finally:

@@ -2,15 +2,16 @@
 
 The host, GossipSub and all stream handlers live in a trio thread (bridge.py); every public
 method here is asyncio and crosses into that thread without blocking the event loop.
+Split along py-libp2p's seams: this module owns the host lifecycle, connections, health and
+penalties; `pubsub.py` (GossipService) the topics; `requests.py` (RequestService) streams
+and request/response. P2PNode's public methods delegate to them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import socket
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Self
 
@@ -26,22 +27,11 @@ from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service import background_trio_service
 
-from ...protocol.envelope import Envelope, open_envelope
-from ...protocol.errors import ProtocolError
-from ...protocol.ids import FETCH_PROTOCOL, topic
-from ...protocol.limits import TOPIC_MESSAGE_TYPES
-from ...protocol.messages import PayloadAnnounce, WireModel
+from ...protocol.ids import FETCH_PROTOCOL
+from ...protocol.messages import WireModel
 from .bridge import TrioBridge
-from .errors import (
-    BadMultiaddr,
-    DialError,
-    NotRunning,
-    P2PError,
-    PublishError,
-    RequestError,
-    StreamError,
-)
-from .gossip import CountingSendChannel, GossipValidator, build_gossip, mesh_ready
+from .errors import BadMultiaddr, DialError, NotRunning, P2PError
+from .gossip import GossipValidator, build_gossip
 from .guard import (
     check_libp2p_version,
     guard_pubsub,
@@ -50,22 +40,12 @@ from .guard import (
 )
 from .metrics import P2PMetrics
 from .penalties import PeerPenalties, TopicRateLimiter
-from .streams import (
-    AsyncStream,
-    PeerSlots,
-    client_request,
-    close_quietly,
-    remote_peer,
-    reset_quietly,
-    serve_request,
-)
+from .pubsub import GossipService, Handler
+from .requests import RequestHandler, RequestService, StreamHandler
+from .streams import AsyncStream
 from .yamux import bound_buffers
 
 log = logging.getLogger(__name__)
-
-Handler = Callable[[Envelope, str], Awaitable[None]]
-StreamHandler = Callable[[str, AsyncStream], Awaitable[None]]
-RequestHandler = Callable[[str, bytes], Awaitable[bytes]]
 
 
 class P2PNode:
@@ -87,18 +67,9 @@ class P2PNode:
         self._validator: GossipValidator | None = None
         self._peer_filter: Callable[[str], bool] | None = None
         self._connected: set[str] = set()
-        self._stream_handlers: dict[str, tuple[StreamHandler, int]] = {}
-        self._request_handlers: dict[str, RequestHandler] = {}
-        self._subs: dict[str, list[Handler]] = {}
-        self._queues: dict[str, asyncio.Queue] = {}
         self._tasks: set[asyncio.Task] = set()
-        self._published_topics: set[str] = set()
-        self._client_slots: dict[str, asyncio.Semaphore] = {}
-        self._payloads: OrderedDict[bytes, bytes] = OrderedDict()
-        self._payload_bytes = 0
-        self._fetch_sem = asyncio.Semaphore(self.cfg.payload_fetch_parallel)
-        self._server_slots = PeerSlots(self.cfg.max_requests_per_peer)
-        self._stream_slots = PeerSlots(self.cfg.max_streams_per_peer)
+        self.gossip = GossipService(self)  # pubsub seam
+        self.requests = RequestService(self)  # request/response seam
         self.penalties = PeerPenalties(self._cut)
         self.rate_limiter = TopicRateLimiter()
         self.failure: str | None = None
@@ -128,9 +99,8 @@ class P2PNode:
         except Exception as e:
             raise P2PError(f"cannot start the libp2p host on {', '.join(map(str, listen))}: "
                            f"{_flatten(e)}", reason="listen_failed") from e
-        await self.set_request_handler(FETCH_PROTOCOL, self._serve_payload)
-        for kind in self._subs:  # subscriptions made before start
-            await self._bridge.call(self._t_subscribe, kind, self.topic(kind))
+        await self.set_request_handler(FETCH_PROTOCOL, self.gossip.serve_payload)
+        await self.gossip.subscribe_pending()
         self.discovery = Discovery(self)
         await self.discovery.install()
         addrs = self.config.node.bootstrap if bootstrap is None else bootstrap
@@ -266,10 +236,7 @@ class P2PNode:
                 limit_before_spawn(pubsub, host.get_id(), self.rate_limiter, self.penalties,
                                    self.metrics)
                 self.listen_addrs = _dialable(host.get_addrs())
-                for pid, (h, limit) in self._stream_handlers.items():
-                    self._t_install_stream_handler(pid, h, limit)
-                for pid in self._request_handlers:
-                    self._t_install_request_handler(pid)
+                self.requests._t_install_all()
                 async with trio.open_nursery() as nursery:
                     self._nursery = nursery
                     started(nursery)
@@ -342,311 +309,46 @@ class P2PNode:
         allow = self._peer_filter
         return allow is None or bool(allow(peer))
 
-    # Gossip ---------------------------------------------------------------------------
+    # Gossip and requests (the public API; the work is in pubsub.py and requests.py) ----
 
     def topic(self, kind: str) -> str:
-        return topic(self.swarm_id, kind)
+        return self.gossip.topic(kind)
 
     async def subscribe(self, kind: str, handler: Handler) -> None:
-        """Call `await handler(envelope, from_peer)` for every verified message on `kind`
-        from other peers, one at a time in arrival order (GossipSub does not keep a sender's
-        order across paths). May be called before or after start. Payload announcements are
-        resolved first: the handler sees the pulled message, never the announcement."""
-        t = self.topic(kind)
-        first = kind not in self._subs
-        self._subs.setdefault(kind, []).append(handler)
-        if not first:
-            return
-        queue: asyncio.Queue = asyncio.Queue(self.cfg.subscription_queue)
-        self._queues[kind] = queue
-        self._spawn(self._consume(kind, queue))
-        if self.running:  # else start() subscribes
-            await self._bridge.call(self._t_subscribe, kind, t)
-
-    async def _t_subscribe(self, kind: str, t: str) -> None:
-        pubsub = self._pubsub
-        pubsub.set_topic_validator(t, self._validator.for_kind(kind), False)
-        await pubsub.subscribe(t)
-        send, recv = trio.open_memory_channel(self.cfg.subscription_queue)
-        pubsub.subscribed_topics_send[t] = CountingSendChannel(send, self.metrics)
-        self._nursery.start_soon(self._t_read_topic, kind, recv)
-
-    async def _t_read_topic(self, kind: str, recv) -> None:
-        async for msg in recv:
-            try:
-                origin = ID(msg.from_id).to_base58()
-            except Exception as e:  # noqa: BLE001 - validated already; defensive
-                log.debug("unreadable origin on a validated message: %s", e)
-                continue
-            if origin == self.peer_id:
-                self.metrics.inc("own_skipped")
-                continue
-            env = self._validator.take(msg)
-            if env is None:
-                try:
-                    env = self._validator.reopen(msg)
-                except ProtocolError as e:
-                    self.metrics.reject(origin, e.reason)
-                    continue
-            self.metrics.inc("received")
-            self._bridge.to_asyncio_nowait(self._enqueue, kind, env, origin)
-
-    def _enqueue(self, kind: str, env: Envelope, origin: str) -> None:
-        try:
-            self._queues[kind].put_nowait((env, origin))
-        except asyncio.QueueFull:
-            self.metrics.inc("drop_handler_queue_full")
-
-    async def _consume(self, kind: str, queue: asyncio.Queue) -> None:
-        while True:
-            env, origin = await queue.get()
-            if env.type == PayloadAnnounce.TYPE:
-                self._spawn(self._pull_announced(kind, env, origin))
-                continue
-            await self._deliver(kind, env, origin)
-
-    async def _deliver(self, kind: str, env: Envelope, origin: str) -> None:
-        for handler in list(self._subs.get(kind, ())):
-            try:
-                await handler(env, origin)
-                self.metrics.inc("delivered")
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                self.metrics.inc("handler_errors")
-                log.exception("handler for %s failed on %s from %s", kind, env.type, origin)
+        """See GossipService.subscribe."""
+        await self.gossip.subscribe(kind, handler)
 
     async def publish(self, kind: str, message: WireModel) -> None:
-        """Seal `message` and gossip it on `kind`. Waits for the topic mesh (first publish)
-        and for outbound queue capacity; raises PublishError(queue_full) only after
-        `p2p.publish_timeout_s`. A sealed message above `p2p.inline_payload_max` is kept
-        here and announced (PayloadAnnounce); subscribers pull it over FETCH_PROTOCOL."""
-        t = self.topic(kind)
-        if message.TYPE not in TOPIC_MESSAGE_TYPES.get(kind, ()):
-            raise PublishError(f"a {message.TYPE} message may not be published on {kind}",
-                               reason="wrong_topic")
-        data = self.identity.seal(message)
-        if len(data) > self.cfg.inline_payload_max:
-            digest = hashlib.sha256(data).digest()
-            self._store_payload(digest, data)
-            data = self.identity.seal(PayloadAnnounce(inner_type=message.TYPE,
-                                                      content_hash=digest, size=len(data)))
-            self.metrics.inc("payload_announced")
-        await self._bridge.call(self._t_publish, t, data)
-
-    async def _t_publish(self, t: str, data: bytes) -> None:
-        await self._t_wait_mesh(t)
-        await self._t_wait_capacity()
-        await self._pubsub.publish(t, data)
-        self._published_topics.add(t)
-        self.metrics.inc("published")
-
-    async def _t_wait_mesh(self, t: str) -> None:
-        if not self._host.get_connected_peers():
-            self.metrics.inc("publish_no_peers")
-            return
-        first = t not in self._published_topics
-        deadline = trio.current_time() + self.cfg.mesh_wait_s
-        while True:
-            ready, topic_peers = mesh_ready(self._router, self._pubsub, t,
-                                            self.cfg.mesh_degree_low)
-            if ready:
-                return
-            if (not first and topic_peers == 0) or trio.current_time() >= deadline:
-                self.metrics.inc("publish_no_mesh")
-                return
-            await trio.sleep(0.02)
-
-    async def _t_wait_capacity(self) -> None:
-        queues = self._pubsub.peer_queues
-        _, fullest = queues.fullest()
-        if fullest <= self.cfg.publish_high_water:
-            return
-        self.metrics.inc("publish_waits")
-        deadline = trio.current_time() + self.cfg.publish_timeout_s
-        while True:
-            await trio.sleep(0.005)
-            peer, fullest = queues.fullest()
-            if fullest <= self.cfg.publish_high_water:
-                return
-            if trio.current_time() >= deadline:
-                raise PublishError(
-                    f"outbound queue to {peer} still holds {fullest} messages after "
-                    f"{self.cfg.publish_timeout_s:.0f}s (peer too slow or stalled)",
-                    reason="queue_full")
+        """See GossipService.publish."""
+        await self.gossip.publish(kind, message)
 
     async def publish_raw(self, kind: str, data: bytes) -> None:
-        """Gossip `data` as is, without sealing. For tests and tools that check how peers
-        treat malformed traffic; the node itself never uses it."""
-        await self._bridge.call(self._t_publish, self.topic(kind), bytes(data))
+        await self.gossip.publish_raw(kind, data)
 
     def topic_peers(self, kind: str) -> list[str]:
-        """Peers known to be subscribed to `kind` (a snapshot, for tests and status)."""
-        peers = self._pubsub.peer_topics.get(self.topic(kind), ()) if self._pubsub else ()
-        return sorted(p.to_base58() for p in list(peers))
+        return self.gossip.topic_peers(kind)
 
     def mesh_peers(self, kind: str) -> list[str]:
-        mesh = self._router.mesh.get(self.topic(kind), ()) if self._router else ()
-        return sorted(p.to_base58() for p in list(mesh))
-
-    # Large payloads -------------------------------------------------------------------
-
-    def _store_payload(self, digest: bytes, data: bytes) -> None:
-        if digest in self._payloads:
-            return
-        self._payloads[digest] = data
-        self._payload_bytes += len(data)
-        while self._payload_bytes > self.cfg.payload_cache_bytes and len(self._payloads) > 1:
-            _, old = self._payloads.popitem(last=False)
-            self._payload_bytes -= len(old)
-
-    async def _serve_payload(self, peer: str, body: bytes) -> bytes:
-        data = self._payloads.get(body)
-        if data is None:
-            raise LookupError("payload not held here")
-        return data
-
-    async def _pull_announced(self, kind: str, env: Envelope, origin: str) -> None:
-        ann: PayloadAnnounce = env.message
-        inner_max = self.limits.max_for(ann.inner_type) + 4096
-        if ann.size > inner_max:
-            self.metrics.reject(origin, "too_large")
-            return
-        data = None
-        async with self._fetch_sem:
-            # The announcer first, then peers that may have pulled it already.
-            sources = [origin] + [p for p in self.connected_peers() if p != origin][:3]
-            for source in sources:
-                try:
-                    data = await self.request(source, FETCH_PROTOCOL, ann.content_hash,
-                                              max_response=ann.size)
-                    break
-                except RequestError as e:
-                    log.info("could not pull announced %s from %s: %s", ann.inner_type,
-                             source, e)
-        if data is None:
-            self.metrics.inc("payload_fetch_failed")
-            log.warning("could not pull announced %s of %s from any of %d peers",
-                        ann.inner_type, origin, len(sources))
-            return
-        if len(data) != ann.size or hashlib.sha256(data).digest() != ann.content_hash:
-            self.metrics.reject(origin, "hash_mismatch")
-            return
-        try:
-            inner = open_envelope(data, limits=self.limits, expected_sender=origin,
-                                  expected_type=ann.inner_type, replay_cache=self._validator.replay,
-                                  max_skew_s=self.config.limits.max_clock_skew_s)
-        except ProtocolError as e:
-            self.metrics.reject(origin, e.reason)
-            return
-        self._store_payload(ann.content_hash, data)
-        self.metrics.inc("payload_fetched")
-        await self._deliver(kind, inner, origin)
-
-    # Streams and requests -------------------------------------------------------------
+        return self.gossip.mesh_peers(kind)
 
     def set_stream_handler(self, protocol_id: str, handler: StreamHandler, *,
                            max_inbound: int | None = None) -> Awaitable[None]:
-        """`await handler(peer_id, stream)` for each inbound stream on `protocol_id`; the
-        stream is closed when the handler returns. The peer may send at most `max_inbound`
-        bytes per stream (default `p2p.max_request_bytes`); more breaks the stream.
-        Returns an awaitable that completes once the handler is live (at once before
-        start: start() installs it before it returns)."""
-        limit = self.cfg.max_request_bytes if max_inbound is None else max_inbound
-        self._stream_handlers[protocol_id] = (handler, limit)
-        return self._install(self._t_install_stream_handler, protocol_id, handler, limit)
+        """See RequestService.set_stream_handler."""
+        return self.requests.set_stream_handler(protocol_id, handler, max_inbound=max_inbound)
 
-    def _install(self, fn, *args) -> Awaitable[None]:
-        if not self.running:
-            return _LIVE  # start() installs it before it returns
-
-        async def install() -> None:
-            fn(*args)
-
-        return self._spawn(self._bridge.call(install))
-
-    def _t_install_stream_handler(self, protocol_id: str, handler: StreamHandler,
-                                  max_inbound: int) -> None:
-        async def on_stream(stream) -> None:
-            peer = remote_peer(stream)
-            if not self._allowed(peer) or not self._stream_slots.try_take(peer):
-                self.metrics.inc("streams_refused")
-                await reset_quietly(stream)
-                return
-            try:
-                await self._bridge.to_asyncio(
-                    handler, peer, AsyncStream(self._bridge, stream, peer, protocol_id,
-                                               max_inbound=max_inbound))
-            except Exception as e:  # noqa: BLE001 - counted; the stream is reset
-                self.metrics.inc("stream_handler_errors")
-                log.info("stream handler %s for %s failed: %s: %s", protocol_id, peer,
-                         type(e).__name__, e)
-                await reset_quietly(stream)
-                return
-            finally:
-                self._stream_slots.give(peer)
-            await close_quietly(stream)
-
-        self._host.set_stream_handler(protocol_id, on_stream)
+    def set_request_handler(self, protocol_id: str, handler: RequestHandler) -> Awaitable[None]:
+        """See RequestService.set_request_handler."""
+        return self.requests.set_request_handler(protocol_id, handler)
 
     async def open_stream(self, peer_id: str, protocol_id: str,
                           timeout: float | None = None) -> AsyncStream:
-        timeout = self.cfg.request_timeout_s if timeout is None else timeout
-        stream = await self._bridge.call(self._t_open_stream, ID.from_base58(peer_id),
-                                         protocol_id, timeout)
-        return AsyncStream(self._bridge, stream, peer_id, protocol_id)
-
-    async def _t_open_stream(self, peer: ID, protocol_id: str, timeout: float):
-        try:
-            with trio.fail_after(timeout):
-                return await self._host.new_stream(peer, [protocol_id])
-        except trio.TooSlowError:
-            raise StreamError(f"opening {protocol_id} to {peer} timed out after {timeout:.0f}s",
-                              reason="timeout") from None
-        except Exception as e:
-            raise StreamError(f"cannot open {protocol_id} to {peer}: {type(e).__name__}: {e}",
-                              reason="open_failed") from e
-
-    def set_request_handler(self, protocol_id: str, handler: RequestHandler) -> Awaitable[None]:
-        """`await handler(peer_id, request_bytes) -> response_bytes`; a raised exception is
-        sent back as an error response (and the stream closed). Sizes and per-peer
-        concurrency are limited by config. Returns an awaitable that completes once the
-        handler is live."""
-        self._request_handlers[protocol_id] = handler
-        return self._install(self._t_install_request_handler, protocol_id)
-
-    def _t_install_request_handler(self, protocol_id: str) -> None:
-        async def on_stream(stream) -> None:
-            peer = remote_peer(stream)
-            if not self._allowed(peer):
-                self.metrics.inc("streams_refused")
-                await reset_quietly(stream)
-                return
-            await serve_request(self._bridge, stream, self._request_handlers[protocol_id],
-                                slots=self._server_slots, timeout=self.cfg.request_timeout_s,
-                                max_request=self.cfg.max_request_bytes,
-                                max_response=self.cfg.max_response_bytes, metrics=self.metrics)
-
-        self._host.set_stream_handler(protocol_id, on_stream)
+        return await self.requests.open_stream(peer_id, protocol_id, timeout)
 
     async def request(self, peer_id: str, protocol_id: str, payload: bytes,
                       timeout: float | None = None, *, max_response: int | None = None) -> bytes:
-        """Send one framed request and return the response body. RequestError.reason is one
-        of timeout, open_failed, too_large, busy, remote_error, no_handler, eof, reset."""
-        timeout = self.cfg.request_timeout_s if timeout is None else timeout
-        max_response = self.cfg.max_response_bytes if max_response is None else max_response
-        slots = self._client_slots.get(peer_id)
-        if slots is None:
-            slots = self._client_slots[peer_id] = asyncio.Semaphore(self.cfg.max_requests_per_peer)
-        async with slots:
-            self.metrics.inc("requests_sent")
-            try:
-                return await self._bridge.call(
-                    _client_request_kw, self._host, ID.from_base58(peer_id), protocol_id,
-                    bytes(payload), timeout, max_response)
-            except RequestError:
-                self.metrics.inc("requests_failed")
-                raise
+        """See RequestService.request."""
+        return await self.requests.request(peer_id, protocol_id, payload, timeout,
+                                           max_response=max_response)
 
     # Connection tracking (called in the trio thread) -----------------------------------
 
@@ -656,22 +358,6 @@ class P2PNode:
 
     def _set_connected(self, peers: set[str]) -> None:
         self._connected = peers
-
-
-class _Live:
-    """Awaitable that is already done: a handler set before start() is live once start()
-    returns."""
-
-    def __await__(self):
-        return iter(())
-
-
-_LIVE = _Live()
-
-
-async def _client_request_kw(host, peer, protocol_id, payload, timeout, max_response):
-    return await client_request(host, peer, protocol_id, payload, timeout=timeout,
-                                max_response=max_response)
 
 
 class _Notifee:

@@ -68,7 +68,7 @@ async def test_request_failures_are_classified(make_node):
     assert e.value.reason == "open_failed"
 
     first = asyncio.create_task(client.request(server.peer_id, "/t/slow/1", b"1", timeout=10))
-    await wait_until(lambda: server._server_slots.inflight, what="first slow request")
+    await wait_until(lambda: server.requests._server_slots.inflight, what="first slow request")
     with pytest.raises(RequestError) as e:  # server allows one request per peer at a time
         await client.request(server.peer_id, "/t/slow/1", b"2")
     assert e.value.reason == "busy"

@@ -227,6 +227,22 @@ class FileEntry(WireModel):
     size: U64
 
 
+class SwarmSettings(WireModel):
+    """The swarm settings a trainer's policy is used with (NODE_SPEC 7.1): a follower adopts
+    them, or refuses the policy naming the difference, so `--bootstrap` is all it needs."""
+
+    protocol_version: U32
+    model_id: ShortStr                  # model.name the trainer started from
+    dtype: Annotated[str, Field(max_length=16)]
+    max_context: U32
+    task_mix: Annotated[dict[Annotated[str, Field(max_length=128)], FiniteFloat],
+                        Field(min_length=1, max_length=256)]
+    tasks_per_round: U32
+    format_reward: FiniteFloat = 0.0
+    completions_per_task: U32
+    sampling: SamplingParams
+
+
 class CheckpointManifest(WireModel):
     """A trainer's signed description of one policy version, split into shards.
 
@@ -245,7 +261,14 @@ class CheckpointManifest(WireModel):
     total_size: Annotated[int, Field(ge=1, lt=2**50)]
     shard_size: Annotated[int, Field(ge=4096, le=1 << 30)]
     shard_hashes: Annotated[list[Hash32], Field(min_length=1, max_length=1 << 20)]
-    checkpoint_hash: Hash32
+    checkpoint_hash: Hash32  # also the content hash of the policy's weights
+    settings: SwarmSettings | None = None  # None: an origin that does not announce them
+
+    def to_wire(self) -> dict[str, Any]:
+        wire = super().to_wire()
+        if wire["settings"] is None:
+            del wire["settings"]  # absent, not nil: manifests without settings keep their bytes
+        return wire
 
     @model_validator(mode="after")
     def _layout(self):

@@ -75,7 +75,7 @@ def iter_range(ckpt_dir: Path, files: list[FileEntry], start: int, end: int,
 
 
 def build_manifest(ckpt_dir: Path, *, policy_id: str, version: int, shard_size: int,
-                   parent_version: int = -1) -> CheckpointManifest:
+                   parent_version: int = -1, settings=None) -> CheckpointManifest:
     """Hash `ckpt_dir` shard by shard (bounded memory; CPU-bound: call it in a thread)."""
     files = checkpoint_files(ckpt_dir)
     total = sum(f.size for f in files)
@@ -96,7 +96,8 @@ def build_manifest(ckpt_dir: Path, *, policy_id: str, version: int, shard_size: 
     return CheckpointManifest(
         policy_id=policy_id, version=version, parent_version=parent_version,
         created_ms=int(time.time() * 1000), files=files, total_size=total,
-        shard_size=shard_size, shard_hashes=shard_hashes, checkpoint_hash=whole.digest())
+        shard_size=shard_size, shard_hashes=shard_hashes, checkpoint_hash=whole.digest(),
+        settings=settings)
 
 
 def envelope_bytes(env: Envelope) -> bytes:
@@ -176,20 +177,24 @@ class ManifestGate:
     def __init__(self, follow: list[str], *, min_shard_size: int, max_shard_size: int,
                  max_checkpoint_bytes: int, current_version: Callable[[str], int],
                  max_shards: int = 1 << 17,
-                 space_check: Callable[[CheckpointManifest], None] | None = None):
+                 space_check: Callable[[CheckpointManifest], None] | None = None,
+                 settings_check: Callable[..., str | None] | None = None):
         self.follow = set(follow)
         self.limits = {"min_shard_size": min_shard_size, "max_shard_size": max_shard_size,
                        "max_checkpoint_bytes": max_checkpoint_bytes, "max_shards": max_shards}
         self.current_version = current_version
         self.space_check = space_check
+        self.settings_check = settings_check  # (settings, trainer) -> refusal line or None
         self.rejected: dict[str, int] = {}
 
     @classmethod
     def from_config(cls, follow: list[str], cfg, current_version: Callable[[str], int],
-                    space_check: Callable[[CheckpointManifest], None] | None = None):
+                    space_check: Callable[[CheckpointManifest], None] | None = None,
+                    settings_check: Callable[..., str | None] | None = None):
         return cls(follow, min_shard_size=cfg.min_shard_size, max_shard_size=cfg.max_shard_size,
                    max_checkpoint_bytes=cfg.max_checkpoint_bytes, max_shards=cfg.max_shards,
-                   current_version=current_version, space_check=space_check)
+                   current_version=current_version, space_check=space_check,
+                   settings_check=settings_check)
 
     def _reject(self, reason: str, detail: str) -> ManifestRejected:
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
@@ -237,6 +242,10 @@ class ManifestGate:
         problem = self.problem(m)
         if problem:
             raise self._reject(*problem)
+        if self.settings_check is not None:
+            refusal = self.settings_check(m.settings, env.sender)
+            if refusal:
+                raise self._reject("settings_mismatch", refusal)
         if self.space_check is not None:
             try:
                 self.space_check(m)

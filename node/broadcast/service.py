@@ -20,7 +20,7 @@ from pathlib import Path
 from ...protocol.envelope import Envelope
 from ...protocol.errors import ProtocolError
 from ...protocol.ids import MANIFEST_PROTOCOL, SHARD_PROTOCOL
-from ...protocol.messages import CheckpointManifest, ShardAdvert, ShardRequest
+from ...protocol.messages import CheckpointManifest, ShardAdvert, ShardRequest, SwarmSettings
 from ..diskspace import DiskWatch, ensure_free, is_disk_full
 from .downloader import Downloader
 from .errors import BroadcastError, DownloadFailed, ManifestRejected, StoreError
@@ -44,7 +44,8 @@ class Broadcaster:
     def __init__(self, node, cfg, store_root: Path, *, follow: list[str] | None = None,
                  role: str = "inference", on_complete: OnComplete | None = None,
                  transport=None, interactive: bool | None = None,
-                 choice: TrainerChoice | None = None):
+                 choice: TrainerChoice | None = None, settings: SwarmSettings | None = None,
+                 settings_check: Callable[..., str | None] | None = None):
         from .transport import P2PTransport, RoutingTransport
 
         self.node, self.cfg, self.role = node, cfg, role
@@ -53,8 +54,10 @@ class Broadcaster:
         self.choice = choice  # followers without --follow: the one explicit trainer choice
         if choice is not None and choice.chosen:
             follow = [*(follow or []), choice.chosen]
+        self.settings = settings  # a trainer's: signed into each manifest it publishes
         self.gate = ManifestGate.from_config(follow or [], cfg, self.store.current_version,
-                                             space_check=self._space_check)
+                                             space_check=self._space_check,
+                                             settings_check=settings_check)
         self.disk = DiskWatch("checkpoint downloads", self.store.root)
         self.proven: OrderedDict[str, None] = OrderedDict()  # peers we verified shards from
         self.server = ShardServer(self.store, cfg)
@@ -74,6 +77,7 @@ class Broadcaster:
         self.unproven: dict[tuple[str, int], set[str]] = {}
         self.advert_metrics: Counter[str] = Counter()
         self._pull_backoff: dict[str, float] = {}
+        self._refused: set[tuple[str, int]] = set()  # versions refused for their settings
         self._dirty: set[tuple[str, int]] = set()
         self._pulling: set[tuple[str, int]] = set()
         self._tasks: set[asyncio.Task] = set()
@@ -136,7 +140,8 @@ class Broadcaster:
         """Hash, store and announce a new checkpoint of this node's own policy."""
         m = await asyncio.to_thread(
             build_manifest, ckpt_dir, policy_id=self.node.peer_id, version=version,
-            parent_version=parent_version, shard_size=shard_size or self.cfg.shard_size)
+            parent_version=parent_version, shard_size=shard_size or self.cfg.shard_size,
+            settings=self.settings)
         accepted = AcceptedManifest(m, self.node.identity.seal(m), self.node.peer_id)
         entry = await asyncio.to_thread(self.store.add_checkpoint, accepted, ckpt_dir)
         await asyncio.to_thread(self.store.prune, m.policy_id)
@@ -156,7 +161,9 @@ class Broadcaster:
         try:
             accepted = self.gate.check_envelope(env)
         except ManifestRejected as e:
-            log.warning("%s (from %s)", e, from_peer[-8:])
+            quiet = e.reason in ("settings_mismatch", "not_newer")  # said once elsewhere
+            log.log(logging.DEBUG if quiet else logging.WARNING, "%s (from %s)", e,
+                    from_peer[-8:])
             return
         self._remember(accepted.manifest.policy_id, accepted.manifest.version, env.sender,
                        None)
@@ -343,8 +350,9 @@ class Broadcaster:
 
     def _may_pull(self, peer: str, key: tuple[str, int]) -> bool:
         """One manifest pull in flight per policy; an advertiser whose pull failed is not
-        asked again for PULL_BACKOFF_S (fake versions cost the attacker, not us)."""
-        if any(k[0] == key[0] for k in self._pulling):
+        asked again for PULL_BACKOFF_S (fake versions cost the attacker, not us); a version
+        refused for its settings is not asked for again."""
+        if key in self._refused or any(k[0] == key[0] for k in self._pulling):
             return False
         until = self._pull_backoff.get(peer, 0.0)
         return until <= asyncio.get_running_loop().time()
@@ -363,6 +371,9 @@ class Broadcaster:
             self.accept_bytes(data)
             return
         except ManifestRejected as e:
+            if e.reason == "settings_mismatch":  # said once by the role; not asked again
+                self._refused.add((req.policy_id, req.version))
+                return
             log.info("manifest from %s: %s", peer[-8:], e)
             if e.reason in ("no_space", "not_newer"):
                 return  # our state, not the peer's fault: ask again at its next advert

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from ...protocol.messages import RolloutBatch, SamplingParams
 from ..broadcast.follow import trainer_choice
+from ..broadcast.settings import SettingsFollower
 from ..diskspace import until_written
 from .base import Role
 
@@ -47,13 +48,17 @@ class InferenceRole(Role):
         from ..tasks import TaskSource
 
         self.tasks = TaskSource(self.cfg.tasks.mix, self.cfg.node.swarm_id)
+        self._task_mix = dict(self.cfg.tasks.mix)
+        self.settings = SettingsFollower(self.cfg)  # the trainer's settings, adopted or refused
+        self.state.extra["settings"] = self.settings.view
         self.sampler = await self.work(make_sampler, self.cfg, peer_id=self.identity.peer_id)
         self.tokenizer = self.sampler.tokenizer
         self.state.policy_version = self.sampler.version
         self.follower = Broadcaster(self.p2p, self.cfg.broadcast, self.data_dir / "broadcast",
                                     follow=self.cfg.node.follow, role="inference",
                                     on_complete=self._on_checkpoint,
-                                    choice=trainer_choice(self.cfg))
+                                    choice=trainer_choice(self.cfg),
+                                    settings_check=self.settings.check)
         self.policy_id = self.follower.choice.chosen
         await self.follower.start()
         self.state.extra["disk"] = self.follower.disk.status()
@@ -76,9 +81,27 @@ class InferenceRole(Role):
         version, ckpt_dir = self.pending
         self.pending = None
         t0 = time.monotonic()
+        await self._adopt_settings(ckpt_dir)
         await self.work(self.sampler.load_weights, ckpt_dir, version)
         self.state.policy_version = version
         log.info("hot-loaded policy version %d in %.2fs", version, time.monotonic() - t0)
+
+    async def _adopt_settings(self, ckpt_dir) -> None:
+        """Apply the swarm settings adopted from the trainer's manifest (settings.py): a new
+        task mix, and a new base model, loaded from the checkpoint directory itself."""
+        from ..sampler import make_sampler
+        from ..tasks import TaskSource
+
+        if self._task_mix != self.cfg.tasks.mix:
+            self.tasks = TaskSource(self.cfg.tasks.mix, self.cfg.node.swarm_id)
+            self._task_mix = dict(self.cfg.tasks.mix)
+        if self.settings.model_changed:
+            self.settings.model_changed = False
+            cfg = self.cfg.model_copy(deep=True)
+            cfg.model.name = str(ckpt_dir)
+            self.sampler = await self.work(make_sampler, cfg, peer_id=self.identity.peer_id)
+            self.tokenizer = self.sampler.tokenizer
+            log.info("model adopted from the trainer's checkpoint %s", ckpt_dir)
 
     async def run(self, stop: asyncio.Event) -> None:
         # The trainer announces its current version on start and re-advertises it: wait for

@@ -27,6 +27,7 @@ from ...verifier.checks import RolloutResult, rollout_id
 from ...verifier.intake import Budget, IntakeLimits, VerificationQueue
 from ...verifier.reasons import BATCH_REASONS, HONEST_MISTAKES
 from ...verifier.sequential import PeerMonitor
+from ..broadcast.settings import swarm_settings
 from ..diskspace import DiskWatch, until_written
 from .base import Role
 
@@ -88,7 +89,7 @@ class TrainerRole(Role):
         self.broadcaster = Broadcaster(self.p2p, bcfg, self.data_dir / "broadcast",
                                        follow=[p for p in cfg.node.follow
                                                if p != self.identity.peer_id],
-                                       role="trainer")
+                                       role="trainer", settings=swarm_settings(cfg))
         await self.broadcaster.start()
         await self.p2p.subscribe("rollouts", self._on_rollouts)
         await self.p2p.subscribe("verdicts", self._on_verdict)

@@ -1,0 +1,129 @@
+"""Swarm settings travel with the policy (issue 14): adopted when not set here, refused
+with one line naming the difference when set differently."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+from swarm_node.node.broadcast.settings import SettingsFollower, swarm_settings
+from swarm_node.node.config import Config
+
+from .conftest import publish
+
+
+def trainer_settings(**tasks):
+    cfg = Config()
+    cfg.model.name = "builtin:smollm2-135m"
+    cfg.tasks.mix = {"toy/digit_successor": 1.0}
+    cfg.sampler.max_new_tokens = 2
+    for k, v in tasks.items():
+        setattr(cfg.tasks, k, v)
+    return swarm_settings(cfg)
+
+
+def test_defaults_are_adopted():
+    cfg = Config()
+    f = SettingsFollower(cfg)
+    assert f.check(trainer_settings(tasks_per_round=8), "T") is None
+    assert cfg.sampler.max_new_tokens == 2 and cfg.tasks.tasks_per_round == 8
+    assert f.model_changed and f.adopted["model_id"] == "builtin:smollm2-135m"
+    assert cfg.model.name == "builtin:tiny"  # the model comes from the checkpoint itself
+    assert f.check(trainer_settings(tasks_per_round=8), "T") is None  # stable
+
+
+def test_explicit_differences_are_refused_naming_each(caplog):
+    cfg = Config()
+    cfg.sampler.max_new_tokens = 5  # set by the operator
+    cfg.tasks.mix = {"toy/digit_successor": 1.0}
+    f = SettingsFollower(cfg)
+    for _ in range(3):
+        line = f.check(trainer_settings(), "trainer-key")
+    assert "sampler.max_new_tokens = 5 here, 2 in the swarm" in line
+    assert "tasks.mix" not in line  # equal values are not differences
+    assert cfg.sampler.max_new_tokens == 5 and f.refused == line
+    assert [r.message for r in caplog.records].count(line) == 1  # one line, not one per try
+
+
+def test_other_protocol_version_and_unknown_tasks_are_refused():
+    s = trainer_settings()
+    f = SettingsFollower(Config())
+    assert "protocol version 99" in f.check(s.model_copy(update={"protocol_version": 99}))
+    line = SettingsFollower(Config()).check(
+        s.model_copy(update={"task_mix": {"no/such_task": 1.0}}))
+    assert line and "no/such_task" in line
+
+
+def test_gate_refuses_a_policy_with_conflicting_settings(ckpt, trainer):
+    from swarm_node.node.broadcast.errors import ManifestRejected
+    from swarm_node.node.broadcast.manifest import ManifestGate, build_manifest
+    from swarm_node.node.config import BroadcastSection
+
+    cfg = Config()
+    cfg.sampler.temperature = 0.3
+    gate = ManifestGate.from_config([trainer.peer_id], BroadcastSection(min_shard_size=4096),
+                                    lambda p: -1, settings_check=SettingsFollower(cfg).check)
+    m = build_manifest(ckpt, policy_id=trainer.peer_id, version=1, shard_size=64 * 1024,
+                       settings=trainer_settings())
+    with pytest.raises(ManifestRejected) as e:
+        gate.check_bytes(trainer.seal(m))
+    assert e.value.reason == "settings_mismatch" and "sampler.temperature" in str(e.value)
+    # a manifest without settings (an older trainer) is judged on the rest alone
+    assert gate.check_bytes(publish(trainer, ckpt, 1, 64 * 1024).envelope)
+
+
+@pytest.mark.slow
+async def test_inference_peer_with_only_bootstrap_adopts_and_contributes(tmp_path):
+    """Real `swarm-node join` processes: a trainer with the demo's settings, one inference
+    peer given only --bootstrap (adopts them, model included, and its rollouts are
+    accepted), one with a conflicting explicit setting (refuses with one line)."""
+    from swarm_node.node import demo
+    from swarm_node.node.models import build_tiny_model
+
+    DemoNode, fetch_status, wait_info = demo.DemoNode, demo.fetch_status, demo.wait_info
+    node_config, start_node, stop_nodes = demo.node_config, demo.start_node, demo.stop_nodes
+
+    model_dir = tmp_path / "model"
+    build_tiny_model(model_dir, seed=0)
+    trainer = DemoNode("trainer", "trainer", tmp_path / "trainer")
+    cfg = node_config(trainer, model_dir, [], [], "default")
+    start_node(trainer, cfg)
+    nodes = [trainer]
+    try:
+        info = wait_info(trainer)
+        boot = [info["listen_addrs"][0]]
+
+        def bare(name: str, **extra) -> DemoNode:
+            node = DemoNode(name, "inference", tmp_path / name)
+            conf = {"node": {"role": "inference", "data_dir": str(node.dir / "data"),
+                             "listen": ["/ip4/127.0.0.1/tcp/0"], "bootstrap": boot},
+                    "admin": {"port": 0}, **extra}
+            start_node(node, conf)
+            nodes.append(node)
+            return node
+        adopter = bare("adopter")
+        refuser = bare("refuser", sampler={"max_new_tokens": 5})
+        for node in nodes[1:]:
+            wait_info(node)
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            t, a, r = fetch_status(trainer), fetch_status(adopter), fetch_status(refuser)
+            accepted = t.get("accepted_by_peer", {}).get(a.get("peer_id", "?"), {})
+            refused = r.get("extra", {}).get("settings", {}).get("refused")
+            if accepted.get("accepted", 0) > 0 and refused:
+                break
+            await asyncio.sleep(1)
+        else:
+            raise AssertionError(f"no adoption/refusal in time: trainer {t}, adopter {a}, "
+                                 f"refuser {r}")
+        adopted = a["extra"]["settings"]["adopted"]
+        assert adopted["tasks_per_round"] == 8  # the demo trainer's, default here 4
+        assert adopted["max_new_tokens"] == 2 and adopted["model_id"] == str(model_dir)
+        assert "sampler.max_new_tokens = 5 here, 2 in the swarm" in refused
+        assert r.get("rollouts_sent", 0) == 0
+        log = Path(refuser.log_path).read_text()
+        assert log.count("refusing the policy of trainer") == 1
+    finally:
+        stop_nodes(nodes)

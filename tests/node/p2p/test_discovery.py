@@ -100,11 +100,23 @@ async def test_swarm_stays_connected_after_bootstrap_node_leaves(make_node):
     for x in others:
         await x.subscribe("verdicts", collector(x.peer_id))
     await wait_until(lambda: all(x.mesh_peers("verdicts") for x in others), 30, what="meshes")
-    await asyncio.sleep(1.5)  # a heartbeat or two so meshes span the graph
+    await wait_until(lambda: mesh_spans(others, "verdicts"), 30, what="meshes spanning all")
     for i in range(5):
         await others[0].publish("verdicts", verdict(i))
     await wait_until(lambda: all(got[x.peer_id] == set(range(5)) for x in others[1:]), 30,
                      what="gossip to all 8 other nodes")
+
+
+def mesh_spans(nodes, kind: str) -> bool:
+    """True when the union of the nodes' topic meshes connects all of them."""
+    ids = {x.peer_id: x for x in nodes}
+    seen, todo = set(), [nodes[0].peer_id]
+    while todo:
+        p = todo.pop()
+        if p not in seen:
+            seen.add(p)
+            todo.extend(q for q in ids[p].mesh_peers(kind) if q in ids)
+    return seen == set(ids)
 
 
 async def test_restart_with_same_key_rejoins(make_node, tmp_path):

@@ -56,5 +56,5 @@ async def test_only_noise_and_yamux_are_accepted(make_node, security, muxer, exp
         assert outcome == "connected"
     else:
         assert outcome != "connected"
-        await asyncio.sleep(0.2)
+        # The dialer has given up: had the handshake succeeded, the connection would exist.
         assert node.connected_peers() == []

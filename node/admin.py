@@ -12,7 +12,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 from .errors import NodeError
 
@@ -73,7 +73,7 @@ class AdminServer:
             except OSError:
                 pass
 
-    async def __aenter__(self) -> AdminServer:
+    async def __aenter__(self) -> Self:
         await self.start()
         return self
 
@@ -233,8 +233,8 @@ def render_tables(doc: dict[str, Any]) -> list:
     ]
     ck = doc.get("checkpoint_progress") or {}
     if ck:
-        rows.append(("checkpoint", f"v{ck.get('version')}: {ck.get('shards_done')}/"
-                                   f"{ck.get('shards_total')} shards"))
+        rows.append(("checkpoint", (f"v{ck.get('version')}: {ck.get('shards_done')}/"
+                                    f"{ck.get('shards_total')} shards")))
     for key, value in rows:
         overview.add_row(key, str(value))
     tables = [overview]

@@ -141,6 +141,14 @@ class TrainerSection(Section):
     """Optimizer updates per step on the same batch (PPO epochs); >1 makes the clipping bite."""
     micro_batch_size: int = Field(64, ge=1)
     """Completions per forward/backward pass (gradients are accumulated over a step)."""
+    logprob_chunk: int = Field(1024, ge=1)
+    """Completion positions per LM-head chunk when computing logprobs (bounds the
+    [chunk, vocab] logits alive at once)."""
+    bf16_autocast: bool = False
+    """Run the decoder's forward under bfloat16 autocast (fast on CPUs/GPUs with bf16 units;
+    logprobs and the LM head stay float32)."""
+    gradient_checkpointing: bool = False
+    """Recompute decoder activations in the backward pass (less memory, more compute)."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
     warmup_steps: int = Field(0, ge=0)
@@ -227,15 +235,23 @@ class BroadcastSection(Section):
     """Every holding is re-advertised this often (late joiners learn sources and versions)."""
     relay_keep_versions: int = Field(2, ge=1)
     """Versions a relay keeps per trainer."""
-    tcp_listen: str = ""
-    """Also serve shards over plain TCP on this "host:port" (e.g. "0.0.0.0:4002"; port 0:
-    any), advertised in ShardAdvert.endpoint. Empty: shards only over libp2p streams.
-    Integrity does not depend on it (every shard is hash-checked against the signed
-    manifest); it trades libp2p's encryption for throughput."""
+    tcp_listen: str = "auto"
+    """The shard data plane: authenticated plain TCP (a token from a libp2p request, bound
+    to the peer id), advertised in ShardAdvert.endpoint. "host:port" (port 0: any);
+    "auto": the IP of the first libp2p listen address, its port + 1 (4002 beside 4001; 0
+    if that is 0), and libp2p streams only if that port cannot be bound; "off": libp2p
+    streams only. Integrity does not depend on it (every shard is hash-checked against
+    the signed manifest); it trades libp2p's encryption of checkpoint bytes for speed."""
     tcp_advertise: str = ""
     """The "host:port" others dial for tcp_listen (empty: the bound address)."""
     tcp_fetch: bool = True
-    """Fetch from a source over TCP when its advert names an endpoint."""
+    """Fetch from a source over the TCP data plane when its advert names an endpoint."""
+    tcp_auth_timeout_s: float = Field(5.0, gt=0)
+    """A data-plane connection that does not authenticate within this is closed."""
+    tcp_max_pending: int = Field(64, ge=1)
+    """Data-plane connections allowed to be unauthenticated at once (more are closed)."""
+    tcp_token_ttl_s: float = Field(600.0, gt=0)
+    """Lifetime of a data-plane token."""
 
 
 class P2PSection(Section):
@@ -338,7 +354,7 @@ class Config(Section):
 def _describe(err: dict[str, Any], source: str, overridden: set[str]) -> str:
     loc = [str(p) for p in err["loc"]]
     key = ".".join(loc)
-    if any(key == o or key.startswith(o + ".") for o in overridden):
+    if any(key == o or key.startswith(o + ".") or o.startswith(key + ".") for o in overridden):
         source = "command line"
     if err["type"] == "extra_forbidden":
         return f"{source}: unknown key `{key}`{_suggest(loc)}"

@@ -116,7 +116,14 @@ LIBRARY_ROOTS = {name.split(".", 1)[0] for name in LIBRARY_LOGGERS}
 
 def route_library_logs() -> None:
     """Send every library's records through our handler: drop handlers libraries installed
-    on their own loggers (transformers does) and make them propagate to the root."""
+    on their own loggers (transformers adds one; py-libp2p's import sets `libp2p` to
+    propagate nowhere, so its records went to Python's bare last-resort printer) and make
+    them propagate to the root. Called again after the heavy imports."""
+    for noisy in LIBRARY_LOGGERS:
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    # py-libp2p logs every failed dial/stream of a departed peer at ERROR with a dump of the
+    # connection; our p2p layer reports and counts those failures itself.
+    logging.getLogger("libp2p").setLevel(logging.CRITICAL)
     for name in list(logging.root.manager.loggerDict):
         if name.startswith("swarm_node"):
             continue
@@ -138,11 +145,6 @@ def setup_logging(level: str = "INFO", json_lines: bool = False, stream=None) ->
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
-    for noisy in LIBRARY_LOGGERS:
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    # py-libp2p logs every failed dial/stream of a departed peer at ERROR with a dump of the
-    # connection; our p2p layer reports and counts those failures itself.
-    logging.getLogger("libp2p").setLevel(logging.CRITICAL)
     logging.captureWarnings(True)
     route_library_logs()
     _route_uncaught(logging.getLogger("swarm_node.uncaught"))

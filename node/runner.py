@@ -73,17 +73,35 @@ class Interrupts:
         self.count = 0
 
     def install(self, loop: asyncio.AbstractEventLoop) -> None:
+        # A process-level handler (not loop.add_signal_handler): it stays in place after
+        # the loop closes, while threads join and the interpreter exits.
+        self.loop = loop
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self.fire)
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.count == 0 and not self.loop.is_closed():
+            self.count = 1
+            self.loop.call_soon_threadsafe(self._first)
+            return
+        self.count += 1
+        self._exit_now()
 
     def fire(self) -> None:
+        """Same as receiving SIGINT (in the loop's thread)."""
         self.count += 1
         if self.count == 1:
-            current = getattr(self.role, "current_work", None)
-            what = f"{current} to finish" if current else self.waiting_for
-            log.warning("stopping: waiting for %s (press Ctrl-C again to exit now)", what)
-            self.stop.set()
-            return
+            self._first()
+        else:
+            self._exit_now()
+
+    def _first(self) -> None:
+        current = getattr(self.role, "current_work", None)
+        what = f"{current} to finish" if current else self.waiting_for
+        log.warning("stopping: waiting for %s (press Ctrl-C again to exit now)", what)
+        self.stop.set()
+
+    def _exit_now(self) -> None:
         log.warning("second interrupt: exiting now without a clean shutdown")
         logging.shutdown()
         os._exit(130)
@@ -100,6 +118,7 @@ async def _main(cfg: Config) -> None:
     from .roles import make_role
 
     configure_disk(cfg.node.min_free_disk_mib * 2**20)  # the margin every large write keeps
+    route_library_logs()  # py-libp2p's import reconfigured its loggers
     identity = Identity.load_or_create(cfg.key_path)
     state = NodeState(peer_id=identity.peer_id, role=cfg.node.role, swarm_id=cfg.node.swarm_id)
     state.software_version = software_version()

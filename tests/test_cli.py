@@ -11,7 +11,6 @@ import tomllib
 from pathlib import Path
 
 import pytest
-
 from swarm_node.node.identity import Identity
 
 BIN = Path(sys.executable).parent / "swarm-node"
@@ -21,7 +20,7 @@ HEAVY = ("torch", "transformers", "libp2p", "trio", "vllm", "numpy", "safetensor
 def run(*args: str, home: Path, check: bool = False) -> subprocess.CompletedProcess:
     env = {**os.environ, "HOME": str(home), "NO_COLOR": "1"}
     proc = subprocess.run([str(BIN), *args], capture_output=True, text=True, env=env,
-                          timeout=120)
+                          timeout=120, check=False)
     if check and proc.returncode != 0:
         raise AssertionError(f"{args} exited {proc.returncode}: {proc.stderr}")
     return proc
@@ -122,7 +121,7 @@ print("HEAVY=" + json.dumps(sorted(m for m in {heavy!r} if m in sys.modules)))
 def test_help_imports_nothing_heavy(tmp_path, args):
     code = PROBE.format(args=args, heavy=HEAVY)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={**os.environ, "HOME": str(tmp_path)}, timeout=120)
+                          env={**os.environ, "HOME": str(tmp_path)}, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
     assert "Usage" in proc.stdout or "[node]" in proc.stdout
     loaded = json.loads(proc.stdout.rsplit("HEAVY=", 1)[1])
@@ -141,3 +140,31 @@ def test_keygen_unwritable_is_clear(tmp_path):
     proc = run("keygen", "--key", str(blocker / "key.pem"), home=tmp_path)
     assert proc.returncode == 1
     assert "cannot write key file" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_version(tmp_path):
+    from swarm_node.protocol import PROTOCOL_VERSION
+
+    proc = run("--version", home=tmp_path, check=True)
+    assert proc.stdout.startswith("swarm-node ") and f"(protocol {PROTOCOL_VERSION})" in proc.stdout
+
+
+def test_doctor_reports_hardware_fit_and_problems(tmp_path, tiny_model_dir):
+    proc = run("doctor", "--model", str(tiny_model_dir), home=tmp_path)
+    out = proc.stdout
+    assert "cpu:" in out and "RAM" in out and "torch " in out
+    assert "parameters on cpu" in out and "sampling batch <=" in out
+    assert "float32" in out and "bfloat16" in out and "<- configured" in out
+    bad = run("doctor", "--model", str(tiny_model_dir), "--set", "model.device=cuda",
+              home=tmp_path)
+    assert bad.returncode == 1 and "problem: model.device = 'cuda'" in bad.stdout
+
+
+def test_set_flag_reaches_the_resolved_config(tmp_path):
+    proc = run("join", "--dry-run", "--data-dir", str(tmp_path / "d"), "--set",
+               "model.dtype=bfloat16", "--set", "sampler.max_batch=8", home=tmp_path,
+               check=True)
+    resolved = tomllib.loads(proc.stdout)
+    assert resolved["model"]["dtype"] == "bfloat16"
+    assert resolved["sampler"]["max_batch"] == 8
+    assert "# config ok" in proc.stdout

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
-
 from swarm_node.node.admin import AdminServer, find_port, print_status
 from swarm_node.node.config import load_config
 from swarm_node.node.errors import NodeError
@@ -280,14 +279,36 @@ def test_status_command_subprocess(tmp_path):
     binary = Path(sys.executable).parent / "swarm-node"
     env = {**os.environ, "HOME": str(tmp_path), "NO_COLOR": "1", "COLUMNS": "120"}
     none = subprocess.run([str(binary), "status", "--data-dir", str(tmp_path)],
-                          capture_output=True, text=True, env=env, timeout=120)
+                          capture_output=True, text=True, env=env, timeout=120, check=False)
     assert none.returncode == 1 and "no node is running" in none.stderr
     assert "Traceback" not in none.stderr
     with ServerThread(make_state(), tmp_path / "admin.port"):
         proc = subprocess.run([str(binary), "status", "--data-dir", str(tmp_path)],
-                              capture_output=True, text=True, env=env, timeout=120)
+                              capture_output=True, text=True, env=env, timeout=120, check=False)
         assert proc.returncode == 0, proc.stderr
         assert PEER in proc.stdout and "bad_proof" in proc.stdout
         proc = subprocess.run([str(binary), "status", "--data-dir", str(tmp_path), "--json"],
-                              capture_output=True, text=True, env=env, timeout=120)
+                              capture_output=True, text=True, env=env, timeout=120, check=False)
         assert json.loads(proc.stdout)["policy_version"] == 3
+
+
+async def test_dashboard_page_and_versions_in_status(tmp_path):
+    state = NodeState("12D3KooWx", "trainer", "s")
+    state.software_version, state.protocol_version = "0.1.0", 1
+    state.hardware = {"device": "cpu", "dtype": "float32", "backend": "hf"}
+    state.record_step(1, 0.25, loss=0.5)
+    state.observe("train_step_seconds", 0.3)
+    state.own_verdicts.add("12D3KooWtrainer", False, "config_task_mix", 4, "round 0")
+    async with AdminServer(state, port=0) as server:
+        for path in ("/", "/dashboard"):
+            code, ctype, body = await aget(server.port, path)
+            assert code == 200 and ctype.startswith("text/html")
+            assert b'id="curve"' in body and b'fetch("/status"' in body
+        doc = json.loads((await aget(server.port, "/status"))[2])
+        metrics = (await aget(server.port, "/metrics"))[2].decode()
+    assert doc["software_version"] == "0.1.0" and doc["protocol_version"] == 1
+    assert doc["runtime"]["device"] == "cpu"
+    assert doc["steps"][0]["reward"] == 0.25 and doc["histograms"]["train_step_seconds"]["count"] == 1
+    assert doc["verdicts_about_me"]["rejected"] == {"config_task_mix": 4}
+    assert 'swarm_node_train_step_seconds_bucket{le="0.5"} 1.0' in metrics
+    assert 'swarm_node_own_rollouts_rejected_total{reason="config_task_mix"} 4.0' in metrics

@@ -7,12 +7,11 @@ from pathlib import Path
 
 import pytest
 from pydantic import BaseModel
-from typer.testing import CliRunner
-
 from swarm_node.cli.main import app
 from swarm_node.node.config import Config, build_config, dump_toml, load_config
 from swarm_node.node.errors import ConfigError, NodeError
 from swarm_node.protocol.limits import DEFAULT_MAX_BYTES
+from typer.testing import CliRunner
 
 NODE_TOML = """
 [node]
@@ -151,15 +150,16 @@ def test_dump_toml_leaves_out_unset():
 
 def test_dry_run_prints_resolved_config(tmp_path):
     path = write(tmp_path, NODE_TOML)
+    boot = "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWNgpKH2Luu1kDmhJkc6dRcL7Q5n3mfKxpFDzk9oARbA2S"
     result = CliRunner().invoke(app, [
         "join", "--config", str(path), "--role", "relay", "--swarm", "other",
-        "--bootstrap", "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWA", "--admin-port", "9101",
+        "--bootstrap", boot, "--admin-port", "9101",
         "--log-json", "--dry-run"])
     assert result.exit_code == 0, result.output
     printed = tomllib.loads(result.output)
     cfg = build_config(printed)
     assert cfg.node.role == "relay" and cfg.node.swarm_id == "other"
-    assert cfg.node.bootstrap == ["/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWA"]
+    assert cfg.node.bootstrap == [boot]
     assert cfg.admin.port == 9101 and cfg.node.log_json is True
     assert cfg.sampler.temperature == 0.7  # from the file
     assert cfg.data_dir == Path("/srv/swarm")
@@ -170,3 +170,50 @@ def test_dry_run_bad_flag_is_clear_error(tmp_path):
     assert result.exit_code == 2
     assert "command line: `node.role` = 'boss'" in result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("item,key,value", [
+    ("model.dtype=bfloat16", "model.dtype", "bfloat16"),
+    ("sampler.max_batch=8", "sampler.max_batch", 8),
+    ("sampler.temperature=0.7", "sampler.temperature", 0.7),
+    ("trainer.sample_locally=false", "trainer.sample_locally", False),
+    ('node.listen=["/ip4/127.0.0.1/tcp/0"]', "node.listen", ["/ip4/127.0.0.1/tcp/0"]),
+    ('tasks.mix={"toy/digit_copy"=1.0}', "tasks.mix", {"toy/digit_copy": 1.0}),
+    ("--model.device=cpu", "model.device", "cpu"),
+])
+def test_set_overrides_parse_toml_values(item, key, value):
+    from swarm_node.node.config import parse_set
+
+    assert parse_set([item]) == {key: value}
+    cfg = load_config(None, parse_set([item]))
+    section, leaf = key.split(".")
+    assert getattr(getattr(cfg, section), leaf) == value
+
+
+@pytest.mark.parametrize("item,expect", [
+    ("model.dtype=bf16", "`model.dtype` = 'bf16'"),
+    ("sampler.max_bach=4", "did you mean `max_batch`"),
+    ("modle.dtype=float32", "unknown key `modle`"),
+    ("sampler.max_batch=0", "`sampler.max_batch` = 0"),
+])
+def test_set_overrides_are_validated_like_toml(item, expect):
+    from swarm_node.node.config import parse_set
+
+    with pytest.raises(ConfigError) as e:
+        load_config(None, parse_set([item]))
+    assert expect in str(e.value) and "command line" in str(e.value)
+    assert "\n" not in str(e.value)  # one error: one line
+
+
+@pytest.mark.parametrize("item", ["model.dtype", "=3", "model..dtype=x"])
+def test_set_override_syntax_errors(item):
+    from swarm_node.node.config import parse_set
+
+    with pytest.raises(ConfigError, match="--set"):
+        parse_set([item])
+
+
+def test_admin_port_is_fixed_by_default():
+    from swarm_node.node.config import DEFAULT_ADMIN_PORT
+
+    assert Config().admin.port == DEFAULT_ADMIN_PORT != 0

@@ -5,9 +5,9 @@ from __future__ import annotations
 import io
 import json
 import logging
+import threading
 
 import pytest
-
 from swarm_node.node.logs import event, setup_logging
 
 
@@ -16,15 +16,18 @@ def capture():
     root = logging.getLogger()
     saved = (root.handlers[:], root.level)
     buf = io.StringIO()
+    hook = threading.excepthook
     yield buf
     root.handlers[:] = saved[0]
     root.setLevel(saved[1])
+    logging.captureWarnings(False)
+    threading.excepthook = hook
 
 
 def emit(log: logging.Logger) -> None:
     log.info("joined swarm %r as %s", "demo", "trainer")
     log.debug("hidden at INFO")
-    event(log, "train_step", "step 3: reward=%.2f" % 0.5, step=3, reward=0.5, obj=[1, 2])
+    event(log, "train_step", f"step 3: reward={0.5:.2f}", step=3, reward=0.5, obj=[1, 2])
     log.warning("two\nlines")
     try:
         raise ValueError("boom\nsecond line")
@@ -64,3 +67,38 @@ def test_setup_is_idempotent(capture):
     setup_logging("INFO", stream=capture)
     logging.getLogger("swarm_node.x").info("once")
     assert capture.getvalue().count("once") == 1
+
+
+def test_repeated_warnings_are_rate_limited_and_counted(capture):
+    from swarm_node.node.logs import RateLimit
+
+    now = [0.0]
+    setup_logging("INFO", json_lines=True, stream=capture)
+    limiter = RateLimit(burst=3, window_s=60.0, clock=lambda: now[0])
+    logging.getLogger().handlers[0].filters[:] = [limiter]
+    log = logging.getLogger("swarm_node.node.broadcast.service")
+    for v in range(10):  # what a join used to print: ~10 of these
+        log.warning("%s (from %s)", f"manifest rejected (not_newer): v{v} <= v12", "abcd1234")
+    log.warning("%s (from %s)", "manifest rejected (bad_signature): x", "abcd1234")
+    now[0] = 61.0
+    log.warning("%s (from %s)", "manifest rejected (not_newer): v11 <= v12", "abcd1234")
+    docs = [json.loads(line) for line in capture.getvalue().splitlines()]
+    not_newer = [d for d in docs if "not_newer" in d["msg"]]
+    assert len(not_newer) == 4  # 3 in the first window, then one carrying the count
+    assert not_newer[-1]["suppressed"] == 7
+    assert any("bad_signature" in d["msg"] for d in docs)  # another reason is not held back
+
+
+def test_library_logs_go_through_our_formatter(capture):
+    import libp2p  # noqa: F401 - its import reconfigures the `libp2p` logger
+    from swarm_node.node.logs import route_library_logs
+    from transformers.utils import logging as hf_logging
+
+    setup_logging("INFO", json_lines=True, stream=capture)
+    hf_logging.get_logger("transformers.modeling_utils")  # installs transformers' handler
+    route_library_logs()
+    logging.getLogger("libp2p.transport.tcp.tcp").critical("listener failed: %s", "Errno 98")
+    logging.getLogger("transformers.modeling_utils").warning("weights not initialised")
+    docs = [json.loads(line) for line in capture.getvalue().splitlines()]
+    names = {d["logger"] for d in docs}
+    assert {"libp2p.transport.tcp.tcp", "transformers.modeling_utils"} <= names

@@ -63,6 +63,7 @@ class InferenceRole(Role):
         await self.follower.start()
         self.state.extra["disk"] = self.follower.disk.status()
         self.track_downloads(self.follower)
+        await self.watch_verdicts()
         log.info("inference peer ready: model %s, policy version %d", self.cfg.model.name,
                  self.sampler.version)
 
@@ -83,6 +84,7 @@ class InferenceRole(Role):
         t0 = time.monotonic()
         await self._adopt_settings(ckpt_dir)
         await self.work(self.sampler.load_weights, ckpt_dir, version)
+        self.state.observe("checkpoint_load_seconds", time.monotonic() - t0)
         self.state.policy_version = version
         log.info("hot-loaded policy version %d in %.2fs", version, time.monotonic() - t0)
 
@@ -122,7 +124,9 @@ class InferenceRole(Role):
                 self.new_version.clear()
                 await _wait_any(stop, self.new_version, timeout=self.cfg.sampler.version_wait_s)
                 continue
-            batch = await self.work(self.sample_round, round_)
+            t0 = time.monotonic()
+            batch = await self.work_oom_safe(self.sample_round, round_, sampler=self.sampler)
+            self.state.observe("sample_round_seconds", time.monotonic() - t0)
             self.round = round_ + 1
             # disk full: sampling pauses here (the round is persisted before publishing)
             await until_written(self.follower.disk, self.work, self.save_json, ROUND_FILE,
@@ -144,6 +148,7 @@ class InferenceRole(Role):
             self.state.rollouts_sent += len(batch.completions)
             rewards = [c.claimed_reward for c in batch.completions]
             self.state.reward = sum(rewards) / len(rewards)
+            self.state.record_step(batch.policy_version, self.state.reward, round=batch.round)
             log.info("published round %d: %d completions, policy v%d, mean reward %.3f",
                      batch.round, len(batch.completions), batch.policy_version, self.state.reward)
 

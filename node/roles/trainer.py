@@ -93,6 +93,7 @@ class TrainerRole(Role):
         await self.broadcaster.start()
         await self.p2p.subscribe("rollouts", self._on_rollouts)
         await self.p2p.subscribe("verdicts", self._on_verdict)
+        await self.watch_verdicts()
         self.state.policy_id = self.identity.peer_id
         self.state.policy_version = self.trainer.version
         self.state.extra["disk"] = self.disk.status()
@@ -278,6 +279,11 @@ class TrainerRole(Role):
                         self.reputation.score(sender))
         if first_reject is not None:
             await self._publish_verdict(first_reject, sender, batch.policy_version)
+        await self.announce_batch_verdicts(batch, sender, results)
+        if self.reputation.is_banned(sender):
+            await self.announce_ban(sender, results[0].rollout_id,
+                                    f"reputation {self.reputation.score(sender):.1f}; "
+                                    f"last reject: {first_reject.reason if first_reject else '-'}")
 
     async def _publish_verdict(self, result, sender: str, version: int) -> None:
         try:
@@ -330,16 +336,25 @@ class TrainerRole(Role):
         from .inference import _wait_any
 
         while not stop.is_set():
+            if self.cfg.trainer.max_steps and self.trainer.version >= self.cfg.trainer.max_steps:
+                # Checked before a step, so a restart at max_steps trains nothing more.
+                log.info("reached trainer.max_steps = %d at v%d; idling (serving checkpoints)",
+                         self.cfg.trainer.max_steps, self.trainer.version)
+                await stop.wait()
+                return
             await self._drain()
             if self.cfg.trainer.sample_locally:
-                await until_written(self.disk, self.work, self.sample_local, self.round)
+                await until_written(self.disk, self.work_oom_safe, self.sample_local, self.round,
+                                    sampler=self.sampler)
                 self.round += 1
                 await until_written(self.disk, self.work, self.save_json, "round.json",
                                     {"next_round": self.round})
             await self._drain()
             await self._wait_for_peers(stop)
             self.peer_batches = 0
-            stats = await until_written(self.disk, self.work, self.trainer.step)
+            stats = await until_written(self.disk, self.work_oom_safe, self.trainer.step,
+                                        holder=self.trainer.cfg, field="micro_batch_size")
+            self.state.observe("train_step_seconds", stats.seconds)
             self.state.banned = self.reputation.banned()  # bans also expire
             self.state.buffer_counters = self.trainer.counters()
             if not stats.trained:
@@ -350,16 +365,17 @@ class TrainerRole(Role):
             if not math.isnan(reward):
                 self.state.reward = reward
                 self.state.reward_history.append((stats.version, reward))
+            self.state.count("train_steps")
+            self.state.count("tokens_trained", stats.tokens)
+            self.state.record_step(stats.version, None if math.isnan(reward) else reward,
+                                   loss=stats.loss, tokens_per_s=stats.tokens_per_s,
+                                   step_seconds=stats.seconds)
             log.info("train step -> v%d: %d local + %d external groups, %d tokens, "
                      "reward %.3f, loss %.4f, %.1f tok/s", stats.version, stats.groups_local,
                      stats.groups_external, stats.tokens, reward, stats.loss,
                      stats.tokens_per_s)
             if stats.checkpoint:
                 await self._publish_version()
-            if self.cfg.trainer.max_steps and stats.version >= self.cfg.trainer.max_steps:
-                log.info("reached trainer.max_steps = %d; idling (serving checkpoints)",
-                         self.cfg.trainer.max_steps)
-                await stop.wait()
 
     async def close(self) -> None:
         if self.broadcaster is not None:
@@ -369,6 +385,7 @@ class TrainerRole(Role):
             self.reputation.save()
         if self.trainer is not None:
             self.trainer.close()
+
 
 def _verified_completion(c, result: RolloutResult):
     """The completion as the trainer may use it: decoded text, recomputed logprobs (NaN for

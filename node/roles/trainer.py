@@ -75,6 +75,13 @@ class TrainerRole(Role):
         model_dir = ensure_builtin(name) if name.startswith("builtin:") else name
         self.trainer = await self.work(Trainer, cfg, model_dir, self.data_dir,
                                        policy_id=self.identity.peer_id)
+        # Scale-out (SCALE-OUT): a trainer group (trainer.group) and the other ranks of this
+        # trainer (join --procs N); both no-ops when not configured.
+        from ..trainer.distributed import attach_ranks
+        from ..trainer.group import attach_group
+
+        self.group = await self.work(attach_group, self.trainer, cfg, self.data_dir)
+        await self.work(attach_ranks, self.trainer)
         self.sampler = HFSampler(self.trainer.model, self.trainer.tokenizer,
                                  peer_id=self.identity.peer_id, version=self.trainer.version,
                                  max_context=cfg.model.max_context)
@@ -383,6 +390,8 @@ class TrainerRole(Role):
         await super().close()
         if self.reputation is not None:
             self.reputation.save()
+        if getattr(self, "group", None) is not None:
+            self.group.close()
         if self.trainer is not None:
             self.trainer.close()
 

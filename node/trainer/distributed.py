@@ -4,7 +4,7 @@ Launch it the standard way, with torchrun (`swarm-node join --role trainer --pro
 exactly this; see `launch`):
 
     torchrun --standalone --nproc-per-node N --max-restarts 10 \\
-        -m swarm_node.node.trainer.distributed --config resolved.toml
+        -m swarm_node.node.ranks --config resolved.toml
 
 Rank 0 runs the whole node (p2p, verification, buffer, checkpoints, broadcast). Ranks 1..N-1
 run `run_worker` only: each holds the same model, optimizer and scheduler, built from rank 0's
@@ -26,7 +26,6 @@ claimed by lost steps (buffer.py), so nothing accepted is lost.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -44,7 +43,7 @@ from .buffer import RolloutGroup
 
 log = logging.getLogger(__name__)
 
-CMD_READY, CMD_STEP, CMD_STOP = 1, 2, 3
+CMD_READY, CMD_STEP, CMD_STOP, CMD_PARAMS = 1, 2, 3, 4
 MAX_RESTARTS = 10
 BUCKET_ELEMENTS = 1 << 24  # gradients are all-reduced in buckets of at most 64 MiB (fp32)
 # Ranks wait for rank 0 between steps for as long as it waits for peers; a dead rank is
@@ -140,6 +139,21 @@ class RankSync:
         for i, k in enumerate(LOSS_KEYS):
             setattr(stats, k, float(t[3 + i] / max(self._global_tokens, 1)))
 
+    def send_params(self, model) -> None:
+        """Rank 0: give every rank rank 0's parameters (after a trainer-group average)."""
+        self.send(CMD_PARAMS)
+        self.recv_params(model)
+
+    @torch.no_grad()
+    def recv_params(self, model) -> None:
+        for bucket in _buckets(list(model.parameters()), BUCKET_ELEMENTS):
+            flat = torch.cat([p.detach().reshape(-1).float() for p in bucket])
+            dist.broadcast(flat, 0)
+            offset = 0
+            for p in bucket:
+                p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+
     def stop(self) -> None:
         if self.rank == 0:
             self.send(CMD_STOP)
@@ -202,6 +216,7 @@ def attach_ranks(trainer) -> RankSync | None:
     sync = RankSync.from_env()
     sync.send(CMD_READY)
     sync.barrier()
+    sync.send_params(trainer.model)  # e.g. a trainer group's state loaded after the checkpoint
     trainer.grad_sync = sync
     _active = sync
     log.info("trainer rank 0 of %d: the other ranks are ready", sync.world)
@@ -243,6 +258,9 @@ def run_worker(cfg) -> None:
             cmd, payload = sync.recv()
             if cmd == CMD_STOP:
                 return
+            if cmd == CMD_PARAMS:
+                sync.recv_params(trainer.model)
+                continue
             if cmd != CMD_STEP:
                 raise NodeError(f"rank {sync.rank}: unknown command {cmd}")
             trainer.version += 1
@@ -266,7 +284,7 @@ def launch(cfg, procs: int, config_path: Path) -> None:
     config_path.write_text(cfg.to_toml())
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={procs}", f"--max-restarts={MAX_RESTARTS}",
-            "-m", "swarm_node.node.trainer.distributed", "--config", str(config_path)]
+            "-m", "swarm_node.node.ranks", "--config", str(config_path)]
     os.execv(sys.executable, argv)
 
 
@@ -291,44 +309,10 @@ def run_offline(cfg, steps: int, poll_s: float = 0.2) -> None:
         trainer.close()
 
 
-def main(argv: list[str] | None = None) -> None:
-    from ..config import load_config
-
-    ap = argparse.ArgumentParser(prog="python -m swarm_node.node.trainer.distributed",
-                                 description="One rank of a multi-process trainer "
-                                             "(start it with torchrun).")
-    ap.add_argument("--config", type=Path, required=True, help="resolved TOML config")
-    ap.add_argument("--offline-steps", type=int, default=0,
-                    help="no node: train the buffered groups up to this version, then stop")
-    args = ap.parse_args(argv)
-    cfg = load_config(args.config)
-    rank = int(os.environ.get("RANK", "0"))
-    _write_pid(cfg.data_dir, rank)
-    if rank > 0:
-        logging.basicConfig(level=cfg.node.log_level, format=f"rank {rank} %(message)s")
-        run_worker(cfg)
-    elif args.offline_steps:
-        logging.basicConfig(level=cfg.node.log_level)
-        run_offline(cfg, args.offline_steps)
-    else:
-        from ..runner import run_node
-
-        try:
-            run_node(cfg)
-        finally:
-            stop_ranks()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def _write_pid(data_dir: Path, rank: int) -> None:
+def write_pid(data_dir: Path, rank: int) -> None:
     """<data_dir>/trainer/ranks/rank-R.pid: which process is which rank (operators, tests)."""
     d = Path(data_dir) / "trainer" / "ranks"
     d.mkdir(parents=True, exist_ok=True)
     tmp = d / f".rank-{rank}.pid.tmp"
     tmp.write_text(f"{os.getpid()} {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}\n")
     os.replace(tmp, d / f"rank-{rank}.pid")
-
-
-if __name__ == "__main__":
-    main()

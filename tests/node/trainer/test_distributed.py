@@ -54,7 +54,7 @@ def torchrun(cfg_path: Path, procs: int, steps: int, restarts: int = 0) -> subpr
     return subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
          f"--nproc-per-node={procs}", f"--max-restarts={restarts}", "--monitor-interval=0.2",
-         "-m", "swarm_node.node.trainer.distributed", "--config", str(cfg_path),
+         "-m", "swarm_node.node.ranks", "--config", str(cfg_path),
          "--offline-steps", str(steps)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

@@ -1,0 +1,163 @@
+"""Trainer groups: real trainer processes, each with its real hivemind child, on loopback.
+
+One scenario (process start-up dominates the cost): A and B average after a step and publish
+identical weights; C joins late and starts from that averaged state; a member with the wrong
+key is refused; B is SIGKILLed during a round and A and C carry on, averaging between them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from swarm_node.node.trainer.group import GroupError, read_group_key, write_group_key
+
+ROOT = Path(__file__).resolve().parents[3]
+TIMEOUT_S = 15.0
+WAIT_S = 2 * TIMEOUT_S + 90  # one round, on a busy machine
+
+
+class Member:
+    def __init__(self, name: str, tmp: Path, model_dir: Path, key: Path, peers: list[str],
+                 first_task: int):
+        self.name, self.data = name, tmp / name
+        settings = {"data_dir": str(self.data), "model_dir": str(model_dir), "group": "g1",
+                    "key_path": str(key), "peers": peers, "timeout_s": TIMEOUT_S,
+                    "first_task": first_task}
+        self.log = open(tmp / f"{name}.log", "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.node.trainer.group_member", json.dumps(settings)],
+            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+            text=True, start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        self.events: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.events.put(json.loads(line))
+        self.events.put({"event": "exited"})
+
+    def expect(self, event: str, timeout: float = WAIT_S) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                msg = self.events.get(timeout=max(left, 0.01))
+            except queue.Empty:
+                pytest.fail(f"{self.name}: no {event!r} in {timeout:.0f} s; log: "
+                            f"{self.log.name}")
+            if msg["event"] == event:
+                return msg
+            if msg["event"] == "exited":
+                pytest.fail(f"{self.name} exited; log: {self.log.name}")
+
+    def send(self, line: str) -> None:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def weights(self, version: int) -> dict[str, torch.Tensor]:
+        ck = self.data / "trainer" / "checkpoints" / f"step-{version:08d}" / "policy"
+        return load_file(str(ck / "model.safetensors"))
+
+    def current(self, path: Path) -> dict[str, torch.Tensor]:
+        self.send(f"dump {path}")
+        self.expect("dumped")
+        return load_file(str(path))
+
+    def kill(self) -> None:
+        """SIGKILL the member, its hivemind child and the child's daemons."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.send("quit")
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        self.kill()
+        self.log.close()
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k, v in a.items():
+        torch.testing.assert_close(v, b[k], rtol=0, atol=1e-6, msg=k)
+
+
+def test_group_key_file_rules(tmp_path):
+    key = tmp_path / "group.key"
+    write_group_key(key)
+    assert len(read_group_key(key)) == 32
+    os.chmod(key, 0o644)
+    with pytest.raises(GroupError, match="chmod 600"):
+        read_group_key(key)
+
+
+@pytest.mark.slow
+def test_group_averages_survives_a_death_and_catches_up_a_late_joiner(tiny_model_dir,
+                                                                      tmp_path):
+    key, wrong = tmp_path / "group.key", tmp_path / "wrong.key"
+    write_group_key(key)
+    write_group_key(wrong)
+    members: list[Member] = []
+    try:
+        a = Member("a", tmp_path, tiny_model_dir, key, [], 0)
+        members.append(a)
+        peers = a.expect("ready")["maddrs"]
+        assert a.events.empty()
+        b = Member("b", tmp_path, tiny_model_dir, key, peers, 100)
+        members.append(b)
+        b.expect("ready")
+
+        # 1. one step each on different data, then one round: identical published weights
+        a.send("step")
+        b.send("step")
+        ra, rb = a.expect("stepped"), b.expect("stepped")
+        assert ra["group"]["ok"] and rb["group"]["ok"], (ra, rb)
+        assert ra["group"]["group_size"] == rb["group"]["group_size"] == 2
+        averaged = a.weights(1)
+        assert_same(b.weights(1), averaged)
+        assert any(not torch.equal(averaged[k], a.weights(0)[k]) for k in averaged)
+
+        # 2. a late joiner starts from the group's latest averaged state
+        # (and one without the group's key, started beside it, gets nothing)
+        c = Member("c", tmp_path, tiny_model_dir, key, peers, 200)
+        x = Member("x", tmp_path, tiny_model_dir, wrong, peers, 300)
+        members += [c, x]
+        assert c.expect("ready")["loaded"]["ok"]
+        assert_same(c.current(tmp_path / "c.safetensors"), averaged)
+        assert not x.expect("ready")["loaded"]["ok"]
+        x.stop()
+
+        # 3. B dies during a round: A and C finish that round without stalling ...
+        for m in (a, b, c):
+            m.send("step")
+        b.expect("averaging")
+        b.kill()
+        ra, rc = a.expect("stepped"), c.expect("stepped")
+        assert (ra["version"], rc["version"]) == (2, 1)  # C joined one step later
+        # ... and carry on averaging between the two of them
+        a.send("step")
+        c.send("step")
+        ra, rc = a.expect("stepped"), c.expect("stepped")
+        assert ra["group"]["ok"] and rc["group"]["ok"], (ra, rc)
+        assert ra["group"]["group_size"] == rc["group"]["group_size"] == 2
+        assert_same(a.weights(3), c.weights(2))
+    finally:
+        for m in members:
+            m.stop()

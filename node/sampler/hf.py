@@ -19,7 +19,12 @@ import torch
 from ...protocol.messages import SamplingParams
 from ..errors import NodeError
 from .base import Prompt, Sample, Sampler, check_seeds, default_seeds
-from .seeded import choose_tokens
+from .seeded import choose_tokens, gumbel_rows
+
+# Small vocabularies: the noise of every step is computed up front in one pass (a few int64
+# tensor ops over [steps, batch, vocab]) when it holds at most this many values; per-op
+# overhead would otherwise dominate. Large vocabularies compute it per step, pruned.
+NOISE_BLOCK_MAX = 1 << 21
 from .stops import context_limit, model_eos_ids
 
 
@@ -41,8 +46,9 @@ class HFSampler(Sampler):
         self.lm_head = model.get_output_embeddings()
         params = inspect.signature(self.decoder.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        # cumulative seconds: whole generate calls, token choice, hidden-state capture
-        self.timings = {"generate_s": 0.0, "pick_s": 0.0, "capture_s": 0.0}
+        # cumulative seconds: whole generate calls, token choice (noise included), the noise
+        # computed up front (small vocabularies), hidden-state capture
+        self.timings = {"generate_s": 0.0, "pick_s": 0.0, "noise_s": 0.0, "capture_s": 0.0}
 
     @property
     def device(self) -> torch.device:
@@ -98,13 +104,17 @@ class HFSampler(Sampler):
         finish = ["length"] * b
         done = [False] * b
         step_ids, step_pos = input_ids, positions
+        noise_block = self._noise_block(seeds, max_new, params)
+        seeds_t = torch.tensor(seeds, dtype=torch.long, device=device)
         for t in range(max_new):
             out = self.decoder(input_ids=step_ids, attention_mask=mask, position_ids=step_pos,
                                use_cache=True, **{self._cache_kw: cache})
             last = out.last_hidden_state[:, -1, :]
             logits = self.lm_head(last)
             t0 = time.perf_counter()
-            chosen, chosen_lp = choose_tokens(logits, seeds, [t] * b, params)
+            chosen, chosen_lp = choose_tokens(
+                logits, seeds_t, torch.full_like(seeds_t, t), params,
+                noise_rows=noise_block[t] if noise_block is not None else None)
             chosen_cpu, lp_cpu = chosen.cpu(), chosen_lp.cpu()
             t1 = time.perf_counter()
             # a copy, so the prefill's [B, P, H] output is not kept alive by row views
@@ -141,6 +151,18 @@ class HFSampler(Sampler):
                 seed=seeds[r], text=self.tokenizer.decode(tokens[r], skip_special_tokens=True),
                 hidden=hidden, policy_version=self.version))
         return samples
+
+    def _noise_block(self, seeds: list[int], steps: int,
+                     params: SamplingParams) -> torch.Tensor | None:
+        """Noise [steps, B, V] for every step at once, when it is small enough."""
+        vocab = self.lm_head.weight.shape[0]
+        if params.temperature == 0 or steps * len(seeds) * vocab > NOISE_BLOCK_MAX:
+            return None
+        t0 = time.perf_counter()
+        rows = gumbel_rows([s for _ in range(steps) for s in seeds],
+                           [t for t in range(steps) for _ in seeds], vocab, self.device)
+        self.timings["noise_s"] += time.perf_counter() - t0
+        return rows.view(steps, len(seeds), vocab)
 
     # weights ------------------------------------------------------------------------------
 

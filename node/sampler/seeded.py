@@ -1,14 +1,14 @@
-"""Replayable sampling: seeded Gumbel-max with independent noise per (seed, position).
+"""Replayable sampling: seeded Gumbel-max with counter-based noise per (seed, position, token).
 
 Each completion has its own 63-bit seed, derived from (task ref, peer ID, policy version,
 completion index) by `completion_seed`. The token at completion position t is
 
-    argmax_v( logits[v] / temperature + g[v] ),   g = gumbel_noise(seed, t, V)
+    argmax_v( logits[v] / temperature + g(seed, t, v) )
 
 over the tokens that survive top-k / top-p, or plain argmax when temperature == 0. The noise
-for position t is drawn from a generator seeded with H(seed, t), so a verifier can replay the
+g is the protocol's counter-based hash (`protocol/noise.py`): computed with integer tensor
+ops on the logits' device, bit-identical on every machine, so a verifier can replay the
 choice of any single token from the logits of one prefill, without replaying the sequence.
-The noise is always drawn on the CPU (torch's mt19937), so it is the same on every machine.
 
 Logprob convention: log_softmax(logits / temperature)[token] (plain log_softmax(logits) when
 temperature == 0), before any top-k / top-p truncation.
@@ -22,11 +22,10 @@ import struct
 
 import torch
 
+from ...protocol import noise
 from ...protocol.messages import SamplingParams, TaskRef
 
 _SEED_DOMAIN = b"swarm-node/completion-seed/v1"
-_POS_DOMAIN = b"swarm-node/gumbel/v1"
-_TINY = torch.finfo(torch.float32).tiny
 
 
 def _h63(*parts: bytes) -> int:
@@ -46,17 +45,19 @@ def completion_seed(ref: TaskRef, peer_id: str, policy_version: int, j: int) -> 
                 str(int(j)).encode())
 
 
-def position_seed(seed: int, position: int) -> int:
-    return _h63(_POS_DOMAIN, struct.pack("<QQ", seed & (2**64 - 1), position))
+def gumbel_noise(seed: int, position: int, vocab_size: int,
+                 device: str | torch.device = "cpu") -> torch.Tensor:
+    """Gumbel(0, 1) noise, float32 [vocab_size], for (seed, position), on `device`."""
+    return gumbel_rows([seed], [position], vocab_size, device)[0]
 
 
-def gumbel_noise(seed: int, position: int, vocab_size: int) -> torch.Tensor:
-    """Gumbel(0, 1) noise, float32 [vocab_size], on the CPU, for (seed, position)."""
-    gen = torch.Generator(device="cpu")
-    gen.manual_seed(position_seed(seed, position))
-    u = torch.rand(vocab_size, generator=gen, dtype=torch.float32)
-    e = (-torch.log(u.clamp_min(_TINY))).clamp_min(_TINY)  # Exp(1), never 0
-    return -torch.log(e)
+def gumbel_rows(seeds: list[int] | torch.Tensor, positions: list[int] | torch.Tensor,
+                vocab_size: int, device: str | torch.device = "cpu") -> torch.Tensor:
+    """Noise for many (seed, position) rows at once: float32 [len(seeds), vocab_size]. A
+    verifier replaying T positions of one completion passes its seed T times and 0..T-1."""
+    seeds_t = torch.as_tensor(seeds, dtype=torch.int64, device=device)
+    positions_t = torch.as_tensor(positions, dtype=torch.int64, device=device)
+    return noise.gumbel(seeds_t, positions_t, vocab_size)
 
 
 def mask_logits(scaled: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -83,9 +84,13 @@ def choose_token(logits: torch.Tensor, seed: int, position: int,
     return int(tokens[0]), float(logprobs[0])
 
 
-def choose_tokens(logits: torch.Tensor, seeds: list[int], positions: list[int],
-                  params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """Batched `choose_token`: logits [B, V] -> (tokens int64 [B], logprobs float32 [B])."""
+def choose_tokens(logits: torch.Tensor, seeds: list[int] | torch.Tensor,
+                  positions: list[int] | torch.Tensor, params: SamplingParams,
+                  noise_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batched `choose_token`: logits [B, V] -> (tokens int64 [B], logprobs float32 [B]).
+
+    `noise_rows` [B, V]: the rows' noise, already computed (e.g. for many steps at once);
+    otherwise it is computed here, on the logits' device."""
     logits = logits.float()
     if params.temperature == 0.0:
         tokens = torch.argmax(logits, dim=-1)
@@ -94,8 +99,12 @@ def choose_tokens(logits: torch.Tensor, seeds: list[int], positions: list[int],
         scaled = logits / params.temperature
         logp = torch.log_softmax(scaled, dim=-1)
         masked = mask_logits(scaled, params)
-        noise = torch.stack([gumbel_noise(s, p, logits.shape[-1])
-                             for s, p in zip(seeds, positions)]).to(logits.device)
-        tokens = torch.argmax(masked + noise, dim=-1)
+        if noise_rows is not None:
+            tokens = torch.argmax(masked + noise_rows, dim=-1)
+        else:
+            device = logits.device
+            tokens = noise.noisy_argmax(
+                masked, torch.as_tensor(seeds, dtype=torch.int64, device=device),
+                torch.as_tensor(positions, dtype=torch.int64, device=device))
     chosen = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return tokens, chosen

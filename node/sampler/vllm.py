@@ -3,8 +3,10 @@
 vLLM's own sampler is not replayable from a per-token seed, so token choice happens in a
 forward hook on the model's `logits_processor`, installed in the worker with
 `collective_rpc`: for every logits row the hook looks up the request (the runner's input
-batch `req_ids`), its seed and its number of output tokens, picks the token with the same
-seeded Gumbel-max as the HF sampler (`seeded.choose_tokens`), records the final-norm hidden
+batch `req_ids`), its seed and its number of output tokens, picks the tokens of all rows in
+one batched call of the same seeded Gumbel-max as the HF sampler (`seeded.choose_tokens`;
+the counter-based noise of `protocol/noise.py` is computed on the GPU with integer tensor
+ops, no per-token host work for the noise), records the final-norm hidden
 state (the hook's input), the token and log_softmax(logits / T)[token], and returns logits
 that are -inf except at the chosen token. vLLM then decodes greedily, so it emits exactly
 our token. Rows of partial prefill chunks are recorded under position 0 and overwritten by
@@ -44,25 +46,34 @@ def _install_hook(worker) -> bool:
         hidden = args[1] if len(args) > 1 else kwargs.get("hidden_states")
         if hidden is None or logits is None:
             return None
+        from swarm_node.node.sampler.seeded import choose_tokens
+
         req_ids = list(runner.input_batch.req_ids)[: logits.shape[0]]
-        out = logits.clone()
+        groups: dict[tuple, list[tuple[int, str, int, int]]] = {}
         for row, req_id in enumerate(req_ids):
             state = runner.requests.get(req_id)
             extra = getattr(getattr(state, "sampling_params", None), "extra_args", None) or {}
             if "swarm_seed" not in extra:
                 continue
-            from swarm_node.node.sampler.seeded import choose_tokens
-
-            params = SamplingParams(temperature=extra["temperature"], top_p=extra["top_p"],
-                                    top_k=extra["top_k"], max_new_tokens=1)
-            position = len(state.output_token_ids)
-            tokens, logps = choose_tokens(logits[row:row + 1].float(), [extra["swarm_seed"]],
-                                          [position], params)
-            token = int(tokens[0])
-            store.setdefault(req_id, {})[position] = (
-                token, float(logps[0]), hidden[row].detach().to("cpu", torch.float32, copy=True))
-            out[row] = float("-inf")
-            out[row, token] = 0.0
+            key = (extra["temperature"], extra["top_p"], extra["top_k"])
+            groups.setdefault(key, []).append(
+                (row, req_id, int(extra["swarm_seed"]), len(state.output_token_ids)))
+        out = logits.clone()
+        for (temp, top_p, top_k), items in groups.items():
+            # one batched choice per sampling setting; the noise is computed on the GPU
+            params = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k,
+                                    max_new_tokens=1)
+            rows = torch.tensor([r for r, *_ in items], device=logits.device)
+            tokens, logps = choose_tokens(
+                logits[rows].float(), torch.tensor([s for _, _, s, _ in items]).to(rows.device),
+                torch.tensor([p for *_, p in items]).to(rows.device), params)
+            out[rows] = float("-inf")
+            out[rows, tokens] = 0.0
+            tokens_cpu, logps_cpu = tokens.tolist(), logps.tolist()
+            hidden_cpu = hidden[rows].detach().to("cpu", torch.float32, copy=True)
+            for k, (_row, req_id, _seed, position) in enumerate(items):
+                store.setdefault(req_id, {})[position] = (tokens_cpu[k], logps_cpu[k],
+                                                          hidden_cpu[k])
         return out
 
     model.logits_processor.register_forward_hook(hook, with_kwargs=True)

@@ -24,21 +24,26 @@ import random
 import threading
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ...protocol.messages import RolloutBatch
 from ..config import Config
 from ..errors import NodeError
-from .buffer import CompletionRecord, RolloutBuffer, RolloutGroup
+from .buffer import RolloutBuffer, RolloutGroup
 from .checkpoint import Checkpoint, CheckpointStore, rng_from_json, rng_to_json
-from .grpo import LossConfig, group_advantages, has_signal, policy_loss, token_logprobs
+from .data import TrainRow, groups_from_samples, groups_from_verified_batch, rows_of
+from .grpo import LossConfig, has_signal, policy_loss
+from .logprobs import completion_logprobs, fast_head_supported, pack, plain_logprobs
 from .mixing import Rescorer, select_groups, texts_of
 
 log = logging.getLogger(__name__)
+
+# StepStats fields that are token-weighted means of the loss statistics
+LOSS_KEYS = ("loss", "clip_low_frac", "clip_high_frac", "delta_frac", "mean_ratio", "kl",
+             "entropy")
 
 
 @dataclass
@@ -99,6 +104,10 @@ class Trainer:
         self.model, self.tokenizer = load_model(source, dtype=config.model.dtype, device=device)
         self.model.train()
         self.device = next(self.model.parameters()).device
+        self._fast_head = fast_head_supported(self.model)
+        if self.cfg.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.learning_rate,
                                            betas=(0.9, 0.99), weight_decay=self.cfg.weight_decay)
         warmup = self.cfg.warmup_steps
@@ -140,23 +149,13 @@ class Trainer:
     def add_local(self, samples) -> int:
         """Store this policy's rollouts (grouped by task); returns groups accepted.
 
-        Rewards come from the regenerated task. Stale and zero-advantage groups are counted
-        and not stored. Durable when this returns.
+        Text is decoded from the token ids and rewards come from the regenerated task. Stale
+        and zero-advantage groups are counted and not stored. Durable when this returns.
         """
-        by_key: dict[tuple, list] = defaultdict(list)
-        for s in samples:
-            by_key[(s.task.model_dump_json(), int(s.policy_version))].append(s)
-        groups = []
-        for (_, pv), items in by_key.items():
-            ref = items[0].task
-            comps = [CompletionRecord(list(s.completion_ids),
-                                      self.rescorer.score(ref, s.text),
-                                      _as_list(s.logprobs), s.finish_reason, s.text)
-                     for s in items if len(s.completion_ids) > 0]
-            groups.append(RolloutGroup("local", ref.model_dump(mode="json"),
-                                       list(items[0].prompt_ids), comps, self.policy_id, pv,
-                                       self.version, self.temperature))
-        return self._store(groups)
+        return self._store(groups_from_samples(
+            samples, decode=self._decode, score=self.rescorer.score,
+            policy_id=self.policy_id, received_version=self.version,
+            temperature=self.temperature))
 
     def add_external(self, batch_or_samples) -> int:
         """Store other policies' rollouts (RolloutBatch or Samples) for SAPO mixing.
@@ -175,22 +174,12 @@ class Trainer:
         return self._store(groups)
 
     def _add_own_batch(self, batch: RolloutBatch) -> int:
-        by_task: dict[str, list] = defaultdict(list)
-        for c in batch.completions:
-            by_task[c.task.model_dump_json()].append(c)
-        groups = []
-        for items in by_task.values():
-            ref = items[0].task
-            comps = [CompletionRecord([int(x) for x in c.completion_ids.to_numpy()],
-                                      self.rescorer.score(ref, c.text),
-                                      _verified_or_none(c.logprobs),
-                                      c.finish_reason, c.text)
-                     for c in items if c.completion_ids.shape[0] > 0]
-            groups.append(RolloutGroup("local", ref.model_dump(mode="json"),
-                                       [int(x) for x in items[0].prompt_ids.to_numpy()], comps,
-                                       batch.policy_id, batch.policy_version, self.version,
-                                       batch.sampling.temperature))
-        return self._store(groups)
+        return self._store(groups_from_verified_batch(
+            batch, decode=self._decode, score=self.rescorer.score,
+            received_version=self.version))
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _store(self, groups: list[RolloutGroup]) -> int:
         keep, stale = [], 0
@@ -255,85 +244,66 @@ class Trainer:
         stats.seconds = time.perf_counter() - t0
         return stats
 
-    def _rows(self, batch: list[RolloutGroup]):
-        rows = []  # (prompt_ids, completion_ids, behaviour logprobs | None, advantage, temp)
-        for g in batch:
-            adv = group_advantages(torch.tensor(g.rewards, dtype=torch.float32)).tolist()
-            for c, a in zip(g.completions, adv):
-                rows.append((g.prompt_ids, c.completion_ids, c.logprobs, a, g.temperature,
-                             c.reward))
-        return rows
-
-    def _forward(self, model, rows):
-        """Per-token logprobs, entropy and mask over completion positions [B, L-1]."""
-        pad = self.tokenizer.pad_token_id
-        lens = [len(p) + len(c) for p, c, *_ in rows]
-        width = max(lens)
-        ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        attn = torch.zeros((len(rows), width), dtype=torch.long)
-        mask = torch.zeros((len(rows), width - 1))
-        temps = torch.ones(len(rows))
-        for i, (p, c, _lp, _a, temp, _r) in enumerate(rows):
-            seq = list(p) + list(c)
-            ids[i, :len(seq)] = torch.tensor(seq)
-            attn[i, :len(seq)] = 1
-            mask[i, len(p) - 1:len(seq) - 1] = 1  # logits at t predict token t+1
-            temps[i] = temp if temp and temp > 0 else 1.0
-        ids, attn, mask = ids.to(self.device), attn.to(self.device), mask.to(self.device)
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1, :]
-        logits = logits / temps.to(self.device)[:, None, None]
-        logp, ent = token_logprobs(logits, ids[:, 1:])
-        return logp, ent, mask
+    def _logprobs(self, model, rows: list[TrainRow]):
+        """(logprobs [N], entropy [N]) of the rows' completion tokens, concatenated."""
+        batch = pack(rows, self.tokenizer.pad_token_id, self.device)
+        if not self._fast_head:
+            return plain_logprobs(model, batch)
+        return completion_logprobs(model, batch, chunk=self.cfg.logprob_chunk,
+                                   bf16_autocast=self.cfg.bf16_autocast,
+                                   entropy_grad=self.loss_cfg.entropy_coef > 0
+                                   and model is self.model)
 
     @torch.no_grad()
-    def _fill_behaviour(self, rows) -> list:
-        """Rows without behaviour logprobs (external text) get them from the current policy,
-        once, before the first update of the step."""
-        missing = [i for i, r in enumerate(rows) if r[2] is None]
+    def _fill_behaviour(self, rows: list[TrainRow]) -> list[TrainRow]:
+        """Rows without behaviour logprobs (external text, unchecked rollouts) get them from
+        the current policy, once, before the first update of the step."""
+        missing = [i for i, r in enumerate(rows) if r.behaviour_logprobs is None]
         mb = self.cfg.micro_batch_size
         for start in range(0, len(missing), mb):
             idx = missing[start:start + mb]
-            logp, _, _ = self._forward(self.model, [rows[i] for i in idx])
-            for k, i in enumerate(idx):
-                p, c = rows[i][0], rows[i][1]
-                lp = logp[k, len(p) - 1:len(p) - 1 + len(c)].float().cpu().tolist()
-                rows[i] = (rows[i][0], rows[i][1], lp, *rows[i][3:])
+            logp, _ = self._logprobs(self.model, [rows[i] for i in idx])
+            for i, lp in zip(idx, logp.float().cpu().split([len(rows[i].completion_ids)
+                                                            for i in idx])):
+                rows[i] = replace(rows[i], behaviour_logprobs=lp.tolist())
         return rows
 
-    def _behaviour(self, rows, like: torch.Tensor) -> torch.Tensor:
-        """Behaviour logprobs laid out like the policy's [B, L-1] (zeros off the mask)."""
-        out = torch.zeros_like(like)
-        for i, (p, c, lp, *_rest) in enumerate(rows):
-            if len(lp) != len(c):
-                raise NodeError("behaviour logprobs and completion differ in length")
-            out[i, len(p) - 1:len(p) - 1 + len(c)] = torch.tensor(lp, device=out.device)
-        return out
+    def _micro_batches(self, rows: list[TrainRow]) -> list[list[TrainRow]]:
+        """Rows of similar length together (less padding), `micro_batch_size` at a time."""
+        order = sorted(rows, key=lambda r: len(r.prompt_ids) + len(r.completion_ids))
+        mb = self.cfg.micro_batch_size
+        return [order[i:i + mb] for i in range(0, len(order), mb)]
+
+    def _micro_step(self, chunk: list[TrainRow], total_tokens: int, agg) -> None:
+        logp, ent = self._logprobs(self.model, chunk)
+        behaviour = torch.tensor([x for r in chunk for x in _checked(r)], device=self.device)
+        ref = None
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref = self._logprobs(self.ref_model, chunk)[0][None]
+        adv = torch.tensor([r.advantage for r in chunk for _ in r.completion_ids],
+                           device=self.device)
+        mask = torch.ones_like(logp)
+        loss, ls = policy_loss(logp[None], behaviour[None], adv[None], mask[None],
+                               self.loss_cfg, ref, ent[None])
+        weight = ls.tokens / max(total_tokens, 1)  # token-level mean over the batch
+        (loss * weight).backward()
+        for k in LOSS_KEYS:
+            agg[k] += getattr(ls, k) * weight
 
     def _update(self, batch: list[RolloutGroup], stats: StepStats) -> None:
         if self.grad_sync is not None:
             batch = self.grad_sync.shard(batch)
         self.model.train()
-        rows = self._fill_behaviour(self._rows(batch))
-        total_tokens = sum(len(r[1]) for r in rows)
-        mb = self.cfg.micro_batch_size
+        rows = self._fill_behaviour(rows_of(batch))
+        total_tokens = sum(len(r.completion_ids) for r in rows)
+        agg: dict[str, float] = defaultdict(float)
+        grad_norm = torch.zeros(())
         for _epoch in range(self.cfg.updates_per_step):
             self.optimizer.zero_grad(set_to_none=True)
             agg = defaultdict(float)
-            for start in range(0, len(rows), mb):
-                chunk = rows[start:start + mb]
-                logp, ent, mask = self._forward(self.model, chunk)
-                behaviour = self._behaviour(chunk, logp)
-                ref = None
-                if self.ref_model is not None:
-                    with torch.no_grad():
-                        ref, _, _ = self._forward(self.ref_model, chunk)
-                adv = torch.tensor([r[3] for r in chunk], device=self.device)
-                loss, ls = policy_loss(logp, behaviour, adv, mask, self.loss_cfg, ref, ent)
-                weight = ls.tokens / max(total_tokens, 1)  # token-level mean over the batch
-                (loss * weight).backward()
-                for k in ("loss", "clip_low_frac", "clip_high_frac", "delta_frac",
-                          "mean_ratio", "kl", "entropy"):
-                    agg[k] += getattr(ls, k) * weight
+            for chunk in self._micro_batches(rows):
+                self._micro_step(chunk, total_tokens, agg)
             if self.grad_sync is not None:
                 self.grad_sync.after_backward(self.model)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
@@ -346,7 +316,7 @@ class Trainer:
         stats.grad_norm = float(grad_norm)
         stats.tokens = total_tokens * self.cfg.updates_per_step
         stats.completions = len(rows)
-        stats.mean_reward = _mean([r[5] for r in rows])
+        stats.mean_reward = _mean([r.reward for r in rows])
         if self.grad_sync is not None:
             self.grad_sync.finish(stats)
 
@@ -377,20 +347,10 @@ class Trainer:
         self.buffer.close()
 
 
-def _verified_or_none(logprobs) -> list[float] | None:
-    """Behaviour logprobs of a verified own-policy batch: the trainer role hands the
-    verifier's recomputed ones; NaN marks a spot-check-skipped rollout (nothing verified):
-    None, so they are recomputed under the current policy before the update."""
-    values = logprobs.to_numpy().astype(float)
-    return values.tolist() if np.isfinite(values).all() else None
-
-
-def _as_list(logprobs) -> list[float] | None:
-    if logprobs is None:
-        return None
-    if isinstance(logprobs, torch.Tensor):
-        return logprobs.detach().float().cpu().tolist()
-    return [float(x) for x in logprobs]
+def _checked(row: TrainRow) -> list[float]:
+    if len(row.behaviour_logprobs) != len(row.completion_ids):
+        raise NodeError("behaviour logprobs and completion differ in length")
+    return row.behaviour_logprobs
 
 
 def _mean(xs) -> float:

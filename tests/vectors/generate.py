@@ -162,8 +162,24 @@ def manifest(case: dict) -> dict:
             "envelope": wire.hex()}
 
 
+def noise(case: dict) -> dict:
+    """Sampling noise (protocol/noise.py): exact integers only; g = -log(-log(u)) in float32
+    may differ by an ulp between platforms' log implementations."""
+    from swarm_node.protocol import noise as rule
+
+    seeds = torch.tensor([case["seed"]] * len(case["tokens"]))
+    positions = torch.tensor([case["position"]] * len(case["tokens"]))
+    keys = rule.row_keys(seeds, positions)
+    m = rule.mantissas(keys, torch.tensor(case["tokens"]))
+    return {"row_key": f"{rule.row_key_py(case['seed'], case['position']):016x}",
+            "bits": [f"{rule.noise_bits_py(case['seed'], case['position'], v):016x}"
+                     for v in case["tokens"]],
+            "mantissa": [int(x) for x in m],
+            "u": [(2 * int(x) + 1) / 2.0 ** 24 for x in m]}
+
+
 COMPUTE = {"peer_id": peer_id, "envelope": envelope, "completion_seed": completion_seed,
-           "task_draw": task_draw, "proof": proof, "manifest": manifest}
+           "task_draw": task_draw, "proof": proof, "manifest": manifest, "noise": noise}
 
 
 # Inputs ----------------------------------------------------------------------------------
@@ -264,9 +280,18 @@ def _inputs_manifest() -> list[dict]:
                        {"name": "model.safetensors", "content": weights.hex()}]}]
 
 
+def _inputs_noise() -> list[dict]:
+    return [
+        {"seed": 0, "position": 0, "tokens": [0, 1, 2, 3, 49151]},
+        {"seed": 7407829684988998362, "position": 5, "tokens": [0, 17, 476, 151935]},
+        {"seed": 2**63 - 1, "position": 4095, "tokens": [2**31 - 1, 123456]},
+        {"seed": 1, "position": 2**32 - 1, "tokens": [9, 10, 11]},
+    ]
+
+
 INPUTS = {"peer_id": _inputs_peer_id, "envelope": _inputs_envelope,
           "completion_seed": _inputs_completion_seed, "task_draw": _inputs_task_draw,
-          "proof": _inputs_proof, "manifest": _inputs_manifest}
+          "proof": _inputs_proof, "manifest": _inputs_manifest, "noise": _inputs_noise}
 
 RULES = {
     "peer_id": "NODE_SPEC.md 1.2: Ed25519 seed (RFC 8032) -> public key -> libp2p peer ID",
@@ -278,6 +303,8 @@ RULES = {
              "bytes (format 1)",
     "manifest": "NODE_SPEC.md 7.1: checkpoint files -> shard hashes, manifest payload and "
                 "the trainer's signed envelope",
+    "noise": "NODE_SPEC.md 4: sampling noise (seed, position, token) -> row key, 64-bit "
+             "bits, 23-bit mantissa m, u = (2m + 1) / 2^24; g = -log(-log(u)) in float32",
 }
 
 

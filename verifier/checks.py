@@ -219,7 +219,6 @@ class RolloutVerifier:
             except _Reject as r:
                 results[i] = RolloutResult(i, ids[i], False, r.reason, r.detail)
             in_batch.add(ids[i])
-        to_check: list[int] = []
         groups = self._groups(batch, results, cheap, ids)
         for members in groups:
             if spot_check is not None and not spot_check([ids[i] for i in members]):
@@ -227,11 +226,13 @@ class RolloutVerifier:
                     _, _, text, reward = cheap[i]
                     results[i] = RolloutResult(i, ids[i], True, "unchecked", reward=reward,
                                                text=text)
-            else:
-                to_check += members
-        for group in self._prefill_groups(batch, to_check):
-            outs = self._prefill(model, [batch.completions[i] for i in group])
-            for i, (hidden, _) in zip(group, outs):
+                continue
+            # one prompt pass per task group, its KV cache shared by the group's completions
+            comps = [batch.completions[i] for i in members]
+            hiddens = prefill_group(model, comps[0].prompt_ids.to_numpy(),
+                                    [c.completion_ids.to_numpy() for c in comps],
+                                    self._pad_id(), self.settings.prefill_token_budget)
+            for i, hidden in zip(members, hiddens):
                 try:
                     logits = self._logits(model, hidden)
                     stats, logprobs = self._model_checks(batch, batch.completions[i], hidden,
@@ -376,24 +377,8 @@ class RolloutVerifier:
 
     # model -------------------------------------------------------------------------------
 
-    def _prefill_groups(self, batch, pending: list[int]) -> list[list[int]]:
-        groups, cur, width = [], [], 0
-        for i in pending:
-            c = batch.completions[i]
-            n = c.prompt_ids.shape[0] + c.completion_ids.shape[0]
-            if cur and max(width, n) * (len(cur) + 1) > self.settings.prefill_token_budget:
-                groups.append(cur)
-                cur, width = [], 0
-            cur.append(i)
-            width = max(width, n)
-        if cur:
-            groups.append(cur)
-        return groups
-
-    def _prefill(self, model, completions: list[Completion]):
-        pairs = [(c.prompt_ids.to_numpy(), c.completion_ids.to_numpy()) for c in completions]
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        return prefill(model, pairs, pad, with_logits=False)
+    def _pad_id(self) -> int:
+        return self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
 
     @torch.inference_mode()
     def _logits(self, model, hidden: torch.Tensor) -> torch.Tensor:
@@ -500,6 +485,47 @@ def prefill(model, pairs, pad_id: int = 0, with_logits: bool = True):
     for r, (p, c) in enumerate(pairs):
         h = out.last_hidden_state[r, len(p) - 1:len(p) + len(c) - 1]
         results.append((h.float().cpu(), head(h).float().cpu() if with_logits else None))
+    return results
+
+
+@torch.inference_mode()
+def prefill_group(model, prompt, completions, pad_id: int = 0,
+                  token_budget: int = 8192) -> list[torch.Tensor]:
+    """The same hidden rows as `prefill` (fp32 [T, H] per completion: positions P-1 ..
+    P+T-2) for completions sharing one prompt: the prompt runs once, its KV cache is
+    repeated for the completions (in sub-batches of about `token_budget` tokens), and
+    only completion tokens 0..T-2 are fed (the last token is never an input)."""
+    import copy
+    import inspect
+
+    device = next(model.parameters()).device
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    cache_kw = "cache" if "cache" in inspect.signature(decoder.forward).parameters \
+        else "past_key_values"
+    p = torch.as_tensor([int(x) for x in prompt], dtype=torch.long)[None].to(device)
+    out = decoder(input_ids=p, use_cache=True)
+    cache, last = out.past_key_values, out.last_hidden_state[0, -1:]
+    seqs = [[int(x) for x in c] for c in completions]
+    per = max(1, token_budget // (p.shape[1] + max(len(x) for x in seqs)))
+    results = []
+    for start in range(0, len(seqs), per):
+        chunk = seqs[start:start + per]
+        width = max(len(x) for x in chunk) - 1
+        hidden = None
+        if width > 0:
+            ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+            mask = torch.zeros((len(chunk), p.shape[1] + width), dtype=torch.long)
+            mask[:, :p.shape[1]] = 1
+            for r, x in enumerate(chunk):
+                ids[r, :len(x) - 1] = torch.as_tensor(x[:-1])
+                mask[r, p.shape[1]:p.shape[1] + len(x) - 1] = 1
+            shared = copy.deepcopy(cache)
+            shared.batch_repeat_interleave(len(chunk))
+            hidden = decoder(input_ids=ids.to(device), attention_mask=mask.to(device),
+                             use_cache=True, **{cache_kw: shared}).last_hidden_state
+        for r, x in enumerate(chunk):
+            rows = [last] + ([hidden[r, :len(x) - 1]] if len(x) > 1 else [])
+            results.append(torch.cat(rows).float().cpu())
     return results
 
 

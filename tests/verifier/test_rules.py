@@ -300,3 +300,20 @@ def test_fair_queue_keeps_established_peers_served_under_a_fresh_key_flood():
     assert budget.charge("new", 80, established=False)
     assert not budget.charge("new", 80, established=False)
     assert budget.charge("old", 10_000, established=True)
+
+
+def test_12_shared_prompt_prefill_matches_the_full_prefill(kit, honest):
+    """One prompt pass per group with its KV cache repeated gives the rows a full prefill
+    of every prompt + completion gives (to float rounding), in sub-batches too."""
+    from swarm_node.verifier.checks import prefill, prefill_group
+
+    model, tokenizer, _ = kit
+    group = honest.completions[:3]
+    pairs = [(c.prompt_ids.to_numpy(), c.completion_ids.to_numpy()) for c in group]
+    full = [h for h, _ in prefill(model, pairs, tokenizer.pad_token_id, with_logits=False)]
+    for budget in (8192, 1):
+        shared = prefill_group(model, pairs[0][0], [c for _, c in pairs],
+                               tokenizer.pad_token_id, budget)
+        for a, b in zip(shared, full):
+            assert a.shape == b.shape
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

@@ -14,10 +14,11 @@ import logging
 import time
 from collections.abc import Callable
 
-from ...protocol.messages import RolloutBatch, SamplingParams
+from ...protocol.messages import RolloutBatch
 from ..broadcast.follow import trainer_choice
 from ..broadcast.settings import SettingsFollower
 from ..diskspace import until_written
+from ..sampler.factory import sampling_params
 from .base import Role
 
 log = logging.getLogger("swarm_node")
@@ -167,8 +168,7 @@ class InferenceRole(Role):
         from ..trainer.loop import sample_round, to_batch
 
         scfg, fmt = self.cfg.sampler, self.cfg.tasks.format_reward
-        params = SamplingParams(temperature=scfg.temperature, top_p=scfg.top_p,
-                                max_new_tokens=scfg.max_new_tokens)
+        params = sampling_params(self.cfg)  # the one builder: every sampler field, top_k too
         samples = sample_round(self.sampler, self.tokenizer, self.tasks, self.identity.peer_id,
                                round_, self.cfg.tasks.tasks_per_round,
                                scfg.completions_per_task, params)

@@ -22,13 +22,14 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 
-from ...protocol.messages import RolloutBatch, SamplingParams
+from ...protocol.messages import RolloutBatch
 from ...verifier.checks import RolloutResult, rollout_id
 from ...verifier.intake import Budget, IntakeLimits, VerificationQueue
 from ...verifier.reasons import BATCH_REASONS, HONEST_MISTAKES
 from ...verifier.sequential import PeerMonitor
 from ..broadcast.settings import swarm_settings
 from ..diskspace import DiskWatch, until_written
+from ..sampler.factory import sampling_params
 from .base import Role
 
 log = logging.getLogger("swarm_node")
@@ -180,7 +181,7 @@ class TrainerRole(Role):
 
         v = self.verifiers.get(policy_id)
         if v is None:
-            cfg, scfg = self.cfg, self.cfg.sampler
+            cfg = self.cfg
             model = self.trainer.model
             settings = CheckSettings.for_dtype(cfg.model.dtype,
                                                max_policy_lag=cfg.trainer.max_staleness)
@@ -189,8 +190,7 @@ class TrainerRole(Role):
                 self._model_for(policy_id), self.trainer.tokenizer, self.tasks,
                 swarm_id=cfg.node.swarm_id, latest_version=self._latest_for(policy_id),
                 settings=settings, policy_ids={policy_id},
-                sampling=SamplingParams(temperature=scfg.temperature, top_p=scfg.top_p,
-                                        max_new_tokens=scfg.max_new_tokens),
+                sampling=sampling_params(cfg),
                 max_context=context_limit(model.config, cfg.model.max_context),
                 format_reward=cfg.tasks.format_reward, rules=batch_rules(cfg),
                 dtype=cfg.model.dtype, generation_config=getattr(model, "generation_config",
@@ -309,8 +309,7 @@ class TrainerRole(Role):
         from ..trainer.loop import sample_round
 
         scfg = self.cfg.sampler
-        params = SamplingParams(temperature=scfg.temperature, top_p=scfg.top_p,
-                                max_new_tokens=scfg.max_new_tokens)
+        params = sampling_params(self.cfg)  # the one builder: every sampler field, top_k too
         self.sampler.version = self.trainer.version
         was_training = self.trainer.model.training
         self.trainer.model.eval()

@@ -7,10 +7,17 @@ shares one rollout batch of --batch-kib KiB:
   then `dht.get(key)` polled by every peer until it holds every peer's batch. Runs in the
   separate venv .venv-bench (hivemind and libp2p cannot share a process).
 
-Figures: delivery ratio, per-message latency p50/p95/max, aggregate delivered throughput, and
-per round the time until every peer holds every other peer's batch (p50/p95/max over rounds).
+Figures: delivery ratio, per-message latency p50/p95/max, aggregate delivered throughput,
+per round the time until every peer holds every other peer's batch (p50/p95/max over rounds),
+and CPU per message per hop: the process CPU time (user + system, psutil, the worker and its
+children, e.g. hivemind's p2pd) of all workers from the start signal until each reports done,
+divided by the batches delivered (one delivery = one message arriving at one more peer).
+Process CPU time, unlike wall time, is not inflated by other jobs on the machine.
 
-    .venv/bin/python benchmarks/gossip.py [--peers 8 --rounds 20 --interval 1.0]
+    .venv/bin/python benchmarks/gossip.py [--peers 8 --rounds 20 --interval 1.0] [--load 2]
+
+`--load N` runs N CPU-burner processes (one busy core each, each ends on its own after
+--load-max-s) beside both systems for the whole run, the same for ours and the baseline.
 
 Baseline venv (hivemind cannot be imported next to libp2p; it is gitignored):
     python3 -m venv .venv-bench && .venv-bench/bin/pip install 'hivemind==1.1.12' 'protobuf<7'
@@ -156,6 +163,45 @@ async def hivemind_worker_async(args) -> None:
 
 # Orchestrator ------------------------------------------------------------------------------
 
+class Burners:
+    """N processes that each keep one core busy, bounded in time even if we die."""
+
+    CODE = "import time\nend = time.time() + {secs}\nwhile time.time() < end:\n    pass\n"
+
+    def __init__(self, n: int, max_s: float):
+        self.procs = [subprocess.Popen([sys.executable, "-c", self.CODE.format(secs=max_s)])
+                      for _ in range(n)]
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def tree_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process and its children so far."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root] + root.children(recursive=True)
+    except psutil.Error:
+        return float("nan")
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
 class Proc:
     def __init__(self, python: str, kind: str, args, bootstrap: list[str]):
         cmd = [python, str(Path(__file__).resolve()), "--worker", kind,
@@ -207,10 +253,13 @@ def run_swarm(python: str, kind: str, args) -> list[dict]:
         for p in procs:
             p.expect("meshed")
         start = time.time() + 2.0
+        cpu0 = [tree_cpu_s(p.p.pid) for p in procs]
         for p in procs:
             p.send({"start": start})
-        results = [p.expect("done", timeout=args.rounds * args.interval + args.drain + 120)
-                   for p in procs]
+        results = []
+        for p, c0 in zip(procs, cpu0):
+            results.append(p.expect("done", timeout=args.rounds * args.interval + args.drain + 120))
+            results[-1]["cpu_s"] = tree_cpu_s(p.p.pid) - c0
         for r in results:
             r["start"] = start
         return results
@@ -263,7 +312,13 @@ def summarize_libp2p(results: list[dict], args) -> dict:
         "rejected": sum(m.get("rejected", 0) for m in metrics),
         "publish_waits": sum(m.get("publish_waits", 0) for m in metrics),
         "late_publishes": sum(r.get("late_publishes", 0) for r in results),
+        "cpu_ms_per_msg_hop": cpu_per_delivery(results, len(seen)),
     }
+
+
+def cpu_per_delivery(results: list[dict], delivered: int) -> float:
+    cpu = sum(r.get("cpu_s", float("nan")) for r in results)
+    return cpu * 1000 / delivered if delivered else float("nan")
 
 
 def summarize_hivemind(results: list[dict], args) -> dict:
@@ -278,7 +333,8 @@ def summarize_hivemind(results: list[dict], args) -> dict:
     return {"ratio": held / expected, "delivered": held, "expected": expected,
             "round_p50": pct(complete, 50), "round_p95": pct(complete, 95),
             "round_max": max(complete) if complete else float("nan"),
-            "rounds_complete": len(complete)}
+            "rounds_complete": len(complete),
+            "cpu_ms_per_msg_hop": cpu_per_delivery(results, held)}
 
 
 def main() -> None:
@@ -289,6 +345,10 @@ def main() -> None:
     ap.add_argument("--batch-kib", type=int, default=64)
     ap.add_argument("--drain", type=float, default=30.0, help="seconds to wait for stragglers")
     ap.add_argument("--poll", type=float, default=0.1, help="hivemind get() poll interval")
+    ap.add_argument("--load", type=int, default=0,
+                    help="CPU-burner processes beside both systems for the whole run")
+    ap.add_argument("--load-max-s", type=float, default=1800.0,
+                    help="each burner ends on its own after this many seconds")
     ap.add_argument("--skip-baseline", action="store_true")
     ap.add_argument("--no-record", action="store_true")
     ap.add_argument("--section", default="gossip", help="RESULTS.md section to write")
@@ -306,8 +366,16 @@ def main() -> None:
 
     global LOAD_BEFORE
     LOAD_BEFORE = os.getloadavg()[0]
+    burners = Burners(args.load, args.load_max_s)
+    try:
+        run_both(args)
+    finally:
+        burners.stop()
+
+
+def run_both(args) -> None:
     print(f"libp2p: {args.peers} processes, {args.rounds} rounds of {args.batch_kib} KiB "
-          f"per peer every {args.interval}s", flush=True)
+          f"per peer every {args.interval}s, {args.load} CPU burners", flush=True)
     ours = summarize_libp2p(run_swarm(sys.executable, "libp2p", args), args)
     print(json.dumps(ours, indent=1), flush=True)
     base, base_note = None, ""
@@ -335,22 +403,30 @@ def record(args, ours: dict, base: dict | None, note: str) -> None:
     def ms(x):
         return "n/a" if math.isnan(x) else f"{x * 1000:.0f} ms"
 
+    def cpu(x):
+        return "n/a" if math.isnan(x) else f"{x:.1f} ms"
+
     delivery = f"{ours['ratio']:.2%} ({ours['delivered']}/{ours['expected']})"
-    rows = [["libp2p GossipSub (ours)", delivery, ms(ours["lat_p50"]), ms(ours["lat_p95"]),
+    label = "libp2p GossipSub (ours" + (", overrides)" if args.p2p else ", default)")
+    rows = [[label, delivery, ms(ours["lat_p50"]), ms(ours["lat_p95"]),
              ms(ours["lat_max"]), f"{ours['throughput_mib_s']:.2f} MiB/s",
              ms(ours["round_p50"]), ms(ours["round_p95"]), ms(ours["round_max"]),
-             f"{ours['rounds_complete']}/{args.rounds}"]]
+             f"{ours['rounds_complete']}/{args.rounds}", cpu(ours["cpu_ms_per_msg_hop"])]]
     if base:
         rows.append(["hivemind DHT store+get (RL Swarm)",
                      f"{base['ratio']:.2%} ({base['delivered']}/{base['expected']})",
                      "-", "-", "-", "-", ms(base["round_p50"]), ms(base["round_p95"]),
-                     ms(base["round_max"]), f"{base['rounds_complete']}/{args.rounds}"])
+                     ms(base["round_max"]), f"{base['rounds_complete']}/{args.rounds}",
+                     cpu(base["cpu_ms_per_msg_hop"])])
     body = (f"{args.peers} peers as separate processes on loopback; each shares one "
             f"{args.batch_kib} KiB rollout batch per round, one round every {args.interval}s, "
-            f"{args.rounds} rounds. \"All held\" = time from round start until every peer "
-            "holds every other peer's batch.\n\n")
+            f"{args.rounds} rounds, {args.load} CPU-burner processes beside both systems "
+            "(--load). \"All held\" = time from round start until every peer holds every "
+            "other peer's batch; CPU/msg/hop = process CPU of all workers (and their "
+            "children) from the start signal to done, per delivered batch.\n\n")
     body += table(["transport", "delivery", "lat p50", "lat p95", "lat max", "throughput",
-                   "all held p50", "all held p95", "all held max", "rounds complete"], rows)
+                   "all held p50", "all held p95", "all held max", "rounds complete",
+                   "CPU/msg/hop"], rows)
     body += (f"\n\nlibp2p counters: drops {ours['drops']}, rejected {ours['rejected']}, "
              f"publish waits {ours['publish_waits']}, late publishes {ours['late_publishes']}.")
     if ours["ratio"] < 1 and ours["drops"] == 0:

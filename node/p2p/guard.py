@@ -7,12 +7,14 @@ protobuf DecodeError) killed the libp2p thread. Here:
   an exception is caught, counted, the stream reset and the peer penalised;
 - pubsub's `push_msg` gets a per-peer, per-topic rate limit BEFORE the signature check,
   the topic validators and local delivery (py-libp2p limits only when forwarding), and
-  the same catch-count-penalise guard.
+  the same catch-count-penalise guard;
+- the signed peer record py-libp2p handles on every pubsub RPC is memoised (CPU per message).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 import libp2p
@@ -121,3 +123,63 @@ def limit_before_spawn(pubsub, self_id, limiter: TopicRateLimiter, penalties: Pe
         return run_task(fn, *args, **kwargs)
 
     manager.run_task = limited_run_task
+
+
+# Per-RPC signed-peer-record work (CPU per message per hop) ---------------------------------
+# py-libp2p 0.8.1 attaches the sender's signed peer record to every pubsub RPC and, on every
+# RPC received, parses it, verifies its Ed25519 signature and rewrites the peerstore entry;
+# on every RPC sent it lists the host's addresses (getsockname per listener) and re-marshals
+# the cached record. Both are memoised here: a record already accepted byte for byte from
+# that peer is not verified again for RECORD_MEMO_S, and the outgoing record is rebuilt at
+# most every RECORD_MEMO_S (py-libp2p re-issues it if the addresses changed meanwhile).
+RECORD_MEMO_S = 60.0
+_MAX_MEMO = 4096
+_consumed: dict[tuple[int, bytes, bytes], float] = {}
+_outgoing: dict[int, tuple[float, tuple[bytes, bool]]] = {}
+
+
+def install_record_memo() -> None:
+    """Patch py-libp2p's pubsub modules once per process (idempotent)."""
+    import libp2p.pubsub.gossipsub as gossipsub_mod
+    import libp2p.pubsub.pubsub as pubsub_mod
+
+    for mod in (pubsub_mod, gossipsub_mod):
+        if getattr(mod.maybe_consume_signed_record, "_swarm_memo", False):
+            continue
+        mod.maybe_consume_signed_record = _memo_consume(mod.maybe_consume_signed_record)
+        mod.env_to_send_in_RPC = _memo_outgoing(mod.env_to_send_in_RPC)
+
+
+def _memo_consume(inner):
+    def consume(msg, host, peer_id) -> bool:
+        if not msg.HasField("senderRecord"):
+            return True
+        key = (id(host), peer_id.to_bytes(), msg.senderRecord)
+        now = time.monotonic()
+        if _consumed.get(key, 0.0) > now:
+            return True
+        ok = inner(msg, host, peer_id)
+        if ok:
+            if len(_consumed) >= _MAX_MEMO:
+                _consumed.clear()
+            _consumed[key] = now + RECORD_MEMO_S
+        return ok
+
+    consume._swarm_memo = True
+    return consume
+
+
+def _memo_outgoing(inner):
+    def outgoing(host) -> tuple[bytes, bool]:
+        now = time.monotonic()
+        hit = _outgoing.get(id(host))
+        if hit is not None and hit[0] > now:
+            return hit[1][0], False
+        value = inner(host)
+        if len(_outgoing) >= _MAX_MEMO:
+            _outgoing.clear()
+        _outgoing[id(host)] = (now + RECORD_MEMO_S, value)
+        return value
+
+    outgoing._swarm_memo = True
+    return outgoing

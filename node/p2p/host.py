@@ -36,6 +36,7 @@ from .guard import (
     check_libp2p_version,
     guard_pubsub,
     guard_stream_handlers,
+    install_record_memo,
     limit_before_spawn,
 )
 from .metrics import P2PMetrics
@@ -43,7 +44,7 @@ from .penalties import PeerPenalties, TopicRateLimiter
 from .pubsub import GossipService, Handler
 from .requests import RequestHandler, RequestService, StreamHandler
 from .streams import AsyncStream
-from .yamux import bound_buffers
+from .yamux import bound_buffers, install_window_update_batching
 
 log = logging.getLogger(__name__)
 
@@ -220,6 +221,8 @@ class P2PNode:
         # One attempt per dial: discovery.py retries with its own backoff and reports why.
         host.get_network().retry_config.max_retries = 0
         check_libp2p_version()
+        install_record_memo()
+        install_window_update_batching()
         guard_stream_handlers(host, self._t_stream_fault)  # before pubsub adds its handlers
         router, pubsub = build_gossip(host, self.cfg, self.metrics)
         guard_pubsub(pubsub, self._t_stream_fault)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 
 import trio
@@ -40,6 +40,8 @@ class GossipService:
         self._payloads: OrderedDict[bytes, bytes] = OrderedDict()
         self._payload_bytes = 0
         self._fetch_sem = asyncio.Semaphore(node.cfg.payload_fetch_parallel)
+        self._outbox: deque[tuple[str, Envelope, str]] = deque()  # libp2p thread -> asyncio
+        self._flush_pending = False
 
     async def subscribe_pending(self) -> None:
         """At start: subscribe in the libp2p thread to the kinds subscribed before it."""
@@ -91,13 +93,24 @@ class GossipService:
                     self.metrics.reject(origin, e.reason)
                     continue
             self.metrics.inc("received")
-            self.bridge.to_asyncio_nowait(self._enqueue, kind, env, origin)
+            self._t_hand_over(kind, env, origin)
 
-    def _enqueue(self, kind: str, env: Envelope, origin: str) -> None:
-        try:
-            self._queues[kind].put_nowait((env, origin))
-        except asyncio.QueueFull:
-            self.metrics.inc("drop_handler_queue_full")
+    def _t_hand_over(self, kind: str, env: Envelope, origin: str) -> None:
+        # One wake-up of the asyncio loop per burst, not per message (each costs a write
+        # to its self-pipe): the flush drains everything queued until it runs.
+        self._outbox.append((kind, env, origin))
+        if not self._flush_pending:
+            self._flush_pending = True
+            self.bridge.to_asyncio_nowait(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_pending = False
+        while self._outbox:
+            kind, env, origin = self._outbox.popleft()
+            try:
+                self._queues[kind].put_nowait((env, origin))
+            except asyncio.QueueFull:
+                self.metrics.inc("drop_handler_queue_full")
 
     async def _consume(self, kind: str, queue: asyncio.Queue) -> None:
         while True:

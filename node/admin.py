@@ -230,7 +230,21 @@ def render_tables(doc: dict[str, Any]) -> list:
         ("rollouts rejected", sum((doc.get("rollouts_rejected") or {}).values())),
         ("versions published", doc.get("versions_published", 0)),
         ("banned peers", len(doc.get("banned") or [])),
+        ("version", (f"{doc.get('software_version') or '?'} (protocol "
+                    f"{doc.get('protocol_version', '?')})")),
     ]
+    rt = doc.get("runtime") or {}
+    if rt:
+        rows.append(("runtime", (f"{rt.get('device')} {rt.get('dtype')} sampler "
+                                f"{rt.get('backend')}, {rt.get('memory')}")))
+    mine = doc.get("verdicts_about_me") or {}
+    if mine.get("by_trainer"):
+        rejected = mine.get("rejected") or {}
+        rows.append(("my rollouts (trainers' verdicts)",
+                     f"accepted {mine.get('accepted', 0)}, rejected {sum(rejected.values())}"
+                     + (f" {dict(rejected)}" if rejected else "")))
+    if mine.get("banned_by"):
+        rows.append(("BANNED by", ", ".join(p[-8:] for p in mine["banned_by"])))
     ck = doc.get("checkpoint_progress") or {}
     if ck:
         rows.append(("checkpoint", (f"v{ck.get('version')}: {ck.get('shards_done')}/"

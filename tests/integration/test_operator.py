@@ -189,9 +189,8 @@ def test_unusable_data_dir_is_one_line(tmp_path):
 ])
 def test_dry_run_catches_what_used_to_fail_later(tmp_path, args, expect):
     # In-process (the checks are logic; the real-process path is the next test).
-    from typer.testing import CliRunner
-
     from swarm_node.cli.main import app
+    from typer.testing import CliRunner
 
     result = CliRunner().invoke(app, ["join", "--dry-run", "--data-dir", str(tmp_path / "d"),
                                       *args], env={"NO_COLOR": "1"})

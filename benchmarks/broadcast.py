@@ -10,9 +10,9 @@ relay serves one corrupted shard.
 shardcast runs under its own venv (.venv-shardcast: `pip install shardcast==0.3.2 blake3`)
 through benchmarks/shardcast_peer.py, bound to 127.0.0.1, middle-node poll interval 1 s
 (its default is 30 s), default 50 MB shards; clients start (and poll) before the publish.
-Ours: default config (4 MiB shards), once with shards over the optional TCP data plane
-(`broadcast.tcp_listen`) and once over libp2p streams (Noise + Yamux through the trio
-bridge); clients bootstrap through the relay; any peer that verified a shard may serve it,
+Ours: default config (4 MiB shards; shards over the authenticated TCP data plane, the
+default), and once with `broadcast.tcp_listen = "off"` (libp2p streams: Noise + Yamux
+through the trio bridge, the NAT fallback); clients bootstrap through the relay; any peer that verified a shard may serve it,
 so the notes show where the clients' bytes came from. The corrupted-shard case makes the
 relay flip one byte of the first shard it serves (and of every later copy of that shard).
 Peak RSS is VmHWM of each client process.
@@ -33,8 +33,9 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.results import record, table  # noqa: E402
-from tests.node.broadcast.procs import BroadcastProc  # noqa: E402
+
+from benchmarks.results import record, table
+from tests.node.broadcast.procs import BroadcastProc
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARDCAST_PY = ROOT / ".venv-shardcast" / "bin" / "python"
@@ -68,13 +69,12 @@ def make_checkpoint(path: Path, mib: int) -> Path:
 async def run_ours(work: Path, ckpt: Path, n_clients: int, corrupt: str = "",
                    tcp: bool = False) -> dict:
     procs: list[BroadcastProc] = []
-    extra = ["--tcp-listen", "127.0.0.1:0"] if tcp else []
+    extra = [] if tcp else ["--tcp-listen", "off"]  # the data plane is the default
     try:
         trainer = BroadcastProc("trainer", "trainer", work / "trainer", *extra)
         procs.append(trainer)
         await trainer.ready(120)
-        relay_args = ["--follow", trainer.peer_id, *sum((["--bootstrap", a]
-                                                          for a in trainer.addrs), [])]
+        relay_args = ["--follow", trainer.peer_id, *[x for a in trainer.addrs for x in ("--bootstrap", a)]]
         if corrupt:
             relay_args += ["--corrupt-shards", corrupt]
         relay = BroadcastProc("relay", "relay", work / "relay", *relay_args, *extra)
@@ -83,7 +83,7 @@ async def run_ours(work: Path, ckpt: Path, n_clients: int, corrupt: str = "",
         clients = []
         for i in range(n_clients):
             c = BroadcastProc(f"c{i}", "inference", work / f"c{i}", "--follow", trainer.peer_id,
-                              *sum((["--bootstrap", a] for a in relay.addrs), []), *extra)
+                              *[x for a in relay.addrs for x in ("--bootstrap", a)], *extra)
             procs.append(c)
             clients.append(c)
         ready = [await c.ready(120) for c in clients]
@@ -198,7 +198,7 @@ async def run_shardcast(work: Path, blob: Path, n_clients: int, corrupt: bool = 
                 await asyncio.sleep(0.2)
             shards = sorted((work / "middle" / "v1").glob("shard_*.bin"))
             victim = shards[min(1, len(shards) - 1)]
-            with open(victim, "r+b") as f:
+            with open(victim, "r+b") as f:  # noqa: ASYNC230 - a local file, once
                 f.seek(1000)
                 b = f.read(1)
                 f.seek(1000)
@@ -237,7 +237,7 @@ HEADERS = ["system", "publish -> all clients verified (s)", "aggregate MiB/s",
 
 
 async def bench_ours(tmp, ckpt, n, tcp, corrupt_run, rows, notes, results) -> None:
-    label = "ours (TCP data plane)" if tcp else "ours (libp2p streams)"
+    label = "ours (default: TCP data plane)" if tcp else "ours (libp2p streams only)"
     ours = await run_ours(tmp / f"ours-{n}-{tcp}", ckpt, n, tcp=tcp)
     print(label, n, json.dumps(ours), flush=True)
     results[label] = ours
@@ -271,8 +271,8 @@ async def bench_shardcast(tmp, blob, n, rows, notes, results) -> None:
                  f"{n * sc['total'] / MiB / t:.1f}" if t else "-",
                  f"{fmt_rss(sc['rss'])} (+ wget {fmt_rss(sc['rss_child'])})",
                  fmt_rss(sc["rss_ready"]),
-                 f"{scbad['refetched'] / MiB:.1f} MiB discarded (whole-file checksum failed), "
-                 f"{scbad['ok']}/{n} clients got a copy"])
+                 (f"{scbad['refetched'] / MiB:.1f} MiB discarded (whole-file checksum failed), "
+                 f"{scbad['ok']}/{n} clients got a copy")])
 
 
 def report(args, rows, notes, results_by_n) -> str:
@@ -285,7 +285,8 @@ def report(args, rows, notes, results_by_n) -> str:
                               f"time (goal: <= 0.33x).")
     return (f"Checkpoint: {args.mib} MiB (+ a config.json for ours; shardcast ships the single "
             f"weights file). Loopback, all processes on this machine (the load average below "
-            f"includes this benchmark's own processes).\n\n" + table(HEADERS, rows) + "\n\n"
+            f"includes this benchmark's own processes); --load {args.load} CPU burners ran "
+            f"beside both systems.\n\n" + table(HEADERS, rows) + "\n\n"
             + "\n".join(notes + ratios) + f"\n\nLoad average at the end: "
             f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}.")
 
@@ -299,7 +300,20 @@ async def main() -> int:
     ap.add_argument("--libp2p-corrupt", action="store_true",
                     help="also run the corrupted-shard case over libp2p streams (slow)")
     ap.add_argument("--no-record", action="store_true")
+    ap.add_argument("--load", type=int, default=0,
+                    help="run N CPU-burner processes beside both systems for the whole run")
     args = ap.parse_args()
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])  # noqa: ASYNC220
+               for _ in range(args.load)]
+    try:
+        return await run_all(args)
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait()
+
+
+async def run_all(args) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-broadcast-", dir=ROOT / "runs"
                                      if (ROOT / "runs").is_dir() else None) as tmp:
         tmp = Path(tmp)

@@ -141,7 +141,8 @@ class Downloader:
                                     request_timeout=cfg.request_timeout_s,
                                     chunk_timeout=cfg.chunk_timeout_s,
                                     chunk_size=cfg.chunk_size):
-                writer.write(data)
+                # hashing and writing leave the event loop (it keeps serving and receiving)
+                await asyncio.to_thread(writer.write, data)
                 self.metrics["bytes_fetched"] += len(data)
         except (ShardFetchError, StoreError) as e:
             writer.abort()

@@ -46,7 +46,8 @@ class Broadcaster:
                  transport=None, interactive: bool | None = None,
                  choice: TrainerChoice | None = None, settings: SwarmSettings | None = None,
                  settings_check: Callable[..., str | None] | None = None):
-        from .transport import P2PTransport, RoutingTransport
+        from .dataplane import RoutingTransport
+        from .transport import P2PTransport
 
         self.node, self.cfg, self.role = node, cfg, role
         keep = cfg.relay_keep_versions if role == "relay" else cfg.keep_versions
@@ -62,7 +63,7 @@ class Broadcaster:
         self.proven: OrderedDict[str, None] = OrderedDict()  # peers we verified shards from
         self.server = ShardServer(self.store, cfg)
         self.transport = transport or RoutingTransport(P2PTransport(node), cfg.tcp_fetch)
-        self.endpoint = ""  # our TCP shard server, if cfg.tcp_listen
+        self.endpoint = ""  # our data-plane endpoint, if it is up
         self._tcp_server = None
         self.on_complete = on_complete
         self.interactive = interactive
@@ -89,7 +90,7 @@ class Broadcaster:
         for entry in await asyncio.to_thread(self.store.load, self.gate.problem):
             self._dirty.add(entry.key)
         self.node.set_stream_handler(SHARD_PROTOCOL, self.server.handle)
-        if self.cfg.tcp_listen:
+        if self.cfg.tcp_listen not in ("", "off"):
             await self._start_tcp()
         self.node.set_request_handler(MANIFEST_PROTOCOL, self._serve_manifest)
         await self.node.subscribe("checkpoints", self._on_manifest)
@@ -104,16 +105,35 @@ class Broadcaster:
                                                       entry.manifest.policy_id))
 
     async def _start_tcp(self) -> None:
-        from .transport import serve_tcp
+        """The authenticated TCP data plane (dataplane.py): tokens over libp2p, shards over
+        TCP. "auto" falls back to libp2p streams only, with one line, if it cannot bind."""
+        from .dataplane import SHARD_TOKEN_PROTOCOL, DataPlaneServer, TokenIssuer
 
-        host, _, port = self.cfg.tcp_listen.rpartition(":")
+        auto = self.cfg.tcp_listen == "auto"
+        host, port = _auto_listen(self.node.config.node.listen) if auto else \
+            _split_hostport(self.cfg.tcp_listen)
+        issuer = TokenIssuer(self.node.peer_id, self.cfg.tcp_token_ttl_s)
+        server = DataPlaneServer(issuer, self.server.handle, self.cfg)
         try:
-            self._tcp_server = await serve_tcp(self.server.handle, host or "0.0.0.0", int(port))
+            bound_host, bound_port = await server.start(host, port)
         except (OSError, ValueError) as e:
-            raise BroadcastError(f"broadcast.tcp_listen {self.cfg.tcp_listen!r}: {e}") from e
-        bound = self._tcp_server.sockets[0].getsockname()
-        self.endpoint = self.cfg.tcp_advertise or f"{bound[0]}:{bound[1]}"
-        log.info("serving shards over TCP on %s", self.endpoint)
+            if not auto:
+                raise BroadcastError(f"broadcast.tcp_listen {self.cfg.tcp_listen!r}: {e}") from e
+            log.warning("shard data plane off (cannot listen on %s:%d: %s); shards go over "
+                        "libp2p streams only", host, port, e)
+            return
+        self._tcp_server = server
+        self.node.set_request_handler(SHARD_TOKEN_PROTOCOL, self._serve_token(issuer))
+        adv_host = self.cfg.tcp_advertise.rpartition(":")[0] or _public_host(
+            bound_host, self.node.listen_addrs)
+        self.endpoint = self.cfg.tcp_advertise or f"{adv_host}:{bound_port}"
+        log.info("serving shards on the TCP data plane at %s (authenticated; open this TCP "
+                 "port beside the libp2p one)", self.endpoint)
+
+    def _serve_token(self, issuer):
+        async def serve(peer: str, body: bytes) -> bytes:
+            return issuer.issue(peer)  # the peer id libp2p's Noise handshake authenticated
+        return serve
 
     async def close(self) -> None:
         if self._tcp_server is not None:
@@ -427,3 +447,29 @@ class Broadcaster:
                 if entry is not None and (entry.complete or entry.have):
                     await self._advertise(entry)
             await asyncio.sleep(self.cfg.advert_interval_s)
+
+
+def _split_hostport(value: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    return host or "0.0.0.0", int(port)
+
+
+def _auto_listen(listen: list[str]) -> tuple[str, int]:
+    """Host and port of the data plane beside the first /ip4 libp2p listen address."""
+    for addr in listen:
+        parts = addr.split("/")
+        if len(parts) >= 5 and parts[1] == "ip4" and parts[3] == "tcp" and parts[4].isdigit():
+            port = int(parts[4])
+            return parts[2], port + 1 if port else 0
+    return "0.0.0.0", 0
+
+
+def _public_host(bound: str, listen_addrs: list[str]) -> str:
+    """What peers dial: the bound IP, or for a wildcard bind the node's first announced IP."""
+    if bound not in ("0.0.0.0", "::"):
+        return bound
+    for addr in listen_addrs:
+        parts = addr.split("/")
+        if len(parts) > 2 and parts[1] == "ip4" and parts[2] != "0.0.0.0":
+            return parts[2]
+    return "127.0.0.1"

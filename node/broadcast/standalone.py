@@ -85,7 +85,10 @@ async def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parallel", type=int)
     ap.add_argument("--chunk-timeout", type=float)
     ap.add_argument("--readvertise", type=float)
-    ap.add_argument("--tcp-listen", default="", help='also serve shards over TCP ("host:port")')
+    ap.add_argument("--tcp-listen", default="auto",
+                    help='shard data plane: "auto" (default), "host:port" or "off"')
+    ap.add_argument("--tcp-advertise", default="", help="endpoint put into adverts")
+    ap.add_argument("--tcp-auth-timeout", type=float, default=5.0)
     ap.add_argument("--corrupt-shards", default="")
     ap.add_argument("--min-free-mib", type=int, default=256,
                     help="free disk space every large write leaves (node.min_free_disk_mib)")
@@ -104,8 +107,9 @@ async def main(argv: list[str] | None = None) -> int:
         cfg.broadcast.shard_size = args.shard_size
     if args.parallel:
         cfg.broadcast.parallel_downloads = args.parallel
-    if args.tcp_listen:
-        cfg.broadcast.tcp_listen = args.tcp_listen
+    cfg.broadcast.tcp_listen = args.tcp_listen
+    cfg.broadcast.tcp_advertise = args.tcp_advertise
+    cfg.broadcast.tcp_auth_timeout_s = args.tcp_auth_timeout
     if args.readvertise:
         cfg.broadcast.readvertise_s = args.readvertise
     if args.chunk_timeout:
@@ -129,6 +133,7 @@ async def main(argv: list[str] | None = None) -> int:
                      role=args.role, on_complete=on_complete, interactive=False, choice=choice)
     if args.corrupt_shards:
         corrupting(bc.store, args.corrupt_shards)
+        bc.server.zero_copy = False  # sendfile would bypass the corrupting reader
     await node.start(bootstrap=args.bootstrap)
     await bc.start()
     emit(event="ready", peer_id=node.peer_id, addrs=node.listen_addrs, t=time.time(),
@@ -155,6 +160,8 @@ async def main(argv: list[str] | None = None) -> int:
                 emit(event="rate", mib_s=float(rest[0]))
             elif cmd == "stats":
                 emit(event="stats", server=dict(bc.server.metrics),
+                 dataplane=dict(bc._tcp_server.metrics) if bc._tcp_server else {},
+                 endpoint=bc.endpoint,
                      rejected=dict(bc.gate.rejected), peak_rss_mib=peak_rss_mib(),
                      downloads={p: dict(d.metrics) for p, (_, _, d) in bc.downloads.items()},
                      disk=bc.disk.status(), follow=sorted(bc.gate.follow),

@@ -357,6 +357,15 @@ class ShardStore:
         where = entry.checkpoint_dir if entry.complete else entry.partial_dir
         return iter_range(where, entry.manifest.files, start + offset, start + end, chunk)
 
+    def shard_files(self, entry: VersionEntry, index: int, offset: int,
+                    length: int) -> list[tuple[Path, int, int]]:
+        """(file path, offset in file, length) pieces of shard `index` bytes [offset,
+        offset+length), for zero-copy sending."""
+        start, _ = entry.manifest.shard_range(index)
+        where = entry.checkpoint_dir if entry.complete else entry.partial_dir
+        return [(where / name, off, n) for name, off, n in
+                entry.file_spans(start + offset, start + offset + length)]
+
     def assemble(self, entry: VersionEntry) -> Path:
         """Check the whole-checkpoint hash over the verified shards and move the files into
         `checkpoint/` (a rename, no copy).

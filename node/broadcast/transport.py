@@ -28,6 +28,13 @@ class TcpStream:
         self.writer.write(data)
         await self.writer.drain()
 
+    async def sendfile(self, path, offset: int, count: int) -> None:
+        """Zero-copy: `sendfile(2)` from the file to the socket (asyncio falls back to
+        read/send where the OS cannot)."""
+        await self.writer.drain()
+        with open(path, "rb") as f:  # noqa: ASYNC230 - opening a local file does not block
+            await asyncio.get_running_loop().sendfile(self.writer.transport, f, offset, count)
+
     async def close(self) -> None:
         self.writer.close()
         try:
@@ -145,30 +152,3 @@ class P2PTransport:
 
     def serve(self, handler: Handler) -> None:
         self.node.set_stream_handler(SHARD_PROTOCOL, handler)
-
-
-class RoutingTransport:
-    """Per source: plain TCP if the source advertised an endpoint (and TCP fetching is on),
-    else a libp2p stream. The source is always named by its peer ID, so throughput,
-    failures and penalties are attributed to the peer that signed the advert."""
-
-    def __init__(self, p2p: P2PTransport, use_tcp: bool = True):
-        self.p2p = p2p
-        self.tcp = TcpTransport()
-        self.use_tcp = use_tcp
-        self.endpoints: dict[str, str] = {}
-        self.opened = {"tcp": 0, "libp2p": 0}
-
-    def set_endpoint(self, peer: str, endpoint: str) -> None:
-        host, _, port = endpoint.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            return
-        self.endpoints[peer] = endpoint
-
-    async def open(self, peer: str):
-        endpoint = self.endpoints.get(peer) if self.use_tcp else None
-        if endpoint is not None:
-            self.opened["tcp"] += 1
-            return await self.tcp.open(endpoint)
-        self.opened["libp2p"] += 1
-        return await self.p2p.open(peer)

@@ -1,0 +1,215 @@
+"""The authenticated TCP data plane for shards (the default path; NODE_SPEC 7.2).
+
+libp2p streams cost Noise + Yamux + a trio/asyncio bridge crossing per chunk; shard bytes
+need none of that (every shard is checked against the trainer-signed hash). So shards
+travel over plain TCP, but only to peers that proved their libp2p identity to us:
+
+1. Over libp2p (Noise-authenticated), the client asks `SHARD_TOKEN_PROTOCOL` for a token.
+   The server answers `[expiry_ms, mac]`, mac = HMAC-SHA256(node secret, domain || server
+   peer id || client peer id || expiry_ms). Stateless: nothing is stored per token.
+2. On the TCP connection the client first sends a hello frame (u32 BE length <= 256 +
+   msgpack `[client peer id, expiry_ms, mac]`), then one shard request exactly as on the
+   libp2p shard protocol. The server recomputes the mac for the claimed peer id; a token
+   issued to another peer, an expired one, garbage or silence closes the connection
+   without a byte of shard data. Limits and penalties then apply to the authenticated peer.
+
+Bounded per connection: the hello must arrive within `tcp_auth_timeout_s`, a request within
+`request_timeout_s`; reads are capped at 1 KiB before authentication; at most
+`tcp_max_pending` connections may be unauthenticated at once (more are closed at accept).
+Bytes go out with `loop.sendfile` (zero-copy `sendfile(2)`) when the upload is not paced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import os
+import time
+from collections import Counter
+
+from ...protocol.codec import pack, unpack
+from ...protocol.errors import ProtocolError
+from .transport import TcpStream
+from .wire import FRAME_HEADER
+
+log = logging.getLogger(__name__)
+
+SHARD_TOKEN_PROTOCOL = "/swarm-node/shard-token/1.0.0"
+DOMAIN = b"swarm-node/dataplane/1\x00"
+MAX_HELLO = 256
+SERVER_READ_LIMIT = 64 * 1024
+
+
+class TokenIssuer:
+    """Issues and checks data-plane tokens bound to (this node, the client's peer id)."""
+
+    def __init__(self, peer_id: str, ttl_s: float, secret: bytes | None = None):
+        self.peer_id = peer_id
+        self.ttl_s = ttl_s
+        self.secret = secret or os.urandom(32)
+
+    def _mac(self, client: str, expiry_ms: int) -> bytes:
+        msg = DOMAIN + self.peer_id.encode() + b"\x00" + client.encode() + b"\x00" + \
+            expiry_ms.to_bytes(8, "big")
+        return hmac.new(self.secret, msg, hashlib.sha256).digest()
+
+    def issue(self, client: str) -> bytes:
+        expiry = int((time.time() + self.ttl_s) * 1000)
+        return pack([expiry, self._mac(client, expiry)])
+
+    def check(self, client: str, expiry_ms: int, mac: bytes) -> bool:
+        if expiry_ms < time.time() * 1000:
+            return False
+        return hmac.compare_digest(self._mac(client, expiry_ms), mac)
+
+
+def hello_frame(client: str, token: bytes) -> bytes:
+    expiry, mac = unpack(token, max_size=128)
+    body = pack([client, expiry, mac])
+    return FRAME_HEADER.pack(len(body)) + body
+
+
+def parse_token(token: bytes) -> tuple[int, bytes]:
+    """The (expiry_ms, mac) of a token answer; ProtocolError if malformed."""
+    value = unpack(token, max_size=128)
+    if (not isinstance(value, list) or len(value) != 2 or not isinstance(value[0], int)
+            or not isinstance(value[1], bytes) or len(value[1]) != 32):
+        raise ProtocolError("malformed data-plane token")
+    return value[0], value[1]
+
+
+async def read_hello(reader: asyncio.StreamReader) -> tuple[str, int, bytes] | None:
+    """The claimed (peer id, expiry, mac), or None for anything malformed."""
+    try:
+        (n,) = FRAME_HEADER.unpack(await reader.readexactly(FRAME_HEADER.size))
+        if n > MAX_HELLO:
+            return None
+        value = unpack(await reader.readexactly(n), max_size=MAX_HELLO)
+    except (asyncio.IncompleteReadError, ProtocolError, ConnectionError, OSError):
+        return None
+    if (isinstance(value, list) and len(value) == 3 and isinstance(value[0], str)
+            and 0 < len(value[0]) <= 128 and isinstance(value[1], int)
+            and isinstance(value[2], bytes)):
+        return value[0], value[1], value[2]
+    return None
+
+
+class DataPlaneServer:
+    """Accepts TCP connections, authenticates them, hands them to the shard server."""
+
+    def __init__(self, issuer: TokenIssuer, handle, cfg):
+        self.issuer, self.handle, self.cfg = issuer, handle, cfg
+        self.pending = 0
+        self.metrics: Counter[str] = Counter()
+        self.server: asyncio.base_events.Server | None = None
+
+    async def start(self, host: str, port: int) -> tuple[str, int]:
+        self.server = await asyncio.start_server(self._on_conn, host, port,
+                                                 limit=SERVER_READ_LIMIT)
+        return self.server.sockets[0].getsockname()[:2]
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+    async def _on_conn(self, reader, writer) -> None:
+        if self.pending >= self.cfg.tcp_max_pending:
+            self.metrics["refused_pending"] += 1
+            writer.transport.abort()
+            return
+        self.pending += 1
+        try:
+            hello = await asyncio.wait_for(read_hello(reader), self.cfg.tcp_auth_timeout_s)
+        except TimeoutError:
+            hello = None
+            self.metrics["auth_timeout"] += 1
+        finally:
+            self.pending -= 1
+        if hello is None or not self.issuer.check(*hello):
+            self.metrics["unauthenticated"] += 1
+            writer.transport.abort()  # no answer: nothing for an unauthenticated client
+            return
+        self.metrics["authenticated"] += 1
+        writer.write(RoutingTransport.AUTH_ACK)
+        await self.handle(hello[0], TcpStream(reader, writer))
+
+
+class RoutingTransport:
+    """Per source: the authenticated TCP data plane when its advert names an endpoint (and
+    `tcp_fetch`), else libp2p streams; any data-plane failure (no token, no connection,
+    refused) falls back to libp2p for that source for FALLBACK_S. The source is always named
+    by its peer ID, so throughput, failures and penalties go to the peer that signed the
+    advert. One log line per source and path."""
+
+    FALLBACK_S = 60.0
+    AUTH_ACK = b"\x01"
+
+    def __init__(self, p2p, use_tcp: bool = True, timeout: float = 10.0):
+        self.p2p = p2p
+        self.use_tcp = use_tcp
+        self.timeout = timeout
+        self.endpoints: dict[str, str] = {}
+        self.tokens: dict[str, tuple[bytes, float]] = {}
+        self.down: dict[str, float] = {}
+        self.paths: dict[str, str] = {}
+        self.opened = {"tcp": 0, "libp2p": 0}
+
+    def set_endpoint(self, peer: str, endpoint: str) -> None:
+        host, _, port = endpoint.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            return
+        if self.endpoints.get(peer) != endpoint:
+            self.endpoints[peer] = endpoint
+            self.down.pop(peer, None)
+            while len(self.endpoints) > 4096:  # bounded, whatever adverts claim
+                self.endpoints.pop(next(iter(self.endpoints)))
+
+    def _say(self, peer: str, path: str, why: str) -> None:
+        if self.paths.get(peer) != path:
+            self.paths[peer] = path
+            log.info("shards from %s over %s", peer[-8:], f"{path} ({why})")
+
+    async def open(self, peer: str):
+        endpoint = self.endpoints.get(peer) if self.use_tcp else None
+        if endpoint is not None and self.down.get(peer, 0.0) <= time.monotonic():
+            try:
+                stream = await asyncio.wait_for(self._open_tcp(peer, endpoint), self.timeout)
+            except Exception as e:  # noqa: BLE001 - any data-plane failure: libp2p instead
+                self.down[peer] = time.monotonic() + self.FALLBACK_S
+                self.tokens.pop(peer, None)
+                self._say(peer, "libp2p streams", f"data plane {endpoint} unusable: "
+                                                  f"{type(e).__name__}: {e}")
+            else:
+                self.opened["tcp"] += 1
+                self._say(peer, "the TCP data plane", endpoint)
+                return stream
+        elif endpoint is None:
+            self._say(peer, "libp2p streams", "no data-plane endpoint"
+                      if self.use_tcp else "broadcast.tcp_fetch is off")
+        self.opened["libp2p"] += 1
+        return await self.p2p.open(peer)
+
+    async def _token(self, peer: str) -> bytes:
+        cached = self.tokens.get(peer)
+        if cached is not None and cached[1] > time.time() + 5:
+            return cached[0]
+        raw = await self.p2p.node.request(peer, SHARD_TOKEN_PROTOCOL, b"",
+                                          timeout=self.timeout, max_response=128)
+        expiry_ms, _ = parse_token(raw)
+        self.tokens[peer] = (raw, expiry_ms / 1000)
+        return raw
+
+    async def _open_tcp(self, peer: str, endpoint: str) -> TcpStream:
+        token = await self._token(peer)
+        host, _, port = endpoint.rpartition(":")
+        reader, writer = await asyncio.open_connection(host, int(port), limit=1 << 20)
+        try:
+            writer.write(hello_frame(self.p2p.node.peer_id, token))
+            if await reader.readexactly(1) != self.AUTH_ACK:
+                raise ConnectionError("not accepted")
+        except BaseException:
+            writer.transport.abort()
+            raise
+        return TcpStream(reader, writer)

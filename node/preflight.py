@@ -11,6 +11,7 @@ libp2p host starts (py-libp2p only logs it and runs on without a listener).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import socket
@@ -231,8 +232,12 @@ def check_checkpoints(cfg: Config, shape: dict, *, new_model: bool) -> list[str]
     old = _read_shape(latest / "policy" / "config.json", f"checkpoint {latest}")
     differs = [k for k in SHAPE_KEYS if k in shape and k in old and shape[k] != old[k]]
     renamed = recorded is not None and recorded != cfg.model.name
-    if not differs and not renamed:
-        return [f"resuming from checkpoint {latest.name}"]
+    comparable = bool(shape) and bool(old)
+    if not differs and (not renamed or comparable):
+        # Same shapes under another name (a moved directory, a local copy of a hub model)
+        # resume; the name alone refuses only when the shapes cannot be compared.
+        note = f" (model.name was {recorded!r}; same architecture)" if renamed else ""
+        return [f"resuming from checkpoint {latest.name}{note}"]
     what = (f"{recorded!r}" if recorded else "another model") + (
         f" ({', '.join(f'{k} {old[k]} vs {shape[k]}' for k in differs)})" if differs else "")
     if new_model:
@@ -253,9 +258,19 @@ def record_model(cfg: Config, *, new_model: bool) -> None:
     """Write which model this data dir trains; with `new_model`, move the old trainer state
     aside first (nothing is deleted)."""
     if new_model and cfg.node.role == "trainer" and latest_checkpoint(cfg) is not None:
-        old = cfg.data_dir / "trainer"
-        aside = cfg.data_dir / f"trainer.old-{time.strftime('%Y%m%d-%H%M%S')}"
-        shutil.move(str(old), str(aside))
+        # The old model's training state and published versions; the key (peer id) and the
+        # reputation of peers stay. Followers that hold versions of the old model ignore
+        # the new model's versions until it passes them: a fresh data dir (new key) avoids
+        # that, which the log line says.
+        aside = cfg.data_dir / f"old-model-{time.strftime('%Y%m%d-%H%M%S')}"
+        aside.mkdir()
+        for name in ("trainer", "broadcast", "round.json"):
+            if (cfg.data_dir / name).exists():
+                shutil.move(str(cfg.data_dir / name), str(aside / name))
+        logging.getLogger("swarm_node").warning(
+            "--new-model: moved the old model's checkpoints and published versions to %s; "
+            "peers that hold its versions ignore this model's until it passes them (a fresh "
+            "--data-dir, hence a new peer id, avoids that)", aside)
     if cfg.node.role == "trainer":
         (cfg.data_dir / MODEL_RECORD).write_text(json.dumps({"name": cfg.model.name}))
 

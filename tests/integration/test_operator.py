@@ -335,3 +335,42 @@ def test_second_interrupt_exits_at_once(monkeypatch):
     assert stop.is_set() and exits == []
     irq.fire()
     assert exits == [130]
+
+
+def test_a_moved_model_dir_with_the_same_shapes_resumes(tmp_path, tiny_model_dir):
+    from swarm_node.node.config import load_config
+    from swarm_node.node.errors import NodeError
+    from swarm_node.node.preflight import check_checkpoints, model_shape, record_model
+
+    data = tmp_path / "data"
+    shutil.copytree(tiny_model_dir, data / "trainer" / "checkpoints" / "step-00000002" / "policy")
+    moved = shutil.copytree(tiny_model_dir, tmp_path / "moved")
+    first = load_config(None, {"node.role": "trainer", "node.data_dir": str(data),
+                               "model.name": str(tiny_model_dir)})
+    record_model(first, new_model=False)
+    cfg = load_config(None, {"node.role": "trainer", "node.data_dir": str(data),
+                             "model.name": str(moved)})
+    notes = check_checkpoints(cfg, model_shape(cfg), new_model=False)
+    assert "resuming from checkpoint step-00000002" in notes[0] and "same architecture" in notes[0]
+    builtin = load_config(None, {"node.role": "trainer", "node.data_dir": str(data),
+                                 "model.name": "builtin:tiny"})
+    with pytest.raises(NodeError, match="--new-model"):  # shapes unknown: the name decides
+        check_checkpoints(builtin, model_shape(builtin), new_model=False)
+
+
+def test_new_model_moves_the_old_state_aside(tmp_path, tiny_model_dir):
+    from swarm_node.node.config import load_config
+    from swarm_node.node.preflight import MODEL_RECORD, latest_checkpoint, record_model
+
+    data = tmp_path / "data"
+    shutil.copytree(tiny_model_dir, data / "trainer" / "checkpoints" / "step-00000002" / "policy")
+    (data / "broadcast").mkdir()
+    (data / "node_key.pem").write_text("key stays")
+    cfg = load_config(None, {"node.role": "trainer", "node.data_dir": str(data),
+                             "model.name": "builtin:tiny"})
+    record_model(cfg, new_model=True)
+    assert latest_checkpoint(cfg) is None and not (data / "broadcast").exists()
+    aside = next(data.glob("old-model-*"))
+    assert (aside / "trainer" / "checkpoints" / "step-00000002").is_dir()
+    assert (data / "node_key.pem").read_text() == "key stays"
+    assert json.loads((data / MODEL_RECORD).read_text())["name"] == "builtin:tiny"

@@ -19,8 +19,10 @@ Process CPU time, unlike wall time, is not inflated by other jobs on the machine
 `--load N` runs N CPU-burner processes (one busy core each, each ends on its own after
 --load-max-s) beside both systems for the whole run, the same for ours and the baseline.
 
-Baseline venv (hivemind cannot be imported next to libp2p; it is gitignored):
-    python3 -m venv .venv-bench && .venv-bench/bin/pip install 'hivemind==1.1.12' 'protobuf<7'
+Baseline venv (hivemind cannot be imported next to libp2p; it is gitignored). Install the CPU
+torch first (from local disk here), or pip pulls a multi-GB CUDA build as hivemind's dependency:
+    python3 -m venv .venv-bench && .venv-bench/bin/pip install 'torch==2.13.0'
+    .venv-bench/bin/pip install 'torch==2.13.0' 'hivemind==1.1.12' 'protobuf<7'
 """
 
 from __future__ import annotations
@@ -252,14 +254,22 @@ def run_swarm(python: str, kind: str, args) -> list[dict]:
             p.expect("ready")
         for p in procs:
             p.expect("meshed")
-        start = time.time() + 2.0
-        cpu0 = [tree_cpu_s(p.p.pid) for p in procs]
+        # The 2 s before the start are idle (meshed, batches built): their CPU is each
+        # worker's idle rate (heartbeats, discovery), subtracted for the net per-hop cost.
+        t_idle = time.time()
+        start = t_idle + 2.0
+        cpu_idle = [tree_cpu_s(p.p.pid) for p in procs]
         for p in procs:
             p.send({"start": start})
+        time.sleep(max(0.0, start - time.time()))
+        cpu0 = [tree_cpu_s(p.p.pid) for p in procs]
         results = []
-        for p, c0 in zip(procs, cpu0):
+        for p, ci, c0 in zip(procs, cpu_idle, cpu0):
             results.append(p.expect("done", timeout=args.rounds * args.interval + args.drain + 120))
-            results[-1]["cpu_s"] = tree_cpu_s(p.p.pid) - c0
+            cpu = tree_cpu_s(p.p.pid) - c0
+            idle_rate = (c0 - ci) / (start - t_idle)
+            results[-1]["cpu_s"] = cpu
+            results[-1]["cpu_net_s"] = cpu - idle_rate * (time.time() - start)
         for r in results:
             r["start"] = start
         return results
@@ -313,11 +323,12 @@ def summarize_libp2p(results: list[dict], args) -> dict:
         "publish_waits": sum(m.get("publish_waits", 0) for m in metrics),
         "late_publishes": sum(r.get("late_publishes", 0) for r in results),
         "cpu_ms_per_msg_hop": cpu_per_delivery(results, len(seen)),
+        "cpu_net_ms_per_msg_hop": cpu_per_delivery(results, len(seen), "cpu_net_s"),
     }
 
 
-def cpu_per_delivery(results: list[dict], delivered: int) -> float:
-    cpu = sum(r.get("cpu_s", float("nan")) for r in results)
+def cpu_per_delivery(results: list[dict], delivered: int, key: str = "cpu_s") -> float:
+    cpu = sum(r.get(key, float("nan")) for r in results)
     return cpu * 1000 / delivered if delivered else float("nan")
 
 
@@ -334,7 +345,8 @@ def summarize_hivemind(results: list[dict], args) -> dict:
             "round_p50": pct(complete, 50), "round_p95": pct(complete, 95),
             "round_max": max(complete) if complete else float("nan"),
             "rounds_complete": len(complete),
-            "cpu_ms_per_msg_hop": cpu_per_delivery(results, held)}
+            "cpu_ms_per_msg_hop": cpu_per_delivery(results, held),
+            "cpu_net_ms_per_msg_hop": cpu_per_delivery(results, held, "cpu_net_s")}
 
 
 def main() -> None:
@@ -411,22 +423,24 @@ def record(args, ours: dict, base: dict | None, note: str) -> None:
     rows = [[label, delivery, ms(ours["lat_p50"]), ms(ours["lat_p95"]),
              ms(ours["lat_max"]), f"{ours['throughput_mib_s']:.2f} MiB/s",
              ms(ours["round_p50"]), ms(ours["round_p95"]), ms(ours["round_max"]),
-             f"{ours['rounds_complete']}/{args.rounds}", cpu(ours["cpu_ms_per_msg_hop"])]]
+             f"{ours['rounds_complete']}/{args.rounds}", cpu(ours["cpu_ms_per_msg_hop"]),
+             cpu(ours["cpu_net_ms_per_msg_hop"])]]
     if base:
         rows.append(["hivemind DHT store+get (RL Swarm)",
                      f"{base['ratio']:.2%} ({base['delivered']}/{base['expected']})",
                      "-", "-", "-", "-", ms(base["round_p50"]), ms(base["round_p95"]),
                      ms(base["round_max"]), f"{base['rounds_complete']}/{args.rounds}",
-                     cpu(base["cpu_ms_per_msg_hop"])])
+                     cpu(base["cpu_ms_per_msg_hop"]), cpu(base["cpu_net_ms_per_msg_hop"])])
     body = (f"{args.peers} peers as separate processes on loopback; each shares one "
             f"{args.batch_kib} KiB rollout batch per round, one round every {args.interval}s, "
             f"{args.rounds} rounds, {args.load} CPU-burner processes beside both systems "
             "(--load). \"All held\" = time from round start until every peer holds every "
             "other peer's batch; CPU/msg/hop = process CPU of all workers (and their "
-            "children) from the start signal to done, per delivered batch.\n\n")
+            "children) from the start signal to done, per delivered batch; \"net of idle\" "
+            "subtracts each worker's idle CPU rate measured in the 2 s before the start.\n\n")
     body += table(["transport", "delivery", "lat p50", "lat p95", "lat max", "throughput",
                    "all held p50", "all held p95", "all held max", "rounds complete",
-                   "CPU/msg/hop"], rows)
+                   "CPU/msg/hop", "net of idle"], rows)
     body += (f"\n\nlibp2p counters: drops {ours['drops']}, rejected {ours['rejected']}, "
              f"publish waits {ours['publish_waits']}, late publishes {ours['late_publishes']}.")
     if ours["ratio"] < 1 and ours["drops"] == 0:

@@ -112,3 +112,24 @@ def test_manifest_hashes_and_envelope():
         manifest = CheckpointManifest.decode(env.payload)
         assert [f.name for f in manifest.files] == [f["name"] for f in case["files"]]
         assert unpack(env.payload, max_size=1 << 20)["created_ms"] == case["created_ms"]
+
+
+def test_noise_formula():
+    """NODE_SPEC.md 4: SplitMix64 noise bits written out again from the spec's formula."""
+    mask, golden = (1 << 64) - 1, 0x9E3779B97F4A7C15
+
+    def mix64(z: int) -> int:
+        z &= mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return z ^ (z >> 31)
+
+    domain = int.from_bytes(
+        hashlib.blake2b(b"swarm-node/noise/v2", digest_size=8).digest(), "little")
+    for case in load("noise"):
+        key = mix64(mix64(case["seed"] ^ domain) + golden * (case["position"] + 1))
+        assert f"{key:016x}" == case["row_key"]
+        bits = [mix64(key + golden * (v + 1)) for v in case["tokens"]]
+        assert [f"{b:016x}" for b in bits] == case["bits"]
+        assert [b >> 41 for b in bits] == case["mantissa"]
+        assert [(2 * (b >> 41) + 1) / 2**24 for b in bits] == case["u"]

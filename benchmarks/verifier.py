@@ -451,7 +451,24 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small smoke run; records nothing")
     ap.add_argument("--fuzz", type=int, default=100_000)
     ap.add_argument("--no-toploc", action="store_true")
+    ap.add_argument("--real", choices=["float32", "bfloat16"],
+                    help="collect honest SmolLM2 verifications in this dtype (verifier_real.py)")
+    ap.add_argument("--real-budget-s", type=float, default=1200.0)
+    ap.add_argument("--real-report", metavar="LOAD",
+                    help="write the SmolLM2 section from what was collected (LOAD: the load "
+                         "average seen during collection, for the record)")
     args = ap.parse_args()
+    if args.real or args.real_report:
+        from benchmarks import verifier_real
+
+        if args.real:
+            verifier_real.collect(args.real, args.real_budget_s)
+        else:
+            body = verifier_real.report(args.real_report)
+            print(body)
+            record("verifier-real", body, command="python benchmarks/verifier.py --real "
+                   "float32|bfloat16 --real-budget-s N; then --real-report LOAD")
+        return
     _imports()
     torch.set_num_threads(1)
     scale = 1 if args.quick else 4

@@ -260,3 +260,33 @@ def bogus_round(tokenizer, task_source, sender: str, *, round_: int, version: in
                 proof=bytes([1]) + rng.randbytes(proof_size(length, hidden_size) - 1)))
     return RolloutBatch(swarm_id=swarm_id, round=round_, policy_id=policy_id,
                         policy_version=version, sampling=params, completions=comps)
+
+
+@torch.inference_mode()
+def steer_near_ties(batch, model, tokenizer, tie_eps: float, rate: float = 1.0,
+                    rng: random.Random | None = None) -> RolloutBatch:
+    """Resample every completion with the seeded sampler, but take the runner-up token at
+    "wide" near-ties (top-two noisy scores within (tie_eps/4, tie_eps]) with probability
+    `rate`; consistently re-proven. Each completion passes the per-rollout checks at that
+    tie_eps; only the per-peer steering test (sequential.py) can see it."""
+    from ..node.sampler.seeded import gumbel_noise, mask_logits
+
+    rng = rng or random.Random(0)
+    params = batch.sampling
+    eos = tokenizer.eos_token_id
+    comps = []
+    for c in batch.completions:
+        prompt = c.prompt_ids.to_numpy().tolist()
+        tokens: list[int] = []
+        for t in range(params.max_new_tokens):
+            logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0, -1].float()
+            scores = mask_logits(logits / params.temperature, params) + gumbel_noise(
+                c.seed, t, logits.shape[-1])
+            top = scores.topk(2)
+            margin = float(top.values[0] - top.values[1])
+            pick = 1 if tie_eps / 4 < margin <= tie_eps and rng.random() < rate else 0
+            tokens.append(int(top.indices[pick]))
+            if tokens[-1] == eos:
+                break
+        comps.append(_set_tokens(c, tokens, "eos" if tokens[-1] == eos else "length"))
+    return reprove(batch.model_copy(update={"completions": comps}), model, tokenizer)

@@ -462,7 +462,9 @@ class RolloutVerifier:
         wide = ties & (margin > s.tie_eps / 4)
         return {"replay_max_gap": float(gap.max()), "ties": float(ties.sum()),
                 "tie_flips": float(flips.sum()), "wide_ties": float(wide.sum()),
-                "wide_flips": float((wide & flips).sum())}
+                "wide_flips": float((wide & flips).sum()),
+                # per near-tie position (calibration: benchmarks/verifier.py --real)
+                "tie_margins": margin[ties].tolist(), "tie_flipped": flips[ties].tolist()}
 
 @torch.inference_mode()
 def prefill(model, pairs, pad_id: int = 0, with_logits: bool = True):

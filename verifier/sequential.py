@@ -4,11 +4,13 @@ A tolerance sized for honest float differences (bf16: 0.1 nats) leaves room for 
 that no single completion reveals:
 
 - logprob bias: every claimed logprob shifted the same way inside the tolerance. Honest
-  errors (decode vs prefill, kernels, batch shapes) have no preferred sign, so the sign of
-  a completion's mean error is a fair coin for an honest peer. Test: two one-sided Bernoulli
-  CUSUMs on that sign (H0 p = 0.5, H1 p = `bias_p1`). Scale-free: no threshold to calibrate
-  per model or dtype. (The trainer trains on the recomputed logprobs anyway; this catches
-  the cheater and costs it its reputation.)
+  errors are NOT zero-mean in bf16: the sampler's own rounding helped pick the token it
+  took, so its claimed logprob sits slightly above the verifier's recomputation (measured
+  on SmolLM2: about +0.01 nats per token). Test: per completion
+  z = (sum err - mu0 n) / (sigma0 sqrt n), clipped to +-`bias_clip`, with mu0 and sigma0
+  per dtype from the calibration (`for_dtype`); a two-sided CUSUM with allowance `bias_k`.
+  (The trainer trains on the recomputed logprobs anyway; this catches the cheater and costs
+  it its reputation.)
 - near-tie steering: taking the runner-up token wherever the top two noisy scores are
   within `tie_eps`. At "wide" ties (margin in (tie_eps/4, tie_eps]) an honest sampler
   agrees with the verifier's own choice except for rare float reorderings (rate `flip_p0`,
@@ -16,9 +18,10 @@ that no single completion reveals:
   more. Test: Bernoulli CUSUM (H0 flip_p0, H1 flip_p1) over wide ties.
 
 CUSUM: g = max(0, g + LLR(observation)); an alarm when g > h, then g restarts at 0.
-With h = 12 (log-likelihood units) the false-alarm bound is about e^-12 per start
-(~6e-6); measured rates and detection delays: RESULTS.md "verifier". Peer records are an
-LRU table of `max_peers`.
+For the steering test h = 12 (log-likelihood units) bounds false alarms by about e^-12
+per start (~6e-6); for the bias test an honest peer needs a run of clipped 4-sigma
+completions to reach h. Measured false alarms and detection delays: RESULTS.md
+"verifier-real". Peer records are an LRU table of `max_peers`.
 """
 
 from __future__ import annotations
@@ -31,11 +34,27 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class SequentialSettings:
     h: float = 12.0
-    bias_p1: float = 0.9
+    bias_mu: float = 0.0  # honest mean error per token (claimed - recomputed)
+    bias_sigma: float = 5e-5  # honest per-token spread (fp32: a floor at logprob_tol / 20)
+    bias_k: float = 1.5  # CUSUM allowance, in sigmas
+    bias_clip: float = 4.0  # one completion moves the statistic by at most this
     flip_p0: float = 0.05
     flip_p1: float = 0.5
-    min_tokens: int = 8  # completions shorter than this say too little about the sign
+    min_tokens: int = 8  # shorter completions are not used for the bias test
     max_peers: int = 10_000
+
+    @classmethod
+    def for_dtype(cls, dtype: str) -> SequentialSettings:
+        """Honest parameters measured on SmolLM2 (CPU), benchmarks/verifier.py --real."""
+        if dtype in ("bfloat16", "float16"):
+            return cls(bias_mu=BF16_BIAS_MU, bias_sigma=BF16_BIAS_SIGMA, flip_p0=BF16_FLIP_P0)
+        return cls()
+
+
+# bf16 honest calibration (SmolLM2-135M, CPU; RESULTS.md "verifier-real")
+BF16_BIAS_MU = 0.012
+BF16_BIAS_SIGMA = 0.06
+BF16_FLIP_P0 = 0.1
 
 
 @dataclass
@@ -53,8 +72,6 @@ class PeerMonitor:
     def __init__(self, settings: SequentialSettings | None = None):
         self.s = settings or SequentialSettings()
         s = self.s
-        self._same = math.log(s.bias_p1 / 0.5)
-        self._other = math.log((1 - s.bias_p1) / 0.5)
         self._flip = math.log(s.flip_p1 / s.flip_p0)
         self._keep = math.log((1 - s.flip_p1) / (1 - s.flip_p0))
         self.peers: OrderedDict[str, _PeerState] = OrderedDict()
@@ -76,11 +93,13 @@ class PeerMonitor:
         alarm = None
         n = stats.get("lp_n", 0.0)
         err = stats.get("lp_err_sum", 0.0)
-        if n >= self.s.min_tokens and err != 0.0:
-            up = err > 0
-            st.bias_up = max(0.0, st.bias_up + (self._same if up else self._other))
-            st.bias_down = max(0.0, st.bias_down + (self._other if up else self._same))
-            if max(st.bias_up, st.bias_down) > self.s.h:
+        s = self.s
+        if n >= s.min_tokens:
+            z = (err - s.bias_mu * n) / (s.bias_sigma * math.sqrt(n))
+            z = max(-s.bias_clip, min(s.bias_clip, z))
+            st.bias_up = max(0.0, st.bias_up + z - s.bias_k)
+            st.bias_down = max(0.0, st.bias_down - z - s.bias_k)
+            if max(st.bias_up, st.bias_down) > s.h:
                 alarm = "logprob_bias"
                 st.bias_up = st.bias_down = 0.0
         ties, flips = stats.get("wide_ties", 0.0), stats.get("wide_flips", 0.0)

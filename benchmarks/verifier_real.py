@@ -1,0 +1,258 @@
+"""The verifier on the real model (SmolLM2-135M-Instruct), fp32 and bf16: honest calibration,
+per-peer sequential tests, cost. Driven by `benchmarks/verifier.py --real ...`.
+
+    # collect (one process per dtype; each appends one JSON line per verified completion)
+    .venv/bin/python benchmarks/verifier.py --real float32 --real-budget-s 1200
+    .venv/bin/python benchmarks/verifier.py --real bfloat16 --real-budget-s 1800
+    # report into RESULTS.md section "verifier-real"
+    .venv/bin/python benchmarks/verifier.py --real-report
+
+Every completion is verified with loose thresholds (so nothing stops early) and its
+statistics are kept; the report then says, per statistic, the worst honest value against
+the threshold of `CheckSettings.for_dtype(dtype)`, and how many honest completions those
+thresholds would have rejected.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+OUT = Path(os.environ.get("VERIFIER_REAL_OUT", "/tmp/verifier-real"))
+MIX = {"toy/digit_successor": 1.0, "toy/digit_copy": 1.0, "rg/basic_arithmetic": 1.0}
+SENDER = "12D3KooWBenchRealPeer"
+
+
+def variations(dtype: str):
+    """(name, threads, sampler max_batch, tasks, n, temperature, top_p, max_new_tokens)."""
+    base = [("batch 8 (2 tasks x 4), 1 thread", 1, 8, 2, 4, 1.0, 1.0, 32),
+            ("batch 1 (no padding), 1 thread", 1, 1, 1, 2, 1.0, 1.0, 32),
+            ("batch 8, 2 threads", 2, 8, 2, 4, 1.0, 1.0, 32),
+            ("batch 8, T=0.7 top-p 0.9", 1, 8, 2, 4, 0.7, 0.9, 32),
+            ("batch 8 (1 task x 8), long: 96 tokens", 1, 8, 1, 8, 1.0, 1.0, 96),
+            ("batch 32 (4 tasks x 8), 1 thread", 1, 32, 4, 8, 1.0, 1.0, 32)]
+    return base if dtype == "float32" else [base[0], base[2], base[1]]
+
+
+def loose_settings():
+    from swarm_node.verifier.checks import CheckSettings
+    from swarm_node.verifier.proof import ProofThresholds
+
+    return CheckSettings(max_policy_lag=1 << 30, logprob_tol=50.0, tie_eps=1.0, top_p_eps=1e-2,
+                         min_eos_prob=0.0, shape_z_max=1e9,
+                         proof=ProofThresholds(match_rel=1.0, max_mismatches=128,
+                                               max_mean_abs=10.0, max_bias=10.0))
+
+
+def collect(dtype: str, budget_s: float) -> Path:
+    """Sample and verify honest rounds for each variation, splitting `budget_s` evenly."""
+    from swarm_node.node.models import BUILTIN_SMOLLM2, ensure_builtin, load_model
+    from swarm_node.node.tasks import TaskSource
+    from swarm_node.protocol.messages import SamplingParams
+    from swarm_node.verifier import attacks
+    from swarm_node.verifier.checks import RolloutVerifier
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    path = OUT / f"{dtype}.jsonl"
+    model, tokenizer = load_model(ensure_builtin(BUILTIN_SMOLLM2), dtype=dtype)
+    source = TaskSource(MIX, "default")
+    specs = variations(dtype)
+    per = budget_s / len(specs)
+    round_ = 0
+    with open(path, "a") as out:
+        for name, threads, max_batch, tasks, n, temp, top_p, max_new in specs:
+            torch.set_num_threads(threads)
+            params = SamplingParams(temperature=temp, top_p=top_p, max_new_tokens=max_new)
+            t_end = time.monotonic() + per
+            while time.monotonic() < t_end:
+                t0 = time.perf_counter()
+                batch = attacks.sample_batch(model, tokenizer, source, SENDER, round_=round_,
+                                             version=0, tasks=tasks, n=n, params=params,
+                                             max_batch=max_batch)
+                gen_s = time.perf_counter() - t0
+                batch = batch.model_copy(update={"dtype": dtype})
+                v = RolloutVerifier(model, tokenizer, source, swarm_id="default",
+                                    latest_version=lambda: 0, dtype=dtype,
+                                    settings=loose_settings())
+                t0 = time.perf_counter()
+                results = v.verify(batch, SENDER)
+                verify_s = time.perf_counter() - t0
+                tokens = sum(c.completion_ids.shape[0] for c in batch.completions)
+                out.writelines(json.dumps({
+                    "dtype": dtype, "variation": name, "round": round_,
+                    "reason": r.reason, "stats": r.stats, "tokens": tokens,
+                    "len": c.completion_ids.shape[0], "finish": c.finish_reason,
+                    "gen_s": gen_s, "verify_s": verify_s,
+                    "completions": len(batch.completions)}) + "\n"
+                    for r, c in zip(results, batch.completions))
+                out.flush()
+                round_ += 1
+                print(f"{dtype} {name}: round {round_}, gen {gen_s:.1f}s verify {verify_s:.1f}s",
+                      flush=True)
+    return path
+
+
+def load(dtype: str) -> list[dict]:
+    path = OUT / f"{dtype}.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# report ------------------------------------------------------------------------------------
+
+
+def would_reject(rec: dict, s) -> str | None:
+    """The reason `s` (CheckSettings) would give this honest completion, or None."""
+    st = rec["stats"]
+    p = s.proof
+    if rec["reason"] != "ok":
+        return rec["reason"]
+    if st["proof_mismatches"] > p.max_mismatches:
+        return "proof_index_mismatch"
+    if st["proof_mean_abs"] > p.max_mean_abs:
+        return "proof_deviation"
+    if st["proof_bias"] > p.max_bias:
+        return "proof_bias"
+    if st["logprob_max_diff"] > s.logprob_tol:
+        return "logprob_mismatch"
+    if st["replay_max_gap"] > s.tie_eps:
+        return "token_mismatch"
+    if "eos_prob" in st and st["eos_prob"] < s.min_eos_prob:
+        return "eos_improbable"
+    if "shape_z" in st and abs(st["shape_z"]) > s.shape_z_max:
+        return "sampling_shape"
+    return None
+
+
+def calibration_rows(recs: list[dict], s) -> list[list]:
+    def worst(key, fn=max, absval=False):
+        vals = [abs(r["stats"][key]) if absval else r["stats"][key]
+                for r in recs if key in r["stats"]]
+        return fn(vals) if vals else float("nan")
+
+    p = s.proof
+    return [
+        ["proof mismatches (of 128, per chunk)", worst("proof_mismatches"), p.max_mismatches],
+        ["proof mean relative error", f"{worst('proof_mean_abs'):.2e}", f"{p.max_mean_abs:.2e}"],
+        ["proof bias |mean signed error|", f"{worst('proof_bias'):.2e}", f"{p.max_bias:.2e}"],
+        ["logprob max |claimed - recomputed|", f"{worst('logprob_max_diff'):.3g}",
+         s.logprob_tol],
+        ["replay gap (claimed token behind the seeded choice)",
+         f"{worst('replay_max_gap'):.3g}", s.tie_eps],
+        ["|shape z|", f"{worst('shape_z', absval=True):.2f}", s.shape_z_max],
+        ["EOS probability (min)", f"{worst('eos_prob', fn=min):.2e}", f"{s.min_eos_prob:.0e}"],
+    ]
+
+
+def sequential_rows(recs: list[dict], dtype: str, batch: int = 8) -> tuple[list[list], dict]:
+    """Honest false alarms over the measured completions, and detection delays of the two
+    cheats simulated on top of the same honest statistics."""
+    from swarm_node.verifier.checks import CheckSettings
+    from swarm_node.verifier.sequential import PeerMonitor, SequentialSettings
+
+    s = CheckSettings.for_dtype(dtype)
+    seq = SequentialSettings.for_dtype(dtype)
+    ok = [r for r in recs if r["reason"] == "ok"]
+
+    def restat(r, bias=0.0, steer=0.0):
+        st = dict(r["stats"])
+        margins, flipped = st.get("tie_margins", []), st.get("tie_flipped", [])
+        wide = [(m, f) for m, f in zip(margins, flipped) if s.tie_eps / 4 < m <= s.tie_eps]
+        st["wide_ties"] = float(len(wide))
+        flips = sum(1 for _, f in wide if f)
+        st["wide_flips"] = float(flips + round(steer * (len(wide) - flips)))
+        st["lp_err_sum"] = st["lp_err_sum"] + bias * st["lp_n"]
+        return st
+
+    honest = PeerMonitor(seq)
+    alarms = sum(1 for r in ok if honest.observe("p", restat(r)))
+    ties = sum(restat(r)["wide_ties"] for r in ok)
+    flips = sum(restat(r)["wide_flips"] for r in ok)
+
+    def delay(**cheat):
+        m = PeerMonitor(seq)
+        for k, r in enumerate(ok * 50):
+            if m.observe("c", restat(r, **cheat)):
+                return k + 1
+        return None
+
+    rows = []
+    for label, cheat in [("logprob bias -0.09 on every token", {"bias": -0.09}),
+                         ("logprob bias -0.03 on every token", {"bias": -0.03}),
+                         ("steering: runner-up at every wide tie", {"steer": 1.0}),
+                         ("steering: runner-up at half the wide ties", {"steer": 0.5})]:
+        d = delay(**cheat)
+        rows.append([label, d if d else "not within 50x the sample",
+                     f"{-(-d // batch)}" if d else "-"])
+    info = {"completions": len(ok), "alarms": alarms, "wide_ties": ties, "wide_flips": flips,
+            "settings": seq}
+    return rows, info
+
+
+def cost_rows(recs: list[dict]) -> list[list]:
+    by: dict[str, dict] = {}
+    for r in recs:
+        key = f"{r['dtype']} {r['variation']}"
+        d = by.setdefault(key, {"rounds": set(), "gen": 0.0, "ver": 0.0, "tok": 0})
+        if r["round"] in d["rounds"]:
+            continue
+        d["rounds"].add(r["round"])
+        d["gen"] += r["gen_s"]
+        d["ver"] += r["verify_s"]
+        d["tok"] += r["tokens"]
+    return [[k, len(d["rounds"]), d["tok"], f"{d['tok'] / d['gen']:.1f}",
+             f"{d['ver'] / d['gen']:.0%}"] for k, d in by.items()]
+
+
+def report(load_avg: str) -> str:
+    from swarm_node.verifier.checks import CheckSettings
+
+    from benchmarks.results import table
+
+    intro = (f"Real model: SmolLM2-135M-Instruct (`builtin:smollm2-135m`), CPU. Task mix "
+             f"{', '.join(MIX)} (prompts of ~37 and ~130 tokens mixed in one batch). "
+             f"Load average during the runs: {load_avg} on 2 cores shared with 6 other "
+             "agents: timings are noisy and pessimistic; ratios (verify / generate) are "
+             "from the same batch back to back.\n")
+    parts = [intro]
+    for dtype in ("float32", "bfloat16"):
+        recs = load(dtype)
+        if not recs:
+            parts.append(f"### {dtype}: no data collected\n")
+            continue
+        s = CheckSettings.for_dtype(dtype)
+        rejects: dict[str, int] = {}
+        for r in recs:
+            why = would_reject(r, s)
+            if why:
+                rejects[why] = rejects.get(why, 0) + 1
+        nvar = len({r["variation"] for r in recs})
+        parts.append(f"### {dtype}: {len(recs)} honest completions in {nvar} variations, "
+                     f"**{sum(rejects.values())} false rejects** under "
+                     f"`CheckSettings.for_dtype(\"{dtype}\")`"
+                     + (f" ({rejects})" if rejects else "") + "\n")
+        parts.append(table(["statistic", "worst honest", "threshold"],
+                           calibration_rows(recs, s)))
+        rows, info = sequential_rows(recs, dtype)
+        st = info["settings"]
+        parts.append(f"\nPer-peer sequential tests ({dtype}; `SequentialSettings.for_dtype`: "
+                     f"bias mu0 {st.bias_mu:+.3g}, sigma0 {st.bias_sigma:.3g}, k {st.bias_k}, "
+                     f"clip {st.bias_clip}; steering p0 {st.flip_p0}, p1 {st.flip_p1}; "
+                     f"h {st.h}): honest false alarms **{info['alarms']}** over "
+                     f"{info['completions']} completions ({info['completions'] // 8} batches "
+                     f"of 8); honest flips at wide ties {info['wide_flips']:.0f} of "
+                     f"{info['wide_ties']:.0f}. Detection delay of simulated cheats (the "
+                     "honest statistics with the cheat applied):\n")
+        parts.append(table(["cheat", "completions to alarm", "batches of 8"], rows))
+        parts.append("")
+    all_recs = load("float32") + load("bfloat16")
+    if all_recs:
+        parts.append("### Cost: verification time / generation time, same batches\n")
+        parts.append(table(["dtype, variation", "batches", "tokens", "generation tok/s",
+                            "verify / generate"], cost_rows(all_recs)))
+    return "\n".join(parts)

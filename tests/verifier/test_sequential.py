@@ -1,0 +1,91 @@
+"""Findings 7 and 8 of issue 11: what the per-completion tolerance lets through is caught
+across batches by the per-peer sequential tests (verifier/sequential.py), on the tiny model
+with bf16-sized tolerances, and honest batches under the same settings raise no alarm."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from swarm_node.protocol.messages import SamplingParams, TensorData
+from swarm_node.verifier import attacks
+from swarm_node.verifier.checks import CheckSettings, RolloutVerifier
+from swarm_node.verifier.sequential import PeerMonitor, SequentialSettings
+
+SENDER = "12D3KooWSequentialPeer"
+PARAMS = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=24)
+LOOSE = CheckSettings(logprob_tol=0.1, tie_eps=0.1)  # the bf16 tolerances of issue 11
+
+
+@pytest.fixture(scope="module")
+def kit(tiny_model_dir):
+    from swarm_node.node.models import load_model
+    from swarm_node.node.tasks import TaskSource
+
+    torch.set_num_threads(1)
+    model, tokenizer = load_model(tiny_model_dir)
+    return model, tokenizer, TaskSource({"toy/digit_copy": 1.0}, "default")
+
+
+def batches(kit, rounds):
+    model, tokenizer, source = kit
+    return [attacks.sample_batch(model, tokenizer, source, SENDER, round_=r, version=0,
+                                 tasks=2, n=2, params=PARAMS) for r in rounds]
+
+
+def run(kit, monitor, batch, sender=SENDER):
+    model, tokenizer, source = kit
+    v = RolloutVerifier(model, tokenizer, source, swarm_id="default",
+                        latest_version=lambda: 0, settings=LOOSE)
+    results = v.verify(batch, sender)
+    assert {r.reason for r in results} == {"ok"}, [(r.reason, r.detail) for r in results]
+    return [monitor.observe(sender, r.stats) for r in results]
+
+
+def test_8_near_tie_steering_passes_each_check_but_not_the_peer_test(kit):
+    model, tokenizer, _ = kit
+    honest_monitor, cheat_monitor = PeerMonitor(), PeerMonitor()
+    honest_alarms, detected_at = [], None
+    for k in range(6):
+        batch = batches(kit, [k])[0]
+        honest_alarms += [a for a in run(kit, honest_monitor, batch) if a]
+        steered = attacks.steer_near_ties(batch, model, tokenizer, LOOSE.tie_eps)
+        if "tie_steering" in run(kit, cheat_monitor, steered):
+            detected_at = k + 1
+            break
+    assert honest_alarms == []
+    assert detected_at is not None and detected_at <= 6
+    st = cheat_monitor.peers[SENDER]
+    assert st.alarms["tie_steering"] >= 1
+
+
+def test_7_logprob_bias_inside_the_tolerance_is_caught_across_batches(kit):
+    honest_monitor, cheat_monitor = PeerMonitor(), PeerMonitor()
+    detected_at = None
+    for k in range(3):
+        batch = batches(kit, [20 + k])[0]
+        assert not any(run(kit, honest_monitor, batch))
+        biased = batch.model_copy(update={"completions": [
+            c.model_copy(update={"logprobs": TensorData.from_numpy(
+                c.logprobs.to_numpy() - np.float32(0.09))}) for c in batch.completions]})
+        if "logprob_bias" in run(kit, cheat_monitor, biased):
+            detected_at = k + 1
+            break
+    assert detected_at is not None and detected_at <= 3
+
+
+def test_bias_test_follows_the_honest_offset_of_the_dtype():
+    """bf16 honest errors sit above zero (the sampler's rounding helped pick its token):
+    with the bf16 parameters such an offset raises no alarm, a downward shift does."""
+    s = SequentialSettings.for_dtype("bfloat16")
+    m = PeerMonitor(s)
+    rng = random.Random(0)
+    for _ in range(2000):
+        n = 32
+        err = sum(rng.gauss(s.bias_mu, s.bias_sigma) for _ in range(n))
+        assert m.observe("honest", {"lp_err_sum": err, "lp_n": n}) is None
+    alarms = [m.observe("cheat", {"lp_err_sum": (s.bias_mu - 0.09) * 32, "lp_n": 32})
+              for _ in range(10)]
+    assert "logprob_bias" in alarms

@@ -22,6 +22,14 @@ app = typer.Typer(
 
 ConfigOpt = typer.Option(None, "--config", "-c", help="TOML config file.", exists=False)
 DataDirOpt = typer.Option(None, "--data-dir", help="Data directory (key, buffers, checkpoints).")
+KeyWriteOpt = typer.Option(None, "--key", help="Key file to write.")
+KeyReadOpt = typer.Option(None, "--key", help="Key file to read.")
+BootstrapOpt = typer.Option(None, "--bootstrap", "-b",
+                            help="Multiaddr of a peer to join through (repeatable).")
+ListenOpt = typer.Option(None, "--listen", help="Multiaddr to listen on.")
+FollowOpt = typer.Option(None, "--follow", help="Peer ID of a trainer to follow.")
+WorkdirOpt = typer.Option(None, "--workdir", help="Where the demo keeps files.")
+ModelDirArg = typer.Argument(..., help="Folder to write the model and tokenizer to.")
 
 
 def _fail(message: str, code: int = 2, json_line: bool = False) -> None:
@@ -71,7 +79,7 @@ SetOpt = typer.Option(None, "--set", "-s", metavar="KEY=VALUE",
 def keygen(
     config: Path | None = ConfigOpt,
     data_dir: Path | None = DataDirOpt,
-    key: Path | None = typer.Option(None, "--key", help="Key file to write."),
+    key: Path | None = KeyWriteOpt,
     force: bool = typer.Option(False, "--force", help="Overwrite an existing key."),
 ) -> None:
     """Create the node's Ed25519 key (PEM, mode 0600) and print its peer ID."""
@@ -95,7 +103,7 @@ def keygen(
 def show_id(
     config: Path | None = ConfigOpt,
     data_dir: Path | None = DataDirOpt,
-    key: Path | None = typer.Option(None, "--key", help="Key file to read."),
+    key: Path | None = KeyReadOpt,
 ) -> None:
     """Print this node's libp2p peer ID."""
     from ..node.errors import NodeError
@@ -114,12 +122,10 @@ def join(
                                        help="inference | trainer | relay"),
     config: Path | None = ConfigOpt,
     data_dir: Path | None = DataDirOpt,
-    bootstrap: list[str] | None = typer.Option(
-        None, "--bootstrap", "-b", help="Multiaddr of a peer to join through (repeatable)."),
-    listen: list[str] | None = typer.Option(None, "--listen", help="Multiaddr to listen on."),
+    bootstrap: list[str] | None = BootstrapOpt,
+    listen: list[str] | None = ListenOpt,
     swarm: str | None = typer.Option(None, "--swarm", help="Swarm id."),
-    follow: list[str] | None = typer.Option(None, "--follow",
-                                               help="Peer ID of a trainer to follow."),
+    follow: list[str] | None = FollowOpt,
     model: str | None = typer.Option(None, "--model", help="HF model id or local dir."),
     admin_port: int | None = typer.Option(None, "--admin-port"),
     log_json: bool | None = typer.Option(None, "--log-json/--log-text"),
@@ -195,7 +201,7 @@ def doctor(
 def demo(
     rounds: int = typer.Option(0, "--rounds", help="Training steps (0: the demo's default)."),
     inference_peers: int = typer.Option(2, "--inference-peers", help="Honest inference peers."),
-    workdir: Path | None = typer.Option(None, "--workdir", help="Where the demo keeps files."),
+    workdir: Path | None = WorkdirOpt,
 ) -> None:
     """Run a complete local swarm on loopback with the built-in tiny model."""
     from ..node.errors import NodeError
@@ -234,7 +240,7 @@ def status(
 
 @app.command("make-tiny-model")
 def make_tiny_model(
-    directory: Path = typer.Argument(..., help="Folder to write the model and tokenizer to."),
+    directory: Path = ModelDirArg,
     seed: int = typer.Option(0, "--seed"),
 ) -> None:
     """Build the built-in tiny model (Qwen2 architecture, local tokenizer) into DIRECTORY."""

@@ -149,7 +149,8 @@ class InferenceRole(Role):
             self.state.rollouts_sent += len(batch.completions)
             rewards = [c.claimed_reward for c in batch.completions]
             self.state.reward = sum(rewards) / len(rewards)
-            self.state.record_step(batch.policy_version, self.state.reward, round=batch.round)
+            self.state.record_step(batch.policy_version, self.state.reward, round=batch.round,
+                                   accuracy=sum(r >= 1.0 for r in rewards) / len(rewards))
             log.info("published round %d: %d completions, policy v%d, mean reward %.3f",
                      batch.round, len(batch.completions), batch.policy_version, self.state.reward)
 

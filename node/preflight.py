@@ -73,12 +73,13 @@ def _maddr(addr: str, multiaddr):
 
 def _tcp_part(addr: str, multiaddr) -> tuple[str, int]:
     m = _maddr(addr, multiaddr)
-    try:
-        host = m.value_for_protocol("ip4") or m.value_for_protocol("ip6")
-        port = int(m.value_for_protocol("tcp"))
-    except Exception:  # noqa: BLE001 - missing protocol raises ProtocolLookupError
-        raise NodeError(f"listen address {addr} must be /ip4/<ip>/tcp/<port>") from None
-    return host, port
+    for proto in ("ip4", "ip6"):
+        try:
+            return m.value_for_protocol(proto), int(m.value_for_protocol("tcp"))
+        except Exception:  # noqa: BLE001, S112 - a missing protocol raises ProtocolLookupError
+            continue
+    raise NodeError(f"listen address {addr} must be /ip4/<ip>/tcp/<port> or "
+                    "/ip6/<ip>/tcp/<port>")
 
 
 def check_peer_id(peer: str, what: str) -> None:

@@ -78,12 +78,12 @@ class TrioBridge:
             if error is None:
                 error = NotRunning("the libp2p host stopped before it was ready")
             self._ready.set_exception(error)
+        elif not self.stop_requested and self.on_death is not None:
+            self.on_death(_describe(error) if error is not None
+                          else "it returned without being stopped")  # the owner logs it
         elif error is not None:
             self.shutdown_errors.append(f"{type(error).__name__}: {error}")
             log.warning("libp2p thread ended with %s: %s", type(error).__name__, error)
-        if self._ready.done() and not self.stop_requested and self.on_death is not None:
-            why = _describe(error) if error is not None else "it returned without being stopped"
-            self.on_death(why)
         if not self._done.done():
             self._done.set_result(None)
 
@@ -214,9 +214,17 @@ class TrioBridge:
 
 
 def _describe(error: BaseException) -> str:
-    """The innermost error of a (possibly grouped) exception, one line."""
-    while isinstance(error, BaseExceptionGroup) and error.exceptions:
-        error = error.exceptions[0]
+    """The root error of a (possibly grouped, possibly wrapped) exception, one line: trio
+    wraps what broke its run in TrioInternalError, the cause is what an operator needs."""
+    for _ in range(32):  # bounded: cause chains can loop
+        if isinstance(error, BaseExceptionGroup) and error.exceptions:
+            error = error.exceptions[0]
+        elif error.__cause__ is not None:
+            error = error.__cause__
+        elif error.__context__ is not None and not error.__suppress_context__:
+            error = error.__context__
+        else:
+            break
     return f"{type(error).__name__}: {error}"
 
 

@@ -76,7 +76,7 @@ async def test_host_death_is_reported_at_once(make_node):
 
     node._bridge.call_soon(blow_up)  # an error no guard catches ends trio.run
     why = await asyncio.wait_for(node.wait_failed(), 20)
-    assert "simulated libp2p failure" in why or "TrioInternalError" in why
+    assert why == "RuntimeError: simulated libp2p failure"
     assert node.health()["alive"] is False and node.health()["failure"] == why
 
 
@@ -231,3 +231,44 @@ async def test_inbound_bytes_per_stream_are_budgeted(make_node):
     await stream.write(os.urandom(64 * 1024))
     await wait_until(lambda: server.metrics["stream_handler_errors"] == 1, what="budget hit")
     assert sum(seen) <= 4096 + (1 << 16)
+
+
+@pytest.mark.slow
+def test_node_exits_non_zero_with_one_line_when_its_host_dies(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+    from pathlib import Path
+
+    data = tmp_path / "relay"
+    cmd = [sys.executable, str(Path(__file__).with_name("crash_proc.py")), "join",
+           "--role", "relay", "--data-dir", str(data), "--listen", "/ip4/127.0.0.1/tcp/0",
+           "--admin-port", "0"]
+    env = dict(os.environ, HOME=str(tmp_path), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    try:
+        deadline = time.monotonic() + 120
+        status = {}
+        while status.get("phase") != "running":
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "the relay did not start"
+            try:
+                port = int((data / "admin.port").read_text())
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=5) as r:
+                    status = json.loads(r.read())
+            except (OSError, ValueError):
+                time.sleep(0.2)
+        assert status["p2p"]["alive"] is True
+        proc.send_signal(signal.SIGUSR1)
+        rc = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = proc.stderr.read()
+    assert rc != 0
+    died = [line for line in err.splitlines() if "libp2p host died" in line]
+    assert died and "injected libp2p thread failure" in died[-1], err[-3000:]

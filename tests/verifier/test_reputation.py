@@ -130,3 +130,47 @@ def test_from_config(tmp_path):
     section = VerifierSection(spot_check_fraction=0.25, ban_seconds=7)
     rep = Reputation.from_config(section, tmp_path / "r.json")
     assert rep.spot_check_fraction == 0.25 and rep.ban_seconds == 7
+
+
+def test_verdict_flood_about_made_up_subjects_is_bounded():
+    """Issue 17 finding 7: each hint about a new subject costs O(1) and bounded memory."""
+    rep = Reputation(None, max_suspects=100)
+    for i in range(5000):
+        v = Verdict(rollout_id=b"\x01" * 32, subject=f"made-up-{i}", accept=False,
+                    reason="proof_bias")
+        assert rep.hint(v, "flooder")
+    assert len(rep.suspects) == 100 and len(rep.peers) == 0
+    assert rep.check_fraction("made-up-4999") == 1.0
+
+
+def test_peer_table_is_lru_and_keeps_banned_peers(tmp_path):
+    clock = Clock()
+    rep = Reputation(None, max_peers=5, clock=clock)
+    rep.record("cheat", False, "proof_bias")
+    rep.record("cheat", False, "proof_bias")
+    assert rep.is_banned("cheat")
+    for i in range(20):
+        rep.record(f"p{i}", True)
+    assert len(rep.peers) == 5 and rep.is_banned("cheat")
+    assert "p19" in rep.peers and "p0" not in rep.peers
+
+
+def test_saves_are_incremental_journal_lines(tmp_path):
+    """A ban appends one journal line; the snapshot is not rewritten; a restart replays the
+    journal and ignores a torn last line."""
+    path = tmp_path / "rep.json"
+    rep = Reputation(path, save_interval_s=1e9)
+    for i in range(200):
+        rep.record(f"peer{i}", True)
+    rep.save()
+    snapshot = path.read_bytes()
+    journal = path.with_name("rep.json.log")
+    before = len(journal.read_text().splitlines()) if journal.exists() else 0
+    rep.record("bad", False, "proof_bias")
+    rep.record("bad", False, "proof_bias")  # banned: saved at once
+    assert path.read_bytes() == snapshot
+    assert len(journal.read_text().splitlines()) - before == 1  # one line for the ban
+    with open(journal, "a") as f:
+        f.write('{"peer": "torn", "rec')  # a crash mid-write
+    again = Reputation(path)
+    assert again.is_banned("bad") and len(again.peers) == 201

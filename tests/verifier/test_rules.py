@@ -317,3 +317,45 @@ def test_12_shared_prompt_prefill_matches_the_full_prefill(kit, honest):
         for a, b in zip(shared, full):
             assert a.shape == b.shape
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+async def test_10_role_intake_trust_only_from_checks_and_verdicts_for_config(tmp_path):
+    """The trainer role's bookkeeping: `unchecked` results never raise trust, config
+    rejects cost nothing and are published as a verdict to the peer, a probation sender's
+    cheat is reported against the connection that carried it."""
+    from swarm_node.node.config import Config
+    from swarm_node.node.identity import Identity
+    from swarm_node.node.metrics import NodeState
+    from swarm_node.node.roles.trainer import TrainerRole
+    from swarm_node.verifier.checks import RolloutResult
+
+    class P2P:
+        def __init__(self):
+            self.published, self.reports = [], []
+
+        async def publish(self, kind, message):
+            self.published.append((kind, message))
+
+        def report_misbehaviour(self, peer, n=1, reason="bogus_batch"):
+            self.reports.append((peer, reason))
+            return False
+
+    cfg = Config()
+    cfg.node.data_dir = str(tmp_path)
+    ident, p2p = Identity.generate(), P2P()
+    role = TrainerRole(cfg, ident, p2p, NodeState(ident.peer_id, "trainer", "default"))
+    role.reputation = Reputation(None)
+    batch = type("B", (), {"round": 1, "policy_version": 0})()
+    rid = b"\x02" * 32
+    unchecked = [RolloutResult(i, rid, True, "unchecked") for i in range(4)]
+    await role._after_verify(batch, "peer-a", "conn-a", unchecked, established=False)
+    assert role.reputation.score("peer-a") == 0.0
+    config = [RolloutResult(i, rid, False, "config_task_mix", "check tasks.mix")
+              for i in range(4)]
+    await role._after_verify(batch, "peer-b", "conn-b", config, established=False)
+    assert role.reputation.score("peer-b") == 0.0 and not p2p.reports
+    told = [m for _, m in p2p.published if m.subject == "peer-b"]
+    assert any(m.reason == "config_task_mix" for m in told)
+    cheat = [RolloutResult(i, rid, False, "proof_bias") for i in range(4)]
+    await role._after_verify(batch, "peer-c", "conn-c", cheat, established=False)
+    assert role.reputation.is_banned("peer-c") and p2p.reports == [("conn-c", "bogus_batch")]

@@ -269,7 +269,8 @@ class TrainerRole(Role):
                 self.state.accept(sender)
             else:
                 self.state.reject(sender, r.reason)
-                first_reject = first_reject or r
+                if first_reject is None or first_reject.reason == "group_member_rejected":
+                    first_reject = r  # the verdict names the cause, not the collateral
         n_ok = sum(r.accept for r in results)
         self.peer_batches += n_ok > 0
         log.info("verified round %d from %s: %d accepted, %d rejected%s", batch.round,

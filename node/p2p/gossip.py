@@ -136,6 +136,7 @@ class GossipValidator:
         self.on_reject = on_reject
         self.replay = ReplayCache(window_s=2 * max_skew_s)  # covers the whole skew window
         self.accepted: OrderedDict[bytes, Envelope] = OrderedDict()
+        self.carried_by: OrderedDict[str, str] = OrderedDict()  # origin -> forwarding peer
         self.max_pending = 65536
 
     def for_kind(self, kind: str) -> Callable[[ID, object], bool]:
@@ -178,6 +179,10 @@ class GossipValidator:
         self.accepted[msg.from_id + msg.seqno] = env
         while len(self.accepted) > self.max_pending:
             self.accepted.popitem(last=False)
+        self.carried_by[origin] = fwd  # who brought this origin's messages first
+        self.carried_by.move_to_end(origin)
+        while len(self.carried_by) > self.max_pending:
+            self.carried_by.popitem(last=False)
         return True
 
     def take(self, msg) -> Envelope | None:

@@ -165,11 +165,15 @@ class P2PNode:
     # Penalties ------------------------------------------------------------------------
 
     def report_misbehaviour(self, peer_id: str, n: int = 1, reason: str = "bogus_batch") -> bool:
-        """Add `n` offences of `reason` (penalties.POINTS) to `peer_id`, the peer whose
-        connection carried them (not the envelope signer: sybils sign with fresh keys).
-        Past the threshold the connection is cut and the peer refused for a backoff.
-        Returns True if this report cut it. Callable from any thread."""
-        return self.penalties.penalise(peer_id, reason, n)
+        """Add `n` offences of `reason` (penalties.POINTS) to the connection that carried
+        them. `peer_id` may be a connected peer, or the origin of gossip (e.g. a fresh sybil
+        key, which is never a connection): then the peer that forwarded that origin's
+        messages to us first is charged. Past the threshold the connection is cut and the
+        peer refused for a backoff. Returns True if this report cut it. Any thread."""
+        target = peer_id
+        if peer_id not in self._connected and self._validator is not None:
+            target = self._validator.carried_by.get(peer_id, peer_id)
+        return self.penalties.penalise(target, reason, n)
 
     def _cut(self, peer: str) -> None:
         self.metrics.inc("peers_cut")

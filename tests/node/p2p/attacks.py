@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import struct
 
+from libp2p.peer.id import ID
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import PUBSUB_SIGNING_PREFIX
 from libp2p.utils.varint import encode_uvarint
@@ -41,16 +42,24 @@ async def push_ignoring_window(node, stream, total: int, chunk: int = 1 << 20) -
     return await node._bridge.call(push)
 
 
-def signed_rpcs(node, topic: str, payloads: list[bytes], per_rpc: int = 100) -> list[bytes]:
-    """Varint-framed pubsub RPCs carrying `payloads`, each message signed by `node`'s libp2p
-    key as GossipSub requires (so only our own layer can refuse them cheaply)."""
-    pubsub, host = node._pubsub, node._host
-    key, pub = host.get_private_key(), host.get_public_key().serialize()
+def signed_rpcs(node, topic: str, payloads: list[bytes], per_rpc: int = 100,
+                signer=None) -> list[bytes]:
+    """Varint-framed pubsub RPCs carrying `payloads`, each message signed as GossipSub
+    requires by `node`'s libp2p key, or by `signer` (an Identity: a sybil's fresh key, the
+    message's origin then) while `node` only carries them."""
+    pubsub = node._pubsub
+    if signer is None:
+        key, pub = node._host.get_private_key(), node._host.get_public_key()
+    else:
+        pair = signer.to_libp2p_keypair()
+        key, pub = pair.private_key, pair.public_key
+    from_id = ID.from_pubkey(pub).to_bytes()
+    pub = pub.serialize()
     frames = []
     for i in range(0, len(payloads), per_rpc):
         rpc = rpc_pb2.RPC()
         for data in payloads[i:i + per_rpc]:
-            msg = rpc_pb2.Message(data=data, topicIDs=[topic], from_id=pubsub.my_id.to_bytes(),
+            msg = rpc_pb2.Message(data=data, topicIDs=[topic], from_id=from_id,
                                   seqno=pubsub._next_seqno())
             msg.signature = key.sign(PUBSUB_SIGNING_PREFIX.encode() + msg.SerializeToString())
             msg.key = pub

@@ -9,6 +9,7 @@ import json
 import os
 
 import pytest
+from swarm_node.node.identity import Identity
 from swarm_node.node.p2p import PublishError, RequestError
 from swarm_node.node.p2p.discovery import PEERS_PROTOCOL
 from swarm_node.protocol.messages import Hello, ShardAdvert, Status
@@ -184,6 +185,33 @@ async def test_reported_misbehaviour_cuts_and_refuses_the_peer(make_node):
     await wait_until(lambda: victim.metrics["connections_refused"] >= 1, what="refusal")
     await wait_until(lambda: peer not in victim.connected_peers(), what="dropped again")
     assert peer in victim.health()["refused"]
+
+
+async def test_fresh_key_batches_charge_the_connection_that_carried_them(make_node):
+    victim = await make_node(discovery=False)
+    attacker = await make_node(bootstrap=victim.listen_addrs, discovery=False)
+    reports = []
+
+    async def work_layer(env, origin):
+        # What the trainer's verifier does with a fresh key's bogus batch: report it.
+        reports.append(victim.report_misbehaviour(origin, 1, "bogus_batch"))
+
+    await victim.subscribe("verdicts", work_layer)
+    await wait_until(lambda: attacker.peer_id in victim.connected_peers(), what="connection")
+    sybils = [Identity.generate() for _ in range(15)]
+    topic = attacker.topic("verdicts")
+    frames = [frame for i, sybil in enumerate(sybils)
+              for frame in signed_rpcs(attacker, topic, [sybil.seal(verdict(i))], signer=sybil)]
+    stream = await attacker.open_stream(victim.peer_id, MESHSUB)
+    for frame in frames:
+        try:
+            await stream.write(frame)
+        except Exception:  # noqa: BLE001 - cut by the victim
+            break
+    await wait_until(lambda: attacker.peer_id not in victim.connected_peers(), what="the cut")
+    assert reports.count(True) == 1 and len(reports) >= 10  # 10 points each, cut at 100
+    assert attacker.peer_id in victim.health()["refused"]
+    assert all(victim.penalties.score(s.peer_id) == 0 for s in sybils)  # keys cost nothing
 
 
 async def test_error_replies_close_streams_and_name_no_swarm(make_node):

@@ -40,6 +40,13 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def cpu_seconds() -> float:
+    """User + system CPU time of this process so far (less sensitive to a busy machine than
+    wall time)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def corrupting(store, spec: str):
     """Wrap `store.read_shard` so that some shards carry one flipped byte: `spec` is a
     comma-separated list of indices, or `first` (whichever shard this peer serves first)."""
@@ -124,7 +131,7 @@ async def main(argv: list[str] | None = None) -> int:
              t=time.time(), metrics=dict(d.metrics) if d else {},
              sources=bc.books[(m.policy_id, m.version)].summary(),
              streams=dict(getattr(bc.transport, "opened", {})),
-             peak_rss_mib=peak_rss_mib())
+             peak_rss_mib=peak_rss_mib(), cpu_s=cpu_seconds())
 
     configure_disk(args.min_free_mib * 2**20)
     choice = None if args.role == "trainer" else TrainerChoice(
@@ -137,7 +144,7 @@ async def main(argv: list[str] | None = None) -> int:
     await node.start(bootstrap=args.bootstrap)
     await bc.start()
     emit(event="ready", peer_id=node.peer_id, addrs=node.listen_addrs, t=time.time(),
-         startup_s=time.time() - t_start, peak_rss_mib=peak_rss_mib())
+         startup_s=time.time() - t_start, peak_rss_mib=peak_rss_mib(), cpu_s=cpu_seconds())
     try:
         while True:
             line = await asyncio.to_thread(sys.stdin.readline)

@@ -7,6 +7,7 @@ import asyncio
 import json
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -241,16 +242,29 @@ async def test_sybil_adverts_cost_bounded_connections_and_bytes(tmp_path, procs)
 # 17.9: a disk that fills ----------------------------------------------------------------
 
 
+def mount_tmpfs(mnt: Path, size: str) -> None:
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
+                       check=False, capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+
+
 @pytest.fixture
 def small_fs(tmp_path):
     """A real 8 MiB tmpfs (needs root, as in CI's container); skipped where mounting is
     not allowed."""
     mnt = tmp_path / "small"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)],
-                       check=False, capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    mount_tmpfs(mnt, "8m")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.fixture
+def trainer_fs(tmp_path):
+    """A real 32 MiB tmpfs for a trainer's data dir (tiny model: ~1.6 MiB a checkpoint)."""
+    mnt = tmp_path / "trainer-fs"
+    mount_tmpfs(mnt, "32m")
     yield mnt
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 
@@ -258,9 +272,13 @@ def small_fs(tmp_path):
 def fill(fs: Path, leave: int) -> Path:
     """Write a filler file so that about `leave` bytes stay free."""
     filler = fs / "filler"
-    free = shutil.disk_usage(fs).free
     with open(filler, "ab") as out:
-        out.write(b"\0" * max(0, free - leave))
+        while (gap := shutil.disk_usage(fs).free - leave) > 0:
+            try:  # in pieces: a node may be writing beside us
+                out.write(b"\0" * min(gap, 1 << 20))
+                out.flush()
+            except OSError:  # full already: that is what we wanted
+                break
     return filler
 
 
@@ -350,3 +368,42 @@ def test_buffer_on_a_full_disk_raises_disk_full_and_loses_nothing(small_fs):
         buf.close()
     finally:
         configure(old)
+
+
+@pytest.mark.slow
+async def test_trainer_on_a_full_disk_pauses_and_resumes(tmp_path, trainer_fs):
+    """A real `swarm-node join --role trainer` whose data dir fills: it stays up, says so
+    in /status, and trains and publishes again once space is freed."""
+    from swarm_node.node import demo
+    from swarm_node.node.models import build_tiny_model
+
+    model_dir = tmp_path / "model"
+    build_tiny_model(model_dir, seed=0)
+    node = demo.DemoNode("trainer", "trainer", trainer_fs / "trainer")
+    cfg = demo.node_config(node, model_dir, [], [], "default")
+    cfg["node"]["min_free_disk_mib"] = 1
+    cfg["trainer"].update(peer_batches_per_step=0, peer_wait_s=0.5)
+    demo.start_node(node, cfg)
+    try:
+        demo.wait_info(node)
+
+        async def status(pred, what):
+            deadline = time.monotonic() + 180
+            while time.monotonic() < deadline:
+                s = demo.fetch_status(node)
+                if s and pred(s):
+                    return s
+                assert node.proc.poll() is None, demo.tail(node.log_path)
+                await asyncio.sleep(0.5)
+            raise AssertionError(f"timed out waiting for {what}: {demo.tail(node.log_path)}")
+        await status(lambda s: s.get("versions_published", 0) >= 2, "two versions")
+        filler = fill(trainer_fs, 256 * 1024)
+        await status(lambda s: s.get("extra", {}).get("disk", {}).get("paused"), "a pause")
+        published = demo.fetch_status(node)["versions_published"]
+        filler.unlink()
+        s = await status(lambda s: s.get("versions_published", 0) > published + 1,
+                         "training to resume")
+        assert not s["extra"]["disk"]["paused"] and node.proc.poll() is None
+        assert "disk full" in demo.tail(node.log_path, 400)
+    finally:
+        demo.stop_nodes([node])

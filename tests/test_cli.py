@@ -149,6 +149,7 @@ def test_version(tmp_path):
     assert proc.stdout.startswith("swarm-node ") and f"(protocol {PROTOCOL_VERSION})" in proc.stdout
 
 
+@pytest.mark.slow  # two processes that import torch and transformers (~40 s on a busy machine)
 def test_doctor_reports_hardware_fit_and_problems(tmp_path, tiny_model_dir):
     proc = run("doctor", "--model", str(tiny_model_dir), home=tmp_path)
     out = proc.stdout

@@ -6,6 +6,7 @@ Models: the built-in tiny model, and a randomly initialised model with Qwen2.5-0
 runs to max_new_tokens (EOS is disabled) so all rows decode the same number of tokens.
 
     python benchmarks/sampler.py [--quick] [--no-large] [--new-tokens N]
+    python benchmarks/sampler.py --noise        # noise share before/after + SmolLM2 tok/s
 """
 
 from __future__ import annotations
@@ -85,8 +86,135 @@ def bench_model(label, model_dir, batches, new_tokens, reps, threads):
     return rows
 
 
+def legacy_gumbel(seed: int, position: int, vocab_size: int):
+    """The noise before protocol/noise.py (for the before/after figure only): torch's
+    mt19937 on the CPU, one generator per (seed, position), seeded through BLAKE2b."""
+    import hashlib
+    import struct
+
+    import torch
+
+    digest = hashlib.blake2b(b"\x00".join([b"swarm-node/gumbel/v1", struct.pack(
+        "<QQ", seed & (2**64 - 1), position)]), digest_size=8).digest()
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(struct.unpack("<Q", digest)[0] >> 1)
+    u = torch.rand(vocab_size, generator=gen, dtype=torch.float32)
+    tiny = torch.finfo(torch.float32).tiny
+    return -torch.log((-torch.log(u.clamp_min(tiny))).clamp_min(tiny))
+
+
+class NoiseClock:
+    """Times the noise inside generation: the new rule (block or pruned per step), or the
+    legacy one swapped in for the "before" column."""
+
+    def __init__(self, legacy: bool):
+        self.legacy, self.seconds = legacy, 0.0
+
+    def __enter__(self):
+        from swarm_node.node.sampler import hf
+        from swarm_node.protocol import noise
+
+        self.saved = (hf.NOISE_BLOCK_MAX, noise.noisy_argmax, hf.gumbel_rows)
+        clock = self
+
+        def timed(fn):
+            def run(*a, **k):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    clock.seconds += time.perf_counter() - t0
+            return run
+
+        def legacy_argmax(scores, seeds, positions, prune=None):
+            import torch
+
+            rows = torch.stack([legacy_gumbel(int(s), int(p), scores.shape[-1])
+                                for s, p in zip(seeds, positions)]).to(scores.device)
+            return torch.argmax(scores + rows, dim=-1)
+
+        if self.legacy:
+            hf.NOISE_BLOCK_MAX = 0
+            noise.noisy_argmax = timed(legacy_argmax)
+        else:
+            noise.noisy_argmax = timed(self.saved[1])
+            hf.gumbel_rows = timed(self.saved[2])
+        return self
+
+    def __exit__(self, *exc):
+        from swarm_node.node.sampler import hf
+        from swarm_node.protocol import noise
+
+        hf.NOISE_BLOCK_MAX, noise.noisy_argmax, hf.gumbel_rows = self.saved
+
+
+def bench_noise(label, model_dir, batches, new_tokens, reps):
+    """tok/s and the noise share of generation time, new rule vs legacy, 1 thread."""
+    import torch
+    from swarm_node.node.models import load_model
+    from swarm_node.node.sampler.hf import HFSampler
+    from swarm_node.node.tasks import format_prompt, get_task
+    from swarm_node.protocol.messages import SamplingParams, TaskRef
+
+    torch.set_num_threads(1)
+    model, tok = load_model(model_dir)
+    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
+    ref = TaskRef(dataset="rg/basic_arithmetic", seed=0, index=0)
+    prompt = (ref, format_prompt(tok, get_task(ref)))
+    rows = []
+    for b in batches:
+        sampler = HFSampler(model, tok, capture_hidden=True, max_batch=b)
+        sampler.eos_ids = set()  # decode exactly new_tokens per row
+        run(sampler, [prompt], 1, params, 1)  # warm-up
+        shares, speed = {}, {}
+        for legacy in (True, False):
+            sampler.timings = dict.fromkeys(sampler.timings, 0.0)
+            with NoiseClock(legacy) as clock:
+                best, tokens = run(sampler, [prompt], b, params, reps)
+            shares[legacy] = 100.0 * clock.seconds / sampler.timings["generate_s"]
+            speed[legacy] = tokens / best
+        rows.append([label, b, new_tokens, f"{speed[False]:.1f}", f"{speed[True]:.1f}",
+                     f"{shares[True]:.1f}%", f"{shares[False]:.2f}%"])
+        print(rows[-1], flush=True)
+    return rows
+
+
+def main_noise(args) -> None:
+    import os
+
+    from swarm_node.node.models import BUILTIN_SMOLLM2, build_tiny_model, ensure_builtin
+
+    from benchmarks.results import record, table
+
+    load = os.getloadavg()
+    rows: list[list] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny = build_tiny_model(Path(tmp) / "tiny", seed=0)
+        rows += bench_noise("tiny (V 477)", tiny, [32], 32, 3)
+    rows += bench_noise("SmolLM2-135M-Instruct (V 49,152)", ensure_builtin(BUILTIN_SMOLLM2),
+                        [int(b) for b in args.smollm2_batches.split(",")], 16, 1)
+    after = os.getloadavg()
+    body = (
+        "HF sampler, CPU, 1 torch thread, float32, temperature 1.0, one rg/basic_arithmetic "
+        "prompt repeated `batch` times, EOS disabled, hidden-state capture on; tok/s = best "
+        "of the repetitions. `noise share` = time computing the sampling noise (and, per "
+        "step, the noisy argmax) / total generation time, measured inside the same process "
+        "for the legacy rule (torch mt19937 on the CPU, one generator per row and step: "
+        "'before') and protocol/noise.py's counter-based hash (small vocabularies: all "
+        "steps in one pass; large: per step, pruned to tokens that can still win: 'after').\n"
+        f"Load average (1 min) before/after: {load[0]:.1f}/{after[0]:.1f} on 2 cores shared "
+        "with 6 other agents' jobs: absolute figures are noisy; shares compare like with "
+        "like.\n\n"
+        + table(["model", "batch", "new tokens", "tok/s (after)", "tok/s (before)",
+                 "noise share before", "noise share after"], rows))
+    record("sampler-noise", body)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--noise", action="store_true",
+                    help="noise share before/after (tiny batch 32) and SmolLM2 tok/s")
+    ap.add_argument("--smollm2-batches", default="1,8,32")
     ap.add_argument("--quick", action="store_true", help="batches 1 and 8, one repetition")
     ap.add_argument("--no-large", action="store_true", help="skip the 0.5B-shaped model")
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -96,6 +224,9 @@ def main() -> None:
     ap.add_argument("--large-threads", default="1",
                     help="thread counts for the 0.5B-shaped model (2 is very slow when shared)")
     args = ap.parse_args()
+    if args.noise:
+        main_noise(args)
+        return
     from swarm_node.node.models import build_tiny_model
 
     batches = [1, 8] if args.quick else [1, 8, 32]

@@ -4,6 +4,10 @@ Fills the buffer with real sampled rollouts (the untrained tiny model, 16 new to
 then times `Trainer.step()` (forward + backward + AdamW; checkpointing timed separately).
 With --curve: the learning curve on toy/digit_successor (GRPO, local rollouts only).
 Run: .venv/bin/python -m benchmarks.trainer [--threads 2] [--repeats 5] [--curve]
+With --smollm2: one forward/backward of the same batch on SmolLM2-135M-Instruct, the
+trainer's path (completion positions only, chunked LM head; options: bf16 autocast,
+gradient checkpointing) against a plain Hugging Face forward/backward (full logits and
+log_softmax at every position).
 """
 
 from __future__ import annotations
@@ -40,10 +44,16 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--curve", action="store_true", help="record the learning curve instead")
     ap.add_argument("--rounds", type=int, default=200)
+    ap.add_argument("--smollm2", action="store_true", help="SmolLM2 trainer path vs plain HF")
+    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--variants", default="0,1,3,2",
+                    help="--smollm2: 0 plain, 1 trainer path, 2 + bf16, 3 + checkpointing")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.curve:
         return learning_curve(args)
+    if args.smollm2:
+        return smollm2_throughput(args)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(Path(tmp) / "model", seed=0)
@@ -61,10 +71,14 @@ def main() -> None:
             for r in range(args.repeats + 1):
                 samples = sample_round(sampler, tok, source, "bench", r, groups,
                                        args.group_size, params)
-                # make every group usable (the untrained model's rewards are mostly 0)
+                # make every group usable (the untrained model's rewards are mostly 0): the
+                # trainer scores the decoded token ids, so half the rows get the answer's ids
                 for k, s in enumerate(samples):
                     if k % 2 == 0:
-                        s.text = trainer.rescorer._task(s.task)[0].answer
+                        answer = trainer.rescorer._task(s.task)[0].answer
+                        s.completion_ids = tok.encode(answer, add_special_tokens=False) + \
+                            [tok.eos_token_id]
+                        s.logprobs = torch.full((len(s.completion_ids),), -1.0)
                 trainer.add_local(samples)
                 stats = trainer.step()
                 if r == 0:
@@ -132,6 +146,97 @@ def learning_curve(args) -> None:
             "0 none; a random policy scores ~0.01. Values are 5-round running means.\n\n")
     body += table(["round", "mean reward", "exact-answer rate"], rows)
     record("trainer learning curve (toy task, CPU)", body)
+
+
+def _smollm2_rows(tok, n: int, new_tokens: int):
+    """n rows: real rg/basic_arithmetic prompts (chat template), random completions."""
+    from swarm_node.node.tasks import format_prompt, get_task
+    from swarm_node.node.trainer.data import TrainRow
+    from swarm_node.protocol.messages import TaskRef
+
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(n):
+        ref = TaskRef(dataset="rg/basic_arithmetic", seed=0, index=i)
+        comp = torch.randint(0, len(tok), (new_tokens,), generator=g).tolist()
+        rows.append(TrainRow(format_prompt(tok, get_task(ref)), comp, None,
+                             1.0 if i % 2 else -1.0, 1.0, 0.0))
+    return rows
+
+
+def _plain_step(model, batch):
+    """What a plain HF trainer does: full logits, full log_softmax, gather, backward."""
+    logits = model(input_ids=batch.ids, attention_mask=batch.attention, use_cache=False).logits
+    logp_all = torch.log_softmax(logits.float(), dim=-1)
+    flat = logp_all.reshape(-1, logp_all.shape[-1])[batch.positions]
+    logp = flat.gather(1, batch.targets[:, None])[:, 0]
+    return logp
+
+
+def smollm2_throughput(args) -> None:
+    import os
+
+    from swarm_node.node.models import BUILTIN_SMOLLM2, ensure_builtin
+    from swarm_node.node.trainer.logprobs import completion_logprobs, pack
+
+    model, tok = load_model(ensure_builtin(BUILTIN_SMOLLM2))
+    model.train()
+    rows = _smollm2_rows(tok, args.rows, args.new_tokens)
+    batch = pack(rows, tok.pad_token_id, "cpu")
+    adv = torch.tensor([r.advantage for r in rows for _ in r.completion_ids])
+    n_comp = int(batch.positions.shape[0])
+    n_seq = int(batch.attention.sum())
+    variants = [
+        ("plain HF forward/backward (full logits + log_softmax)",
+         lambda: _plain_step(model, batch)),
+        ("trainer path: completion positions, chunked LM head",
+         lambda: completion_logprobs(model, batch)[0]),
+        ("trainer path + bf16 autocast",
+         lambda: completion_logprobs(model, batch, bf16_autocast=True)[0]),
+        ("trainer path + gradient checkpointing", None),
+    ]
+    chosen = [variants[int(i)] for i in args.variants.split(",")]
+    load0 = os.getloadavg()[0]
+    results: dict[str, list[float]] = {}
+    for r in range(args.repeats):  # interleaved, so load changes hit every variant alike
+        for name, fn in chosen:
+            checkpointing = fn is None
+            if checkpointing:
+                model.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False})
+                fn = lambda: completion_logprobs(model, batch)[0]
+            model.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            loss = -(fn() * adv).mean()
+            loss.backward()
+            results.setdefault(name, []).append(time.perf_counter() - t0)
+            if checkpointing:
+                model.gradient_checkpointing_disable()
+            print(r, name, round(results[name][-1], 2), flush=True)
+            # recorded after every measurement, so a long run that is cut short keeps them
+            _record_smollm2(args, results, chosen[0][0], n_comp, n_seq, load0)
+
+
+def _record_smollm2(args, results, base_name, n_comp, n_seq, load0) -> None:
+    import os
+
+    load1 = os.getloadavg()[0]
+    base = statistics.median(results[base_name])
+    table_rows = [[name, len(ts), f"{statistics.median(ts):.1f}",
+                   f"{n_comp / statistics.median(ts):.2f}", f"{n_seq / statistics.median(ts):.1f}",
+                   f"{base / statistics.median(ts):.2f}x"] for name, ts in results.items()]
+    body = (f"SmolLM2-135M-Instruct (builtin:smollm2-135m, float32 weights), CPU, "
+            f"{args.threads} torch threads, one forward+backward of {args.rows} rows "
+            f"(rg/basic_arithmetic chat prompts + {args.new_tokens} completion tokens; "
+            f"{n_comp} completion tokens, {n_seq} tokens in all), loss = -mean(A * logp) "
+            f"over completion tokens; median of the runs (interleaved repetitions). "
+            f"tokens/s counts completion tokens (the trainer's figure). Load average (1 min) "
+            f"before/after: {load0:.1f}/{load1:.1f} on 2 cores shared with other agents' jobs; "
+            "absolute times are inflated many times over, the ratio compares like with like. "
+            "This CPU has no bf16 units (no avx512_bf16/AMX), so autocast cannot help here.\n\n")
+    body += table(["path", "runs", "seconds", "tokens/s", "seq tokens/s", "vs plain"],
+                  table_rows)
+    record("trainer throughput (CPU, SmolLM2)", body)
 
 
 if __name__ == "__main__":

@@ -202,8 +202,11 @@ def demo(
     rounds: int = typer.Option(0, "--rounds", help="Training steps (0: the demo's default)."),
     inference_peers: int = typer.Option(2, "--inference-peers", help="Honest inference peers."),
     workdir: Path | None = WorkdirOpt,
+    model: str = typer.Option("tiny", "--model",
+                              help="tiny (fast) or smollm2 (SmolLM2-135M-Instruct on "
+                                   "arithmetic; slow on a CPU; held-out accuracy at the end)."),
 ) -> None:
-    """Run a complete local swarm on loopback with the built-in tiny model."""
+    """Run a complete local swarm on loopback (the built-in tiny model by default)."""
     from ..node.errors import NodeError
 
     try:
@@ -211,7 +214,8 @@ def demo(
     except ImportError as e:
         _fail(f"this build cannot run the demo yet: {e}", 1)
     try:
-        code = run_demo(rounds=rounds, inference_peers=inference_peers, workdir=workdir)
+        code = run_demo(rounds=rounds, inference_peers=inference_peers, workdir=workdir,
+                        model=model)
     except NodeError as e:
         _fail(str(e), 1)
     raise typer.Exit(code or 0)

@@ -25,6 +25,12 @@ from .config import dump_toml
 from .errors import NodeError
 
 DEFAULT_ROUNDS = 20
+MODELS = ("tiny", "smollm2")
+# --model smollm2: the real model on arithmetic; few, slow rounds on a CPU
+SMOLLM2_ROUNDS = 4
+SMOLLM2_TASK = "rg/basic_arithmetic"
+SMOLLM2_EVAL_TASKS, SMOLLM2_MAX_NEW = 32, 24
+SMOLLM2_TIME_LIMIT_S = 3600.0
 START_TIMEOUT_S = 120.0
 DEFAULT_TIME_LIMIT_S = 900.0
 
@@ -66,6 +72,18 @@ def node_config(node: DemoNode, model_dir: Path, bootstrap: list[str], follow: l
         "trainer": {"learning_rate": 3e-3, "local_items": 16, "external_items": 0,
                     "peer_batches_per_step": 1, "peer_wait_s": 20.0},
     }
+    return cfg
+
+
+def smollm2_settings(cfg: dict) -> dict:
+    """The demo's node config for the real model: arithmetic with the <answer> format paid
+    for, longer completions, fewer and smaller groups, shards sized for a 0.5 GB policy."""
+    cfg["broadcast"] = {"shard_size": 16 * 1024 * 1024}
+    cfg["tasks"] = {"mix": {SMOLLM2_TASK: 1.0}, "tasks_per_round": 2, "format_reward": 0.5}
+    cfg["sampler"] = {"completions_per_task": 4, "max_new_tokens": SMOLLM2_MAX_NEW,
+                      "temperature": 1.0}
+    cfg["trainer"] = {**cfg["trainer"], "learning_rate": 2e-5, "micro_batch_size": 8,
+                      "peer_wait_s": 600.0}
     return cfg
 
 
@@ -216,7 +234,7 @@ def _name(nodes: list[DemoNode], peer: str) -> str:
     return peer[-6:]
 
 
-def summary(nodes: list[DemoNode]) -> tuple[str, bool]:
+def summary(nodes: list[DemoNode], require_rise: bool = True) -> tuple[str, bool]:
     trainer = nodes[0].last_status
     history = trainer.get("reward_history", [])
     cheater = next((n for n in nodes if n.dishonest != "none"), None)
@@ -241,23 +259,57 @@ def summary(nodes: list[DemoNode]) -> tuple[str, bool]:
                  f"{cheater_accepted} of its rollouts accepted")
     rose = start is not None and last is not None and last > start
     lines.append(f"reward rose: {'yes' if rose else 'no'}")
-    ok = rose and banned and cheater_accepted == 0
+    ok = (rose or not require_rise) and banned and cheater_accepted == 0
     return "\n".join(lines), ok
 
 
-def run_demo(rounds: int = 0, inference_peers: int = 2, workdir: Path | None = None,
-             time_limit_s: float = DEFAULT_TIME_LIMIT_S) -> int:
-    from .models import build_tiny_model
+def demo_model(model: str, work: Path) -> Path:
+    """The demo's model folder: the tiny model built into the workdir, or SmolLM2 from the
+    builtin cache (converted once)."""
+    from .models import BUILTIN_SMOLLM2, build_tiny_model, ensure_builtin
 
-    rounds = rounds or DEFAULT_ROUNDS
+    if model not in MODELS:
+        raise NodeError(f"demo --model must be one of {', '.join(MODELS)}")
+    if model == "smollm2":
+        return ensure_builtin(BUILTIN_SMOLLM2)
+    model_dir = work / "model"
+    if not (model_dir / "config.json").exists():
+        build_tiny_model(model_dir, seed=0)
+    return model_dir
+
+
+def held_out_report(model_dir: Path, trainer: DemoNode) -> list[str]:
+    """Held-out greedy accuracy of the start policy and of the trainer's last checkpoint."""
+    from .trainer.checkpoint import CheckpointStore
+    from .trainer.evaluate import accuracy_of_model_dir, held_out_refs
+
+    refs = held_out_refs(SMOLLM2_TASK, SMOLLM2_EVAL_TASKS)
+    latest = CheckpointStore(trainer.dir / "data" / "trainer" / "checkpoints").latest()
+    lines = [f"held-out greedy accuracy ({len(refs)} {SMOLLM2_TASK} tasks never trained on):"]
+    for label, path in (("start", model_dir),
+                        (f"end (v{latest.version})" if latest else "end", latest.policy_dir
+                         if latest else None)):
+        if path is None:
+            lines.append(f"  {label}: no checkpoint")
+            continue
+        acc = accuracy_of_model_dir(path, refs, SMOLLM2_MAX_NEW)
+        lines.append(f"  {label}: exact {acc['exact']:.3f}, <answer> tag {acc['tagged']:.3f}, "
+                     f"last number right {acc['lenient']:.3f}")
+    return lines
+
+
+def run_demo(rounds: int = 0, inference_peers: int = 2, workdir: Path | None = None,
+             time_limit_s: float | None = None, model: str = "tiny") -> int:
+    rounds = rounds or (SMOLLM2_ROUNDS if model == "smollm2" else DEFAULT_ROUNDS)
+    time_limit_s = time_limit_s or (SMOLLM2_TIME_LIMIT_S if model == "smollm2"
+                                    else DEFAULT_TIME_LIMIT_S)
     if inference_peers < 1:
         raise NodeError("--inference-peers must be at least 1")
     work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="swarm-demo-"))
     work.mkdir(parents=True, exist_ok=True)
     print(f"demo workdir: {work} (configs, logs and data of every node)")
-    model_dir = work / "model"
-    if not (model_dir / "config.json").exists():
-        build_tiny_model(model_dir, seed=0)
+    model_dir = demo_model(model, work)
+    configure = smollm2_settings if model == "smollm2" else (lambda cfg: cfg)
     swarm_id = "demo"
     trainer = DemoNode("trainer", "trainer", work / "trainer")
     relay = DemoNode("relay", "relay", work / "relay")
@@ -267,12 +319,13 @@ def run_demo(rounds: int = 0, inference_peers: int = 2, workdir: Path | None = N
     nodes = [trainer, relay, *honest, cheater]
     t0 = time.monotonic()
     try:
-        start_node(trainer, node_config(trainer, model_dir, [], [], swarm_id))
+        start_node(trainer, configure(node_config(trainer, model_dir, [], [], swarm_id)))
         info = wait_info(trainer)
         boot = [info["listen_addrs"][0]]
         print(f"trainer {info['peer_id']} listening on {boot[0]}")
         for node in nodes[1:]:
-            start_node(node, node_config(node, model_dir, boot, [info["peer_id"]], swarm_id))
+            start_node(node, configure(node_config(node, model_dir, boot, [info["peer_id"]],
+                                                   swarm_id)))
         for node in nodes[1:]:
             wait_info(node)
         print(f"{len(nodes)} nodes up after {time.monotonic() - t0:.0f}s; training for "
@@ -296,6 +349,8 @@ def run_demo(rounds: int = 0, inference_peers: int = 2, workdir: Path | None = N
                 time.sleep(1.0)
     finally:
         stop_nodes(nodes)
-    text, ok = summary(nodes)
+    text, ok = summary(nodes, require_rise=model != "smollm2")  # few rounds: no promise
     print(text)
+    if model == "smollm2":
+        print("\n".join(held_out_report(model_dir, trainer)))
     return 0 if ok else 1

@@ -1,0 +1,57 @@
+"""Held-out greedy accuracy: how a policy does on tasks it was never trained on.
+
+Used by `swarm-node demo --model smollm2` and benchmarks/learning.py. Three metrics over a
+fixed set of task references:
+  exact    the task's own reward (format_reward 0) is 1.0: what the swarm trains toward;
+  tagged   the completion has an <answer>...</answer> tag (the rg answer format);
+  lenient  the last number in the completion equals the answer (diagnostic only).
+"""
+
+from __future__ import annotations
+
+import re
+
+from ...protocol.messages import SamplingParams, TaskRef
+from ..tasks import format_prompt, get_task
+
+EVAL_SEED = 424_242  # generator seed of held-out sets; training draws never use it
+_NUMBER = re.compile(r"-?\d+")
+
+
+def held_out_refs(dataset: str, n: int, params: dict | None = None,
+                  seed: int = EVAL_SEED) -> list[TaskRef]:
+    return [TaskRef(dataset=dataset, params=params or {}, seed=seed, index=i)
+            for i in range(n)]
+
+
+def lenient_match(text: str, answer: str) -> bool:
+    numbers = _NUMBER.findall(text)
+    return bool(numbers) and numbers[-1] == answer.strip()
+
+
+def greedy_accuracy(sampler, tokenizer, refs: list[TaskRef],
+                    max_new_tokens: int) -> dict[str, float]:
+    """Greedy (temperature 0) completions of `refs`, scored three ways (module docstring).
+    The sampler's model should be in eval mode."""
+    prompts = [(r, format_prompt(tokenizer, get_task(r))) for r in refs]
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
+    out = sampler.generate(prompts, 1, params, seeds=[[0]] * len(prompts))
+    exact = tagged = loose = 0
+    for (r, _), row in zip(prompts, out):
+        task, text = get_task(r), row[0].text
+        exact += task.score(text) == 1.0
+        tagged += "<answer>" in text and "</answer>" in text
+        loose += lenient_match(text, task.answer)
+    n = max(len(prompts), 1)
+    return {"exact": exact / n, "tagged": tagged / n, "lenient": loose / n}
+
+
+def accuracy_of_model_dir(model_dir, refs: list[TaskRef], max_new_tokens: int,
+                          max_batch: int = 32) -> dict[str, float]:
+    """`greedy_accuracy` of the policy saved in `model_dir` (loaded on the CPU)."""
+    from ..models import load_model
+    from ..sampler.hf import HFSampler
+
+    model, tok = load_model(model_dir, device="cpu")
+    sampler = HFSampler(model, tok, capture_hidden=False, max_batch=max_batch)
+    return greedy_accuracy(sampler, tok, refs, max_new_tokens)

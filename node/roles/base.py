@@ -77,11 +77,13 @@ class Role:
         finally:
             self.current_work = None
 
-    async def work_oom_safe(self, fn, *args, sampler=None, holder=None, field: str = ""):
+    async def work_oom_safe(self, fn, *args, sampler=None, holder=None, field: str = "",
+                            on_oom=None):
         """`work(fn, *args)`, retried with half the batch after an out-of-memory error.
 
         The batch knob is `sampler.max_batch`, or `holder.<field>` (e.g. the trainer's
-        micro_batch_size). At 1 there is nothing smaller to try: one-line NodeError."""
+        micro_batch_size). `on_oom()` undoes what the failed call left half done (run in
+        the worker thread). At 1 there is nothing smaller to try: one-line NodeError."""
         from .oom import is_oom, release_cached
 
         holder, field = (sampler, "max_batch") if sampler is not None else (holder, field)
@@ -92,6 +94,8 @@ class Role:
                 if not is_oom(e):
                     raise
                 release_cached()
+                if on_oom is not None:
+                    await self.work(on_oom)
                 size = getattr(holder, field)
                 self.state.count("out_of_memory")
                 if size <= 1:

@@ -85,7 +85,8 @@ class TrainerRole(Role):
         await self.work(attach_ranks, self.trainer)
         self.sampler = HFSampler(self.trainer.model, self.trainer.tokenizer,
                                  peer_id=self.identity.peer_id, version=self.trainer.version,
-                                 max_context=cfg.model.max_context)
+                                 max_context=cfg.model.max_context,
+                                 max_batch=cfg.sampler.max_batch)
         self.tasks = TaskSource(cfg.tasks.mix, cfg.node.swarm_id)
         self.reputation = Reputation.from_config(cfg.verifier, self.data_dir / "reputation.json")
         # Honest peers at lag max_staleness must find their version: keep max_staleness + 1.
@@ -360,7 +361,8 @@ class TrainerRole(Role):
             await self._wait_for_peers(stop)
             self.peer_batches = 0
             stats = await until_written(self.disk, self.work_oom_safe, self.trainer.step,
-                                        holder=self.trainer.cfg, field="micro_batch_size")
+                                        holder=self.trainer.cfg, field="micro_batch_size",
+                                        on_oom=self._unclaim_failed_step)
             self.state.observe("train_step_seconds", stats.seconds)
             self.state.banned = self.reputation.banned()  # bans also expire
             self.state.buffer_counters = self.trainer.counters()
@@ -383,6 +385,11 @@ class TrainerRole(Role):
                      stats.tokens_per_s)
             if stats.checkpoint:
                 await self._publish_version()
+
+    def _unclaim_failed_step(self) -> None:
+        """After an out-of-memory step: its groups go back to the buffer (none lost)."""
+        self.trainer.model.zero_grad(set_to_none=True)
+        self.trainer.buffer.unclaim(self.trainer.version + 1)
 
     async def close(self) -> None:
         if self.broadcaster is not None:

@@ -192,6 +192,11 @@ class RolloutBuffer:
         if ids:
             self._tx(run)
 
+    def unclaim(self, step: int) -> int:
+        """A step that failed (out of memory): its groups are pending again."""
+        return self._tx(lambda db: db.execute(
+            "UPDATE groups SET claimed_step = NULL WHERE claimed_step = ?", (step,)).rowcount)
+
     def release_through(self, step: int) -> int:
         """Checkpoint `step` is durable: delete the groups its steps used."""
         def run(db):

@@ -85,3 +85,45 @@ async def test_other_errors_are_not_swallowed(role_and_sampler):
     with pytest.raises(ValueError, match="not memory"):
         await role.work_oom_safe(broken, 0, sampler=sampler)
     assert sampler.max_batch == 16
+
+
+async def test_oom_in_a_train_step_retries_smaller_without_losing_groups(tmp_path,
+                                                                          tiny_model_dir):
+    from swarm_node.node.config import Config
+    from swarm_node.node.roles.trainer import TrainerRole
+    from swarm_node.node.trainer.trainer import Trainer
+
+    from ..node.trainer.helpers import mixed_group
+
+    cfg = Config.model_validate({
+        "node": {"data_dir": str(tmp_path / "data"), "role": "trainer"},
+        "model": {"name": str(tiny_model_dir), "device": "cpu"},
+        "trainer": {"local_items": 4, "external_items": 0, "micro_batch_size": 16}})
+    trainer = Trainer(cfg, tiny_model_dir, cfg.data_dir, policy_id="me")
+    role = TrainerRole(cfg, None, None, NodeState("me", "trainer", "s"))
+    role.trainer = trainer
+    try:
+        for i in range(4):
+            trainer.add_local(mixed_group(trainer.tokenizer, i, g=4))  # 16 rows in all
+
+        first: list[int] = []
+
+        def limit(module, args, kwargs):
+            # The fake allocator: a forward pass over more than ~30% of the tokens of the
+            # first (whole-batch) pass does not fit. Rows may be packed, so count tokens.
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            if not first:
+                first.append(ids.numel())
+            if ids.numel() > 0.3 * first[0] or ids.numel() == first[0]:
+                raise torch.OutOfMemoryError("CUDA out of memory (fake limit)")
+        trainer.model.get_decoder().register_forward_pre_hook(limit, with_kwargs=True)
+        stats = await role.work_oom_safe(trainer.step, holder=trainer.cfg,
+                                         field="micro_batch_size",
+                                         on_oom=role._unclaim_failed_step)
+        assert stats.trained and stats.version == 1
+        assert stats.groups_local == 4  # the groups of the failed attempts were not lost
+        assert trainer.cfg.micro_batch_size == 4  # 16 -> 8 -> 4
+        assert role.state.counters["out_of_memory"] == 2
+    finally:
+        role._pool.shutdown(wait=True)
+        trainer.close()

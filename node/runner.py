@@ -128,6 +128,9 @@ async def _main(cfg: Config) -> None:
     interrupts.install(asyncio.get_running_loop())
 
     interrupts.waiting_for = "the libp2p host to start"
+    log.info("starting the libp2p host on %s%s", ", ".join(cfg.node.listen),
+             f"; joining through {len(cfg.node.bootstrap)} bootstrap peer(s)"
+             if cfg.node.bootstrap else "")
     p2p = P2PNode(identity, cfg)
     try:
         await p2p.start(bootstrap=cfg.node.bootstrap)

@@ -374,3 +374,29 @@ def test_new_model_moves_the_old_state_aside(tmp_path, tiny_model_dir):
     assert (aside / "trainer" / "checkpoints" / "step-00000002").is_dir()
     assert (data / "node_key.pem").read_text() == "key stays"
     assert json.loads((data / MODEL_RECORD).read_text())["name"] == "builtin:tiny"
+
+
+def test_second_ctrl_c_exits_at_once_while_the_first_waits(tmp_path):
+    # A node stuck joining (its bootstrap peer is down, 120 s allowed): the first Ctrl-C says
+    # what it waits for, the second ends the process at once with 130.
+    dead = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{FAKE_PEER}"
+    log = tmp_path / "node.log"
+    env = {**os.environ, "HOME": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([str(BIN), "join", "--data-dir", str(tmp_path / "d"),
+                                 "--listen", "/ip4/127.0.0.1/tcp/0", "--admin-port", "0",
+                                 "--bootstrap", dead, "--set", "p2p.bootstrap_timeout_s=120"],
+                                stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        # logged once the interrupt handlers are in place, just before the host starts
+        wait_for(lambda: "starting the libp2p host" in log.read_text(), 60, "start", proc, log)
+        proc.send_signal(signal.SIGINT)
+        wait_for(lambda: "Ctrl-C again" in log.read_text(), 30, "first interrupt", proc, log)
+        assert "waiting for the libp2p host to start" in log.read_text()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 130
+        assert "second interrupt: exiting now" in log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

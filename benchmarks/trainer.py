@@ -46,8 +46,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=200)
     ap.add_argument("--smollm2", action="store_true", help="SmolLM2 trainer path vs plain HF")
     ap.add_argument("--rows", type=int, default=16)
-    ap.add_argument("--variants", default="0,1,3,2",
-                    help="--smollm2: 0 plain, 1 trainer path, 2 + bf16, 3 + checkpointing")
+    ap.add_argument("--variants", default="0,4,1,3,2",
+                    help="--smollm2: 0 plain, 1 trainer path (rows apart), 2 + bf16, "
+                         "3 + checkpointing, 4 shared prompts")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.curve:
@@ -148,8 +149,9 @@ def learning_curve(args) -> None:
     record("trainer learning curve (toy task, CPU)", body)
 
 
-def _smollm2_rows(tok, n: int, new_tokens: int):
-    """n rows: real rg/basic_arithmetic prompts (chat template), random completions."""
+def _smollm2_rows(tok, n: int, new_tokens: int, group: int):
+    """n rows in GRPO groups of `group` completions per prompt: real rg/basic_arithmetic
+    prompts (chat template), random completion tokens."""
     from swarm_node.node.tasks import format_prompt, get_task
     from swarm_node.node.trainer.data import TrainRow
     from swarm_node.protocol.messages import TaskRef
@@ -157,7 +159,7 @@ def _smollm2_rows(tok, n: int, new_tokens: int):
     g = torch.Generator().manual_seed(0)
     rows = []
     for i in range(n):
-        ref = TaskRef(dataset="rg/basic_arithmetic", seed=0, index=i)
+        ref = TaskRef(dataset="rg/basic_arithmetic", seed=0, index=i // group)
         comp = torch.randint(0, len(tok), (new_tokens,), generator=g).tolist()
         rows.append(TrainRow(format_prompt(tok, get_task(ref)), comp, None,
                              1.0 if i % 2 else -1.0, 1.0, 0.0))
@@ -181,8 +183,9 @@ def smollm2_throughput(args) -> None:
 
     model, tok = load_model(ensure_builtin(BUILTIN_SMOLLM2))
     model.train()
-    rows = _smollm2_rows(tok, args.rows, args.new_tokens)
+    rows = _smollm2_rows(tok, args.rows, args.new_tokens, args.group_size)
     batch = pack(rows, tok.pad_token_id, "cpu")
+    shared = pack(rows, tok.pad_token_id, "cpu", share_prompts=True)
     adv = torch.tensor([r.advantage for r in rows for _ in r.completion_ids])
     n_comp = int(batch.positions.shape[0])
     n_seq = int(batch.attention.sum())
@@ -194,6 +197,8 @@ def smollm2_throughput(args) -> None:
         ("trainer path + bf16 autocast",
          lambda: completion_logprobs(model, batch, bf16_autocast=True)[0]),
         ("trainer path + gradient checkpointing", None),
+        ("trainer path + one prompt pass per group (share_prompts, the default)",
+         lambda: completion_logprobs(model, shared)[0]),
     ]
     chosen = [variants[int(i)] for i in args.variants.split(",")]
     load0 = os.getloadavg()[0]
@@ -227,7 +232,8 @@ def _record_smollm2(args, results, base_name, n_comp, n_seq, load0) -> None:
                    f"{base / statistics.median(ts):.2f}x"] for name, ts in results.items()]
     body = (f"SmolLM2-135M-Instruct (builtin:smollm2-135m, float32 weights), CPU, "
             f"{args.threads} torch threads, one forward+backward of {args.rows} rows "
-            f"(rg/basic_arithmetic chat prompts + {args.new_tokens} completion tokens; "
+            f"(GRPO groups: {args.rows // args.group_size} rg/basic_arithmetic chat prompts x "
+            f"{args.group_size} completions of {args.new_tokens} tokens; "
             f"{n_comp} completion tokens, {n_seq} tokens in all), loss = -mean(A * logp) "
             f"over completion tokens; median of the runs (interleaved repetitions). "
             f"tokens/s counts completion tokens (the trainer's figure). Load average (1 min) "

@@ -149,6 +149,9 @@ class TrainerSection(Section):
     logprobs and the LM head stay float32)."""
     gradient_checkpointing: bool = False
     """Recompute decoder activations in the backward pass (less memory, more compute)."""
+    share_prompts: bool = True
+    """Completions of one prompt (a GRPO group) share one decoder pass over the prompt (a
+    4-D attention mask; same values as separate rows)."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
     warmup_steps: int = Field(0, ge=0)

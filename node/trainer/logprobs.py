@@ -7,7 +7,8 @@ memory traffic. Here the decoder runs once, the final-norm hidden states of the 
 that predict completion tokens are gathered ([N, H], N = completion tokens), and the LM head
 is applied to them in chunks of `chunk` positions. `ChosenLogprob` keeps only the chunk's
 hidden states and log-sum-exp for the backward pass and recomputes the chunk's logits there,
-so at most one [chunk, V] block is alive at a time.
+so at most one [chunk, V] block is alive at a time. The rows of one prompt (a GRPO group)
+can share one pass over the prompt (`pack(..., share_prompts=True)`).
 
 Convention (same as the sampler): logprob = log_softmax(logits / T)[token]; entropy is that
 of softmax(logits / T), reported without a gradient unless an entropy bonus needs one.
@@ -23,35 +24,90 @@ import torch
 
 @dataclass
 class PackedBatch:
-    """Rows (prompt + completion) right-padded into one batch, and where the completion
-    tokens are: flat indices into [B * L] of the positions whose logits predict them."""
+    """Rows (prompt + completion) laid out as decoder input, and where the completion tokens
+    are: flat indices into [S * L] of the positions whose outputs predict them."""
 
-    ids: torch.Tensor          # int64 [B, L]
-    attention: torch.Tensor    # int64 [B, L]
-    positions: torch.Tensor    # int64 [N]: b * L + t, logits at t predict token t + 1
+    ids: torch.Tensor          # int64 [S, L]
+    attention: torch.Tensor    # int64 [S, L] (one row per sequence) or bool [S, 1, L, L]
+    position_ids: torch.Tensor | None  # int64 [S, L] with the 4-D mask
+    positions: torch.Tensor    # int64 [N]: s * L + t; the output at t predicts a token
     targets: torch.Tensor      # int64 [N]
     inv_temp: torch.Tensor     # float32 [N]
-    lengths: list[int]         # completion tokens per row (sums to N)
+    lengths: list[int]         # completion tokens per row (sums to N), in row order
+
+    def decoder_inputs(self) -> dict:
+        out = {"input_ids": self.ids, "attention_mask": self.attention, "use_cache": False}
+        if self.position_ids is not None:
+            out["position_ids"] = self.position_ids
+        return out
 
 
-def pack(rows, pad_id: int, device) -> PackedBatch:
-    """`rows`: objects with prompt_ids, completion_ids and temperature (TrainRow)."""
+def pack(rows, pad_id: int, device, share_prompts: bool = False) -> PackedBatch:
+    """`rows`: objects with prompt_ids, completion_ids and temperature (TrainRow); outputs
+    (logprobs) come back in row order.
+
+    share_prompts: the rows of one prompt (a GRPO group) become ONE sequence, prompt then
+    every completion, with a 4-D mask that lets each completion see the prompt and its own
+    earlier tokens only and position ids that restart after the prompt: the same values as
+    separate rows, but the prompt goes through the decoder (and its backward) once."""
+    if share_prompts:
+        return _pack_shared(rows, pad_id, device)
     width = max(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     attention = torch.zeros((len(rows), width), dtype=torch.long)
-    positions, inv_temp, lengths = [], [], []
+    positions = []
     for i, r in enumerate(rows):
         p, c = len(r.prompt_ids), len(r.completion_ids)
         ids[i, :p + c] = torch.tensor(list(r.prompt_ids) + list(r.completion_ids))
         attention[i, :p + c] = 1
         positions.append(torch.arange(p - 1, p + c - 1) + i * width)
-        temp = r.temperature if r.temperature and r.temperature > 0 else 1.0
-        inv_temp.append(torch.full((c,), 1.0 / temp))
-        lengths.append(c)
     positions_t = torch.cat(positions)
-    targets = ids.view(-1)[positions_t + 1]
-    return PackedBatch(ids.to(device), attention.to(device), positions_t.to(device),
-                       targets.to(device), torch.cat(inv_temp).to(device), lengths)
+    targets = torch.cat([torch.tensor(list(r.completion_ids), dtype=torch.long) for r in rows])
+    return PackedBatch(ids.to(device), attention.to(device), None, positions_t.to(device),
+                       targets.to(device), _inv_temp(rows).to(device),
+                       [len(r.completion_ids) for r in rows])
+
+
+def _pack_shared(rows, pad_id: int, device) -> PackedBatch:
+    groups: dict[tuple, list[int]] = {}
+    for i, r in enumerate(rows):
+        groups.setdefault(tuple(r.prompt_ids), []).append(i)
+    width = max(len(p) + sum(len(rows[i].completion_ids) for i in members)
+                for p, members in groups.items())
+    n = len(groups)
+    ids = torch.full((n, width), pad_id, dtype=torch.long)
+    pos_ids = torch.zeros((n, width), dtype=torch.long)
+    mask = torch.eye(width, dtype=torch.bool).repeat(n, 1, 1, 1)  # padding sees itself
+    where: list[torch.Tensor] = [torch.empty(0, dtype=torch.long)] * len(rows)
+    for s, (prompt, members) in enumerate(groups.items()):
+        p = len(prompt)
+        ids[s, :p] = torch.tensor(prompt)
+        pos_ids[s, :p] = torch.arange(p)
+        mask[s, 0, :p, :p] = torch.ones(p, p, dtype=torch.bool).tril()
+        start = p
+        for i in members:
+            comp = list(rows[i].completion_ids)
+            c = len(comp)
+            ids[s, start:start + c] = torch.tensor(comp)
+            pos_ids[s, start:start + c] = torch.arange(p, p + c)
+            mask[s, 0, start:start + c, :p] = True
+            mask[s, 0, start:start + c, start:start + c] = torch.ones(c, c,
+                                                                      dtype=torch.bool).tril()
+            # token 0 is predicted by the prompt's last position, token j by completion j-1
+            where[i] = torch.cat([torch.tensor([p - 1]), torch.arange(start, start + c - 1)]) \
+                + s * width
+            start += c
+    positions = torch.cat(where)
+    targets = torch.cat([torch.tensor(list(r.completion_ids), dtype=torch.long) for r in rows])
+    return PackedBatch(ids.to(device), mask.to(device), pos_ids.to(device),
+                       positions.to(device), targets.to(device), _inv_temp(rows).to(device),
+                       [len(r.completion_ids) for r in rows])
+
+
+def _inv_temp(rows) -> torch.Tensor:
+    return torch.cat([torch.full((len(r.completion_ids),),
+                                 1.0 / (r.temperature if r.temperature and r.temperature > 0
+                                        else 1.0)) for r in rows])
 
 
 class ChosenLogprob(torch.autograd.Function):
@@ -97,8 +153,7 @@ def completion_logprobs(model, batch: PackedBatch, *, chunk: int = 1024,
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprobs [N], entropy [N]) of the completion tokens under `model`."""
     with _autocast(batch.ids.device, bf16_autocast):
-        out = model.get_decoder()(input_ids=batch.ids, attention_mask=batch.attention,
-                                  use_cache=False)
+        out = model.get_decoder()(**batch.decoder_inputs())
     hidden = out.last_hidden_state
     hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.positions)
     weight = model.get_output_embeddings().weight
@@ -122,8 +177,7 @@ def plain_logprobs(model, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tenso
     """The reference path: full logits and log_softmax at every position (any model)."""
     from .grpo import token_logprobs
 
-    logits = model(input_ids=batch.ids, attention_mask=batch.attention,
-                   use_cache=False).logits
+    logits = model(**batch.decoder_inputs()).logits
     flat = logits.reshape(-1, logits.shape[-1]).index_select(0, batch.positions)
     logp, ent = token_logprobs((flat * batch.inv_temp[:, None])[None], batch.targets[None])
     return logp[0], ent[0]

@@ -246,7 +246,8 @@ class Trainer:
 
     def _logprobs(self, model, rows: list[TrainRow]):
         """(logprobs [N], entropy [N]) of the rows' completion tokens, concatenated."""
-        batch = pack(rows, self.tokenizer.pad_token_id, self.device)
+        batch = pack(rows, self.tokenizer.pad_token_id, self.device,
+                     share_prompts=self._fast_head and self.cfg.share_prompts)
         if not self._fast_head:
             return plain_logprobs(model, batch)
         return completion_logprobs(model, batch, chunk=self.cfg.logprob_chunk,
@@ -269,8 +270,10 @@ class Trainer:
         return rows
 
     def _micro_batches(self, rows: list[TrainRow]) -> list[list[TrainRow]]:
-        """Rows of similar length together (less padding), `micro_batch_size` at a time."""
-        order = sorted(rows, key=lambda r: len(r.prompt_ids) + len(r.completion_ids))
+        """A group's rows together (they share one pass over the prompt), groups of similar
+        length together (less padding), `micro_batch_size` rows at a time."""
+        order = sorted(rows, key=lambda r: (len(r.prompt_ids), r.prompt_ids,
+                                            len(r.completion_ids)))
         mb = self.cfg.micro_batch_size
         return [order[i:i + mb] for i in range(0, len(order), mb)]
 

@@ -32,14 +32,26 @@ def _grads(model, fn) -> tuple[torch.Tensor, torch.Tensor, dict]:
                                          if p.grad is not None}
 
 
-@pytest.mark.parametrize("chunk", [1, 4, 1024])
-def test_chunked_equals_full_logits_tiny(tiny_model_dir, chunk):
+def _grouped(rows: list[TrainRow]) -> list[TrainRow]:
+    """Rows 0, 2, 4 share row 0's prompt and rows 1, 3 row 1's (two GRPO groups)."""
+    return [TrainRow(rows[i % 2].prompt_ids, r.completion_ids, None, 0.0, r.temperature, 0.0)
+            for i, r in enumerate(rows)]
+
+
+@pytest.mark.parametrize(("chunk", "shared"), [(1, False), (4, False), (1024, False),
+                                               (3, True)])
+def test_chunked_equals_full_logits_tiny(tiny_model_dir, chunk, shared):
     model, tok = load_model(tiny_model_dir)
     model.train()
     assert fast_head_supported(model)
-    batch = pack(_rows(model.config.vocab_size), tok.pad_token_id, "cpu")
+    rows = _rows(model.config.vocab_size)
+    if shared:
+        rows = _grouped(rows)
+        assert pack(rows, tok.pad_token_id, "cpu", share_prompts=True).ids.shape[0] == 2
+    batch = pack(rows, tok.pad_token_id, "cpu", share_prompts=shared)
     assert batch.positions.shape[0] == sum(batch.lengths)
-    ref_lp, ref_ent, ref_g = _grads(model, lambda: plain_logprobs(model, batch))
+    reference = pack(rows, tok.pad_token_id, "cpu")  # separate rows, full logits
+    ref_lp, ref_ent, ref_g = _grads(model, lambda: plain_logprobs(model, reference))
     lp, ent, g = _grads(model, lambda: completion_logprobs(model, batch, chunk=chunk))
     torch.testing.assert_close(lp, ref_lp, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ent, ref_ent, rtol=1e-5, atol=1e-5)

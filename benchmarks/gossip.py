@@ -163,6 +163,49 @@ async def hivemind_worker_async(args) -> None:
     await node.shutdown()
 
 
+async def cpu_micro(args) -> dict:
+    """One hop in one process: node A publishes N batches (paced) to node B; the process CPU
+    time (both nodes: seal, publish, send, receive, validate, deliver) per message."""
+    from swarm_node.node.config import Config
+    from swarm_node.node.identity import Identity
+    from swarm_node.node.p2p import P2PNode
+
+    def config():
+        cfg = Config()
+        cfg.node.swarm_id = "bench"
+        cfg.node.listen = ["/ip4/127.0.0.1/tcp/0"]
+        return cfg
+
+    a = P2PNode(Identity.generate(), config())
+    await a.start(bootstrap=[], discovery=False)
+    b = P2PNode(Identity.generate(), config())
+    await b.start(bootstrap=a.listen_addrs, discovery=False)
+    got = []
+
+    async def on_batch(env, peer):
+        got.append(env)
+
+    try:
+        await a.subscribe("rollouts", on_batch)
+        await b.subscribe("rollouts", on_batch)
+        while b.peer_id not in a.mesh_peers("rollouts"):
+            await asyncio.sleep(0.05)
+        batches = [make_batch(a.peer_id, r, args.batch_kib * 1024)
+                   for r in range(args.cpu_micro)]
+        cpu0, t0 = time.process_time(), time.time()
+        for m in batches:
+            await a.publish("rollouts", m)
+            await asyncio.sleep(0.004)  # paced: the cost per message, not a queue's
+        while len(got) < len(batches):
+            await asyncio.sleep(0.01)
+        cpu = time.process_time() - cpu0
+    finally:
+        await a.close()
+        await b.close()
+    return {"messages": len(batches), "cpu_ms_per_msg_hop": cpu * 1000 / len(batches),
+            "wall_s": time.time() - t0}
+
+
 # Orchestrator ------------------------------------------------------------------------------
 
 class Burners:
@@ -320,6 +363,9 @@ def summarize_libp2p(results: list[dict], args) -> dict:
         "rounds_complete": len(complete_rounds),
         "drops": sum(v for m in metrics for k, v in m.items() if k.startswith("drop_")),
         "rejected": sum(m.get("rejected", 0) for m in metrics),
+        "reject_reasons": {k.removeprefix("rejected."): sum(m.get(k, 0) for m in metrics)
+                           for k in sorted({k for m in metrics for k in m
+                                            if k.startswith("rejected.")})},
         "publish_waits": sum(m.get("publish_waits", 0) for m in metrics),
         "late_publishes": sum(r.get("late_publishes", 0) for r in results),
         "cpu_ms_per_msg_hop": cpu_per_delivery(results, len(seen)),
@@ -361,6 +407,9 @@ def main() -> None:
                     help="CPU-burner processes beside both systems for the whole run")
     ap.add_argument("--load-max-s", type=float, default=1800.0,
                     help="each burner ends on its own after this many seconds")
+    ap.add_argument("--cpu-micro", type=int, default=0, metavar="N",
+                    help="only measure CPU per message per hop: 2 nodes in one process, N "
+                         "messages; prints JSON, records nothing")
     ap.add_argument("--skip-baseline", action="store_true")
     ap.add_argument("--no-record", action="store_true")
     ap.add_argument("--section", default="gossip", help="RESULTS.md section to write")
@@ -376,6 +425,10 @@ def main() -> None:
         hivemind_worker(args)
         return
 
+    if args.cpu_micro:
+        print(json.dumps({**asyncio.run(cpu_micro(args)), "batch_kib": args.batch_kib,
+                          "load_1min": os.getloadavg()[0]}))
+        return
     global LOAD_BEFORE
     LOAD_BEFORE = os.getloadavg()[0]
     burners = Burners(args.load, args.load_max_s)
@@ -441,7 +494,9 @@ def record(args, ours: dict, base: dict | None, note: str) -> None:
     body += table(["transport", "delivery", "lat p50", "lat p95", "lat max", "throughput",
                    "all held p50", "all held p95", "all held max", "rounds complete",
                    "CPU/msg/hop", "net of idle"], rows)
-    body += (f"\n\nlibp2p counters: drops {ours['drops']}, rejected {ours['rejected']}, "
+    reasons = ", ".join(f"{k} {v}" for k, v in ours["reject_reasons"].items())
+    body += (f"\n\nlibp2p counters: drops {ours['drops']}, rejected {ours['rejected']}"
+             + (f" ({reasons})" if reasons else "") + ", "
              f"publish waits {ours['publish_waits']}, late publishes {ours['late_publishes']}.")
     if ours["ratio"] < 1 and ours["drops"] == 0:
         body += (f" Messages missing from \"delivery\" had not arrived when the {args.drain:.0f}s "

@@ -63,10 +63,13 @@ class ProofThresholds:
 
     @classmethod
     def for_dtype(cls, dtype: str) -> ProofThresholds:
-        """Defaults for float32 inference; looser ones for 16-bit inference, whose honest
-        recomputation differs by ~2^-8 relative."""
+        """Defaults for float32 inference; looser ones for 16-bit inference: the worst honest
+        bf16 values measured on SmolLM2-135M (KV-cache decode vs the verifier's prefill,
+        CPU) with a margin (RESULTS.md "verifier-real"; short chunks of few tokens are the
+        noisiest). The price: a model scaled by 1.01 is no longer caught by the proof
+        alone in bf16."""
         if dtype in ("bfloat16", "float16"):
-            return cls(match_rel=2.0**-3, max_mismatches=24, max_mean_abs=6e-3, max_bias=2.5e-3)
+            return cls(match_rel=2.0**-3, max_mismatches=24, max_mean_abs=3e-2, max_bias=1.5e-2)
         return cls()
 
 

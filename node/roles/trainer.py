@@ -26,7 +26,7 @@ from ...protocol.messages import RolloutBatch
 from ...verifier.checks import RolloutResult, rollout_id
 from ...verifier.intake import Budget, IntakeLimits, VerificationQueue
 from ...verifier.reasons import BATCH_REASONS, HONEST_MISTAKES
-from ...verifier.sequential import PeerMonitor
+from ...verifier.sequential import PeerMonitor, SequentialSettings
 from ..broadcast.settings import swarm_settings
 from ..diskspace import DiskWatch, until_written
 from ..sampler.factory import sampling_params
@@ -48,7 +48,8 @@ class TrainerRole(Role):
         self.queue = VerificationQueue(self._established, IntakeLimits())
         self.budget = Budget(IntakeLimits())
         self.arrived = asyncio.Event()
-        self.monitor = PeerMonitor()  # per-peer bias / steering tests (verifier/sequential.py)
+        # per-peer bias / steering tests (verifier/sequential.py), honest parameters per dtype
+        self.monitor = PeerMonitor(SequentialSettings.for_dtype(cfg.model.dtype))
         self.trainer = None
         self.sampler = None
         self.tasks = None

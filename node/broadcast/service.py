@@ -21,7 +21,7 @@ from ...protocol.envelope import Envelope
 from ...protocol.errors import ProtocolError
 from ...protocol.ids import MANIFEST_PROTOCOL, SHARD_PROTOCOL
 from ...protocol.messages import CheckpointManifest, ShardAdvert, ShardRequest, SwarmSettings
-from ..diskspace import DiskWatch, ensure_free, is_disk_full
+from ..diskspace import DiskFull, DiskWatch, ensure_free, is_disk_full
 from .downloader import Downloader
 from .errors import BroadcastError, DownloadFailed, ManifestRejected, StoreError
 from .follow import TrainerChoice
@@ -203,7 +203,7 @@ class Broadcaster:
         have = sum(entry.shard_len(i) for i in entry.have) if entry is not None else 0
         try:
             ensure_free(self.store.root, m.total_size - have)
-        except Exception as e:
+        except DiskFull as e:
             self.disk.hit(e)
             raise
 

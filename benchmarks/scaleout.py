@@ -4,9 +4,10 @@ averaging rounds (hivemind) vs model size for 2 and 4 members on loopback.
     python benchmarks/scaleout.py                  # tiny model + SmolLM2 (if installed)
     python benchmarks/scaleout.py --models tiny --steps 3 --sizes 1,8
 
-Throughput: the same buffered groups trained by (a) the plain single-process Trainer, (b) one
-torchrun rank, (c) two torchrun ranks (gloo), `--steps` steps each, checkpoints off during the
-timed steps. Tokens/s is completion tokens trained / summed step time.
+Throughput: the same buffered groups trained by (a) the plain single-process Trainer with 1
+and with 2 torch threads, (b) one torchrun rank, (c) two torchrun ranks (gloo), 1 thread per
+rank; one warm-up step, then `--steps` timed steps, no checkpoints during them. Tokens/s is
+completion tokens trained / summed step time (rank 0's, which includes the all-reduce).
 
 Averaging: M TrainerGroup handles in this process, each with its own hivemind child process
 (as in a trainer), one flat float32 parameter of the given size; all M call `average` at
@@ -82,53 +83,61 @@ def fill(cfg, n_groups: int) -> None:
     t.close()
 
 
-def plain(cfg, steps: int) -> tuple[int, float]:
+def plain(cfg, steps: int, threads: int) -> tuple[int, float]:
+    """The plain Trainer in this process; the first (warm-up) step is not counted."""
     from swarm_node.node.trainer.distributed import model_dir_of
     from swarm_node.node.trainer.trainer import Trainer
 
+    torch.set_num_threads(threads)
     t = Trainer(cfg, model_dir_of(cfg), cfg.data_dir, policy_id="bench")
     tokens = seconds = 0.0
     try:
-        for _ in range(steps):
+        for i in range(steps + 1):
             s = t.step()
-            tokens, seconds = tokens + s.tokens, seconds + s.seconds
+            if i > 0:
+                tokens, seconds = tokens + s.tokens, seconds + s.seconds
     finally:
         t.close()
     return int(tokens), seconds
 
 
-def ranks(cfg, procs: int, steps: int, workdir: Path) -> tuple[int, float]:
+def ranks(cfg, procs: int, steps: int, threads: int, workdir: Path) -> tuple[int, float]:
+    """torchrun ranks (`threads` torch threads each); the warm-up step is not counted."""
     path = workdir / f"ranks-{procs}.toml"
     path.write_text(cfg.to_toml())
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
          f"--nproc-per-node={procs}", "-m", "swarm_node.node.ranks", "--config", str(path),
-         "--offline-steps", str(steps)],
-        capture_output=True, text=True, timeout=3600, check=False)
+         "--offline-steps", str(steps + 1)],
+        capture_output=True, text=True, timeout=3600, check=False,
+        env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     if out.returncode != 0:
         raise SystemExit(f"torchrun failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
-    lines = [json.loads(x) for x in out.stdout.splitlines() if x.startswith('{"version"')]
+    lines = [json.loads(x) for x in out.stdout.splitlines() if x.startswith('{"version"')][1:]
     return sum(x["tokens"] for x in lines), sum(x["seconds"] for x in lines)
+
+
+RUNS = (("plain Trainer, 1 process", 0, 1), ("plain Trainer, 1 process", 0, 2),
+        ("torchrun, 1 rank", 1, 1), ("torchrun, 2 ranks (gloo)", 2, 1))
 
 
 def throughput(model_key: str, steps: int, groups_per_step: int, workdir: Path) -> list:
     model = MODELS[model_key]
     base = workdir / f"tp-{model_key}-base"
-    fill(config(model, base, groups_per_step), groups_per_step * steps)
+    fill(config(model, base, groups_per_step), groups_per_step * (steps + 1))
     rows = []
-    threads = torch.get_num_threads()
-    for label, procs in (("plain Trainer, 1 process", 0), ("torchrun, 1 rank", 1),
-                         ("torchrun, 2 ranks (gloo)", 2)):
-        data = workdir / f"tp-{model_key}-{procs}"
+    for label, procs, threads in RUNS:
+        data = workdir / f"tp-{model_key}-{procs}-{threads}"
         shutil.copytree(base, data)
         cfg = config(model, data, groups_per_step)
         before = load_avg()
-        tokens, seconds = plain(cfg, steps) if procs == 0 else ranks(cfg, procs, steps, workdir)
-        rows.append([model_key, label, steps, groups_per_step * 4, tokens, round(seconds, 2),
-                     round(tokens / seconds, 1), f"{before} -> {load_avg()}"])
+        tokens, seconds = (plain(cfg, steps, threads) if procs == 0
+                           else ranks(cfg, procs, steps, threads, workdir))
+        rows.append([model_key, label, threads, steps, groups_per_step * 4, tokens,
+                     round(seconds, 2), round(tokens / seconds, 1),
+                     f"{before} -> {load_avg()}"])
         print(rows[-1], flush=True)
         shutil.rmtree(data, ignore_errors=True)
-    print(f"(torch threads in this process: {threads})")
     return rows
 
 
@@ -204,7 +213,8 @@ def averaging(members: int, numel: int, rounds: int, workdir: Path) -> list:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="tiny,smollm2")
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", default="tiny=8,smollm2=3",
+                    help="timed steps per model (after one warm-up step)")
     ap.add_argument("--groups-per-step", type=int, default=4)
     ap.add_argument("--sizes", default="1,8,32", help="averaged parameters, Mi floats")
     ap.add_argument("--members", default="2,4")
@@ -215,9 +225,10 @@ def main() -> None:
     start_load = load_avg()
     try:
         tp = []
+        steps = {k: int(v) for k, v in (x.split("=") for x in args.steps.split(","))}
         for m in args.models.split(","):
             if m:
-                tp += throughput(m, args.steps, args.groups_per_step, workdir)
+                tp += throughput(m, steps.get(m, 3), args.groups_per_step, workdir)
         av = []
         for members in map(int, args.members.split(",")):
             for size in map(float, args.sizes.split(",")):
@@ -230,8 +241,8 @@ figures say so rather than show the scaling a quiet multi-core or multi-GPU mach
 
 ### Trainer throughput: plain trainer vs torchrun ranks (CPU, gloo)
 
-{table(["model", "trainer", "steps", "completions/step", "tokens", "step s (sum)",
-        "tokens/s", "load before -> after"], tp)}
+{table(["model", "trainer", "torch threads / process", "timed steps", "completions/step",
+        "tokens", "step s (sum)", "tokens/s", "load before -> after"], tp)}
 
 ### Trainer-group averaging rounds (hivemind, loopback)
 

@@ -113,7 +113,8 @@ class TrainerGroup:
         ready = self._reply(START_TIMEOUT_S)
         if ready is None or ready.get("event") != "ready":
             self.close()
-            raise GroupError(f"the group process did not start: {ready}")
+            raise GroupError("the trainer-group process did not start (is hivemind installed? "
+                             "pip install 'swarm-node[group]'; its error is in the log above)")
         self.peer_id, self.maddrs = ready["peer_id"], ready["maddrs"]
         log.info("trainer group %r: hivemind peer %s at %s", name, self.peer_id, self.maddrs)
 

@@ -1,8 +1,8 @@
 """Multi-process trainer: real torchrun ranks (gloo) on the tiny model.
 
-2 ranks train the same weights as one plain process on the same buffered groups; a rank killed
-with SIGKILL makes torchrun restart the ranks, which resume from the last checkpoint and lose
-no buffered group.
+2 ranks train the same weights as one plain process on the same buffered groups, even across
+a SIGKILL of a rank: torchrun restarts the ranks, which resume from the last checkpoint and
+lose no buffered group.
 """
 
 from __future__ import annotations
@@ -94,53 +94,36 @@ def test_split_by_tokens_is_balanced_and_complete(tiny_model_dir, tmp_path):
     assert split_by_tokens(groups, 2) == shares  # deterministic: every rank computes it
 
 
-def test_two_ranks_train_the_same_weights_as_one_process(tiny_model_dir, tmp_path):
+def test_two_ranks_match_one_process_through_a_sigkill_restart(tiny_model_dir, tmp_path):
+    """2 ranks train 2 steps; rank 1 is SIGKILLed while rank 0 waits for groups; torchrun
+    restarts both, they resume from checkpoint 2 and train 2 more steps on groups accepted
+    meanwhile. Same weights as one plain process on the same 16 groups; no group lost."""
     one, two = tmp_path / "one", tmp_path / "two"
-    cfg1 = make_config(tiny_model_dir, one)
-    fill(cfg1, tiny_model_dir, 0, 12)
+    cfg1, cfg2 = make_config(tiny_model_dir, one), make_config(tiny_model_dir, two)
+    fill(cfg1, tiny_model_dir, 0, 8)                       # two steps' worth
     shutil.copytree(one, two)
-    cfg2 = make_config(tiny_model_dir, two)
-    (tmp_path / "two.toml").write_text(cfg2.to_toml())
-    proc = torchrun(tmp_path / "two.toml", procs=2, steps=3)
-
-    t = Trainer(cfg1, tiny_model_dir, one, policy_id="me")  # the plain single process
-    try:
-        for _ in range(3):
-            assert t.step().trained
-    finally:
-        t.close()
-    out = finish(proc)
-    assert out.count('"version"') == 3, out[-3000:]
-
-    start, single, ranks = weights(one, 0), weights(one, 3), weights(two, 3)
-    assert any(not torch.equal(start[k], single[k]) for k in start)  # it did train
-    for k in single:
-        torch.testing.assert_close(ranks[k], single[k], rtol=1e-4, atol=1e-5, msg=k)
-    # both consumed the same groups, and the ranks stopped cleanly
-    for d in (one, two):
-        buf = RolloutBuffer(d / "trainer" / "buffer.sqlite")
-        assert buf.count() == 0 and buf.counters()["trained"] == 12
-        buf.close()
-
-
-def test_sigkill_of_a_rank_restarts_from_the_checkpoint(tiny_model_dir, tmp_path):
-    data = tmp_path / "data"
-    cfg = make_config(tiny_model_dir, data)
-    fill(cfg, tiny_model_dir, 0, 8)                       # two steps' worth now
     later = fill(make_config(tiny_model_dir, tmp_path / "scratch"), tiny_model_dir, 8, 8)
-    (tmp_path / "c.toml").write_text(cfg.to_toml())
-    proc = torchrun(tmp_path / "c.toml", procs=2, steps=4, restarts=2)
-    ranks = data / "trainer" / "ranks"
-    ckpts = data / "trainer" / "checkpoints"
+    buf = RolloutBuffer(one / "trainer" / "buffer.sqlite")
+    buf.add(later)
+    buf.close()
+    (tmp_path / "two.toml").write_text(cfg2.to_toml())
+    proc = torchrun(tmp_path / "two.toml", procs=2, steps=4, restarts=2)
+    ranks, ckpts = two / "trainer" / "ranks", two / "trainer" / "checkpoints"
     try:
+        t = Trainer(cfg1, tiny_model_dir, one, policy_id="me")  # the plain single process
+        try:
+            for _ in range(4):
+                assert t.step().trained
+        finally:
+            t.close()
         wait_for(lambda: (ckpts / "step-00000002").is_dir(), 180, "version 2")
         pid, restart = (ranks / "rank-1.pid").read_text().split()
         assert restart == "0"
-        os.kill(int(pid), signal.SIGKILL)                 # rank 1 dies while rank 0 waits
+        os.kill(int(pid), signal.SIGKILL)                  # rank 1 dies while rank 0 waits
         wait_for(lambda: (ranks / "rank-1.pid").read_text().split()[1] == "1", 120,
                  "torchrun to restart the ranks")
-        buf = RolloutBuffer(data / "trainer" / "buffer.sqlite")
-        buf.add(later)                                    # accepted while the ranks restart
+        buf = RolloutBuffer(two / "trainer" / "buffer.sqlite")
+        buf.add(later)                                     # accepted while the ranks restart
         buf.close()
     except BaseException:
         proc.kill()
@@ -148,8 +131,13 @@ def test_sigkill_of_a_rank_restarts_from_the_checkpoint(tiny_model_dir, tmp_path
     out = finish(proc)
     versions = [int(line.split('"version": ')[1].split(",")[0])
                 for line in out.splitlines() if line.startswith('{"version"')]
-    assert versions == [1, 2, 3, 4], out[-3000:]         # resumed at 2, nothing retrained
-    buf = RolloutBuffer(data / "trainer" / "buffer.sqlite")
-    assert buf.count() == 0 and buf.counters()["trained"] == 16  # no group lost
-    buf.close()
-    assert (ckpts / "step-00000004" / "policy" / "model.safetensors").is_file()
+    assert versions == [1, 2, 3, 4], out[-3000:]          # resumed at 2, nothing retrained
+
+    start, single, ranked = weights(one, 0), weights(one, 4), weights(two, 4)
+    assert any(not torch.equal(start[k], single[k]) for k in start)  # it did train
+    for k in single:
+        torch.testing.assert_close(ranked[k], single[k], rtol=1e-4, atol=1e-5, msg=k)
+    for d in (one, two):                                   # every group trained once
+        buf = RolloutBuffer(d / "trainer" / "buffer.sqlite")
+        assert buf.count() == 0 and buf.counters()["trained"] == 16
+        buf.close()

@@ -1,8 +1,9 @@
 """Trainer groups: real trainer processes, each with its real hivemind child, on loopback.
 
 One scenario (process start-up dominates the cost): A and B average after a step and publish
-identical weights; C joins late and starts from that averaged state; a member with the wrong
-key is refused; B is SIGKILLed during a round and A and C carry on, averaging between them.
+identical weights; C joins late and starts from that averaged state; X, with the wrong key,
+gets no state and no round; B is SIGKILLed during a round and A and C carry on, averaging
+between them.
 """
 
 from __future__ import annotations
@@ -142,15 +143,17 @@ def test_group_averages_survives_a_death_and_catches_up_a_late_joiner(tiny_model
         assert c.expect("ready")["loaded"]["ok"]
         assert_same(c.current(tmp_path / "c.safetensors"), averaged)
         assert not x.expect("ready")["loaded"]["ok"]
-        x.stop()
 
-        # 3. B dies during a round: A and C finish that round without stalling ...
-        for m in (a, b, c):
+        # 3. B dies during a round: A and C finish that round without stalling; X (wrong
+        # key) looks for a group at the same time and is never averaged with ...
+        for m in (a, b, c, x):
             m.send("step")
         b.expect("averaging")
         b.kill()
         ra, rc = a.expect("stepped"), c.expect("stepped")
         assert (ra["version"], rc["version"]) == (2, 1)  # C joined one step later
+        assert x.expect("stepped")["group"]["ok"] is False
+        x.stop()
         # ... and carry on averaging between the two of them
         a.send("step")
         c.send("step")

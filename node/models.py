@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from .errors import NodeError
+from .modelcache import build_atomically, quiet_transformers
+from .smollm2 import ensure_smollm2
 
 BUILTIN_TINY = "builtin:tiny"
 BUILTIN_SMOLLM2 = "builtin:smollm2-135m"
@@ -132,8 +132,6 @@ def ensure_builtin(name: str, cache_dir: str | os.PathLike | None = None) -> Pat
     """Directory of a builtin model, building it (atomically) on first use."""
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     if name == BUILTIN_SMOLLM2:
-        from .smollm2 import ensure_smollm2
-
         return ensure_smollm2(root)
     if name != BUILTIN_TINY:
         raise NodeError(f"unknown builtin model {name!r} (known: {', '.join(BUILTINS)})")
@@ -142,27 +140,6 @@ def ensure_builtin(name: str, cache_dir: str | os.PathLike | None = None) -> Pat
         return target
     build_atomically(root, target, lambda tmp: build_tiny_model(tmp, seed=0))
     return target
-
-
-def build_atomically(root: Path, target: Path, build) -> None:
-    """Run `build(tmp)` in a temporary folder under `root`, then rename it to `target`.
-
-    Readers never see a half-built folder; if two processes build at once the first rename
-    wins and the other copy is discarded (callers that build slowly also hold a lock)."""
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise NodeError(f"cannot create model cache {root}: {e.strerror}") from None
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))
-    try:
-        build(tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process won the race; its copy is identical
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def resolve_device(device: str) -> str:
@@ -217,13 +194,6 @@ def load_model(name_or_dir: str | os.PathLike, dtype: str = "float32", device: s
     model.to(resolve_device(device))
     model.eval()
     return model, tokenizer
-
-
-def quiet_transformers() -> None:
-    """No progress bars from transformers (they flood node logs)."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
 
 
 def _hub_source(name: str) -> str:

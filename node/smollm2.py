@@ -27,6 +27,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from .errors import NodeError
+from .modelcache import build_atomically, quiet_transformers
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +73,6 @@ def file_hash(path: Path) -> str:
 
 def ensure_smollm2(root: Path) -> Path:
     """The converted model folder under `root`, converting on first use (~1 min)."""
-    from .models import build_atomically
-
     source = gguf_path()
     digest = file_hash(source)
     target = root / f"smollm2-135m-{digest[:16]}-c{CONVERTER_VERSION}"
@@ -95,8 +94,6 @@ def convert_gguf(source: Path, out: Path, source_digest: str = "") -> None:
     """Write `source` (a GGUF file) as a plain fp32 Hugging Face folder into `out`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .models import quiet_transformers
 
     quiet_transformers()
     try:

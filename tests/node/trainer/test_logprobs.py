@@ -69,6 +69,7 @@ def test_chunked_equals_full_logits_tiny(tiny_model_dir, chunk, shared):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # ~30 s on 2 free cores; much longer on a shared machine
 def test_chunked_equals_full_logits_smollm2_tied_head(smollm2_dir):
     """The real model: tied input/output embeddings get both gradient contributions."""
     model, tok = load_model(smollm2_dir)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from ...protocol.messages import RolloutBatch
 from ..broadcast.follow import trainer_choice
-from ..broadcast.settings import SettingsFollower
+from .settings import SettingsFollower
 from ..diskspace import until_written
 from ..sampler.factory import sampling_params
 from .base import Role

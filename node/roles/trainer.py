@@ -27,7 +27,7 @@ from ...verifier.checks import RolloutResult, rollout_id
 from ...verifier.intake import Budget, IntakeLimits, VerificationQueue
 from ...verifier.reasons import BATCH_REASONS, HONEST_MISTAKES
 from ...verifier.sequential import PeerMonitor, SequentialSettings
-from ..broadcast.settings import swarm_settings
+from .settings import swarm_settings
 from ..diskspace import DiskWatch, until_written
 from ..sampler.factory import sampling_params
 from .base import Role

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from swarm_node.node.broadcast.settings import SettingsFollower, swarm_settings
+from swarm_node.node.roles.settings import SettingsFollower, swarm_settings
 from swarm_node.node.config import Config
 
 from .conftest import publish

@@ -17,6 +17,8 @@ import logging
 
 from ...protocol import PROTOCOL_VERSION
 from ...protocol.messages import SamplingParams, SwarmSettings
+from ..errors import NodeError
+from ..tasks import TaskSource
 
 log = logging.getLogger(__name__)
 
@@ -118,9 +120,6 @@ class SettingsFollower:
 
 def _task_mix_problem(mix: dict[str, float]) -> str | None:
     """Why this node cannot draw tasks from `mix` (e.g. a task it does not know)."""
-    from ..errors import NodeError
-    from ..tasks import TaskSource
-
     try:
         TaskSource(mix, "check")
     except NodeError as e:

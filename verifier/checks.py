@@ -60,8 +60,8 @@ class CheckSettings:
     @classmethod
     def for_dtype(cls, dtype: str, **overrides) -> CheckSettings:
         if dtype in ("bfloat16", "float16"):
-            # measured on SmolLM2 bf16 (CPU): logprob diff up to 0.21, replay gap up to 0.29
-            base = {"logprob_tol": 0.35, "tie_eps": 0.4, "top_p_eps": 1e-2,
+            # measured on SmolLM2 bf16 (CPU): logprob diff up to 0.32, replay gap up to 0.29
+            base = {"logprob_tol": 0.5, "tie_eps": 0.4, "top_p_eps": 1e-2,
                     "proof": ProofThresholds.for_dtype(dtype)}
         else:
             base = {}

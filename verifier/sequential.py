@@ -4,9 +4,9 @@ A tolerance sized for honest float differences (bf16: 0.1 nats) leaves room for 
 that no single completion reveals:
 
 - logprob bias: every claimed logprob shifted the same way inside the tolerance. Honest
-  errors are NOT zero-mean in bf16: the sampler's own rounding helped pick the token it
-  took, so its claimed logprob sits slightly above the verifier's recomputation (measured
-  on SmolLM2: about +0.01 nats per token). Test: per completion
+  bf16 errors need not be zero-mean (the sampler's own rounding helped pick the token it
+  took); measured on SmolLM2 (CPU, 27 completions): mean +0.002 nats per token, per-token
+  spread 0.054, per-completion means from -0.012 to +0.025. Test: per completion
   z = (sum err - mu0 n) / (sigma0 sqrt n), clipped to +-`bias_clip`, with mu0 and sigma0
   per dtype from the calibration (`for_dtype`); a two-sided CUSUM with allowance `bias_k`.
   (The trainer trains on the recomputed logprobs anyway; this catches the cheater and costs
@@ -52,7 +52,7 @@ class SequentialSettings:
 
 
 # bf16 honest calibration (SmolLM2-135M, CPU; RESULTS.md "verifier-real")
-BF16_BIAS_MU = 0.012
+BF16_BIAS_MU = 0.002
 BF16_BIAS_SIGMA = 0.06
 BF16_FLIP_P0 = 0.1
 

@@ -30,6 +30,7 @@ from libp2p.tools.anyio_service import background_trio_service
 from ...protocol.ids import FETCH_PROTOCOL
 from ...protocol.messages import WireModel
 from .bridge import TrioBridge
+from .discovery import Discovery
 from .errors import BadMultiaddr, DialError, NotRunning, P2PError
 from .gossip import GossipValidator, build_gossip
 from .guard import (
@@ -88,8 +89,6 @@ class P2PNode:
 
         Raises BootstrapError (naming every address and why it failed) if bootstrap peers
         were given and none could be reached within `p2p.bootstrap_timeout_s`."""
-        from .discovery import Discovery
-
         if self._started:
             raise P2PError("this P2PNode was already started; create a new one to restart",
                            reason="already_started")

@@ -115,6 +115,9 @@ class TrainerGroup:
             self.close()
             raise GroupError("the trainer-group process did not start (is hivemind installed? "
                              "pip install 'swarm-node[group]'; its error is in the log above)")
+        # Both processes have it mapped now: unlink the name, so that even a SIGKILLed
+        # trainer leaves nothing behind in /dev/shm.
+        os.unlink(self.shm_path)
         self.peer_id, self.maddrs = ready["peer_id"], ready["maddrs"]
         log.info("trainer group %r: hivemind peer %s at %s", name, self.peer_id, self.maddrs)
 

@@ -416,7 +416,10 @@ class RolloutVerifier:
             k = int(err.abs().argmax())
             raise _Reject("logprob_mismatch", f"position {k}: claimed {float(claimed[k]):.4f}, "
                                               f"recomputed {float(chosen[k]):.4f}")
-        stats.update(self._replay(c, params, scaled, tokens))
+        # the masks are full-vocabulary sorts: each computed once, shared by replay and shape
+        loose_params = params.model_copy(update={"top_p": min(1.0, params.top_p + s.top_p_eps)})
+        strict, loose = _masks(scaled, params, loose_params)
+        stats.update(self._replay(c, params, scaled, tokens, strict, loose))
         if c.finish_reason == "eos":
             eos_p = float(torch.softmax(logits[-1].float(), dim=-1)[tokens[-1]])
             stats["eos_prob"] = eos_p
@@ -424,19 +427,18 @@ class RolloutVerifier:
                 raise _Reject("eos_improbable", f"EOS probability {eos_p:.2e}")
         if temp > 0 and tokens.shape[0] >= s.shape_min_tokens:
             # the loosened top-p, so a boundary near-tie accepted by replay is in the support
-            z = sampling_shape_z(scaled, tokens, params.model_copy(
-                update={"top_p": min(1.0, params.top_p + s.top_p_eps)}))
+            z = sampling_shape_z(scaled, tokens, loose_params, masked=loose)
             stats["shape_z"] = z
             if not abs(z) <= s.shape_z_max:
                 raise _Reject("sampling_shape", f"surprisal z-score {z:.2f}")
         return stats, chosen.float().numpy()
 
-    def _replay(self, c, params, scaled, tokens) -> dict[str, float]:
+    def _replay(self, c, params, scaled, tokens, strict, loose) -> dict[str, float]:
         """Seeded replay. Near-ties: the claimed token's noisy score may trail the winner's by
         at most tie_eps (floating-point differences between decode and prefill). Also counts
         near-tie positions and how often the claimed token is not the verifier's own choice
         there (`ties`, `tie_flips`): the per-peer steering test (sequential.py) uses them."""
-        from ..node.sampler.seeded import gumbel_noise, mask_logits
+        from ..node.sampler.seeded import gumbel_noise
 
         s = self.settings
         if params.temperature == 0:
@@ -444,10 +446,7 @@ class RolloutVerifier:
         else:
             noise = torch.stack([gumbel_noise(c.seed, k, scaled.shape[-1])
                                  for k in range(tokens.shape[0])])
-            best_scores = mask_logits(scaled, params) + noise
-            loose = mask_logits(scaled, params.model_copy(
-                update={"top_p": min(1.0, params.top_p + s.top_p_eps)})) \
-                if params.top_p < 1.0 else mask_logits(scaled, params)
+            best_scores = strict + noise
             mine_scores = loose + noise
         top2 = best_scores.topk(2, dim=-1)
         gap = top2.values[:, 0] - mine_scores.gather(1, tokens[:, None])[:, 0]
@@ -532,14 +531,25 @@ def prefill_group(model, prompt, completions, pad_id: int = 0,
     return results
 
 
-def sampling_shape_z(scaled: torch.Tensor, tokens: torch.Tensor, params: SamplingParams) -> float:
+def _masks(scaled, params: SamplingParams, loose_params: SamplingParams):
+    """(mask with the claimed top-k/top-p, mask with top_p + top_p_eps); one sort each, and
+    none of the second when top-p is off."""
+    from ..node.sampler.seeded import mask_logits
+
+    strict = mask_logits(scaled, params)
+    loose = mask_logits(scaled, loose_params) if params.top_p < 1.0 else strict
+    return strict, loose
+
+
+def sampling_shape_z(scaled: torch.Tensor, tokens: torch.Tensor, params: SamplingParams,
+                     masked: torch.Tensor | None = None) -> float:
     """z-score of the summed surprisal -log q(x_t) of the sampled tokens, where q is the
     claimed sampling distribution (temperature-scaled, top-k/top-p truncated and renormalised)
     recomputed by the verifier. Honest sampling gives mean 0, variance 1 (CLT over tokens);
     tokens drawn from another model or temperature shift it."""
     from ..node.sampler.seeded import mask_logits
 
-    q_logits = mask_logits(scaled, params)
+    q_logits = mask_logits(scaled, params) if masked is None else masked
     logq = torch.log_softmax(q_logits, dim=-1)
     q = logq.exp()
     safe = torch.where(q > 0, logq, torch.zeros_like(logq))

@@ -13,7 +13,8 @@ class P2PMetrics:
     publish_no_mesh, received, delivered, own_skipped, rejected, drop_outbound_queue_full,
     drop_outbound_oversized, drop_subscription_full, drop_handler_queue_full, handler_errors,
     payload_announced, payload_fetched, payload_fetch_failed, requests_sent, requests_failed,
-    requests_served, requests_busy, requests_too_large, streams_refused, dials, dial_failures.
+    requests_served, requests_busy, requests_too_large, streams_refused, dials, dial_failures,
+    stream_faults, window_violations, peers_cut, connections_refused (hostile peers).
     """
 
     def __init__(self) -> None:

@@ -11,9 +11,16 @@ import asyncio
 import json
 import logging
 import os
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
+from prometheus_client import generate_latest
+from rich.console import Console
+from rich.table import Table
+
+from .dashboard import page
 from .errors import NodeError
 
 if TYPE_CHECKING:
@@ -118,13 +125,10 @@ class AdminServer:
         if method != b"GET":
             return 405, "text/plain", b"only GET\n"
         if target in (b"/", b"/dashboard"):
-            from .dashboard import page
-
             return 200, "text/html; charset=utf-8", page()
         if target == b"/status":
             body = json.dumps(self.state.status(), default=str).encode()
             return 200, "application/json", body
-        from prometheus_client import generate_latest
 
         return 200, PROMETHEUS_CONTENT_TYPE, generate_latest(self.state.registry)
 
@@ -177,9 +181,6 @@ def _port_or_default(cfg: Config) -> int:
 
 def fetch_status(port: int, timeout: float = 5.0) -> dict[str, Any]:
     """GET /status from the node on 127.0.0.1:`port`; NodeError if nothing answers."""
-    import urllib.error
-    import urllib.request
-
     url = f"http://{HOST}:{port}/status"
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
@@ -203,7 +204,6 @@ def print_status(cfg: Config, port: int | None = None, as_json: bool = False) ->
     if as_json:
         print(json.dumps(doc, indent=2, sort_keys=True))
         return
-    from rich.console import Console
 
     console = Console()
     for table in render_tables(doc):
@@ -212,8 +212,6 @@ def print_status(cfg: Config, port: int | None = None, as_json: bool = False) ->
 
 def render_tables(doc: dict[str, Any]) -> list:
     """The status document as rich tables: overview, rejects by reason, per-peer counts."""
-    from rich.table import Table
-
     overview = Table(title=f"swarm-node {doc.get('role', '?')}", show_header=False)
     overview.add_column("", style="bold")
     overview.add_column("")

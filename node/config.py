@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..protocol.limits import DEFAULT_MAX_BYTES, Limits
 from .errors import ConfigError
 
 
@@ -313,8 +314,6 @@ class LimitsSection(Section):
     """Messages whose timestamp is further than this from now are rejected."""
 
     def to_limits(self):
-        from ..protocol.limits import DEFAULT_MAX_BYTES, Limits
-
         return Limits({**DEFAULT_MAX_BYTES, **self.max_message_bytes})
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
 import time
 from typing import Any
 
@@ -152,8 +153,6 @@ def setup_logging(level: str = "INFO", json_lines: bool = False, stream=None) ->
 
 def _route_uncaught(logger: logging.Logger) -> None:
     """Uncaught exceptions in threads (trio's, the worker's) become one log line."""
-    import threading
-
     def hook(args) -> None:
         if args.exc_type is SystemExit:
             return

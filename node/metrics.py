@@ -21,6 +21,14 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+)
+
 MAX_TRACKED_PEERS = 4096
 """Peers counted individually; rollouts from further peers are counted under OTHER_PEERS."""
 OTHER_PEERS = "(other)"
@@ -205,8 +213,6 @@ class NodeState:
         """This node's Prometheus registry (created on first use)."""
         reg = self.__dict__.get("_registry")
         if reg is None:
-            from prometheus_client import CollectorRegistry
-
             reg = CollectorRegistry(auto_describe=False)
             reg.register(_StateCollector(self))
             self.__dict__["_registry"] = reg
@@ -279,12 +285,6 @@ class _StateCollector:
         self.state = state
 
     def collect(self):
-        from prometheus_client.core import (
-            CounterMetricFamily,
-            GaugeMetricFamily,
-            InfoMetricFamily,
-        )
-
         st = self.state
 
         def gauge(name, doc, value, labels=None):
@@ -378,12 +378,6 @@ def _capped(values: dict[str, int | float]) -> dict[str, int | float]:
 
 def _extra_families(st: NodeState):
     """Histograms, training gauges and verdicts about this node."""
-    from prometheus_client.core import (
-        CounterMetricFamily,
-        GaugeMetricFamily,
-        HistogramMetricFamily,
-    )
-
     for name, hist in st.histograms.items():
         h = HistogramMetricFamily(f"swarm_node_{name}", f"Histogram of {name}.")
         h.add_metric([], hist.cumulative(), hist.sum)

@@ -24,6 +24,7 @@ import json
 import logging
 from pathlib import Path
 
+import blake3
 from filelock import FileLock
 
 from .errors import NodeError
@@ -62,8 +63,6 @@ def _check_converter_packages() -> None:
 
 def file_hash(path: Path) -> str:
     """BLAKE3 hex digest of a file."""
-    import blake3
-
     h = blake3.blake3()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(_HASH_CHUNK), b""):

@@ -6,6 +6,10 @@ import logging
 import sys
 import time
 
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.progress import Progress as RichProgress
+
 log = logging.getLogger(__name__)
 LOG_EVERY_S = 5.0
 
@@ -18,15 +22,6 @@ class Progress:
         interactive = sys.stderr.isatty() if interactive is None else interactive
         self._bar = self._task = None
         if interactive:
-            from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                DownloadColumn,
-                TimeRemainingColumn,
-                TransferSpeedColumn,
-            )
-            from rich.progress import Progress as RichProgress
-
             self._bar = RichProgress("[bold]{task.description}", BarColumn(), DownloadColumn(),
                                      TransferSpeedColumn(), TimeRemainingColumn(),
                                      console=Console(stderr=True), transient=True)

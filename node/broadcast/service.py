@@ -22,6 +22,7 @@ from ...protocol.errors import ProtocolError
 from ...protocol.ids import MANIFEST_PROTOCOL, SHARD_PROTOCOL
 from ...protocol.messages import CheckpointManifest, ShardAdvert, ShardRequest, SwarmSettings
 from ..diskspace import DiskFull, DiskWatch, ensure_free, is_disk_full
+from .dataplane import SHARD_TOKEN_PROTOCOL, DataPlaneServer, RoutingTransport, TokenIssuer
 from .downloader import Downloader
 from .errors import BroadcastError, DownloadFailed, ManifestRejected, StoreError
 from .follow import TrainerChoice
@@ -30,6 +31,7 @@ from .progress import Progress
 from .server import ShardServer
 from .sources import SourceBook
 from .store import ShardStore, VersionEntry, advert_shards
+from .transport import P2PTransport
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +48,6 @@ class Broadcaster:
                  transport=None, interactive: bool | None = None,
                  choice: TrainerChoice | None = None, settings: SwarmSettings | None = None,
                  settings_check: Callable[..., str | None] | None = None):
-        from .dataplane import RoutingTransport
-        from .transport import P2PTransport
-
         self.node, self.cfg, self.role = node, cfg, role
         keep = cfg.relay_keep_versions if role == "relay" else cfg.keep_versions
         self.store = ShardStore(store_root, keep_versions=keep)
@@ -107,8 +106,6 @@ class Broadcaster:
     async def _start_tcp(self) -> None:
         """The authenticated TCP data plane (dataplane.py): tokens over libp2p, shards over
         TCP. "auto" falls back to libp2p streams only, with one line, if it cannot bind."""
-        from .dataplane import SHARD_TOKEN_PROTOCOL, DataPlaneServer, TokenIssuer
-
         auto = self.cfg.tcp_listen == "auto"
         host, port = _auto_listen(self.node.config.node.listen) if auto else \
             _split_hostport(self.cfg.tcp_listen)

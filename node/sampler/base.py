@@ -10,6 +10,8 @@ from typing import Any, Literal
 import torch
 
 from ...protocol.messages import SamplingParams, TaskRef
+from ..errors import NodeError
+from .seeded import completion_seed
 
 Prompt = tuple[TaskRef, list[int]]
 
@@ -57,14 +59,10 @@ class Sampler(ABC):
 
 
 def default_seeds(sampler: Sampler, prompts: list[Prompt], n: int) -> list[list[int]]:
-    from .seeded import completion_seed
-
     return [[completion_seed(ref, sampler.peer_id, sampler.version, j) for j in range(n)]
             for ref, _ in prompts]
 
 
 def check_seeds(prompts: list[Prompt], n: int, seeds: list[list[int]]) -> None:
-    from ..errors import NodeError
-
     if len(seeds) != len(prompts) or any(len(row) != n for row in seeds):
         raise NodeError(f"seeds must be a {len(prompts)} x {n} list (one per completion)")

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 
+import torch
+
 from ...protocol.messages import SamplingParams
 from ..errors import NodeError
+from ..models import load_model, resolve_device
 from .base import Sampler
 
 
@@ -23,8 +26,6 @@ def choose_backend(backend: str, device: str) -> str:
     if backend != "auto":
         raise NodeError(f"unknown sampler backend {backend!r} (auto, hf, vllm)")
     if vllm_available() and device != "cpu":
-        import torch
-
         if torch.cuda.is_available():
             return "vllm"
     return "hf"
@@ -33,8 +34,6 @@ def choose_backend(backend: str, device: str) -> str:
 def make_sampler(config, *, peer_id: str = "", model=None, tokenizer=None) -> Sampler:
     """A sampler for `config.model` / `config.sampler`. An already loaded (model, tokenizer)
     is reused by the HF backend (the trainer and sampler may share one model)."""
-    from ..models import load_model, resolve_device
-
     device = resolve_device(config.model.device)
     backend = choose_backend(config.sampler.backend, device)
     if backend == "vllm":

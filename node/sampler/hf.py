@@ -25,6 +25,10 @@ from .seeded import choose_tokens, gumbel_rows
 # tensor ops over [steps, batch, vocab]) when it holds at most this many values; per-op
 # overhead would otherwise dominate. Large vocabularies compute it per step, pruned.
 NOISE_BLOCK_MAX = 1 << 21
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from transformers import DynamicCache
+
 from .stops import context_limit, model_eos_ids
 
 
@@ -83,8 +87,6 @@ class HFSampler(Sampler):
     @torch.inference_mode()
     def _generate_rows(self, prompts: list[Prompt], seeds: list[int],
                        params: SamplingParams) -> list[Sample]:
-        from transformers import DynamicCache
-
         device = self.device
         b = len(prompts)
         lens = [len(ids) for _, ids in prompts]
@@ -176,9 +178,6 @@ class HFSampler(Sampler):
 
 def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Tensors of a safetensors file, or of every *.safetensors file in a directory."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     path = Path(path)
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
     if not files or not files[0].exists():

@@ -24,10 +24,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
+from transformers import GenerationConfig
 
 from ...protocol.messages import SamplingParams
 from ..errors import NodeError
+from ..models import ensure_builtin
 from .base import Prompt, Sample, Sampler, check_seeds, default_seeds
+from .hf import read_state_dict
 from .stops import eos_token_ids
 
 _STORE_ATTR = "_swarm_node_store"
@@ -46,6 +50,8 @@ def _install_hook(worker) -> bool:
         hidden = args[1] if len(args) > 1 else kwargs.get("hidden_states")
         if hidden is None or logits is None:
             return None
+        # Imported here: this hook runs inside vLLM's worker process (installed through
+        # collective_rpc), which may not have imported this module's globals.
         from swarm_node.node.sampler.seeded import choose_tokens
 
         req_ids = list(runner.input_batch.req_ids)[: logits.shape[0]]
@@ -122,8 +128,6 @@ class VLLMSampler(Sampler):
 
     @classmethod
     def from_config(cls, config, *, peer_id: str = "") -> VLLMSampler:
-        from ..models import ensure_builtin
-
         name = config.model.name
         model_dir = str(ensure_builtin(name, config.model.cache_dir)) \
             if name.startswith("builtin:") else name
@@ -186,8 +190,6 @@ class VLLMSampler(Sampler):
     def load_weights(self, path_or_state: str | os.PathLike | dict[str, Any],
                      version: int | None = None) -> None:
         if isinstance(path_or_state, dict):
-            from safetensors.torch import save_file
-
             tmp = Path(tempfile.mkdtemp(prefix="swarm-weights-"))
             save_file({k: v.detach().cpu().contiguous() for k, v in path_or_state.items()},
                       str(tmp / "model.safetensors"))
@@ -196,7 +198,6 @@ class VLLMSampler(Sampler):
             path = Path(path_or_state)
             if path.is_file():
                 path = path.parent
-        from .hf import read_state_dict
 
         read_state_dict(path)  # a corrupt checkpoint is our NodeError, not an engine crash
         try:
@@ -224,8 +225,6 @@ def _find(stores: dict, request_id: str):
 
 def _generation_config(model_dir: str):
     """The model's generation_config.json (None when it has none)."""
-    from transformers import GenerationConfig
-
     try:
         return GenerationConfig.from_pretrained(model_dir)
     except (OSError, ValueError):

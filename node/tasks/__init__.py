@@ -5,9 +5,9 @@ from __future__ import annotations
 from ...protocol.messages import TaskRef
 from ..errors import NodeError
 from .base import Task
-from .rg import DEFAULT_RG_MIX, GENSYN_FAMILIES
+from .rg import DEFAULT_RG_MIX, GENSYN_FAMILIES, rg_task
 from .source import TaskSource
-from .toy import TOY_FAMILIES
+from .toy import TOY_FAMILIES, toy_task
 
 __all__ = [
     "DEFAULT_RG_MIX",
@@ -23,12 +23,8 @@ __all__ = [
 def get_task(ref: TaskRef, format_reward: float = 0.0) -> Task:
     """Regenerate the task named by `ref` (question, ground truth, scorer)."""
     if ref.dataset.startswith("toy/"):
-        from .toy import toy_task
-
         return toy_task(ref)
     if ref.dataset.startswith("rg/"):
-        from .rg import rg_task
-
         return rg_task(ref, format_reward)
     raise NodeError(f"task dataset {ref.dataset!r} must start with toy/ or rg/")
 

@@ -16,7 +16,7 @@ import struct
 
 from ...protocol.messages import TaskRef
 from ..errors import NodeError
-from .rg import INDEX_SPACE
+from .rg import INDEX_SPACE, rg_names
 from .toy import TOY_FAMILIES
 
 _DOMAIN = b"swarm-node/task-draw/v1"
@@ -28,8 +28,6 @@ def check_dataset(name: str) -> None:
         if name not in TOY_FAMILIES:
             raise NodeError(f"unknown toy task family {name!r} (known: {sorted(TOY_FAMILIES)})")
     elif name.startswith("rg/"):
-        from .rg import rg_names
-
         if name[3:] not in rg_names():
             raise NodeError(f"unknown reasoning-gym dataset {name!r}")
     else:

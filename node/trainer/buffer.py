@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from ..diskspace import DiskFull, ensure_free
 
@@ -68,8 +69,6 @@ class RolloutGroup:
         return [c.reward for c in self.completions]
 
     def to_bytes(self) -> bytes:
-        import numpy as np
-
         comps = []
         for c in self.completions:
             lp = None if c.logprobs is None else np.asarray(c.logprobs, "<f4").tobytes()
@@ -83,8 +82,6 @@ class RolloutGroup:
 
     @classmethod
     def from_bytes(cls, data: bytes, row_id: int | None = None) -> RolloutGroup:
-        import numpy as np
-
         d = msgpack.unpackb(data, raw=False, strict_map_key=True)
         comps = [CompletionRecord(list(ids), float(r),
                                   None if lp is None else np.frombuffer(lp, "<f4").tolist(),

@@ -33,6 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
 from ..diskspace import as_disk_full, ensure_free, is_disk_full
 from ..errors import NodeError
 
@@ -105,8 +109,6 @@ class CheckpointStore:
     def save(self, version: int, model, tokenizer, optimizer=None, scheduler=None,
              state: dict[str, Any] | None = None) -> Checkpoint:
         """Write version `version` atomically; prune to the last `keep`."""
-        from safetensors.torch import save_file
-
         target = self.root / f"step-{version:08d}"
         if target.exists():
             raise CheckpointError(f"checkpoint {target} already exists")
@@ -157,9 +159,6 @@ class CheckpointStore:
 
         Returns the free-form `state` dict saved with it.
         """
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
         meta_path = ckpt.trainer_dir / "state.json"
         try:
             if meta_path.stat().st_size > MAX_JSON_BYTES:
@@ -176,8 +175,6 @@ class CheckpointStore:
 
 
 def _trainer_state(optimizer, scheduler) -> tuple[dict, dict]:
-    import torch
-
     tensors: dict[str, torch.Tensor] = {"rng.torch": torch.get_rng_state()}
     meta: dict[str, Any] = {"rng_python": rng_to_json(random.getstate())}
     if torch.cuda.is_available():
@@ -200,8 +197,6 @@ def _trainer_state(optimizer, scheduler) -> tuple[dict, dict]:
 
 
 def _restore_trainer_state(tensors, meta, optimizer, scheduler) -> None:
-    import torch
-
     try:
         torch.set_rng_state(tensors["rng.torch"])
         random.setstate(rng_from_json(meta["rng_python"]))

@@ -39,7 +39,9 @@ import torch
 import torch.distributed as dist
 
 from ..errors import NodeError
+from ..models import ensure_builtin
 from .buffer import RolloutGroup
+from .trainer import StepStats, Trainer
 
 log = logging.getLogger(__name__)
 
@@ -240,8 +242,6 @@ def stop_ranks() -> None:
 
 def run_worker(cfg) -> None:
     """A rank other than 0: same model and optimizer, computes its share of every step."""
-    from .trainer import StepStats, Trainer
-
     sync = RankSync.from_env()
     cmd, _ = sync.recv()
     if cmd != CMD_READY:
@@ -270,8 +270,6 @@ def run_worker(cfg) -> None:
 
 
 def model_dir_of(cfg) -> str:
-    from ..models import ensure_builtin
-
     name = cfg.model.name
     return str(ensure_builtin(name)) if name.startswith("builtin:") else name
 
@@ -291,8 +289,6 @@ def launch(cfg, procs: int, config_path: Path) -> None:
 def run_offline(cfg, steps: int, poll_s: float = 0.2) -> None:
     """No node: train on the buffer until version `steps`, waiting for groups when it is
     empty (another process may add them). Prints one JSON line per step (tests, benchmarks)."""
-    from .trainer import Trainer
-
     trainer = Trainer(cfg, model_dir_of(cfg), cfg.data_dir)
     try:
         attach_ranks(trainer)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 
 from ...protocol.messages import SamplingParams, TaskRef
+from ..models import load_model
+from ..sampler.hf import HFSampler
 from ..tasks import format_prompt, get_task
 
 EVAL_SEED = 424_242  # generator seed of held-out sets; training draws never use it
@@ -49,9 +51,6 @@ def greedy_accuracy(sampler, tokenizer, refs: list[TaskRef],
 def accuracy_of_model_dir(model_dir, refs: list[TaskRef], max_new_tokens: int,
                           max_batch: int = 32) -> dict[str, float]:
     """`greedy_accuracy` of the policy saved in `model_dir` (loaded on the CPU)."""
-    from ..models import load_model
-    from ..sampler.hf import HFSampler
-
     model, tok = load_model(model_dir, device="cpu")
     sampler = HFSampler(model, tok, capture_hidden=False, max_batch=max_batch)
     return greedy_accuracy(sampler, tok, refs, max_new_tokens)

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .grpo import token_logprobs
+
 
 @dataclass
 class PackedBatch:
@@ -175,8 +177,6 @@ def completion_logprobs(model, batch: PackedBatch, *, chunk: int = 1024,
 
 def plain_logprobs(model, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference path: full logits and log_softmax at every position (any model)."""
-    from .grpo import token_logprobs
-
     logits = model(**batch.decoder_inputs()).logits
     flat = logits.reshape(-1, logits.shape[-1]).index_select(0, batch.positions)
     logp, ent = token_logprobs((flat * batch.inv_temp[:, None])[None], batch.targets[None])

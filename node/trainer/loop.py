@@ -6,7 +6,9 @@ sampler and trainer wired through the swarm.
 
 from __future__ import annotations
 
-from ...protocol.messages import SamplingParams
+import numpy as np
+
+from ...protocol.messages import Completion, RolloutBatch, SamplingParams, TensorData
 from ..tasks import TaskSource, format_prompt, get_task
 
 
@@ -32,10 +34,6 @@ def mean_reward(samples, score) -> float:
 def to_batch(samples, swarm_id: str, policy_id: str, round_: int, params: SamplingParams,
              score=None):
     """Samples of one policy version as the RolloutBatch a node would publish."""
-    import numpy as np
-
-    from ...protocol.messages import Completion, RolloutBatch, TensorData
-
     comps = [Completion(
         task=s.task, prompt_ids=TensorData.from_numpy(np.asarray(s.prompt_ids, "int32")),
         completion_ids=TensorData.from_numpy(np.asarray(s.completion_ids, "int32")),

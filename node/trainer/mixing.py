@@ -23,6 +23,7 @@ from collections.abc import Iterable
 
 from ...protocol.messages import RolloutBatch, TaskRef
 from ..errors import NodeError
+from ..tasks import format_prompt, get_task
 from .buffer import CompletionRecord, RolloutGroup
 from .grpo import has_signal
 
@@ -59,8 +60,6 @@ class Rescorer:
         self._tasks: dict[str, tuple] = {}
 
     def _task(self, ref: TaskRef):
-        from ..tasks import format_prompt, get_task
-
         key = ref.model_dump_json()
         hit = self._tasks.get(key)
         if hit is None:

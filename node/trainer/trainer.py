@@ -32,6 +32,7 @@ import torch
 from ...protocol.messages import RolloutBatch
 from ..config import Config
 from ..errors import NodeError
+from ..models import load_model
 from .buffer import RolloutBuffer, RolloutGroup
 from .checkpoint import Checkpoint, CheckpointStore, rng_from_json, rng_to_json
 from .data import TrainRow, groups_from_samples, groups_from_verified_batch, rows_of
@@ -89,8 +90,6 @@ class _Counters:
 class Trainer:
     def __init__(self, config: Config, model_dir, data_dir, *, policy_id: str = "",
                  device: str | None = None):
-        from ..models import load_model
-
         self.config = config
         self.cfg = config.trainer
         self.policy_id = policy_id

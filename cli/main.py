@@ -6,11 +6,17 @@ Heavy modules (torch, transformers, libp2p, vllm) are imported inside the comman
 
 from __future__ import annotations
 
+import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import typer
+
+from ..node.errors import NodeError
+from ..node.version import software_version
+from ..protocol import PROTOCOL_VERSION
 
 app = typer.Typer(
     name="swarm-node",
@@ -34,9 +40,6 @@ ModelDirArg = typer.Argument(..., help="Folder to write the model and tokenizer 
 
 def _fail(message: str, code: int = 2, json_line: bool = False) -> None:
     if json_line:  # `--log-json`: the last line is a JSON object like every other
-        import json
-        import time
-
         typer.echo(json.dumps({"ts": round(time.time(), 3), "level": "ERROR",
                                "logger": "swarm_node", "msg": message}), err=True)
     else:
@@ -46,7 +49,6 @@ def _fail(message: str, code: int = 2, json_line: bool = False) -> None:
 
 def _load(config: Path | None, overrides: dict[str, Any], sets: list[str] | None = None):
     from ..node.config import load_config, parse_set
-    from ..node.errors import NodeError
 
     try:
         # --set items first, so a dedicated flag (--model, --role, ...) wins over them
@@ -57,9 +59,6 @@ def _load(config: Path | None, overrides: dict[str, Any], sets: list[str] | None
 
 def _version(value: bool) -> None:
     if value:
-        from ..node.runner import software_version
-        from ..protocol import PROTOCOL_VERSION
-
         typer.echo(f"swarm-node {software_version()} (protocol {PROTOCOL_VERSION})")
         raise typer.Exit()
 
@@ -83,7 +82,6 @@ def keygen(
     force: bool = typer.Option(False, "--force", help="Overwrite an existing key."),
 ) -> None:
     """Create the node's Ed25519 key (PEM, mode 0600) and print its peer ID."""
-    from ..node.errors import NodeError
     from ..node.identity import Identity
 
     cfg = _load(config, {"node.data_dir": data_dir, "identity.key_path": key})
@@ -106,7 +104,6 @@ def show_id(
     key: Path | None = KeyReadOpt,
 ) -> None:
     """Print this node's libp2p peer ID."""
-    from ..node.errors import NodeError
     from ..node.identity import Identity
 
     cfg = _load(config, {"node.data_dir": data_dir, "identity.key_path": key})
@@ -147,7 +144,6 @@ def join(
         "admin.port": admin_port, "node.log_json": log_json, "trainer.procs": procs,
     }
     cfg = _load(config, overrides, sets)
-    from ..node.errors import NodeError
 
     as_json = cfg.node.log_json
     if dry_run:
@@ -207,8 +203,6 @@ def demo(
                                    "arithmetic; slow on a CPU; held-out accuracy at the end)."),
 ) -> None:
     """Run a complete local swarm on loopback (the built-in tiny model by default)."""
-    from ..node.errors import NodeError
-
     try:
         from ..node.demo import run_demo
     except ImportError as e:
@@ -229,8 +223,6 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="Print the raw JSON."),
 ) -> None:
     """Show the local node's status (peers, policy version, rollouts, reward)."""
-    from ..node.errors import NodeError
-
     cfg = _load(config, {"node.data_dir": str(data_dir) if data_dir else None})
     try:
         from ..node.admin import print_status
@@ -248,7 +240,6 @@ def make_tiny_model(
     seed: int = typer.Option(0, "--seed"),
 ) -> None:
     """Build the built-in tiny model (Qwen2 architecture, local tokenizer) into DIRECTORY."""
-    from ..node.errors import NodeError
     from ..node.models import build_tiny_model
 
     try:
@@ -268,7 +259,6 @@ def model_prepare(
     config: Path | None = ConfigOpt,
 ) -> None:
     """Build or convert a builtin model into the model cache (once) and print its folder."""
-    from ..node.errors import NodeError
     from ..node.models import ensure_builtin
 
     cfg = _load(config, {})

@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> None:
         logging.basicConfig(level=cfg.node.log_level)
         run_offline(cfg, args.offline_steps)
     else:
+        # Only rank 0 runs the node: the other ranks never load libp2p and the roles.
         from .runner import run_node
 
         try:

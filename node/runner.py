@@ -16,27 +16,26 @@ import os
 import signal
 from pathlib import Path
 
+from ..protocol import PROTOCOL_VERSION
+from .admin import AdminServer
 from .config import Config
+from .diskspace import configure as configure_disk
+from .doctor import runtime_summary
 from .errors import NodeError
+from .identity import Identity
+from .logs import route_library_logs, setup_logging
+from .metrics import NodeState
+from .p2p import P2PError, P2PNode
+from .preflight import check_config, check_ports, claim_data_dir, record_model
+from .roles import make_role
+from .version import software_version
 
 log = logging.getLogger("swarm_node")
 
 NODE_INFO_FILE = "node.json"
 
 
-def software_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("swarm-node")
-    except PackageNotFoundError:
-        return "unknown"
-
-
 def run_node(cfg: Config, *, new_model: bool = False) -> None:
-    from .logs import setup_logging
-    from .preflight import check_config, check_ports, claim_data_dir, record_model
-
     # Library progress bars are not log lines (they break one-line and JSON logs).
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     setup_logging(cfg.node.log_level, json_lines=cfg.node.log_json)
@@ -108,15 +107,6 @@ class Interrupts:
 
 
 async def _main(cfg: Config) -> None:
-    from ..protocol import PROTOCOL_VERSION
-    from .diskspace import configure as configure_disk
-    from .doctor import runtime_summary
-    from .identity import Identity
-    from .logs import route_library_logs
-    from .metrics import NodeState
-    from .p2p import P2PError, P2PNode
-    from .roles import make_role
-
     configure_disk(cfg.node.min_free_disk_mib * 2**20)  # the margin every large write keeps
     route_library_logs()  # py-libp2p's import reconfigured its loggers
     identity = Identity.load_or_create(cfg.key_path)
@@ -142,8 +132,6 @@ async def _main(cfg: Config) -> None:
     role = make_role(cfg, identity, p2p, state)
     admin = None
     if cfg.admin.enabled:
-        from .admin import AdminServer
-
         admin = AdminServer(state, cfg)
     try:
         if cfg.node.dishonest != "none":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 
 def make_role(cfg, identity, p2p, state):
+    # Only the chosen role's module is imported: a relay never loads torch or a sampler.
     role = cfg.node.role
     if role == "inference":
         from .inference import InferenceRole

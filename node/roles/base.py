@@ -15,6 +15,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from ...protocol.messages import Verdict
 from ...verifier.reasons import REASONS as REASON_TEXT
 from ..errors import NodeError
 
@@ -84,6 +85,7 @@ class Role:
         The batch knob is `sampler.max_batch`, or `holder.<field>` (e.g. the trainer's
         micro_batch_size). `on_oom()` undoes what the failed call left half done (run in
         the worker thread). At 1 there is nothing smaller to try: one-line NodeError."""
+        # oom.py imports torch; a relay (which never calls this) must not load it.
         from .oom import is_oom, release_cached
 
         holder, field = (sampler, "max_batch") if sampler is not None else (holder, field)
@@ -163,8 +165,6 @@ class Role:
 
     async def _publish_verdict_msg(self, rollout_id, subject, accept, reason, version,
                                    detail) -> None:
-        from ...protocol.messages import Verdict
-
         msg = Verdict(rollout_id=rollout_id, subject=subject, accept=accept, reason=reason,
                       policy_version=version, detail=detail[:512])
         try:
@@ -226,3 +226,14 @@ class Role:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+
+
+async def wait_any(stop: asyncio.Event, event: asyncio.Event, timeout: float) -> bool:
+    """Wait for `event` or `stop` up to `timeout`; True if `event` fired."""
+    waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(event.wait())]
+    try:
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()
+    return event.is_set()

@@ -15,11 +15,17 @@ import time
 from collections.abc import Callable
 
 from ...protocol.messages import RolloutBatch
+from ...verifier.proof import build_proofs
+from ...verifier.rules import batch_rules
 from ..broadcast.follow import trainer_choice
-from .settings import SettingsFollower
+from ..broadcast.service import Broadcaster
 from ..diskspace import until_written
+from ..sampler import make_sampler
 from ..sampler.factory import sampling_params
-from .base import Role
+from ..tasks import TaskSource, get_task
+from ..trainer.loop import sample_round, to_batch
+from .base import Role, wait_any
+from .settings import SettingsFollower
 
 log = logging.getLogger("swarm_node")
 
@@ -44,10 +50,6 @@ class InferenceRole(Role):
         self.round = int(self.load_json(ROUND_FILE, {"next_round": 0})["next_round"])
 
     async def start(self) -> None:
-        from ..broadcast.service import Broadcaster
-        from ..sampler import make_sampler
-        from ..tasks import TaskSource
-
         self.tasks = TaskSource(self.cfg.tasks.mix, self.cfg.node.swarm_id)
         self._task_mix = dict(self.cfg.tasks.mix)
         self.settings = SettingsFollower(self.cfg)  # the trainer's settings, adopted or refused
@@ -92,9 +94,6 @@ class InferenceRole(Role):
     async def _adopt_settings(self, ckpt_dir) -> None:
         """Apply the swarm settings adopted from the trainer's manifest (settings.py): a new
         task mix, and a new base model, loaded from the checkpoint directory itself."""
-        from ..sampler import make_sampler
-        from ..tasks import TaskSource
-
         if self._task_mix != self.cfg.tasks.mix:
             self.tasks = TaskSource(self.cfg.tasks.mix, self.cfg.node.swarm_id)
             self._task_mix = dict(self.cfg.tasks.mix)
@@ -109,13 +108,13 @@ class InferenceRole(Role):
     async def run(self, stop: asyncio.Event) -> None:
         # The trainer announces its current version on start and re-advertises it: wait for
         # it before the first round, so the first batch is not already stale.
-        if await _wait_any(stop, self.new_version, timeout=self.cfg.sampler.version_wait_s):
+        if await wait_any(stop, self.new_version, timeout=self.cfg.sampler.version_wait_s):
             self.new_version.clear()
         while not stop.is_set():
             await self._maybe_reload()
             if self.policy_id is None:
                 # Nobody to follow yet: wait for the bootstrap peer's announcement.
-                await _wait_any(stop, self.new_version, timeout=5.0)
+                await wait_any(stop, self.new_version, timeout=5.0)
                 self.new_version.clear()
                 continue
             round_ = self._next_round()
@@ -123,7 +122,7 @@ class InferenceRole(Role):
                 # This version's rounds are used up (BatchRules: rounds are bound to the
                 # version, verifiers accept no others); wait for the next version.
                 self.new_version.clear()
-                await _wait_any(stop, self.new_version, timeout=self.cfg.sampler.version_wait_s)
+                await wait_any(stop, self.new_version, timeout=self.cfg.sampler.version_wait_s)
                 continue
             t0 = time.monotonic()
             batch = await self.work_oom_safe(self.sample_round, round_, sampler=self.sampler)
@@ -156,18 +155,12 @@ class InferenceRole(Role):
 
     def _next_round(self) -> int | None:
         """The next unused round of the current version's window, or None when used up."""
-        from ...verifier.rules import batch_rules
-
         window = batch_rules(self.cfg).round_window(self.sampler.version)
         round_ = max(self.round, window.start)
         return round_ if round_ in window else None
 
     def sample_round(self, round_: int) -> RolloutBatch:
         """Draw this round's tasks, sample, prove, and build the batch (worker thread)."""
-        from ...verifier.proof import build_proofs
-        from ..tasks import get_task
-        from ..trainer.loop import sample_round, to_batch
-
         scfg, fmt = self.cfg.sampler, self.cfg.tasks.format_reward
         params = sampling_params(self.cfg)  # the one builder: every sampler field, top_k too
         samples = sample_round(self.sampler, self.tokenizer, self.tasks, self.identity.peer_id,
@@ -186,14 +179,3 @@ class InferenceRole(Role):
         if self.follower is not None:
             await self.follower.close()
         await super().close()
-
-
-async def _wait_any(stop: asyncio.Event, event: asyncio.Event, timeout: float) -> bool:
-    """Wait for `event` or `stop` up to `timeout`; True if `event` fired."""
-    waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(event.wait())]
-    try:
-        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waiters:
-            w.cancel()
-    return event.is_set()

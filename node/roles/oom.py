@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
+import gc
+
+import torch
+
 
 def is_oom(e: BaseException) -> bool:
     """torch.OutOfMemoryError (CUDA), or a CPU allocator's RuntimeError/MemoryError."""
-    import torch
-
     if isinstance(e, (torch.OutOfMemoryError, MemoryError)):
         return True
     return isinstance(e, RuntimeError) and "out of memory" in str(e).lower()
 
 
 def release_cached() -> None:
-    import gc
-
-    import torch
-
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

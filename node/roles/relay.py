@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from ..broadcast.follow import trainer_choice
+from ..broadcast.service import Broadcaster
 from .base import Role
 
 log = logging.getLogger("swarm_node")
@@ -23,8 +24,6 @@ class RelayRole(Role):
         self.broadcaster = None
 
     async def start(self) -> None:
-        from ..broadcast.service import Broadcaster
-
         self.broadcaster = Broadcaster(self.p2p, self.cfg.broadcast, self.data_dir / "broadcast",
                                        follow=self.cfg.node.follow, role="relay",
                                        on_complete=self._on_complete,

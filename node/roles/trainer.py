@@ -22,15 +22,29 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 
-from ...protocol.messages import RolloutBatch
-from ...verifier.checks import RolloutResult, rollout_id
+import numpy as np
+
+from ...protocol.messages import RolloutBatch, TensorData
+from ...verifier.checks import CheckSettings, RolloutResult, RolloutVerifier, rollout_id
 from ...verifier.intake import Budget, IntakeLimits, VerificationQueue
 from ...verifier.reasons import BATCH_REASONS, HONEST_MISTAKES
+from ...verifier.reputation import Reputation
+from ...verifier.rules import batch_rules, retention
+from ...verifier.seen import SeenStore
 from ...verifier.sequential import PeerMonitor, SequentialSettings
-from .settings import swarm_settings
+from ..broadcast.service import Broadcaster
 from ..diskspace import DiskWatch, until_written
+from ..models import ensure_builtin, load_model
 from ..sampler.factory import sampling_params
-from .base import Role
+from ..sampler.hf import HFSampler
+from ..sampler.stops import context_limit
+from ..tasks import TaskSource
+from ..trainer.distributed import attach_ranks
+from ..trainer.group import attach_group
+from ..trainer.loop import sample_round
+from ..trainer.trainer import Trainer
+from .base import Role, wait_any
+from .settings import swarm_settings
 
 log = logging.getLogger("swarm_node")
 
@@ -64,14 +78,6 @@ class TrainerRole(Role):
     # start-up ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        from ...verifier.reputation import Reputation
-        from ...verifier.rules import retention
-        from ..broadcast.service import Broadcaster
-        from ..models import ensure_builtin
-        from ..sampler.hf import HFSampler
-        from ..tasks import TaskSource
-        from ..trainer.trainer import Trainer
-
         cfg = self.cfg
         name = cfg.model.name
         model_dir = ensure_builtin(name) if name.startswith("builtin:") else name
@@ -79,9 +85,6 @@ class TrainerRole(Role):
                                        policy_id=self.identity.peer_id)
         # Scale-out (SCALE-OUT): a trainer group (trainer.group) and the other ranks of this
         # trainer (join --procs N); both no-ops when not configured.
-        from ..trainer.distributed import attach_ranks
-        from ..trainer.group import attach_group
-
         self.group = await self.work(attach_group, self.trainer, cfg, self.data_dir)
         await self.work(attach_ranks, self.trainer)
         self.sampler = HFSampler(self.trainer.model, self.trainer.tokenizer,
@@ -150,7 +153,6 @@ class TrainerRole(Role):
             path = self._checkpoint_path(policy_id, version)
             if path is None:
                 return None
-            from ..models import load_model
 
             model, _ = load_model(path, dtype=self.cfg.model.dtype,
                                   device=str(self.trainer.device))
@@ -176,11 +178,6 @@ class TrainerRole(Role):
         return latest
 
     def _verifier(self, policy_id: str):
-        from ...verifier.checks import CheckSettings, RolloutVerifier
-        from ...verifier.rules import batch_rules
-        from ...verifier.seen import SeenStore
-        from ..sampler.stops import context_limit
-
         v = self.verifiers.get(policy_id)
         if v is None:
             cfg = self.cfg
@@ -309,8 +306,6 @@ class TrainerRole(Role):
 
         The sampler shares the trainer's model object, so it always samples the current
         version; no weight copy is needed."""
-        from ..trainer.loop import sample_round
-
         scfg = self.cfg.sampler
         params = sampling_params(self.cfg)  # the one builder: every sampler field, top_k too
         self.sampler.version = self.trainer.version
@@ -342,8 +337,6 @@ class TrainerRole(Role):
             await self._drain()
 
     async def run(self, stop: asyncio.Event) -> None:
-        from .inference import _wait_any
-
         while not stop.is_set():
             if self.cfg.trainer.max_steps and self.trainer.version >= self.cfg.trainer.max_steps:
                 # Checked before a step, so a restart at max_steps trains nothing more.
@@ -368,7 +361,7 @@ class TrainerRole(Role):
             self.state.banned = self.reputation.banned()  # bans also expire
             self.state.buffer_counters = self.trainer.counters()
             if not stats.trained:
-                await _wait_any(stop, asyncio.Event(), timeout=1.0)
+                await wait_any(stop, asyncio.Event(), timeout=1.0)
                 continue
             self.state.policy_version = stats.version
             reward = stats.mean_reward_local_new
@@ -407,10 +400,6 @@ class TrainerRole(Role):
 def _verified_completion(c, result: RolloutResult):
     """The completion as the trainer may use it: decoded text, recomputed logprobs (NaN for
     a spot-check-skipped one: recomputed by the trainer), recomputed reward."""
-    import numpy as np
-
-    from ...protocol.messages import TensorData
-
     n = c.completion_ids.shape[0]
     logprobs = result.logprobs if result.logprobs is not None \
         else np.full(n, np.nan, dtype=np.float32)

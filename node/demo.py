@@ -21,8 +21,12 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rich.live import Live
+from rich.table import Table
+
 from .config import dump_toml
 from .errors import NodeError
+from .models import BUILTIN_SMOLLM2, build_tiny_model, ensure_builtin
 
 DEFAULT_ROUNDS = 20
 MODELS = ("tiny", "smollm2")
@@ -162,8 +166,6 @@ class Progress:
 
     def __enter__(self):
         if self.tty:
-            from rich.live import Live
-
             self._live = Live(refresh_per_second=2)
             self._live.__enter__()
         return self
@@ -202,8 +204,6 @@ def progress_line(nodes: list[DemoNode], elapsed: float) -> str:
 
 
 def render_table(nodes: list[DemoNode], elapsed: float):
-    from rich.table import Table
-
     trainer = nodes[0].last_status
     by_peer = trainer.get("accepted_by_peer", {})
     table = Table(title=f"swarm-node demo, {elapsed:.0f}s: trainer policy "
@@ -266,8 +266,6 @@ def summary(nodes: list[DemoNode], require_rise: bool = True) -> tuple[str, bool
 def demo_model(model: str, work: Path) -> Path:
     """The demo's model folder: the tiny model built into the workdir, or SmolLM2 from the
     builtin cache (converted once)."""
-    from .models import BUILTIN_SMOLLM2, build_tiny_model, ensure_builtin
-
     if model not in MODELS:
         raise NodeError(f"demo --model must be one of {', '.join(MODELS)}")
     if model == "smollm2":
@@ -280,6 +278,7 @@ def demo_model(model: str, work: Path) -> Path:
 
 def held_out_report(model_dir: Path, trainer: DemoNode) -> list[str]:
     """Held-out greedy accuracy of the start policy and of the trainer's last checkpoint."""
+    # torch loads in the demo's own process only for this final evaluation.
     from .trainer.checkpoint import CheckpointStore
     from .trainer.evaluate import accuracy_of_model_dir, held_out_refs
 

@@ -19,7 +19,9 @@ model:       one prefill of prompt + completion: activation proof; logprobs with
 
 from __future__ import annotations
 
+import copy
 import hashlib
+import inspect
 import logging
 import math
 import struct
@@ -30,8 +32,12 @@ from typing import Any
 
 import torch
 
+from ..node.errors import NodeError
+from ..node.sampler.seeded import completion_seed, gumbel_noise, mask_logits, ref_bytes
+from ..node.sampler.stops import context_limit, eos_token_ids
+from ..node.tasks import format_prompt, get_task
 from ..protocol.messages import BatchRules, Completion, RolloutBatch, SamplingParams, Verdict
-from .proof import ProofThresholds, verify_proof
+from .proof import ProofThresholds, proof_size, verify_proof
 from .seen import SeenStore
 
 log = logging.getLogger(__name__)
@@ -88,8 +94,6 @@ class RolloutResult:
 
 def rollout_id(batch: RolloutBatch, c: Completion) -> bytes:
     """Content hash of one rollout: BLAKE2b-256 over the policy, task, tokens and seed."""
-    from ..node.sampler.seeded import ref_bytes
-
     h = hashlib.blake2b(digest_size=32, person=b"swarm-rollout1")
     for part in (batch.policy_id.encode(), struct.pack("<Q", batch.policy_version),
                  ref_bytes(c.task), c.prompt_ids.data, c.completion_ids.data,
@@ -121,8 +125,6 @@ class RolloutVerifier:
                  max_context: int = 1 << 20, format_reward: float = 0.0,
                  rules: BatchRules | None = None, dtype: str = "float32",
                  generation_config=None, seen: SeenStore | None = None):
-        from ..node.sampler.stops import eos_token_ids
-
         if isinstance(model_for, torch.nn.Module):  # one fixed model serves every version
             fixed = model_for
             generation_config = generation_config or getattr(fixed, "generation_config", None)
@@ -205,7 +207,6 @@ class RolloutVerifier:
 
     def _verify(self, batch, sender, ids, spot_check) -> list[RolloutResult]:
         model = self._batch_checks(batch, sender)
-        from ..node.sampler.stops import context_limit
 
         limits = (context_limit(model.config, self.max_context), model.config.hidden_size)
         results: list[RolloutResult | None] = [None] * len(batch.completions)
@@ -255,8 +256,6 @@ class RolloutVerifier:
         """Task groups whose members all passed the cheap checks; with `rules`, a group must
         hold exactly the seed indices 0..completions_per_task-1 (else `incomplete_group` for
         all of it: a sender may not keep only the completions it likes)."""
-        from ..node.sampler.seeded import ref_bytes
-
         by_task: dict[bytes, list[int]] = {}
         for i, c in enumerate(batch.completions):
             by_task.setdefault(ref_bytes(c.task), []).append(i)
@@ -285,8 +284,6 @@ class RolloutVerifier:
     # per-completion checks without the model ---------------------------------------------
 
     def _assigned(self, sender: str, round_: int) -> set[bytes]:
-        from ..node.sampler.seeded import ref_bytes
-
         key = (sender, round_)
         if key not in self._assigned_cache:
             n = self.rules.tasks_per_round if self.rules else self.task_source.max_per_round
@@ -298,8 +295,6 @@ class RolloutVerifier:
 
     def _seed_index(self, c: Completion, sender: str, version: int) -> int | None:
         """j such that c.seed == completion_seed(task, sender, version, j), j < 256."""
-        from ..node.sampler.seeded import completion_seed, ref_bytes
-
         key = (ref_bytes(c.task), sender, version)
         if key not in self._seed_cache:
             self._seed_cache[key] = {completion_seed(c.task, sender, version, j): j
@@ -312,11 +307,6 @@ class RolloutVerifier:
                        limits) -> tuple:
         """Everything that needs no forward pass, cheapest first. Returns (task, seed index,
         decoded text, recomputed reward)."""
-        from ..node.errors import NodeError
-        from ..node.sampler.seeded import ref_bytes
-        from ..node.tasks import format_prompt, get_task
-        from .proof import proof_size
-
         max_context, hidden_size = limits
         p, t = c.prompt_ids.shape[0], c.completion_ids.shape[0]
         if p == 0 or t == 0:
@@ -438,8 +428,6 @@ class RolloutVerifier:
         at most tie_eps (floating-point differences between decode and prefill). Also counts
         near-tie positions and how often the claimed token is not the verifier's own choice
         there (`ties`, `tie_flips`): the per-peer steering test (sequential.py) uses them."""
-        from ..node.sampler.seeded import gumbel_noise
-
         s = self.settings
         if params.temperature == 0:
             best_scores, mine_scores = scaled, scaled
@@ -497,9 +485,6 @@ def prefill_group(model, prompt, completions, pad_id: int = 0,
     P+T-2) for completions sharing one prompt: the prompt runs once, its KV cache is
     repeated for the completions (in sub-batches of about `token_budget` tokens), and
     only completion tokens 0..T-2 are fed (the last token is never an input)."""
-    import copy
-    import inspect
-
     device = next(model.parameters()).device
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     cache_kw = "cache" if "cache" in inspect.signature(decoder.forward).parameters \
@@ -534,8 +519,6 @@ def prefill_group(model, prompt, completions, pad_id: int = 0,
 def _masks(scaled, params: SamplingParams, loose_params: SamplingParams):
     """(mask with the claimed top-k/top-p, mask with top_p + top_p_eps); one sort each, and
     none of the second when top-p is off."""
-    from ..node.sampler.seeded import mask_logits
-
     strict = mask_logits(scaled, params)
     loose = mask_logits(scaled, loose_params) if params.top_p < 1.0 else strict
     return strict, loose
@@ -547,8 +530,6 @@ def sampling_shape_z(scaled: torch.Tensor, tokens: torch.Tensor, params: Samplin
     claimed sampling distribution (temperature-scaled, top-k/top-p truncated and renormalised)
     recomputed by the verifier. Honest sampling gives mean 0, variance 1 (CLT over tokens);
     tokens drawn from another model or temperature shift it."""
-    from ..node.sampler.seeded import mask_logits
-
     q_logits = mask_logits(scaled, params) if masked is None else masked
     logq = torch.log_softmax(q_logits, dim=-1)
     q = logq.exp()

@@ -18,6 +18,8 @@ import time
 from collections.abc import Awaitable, Callable
 
 import libp2p
+import libp2p.pubsub.gossipsub as gossipsub_mod
+import libp2p.pubsub.pubsub as pubsub_mod
 
 from .penalties import PeerPenalties, TopicRateLimiter
 from .streams import remote_peer, reset_quietly
@@ -140,9 +142,6 @@ _outgoing: dict[int, tuple[float, tuple[bytes, bool]]] = {}
 
 def install_record_memo() -> None:
     """Patch py-libp2p's pubsub modules once per process (idempotent)."""
-    import libp2p.pubsub.gossipsub as gossipsub_mod
-    import libp2p.pubsub.pubsub as pubsub_mod
-
     for mod in (pubsub_mod, gossipsub_mod):
         if getattr(mod.maybe_consume_signed_record, "_swarm_memo", False):
             continue

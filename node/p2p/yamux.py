@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import libp2p.stream_muxer.yamux.yamux as yamux_mod
+
 from ...protocol.limits import MAX_CONN_BUFFER, MAX_STREAM_BUFFER
 
 log = logging.getLogger(__name__)
@@ -85,8 +87,6 @@ def install_window_update_batching() -> None:
     consumed) instead of py-libp2p 0.8.1's default of a WINDOW_UPDATE frame after every
     read (`PY_YAMUX_RELEASE_ON_READ`, default on): on a 64 KiB gossip message that default
     cost ~4 extra encrypted frames each way, per message per hop. Idempotent, per process."""
-    import libp2p.stream_muxer.yamux.yamux as yamux_mod
-
     yamux_mod._yamux_release_on_read = _release_on_read_off
 
 

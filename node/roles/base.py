@@ -18,6 +18,7 @@ from pathlib import Path
 from ...protocol.messages import Verdict
 from ...verifier.reasons import REASONS as REASON_TEXT
 from ..errors import NodeError
+from .interfaces import CheckpointFeed
 
 log = logging.getLogger("swarm_node")
 
@@ -176,28 +177,13 @@ class Role:
     async def start(self) -> None:
         """Load what the role needs and subscribe to its topics."""
 
-    def track_downloads(self, broadcaster, interval_s: float = 1.0) -> None:
-        """Mirror the broadcaster's download in progress into `/status`."""
-        started: dict[tuple[str, int], tuple[float, int]] = {}
+    def track_downloads(self, feed: CheckpointFeed, interval_s: float = 1.0) -> None:
+        """Mirror the feed's download in progress into `/status`, every `interval_s`."""
+        tracker = DownloadTracker(self.state, feed)
 
         async def loop():
             while True:
-                for version, _task, d in list(broadcaster.downloads.values()):
-                    m = d.entry.manifest
-                    done = d.progress.done if d.progress is not None else 0
-                    self.state.set_checkpoint_progress(version, len(d.entry.have),
-                                                       m.num_shards, done, m.total_size)
-                    started.setdefault((m.policy_id, version), (time.monotonic(),
-                                                                m.total_size))
-                for key in [k for k in started if k in broadcaster.completed]:
-                    t0, size = started.pop(key)
-                    self.state.record_download(key[1], key[0], size, time.monotonic() - t0)
-                cp = self.state.checkpoint_progress
-                finished = any(v == cp.get("version") for _, v in broadcaster.completed)
-                if cp and not cp["complete"] and not broadcaster.downloads and finished:
-                    self.state.set_checkpoint_progress(cp["version"], cp["shards_total"],
-                                                       cp["shards_total"], cp["bytes_total"],
-                                                       cp["bytes_total"])
+                tracker.tick()
                 await asyncio.sleep(interval_s)
         self._tracker = asyncio.create_task(loop(), name=f"{self.name}-progress")
 
@@ -237,3 +223,31 @@ async def wait_any(stop: asyncio.Event, event: asyncio.Event, timeout: float) ->
         for w in waiters:
             w.cancel()
     return event.is_set()
+
+
+class DownloadTracker:
+    """A checkpoint feed's downloads as seen by `/status`: the progress of the one in
+    flight, and a download record (size, seconds) per version once it is verified here."""
+
+    def __init__(self, state, feed: CheckpointFeed):
+        self.state, self.feed = state, feed
+        self.started: dict[tuple[str, int], tuple[float, int]] = {}
+        self.last: tuple[str, int] | None = None  # the download shown in /status
+
+    def tick(self) -> None:
+        downloads = self.feed.downloads()
+        for d in downloads:
+            self.state.set_checkpoint_progress(d.version, d.shards_have, d.shards_total,
+                                               d.bytes_done, d.bytes_total)
+            self.started.setdefault((d.policy_id, d.version), (time.monotonic(), d.bytes_total))
+            self.last = (d.policy_id, d.version)
+        for key in [k for k in self.started if self.feed.path(*k) is not None]:
+            t0, size = self.started.pop(key)
+            self.state.record_download(key[1], key[0], size, time.monotonic() - t0)
+        cp = self.state.checkpoint_progress
+        if (cp and not cp["complete"] and not downloads and self.last is not None
+                and self.feed.path(*self.last) is not None):
+            # it finished between two ticks: show it complete
+            self.state.set_checkpoint_progress(cp["version"], cp["shards_total"],
+                                               cp["shards_total"], cp["bytes_total"],
+                                               cp["bytes_total"])

@@ -18,13 +18,19 @@ from ...protocol.messages import RolloutBatch
 from ...verifier.proof import build_proofs
 from ...verifier.rules import batch_rules
 from ..broadcast.follow import trainer_choice
-from ..broadcast.service import Broadcaster
 from ..diskspace import until_written
 from ..sampler import make_sampler
 from ..sampler.factory import sampling_params
 from ..tasks import TaskSource, get_task
 from ..trainer.loop import sample_round, to_batch
 from .base import Role, wait_any
+from .interfaces import (
+    BroadcastFeed,
+    CheckpointFeed,
+    GossipRollouts,
+    RolloutSink,
+    VerifiedCheckpoint,
+)
 from .settings import SettingsFollower
 
 log = logging.getLogger("swarm_node")
@@ -35,12 +41,15 @@ ROUND_FILE = "round.json"
 class InferenceRole(Role):
     name = "inference"
 
-    def __init__(self, cfg, identity, p2p, state):
+    def __init__(self, cfg, identity, p2p, state, *, feed: CheckpointFeed | None = None,
+                 sink: RolloutSink | None = None):
         super().__init__(cfg, identity, p2p, state)
         self.sampler = None
         self.tokenizer = None
         self.tasks = None
-        self.follower = None
+        # None: the real ones, built in start() (the feed needs the settings follower)
+        self.feed = feed
+        self.sink = sink if sink is not None else GossipRollouts(p2p)
         # Applied to every batch before it is published; None except in the demo's and the
         # tests' cheater (node/testing/dishonest.py).
         self.outgoing: Callable[[RolloutBatch], RolloutBatch] | None = None
@@ -57,26 +66,26 @@ class InferenceRole(Role):
         self.sampler = await self.work(make_sampler, self.cfg, peer_id=self.identity.peer_id)
         self.tokenizer = self.sampler.tokenizer
         self.state.policy_version = self.sampler.version
-        self.follower = Broadcaster(self.p2p, self.cfg.broadcast, self.data_dir / "broadcast",
-                                    follow=self.cfg.node.follow, role="inference",
-                                    on_complete=self._on_checkpoint,
-                                    choice=trainer_choice(self.cfg),
-                                    settings_check=self.settings.check)
-        self.policy_id = self.follower.choice.chosen
-        await self.follower.start()
-        self.state.extra["disk"] = self.follower.disk.status()
-        self.track_downloads(self.follower)
+        if self.feed is None:
+            self.feed = BroadcastFeed.create(
+                self.p2p, self.cfg.broadcast, self.data_dir / "broadcast",
+                follow=self.cfg.node.follow, role="inference", choice=trainer_choice(self.cfg),
+                settings_check=self.settings.check)
+        self.feed.listen(self._on_checkpoint)
+        self.policy_id = self.feed.chosen()
+        await self.feed.start()
+        self.state.extra["disk"] = self.feed.disk.status()
+        self.track_downloads(self.feed)
         await self.watch_verdicts()
         log.info("inference peer ready: model %s, policy version %d", self.cfg.model.name,
                  self.sampler.version)
 
-    def _on_checkpoint(self, manifest, ckpt_dir) -> None:
-        policy_id, version = manifest.policy_id, manifest.version
+    def _on_checkpoint(self, ckpt: VerifiedCheckpoint) -> None:
         if self.policy_id is None:  # the explicit choice (follow.py) was made meanwhile
-            self.policy_id = self.follower.choice.chosen
-        newer = self.pending is None or version > self.pending[0]
-        if policy_id == self.policy_id and version > self.sampler.version and newer:
-            self.pending = (version, ckpt_dir)
+            self.policy_id = self.feed.chosen()
+        newer = self.pending is None or ckpt.version > self.pending[0]
+        if ckpt.policy_id == self.policy_id and ckpt.version > self.sampler.version and newer:
+            self.pending = (ckpt.version, ckpt.path)
             self.new_version.set()
 
     async def _maybe_reload(self) -> None:
@@ -129,7 +138,7 @@ class InferenceRole(Role):
             self.state.observe("sample_round_seconds", time.monotonic() - t0)
             self.round = round_ + 1
             # disk full: sampling pauses here (the round is persisted before publishing)
-            await until_written(self.follower.disk, self.work, self.save_json, ROUND_FILE,
+            await until_written(self.feed.disk, self.work, self.save_json, ROUND_FILE,
                                 {"next_round": self.round})
             if self.pending is not None and (
                     self.pending[0] - batch.policy_version > self.cfg.trainer.max_staleness):
@@ -140,7 +149,7 @@ class InferenceRole(Role):
                          batch.policy_version, self.pending[0])
                 continue
             try:
-                await self.p2p.publish("rollouts", batch)
+                await self.sink.publish(batch)
             except Exception as e:  # noqa: BLE001 - counted and logged; the next round retries
                 self.state.count("publish_failed")
                 log.warning("publishing round %d failed: %s", batch.round, e)
@@ -176,6 +185,6 @@ class InferenceRole(Role):
         return batch
 
     async def close(self) -> None:
-        if self.follower is not None:
-            await self.follower.close()
+        if self.feed is not None:
+            await self.feed.close()
         await super().close()

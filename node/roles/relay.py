@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 
 from ..broadcast.follow import trainer_choice
-from ..broadcast.service import Broadcaster
 from .base import Role
+from .interfaces import BroadcastFeed, CheckpointFeed, VerifiedCheckpoint
 
 log = logging.getLogger("swarm_node")
 
@@ -19,27 +19,28 @@ log = logging.getLogger("swarm_node")
 class RelayRole(Role):
     name = "relay"
 
-    def __init__(self, cfg, identity, p2p, state):
+    def __init__(self, cfg, identity, p2p, state, *, feed: CheckpointFeed | None = None):
         super().__init__(cfg, identity, p2p, state)
-        self.broadcaster = None
+        self.feed = feed  # None: the broadcaster, built in start()
 
     async def start(self) -> None:
-        self.broadcaster = Broadcaster(self.p2p, self.cfg.broadcast, self.data_dir / "broadcast",
-                                       follow=self.cfg.node.follow, role="relay",
-                                       on_complete=self._on_complete,
-                                       choice=trainer_choice(self.cfg))
-        await self.broadcaster.start()
-        self.state.extra["disk"] = self.broadcaster.disk.status()
-        self.track_downloads(self.broadcaster)
+        if self.feed is None:
+            self.feed = BroadcastFeed.create(
+                self.p2p, self.cfg.broadcast, self.data_dir / "broadcast",
+                follow=self.cfg.node.follow, role="relay", choice=trainer_choice(self.cfg))
+        self.feed.listen(self._on_complete)
+        await self.feed.start()
+        self.state.extra["disk"] = self.feed.disk.status()
+        self.track_downloads(self.feed)
 
-    def _on_complete(self, manifest, path) -> None:
-        self.state.policy_id = manifest.policy_id
-        self.state.policy_version = manifest.version
+    def _on_complete(self, ckpt: VerifiedCheckpoint) -> None:
+        self.state.policy_id = ckpt.policy_id
+        self.state.policy_version = ckpt.version
         self.state.count("versions_mirrored")
-        log.info("mirrored policy %s v%d (%d bytes)", manifest.policy_id[-8:], manifest.version,
-                 manifest.total_size)
+        log.info("mirrored policy %s v%d (%d bytes)", ckpt.policy_id[-8:], ckpt.version,
+                 ckpt.size)
 
     async def close(self) -> None:
-        if self.broadcaster is not None:
-            await self.broadcaster.close()
+        if self.feed is not None:
+            await self.feed.close()
         await super().close()

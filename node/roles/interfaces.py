@@ -1,0 +1,139 @@
+"""What a role consumes, as small interfaces, and the adapters over the real parts.
+
+A role never reads its collaborators' internals (the broadcaster's download tuples, its
+store or gate): it gets
+- a `CheckpointFeed`: the checkpoints of the followed policies, each handed over once it is
+  downloaded and every shard verified, and the verified directory of (policy, version);
+- a `RolloutSink`: where a finished rollout batch goes (gossip, in the node).
+The real ones are `BroadcastFeed` (over node/broadcast's Broadcaster) and `GossipRollouts`
+(over the p2p host); unit tests pass in-memory fakes (tests/node/roles/fakes.py), and the
+integration swarm test proves the real ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from ...protocol.messages import RolloutBatch
+from ..broadcast.service import Broadcaster
+from ..diskspace import DiskWatch
+
+
+@dataclass(frozen=True)
+class VerifiedCheckpoint:
+    """A checkpoint whose manifest passed the gate and whose shards were all verified."""
+
+    policy_id: str
+    version: int
+    path: Path
+    size: int  # bytes of all shards
+
+
+@dataclass(frozen=True)
+class DownloadStatus:
+    """One checkpoint download in progress (for /status)."""
+
+    policy_id: str
+    version: int
+    shards_have: int
+    shards_total: int
+    bytes_done: int
+    bytes_total: int
+
+
+OnCheckpoint = Callable[[VerifiedCheckpoint], None]
+
+
+class CheckpointFeed(Protocol):
+    disk: DiskWatch  # where the feed writes; a paused disk also pauses the role's own writes
+
+    def listen(self, on_checkpoint: OnCheckpoint) -> None:
+        """Call `on_checkpoint` for each verified checkpoint, once, in version order per
+        policy; only checkpoints of followed policies are ever handed over."""
+
+    def chosen(self) -> str | None:
+        """The trainer a follower adopted (configured, kept, or announced); None before."""
+
+    def follows(self, policy_id: str) -> bool: ...
+
+    def path(self, policy_id: str, version: int) -> Path | None:
+        """The verified directory of (policy, version), or None when not (or no longer) here."""
+
+    def latest_version(self, policy_id: str) -> int:
+        """The newest complete version of `policy_id` here (-1 when none)."""
+
+    def downloads(self) -> list[DownloadStatus]: ...
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class RolloutSink(Protocol):
+    async def publish(self, batch: RolloutBatch) -> None:
+        """Send one signed batch on its way; raises when it could not be sent."""
+
+
+class GossipRollouts:
+    """The node's rollout sink: the `rollouts` gossip topic."""
+
+    def __init__(self, p2p):
+        self.p2p = p2p
+
+    async def publish(self, batch: RolloutBatch) -> None:
+        await self.p2p.publish("rollouts", batch)
+
+
+class BroadcastFeed:
+    """A `CheckpointFeed` over the broadcaster (node/broadcast/service.py)."""
+
+    def __init__(self, broadcaster: Broadcaster):
+        self.broadcaster = broadcaster
+        self.disk = broadcaster.disk
+        self._listeners: list[OnCheckpoint] = []
+        broadcaster.on_complete = self._handed_over
+
+    @classmethod
+    def create(cls, p2p, cfg, root: Path, **kwargs) -> BroadcastFeed:
+        """`Broadcaster(p2p, cfg, root, **kwargs)` behind the feed interface."""
+        return cls(Broadcaster(p2p, cfg, root, **kwargs))
+
+    def _handed_over(self, manifest, path: Path) -> None:
+        ckpt = VerifiedCheckpoint(manifest.policy_id, manifest.version, Path(path),
+                                  manifest.total_size)
+        for on_checkpoint in self._listeners:
+            on_checkpoint(ckpt)
+
+    def listen(self, on_checkpoint: OnCheckpoint) -> None:
+        self._listeners.append(on_checkpoint)
+
+    def chosen(self) -> str | None:
+        choice = self.broadcaster.choice
+        return choice.chosen if choice is not None else None
+
+    def follows(self, policy_id: str) -> bool:
+        return self.broadcaster.gate.follows(policy_id)
+
+    def path(self, policy_id: str, version: int) -> Path | None:
+        return self.broadcaster.completed.get((policy_id, version))
+
+    def latest_version(self, policy_id: str) -> int:
+        return self.broadcaster.store.current_version(policy_id)
+
+    def downloads(self) -> list[DownloadStatus]:
+        out = []
+        for version, _task, d in list(self.broadcaster.downloads.values()):
+            m = d.entry.manifest
+            done = d.progress.done if d.progress is not None else 0
+            out.append(DownloadStatus(m.policy_id, version, len(d.entry.have), m.num_shards,
+                                      done, m.total_size))
+        return out
+
+    async def start(self) -> None:
+        await self.broadcaster.start()
+
+    async def close(self) -> None:
+        await self.broadcaster.close()

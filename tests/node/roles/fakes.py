@@ -1,0 +1,87 @@
+"""In-memory stand-ins for what a role consumes (node/roles/interfaces.py): a checkpoint feed
+the test drives by hand, a rollout sink that records, and the two p2p calls a role makes.
+They test the roles' logic; the real feed and sink are proven by tests/integration."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from swarm_node.node.diskspace import DiskWatch
+from swarm_node.node.roles.interfaces import DownloadStatus, VerifiedCheckpoint
+from swarm_node.protocol.messages import RolloutBatch
+
+
+class FakeFeed:
+    """A `CheckpointFeed`: `deliver()` hands a checkpoint over like a finished download."""
+
+    def __init__(self, root: Path, follow: list[str] = (), chosen: str | None = None):
+        self.disk = DiskWatch("fake feed", root)
+        self.followed = set(follow)
+        self._chosen = chosen
+        self.listeners: list[Callable[[VerifiedCheckpoint], None]] = []
+        self.paths: dict[tuple[str, int], Path] = {}
+        self.in_flight: list[DownloadStatus] = []
+        self.started = self.closed = False
+
+    def listen(self, on_checkpoint) -> None:
+        self.listeners.append(on_checkpoint)
+
+    def choose(self, policy_id: str) -> None:
+        """What the broadcaster does when the bootstrap peer announces its trainer."""
+        self._chosen = policy_id
+        self.followed.add(policy_id)
+
+    def deliver(self, policy_id: str, version: int, path: Path, size: int = 1) -> None:
+        self.paths[(policy_id, version)] = Path(path)
+        for on_checkpoint in self.listeners:
+            on_checkpoint(VerifiedCheckpoint(policy_id, version, Path(path), size))
+
+    def chosen(self) -> str | None:
+        return self._chosen
+
+    def follows(self, policy_id: str) -> bool:
+        return policy_id in self.followed
+
+    def path(self, policy_id: str, version: int) -> Path | None:
+        return self.paths.get((policy_id, version))
+
+    def latest_version(self, policy_id: str) -> int:
+        return max((v for p, v in self.paths if p == policy_id), default=-1)
+
+    def downloads(self) -> list[DownloadStatus]:
+        return list(self.in_flight)
+
+    async def start(self) -> None:
+        self.started = True
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+class RecordingSink:
+    """A `RolloutSink` that keeps every batch; `on_publish(batch, n)` runs after each."""
+
+    def __init__(self, on_publish: Callable[[RolloutBatch, int], None] | None = None,
+                 fail: int = 0):
+        self.batches: list[RolloutBatch] = []
+        self.on_publish = on_publish
+        self.fail = fail  # the first `fail` publishes raise, like a gossip error
+
+    async def publish(self, batch: RolloutBatch) -> None:
+        if self.fail > 0:
+            self.fail -= 1
+            raise ConnectionError("no peers in the mesh")
+        self.batches.append(batch)
+        if self.on_publish is not None:
+            self.on_publish(batch, len(self.batches))
+
+
+class FakeP2P:
+    """The p2p calls a follower role makes besides its feed and sink (verdict watching)."""
+
+    def __init__(self):
+        self.subscriptions: dict[str, object] = {}
+
+    async def subscribe(self, topic: str, handler) -> None:
+        self.subscriptions[topic] = handler

@@ -1,0 +1,149 @@
+"""The inference role against in-memory fakes (tests/node/roles/fakes.py) and the real tiny
+model: which checkpoints it loads, what it publishes, that it stops. The real broadcaster
+and gossip are proven by tests/integration/test_swarm.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+from swarm_node.node.config import Config
+from swarm_node.node.identity import Identity
+from swarm_node.node.metrics import NodeState
+from swarm_node.node.models import build_tiny_model
+from swarm_node.node.roles.inference import InferenceRole
+from swarm_node.node.sampler.hf import read_state_dict
+
+from .fakes import FakeFeed, FakeP2P, RecordingSink
+
+TRAINER = "12D3KooWtrainerFollowed"
+OTHER = "12D3KooWtrainerNotFollowed"
+HANG_GUARD_S = 60  # a bound against a hang, not a timing assertion
+
+
+def make_cfg(model_dir, data_dir, follow=(TRAINER,)) -> Config:
+    data_dir.mkdir(parents=True, exist_ok=True)  # the runner's job in the node
+    return Config.model_validate({
+        "node": {"data_dir": str(data_dir), "role": "inference", "follow": list(follow),
+                 "swarm_id": "unit"},
+        "model": {"name": str(model_dir), "device": "cpu"},
+        "tasks": {"tasks_per_round": 1},
+        "sampler": {"backend": "hf", "completions_per_task": 2, "max_new_tokens": 4,
+                    "batches_per_version": 2}})
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Two tiny-model checkpoints with weights unlike the seed-0 base (and each other)."""
+    root = tmp_path_factory.mktemp("ckpts")
+    return {v: build_tiny_model(root / f"v{v}", seed=v) for v in (1, 2)}
+
+
+async def started_role(cfg, feed, sink) -> InferenceRole:
+    ident = Identity.generate()
+    role = InferenceRole(cfg, ident, FakeP2P(), NodeState(ident.peer_id, "inference", "unit"),
+                         feed=feed, sink=sink)
+    await role.start()
+    return role
+
+
+def same_weights(model, ckpt_dir) -> bool:
+    state = read_state_dict(ckpt_dir)
+    params = dict(model.named_parameters())
+    return all(torch.equal(params[k].detach(), t) for k, t in state.items() if k in params)
+
+
+async def test_hot_loads_each_newer_followed_version_and_binds_batches_to_it(
+        tmp_path, tiny_model_dir, checkpoints):
+    feed = FakeFeed(tmp_path, follow=[TRAINER], chosen=TRAINER)
+    stop = asyncio.Event()
+
+    def after_publish(batch, n):
+        if n == 1:  # while v1's rounds are being used: a newer version, and decoys
+            feed.deliver(OTHER, 9, checkpoints[1])  # another trainer's: never loaded
+            feed.deliver(TRAINER, 2, checkpoints[2])
+            feed.deliver(TRAINER, 1, checkpoints[1])  # older than pending: ignored
+        else:
+            stop.set()
+
+    sink = RecordingSink(after_publish)
+    role = await started_role(make_cfg(tiny_model_dir, tmp_path / "data"), feed, sink)
+    try:
+        assert feed.started and role.sampler.version == 0
+        feed.deliver(TRAINER, 1, checkpoints[1])
+        await asyncio.wait_for(role.run(stop), HANG_GUARD_S)
+    finally:
+        await role.close()
+
+    got = [(b.policy_id, b.policy_version, b.round) for b in sink.batches]
+    # v1's first round (window [2, 4)), then v2's first round (window [4, 6))
+    assert got == [(TRAINER, 1, 2), (TRAINER, 2, 4)]
+    assert all(b.swarm_id == "unit" and len(b.completions) == 2 for b in sink.batches)
+    assert role.sampler.version == 2 and role.state.policy_version == 2
+    assert same_weights(role.sampler.model, checkpoints[2])
+    assert json.loads((tmp_path / "data" / "round.json").read_text()) == {"next_round": 5}
+    assert role.state.rollouts_sent == 4 and feed.closed
+
+
+async def test_never_loads_a_checkpoint_of_a_policy_it_does_not_follow(
+        tmp_path, tiny_model_dir, checkpoints):
+    feed = FakeFeed(tmp_path, follow=[TRAINER], chosen=TRAINER)
+    role = await started_role(make_cfg(tiny_model_dir, tmp_path / "data"), feed,
+                              RecordingSink())
+    try:
+        feed.deliver(OTHER, 5, checkpoints[1])
+        assert role.pending is None and not role.new_version.is_set()
+        await role._maybe_reload()
+        assert role.sampler.version == 0
+        assert not same_weights(role.sampler.model, checkpoints[1])
+    finally:
+        await role.close()
+
+
+async def test_a_trainer_chosen_after_start_is_followed_from_then_on(
+        tmp_path, tiny_model_dir, checkpoints):
+    feed = FakeFeed(tmp_path)  # no --follow, nothing announced yet
+    role = await started_role(make_cfg(tiny_model_dir, tmp_path / "data", follow=()), feed,
+                              RecordingSink())
+    try:
+        assert role.policy_id is None
+        feed.choose(TRAINER)  # the bootstrap peer announced its trainer
+        feed.deliver(TRAINER, 1, checkpoints[1])
+        assert role.policy_id == TRAINER and role.pending == (1, checkpoints[1])
+        await role._maybe_reload()
+        assert role.sampler.version == 1 and same_weights(role.sampler.model, checkpoints[1])
+    finally:
+        await role.close()
+
+
+async def test_stops_on_stop_while_waiting_for_a_version(tmp_path, tiny_model_dir):
+    feed, sink = FakeFeed(tmp_path, follow=[TRAINER], chosen=TRAINER), RecordingSink()
+    role = await started_role(make_cfg(tiny_model_dir, tmp_path / "data"), feed, sink)
+    stop = asyncio.Event()
+    try:
+        run = asyncio.create_task(role.run(stop))
+        await asyncio.sleep(0)  # let it reach its wait (a yield, not a timed sleep)
+        assert not run.done()
+        stop.set()
+        await asyncio.wait_for(run, HANG_GUARD_S)
+    finally:
+        await role.close()
+    assert sink.batches == [] and role.sampler.version == 0
+
+
+async def test_a_failed_publish_is_counted_and_the_next_round_goes_out(
+        tmp_path, tiny_model_dir, checkpoints):
+    feed = FakeFeed(tmp_path, follow=[TRAINER], chosen=TRAINER)
+    stop = asyncio.Event()
+    sink = RecordingSink(lambda batch, n: stop.set(), fail=1)
+    role = await started_role(make_cfg(tiny_model_dir, tmp_path / "data"), feed, sink)
+    try:
+        feed.deliver(TRAINER, 1, checkpoints[1])
+        await asyncio.wait_for(role.run(stop), HANG_GUARD_S)
+    finally:
+        await role.close()
+    # round 2 was lost to the failure (never reused: a verifier would call it a replay)
+    assert [(b.policy_version, b.round) for b in sink.batches] == [(1, 3)]
+    assert role.state.counters["publish_failed"] == 1

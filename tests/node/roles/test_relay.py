@@ -1,0 +1,51 @@
+"""The relay role and the download tracker (node/roles/base.py) against a fake checkpoint
+feed. The real broadcaster behind them is proven by tests/integration/test_swarm.py."""
+
+from __future__ import annotations
+
+from swarm_node.node.config import Config
+from swarm_node.node.identity import Identity
+from swarm_node.node.metrics import NodeState
+from swarm_node.node.roles.base import DownloadTracker
+from swarm_node.node.roles.interfaces import DownloadStatus
+from swarm_node.node.roles.relay import RelayRole
+
+from .fakes import FakeFeed, FakeP2P
+
+TRAINER = "12D3KooWtrainerFollowed"
+
+
+async def test_relay_mirrors_what_the_feed_yields(tmp_path):
+    cfg = Config.model_validate({"node": {"data_dir": str(tmp_path), "role": "relay",
+                                          "follow": [TRAINER]}})
+    ident = Identity.generate()
+    feed = FakeFeed(tmp_path, follow=[TRAINER])
+    role = RelayRole(cfg, ident, FakeP2P(), NodeState(ident.peer_id, "relay", "s"), feed=feed)
+    await role.start()
+    try:
+        assert feed.started and role.state.extra["disk"]["paused"] is False
+        for version in (1, 2):
+            feed.deliver(TRAINER, version, tmp_path / f"v{version}", size=1000)
+    finally:
+        await role.close()
+    assert role.state.policy_id == TRAINER and role.state.policy_version == 2
+    assert role.state.counters["versions_mirrored"] == 2 and feed.closed
+
+
+def test_download_tracker_shows_progress_then_records_the_finished_download(tmp_path):
+    state, feed = NodeState("12D3KooWme", "relay", "s"), FakeFeed(tmp_path, follow=[TRAINER])
+    tracker = DownloadTracker(state, feed)
+    feed.in_flight = [DownloadStatus(TRAINER, 3, 1, 4, 250, 1000)]
+    tracker.tick()
+    assert state.checkpoint_progress["version"] == 3
+    assert state.checkpoint_progress["shards_done"] == 1
+    assert not state.checkpoint_progress["complete"] and list(state.downloads) == []
+
+    feed.in_flight = []  # finished between two ticks
+    feed.paths[(TRAINER, 3)] = tmp_path / "v3"
+    tracker.tick()
+    assert state.checkpoint_progress["complete"]
+    assert [(d["version"], d["policy_id"], d["bytes"]) for d in state.downloads] == [
+        (3, TRAINER, 1000)]
+    tracker.tick()  # recorded once
+    assert len(state.downloads) == 1

@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import NodeError
+from .models import ensure_builtin, resolve_device
+from .preflight import check_device
 
 if TYPE_CHECKING:
     from .config import Config
@@ -50,8 +52,6 @@ def _fmt(n: int) -> str:
 
 def runtime_summary(cfg: Config, role=None) -> dict[str, Any]:
     """Device, dtype, backend and memory of a started node (start log line and /status)."""
-    from .models import resolve_device
-
     device = str(_role_device(role) or resolve_device(cfg.model.device))
     sampler = getattr(role, "sampler", None)
     backend = type(sampler).__name__.replace("Sampler", "").lower() if sampler else "none"
@@ -89,7 +89,6 @@ def model_plan(cfg: Config) -> dict[str, Any]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .models import ensure_builtin
 
     name = cfg.model.name
     source = str(ensure_builtin(name, cfg.model.cache_dir)) if name.startswith("builtin:") \
@@ -130,8 +129,6 @@ def doctor_report(cfg: Config) -> tuple[list[str], list[str]]:
     """(lines to print, problems). Never raises for a missing GPU: that is a finding."""
     import torch
 
-    from .models import resolve_device
-    from .preflight import check_device
     from .sampler.factory import vllm_available
 
     lines, problems = [], []

@@ -19,11 +19,16 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import multiaddr
+from filelock import FileLock, Timeout
+
+from . import models
 from .errors import NodeError
+from .models import _hub_source
+from .tasks import TaskSource
+from .tasks.source import check_dataset
 
 if TYPE_CHECKING:
-    from filelock import FileLock
-
     from .config import Config
 
 LOCK_FILE = "node.lock"
@@ -47,8 +52,6 @@ def check_config(cfg: Config, *, new_model: bool = False) -> list[str]:
 
 
 def check_addresses(cfg: Config) -> None:
-    import multiaddr
-
     for addr in cfg.node.listen:
         _tcp_part(addr, multiaddr)
     for addr in cfg.node.bootstrap:
@@ -96,8 +99,6 @@ def check_peer_id(peer: str, what: str) -> None:
 
 def check_ports(cfg: Config) -> None:
     """Bind every listen address (and the admin port) once, so a taken one is named now."""
-    import multiaddr
-
     for addr in cfg.node.listen:
         host, port = _tcp_part(addr, multiaddr)
         _probe(host, port, f"cannot listen on {addr}", "another swarm-node on this machine? "
@@ -125,9 +126,6 @@ def _probe(host: str, port: int, what: str, hint: str) -> None:
 
 
 def check_tasks(cfg: Config) -> None:
-    from .tasks import TaskSource
-    from .tasks.source import check_dataset
-
     for name in cfg.tasks.mix:
         try:
             check_dataset(name)
@@ -161,8 +159,6 @@ def check_device(device: str) -> None:
 def model_shape(cfg: Config) -> dict:
     """The model's config.json fields that decide checkpoint compatibility; checks it
     exists (local dir, built-in, or hub cache/hub) without loading weights."""
-    from .models import _hub_source
-
     name = cfg.model.name
     if name.startswith("builtin:"):
         # Built on first use (minutes for a converted one): not here. The recorded model
@@ -180,8 +176,6 @@ def model_shape(cfg: Config) -> dict:
 
 
 def _builtin_known(name: str) -> bool:
-    from . import models
-
     known = getattr(models, "BUILTIN_MODELS", None)
     if known is None:  # no registry: only the tiny model is certain
         return name == models.BUILTIN_TINY or name.startswith("builtin:smollm2")
@@ -297,8 +291,6 @@ def prepare_data_dir(cfg: Config) -> Path:
 def claim_data_dir(cfg: Config) -> FileLock:
     """Lock the data dir for this process; NodeError naming the holder's PID if taken.
     The lock is an flock: the OS releases it when the process dies, even on kill -9."""
-    from filelock import FileLock, Timeout
-
     path = prepare_data_dir(cfg)
     lock = FileLock(str(path / LOCK_FILE), timeout=0)
     try:

@@ -1,4 +1,4 @@
-"""Broadcast peers as real subprocesses (node/broadcast/standalone.py), for fault tests and
+"""Broadcast peers as real subprocesses (node/testing/broadcast_peer.py), for fault tests and
 the benchmark. Each process is stopped through its own handle."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ class BroadcastProc:
     def __init__(self, name: str, role: str, data_dir: Path, *args: str, key: Path | None = None,
                  log_level: str = "WARNING"):
         self.name = name
-        cmd = [sys.executable, "-m", "swarm_node.node.broadcast.standalone", "--role", role,
+        cmd = [sys.executable, "-m", "swarm_node.node.testing.broadcast_peer", "--role", role,
                "--data-dir", str(data_dir), "--log-level", log_level, *args]
         if key is not None:
             cmd += ["--key", str(key)]

@@ -1,8 +1,8 @@
 """A broadcast-only peer in its own process (no sampler, no trainer): a trainer origin that
-publishes checkpoint directories, a relay, or a follower. Used by the multi-process fault
-tests and by benchmarks/broadcast.py; also a minimal relay.
+publishes checkpoint directories, a relay, or a follower. A harness for the multi-process
+fault tests and benchmarks/broadcast.py, not a role (the relay role is node/roles/relay.py).
 
-    python -m swarm_node.node.broadcast.standalone --role relay --data-dir D \
+    python -m swarm_node.node.testing.broadcast_peer --role relay --data-dir D \
         --bootstrap /ip4/127.0.0.1/tcp/4001/p2p/<id> --follow <trainer peer id>
 
 Prints one JSON object per line on stdout: {"event": "ready", "peer_id", "addrs"}, then
@@ -22,6 +22,16 @@ import resource
 import sys
 import time
 from pathlib import Path
+
+from ...protocol.messages import CheckpointManifest
+from ..broadcast.errors import ManifestRejected
+from ..broadcast.follow import TrainerChoice, bootstrap_peer_ids
+from ..broadcast.server import RateLimiter
+from ..broadcast.service import Broadcaster
+from ..config import Config
+from ..diskspace import configure as configure_disk
+from ..identity import Identity
+from ..p2p import P2PNode
 
 
 def emit(**obj) -> None:
@@ -71,16 +81,6 @@ def corrupting(store, spec: str):
 
 
 async def main(argv: list[str] | None = None) -> int:
-    from ...protocol.messages import CheckpointManifest
-    from ..config import Config
-    from ..diskspace import configure as configure_disk
-    from ..identity import Identity
-    from ..p2p import P2PNode
-    from .errors import ManifestRejected
-    from .follow import TrainerChoice, bootstrap_peer_ids
-    from .server import RateLimiter
-    from .service import Broadcaster
-
     ap = argparse.ArgumentParser(prog="swarm-node-broadcast")
     ap.add_argument("--role", choices=["trainer", "relay", "inference"], required=True)
     ap.add_argument("--data-dir", type=Path, required=True)

@@ -22,7 +22,7 @@ from ..diskspace import until_written
 from ..sampler import make_sampler
 from ..sampler.factory import sampling_params
 from ..tasks import TaskSource, get_task
-from ..trainer.loop import sample_round, to_batch
+from ..sampler.rounds import sample_round, to_batch
 from .base import Role, wait_any
 from .interfaces import (
     BroadcastFeed,

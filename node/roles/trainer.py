@@ -41,7 +41,7 @@ from ..sampler.stops import context_limit
 from ..tasks import TaskSource
 from ..trainer.distributed import attach_ranks
 from ..trainer.group import attach_group
-from ..trainer.loop import sample_round
+from ..sampler.rounds import sample_round
 from ..trainer.trainer import Trainer
 from .base import Role, wait_any
 from .settings import swarm_settings

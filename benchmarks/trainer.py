@@ -28,8 +28,8 @@ import torch
 from swarm_node.node.config import Config
 from swarm_node.node.models import build_tiny_model, load_model
 from swarm_node.node.sampler.hf import HFSampler
-from swarm_node.node.tasks import TaskSource
 from swarm_node.node.sampler.rounds import sample_round
+from swarm_node.node.tasks import TaskSource
 from swarm_node.node.trainer.trainer import Trainer
 from swarm_node.protocol.messages import SamplingParams
 

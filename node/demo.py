@@ -279,8 +279,8 @@ def demo_model(model: str, work: Path) -> Path:
 def held_out_report(model_dir: Path, trainer: DemoNode) -> list[str]:
     """Held-out greedy accuracy of the start policy and of the trainer's last checkpoint."""
     # torch loads in the demo's own process only for this final evaluation.
-    from .trainer.checkpoint import CheckpointStore
-    from .trainer.evaluate import accuracy_of_model_dir, held_out_refs
+    from .trainer.checkpoint import CheckpointStore  # noqa: PLC0415
+    from .trainer.evaluate import accuracy_of_model_dir, held_out_refs  # noqa: PLC0415
 
     refs = held_out_refs(SMOLLM2_TASK, SMOLLM2_EVAL_TASKS)
     latest = CheckpointStore(trainer.dir / "data" / "trainer" / "checkpoints").latest()

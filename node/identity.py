@@ -51,7 +51,7 @@ class Identity:
     def to_libp2p_keypair(self):
         """The same key as a py-libp2p KeyPair."""
         # libp2p (and trio) load only when a host starts: `keygen` and `id` do without.
-        from libp2p.crypto.ed25519 import create_new_key_pair
+        from libp2p.crypto.ed25519 import create_new_key_pair  # noqa: PLC0415
 
         return create_new_key_pair(self.private_bytes)
 

@@ -35,6 +35,6 @@ def build_atomically(root: Path, target: Path, build) -> None:
 def quiet_transformers() -> None:
     """No progress bars from transformers (they flood node logs)."""
     # transformers (seconds to import) loads only when a model is built or loaded.
-    from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging  # noqa: PLC0415
 
     hf_logging.disable_progress_bar()

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
         run_offline(cfg, args.offline_steps)
     else:
         # Only rank 0 runs the node: the other ranks never load libp2p and the roles.
-        from .runner import run_node
+        from .runner import run_node  # noqa: PLC0415
 
         try:
             run_node(cfg)

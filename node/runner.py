@@ -136,7 +136,7 @@ async def _main(cfg: Config) -> None:
     try:
         if cfg.node.dishonest != "none":
             # The cheat kit is loaded only when a (demo or test) config asks for a cheater.
-            from .testing.dishonest import make_dishonest
+            from .testing.dishonest import make_dishonest  # noqa: PLC0415
 
             make_dishonest(role, cfg.node.dishonest)
         if admin is not None:

@@ -91,8 +91,9 @@ def ensure_smollm2(root: Path) -> Path:
 
 def convert_gguf(source: Path, out: Path, source_digest: str = "") -> None:
     """Write `source` (a GGUF file) as a plain fp32 Hugging Face folder into `out`."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    # torch/transformers (seconds to import) load only for the one-time conversion.
+    import torch  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
     quiet_transformers()
     try:

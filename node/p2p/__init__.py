@@ -28,7 +28,7 @@ __all__ = [
 def __getattr__(name):
     # Lazy: importing the package must not import libp2p/trio (keeps `--help` fast).
     if name == "P2PNode":
-        from .host import P2PNode
+        from .host import P2PNode  # noqa: PLC0415
 
         return P2PNode
     raise AttributeError(name)

@@ -87,7 +87,7 @@ class Role:
         micro_batch_size). `on_oom()` undoes what the failed call left half done (run in
         the worker thread). At 1 there is nothing smaller to try: one-line NodeError."""
         # oom.py imports torch; a relay (which never calls this) must not load it.
-        from .oom import is_oom, release_cached
+        from .oom import is_oom, release_cached  # noqa: PLC0415
 
         holder, field = (sampler, "max_batch") if sampler is not None else (holder, field)
         while True:

@@ -21,8 +21,8 @@ from ..broadcast.follow import trainer_choice
 from ..diskspace import until_written
 from ..sampler import make_sampler
 from ..sampler.factory import sampling_params
-from ..tasks import TaskSource, get_task
 from ..sampler.rounds import sample_round, to_batch
+from ..tasks import TaskSource, get_task
 from .base import Role, wait_any
 from .interfaces import (
     BroadcastFeed,

@@ -37,11 +37,11 @@ from ..diskspace import DiskWatch, until_written
 from ..models import ensure_builtin, load_model
 from ..sampler.factory import sampling_params
 from ..sampler.hf import HFSampler
+from ..sampler.rounds import sample_round
 from ..sampler.stops import context_limit
 from ..tasks import TaskSource
 from ..trainer.distributed import attach_ranks
 from ..trainer.group import attach_group
-from ..sampler.rounds import sample_round
 from ..trainer.trainer import Trainer
 from .base import Role, wait_any
 from .settings import swarm_settings

@@ -36,11 +36,12 @@ def make_sampler(config, *, peer_id: str = "", model=None, tokenizer=None) -> Sa
     is reused by the HF backend (the trainer and sampler may share one model)."""
     device = resolve_device(config.model.device)
     backend = choose_backend(config.sampler.backend, device)
+    # Each backend's module is imported only when chosen: vllm is an optional dependency.
     if backend == "vllm":
-        from .vllm import VLLMSampler
+        from .vllm import VLLMSampler  # noqa: PLC0415
 
         return VLLMSampler.from_config(config, peer_id=peer_id)
-    from .hf import HFSampler
+    from .hf import HFSampler  # noqa: PLC0415
 
     if model is None or tokenizer is None:
         model, tokenizer = load_model(config.model.name, dtype=config.model.dtype, device=device,

@@ -52,7 +52,7 @@ def _install_hook(worker) -> bool:
             return None
         # Imported here: this hook runs inside vLLM's worker process (installed through
         # collective_rpc), which may not have imported this module's globals.
-        from swarm_node.node.sampler.seeded import choose_tokens
+        from swarm_node.node.sampler.seeded import choose_tokens  # noqa: PLC0415
 
         req_ids = list(runner.input_batch.req_ids)[: logits.shape[0]]
         groups: dict[tuple, list[tuple[int, str, int, int]]] = {}
@@ -106,8 +106,8 @@ class VLLMSampler(Sampler):
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         # the hook reads the V1 runner's input batch and request states
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-        try:
-            import vllm
+        try:  # vllm is an optional dependency
+            import vllm  # noqa: PLC0415
         except ImportError as e:
             raise NodeError(f"the vLLM sampler needs the vllm package: {e}") from None
         self.peer_id = peer_id
@@ -139,7 +139,7 @@ class VLLMSampler(Sampler):
 
     def generate(self, prompts: list[Prompt], n: int, params: SamplingParams,
                  seeds: list[list[int]] | None = None) -> list[list[Sample]]:
-        import vllm
+        import vllm  # noqa: PLC0415 - optional dependency, present once from_config ran
 
         seeds = seeds if seeds is not None else default_seeds(self, prompts, n)
         check_seeds(prompts, n, seeds)

@@ -15,8 +15,8 @@ from swarm_node.node.errors import NodeError
 from swarm_node.node.metrics import NodeState
 from swarm_node.node.roles.base import Role
 from swarm_node.node.sampler.hf import HFSampler
-from swarm_node.node.tasks import TaskSource
 from swarm_node.node.sampler.rounds import sample_round
+from swarm_node.node.tasks import TaskSource
 from swarm_node.protocol.messages import SamplingParams
 
 

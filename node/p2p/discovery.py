@@ -96,7 +96,7 @@ class Discovery:
                      listen_addrs=self.node.listen_addrs[:MAX_ADDRS_PER_PEER]).encode()
 
     async def _serve_peers(self, peer: str, body: bytes) -> bytes:
-        hello = Hello.decode(body, max_size=8192)
+        hello = Hello.decode(body)  # capped at the `hello` size limit (protocol/limits.py)
         if hello.swarm_id != self.node.swarm_id:
             # Never name our swarm: the peer list is only for members of the same swarm.
             raise ValueError(f"not a member of swarm {hello.swarm_id[:64]!r}")

@@ -49,6 +49,8 @@ from .yamux import bound_buffers, install_window_update_batching
 
 log = logging.getLogger(__name__)
 
+SHUTDOWN_QUIESCE_S = 3.0  # at most this long disconnecting peers before the services stop
+
 
 class P2PNode:
     """A swarm peer. `config` is the whole Config tree (uses `node`, `p2p`, `limits`)."""
@@ -251,7 +253,7 @@ class P2PNode:
                 self._nursery = None
                 # Quiesce before the services stop: closing under load otherwise
                 # raises "Nursery is closed to new arrivals" inside py-libp2p.
-                with trio.move_on_after(3):
+                with trio.move_on_after(SHUTDOWN_QUIESCE_S):
                     for peer in list(host.get_connected_peers()):
                         try:
                             await host.disconnect(peer)

@@ -23,6 +23,9 @@ from .gossip import CountingSendChannel, mesh_ready
 
 log = logging.getLogger(__name__)
 
+MESH_POLL_S = 0.02  # how often a first publish re-checks whether the mesh formed
+QUEUE_POLL_S = 0.005  # how often a blocked publish re-checks the peer queues
+
 Handler = Callable[[Envelope, str], Awaitable[None]]
 
 
@@ -170,7 +173,7 @@ class GossipService:
             if (not first and topic_peers == 0) or trio.current_time() >= deadline:
                 self.metrics.inc("publish_no_mesh")
                 return
-            await trio.sleep(0.02)
+            await trio.sleep(MESH_POLL_S)
 
     async def _t_wait_capacity(self) -> None:
         queues = self.node._pubsub.peer_queues
@@ -180,7 +183,7 @@ class GossipService:
         self.metrics.inc("publish_waits")
         deadline = trio.current_time() + self.cfg.publish_timeout_s
         while True:
-            await trio.sleep(0.005)
+            await trio.sleep(QUEUE_POLL_S)
             peer, fullest = queues.fullest()
             if fullest <= self.cfg.publish_high_water:
                 return

@@ -36,6 +36,7 @@ from .settings import SettingsFollower
 log = logging.getLogger("swarm_node")
 
 ROUND_FILE = "round.json"
+NO_TRAINER_POLL_S = 5.0  # with no trainer to follow yet, look again this often
 
 
 class InferenceRole(Role):
@@ -123,7 +124,7 @@ class InferenceRole(Role):
             await self._maybe_reload()
             if self.policy_id is None:
                 # Nobody to follow yet: wait for the bootstrap peer's announcement.
-                await wait_any(stop, self.new_version, timeout=5.0)
+                await wait_any(stop, self.new_version, timeout=NO_TRAINER_POLL_S)
                 self.new_version.clear()
                 continue
             round_ = self._next_round()

@@ -51,6 +51,8 @@ log = logging.getLogger("swarm_node")
 DRAIN_MAX_S = 30.0  # longest verification stretch before training gets its turn
 BOGUS_PROBATION_REPORT = 1  # connection-penalty offences per bogus probation batch
 MODEL_CACHE = 4
+PEER_BATCH_POLL_S = 0.5  # re-check the deadline while waiting for peers' batches
+IDLE_AFTER_EMPTY_STEP_S = 1.0  # nothing to train on: wait before trying again
 
 
 class TrainerRole(Role):
@@ -331,7 +333,7 @@ class TrainerRole(Role):
             if not len(self.queue):
                 self.arrived.clear()
                 try:
-                    await asyncio.wait_for(self.arrived.wait(), timeout=0.5)
+                    await asyncio.wait_for(self.arrived.wait(), timeout=PEER_BATCH_POLL_S)
                 except TimeoutError:
                     continue
             await self._drain()
@@ -361,7 +363,7 @@ class TrainerRole(Role):
             self.state.banned = self.reputation.banned()  # bans also expire
             self.state.buffer_counters = self.trainer.counters()
             if not stats.trained:
-                await wait_any(stop, asyncio.Event(), timeout=1.0)
+                await wait_any(stop, asyncio.Event(), timeout=IDLE_AFTER_EMPTY_STEP_S)
                 continue
             self.state.policy_version = stats.version
             reward = stats.mean_reward_local_new

@@ -2,9 +2,9 @@
 batches (random tokens, valid tasks, prompts, seeds and proof length, so each costs a
 forward pass), an established honest peer's batches are all verified and accepted, almost
 no flood batch reaches the model first, and the connections that carried the flood are
-penalised. Each sybil is its own libp2p peer: the transport already cuts a connection whose
-envelopes are signed by another key than the connection's (`sender_mismatch`), so a fresh
-key costs the attacker a fresh libp2p identity and connection.
+penalised. Each sybil publishes as its own libp2p peer: the transport rejects (and
+penalises) an envelope whose signer is not the gossip origin (`sender_mismatch`), so a
+fresh envelope key needs a matching libp2p key.
 
 The trainer side is the real TrainerRole intake (`_on_rollouts`, `_drain`,
 `verify_and_store`, the fair queue, the real Trainer on the tiny model); only the checkpoint

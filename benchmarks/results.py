@@ -12,7 +12,7 @@ import os
 import platform
 import shlex
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
@@ -46,7 +46,7 @@ def machine() -> str:
 def record(section: str, body: str, command: str | None = None) -> None:
     """Replace section `section` of RESULTS.md with `body` (markdown) plus provenance."""
     command = command or "python " + " ".join(shlex.quote(a) for a in sys.argv)
-    now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    now = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     start, end = f"<!-- begin {section} -->", f"<!-- end {section} -->"
     block = (f"{start}\n## {section}\n\n- command: `{command}`\n- machine: {machine()}\n"
              f"- date: {now}\n\n{body.strip()}\n{end}")

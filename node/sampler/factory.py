@@ -25,9 +25,8 @@ def choose_backend(backend: str, device: str) -> str:
         return backend
     if backend != "auto":
         raise NodeError(f"unknown sampler backend {backend!r} (auto, hf, vllm)")
-    if vllm_available() and device != "cpu":
-        if torch.cuda.is_available():
-            return "vllm"
+    if vllm_available() and device != "cpu" and torch.cuda.is_available():
+        return "vllm"
     return "hf"
 
 

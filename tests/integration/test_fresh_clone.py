@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 def sh(args: list[str], cwd: Path, timeout: int, env: dict | None = None) -> str:
     proc = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+                          check=False, env={**os.environ, **(env or {})})
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
         raise AssertionError(f"{' '.join(args)} exited {proc.returncode}:\n{tail}")

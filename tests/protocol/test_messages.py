@@ -103,8 +103,8 @@ def test_claimed_reward_must_be_finite(bad):
 
 
 def test_sampling_params_ranges():
-    for kwargs in [dict(temperature=-0.1), dict(temperature=float("nan")), dict(top_p=0.0),
-                   dict(top_p=1.5), dict(max_new_tokens=0), dict(top_k=-1)]:
+    for kwargs in [{"temperature": -0.1}, {"temperature": float("nan")}, {"top_p": 0.0},
+                   {"top_p": 1.5}, {"max_new_tokens": 0}, {"top_k": -1}]:
         with pytest.raises(ValueError):
             SamplingParams(**kwargs)
 
@@ -112,9 +112,9 @@ def test_sampling_params_ranges():
 def test_task_ref_bounds():
     TaskRef(dataset="rg/basic_arithmetic", params={"a": 1, "b": 0.5, "c": "x", "d": True},
             seed=0, index=2**64 - 1)
-    for kwargs in [dict(dataset=""), dict(dataset="x" * 97), dict(seed=-1),
-                   dict(params={"k": float("nan")}), dict(params={"k": [1]}),
-                   dict(params={f"k{i}": i for i in range(33)})]:
+    for kwargs in [{"dataset": ""}, {"dataset": "x" * 97}, {"seed": -1},
+                   {"params": {"k": float("nan")}}, {"params": {"k": [1]}},
+                   {"params": {f"k{i}": i for i in range(33)}}]:
         with pytest.raises(ValueError):
             TaskRef(**{"dataset": "toy/x", "seed": 1, "index": 0, **kwargs})
 

@@ -9,7 +9,6 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
 from swarm_node.node.errors import IdentityError, NodeError
 from swarm_node.node.identity import KEY_FILE_MODE, Identity
 from swarm_node.protocol.envelope import open_envelope

@@ -7,12 +7,11 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from transformers import AutoTokenizer
-
 from swarm_node.node.errors import NodeError
 from swarm_node.node.tasks import get_task
 from swarm_node.node.testing.dishonest import make_dishonest, tamper
 from swarm_node.protocol.messages import RolloutBatch, SamplingParams, TaskRef
+from transformers import AutoTokenizer
 
 from ..protocol.examples import PEER, completion
 

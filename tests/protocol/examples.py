@@ -5,7 +5,6 @@ from __future__ import annotations
 import struct
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
 from swarm_node.node.identity import Identity
 from swarm_node.protocol.messages import (
     MESSAGE_TYPES,

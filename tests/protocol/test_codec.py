@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import msgpack
 import pytest
-
 from swarm_node.protocol.codec import MAX_DEPTH, pack, tensor_nbytes, unpack
 from swarm_node.protocol.errors import MalformedMessage, MessageTooLarge, ProtocolError
 

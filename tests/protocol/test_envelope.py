@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from swarm_node.protocol.codec import pack, unpack
 from swarm_node.protocol.envelope import (
     DOMAIN,

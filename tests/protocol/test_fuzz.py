@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from swarm_node.protocol.codec import pack, unpack
 from swarm_node.protocol.envelope import NONCE_LEN, ReplayCache, open_envelope, peek_sender
 from swarm_node.protocol.errors import ProtocolError

@@ -7,7 +7,6 @@ import struct
 import numpy as np
 import pytest
 import torch
-
 from swarm_node.protocol.codec import pack, unpack
 from swarm_node.protocol.errors import MalformedMessage, MessageTooLarge, SchemaViolation
 from swarm_node.protocol.limits import DEFAULT_MAX_BYTES, Limits

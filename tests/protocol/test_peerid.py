@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
-
 from swarm_node.protocol.errors import BadPeerId
 from swarm_node.protocol.peerid import (
     PEER_ID_LEN,

@@ -17,7 +17,6 @@ import blake3
 import pytest
 from libp2p.crypto.ed25519 import Ed25519PublicKey as Libp2pEd25519PublicKey
 from libp2p.peer.id import ID
-
 from swarm_node.protocol.codec import pack, unpack
 from swarm_node.protocol.envelope import DOMAIN, open_envelope
 from swarm_node.protocol.messages import CheckpointManifest

@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 
 import pytest
-from swarm_node.node.roles.settings import SettingsFollower, swarm_settings
 from swarm_node.node.config import Config
+from swarm_node.node.roles.settings import SettingsFollower, swarm_settings
 
 from .conftest import publish
 

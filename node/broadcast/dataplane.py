@@ -31,12 +31,12 @@ from collections import Counter
 
 from ...protocol.codec import pack, unpack
 from ...protocol.errors import ProtocolError
+from ...protocol.ids import SHARD_TOKEN_PROTOCOL
 from .transport import TcpStream
 from .wire import FRAME_HEADER
 
 log = logging.getLogger(__name__)
 
-SHARD_TOKEN_PROTOCOL = "/swarm-node/shard-token/1.0.0"
 DOMAIN = b"swarm-node/dataplane/1\x00"
 MAX_HELLO = 256
 SERVER_READ_LIMIT = 64 * 1024

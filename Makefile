@@ -12,7 +12,7 @@ TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.swarm-node-installed
 
-.PHONY: demo demo-smollm2 test setup clean
+.PHONY: demo demo-smollm2 test lint setup clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,12 @@ demo-smollm2: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# ruff (rules in pyproject.toml) and the import contracts (.importlinter); CI (.ci/run) runs
+# this before `make test`.
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis

@@ -147,3 +147,30 @@ async def test_a_failed_publish_is_counted_and_the_next_round_goes_out(
     # round 2 was lost to the failure (never reused: a verifier would call it a replay)
     assert [(b.policy_version, b.round) for b in sink.batches] == [(1, 3)]
     assert role.state.counters["publish_failed"] == 1
+
+
+async def test_a_batch_made_stale_by_a_much_newer_version_is_not_sent(
+        tmp_path, tiny_model_dir, checkpoints):
+    cfg = make_cfg(tiny_model_dir, tmp_path / "data")
+    cfg.trainer.max_staleness = 1
+    feed = FakeFeed(tmp_path, follow=[TRAINER], chosen=TRAINER)
+    stop = asyncio.Event()
+    sink = RecordingSink(lambda batch, n: stop.set())
+    role = await started_role(cfg, feed, sink)
+    sample = role.work_oom_safe
+
+    async def v3_arrives_while_sampling(fn, *args, **kwargs):
+        batch = await sample(fn, *args, **kwargs)
+        if batch.policy_version == 1:
+            feed.deliver(TRAINER, 3, checkpoints[2])  # 3 - 1 > max_staleness
+        return batch
+
+    role.work_oom_safe = v3_arrives_while_sampling
+    try:
+        feed.deliver(TRAINER, 1, checkpoints[1])
+        await asyncio.wait_for(role.run(stop), HANG_GUARD_S)
+    finally:
+        await role.close()
+    assert role.state.counters["stale_batches_discarded"] == 1
+    # v1's round 2 was dropped (and stays used); the next batch is v3's first round
+    assert [(b.policy_version, b.round) for b in sink.batches] == [(3, 6)]

@@ -4,9 +4,11 @@ A role never reads its collaborators' internals (the broadcaster's download tupl
 store or gate): it gets
 - a `CheckpointFeed`: the checkpoints of the followed policies, each handed over once it is
   downloaded and every shard verified, and the verified directory of (policy, version);
-- a `RolloutSink`: where a finished rollout batch goes (gossip, in the node).
-The real ones are `BroadcastFeed` (over node/broadcast's Broadcaster) and `GossipRollouts`
-(over the p2p host); unit tests pass in-memory fakes (tests/node/roles/fakes.py), and the
+- a `RolloutSink`: where a finished rollout batch goes (gossip, in the node);
+- a `Verifier` per policy (the trainer): one result per completion of a batch.
+The real ones are `BroadcastFeed` (over node/broadcast's Broadcaster), `GossipRollouts`
+(over the p2p host) and verifier/checks.py's RolloutVerifier; a trainer's own versions are
+found through `OwnCheckpoints`. Unit tests pass in-memory fakes (tests/node/roles/), and the
 integration swarm test proves the real ones.
 """
 
@@ -15,11 +17,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ...protocol.messages import RolloutBatch
 from ..broadcast.service import Broadcaster
 from ..diskspace import DiskWatch
+
+if TYPE_CHECKING:  # for annotations only: verifier.checks loads torch, which a relay never needs
+    from ...verifier.checks import RolloutResult, SpotCheck
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,12 @@ class CheckpointFeed(Protocol):
     async def start(self) -> None: ...
 
     async def close(self) -> None: ...
+
+
+class Verifier(Protocol):
+    def verify(self, batch: RolloutBatch, sender: str,
+               spot_check: SpotCheck | None = None) -> list[RolloutResult]:
+        """One result per completion, in order (worker thread)."""
 
 
 class RolloutSink(Protocol):
@@ -137,3 +148,20 @@ class BroadcastFeed:
 
     async def close(self) -> None:
         await self.broadcaster.close()
+
+
+class OwnCheckpoints:
+    """A trainer's own versions, as (policy, version) -> verified directory: its checkpoint
+    store (node/trainer/checkpoint.py) keeps them; they need no download nor verification."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def path(self, policy_id: str, version: int) -> Path | None:
+        for ck in self.trainer.store.list():
+            if ck.version == version:
+                return ck.policy_dir
+        return None
+
+    def latest_version(self, policy_id: str) -> int:
+        return self.trainer.version

@@ -276,6 +276,11 @@ Notes (honest about what this is and is not):
   this loaded CPU: 20-42% at T=1, 64% with top-p. With spot checks at fraction f for
   trusted peers the amortised cost is f times that plus the cheap checks (e.g. f = 0.1:
   2-4%).
+- Attacks on SmolLM2 in bf16 under these thresholds (one batch of 2 tasks x 2, 16 tokens,
+  /tmp script, same load): consistent 1- and 4-token forgeries, truncation + EOS and a
+  greedy decode claimed as T = 1 -> `token_mismatch`; forged reward -> `reward_mismatch`;
+  swapped proofs and weights x1.05 -> `proof_index_mismatch`; weights x1.01 -> **accepted**
+  (the bf16 price above).
 - Steering in fp32: with tie_eps 1e-3 "wide" near-ties are rare (2 in 214 completions), so
   there is almost nothing to steer and the test rarely has data; in bf16 (tie_eps 0.4)
   honest flips at wide ties were 6 of 210 (2.9%, p0 = 0.1 in the test).

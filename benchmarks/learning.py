@@ -11,8 +11,9 @@ it is skipped) are scored three ways:
   tagged   share of completions with an <answer>...</answer> tag;
   lenient  the last number in the completion equals the answer (diagnostic only: what a
            reader would accept; not what the swarm trains on).
-The training reward is (1 - f) * exact + f * tagged with f = --format-reward, so the model
-is paid for the answer format it has to learn before exact answers can score.
+The training reward is (1 - f) * rg score + f * tagged with f = --format-reward: the rg
+score is 1 for an exact answer and a small partial credit when the untagged text contains
+it, and GRPO's per-group normalisation turns even that small difference into a signal.
 
     python -m benchmarks.learning [--minutes 15] [--tasks 4] [--group 8] [--eval 32]
 """
@@ -147,8 +148,9 @@ def _record(args, before, after, curve, train_s, total_s, load0, load1) -> None:
         f"{DATASET} with params {PARAMS}; one trainer with its own sampler; per round "
         f"{args.tasks} training problems x {args.group} completions (temperature 1, at most "
         f"{args.max_new_tokens} new tokens), one GRPO step (lr {args.lr}, AdamW, defaults "
-        f"otherwise), reward = {1 - args.format_reward:g} * exact + {args.format_reward:g} * "
-        f"tagged. Held-out set: {args.eval} problems of generator seed {EVAL_SEED}, greedy, "
+        f"otherwise), reward = {1 - args.format_reward:g} * rg score + {args.format_reward:g} "
+        "* tagged (rg's basic_arithmetic score: 1 for an exact answer, a small partial credit "
+        "of about len(answer)/len(text) when the untagged text contains it). Held-out set: {args.eval} problems of generator seed {EVAL_SEED}, greedy, "
         f"never trained on. {len(curve)} rounds in {train_s:.0f} s of training "
         f"({total_s:.0f} s with both evaluations); load average (1 min) before/after "
         f"{load0:.1f}/{load1:.1f} on 2 cores shared with other agents' jobs, so the budget "

@@ -49,6 +49,7 @@ def main() -> None:
     ap.add_argument("--variants", default="0,4,1,3,2",
                     help="--smollm2: 0 plain, 1 trainer path (rows apart), 2 + bf16, "
                          "3 + checkpointing, 4 shared prompts")
+    ap.add_argument("--section", default="trainer throughput (CPU, SmolLM2)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.curve:
@@ -242,7 +243,7 @@ def _record_smollm2(args, results, base_name, n_comp, n_seq, load0) -> None:
             "This CPU has no bf16 units (no avx512_bf16/AMX), so autocast cannot help here.\n\n")
     body += table(["path", "runs", "seconds", "tokens/s", "seq tokens/s", "vs plain"],
                   table_rows)
-    record("trainer throughput (CPU, SmolLM2)", body)
+    record(args.section, body)
 
 
 if __name__ == "__main__":

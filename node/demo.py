@@ -84,7 +84,9 @@ def smollm2_settings(cfg: dict) -> dict:
     for, longer completions, fewer and smaller groups, shards sized for a 0.5 GB policy."""
     cfg["broadcast"] = {"shard_size": 16 * 1024 * 1024}
     cfg["tasks"] = {"mix": {SMOLLM2_TASK: 1.0}, "tasks_per_round": 2, "format_reward": 0.5}
-    cfg["sampler"] = {"completions_per_task": 4, "max_new_tokens": SMOLLM2_MAX_NEW,
+    # groups of 8: with a few percent of rewarded completions, a group of 4 rarely carries
+    # any signal (all-zero groups are dropped and the trainer cannot step)
+    cfg["sampler"] = {"completions_per_task": 8, "max_new_tokens": SMOLLM2_MAX_NEW,
                       "temperature": 1.0}
     cfg["trainer"] = {**cfg["trainer"], "learning_rate": 2e-5, "micro_batch_size": 8,
                       "peer_wait_s": 600.0}

@@ -89,7 +89,7 @@ def smollm2_settings(cfg: dict) -> dict:
     cfg["sampler"] = {"completions_per_task": 8, "max_new_tokens": SMOLLM2_MAX_NEW,
                       "temperature": 1.0}
     cfg["trainer"] = {**cfg["trainer"], "learning_rate": 2e-5, "micro_batch_size": 8,
-                      "peer_wait_s": 600.0}
+                      "peer_wait_s": 120.0}
     return cfg
 
 

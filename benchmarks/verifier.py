@@ -47,8 +47,9 @@ def _imports():
     global attacks, checks, proof, SamplingParams, TaskSource, load_model, build_tiny_model
     from swarm_node.node.models import build_tiny_model, load_model
     from swarm_node.node.tasks import TaskSource
+    from swarm_node.node.testing import attacks
     from swarm_node.protocol.messages import SamplingParams
-    from swarm_node.verifier import attacks, checks, proof
+    from swarm_node.verifier import checks, proof
 
 
 # toploc --------------------------------------------------------------------------------

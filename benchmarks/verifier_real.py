@@ -52,8 +52,8 @@ def collect(dtype: str, budget_s: float) -> Path:
     """Sample and verify honest rounds for each variation, splitting `budget_s` evenly."""
     from swarm_node.node.models import BUILTIN_SMOLLM2, ensure_builtin, load_model
     from swarm_node.node.tasks import TaskSource
+    from swarm_node.node.testing import attacks
     from swarm_node.protocol.messages import SamplingParams
-    from swarm_node.verifier import attacks
     from swarm_node.verifier.checks import RolloutVerifier
 
     OUT.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,6 @@
 """Test kits and deliberate cheats: used by the demo and the tests, never by the roles.
 
 `dishonest`: an inference peer that cheats on purpose (the demo's cheater).
+`attacks`: honest batches and the forgeries the verifier must reject (tests, benchmarks).
 `broadcast_peer`: a broadcast-only peer process for the broadcast fault tests and benchmark.
 """

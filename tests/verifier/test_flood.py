@@ -21,8 +21,8 @@ import pytest
 import torch
 from swarm_node.node.config import Config
 from swarm_node.node.identity import Identity
+from swarm_node.node.testing import attacks
 from swarm_node.protocol.messages import SamplingParams
-from swarm_node.verifier import attacks
 from swarm_node.verifier.rules import batch_rules
 
 HONEST_BATCHES = 4

@@ -11,8 +11,8 @@ import random
 import numpy as np
 import pytest
 import torch
+from swarm_node.node.testing import attacks
 from swarm_node.protocol.messages import BatchRules, SamplingParams, TensorData
-from swarm_node.verifier import attacks
 from swarm_node.verifier.checks import CheckSettings, RolloutVerifier
 from swarm_node.verifier.reasons import CONFIG_REASONS, HONEST_MISTAKES
 from swarm_node.verifier.reputation import Reputation

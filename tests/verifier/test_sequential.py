@@ -9,8 +9,8 @@ import random
 import numpy as np
 import pytest
 import torch
+from swarm_node.node.testing import attacks
 from swarm_node.protocol.messages import SamplingParams, TensorData
-from swarm_node.verifier import attacks
 from swarm_node.verifier.checks import CheckSettings, RolloutVerifier
 from swarm_node.verifier.sequential import PeerMonitor, SequentialSettings
 

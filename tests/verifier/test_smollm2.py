@@ -9,8 +9,8 @@ import random
 
 import pytest
 import torch
+from swarm_node.node.testing import attacks
 from swarm_node.protocol.messages import SamplingParams
-from swarm_node.verifier import attacks
 from swarm_node.verifier.checks import RolloutVerifier
 
 pytestmark = pytest.mark.slow

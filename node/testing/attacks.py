@@ -14,9 +14,12 @@ import random
 import numpy as np
 import torch
 
-from ..protocol.messages import Completion, RolloutBatch, SamplingParams, TensorData
-from .checks import prefill
-from .proof import build_proofs
+from ...protocol.messages import Completion, RolloutBatch, SamplingParams, TensorData
+from ...verifier.checks import prefill
+from ...verifier.proof import build_proofs, proof_size
+from ..sampler.hf import HFSampler
+from ..sampler.seeded import completion_seed, gumbel_noise, mask_logits
+from ..tasks import format_prompt, get_task
 
 
 def ids_tensor(ids) -> TensorData:
@@ -67,8 +70,6 @@ def reprove(batch: RolloutBatch, model, tokenizer, which=None,
     """Recompute logprobs, proofs, text and claimed reward of completions `which` (default:
     all) from the tokens as they stand, with `model` (the real one for a consistent forgery).
     The hidden states the new proofs commit to go into `hidden_out[i]` when given."""
-    from ..node.tasks import get_task
-
     which = range(len(batch.completions)) if which is None else which
     comps = list(batch.completions)
     targets = [i for i in which]
@@ -191,9 +192,6 @@ def sample_batch(model, tokenizer, task_source, sender: str, *, round_: int = 0,
                  label_round: int | None = None, hidden_out: list | None = None) -> RolloutBatch:
     """Sample `n` completions of each of the first `tasks` tasks of (sender, round_) with the
     HF sampler and pack them (batch labelled `label_round`, default `round_`)."""
-    from ..node.sampler.hf import HFSampler
-    from ..node.tasks import format_prompt, get_task
-
     sampler = HFSampler(model, tokenizer, peer_id=sender, version=version, max_batch=max_batch)
     refs = task_source.draw(sender, round_, tasks)
     regenerated = [get_task(r) for r in refs]
@@ -214,9 +212,6 @@ def bogus_batch(batch, rng: random.Random, vocab: int, proof: bytes | None = Non
     random tokens, zero logprobs and a garbage proof (`proof`, or random bytes of the exact
     length for `hidden_size`). With `tokenizer`, text and claimed reward match the random
     tokens, so the batch passes every check before the forward pass."""
-    from ..node.tasks import get_task
-    from .proof import proof_size
-
     comps = []
     for c in batch.completions:
         n = c.completion_ids.shape[0]
@@ -239,10 +234,6 @@ def bogus_round(tokenizer, task_source, sender: str, *, round_: int, version: in
     """A sybil's batch for (sender, round_) built without any model: the right tasks,
     prompts, seeds and proof length, random tokens (text and reward made consistent), so
     only the forward pass can reject it."""
-    from ..node.sampler.seeded import completion_seed
-    from ..node.tasks import format_prompt, get_task
-    from .proof import proof_size
-
     eos = tokenizer.eos_token_id
     comps = []
     for ref in task_source.draw(sender, round_, tasks):
@@ -269,8 +260,6 @@ def steer_near_ties(batch, model, tokenizer, tie_eps: float, rate: float = 1.0,
     "wide" near-ties (top-two noisy scores within (tie_eps/4, tie_eps]) with probability
     `rate`; consistently re-proven. Each completion passes the per-rollout checks at that
     tie_eps; only the per-peer steering test (sequential.py) can see it."""
-    from ..node.sampler.seeded import gumbel_noise, mask_logits
-
     rng = rng or random.Random(0)
     params = batch.sampling
     eos = tokenizer.eos_token_id

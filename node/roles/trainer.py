@@ -20,6 +20,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +45,7 @@ from ..trainer.distributed import attach_ranks
 from ..trainer.group import attach_group
 from ..trainer.trainer import Trainer
 from .base import Role, wait_any
+from .interfaces import BroadcastFeed, CheckpointFeed, OwnCheckpoints, Verifier
 from .settings import swarm_settings
 
 log = logging.getLogger("swarm_node")
@@ -58,8 +60,13 @@ IDLE_AFTER_EMPTY_STEP_S = 1.0  # nothing to train on: wait before trying again
 class TrainerRole(Role):
     name = "trainer"
 
-    def __init__(self, cfg, identity, p2p, state):
+    def __init__(self, cfg, identity, p2p, state, *, feed: CheckpointFeed | None = None,
+                 verifier_for: Callable[[str], Verifier] | None = None):
         super().__init__(cfg, identity, p2p, state)
+        # followed policies' verified checkpoints; None: the broadcaster's, built in start()
+        self.feed = feed
+        self.own: OwnCheckpoints | None = None  # this trainer's own versions
+        self.verifier_for = verifier_for or self._verifier  # policy id -> its verifier
         # fair across senders, new keys on probation (verifier/intake.py)
         self.queue = VerificationQueue(self._established, IntakeLimits())
         self.budget = Budget(IntakeLimits())
@@ -105,6 +112,9 @@ class TrainerRole(Role):
                                        follow=[p for p in cfg.node.follow
                                                if p != self.identity.peer_id],
                                        role="trainer", settings=swarm_settings(cfg))
+        if self.feed is None:
+            self.feed = BroadcastFeed(self.broadcaster)  # started and closed as the publisher
+        self.own = OwnCheckpoints(self.trainer)
         await self.broadcaster.start()
         await self.p2p.subscribe("rollouts", self._on_rollouts)
         await self.p2p.subscribe("verdicts", self._on_verdict)
@@ -165,18 +175,14 @@ class TrainerRole(Role):
         return model_for
 
     def _checkpoint_path(self, policy_id: str, version: int) -> Path | None:
-        if policy_id == self.identity.peer_id:
-            for ck in self.trainer.store.list():
-                if ck.version == version:
-                    return ck.policy_dir
-            return None
-        return self.broadcaster.completed.get((policy_id, version))
+        source = self.own if policy_id == self.identity.peer_id else self.feed
+        return source.path(policy_id, version)
 
     def _latest_for(self, policy_id: str):
         def latest() -> int:
             if policy_id == self.identity.peer_id:
                 return self.trainer.version
-            return self.broadcaster.store.current_version(policy_id)
+            return self.feed.latest_version(policy_id)
         return latest
 
     def _verifier(self, policy_id: str):
@@ -210,10 +216,10 @@ class TrainerRole(Role):
         goes to the trainer with NaN logprobs, which it recomputes under its current policy
         (node/trainer/trainer.py `_verified_or_none`)."""
         own = batch.policy_id == self.identity.peer_id
-        known = own or batch.policy_id in self.broadcaster.gate.follow
+        known = own or (self.feed is not None and self.feed.follows(batch.policy_id))
         if not known:
             return None
-        verifier = self._verifier(batch.policy_id)
+        verifier = self.verifier_for(batch.policy_id)
         results = verifier.verify(
             batch, sender, spot_check=lambda ids: self.reputation.should_verify_group(sender, ids))
         accepted = [_verified_completion(batch.completions[r.index], r)

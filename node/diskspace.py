@@ -71,13 +71,17 @@ def is_disk_full(e: BaseException) -> bool:
     """True for our DiskFull and for an OSError saying the disk or quota is full."""
     if isinstance(e, DiskFull):
         return True
-    return isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS
+    if isinstance(e, OSError):
+        return e.errno in DISK_FULL_ERRNOS
+    # Rust writers (safetensors' SafetensorError) report the OS error only in their message.
+    return any(f"(os error {n})" in str(e) for n in DISK_FULL_ERRNOS)
 
 
-def as_disk_full(e: OSError, path: Path | str, need: int = 0) -> DiskFull:
-    """An ENOSPC/EDQUOT OSError as a DiskFull naming the path."""
+def as_disk_full(e: BaseException, path: Path | str, need: int = 0) -> DiskFull:
+    """A disk-full error (see is_disk_full) as a DiskFull naming the path."""
     free = free_bytes(path)
-    return DiskFull(f"{path}: disk full ({os.strerror(e.errno)}), {_mib(free)} free",
+    code = e.errno if isinstance(e, OSError) and e.errno else errno.ENOSPC
+    return DiskFull(f"{path}: disk full ({os.strerror(code)}), {_mib(free)} free",
                     path=path, need=need, free=free)
 
 

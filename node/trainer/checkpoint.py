@@ -141,7 +141,7 @@ class CheckpointStore:
             _fsync_dir(self.root)
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(e, OSError) and is_disk_full(e):
+            if is_disk_full(e):
                 raise as_disk_full(e, self.root) from e
             raise
         self._prune()

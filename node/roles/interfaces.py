@@ -5,21 +5,25 @@ store or gate): it gets
 - a `CheckpointFeed`: the checkpoints of the followed policies, each handed over once it is
   downloaded and every shard verified, and the verified directory of (policy, version);
 - a `RolloutSink`: where a finished rollout batch goes (gossip, in the node);
-- a `Verifier` per policy (the trainer): one result per completion of a batch.
+- a `Verifier` per policy (the trainer): one result per completion of a batch;
+- a `CheckpointPublisher` (the trainer): its own versions, where each is kept and how a new
+  one goes out; it, not the role, decides how many versions are kept.
 The real ones are `BroadcastFeed` (over node/broadcast's Broadcaster), `GossipRollouts`
-(over the p2p host) and verifier/checks.py's RolloutVerifier; a trainer's own versions are
-found through `OwnCheckpoints`. Unit tests pass in-memory fakes (tests/node/roles/), and the
-integration swarm test proves the real ones.
+(over the p2p host), verifier/checks.py's RolloutVerifier and `OwnCheckpoints` (the
+trainer's checkpoint store and its broadcaster). Unit tests pass in-memory fakes
+(tests/node/roles/), and the integration swarm test proves the real ones.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from ...protocol.messages import RolloutBatch
+from ...verifier.rules import retention
 from ..broadcast.service import Broadcaster
 from ..diskspace import DiskWatch
 
@@ -150,12 +154,49 @@ class BroadcastFeed:
         await self.broadcaster.close()
 
 
-class OwnCheckpoints:
-    """A trainer's own versions, as (policy, version) -> verified directory: its checkpoint
-    store (node/trainer/checkpoint.py) keeps them; they need no download nor verification."""
+class CheckpointPublisher(Protocol):
+    """A trainer's own versions. Retention is the publisher's: at least
+    trainer.max_staleness + 1 versions, so an honest peer at the largest allowed lag still
+    finds the version it sampled with."""
 
-    def __init__(self, trainer):
+    def path(self, policy_id: str, version: int) -> Path | None:
+        """The directory of this trainer's own `version`, or None when not (or no longer) kept."""
+
+    def latest_version(self, policy_id: str) -> int: ...
+
+    async def publish_latest(self) -> int:
+        """Announce the trainer's newest checkpoint to followers; returns its version."""
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class OwnCheckpoints:
+    """The real `CheckpointPublisher`: the trainer's checkpoint store (node/trainer/
+    checkpoint.py) holds its versions, which need no download nor verification; its
+    broadcaster announces them and serves their shards. `followed` is a `CheckpointFeed` of
+    the followed policies over the same broadcaster (started and closed with this)."""
+
+    def __init__(self, trainer, broadcaster: Broadcaster, keep: int):
         self.trainer = trainer
+        self.broadcaster = broadcaster
+        trainer.store.keep = keep
+
+    @cached_property
+    def followed(self) -> BroadcastFeed:
+        return BroadcastFeed(self.broadcaster)
+
+    @classmethod
+    def create(cls, trainer, p2p, cfg, root: Path, *, follow: list[str],
+               settings) -> OwnCheckpoints:
+        """Over `Broadcaster(p2p, ...)`, both stores keeping `retention(cfg, ...)` versions:
+        the trainer's own and each followed policy's (verified up to the same lag)."""
+        bcfg = cfg.broadcast.model_copy(update={"keep_versions": retention(
+            cfg, cfg.broadcast.keep_versions)})
+        broadcaster = Broadcaster(p2p, bcfg, root, follow=follow, role="trainer",
+                                  settings=settings)
+        return cls(trainer, broadcaster, retention(cfg, trainer.store.keep))
 
     def path(self, policy_id: str, version: int) -> Path | None:
         for ck in self.trainer.store.list():
@@ -165,3 +206,19 @@ class OwnCheckpoints:
 
     def latest_version(self, policy_id: str) -> int:
         return self.trainer.version
+
+    async def publish_latest(self) -> int:
+        """Only the policy directory leaves the node (the optimizer state in the
+        checkpoint's trainer/ directory never does). The broadcaster's store hard-links the
+        files, so pruning old checkpoints does not pull them from under peers still
+        downloading."""
+        ckpt = self.trainer.latest_checkpoint()
+        parent = ckpt.version - 1 if ckpt.version > 0 else -1
+        await self.broadcaster.publish(ckpt.policy_dir, ckpt.version, parent_version=parent)
+        return ckpt.version
+
+    async def start(self) -> None:
+        await self.broadcaster.start()
+
+    async def close(self) -> None:
+        await self.broadcaster.close()

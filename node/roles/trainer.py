@@ -30,10 +30,9 @@ from ...verifier.checks import CheckSettings, RolloutResult, RolloutVerifier, ro
 from ...verifier.intake import Budget, IntakeLimits, VerificationQueue
 from ...verifier.reasons import BATCH_REASONS, HONEST_MISTAKES
 from ...verifier.reputation import Reputation
-from ...verifier.rules import batch_rules, retention
+from ...verifier.rules import batch_rules
 from ...verifier.seen import SeenStore
 from ...verifier.sequential import PeerMonitor, SequentialSettings
-from ..broadcast.service import Broadcaster
 from ..diskspace import DiskWatch, until_written
 from ..models import ensure_builtin, load_model
 from ..sampler.factory import sampling_params
@@ -45,7 +44,7 @@ from ..trainer.distributed import attach_ranks
 from ..trainer.group import attach_group
 from ..trainer.trainer import Trainer
 from .base import Role, wait_any
-from .interfaces import BroadcastFeed, CheckpointFeed, OwnCheckpoints, Verifier
+from .interfaces import CheckpointFeed, CheckpointPublisher, OwnCheckpoints, Verifier
 from .settings import swarm_settings
 
 log = logging.getLogger("swarm_node")
@@ -61,11 +60,13 @@ class TrainerRole(Role):
     name = "trainer"
 
     def __init__(self, cfg, identity, p2p, state, *, feed: CheckpointFeed | None = None,
+                 own: CheckpointPublisher | None = None,
                  verifier_for: Callable[[str], Verifier] | None = None):
         super().__init__(cfg, identity, p2p, state)
         # followed policies' verified checkpoints; None: the broadcaster's, built in start()
         self.feed = feed
-        self.own: OwnCheckpoints | None = None  # this trainer's own versions
+        # this trainer's own versions and their publication; None: built in start()
+        self.own = own
         self.verifier_for = verifier_for or self._verifier  # policy id -> its verifier
         # fair across senders, new keys on probation (verifier/intake.py)
         self.queue = VerificationQueue(self._established, IntakeLimits())
@@ -77,7 +78,6 @@ class TrainerRole(Role):
         self.sampler = None
         self.tasks = None
         self.reputation = None
-        self.broadcaster = None
         self.disk = DiskWatch("training writes (buffer, checkpoints)", self.data_dir)
         self.verifiers: dict[str, object] = {}
         self._models: OrderedDict[tuple[str, int], object] = OrderedDict()
@@ -102,20 +102,16 @@ class TrainerRole(Role):
                                  max_batch=cfg.sampler.max_batch)
         self.tasks = TaskSource(cfg.tasks.mix, cfg.node.swarm_id)
         self.reputation = Reputation.from_config(cfg.verifier, self.data_dir / "reputation.json")
-        # Honest peers at lag max_staleness must find their version: keep max_staleness + 1.
-        self.trainer.store.keep = retention(cfg, self.trainer.store.keep)
         self.p2p.set_peer_filter(lambda peer: not self.reputation.is_banned(peer))
-        # the same retention for followed policies' versions (verified up to the same lag)
-        bcfg = cfg.broadcast.model_copy(update={"keep_versions": retention(
-            cfg, cfg.broadcast.keep_versions)})
-        self.broadcaster = Broadcaster(self.p2p, bcfg, self.data_dir / "broadcast",
-                                       follow=[p for p in cfg.node.follow
-                                               if p != self.identity.peer_id],
-                                       role="trainer", settings=swarm_settings(cfg))
-        if self.feed is None:
-            self.feed = BroadcastFeed(self.broadcaster)  # started and closed as the publisher
-        self.own = OwnCheckpoints(self.trainer)
-        await self.broadcaster.start()
+        if self.own is None:
+            own = OwnCheckpoints.create(self.trainer, self.p2p, cfg, self.data_dir / "broadcast",
+                                        follow=[p for p in cfg.node.follow
+                                                if p != self.identity.peer_id],
+                                        settings=swarm_settings(cfg))
+            self.own = own
+            if self.feed is None:
+                self.feed = own.followed  # same broadcaster: started and closed with `own`
+        await self.own.start()
         await self.p2p.subscribe("rollouts", self._on_rollouts)
         await self.p2p.subscribe("verdicts", self._on_verdict)
         await self.watch_verdicts()
@@ -126,13 +122,9 @@ class TrainerRole(Role):
         await self._publish_version()
 
     async def _publish_version(self) -> None:
-        """Announce the current checkpoint: its policy directory only (the optimizer state
-        in the checkpoint's trainer/ directory never leaves the node). The broadcaster's
-        store hard-links the files, so pruning old checkpoints does not pull them from
-        under peers still downloading."""
-        ckpt = self.trainer.latest_checkpoint()
-        parent = ckpt.version - 1 if ckpt.version > 0 else -1
-        await self.broadcaster.publish(ckpt.policy_dir, ckpt.version, parent_version=parent)
+        """Announce the current checkpoint (what leaves the node, and how many versions are
+        kept, is the publisher's business)."""
+        await self.own.publish_latest()
         self.state.versions_published += 1
 
     # incoming ---------------------------------------------------------------------------
@@ -394,8 +386,8 @@ class TrainerRole(Role):
         self.trainer.buffer.unclaim(self.trainer.version + 1)
 
     async def close(self) -> None:
-        if self.broadcaster is not None:
-            await self.broadcaster.close()
+        if self.own is not None:
+            await self.own.close()
         await super().close()
         if self.reputation is not None:
             self.reputation.save()

@@ -1,6 +1,7 @@
 """In-memory stand-ins for what a role consumes (node/roles/interfaces.py): a checkpoint feed
-the test drives by hand, a rollout sink that records, and the two p2p calls a role makes.
-They test the roles' logic; the real feed and sink are proven by tests/integration."""
+the test drives by hand, a rollout sink and a checkpoint publisher that record, and the two
+p2p calls a role makes. They test the roles' logic; the real feed, sink and publisher are
+proven by tests/integration."""
 
 from __future__ import annotations
 
@@ -75,6 +76,31 @@ class RecordingSink:
         self.batches.append(batch)
         if self.on_publish is not None:
             self.on_publish(batch, len(self.batches))
+
+
+class FakePublisher:
+    """A `CheckpointPublisher` over a trainer: records each version it is asked to announce."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.published: list[int] = []
+        self.started = self.closed = False
+
+    def path(self, policy_id: str, version: int) -> Path | None:
+        return None
+
+    def latest_version(self, policy_id: str) -> int:
+        return self.trainer.version
+
+    async def publish_latest(self) -> int:
+        self.published.append(self.trainer.version)
+        return self.trainer.version
+
+    async def start(self) -> None:
+        self.started = True
+
+    async def close(self) -> None:
+        self.closed = True
 
 
 class FakeP2P:

@@ -303,28 +303,14 @@ class _StateCollector:
             yield gauge("reward", "Mean reward of the latest round or train step.", st.reward)
         yield gauge("banned_peers", "Peers currently banned.", len(st.banned))
 
-        sent = CounterMetricFamily("swarm_node_rollouts_sent", "Rollouts published.")
-        sent.add_metric([], st.rollouts_sent)
-        yield sent
-        accepted = CounterMetricFamily("swarm_node_rollouts_accepted",
-                                       "Rollouts from peers accepted after verification.")
-        accepted.add_metric([], st.rollouts_accepted)
-        yield accepted
-        rejected = CounterMetricFamily("swarm_node_rollouts_rejected",
-                                       "Rollouts from peers rejected, by reason code.",
-                                       labels=["reason"])
-        for reason, n in _capped(st.rejected_by_reason).items():
-            rejected.add_metric([reason], n)
-        yield rejected
-        published = CounterMetricFamily("swarm_node_versions_published",
-                                        "Policy versions this trainer broadcast.")
-        published.add_metric([], st.versions_published)
-        yield published
-        events = CounterMetricFamily("swarm_node_events", "Role events by name.",
-                                     labels=["event"])
-        for name, n in _capped(dict(st.counters)).items():
-            events.add_metric([name], n)
-        yield events
+        yield _counter("rollouts_sent", "Rollouts published.", st.rollouts_sent)
+        yield _counter("rollouts_accepted", "Rollouts from peers accepted after verification.",
+                       st.rollouts_accepted)
+        yield _counter_by("rollouts_rejected", "Rollouts from peers rejected, by reason code.",
+                          "reason", st.rejected_by_reason)
+        yield _counter("versions_published", "Policy versions this trainer broadcast.",
+                       st.versions_published)
+        yield _counter_by("events", "Role events by name.", "event", st.counters)
 
         numbers = {k: v for k, v in st.buffer_counters.items() if _is_number(v)}
         if numbers:
@@ -346,24 +332,29 @@ class _StateCollector:
         metrics = getattr(st.p2p, "metrics", None)
         counters = dict(getattr(metrics, "counters", {}) or {})
         if counters:
-            p2p = CounterMetricFamily("swarm_node_p2p_events", "Transport counters by name.",
-                                      labels=["name"])
-            p2p_rejects = CounterMetricFamily("swarm_node_p2p_rejected",
-                                              "Gossip messages rejected, by reason code.",
-                                              labels=["reason"])
             rejects = {k.split(".", 1)[1]: n for k, n in counters.items()
                        if k.startswith("rejected.")}
             plain = {k: n for k, n in counters.items() if not k.startswith("rejected.")}
-            for name, n in _capped(plain).items():
-                p2p.add_metric([name], n)
-            for reason, n in _capped(rejects).items():
-                p2p_rejects.add_metric([reason], n)
-            yield p2p
-            yield p2p_rejects
+            yield _counter_by("p2p_events", "Transport counters by name.", "name", plain)
+            yield _counter_by("p2p_rejected", "Gossip messages rejected, by reason code.",
+                              "reason", rejects)
 
 
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    """The counter `swarm_node_<name>` with one unlabelled sample."""
+    return CounterMetricFamily(f"swarm_node_{name}", doc, value=value)
+
+
+def _counter_by(name: str, doc: str, label: str, values) -> CounterMetricFamily:
+    """The counter `swarm_node_<name>`, one sample per key of `values` (capped)."""
+    family = CounterMetricFamily(f"swarm_node_{name}", doc, labels=[label])
+    for key, n in _capped(dict(values)).items():
+        family.add_metric([key], n)
+    return family
 
 
 def _capped(values: dict[str, int | float]) -> dict[str, int | float]:
@@ -387,16 +378,11 @@ def _extra_families(st: NodeState):
                                 f"Latest {name} of a training step or sampling round.",
                                 value=float(value))
     mine = st.own_verdicts
-    acc = CounterMetricFamily("swarm_node_own_rollouts_accepted",
-                              "This node's rollouts that trainers reported accepted.")
-    acc.add_metric([], mine.accepted)
-    yield acc
-    rej = CounterMetricFamily("swarm_node_own_rollouts_rejected",
-                              "This node's rollouts that trainers reported rejected, by reason.",
-                              labels=["reason"])
-    for reason, n in _capped(dict(mine.rejected)).items():
-        rej.add_metric([reason], n)
-    yield rej
+    yield _counter("own_rollouts_accepted",
+                   "This node's rollouts that trainers reported accepted.", mine.accepted)
+    yield _counter_by("own_rollouts_rejected",
+                      "This node's rollouts that trainers reported rejected, by reason.",
+                      "reason", mine.rejected)
     yield GaugeMetricFamily("swarm_node_banned_by", "Trainers that reported banning this node.",
                             value=len(mine.banned_by))
 

@@ -39,12 +39,30 @@ ModelDirArg = typer.Argument(..., help="Folder to write the model and tokenizer 
 
 
 def _fail(message: str, code: int = 2, json_line: bool = False) -> None:
+    message = _one_line(message)
     if json_line:  # `--log-json`: the last line is a JSON object like every other
         typer.echo(json.dumps({"ts": round(time.time(), 3), "level": "ERROR",
                                "logger": "swarm_node", "msg": message}), err=True)
     else:
         typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code)
+
+
+def _one_line(message: str) -> str:
+    """An error of several lines (a heading, `- item` lines, a hint: a bootstrap failure)
+    as the one line an operator or a supervisor's log gets: items joined by '; '."""
+    out, after_item = "", False
+    for raw in message.splitlines():
+        line = raw.strip()
+        if not line:
+            continue
+        item = line.startswith("- ")
+        if out:
+            joint = ". " if after_item and not out.endswith(".") else " "
+            out += "; " if item and after_item else joint
+        out += line.removeprefix("- ")
+        after_item = item
+    return out
 
 
 def _load(config: Path | None, overrides: dict[str, Any], sets: list[str] | None = None):

@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -25,6 +26,10 @@ log = logging.getLogger("swarm_node")
 SUMMARY_REASON = "batch_summary"
 """Verdict reason of a trainer's per-batch summary to the batch's sender (NODE_SPEC §5)."""
 BAN_NOTICE_INTERVAL_S = 60.0
+FOLLOW_WAIT_S = 120.0
+"""A followed trainer re-advertises its checkpoints every broadcast.readvertise_s (10 s): with
+nothing of it here nor downloading after this long, the operator is told (once)."""
+FOLLOW_POLL_S = 1.0
 
 
 def summary_detail(accepted: int, reasons: Counter, round_: int) -> str:
@@ -61,6 +66,7 @@ def _knob(field: str) -> str:
 
 class Role:
     name = "role"
+    follow_wait_s = FOLLOW_WAIT_S
 
     def __init__(self, cfg, identity, p2p, state):
         self.cfg = cfg
@@ -187,13 +193,32 @@ class Role:
                 await asyncio.sleep(interval_s)
         self._tracker = asyncio.create_task(loop(), name=f"{self.name}-progress")
 
+    def watch_followed(self, feed: CheckpointFeed, trainer: Callable[[], str | None]) -> None:
+        """After `follow_wait_s` with no checkpoint of `trainer()` here nor downloading, say
+        so once in the log and in /status (`follow`), and again when it appears. The node
+        keeps running: the trainer may start later."""
+        async def watch():
+            await asyncio.sleep(self.follow_wait_s)
+            if _heard_from(feed, trainer()):
+                return
+            problem = _follow_problem(trainer(), self.follow_wait_s)
+            self.state.extra["follow"] = {"trainer": trainer(), "seen": False,
+                                          "problem": problem}
+            log.warning("%s", problem)
+            while not _heard_from(feed, trainer()):
+                await asyncio.sleep(FOLLOW_POLL_S)
+            self.state.extra["follow"] = {"trainer": trainer(), "seen": True}
+            log.info("the followed trainer %s appeared: its checkpoint is downloading or here",
+                     trainer())
+        self._follow_watch = asyncio.create_task(watch(), name=f"{self.name}-follow")
+
     async def run(self, stop: asyncio.Event) -> None:
         await stop.wait()
 
     async def close(self) -> None:
-        tracker = getattr(self, "_tracker", None)
-        if tracker is not None:
-            tracker.cancel()
+        for task in (getattr(self, "_tracker", None), getattr(self, "_follow_watch", None)):
+            if task is not None:
+                task.cancel()
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     # Small persistent counters (survive restarts) -------------------------------------
@@ -223,6 +248,20 @@ async def wait_any(stop: asyncio.Event, event: asyncio.Event, timeout: float) ->
         for w in waiters:
             w.cancel()
     return event.is_set()
+
+
+def _heard_from(feed: CheckpointFeed, trainer: str | None) -> bool:
+    return trainer is not None and (feed.latest_version(trainer) >= 0 or any(
+        d.policy_id == trainer for d in feed.downloads()))
+
+
+def _follow_problem(trainer: str | None, waited_s: float) -> str:
+    if trainer is None:
+        return (f"no trainer to follow after {waited_s:.0f}s: no --follow was given and no "
+                "bootstrap peer announced one; pass --follow <trainer peer id>. Still waiting")
+    return (f"no checkpoint of the followed trainer {trainer} after {waited_s:.0f}s: check "
+            "that this is the trainer's peer id (its log says 'joined swarm ... peer id'), "
+            "that it is running and that this node's bootstrap peers reach it. Still waiting")
 
 
 class DownloadTracker:

@@ -77,6 +77,8 @@ class InferenceRole(Role):
         await self.feed.start()
         self.state.extra["disk"] = self.feed.disk.status()
         self.track_downloads(self.feed)
+        # says so if the trainer never appears (chosen: announced by the bootstrap peer)
+        self.watch_followed(self.feed, lambda: self.policy_id or self.feed.chosen())
         await self.watch_verdicts()
         log.info("inference peer ready: model %s, policy version %d", self.cfg.model.name,
                  self.sampler.version)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -235,6 +236,19 @@ def test_json_log_lines_stay_json_on_a_bootstrap_failure(tmp_path):
     docs = [json.loads(ln) for ln in lines]  # every line is one JSON object
     assert docs[-1]["level"] == "ERROR" and dead.split("/p2p/")[0] in docs[-1]["msg"]
     assert not any("joined swarm" in d["msg"] for d in docs)
+
+
+def test_a_bootstrap_failure_is_one_line_with_the_cause(tmp_path):
+    dead = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{FAKE_PEER}"
+    proc = run_cli("join", "--data-dir", str(tmp_path / "d"), "--listen",
+                   "/ip4/127.0.0.1/tcp/0", "--admin-port", "0", "--bootstrap", dead,
+                   "--set", "p2p.bootstrap_timeout_s=2", home=tmp_path, timeout=120)
+    assert proc.returncode not in (0, None) and "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    logged = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+ (INFO|WARNING) ")
+    assert all(logged.match(ln) for ln in lines[:-1]), proc.stderr  # the node's own log
+    assert lines[-1].startswith("error: could not reach any bootstrap peer"), proc.stderr
+    assert f"{dead}: connection refused" in lines[-1]  # the address and the cause
 
 
 # a running node ----------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from swarm_node.node.identity import Identity
 from swarm_node.node.metrics import NodeState
 from swarm_node.node.models import build_tiny_model
 from swarm_node.node.roles.inference import InferenceRole
+from swarm_node.node.roles.interfaces import DownloadStatus
 from swarm_node.node.sampler.hf import read_state_dict
 
 from .fakes import FakeFeed, FakeP2P, RecordingSink
@@ -174,3 +176,37 @@ async def test_a_batch_made_stale_by_a_much_newer_version_is_not_sent(
     assert role.state.counters["stale_batches_discarded"] == 1
     # v1's round 2 was dropped (and stays used); the next batch is v3's first round
     assert [(b.policy_version, b.round) for b in sink.batches] == [(3, 6)]
+
+
+async def until(pred, what: str):
+    deadline = asyncio.get_running_loop().time() + HANG_GUARD_S
+    while not pred():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_followed_trainer_that_never_appears_is_named_once_in_log_and_status(
+        tmp_path, tiny_model_dir, caplog):
+    feed = FakeFeed(tmp_path, follow=[TRAINER], chosen=TRAINER)
+    ident = Identity.generate()
+    role = InferenceRole(make_cfg(tiny_model_dir, tmp_path / "data"), ident, FakeP2P(),
+                         NodeState(ident.peer_id, "inference", "unit"), feed=feed,
+                         sink=RecordingSink())
+    role.follow_wait_s = 0.2
+    try:
+        with caplog.at_level(logging.INFO, logger="swarm_node"):
+            await role.start()
+            await until(lambda: "follow" in role.state.extra, "the follow problem in /status")
+            follow = dict(role.state.extra["follow"])
+            # it appears later: a download of its checkpoint in flight is enough
+            feed.in_flight.append(DownloadStatus(TRAINER, 1, 0, 4, 0, 4096))
+            await until(lambda: role.state.extra["follow"]["seen"], "the trainer seen")
+    finally:
+        await role.close()
+    assert follow["trainer"] == TRAINER and follow["seen"] is False
+    assert TRAINER in follow["problem"] and "peer id" in follow["problem"]
+    told = [r for r in caplog.records if r.levelno == logging.WARNING
+            and "followed trainer" in r.getMessage()]
+    assert [r.getMessage() for r in told] == [follow["problem"]]  # once, one line
+    assert "\n" not in follow["problem"]
+    assert any("appeared" in r.getMessage() for r in caplog.records)

@@ -8,7 +8,8 @@ protobuf DecodeError) killed the libp2p thread. Here:
 - pubsub's `push_msg` gets a per-peer, per-topic rate limit BEFORE the signature check,
   the topic validators and local delivery (py-libp2p limits only when forwarding), and
   the same catch-count-penalise guard;
-- the signed peer record py-libp2p handles on every pubsub RPC is memoised (CPU per message).
+- the signed peer record py-libp2p handles on every pubsub RPC is memoised (CPU per message);
+- a peer's subscriptions survive the loss of our pubsub stream to it while it stays connected.
 """
 
 from __future__ import annotations
@@ -99,6 +100,47 @@ def guard_pubsub(pubsub, on_fault: FaultHook) -> None:
     pubsub.push_msg = push_msg
 
 
+def keep_subscriptions_while_connected(pubsub) -> None:
+    """py-libp2p 0.8.1 forgets every subscription of a peer whenever OUR pubsub stream to it
+    fails (`Pubsub._handle_dead_peer`, e.g. a write on a connection that just closed), then
+    re-opens that stream because the peer is still connected. But the peer announces its
+    subscriptions only once, on ITS stream to us, which lives on and is never re-sent when
+    another connection carries it. With two connections between a pair (both dialled at
+    once) and one of them closing, the pair ended up peered in one direction only: one side
+    saw no subscriber and sent nothing, for good. Here the subscriptions are kept while a
+    connection to the peer remains (go-libp2p forgets them only once the peer disconnects);
+    py-libp2p then re-opens our stream and replays its recent messages to the peer, which
+    also re-sends the message whose write failed."""
+    forget_and_retry = pubsub._handle_dead_peer
+
+    def handle_dead_peer(peer_id) -> None:
+        topics = [t for t, peers in pubsub.peer_topics.items() if peer_id in peers]
+        count = pubsub._peer_subscription_count.get(peer_id)
+        forget_and_retry(peer_id)
+        if not topics or not pubsub._peer_is_connected(peer_id):
+            return
+        for t in topics:
+            pubsub.peer_topics.setdefault(t, set()).add(peer_id)
+        if count is not None:
+            pubsub._peer_subscription_count[peer_id] = count
+
+    pubsub._handle_dead_peer = handle_dead_peer
+
+
+def leave_dialing_to_discovery(host) -> None:
+    """py-libp2p 0.8.1's AutoConnector dials every peerstore peer that is not connected
+    (every 10 s while under 50 connections, i.e. always in a swarm of our size, and after
+    each disconnect), beside discovery.py: a peer then gets two connections dialled at once
+    (the pair's later close is what lost pubsub peering, see above), and a peer that our
+    penalties cut is dialled again at once. discovery.py owns dialing (target_peers,
+    backoff, refusals), so the AutoConnector is switched off."""
+
+    async def no_auto_connect() -> None:
+        return None
+
+    host.get_network().auto_connector.maybe_connect = no_auto_connect
+
+
 def limit_before_spawn(pubsub, self_id, limiter: TopicRateLimiter, penalties: PeerPenalties,
                        metrics) -> None:
     """Apply the per-peer, per-topic rate limit where pubsub's reader spawns the task for
@@ -111,6 +153,7 @@ def limit_before_spawn(pubsub, self_id, limiter: TopicRateLimiter, penalties: Pe
     def admit(forwarder, msg) -> bool:
         if forwarder == self_id:
             return True
+        metrics.inc("gossip_copies_in")  # every copy received, duplicates included
         fwd = forwarder.to_base58()
         for t in msg.topicIDs:
             if not limiter.allow(fwd, t):

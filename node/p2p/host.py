@@ -38,6 +38,8 @@ from .guard import (
     guard_pubsub,
     guard_stream_handlers,
     install_record_memo,
+    keep_subscriptions_while_connected,
+    leave_dialing_to_discovery,
     limit_before_spawn,
 )
 from .metrics import P2PMetrics
@@ -71,6 +73,7 @@ class P2PNode:
         self._validator: GossipValidator | None = None
         self._peer_filter: Callable[[str], bool] | None = None
         self._connected: set[str] = set()
+        self._dialing: dict = {}  # peer ID -> trio.Event set when our dial to it ends
         self._tasks: set[asyncio.Task] = set()
         self.gossip = GossipService(self)  # pubsub seam
         self.requests = RequestService(self)  # request/response seam
@@ -225,12 +228,14 @@ class P2PNode:
                         listen_addrs=listen)
         # One attempt per dial: discovery.py retries with its own backoff and reports why.
         host.get_network().retry_config.max_retries = 0
+        leave_dialing_to_discovery(host)
         check_libp2p_version()
         install_record_memo()
         install_window_update_batching()
         guard_stream_handlers(host, self._t_stream_fault)  # before pubsub adds its handlers
         router, pubsub = build_gossip(host, self.cfg, self.metrics)
         guard_pubsub(pubsub, self._t_stream_fault)
+        keep_subscriptions_while_connected(pubsub)
         self._validator = GossipValidator(self.peer_id, self.limits, self.metrics,
                                           lambda: self._allowed,
                                           self.config.limits.max_clock_skew_s,
@@ -288,8 +293,13 @@ class P2PNode:
         # a failure can be attributed to it.
         network = self._host.get_network()
         self._host.peerstore.add_addrs(info.peer_id, info.addrs, 3600)
+        pending = self._dialing.get(info.peer_id)
+        if pending is not None:  # one dial per peer at a time: a second connection is waste
+            with trio.move_on_after(timeout):
+                await pending.wait()
         if network.connections.get(info.peer_id):
             return
+        done = self._dialing[info.peer_id] = trio.Event()
         try:
             with trio.fail_after(timeout):
                 conn = await network.dial_addr(info.addrs[0], info.peer_id)
@@ -298,6 +308,10 @@ class P2PNode:
                     await started.wait()
         except trio.TooSlowError:
             raise DialError(f"timed out after {timeout:.0f}s", reason="timeout") from None
+        finally:
+            done.set()
+            if self._dialing.get(info.peer_id) is done:
+                del self._dialing[info.peer_id]
 
     def connected_peers(self) -> list[str]:
         return sorted(self._connected)

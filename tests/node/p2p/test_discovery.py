@@ -12,12 +12,6 @@ from swarm_node.node.p2p import BootstrapError, P2PNode
 
 from .conftest import p2p_config, verdict, wait_until
 
-# Known flake, under investigation: in 2 of 3 fresh-clone runs one multi-host test here timed
-# out waiting for gossip between a pair of connected hosts (suspected: py-libp2p 0.8.1 drops a
-# pair's pubsub peering when one of two simultaneous connections closes). Rerun up to twice
-# until the product fix lands; a real regression still fails all three tries.
-pytestmark = pytest.mark.flaky(reruns=2)
-
 
 def _listener(reply: bytes | None) -> socket.socket:
     """A TCP server that is not libp2p: answers `reply` and hangs up, or stays silent."""

@@ -20,13 +20,6 @@ from swarm_node.protocol.messages import (
 
 from .conftest import verdict, wait_until
 
-# Known flake, under investigation: in 2 of 3 fresh-clone runs one multi-host test here timed
-# out waiting for gossip between a pair of connected hosts (suspected: py-libp2p 0.8.1 drops a
-# pair's pubsub peering when one of two simultaneous connections closes). Rerun up to twice
-# until the product fix lands; a real regression still fails all three tries.
-pytestmark = pytest.mark.flaky(reruns=2)
-
-
 KIND = "verdicts"
 
 
@@ -72,10 +65,8 @@ async def test_five_hosts_burst_without_loss(make_node):
         await x.subscribe(KIND, collector(x.peer_id))
     await wait_until(lambda: all(len(x.connected_peers()) == 4 for x in nodes), 30,
                      what="full connectivity through peer exchange")
-    # A mesh that joins every node is what lossless delivery needs. Not every pair has to see
-    # each other's subscription: in one fresh-clone run a pair never did within 30 s while
-    # connections flapped 4 <-> 5 (suspected: py-libp2p 0.8.1 drops a pair's pubsub peering
-    # when one of two simultaneous connections between them closes; not yet confirmed).
+    # A mesh that joins every node is what lossless delivery needs. (A pair that once lost
+    # its peering when one of two connections closed is test_peering.py's regression test.)
     await wait_until(lambda: mesh_spans(nodes), 30, what="a mesh joining every node")
 
     per_node = 50

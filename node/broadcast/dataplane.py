@@ -32,7 +32,7 @@ from collections import Counter
 from ...protocol.codec import pack, unpack
 from ...protocol.errors import ProtocolError
 from ...protocol.ids import SHARD_TOKEN_PROTOCOL
-from .transport import TcpStream
+from .transport import DirectTcpStream, TcpStream
 from .wire import FRAME_HEADER
 
 log = logging.getLogger(__name__)
@@ -152,6 +152,7 @@ class RoutingTransport:
         self.timeout = timeout
         self.endpoints: dict[str, str] = {}
         self.tokens: dict[str, tuple[bytes, float]] = {}
+        self._token_requests: dict[str, asyncio.Future] = {}
         self.down: dict[str, float] = {}
         self.paths: dict[str, str] = {}
         self.opened = {"tcp": 0, "libp2p": 0}
@@ -195,21 +196,31 @@ class RoutingTransport:
         cached = self.tokens.get(peer)
         if cached is not None and cached[1] > time.time() + 5:
             return cached[0]
+        # one request per peer, however many transfers start at once (each is a libp2p
+        # stream: profiled as a visible share of a client's CPU when 8 asked together)
+        pending = self._token_requests.get(peer)
+        if pending is None:
+            pending = asyncio.ensure_future(self._request_token(peer))
+            self._token_requests[peer] = pending
+            pending.add_done_callback(lambda _: self._token_requests.pop(peer, None))
+        return await asyncio.shield(pending)
+
+    async def _request_token(self, peer: str) -> bytes:
         raw = await self.p2p.node.request(peer, SHARD_TOKEN_PROTOCOL, b"",
                                           timeout=self.timeout, max_response=128)
         expiry_ms, _ = parse_token(raw)
         self.tokens[peer] = (raw, expiry_ms / 1000)
         return raw
 
-    async def _open_tcp(self, peer: str, endpoint: str) -> TcpStream:
+    async def _open_tcp(self, peer: str, endpoint: str) -> DirectTcpStream:
         token = await self._token(peer)
         host, _, port = endpoint.rpartition(":")
-        reader, writer = await asyncio.open_connection(host, int(port), limit=1 << 20)
+        stream = await DirectTcpStream.connect(host, int(port))
         try:
-            writer.write(hello_frame(self.p2p.node.peer_id, token))
-            if await reader.readexactly(1) != self.AUTH_ACK:
+            await stream.write(hello_frame(self.p2p.node.peer_id, token))
+            if await stream.readexactly(1) != self.AUTH_ACK:
                 raise ConnectionError("not accepted")
         except BaseException:
-            writer.transport.abort()
+            await stream.close()
             raise
-        return TcpStream(reader, writer)
+        return stream

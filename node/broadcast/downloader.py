@@ -24,7 +24,7 @@ from .errors import DownloadFailed, ShardFetchError, StoreError
 from .progress import Progress
 from .sources import SourceBook
 from .store import ShardStore, VersionEntry
-from .wire import ShardTransport, fetch
+from .wire import ShardTransport, fetch_into
 
 log = logging.getLogger(__name__)
 IDLE_POLL_S = 0.05
@@ -137,13 +137,11 @@ class Downloader:
         writer = self.store.begin_shard(self.entry, shard)
         t0 = time.monotonic()
         try:
-            async for data in fetch(self.transport, peer, req, expected_len=size,
-                                    request_timeout=cfg.request_timeout_s,
-                                    chunk_timeout=cfg.chunk_timeout_s,
-                                    chunk_size=cfg.chunk_size):
-                # hashing and writing leave the event loop (it keeps serving and receiving)
-                await asyncio.to_thread(writer.write, data)
-                self.metrics["bytes_fetched"] += len(data)
+            # hashing and writing leave the event loop (it keeps serving and receiving);
+            # the bytes are hashed as they arrive, not after
+            await fetch_into(self.transport, peer, req, writer.write, expected_len=size,
+                             request_timeout=cfg.request_timeout_s,
+                             chunk_timeout=cfg.chunk_timeout_s, chunk_size=cfg.chunk_size)
         except (ShardFetchError, StoreError) as e:
             writer.abort()
             self.metrics[f"fail_{e.reason}"] += 1
@@ -155,6 +153,8 @@ class Downloader:
         except BaseException:
             writer.abort()
             raise
+        finally:
+            self.metrics["bytes_fetched"] += writer.received
         self.disk.resumed()
         if not writer.commit():
             self.metrics["shards_corrupt"] += 1

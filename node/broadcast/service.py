@@ -39,6 +39,7 @@ CLOSE_TIMEOUT_S = 10.0
 MAX_PROVEN = 4096  # peers remembered as having delivered verified shards
 MAX_VERSIONS_TRACKED = 16  # versions per policy whose advertised sources are remembered
 PULL_BACKOFF_S = 60.0
+ADVERT_STEPS = 8  # partial holdings are advertised at each eighth of a version
 OnComplete = Callable[[CheckpointManifest, Path], Awaitable[None] | None]
 
 
@@ -79,6 +80,7 @@ class Broadcaster:
         self._pull_backoff: dict[str, float] = {}
         self._refused: set[tuple[str, int]] = set()  # versions refused for their settings
         self._dirty: set[tuple[str, int]] = set()
+        self._advertised: dict[tuple[str, int], int] = {}  # shards held at the last advert
         self._pulling: set[tuple[str, int]] = set()
         self._tasks: set[asyncio.Task] = set()
         self._wake = asyncio.Event()
@@ -225,7 +227,7 @@ class Broadcaster:
         progress = Progress(f"policy {m.policy_id[-8:]} v{m.version}", m.total_size,
                             interactive=self.interactive)
         return Downloader(self.store, entry, self.transport, book, self.cfg,
-                          on_shard=lambda i, k=key: self._mark_dirty(k), progress=progress,
+                          on_shard=lambda i, k=key: self._shard_verified(k), progress=progress,
                           disk=self.disk, on_verified=self._prove)
 
     async def _open_entry(self, accepted: AcceptedManifest) -> VersionEntry:
@@ -411,6 +413,21 @@ class Broadcaster:
         if entry is None:
             raise LookupError("version not held here")
         return entry.envelope
+
+    def _shard_verified(self, key: tuple[str, int]) -> None:
+        """Advertise partial holdings in ADVERT_STEPS steps per version, not per shard:
+        each advert costs every peer gossip CPU (profiled: py-libp2p's per-message cost
+        was most of a client's CPU on the data plane), and a step of the version is what
+        makes a peer worth asking. Completion is always advertised."""
+        entry = self.store.get(*key)
+        if entry is None:
+            return
+        step = max(1, entry.manifest.num_shards // ADVERT_STEPS)
+        if len(entry.have) - self._advertised.get(key, 0) >= step:
+            self._advertised[key] = len(entry.have)
+            while len(self._advertised) > MAX_VERSIONS_TRACKED:
+                self._advertised.pop(next(iter(self._advertised)))
+            self._mark_dirty(key)
 
     def _mark_dirty(self, key: tuple[str, int]) -> None:
         self._dirty.add(key)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from ...protocol.errors import ProtocolError
@@ -51,56 +51,97 @@ async def read_frame(stream: ByteStream, max_size: int = MAX_CONTROL_FRAME) -> b
     return await stream.readexactly(n)
 
 
+async def _open(transport: ShardTransport, peer: str, timeout: float) -> ByteStream:
+    try:
+        return await asyncio.wait_for(transport.open(peer), timeout)
+    except Exception as e:
+        raise ShardFetchError(f"{peer}: cannot open stream: {e!r}", reason="open_failed") from e
+
+
+async def _close(stream: ByteStream, peer: str) -> None:
+    try:
+        await asyncio.wait_for(stream.close(), 2.0)
+    except Exception as e:  # noqa: BLE001 - closing a broken stream may fail
+        log.debug("closing the stream to %s failed: %r", peer, e)
+
+
+async def _request(stream: ByteStream, peer: str, request: ShardRequest, expected_len: int,
+                   timeout: float) -> None:
+    """Send the request, check the response header announces `expected_len` bytes."""
+    try:
+        await asyncio.wait_for(write_frame(stream, request.encode()), timeout)
+        raw = await asyncio.wait_for(read_frame(stream), timeout)
+        header = ShardResponseHeader.decode(raw, max_size=Limits().max_for("shard_response"))
+    except TimeoutError as e:
+        raise ShardFetchError(f"{peer}: no response header", reason="timeout") from e
+    except ProtocolError as e:
+        raise ShardFetchError(f"{peer}: bad response header: {e}", reason="bad_header") from e
+    except ShardFetchError:
+        raise
+    except Exception as e:
+        raise ShardFetchError(f"{peer}: {e!r}", reason="short_read") from e
+    if not header.ok:
+        raise ShardFetchError(f"{peer}: {header.error}", reason=header.error or "refused")
+    if header.length != expected_len:
+        raise ShardFetchError(f"{peer}: announces {header.length} bytes, expected "
+                              f"{expected_len}", reason="bad_header")
+
+
+async def _chunks(stream: ByteStream, peer: str, length: int, chunk_timeout: float,
+                  chunk_size: int) -> AsyncIterator[bytes]:
+    left = length
+    while left > 0:
+        try:
+            # A whole chunk per call: on libp2p each call is one crossing of the trio
+            # bridge, and a yamux read returns one frame (profiled: the crossings, not
+            # the bytes, bounded the stream path).
+            data = await asyncio.wait_for(stream.readexactly(min(chunk_size, left)),
+                                          chunk_timeout)
+        except TimeoutError as e:
+            raise ShardFetchError(f"{peer}: stalled with {left} bytes left",
+                                  reason="timeout") from e
+        except Exception as e:
+            raise ShardFetchError(f"{peer}: {e!r}", reason="short_read") from e
+        if not data:
+            raise ShardFetchError(f"{peer}: stream ended with {left} bytes left",
+                                  reason="short_read")
+        left -= len(data)
+        yield data
+
+
 async def fetch(transport: ShardTransport, peer: str, request: ShardRequest, *,
                 expected_len: int, request_timeout: float, chunk_timeout: float,
                 chunk_size: int) -> AsyncIterator[bytes]:
     """Stream the bytes of one shard request from `peer`. Any failure is a ShardFetchError
     whose reason names it (open_failed, timeout, short_read, bad_header, or the server's
     error code); the stream is always closed."""
+    stream = await _open(transport, peer, request_timeout)
     try:
-        stream = await asyncio.wait_for(transport.open(peer), request_timeout)
-    except (TimeoutError, OSError, ConnectionError, ShardFetchError) as e:
-        raise ShardFetchError(f"{peer}: cannot open stream: {e!r}", reason="open_failed") from e
-    except Exception as e:
-        raise ShardFetchError(f"{peer}: cannot open stream: {e!r}", reason="open_failed") from e
-    try:
-        try:
-            await asyncio.wait_for(write_frame(stream, request.encode()), request_timeout)
-            raw = await asyncio.wait_for(read_frame(stream), request_timeout)
-            header = ShardResponseHeader.decode(raw, max_size=Limits().max_for("shard_response"))
-        except TimeoutError as e:
-            raise ShardFetchError(f"{peer}: no response header", reason="timeout") from e
-        except ProtocolError as e:
-            raise ShardFetchError(f"{peer}: bad response header: {e}", reason="bad_header") from e
-        except ShardFetchError:
-            raise
-        except Exception as e:
-            raise ShardFetchError(f"{peer}: {e!r}", reason="short_read") from e
-        if not header.ok:
-            raise ShardFetchError(f"{peer}: {header.error}", reason=header.error or "refused")
-        if header.length != expected_len:
-            raise ShardFetchError(f"{peer}: announces {header.length} bytes, expected "
-                                  f"{expected_len}", reason="bad_header")
-        left = header.length
-        while left > 0:
-            try:
-                # A whole chunk per call: on libp2p each call is one crossing of the trio
-                # bridge, and a yamux read returns one frame (profiled: the crossings, not
-                # the bytes, bounded the stream path).
-                data = await asyncio.wait_for(stream.readexactly(min(chunk_size, left)),
-                                              chunk_timeout)
-            except TimeoutError as e:
-                raise ShardFetchError(f"{peer}: stalled with {left} bytes left",
-                                      reason="timeout") from e
-            except Exception as e:
-                raise ShardFetchError(f"{peer}: {e!r}", reason="short_read") from e
-            if not data:
-                raise ShardFetchError(f"{peer}: stream ended with {left} bytes left",
-                                      reason="short_read")
-            left -= len(data)
+        await _request(stream, peer, request, expected_len, request_timeout)
+        async for data in _chunks(stream, peer, expected_len, chunk_timeout, chunk_size):
             yield data
     finally:
-        try:
-            await asyncio.wait_for(stream.close(), 2.0)
-        except Exception as e:  # noqa: BLE001 - closing a broken stream may fail
-            log.debug("closing the stream to %s failed: %r", peer, e)
+        await _close(stream, peer)
+
+
+async def fetch_into(transport: ShardTransport, peer: str, request: ShardRequest,
+                     sink: Callable[[memoryview | bytes], None], *, expected_len: int,
+                     request_timeout: float, chunk_timeout: float, chunk_size: int) -> None:
+    """`fetch`, but the bytes go to `sink` (blocking: hashing and writing), always off the
+    event loop: a stream with `receive_into` (the TCP data plane) runs the whole body in
+    one thread; others hop to a thread per chunk. Failures as in `fetch`; what `sink`
+    raises passes through."""
+    stream = await _open(transport, peer, request_timeout)
+    try:
+        await _request(stream, peer, request, expected_len, request_timeout)
+        receive_into = getattr(stream, "receive_into", None)
+        if receive_into is not None:
+            try:
+                await receive_into(expected_len, sink, chunk_timeout, chunk_size)
+            except ShardFetchError as e:
+                raise ShardFetchError(f"{peer}: {e}", reason=e.reason) from e
+            return
+        async for data in _chunks(stream, peer, expected_len, chunk_timeout, chunk_size):
+            await asyncio.to_thread(sink, data)
+    finally:
+        await _close(stream, peer)

@@ -92,6 +92,7 @@ async def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parallel", type=int)
     ap.add_argument("--chunk-timeout", type=float)
     ap.add_argument("--readvertise", type=float)
+    ap.add_argument("--advert-interval", type=float)
     ap.add_argument("--tcp-listen", default="auto",
                     help='shard data plane: "auto" (default), "host:port" or "off"')
     ap.add_argument("--tcp-advertise", default="", help="endpoint put into adverts")
@@ -117,6 +118,8 @@ async def main(argv: list[str] | None = None) -> int:
     cfg.broadcast.tcp_listen = args.tcp_listen
     cfg.broadcast.tcp_advertise = args.tcp_advertise
     cfg.broadcast.tcp_auth_timeout_s = args.tcp_auth_timeout
+    if args.advert_interval:
+        cfg.broadcast.advert_interval_s = args.advert_interval
     if args.readvertise:
         cfg.broadcast.readvertise_s = args.readvertise
     if args.chunk_timeout:

@@ -12,8 +12,8 @@ shardcast binds 0.0.0.0 with no option; here its server class is patched to bind
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import resource
 import sys
 import time
 from pathlib import Path
@@ -23,18 +23,16 @@ def emit(**obj) -> None:
     print(json.dumps(obj), flush=True)
 
 
-def peak_rss_mib() -> float:
-    # Same as node/broadcast/standalone.py: this script runs in .venv-shardcast, where the
-    # project is not installed, so it cannot import it.
-    """Peak resident memory of this process (VmHWM: reset by exec, unlike ru_maxrss, which
-    a child inherits from the parent it was forked from)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def _procstats():
+    """node/testing/procstats.py by path: the project is not installed in this venv."""
+    path = Path(__file__).resolve().parents[1] / "node" / "testing" / "procstats.py"
+    spec = importlib.util.spec_from_file_location("procstats", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+procstats = _procstats()
 
 
 def patch_bind() -> None:
@@ -71,14 +69,14 @@ def main() -> int:
         sys.stdin.readline()
         return 0
     client = shardcast.ClientNode([sys.argv[3]], str(data_dir / "out"))
-    emit(event="ready", rss_mib=peak_rss_mib())
+    emit(event="ready", rss_mib=procstats.peak_rss_mib())
     while "v1" not in client.list_available_versions():
         time.sleep(0.2)
     t_seen = time.time()
     path = client.download_version("v1", str(data_dir / "download_v1.bin"))
-    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    children = procstats.peak_child_rss_mib()
     emit(event="complete" if path else "failed", t=time.time(), t_seen=t_seen, path=path,
-         peak_rss_mib=peak_rss_mib(), peak_child_rss_mib=children)
+         peak_rss_mib=procstats.peak_rss_mib(), peak_child_rss_mib=children)
     return 0
 
 

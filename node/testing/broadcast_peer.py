@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import json
 import logging
-import resource
 import sys
 import time
 from pathlib import Path
@@ -32,29 +31,11 @@ from ..config import Config
 from ..diskspace import configure as configure_disk
 from ..identity import Identity
 from ..p2p import P2PNode
+from .procstats import cpu_seconds, peak_rss_mib
 
 
 def emit(**obj) -> None:
     print(json.dumps(obj), flush=True)
-
-
-def peak_rss_mib() -> float:
-    """Peak resident memory of this process (VmHWM: reset by exec, unlike ru_maxrss, which
-    a child inherits from the parent it was forked from)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def cpu_seconds() -> float:
-    """User + system CPU time of this process so far (less sensitive to a busy machine than
-    wall time)."""
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 def corrupting(store, spec: str):

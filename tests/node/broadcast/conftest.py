@@ -1,4 +1,5 @@
-"""Fixtures for broadcast tests: real checkpoint files, real keys, real signed manifests."""
+"""Fixtures for broadcast tests: real checkpoint files, real keys, real signed manifests,
+and real broadcast peers in subprocesses (`procs`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,11 @@ import pytest
 from swarm_node.node.broadcast.manifest import AcceptedManifest, build_manifest
 from swarm_node.node.config import BroadcastSection
 from swarm_node.node.identity import Identity
+
+from .procs import BroadcastProc
+
+SHARD = 128 * 1024  # shard size of the subprocess peers (`procs`)
+COMMON = ["--shard-size", str(SHARD), "--readvertise", "0.5", "--chunk-timeout", "3"]
 
 
 def make_checkpoint(path: Path, sizes: dict[str, int], seed: int = 0) -> Path:
@@ -48,3 +54,24 @@ def cfg() -> BroadcastSection:
     return BroadcastSection(shard_size=64 * 1024, min_shard_size=4096, chunk_size=16 * 1024,
                             request_timeout_s=2.0, chunk_timeout_s=2.0, stall_timeout_s=10.0,
                             parallel_downloads=4)
+
+
+@pytest.fixture
+def procs():
+    """`procs(name, role, data_dir, *args, key=None)` starts a broadcast peer subprocess
+    (SHARD-sized shards, fast re-adverts); every one started is stopped after the test."""
+    started: list[BroadcastProc] = []
+
+    def start(name, role, data_dir, *args, **kw):
+        p = BroadcastProc(name, role, data_dir, *COMMON, *args, **kw)
+        started.append(p)
+        return p
+
+    yield start
+    for p in started:
+        p.stop()
+
+
+def boot(*peers: BroadcastProc) -> list[str]:
+    """--bootstrap arguments for every listen address of `peers`."""
+    return [arg for p in peers for a in p.addrs for arg in ("--bootstrap", a)]

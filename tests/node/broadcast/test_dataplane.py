@@ -15,31 +15,10 @@ from swarm_node.node.config import Config
 from swarm_node.node.identity import Identity
 from swarm_node.protocol.messages import ShardRequest
 
-from .conftest import make_checkpoint, read_dir
+from .conftest import SHARD, boot, make_checkpoint, read_dir
 from .procs import BroadcastProc
 
 pytestmark = pytest.mark.slow
-
-SHARD = 128 * 1024
-COMMON = ["--shard-size", str(SHARD), "--readvertise", "0.5", "--chunk-timeout", "3"]
-
-
-@pytest.fixture
-def procs():
-    started: list[BroadcastProc] = []
-
-    def start(name, role, data_dir, *args, **kw):
-        p = BroadcastProc(name, role, data_dir, *COMMON, *args, **kw)
-        started.append(p)
-        return p
-
-    yield start
-    for p in started:
-        p.stop()
-
-
-def boot(p: BroadcastProc) -> list[str]:
-    return [arg for a in p.addrs for arg in ("--bootstrap", a)]
 
 
 async def stats(p: BroadcastProc) -> dict:

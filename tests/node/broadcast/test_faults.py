@@ -12,27 +12,9 @@ from swarm_node.node.identity import Identity
 from swarm_node.protocol.codec import pack, unpack
 from swarm_node.protocol.messages import CheckpointManifest
 
-from .conftest import make_checkpoint, read_dir
-from .procs import BroadcastProc
+from .conftest import SHARD, make_checkpoint, read_dir
 
 pytestmark = pytest.mark.slow
-
-SHARD = 128 * 1024
-COMMON = ["--shard-size", str(SHARD), "--readvertise", "0.5", "--chunk-timeout", "3"]
-
-
-@pytest.fixture
-def procs():
-    started: list[BroadcastProc] = []
-
-    def start(name, role, data_dir, *args, **kw):
-        p = BroadcastProc(name, role, data_dir, *COMMON, *args, **kw)
-        started.append(p)
-        return p
-
-    yield start
-    for p in started:
-        p.stop()
 
 
 def manifest_file(data_dir: Path, policy: str, version: int) -> Path:

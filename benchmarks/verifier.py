@@ -455,14 +455,22 @@ def main() -> None:
     ap.add_argument("--real", choices=["float32", "bfloat16"],
                     help="collect honest SmolLM2 verifications in this dtype (verifier_real.py)")
     ap.add_argument("--real-budget-s", type=float, default=1200.0)
+    ap.add_argument("--real-cost", choices=["float32", "bfloat16"],
+                    help="SmolLM2 cost table: generation vs the baseline verifier vs today's "
+                         "on the same batches (verifier_real.cost)")
+    ap.add_argument("--real-cost-batches", type=int, default=4)
+    ap.add_argument("--baseline", default="e83ff02",
+                    help="commit whose verifier/checks.py is the cost baseline")
     ap.add_argument("--real-report", metavar="LOAD",
                     help="write the SmolLM2 section from what was collected (LOAD: the load "
                          "average seen during collection, for the record)")
     args = ap.parse_args()
-    if args.real or args.real_report:
+    if args.real or args.real_report or args.real_cost:
         from benchmarks import verifier_real
 
-        if args.real:
+        if args.real_cost:
+            verifier_real.cost(args.real_cost, args.real_cost_batches, args.baseline)
+        elif args.real:
             verifier_real.collect(args.real, args.real_budget_s)
         else:
             body = verifier_real.report(args.real_report)

@@ -96,6 +96,125 @@ def collect(dtype: str, budget_s: float) -> Path:
     return path
 
 
+# cost: before / after on the same batches ----------------------------------------------------
+
+COST_OUT = OUT / "cost.jsonl"
+SPOT_FRACTION = 0.1  # an example spot-check fraction for trusted peers
+
+
+def cost_variations(dtype: str):
+    """(name, threads, max_batch, tasks, n, temperature, top_p, max_new_tokens)."""
+    rows = [("batch 8 (2 tasks x 4), 1 thread", 1, 8, 2, 4, 1.0, 1.0, 32),
+            ("batch 8, T=0.7 top-p 0.9", 1, 8, 2, 4, 0.7, 0.9, 32),
+            ("batch 8, 2 threads", 2, 8, 2, 4, 1.0, 1.0, 32),
+            ("batch 32 (4 tasks x 8), 1 thread", 1, 32, 4, 8, 1.0, 1.0, 32)]
+    return rows if dtype == "float32" else rows[:1]
+
+
+def verifier_at(commit: str):
+    """RolloutVerifier of verifier/checks.py as of `commit` (the baseline of the cost table),
+    loaded as a module of this package so its relative imports resolve."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    src = subprocess.run(["git", "show", f"{commit}:verifier/checks.py"], cwd=root, text=True,
+                         capture_output=True, check=True).stdout
+    name = f"swarm_node.verifier._checks_{commit[:10]}"
+    mod = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))
+    mod.__package__ = "swarm_node.verifier"
+    sys.modules[name] = mod
+    exec(compile(src, f"{commit}:verifier/checks.py", "exec"), mod.__dict__)  # noqa: S102
+    return mod.RolloutVerifier
+
+
+def cost(dtype: str, batches: int, baseline: str) -> Path:
+    """Per variation, `batches` honest batches: generation time (HFSampler), then on the
+    same batch the baseline verifier, today's verifier (one instance per variation, as the
+    trainer keeps one per policy: its prompt cache is warm after the first batch, which
+    counts too) and the cheap checks alone (a spot check that skips every group)."""
+    from swarm_node.node.models import BUILTIN_SMOLLM2, ensure_builtin, load_model
+    from swarm_node.node.tasks import TaskSource
+    from swarm_node.node.testing import attacks
+    from swarm_node.protocol.messages import SamplingParams
+    from swarm_node.verifier.checks import RolloutVerifier
+
+    before_cls = verifier_at(baseline)
+    model, tokenizer = load_model(ensure_builtin(BUILTIN_SMOLLM2), dtype=dtype)
+    source = TaskSource(MIX, "default")
+    OUT.mkdir(parents=True, exist_ok=True)
+
+    def make(cls):
+        return cls(model, tokenizer, source, swarm_id="default", latest_version=lambda: 0,
+                   dtype=dtype)
+
+    round_ = 10_000
+    with open(COST_OUT, "a") as out:
+        for name, threads, max_batch, tasks, n, temp, top_p, max_new in cost_variations(dtype):
+            torch.set_num_threads(threads)
+            params = SamplingParams(temperature=temp, top_p=top_p, max_new_tokens=max_new)
+            after, cheap = make(RolloutVerifier), make(RolloutVerifier)
+            for _ in range(batches):
+                t0, c0 = time.perf_counter(), time.process_time()
+                batch = attacks.sample_batch(model, tokenizer, source, SENDER, round_=round_,
+                                             version=0, tasks=tasks, n=n, params=params,
+                                             max_batch=max_batch)
+                rec = {"dtype": dtype, "variation": name, "gen_s": time.perf_counter() - t0,
+                       "gen_cpu": time.process_time() - c0,
+                       "tokens": sum(c.completion_ids.shape[0] for c in batch.completions)}
+                batch = batch.model_copy(update={"dtype": dtype})
+                for key, v, spot in (("before", make(before_cls), None),
+                                     ("after", after, None),
+                                     ("cheap", cheap, lambda ids: False)):
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    results = v.verify(batch, SENDER, spot_check=spot)
+                    rec[f"{key}_s"] = time.perf_counter() - t0
+                    rec[f"{key}_cpu"] = time.process_time() - c0
+                    rec[f"{key}_reasons"] = sorted({r.reason for r in results})
+                rec["prompt_tokens_saved"] = after.prompt_cache.tokens_saved
+                out.write(json.dumps(rec) + "\n")
+                out.flush()
+                round_ += 1
+                print(f"{name}: cpu s: gen {rec['gen_cpu']:.1f} before {rec['before_cpu']:.2f} "
+                      f"after {rec['after_cpu']:.2f} cheap {rec['cheap_cpu']:.3f}; wall gen "
+                      f"{rec['gen_s']:.1f}", flush=True)
+    return COST_OUT
+
+
+def cost_table() -> list[list]:
+    """Per variation: verify / generate in CPU seconds of the process (what the work costs;
+    wall time on this shared machine mostly measures the other tenants) and in wall time."""
+    if not COST_OUT.exists():
+        return []
+    by: dict[str, dict] = {}
+    for line in COST_OUT.read_text().splitlines():
+        r = json.loads(line)
+        d = by.setdefault(f"{r['dtype']} {r['variation']}", {"n": 0, "tok": 0, "bad": set()})
+        d["n"] += 1
+        d["tok"] += r["tokens"]
+        for k in ("gen", "before", "after", "cheap"):
+            for unit in ("cpu", "s"):
+                d[f"{k}_{unit}"] = d.get(f"{k}_{unit}", 0.0) + r[f"{k}_{unit}"]
+        d["bad"] |= {x for x in r["before_reasons"] + r["after_reasons"] if x != "ok"}
+    rows = []
+    for k, d in by.items():
+        full, cheap = d["after_cpu"] / d["gen_cpu"], d["cheap_cpu"] / d["gen_cpu"]
+        rows.append([k, d["n"], d["tok"], f"{d['tok'] / d['gen_cpu']:.1f}",
+                     f"{d['before_cpu'] / d['gen_cpu']:.1%}", f"**{full:.1%}**",
+                     f"{d['before_s'] / d['gen_s']:.0%} / {d['after_s'] / d['gen_s']:.0%}",
+                     f"{cheap:.2%}",
+                     f"{SPOT_FRACTION * full + (1 - SPOT_FRACTION) * cheap:.2%}",
+                     ", ".join(sorted(d["bad"])) or "none"])
+    return rows
+
+
+COST_HEADER = ["dtype, variation", "batches", "tokens", "gen tok/CPU-s",
+               "verify / generate, baseline (CPU)", "verify / generate, now (CPU)",
+               "wall: baseline / now", "cheap checks only (CPU)",
+               f"amortised, spot checks at {SPOT_FRACTION:.0%}", "rejects"]
+
+
 def load(dtype: str) -> list[dict]:
     path = OUT / f"{dtype}.jsonl"
     if not path.exists():

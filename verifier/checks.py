@@ -12,16 +12,15 @@ cheap:       shapes and limits (context = min(config, model)); proof length for 
              first tasks_per_round of the sender's draw; the prompt; the seed index j;
              finish (EOS set of tokenizer + generation_config); text == decode(ids); reward.
 groups:      complete groups (every j < completions_per_task); spot checks per group.
-model:       one prefill of prompt + completion: activation proof; logprobs within
-             `logprob_tol` (the recomputed ones are handed on, never the claimed ones);
-             seeded replay up to near-ties; EOS probability; sampling shape.
+model:       one prefill of prompt + completion (the prompt once per group; a prefix it
+             shares with recent prompts once per model version): activation proof;
+             logprobs within `logprob_tol` (the recomputed ones are handed on, never the
+             claimed ones); seeded replay up to near-ties; EOS probability; sampling shape.
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
-import inspect
 import logging
 import math
 import struct
@@ -33,10 +32,12 @@ from typing import Any
 import torch
 
 from ..node.errors import NodeError
-from ..node.sampler.seeded import completion_seed, gumbel_noise, mask_logits, ref_bytes
+from ..node.sampler.seeded import completion_seed, mask_logits, ref_bytes
 from ..node.sampler.stops import context_limit, eos_token_ids
-from ..node.tasks import format_prompt, get_task
+from ..node.tasks import DEFAULT_STYLE, PromptStyle, format_prompt, get_task
+from ..protocol import noise
 from ..protocol.messages import BatchRules, Completion, RolloutBatch, SamplingParams, Verdict
+from .prefill import PromptCache, prefill, prefill_group  # noqa: F401 - re-exported
 from .proof import ProofThresholds, proof_size, verify_proof
 from .seen import SeenStore
 
@@ -124,7 +125,8 @@ class RolloutVerifier:
                  policy_ids: set[str] | None = None, sampling: SamplingParams | None = None,
                  max_context: int = 1 << 20, format_reward: float = 0.0,
                  rules: BatchRules | None = None, dtype: str = "float32",
-                 generation_config=None, seen: SeenStore | None = None):
+                 generation_config=None, seen: SeenStore | None = None,
+                 style: PromptStyle = DEFAULT_STYLE):
         if isinstance(model_for, torch.nn.Module):  # one fixed model serves every version
             fixed = model_for
             generation_config = generation_config or getattr(fixed, "generation_config", None)
@@ -140,8 +142,10 @@ class RolloutVerifier:
         self.sampling = sampling
         self.max_context = max_context
         self.format_reward = format_reward
+        self.style = style  # tasks.system_prompt / few_shot: prompts must be built with it
         self.rules = rules
         self.seen = seen or SeenStore()
+        self.prompt_cache = PromptCache()  # shared prompt prefixes, per model version
         self.counts: dict[str, int] = {}
         self.eos_ids = eos_token_ids(tokenizer, generation_config)
         self._assigned_cache: OrderedDict[tuple[str, int], set[bytes]] = OrderedDict()
@@ -233,7 +237,8 @@ class RolloutVerifier:
             comps = [batch.completions[i] for i in members]
             hiddens = prefill_group(model, comps[0].prompt_ids.to_numpy(),
                                     [c.completion_ids.to_numpy() for c in comps],
-                                    self._pad_id(), self.settings.prefill_token_budget)
+                                    self._pad_id(), self.settings.prefill_token_budget,
+                                    self.prompt_cache, batch.policy_version)
             for i, hidden in zip(members, hiddens):
                 try:
                     logits = self._logits(model, hidden)
@@ -338,7 +343,7 @@ class RolloutVerifier:
         seeds.add(c.seed)
         self._finish_checks(batch, c, ids.tolist(), max_prompt, max_context)
         try:
-            task = get_task(c.task, self.format_reward)
+            task = get_task(c.task, self.format_reward, self.style)
         except (NodeError, ValueError, KeyError) as e:
             raise _Reject("bad_task", str(e)[:200]) from None
         if format_prompt(self.tokenizer, task) != prompt.tolist():
@@ -394,7 +399,9 @@ class RolloutVerifier:
 
         temp = params.temperature
         scaled = logits / temp if temp > 0 else logits
-        chosen = torch.log_softmax(scaled, dim=-1).gather(1, tokens[:, None])[:, 0]
+        # one log-softmax over the vocabulary, shared by the logprob and shape checks
+        logp = torch.log_softmax(scaled, dim=-1)
+        chosen = logp.gather(1, tokens[:, None])[:, 0]
         claimed = torch.from_numpy(c.logprobs.to_numpy().copy())
         if not torch.isfinite(claimed).all():
             raise _Reject("logprob_mismatch", "claimed logprobs contain NaN/inf")
@@ -411,13 +418,16 @@ class RolloutVerifier:
         strict, loose = _masks(scaled, params, loose_params)
         stats.update(self._replay(c, params, scaled, tokens, strict, loose))
         if c.finish_reason == "eos":
-            eos_p = float(torch.softmax(logits[-1].float(), dim=-1)[tokens[-1]])
+            # the model's own probability (T = 1): the shared log-softmax when T is 0 or 1
+            last = logp[-1] if temp in (0.0, 1.0) else torch.log_softmax(logits[-1], dim=-1)
+            eos_p = float(last[tokens[-1]].exp())
             stats["eos_prob"] = eos_p
             if eos_p < s.min_eos_prob:
                 raise _Reject("eos_improbable", f"EOS probability {eos_p:.2e}")
         if temp > 0 and tokens.shape[0] >= s.shape_min_tokens:
             # the loosened top-p, so a boundary near-tie accepted by replay is in the support
-            z = sampling_shape_z(scaled, tokens, loose_params, masked=loose)
+            z = sampling_shape_z(scaled, tokens, loose_params, masked=loose,
+                                 logq=logp if loose is scaled else None)
             stats["shape_z"] = z
             if not abs(z) <= s.shape_z_max:
                 raise _Reject("sampling_shape", f"surprisal z-score {z:.2f}")
@@ -430,21 +440,23 @@ class RolloutVerifier:
         there (`ties`, `tie_flips`): the per-peer steering test (sequential.py) uses them."""
         s = self.settings
         if params.temperature == 0:
-            best_scores, mine_scores = scaled, scaled
+            top2 = scaled.topk(2, dim=-1)
+            best_vals, best_idx = top2.values, top2.indices
+            mine = scaled.gather(1, tokens[:, None])[:, 0]
         else:
-            noise = torch.stack([gumbel_noise(c.seed, k, scaled.shape[-1])
-                                 for k in range(tokens.shape[0])])
-            best_scores = strict + noise
-            mine_scores = loose + noise
-        top2 = best_scores.topk(2, dim=-1)
-        gap = top2.values[:, 0] - mine_scores.gather(1, tokens[:, None])[:, 0]
+            seeds = torch.full((tokens.shape[0],), c.seed, dtype=torch.int64)
+            positions = torch.arange(tokens.shape[0], dtype=torch.int64)
+            best_vals, best_idx = noisy_top2(strict, seeds, positions)
+            mine = (loose.gather(1, tokens[:, None])[:, 0]
+                    + noise.gumbel_at(seeds, positions, tokens[:, None])[:, 0])
+        gap = best_vals[:, 0] - mine
         if not float(gap.max()) <= s.tie_eps:  # also catches NaN / -inf (masked token)
             k = int(torch.nan_to_num(gap, nan=math.inf).argmax())
             raise _Reject("token_mismatch", f"position {k}: token {int(tokens[k])} trails the "
                                             f"seeded choice by {float(gap[k]):.3g}")
-        margin = top2.values[:, 0] - top2.values[:, 1]
+        margin = best_vals[:, 0] - best_vals[:, 1]
         ties = margin <= s.tie_eps
-        flips = ties & (tokens != top2.indices[:, 0])
+        flips = ties & (tokens != best_idx[:, 0])
         # "wide" ties (margin above a quarter of tie_eps): an honest float difference rarely
         # reorders those, a steering sender takes the runner-up there as often as it likes
         wide = ties & (margin > s.tie_eps / 4)
@@ -454,88 +466,99 @@ class RolloutVerifier:
                 # per near-tie position (calibration: benchmarks/verifier.py --real)
                 "tie_margins": margin[ties].tolist(), "tie_flipped": flips[ties].tolist()}
 
-@torch.inference_mode()
-def prefill(model, pairs, pad_id: int = 0, with_logits: bool = True):
-    """One right-padded forward over prompt + completion for each (prompt_ids,
-    completion_ids) pair; returns per pair (hidden [T, H], logits [T, V] or None), fp32 on the
-    CPU, at the positions P-1 .. P+T-2 whose outputs chose the completion's tokens."""
-    device = next(model.parameters()).device
-    seqs = [torch.cat([torch.as_tensor(list(p), dtype=torch.long),
-                       torch.as_tensor(list(c), dtype=torch.long)]) for p, c in pairs]
-    width = max(len(x) for x in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for r, x in enumerate(seqs):
-        ids[r, :len(x)] = x
-        mask[r, :len(x)] = 1
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    head = model.get_output_embeddings()
-    out = decoder(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
-    results = []
-    for r, (p, c) in enumerate(pairs):
-        h = out.last_hidden_state[r, len(p) - 1:len(p) + len(c) - 1]
-        results.append((h.float().cpu(), head(h).float().cpu() if with_logits else None))
-    return results
-
-
-@torch.inference_mode()
-def prefill_group(model, prompt, completions, pad_id: int = 0,
-                  token_budget: int = 8192) -> list[torch.Tensor]:
-    """The same hidden rows as `prefill` (fp32 [T, H] per completion: positions P-1 ..
-    P+T-2) for completions sharing one prompt: the prompt runs once, its KV cache is
-    repeated for the completions (in sub-batches of about `token_budget` tokens), and
-    only completion tokens 0..T-2 are fed (the last token is never an input)."""
-    device = next(model.parameters()).device
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    cache_kw = "cache" if "cache" in inspect.signature(decoder.forward).parameters \
-        else "past_key_values"
-    p = torch.as_tensor([int(x) for x in prompt], dtype=torch.long)[None].to(device)
-    out = decoder(input_ids=p, use_cache=True)
-    cache, last = out.past_key_values, out.last_hidden_state[0, -1:]
-    seqs = [[int(x) for x in c] for c in completions]
-    per = max(1, token_budget // (p.shape[1] + max(len(x) for x in seqs)))
-    results = []
-    for start in range(0, len(seqs), per):
-        chunk = seqs[start:start + per]
-        width = max(len(x) for x in chunk) - 1
-        hidden = None
-        if width > 0:
-            ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-            mask = torch.zeros((len(chunk), p.shape[1] + width), dtype=torch.long)
-            mask[:, :p.shape[1]] = 1
-            for r, x in enumerate(chunk):
-                ids[r, :len(x) - 1] = torch.as_tensor(x[:-1])
-                mask[r, p.shape[1]:p.shape[1] + len(x) - 1] = 1
-            shared = copy.deepcopy(cache)
-            shared.batch_repeat_interleave(len(chunk))
-            hidden = decoder(input_ids=ids.to(device), attention_mask=mask.to(device),
-                             use_cache=True, **{cache_kw: shared}).last_hidden_state
-        for r, x in enumerate(chunk):
-            rows = [last] + ([hidden[r, :len(x) - 1]] if len(x) > 1 else [])
-            results.append(torch.cat(rows).float().cpu())
-    return results
-
-
 def _masks(scaled, params: SamplingParams, loose_params: SamplingParams):
-    """(mask with the claimed top-k/top-p, mask with top_p + top_p_eps); one sort each, and
-    none of the second when top-p is off."""
-    strict = mask_logits(scaled, params)
-    loose = mask_logits(scaled, loose_params) if params.top_p < 1.0 else strict
-    return strict, loose
+    """(mask with the claimed top-k/top-p, mask with top_p + top_p_eps); the second only
+    when top-p is on. Both from one partial sort (`top_p_masks`)."""
+    if params.top_p >= 1.0:
+        strict = mask_logits(scaled, params)
+        return strict, strict
+    base = mask_logits(scaled, params.model_copy(update={"top_p": 1.0}))  # top-k only
+    return top_p_masks(base, params.top_p, loose_params.top_p)
+
+
+def top_p_masks(scores: torch.Tensor, *top_ps: float) -> list[torch.Tensor]:
+    """`mask_logits`' top-p rule (node/sampler/seeded.py: keep the smallest prefix of the
+    descending order whose mass reaches top_p) for each of `top_ps`, from one partial sort:
+    the k highest scores per row, k doubled until every row's prefix is inside them, instead
+    of a sort of the whole vocabulary. The kept set is the same as the full sort's; the
+    probabilities come from one log-sum-exp over the row instead of a softmax of the sorted
+    row, which may round differently in the last bit (the top_p_eps of the loose mask is
+    10^3 times wider)."""
+    v = scores.shape[-1]
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    need = max((p for p in top_ps if p < 1.0), default=0.0)
+    k = min(64, v)
+    while True:
+        top = scores.topk(k, dim=-1)
+        probs = (top.values - lse).exp()
+        before = torch.cumsum(probs, dim=-1) - probs
+        # every row's prefix ends inside the k: its last entry is dropped (or k == V)
+        if k == v or bool((before[:, -1] >= need).all()):
+            break
+        k = min(v, 4 * k)
+    out = []
+    for top_p in top_ps:
+        if top_p >= 1.0:  # top-p off, as in mask_logits
+            out.append(scores)
+            continue
+        keep = torch.zeros_like(scores, dtype=torch.bool)
+        keep.scatter_(-1, top.indices, before < top_p)
+        out.append(scores.masked_fill(~keep, float("-inf")))
+    return out
+
+
+def noisy_top2(scores: torch.Tensor, seeds: torch.Tensor,
+               positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) [T, 2] of the top two of scores[t, v] + g(seeds[t], positions[t], v)
+    per row, with the protocol noise g computed only for tokens that can reach the top two.
+
+    Why that is exact: g(u) = -log(-log u) increases with u, and every u the noise rule
+    yields is at most U_MAX = 1 - 2^-24, so g(t, v) <= G_MAX for every token (the float32
+    logs exceed the real G_MAX by ~1e-6, far less than NOISE_SPAN_MARGIN; protocol/noise.py).
+    Let L be the second-largest noisy score among the row's 8 highest scores; L is at most
+    the row's true second-largest noisy score S2. A token with scores[v] < L - G_MAX - margin
+    has noisy score < L <= S2, so it holds neither of the top two places, and leaving it at
+    -inf changes neither value nor index of the top two. The candidates get the protocol's
+    noise for the same (seed, position, token) (`noise.gumbel_at`'s rule). A row with fewer
+    than two finite scores has L = -inf and keeps every token; NaN scores are kept too (the
+    full computation would put them on top). G_MAX is 16.6 logits: on SmolLM2 about 22% of
+    the vocabulary stays at T = 1, 3% at T = 0.7, 0.5% at T = 0.5; the noise's integer hash
+    (64-bit multiplies, not vectorised on this CPU) is what the pruning saves. tests/verifier/test_checks.py compares it with
+    the full computation, and the verdicts with and without it."""
+    t, v = scores.shape
+    keys = noise.row_keys(seeds, positions)
+    top = scores.topk(min(8, v), dim=-1)
+    g_top = noise.gumbel_from_mantissas(noise.mantissas(keys[:, None].expand_as(top.indices),
+                                                        top.indices))
+    floor = (top.values + g_top).topk(min(2, g_top.shape[-1]), dim=-1).values[:, -1]
+    bound = floor - noise.G_MAX - noise.NOISE_SPAN_MARGIN
+    flat = torch.nonzero(((scores >= bound[:, None]) | scores.isnan()).view(-1))[:, 0]
+    rows = flat // v
+    noisy = torch.full((t * v,), float("-inf"), dtype=scores.dtype)
+    noisy[flat] = scores.reshape(-1)[flat] + noise.gumbel_from_mantissas(
+        noise.mantissas(keys[rows], flat - rows * v))
+    best = noisy.view(t, v).topk(2, dim=-1)
+    return best.values, best.indices
 
 
 def sampling_shape_z(scaled: torch.Tensor, tokens: torch.Tensor, params: SamplingParams,
-                     masked: torch.Tensor | None = None) -> float:
+                     masked: torch.Tensor | None = None,
+                     logq: torch.Tensor | None = None) -> float:
     """z-score of the summed surprisal -log q(x_t) of the sampled tokens, where q is the
     claimed sampling distribution (temperature-scaled, top-k/top-p truncated and renormalised)
     recomputed by the verifier. Honest sampling gives mean 0, variance 1 (CLT over tokens);
-    tokens drawn from another model or temperature shift it."""
-    q_logits = mask_logits(scaled, params) if masked is None else masked
-    logq = torch.log_softmax(q_logits, dim=-1)
-    q = logq.exp()
-    safe = torch.where(q > 0, logq, torch.zeros_like(logq))
-    entropy = -(q * safe).sum(-1)
-    second = (q * safe * safe).sum(-1)
+    tokens drawn from another model or temperature shift it. `masked` (the truncated logits)
+    or `logq` (their log-softmax) may be passed in when the caller has them."""
+    if logq is None:
+        q_logits = mask_logits(scaled, params) if masked is None else masked
+        logq = torch.log_softmax(q_logits, dim=-1)
+    # where q underflows to 0 (logq < -104, or -inf off the support) its terms are 0 either
+    # way; the clamp only avoids 0 * -inf = NaN
+    safe = logq.clamp_min(-1e4)
+    q = safe.exp()
+    q_log_q = q * safe
+    entropy = -q_log_q.sum(-1)
+    second = (q_log_q * safe).sum(-1)
     var = (second - entropy * entropy).clamp_min(0)
     surprisal = -logq.gather(1, tokens[:, None])[:, 0]
     surprisal = torch.nan_to_num(surprisal, posinf=1e4)  # a token outside the support

@@ -23,23 +23,7 @@ PARAMS = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=20)
 VERSION = 3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Two shared cores: one intra-op thread is ~10x faster than two under load."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def kit(tiny_model_dir):
-    from swarm_node.node.models import load_model
-    from swarm_node.node.tasks import TaskSource
-
-    model, tokenizer = load_model(tiny_model_dir)
-    source = TaskSource({"toy/digit_successor": 1.0, "toy/digit_copy": 1.0}, "default")
-    return model, tokenizer, source
+pytestmark = pytest.mark.usefixtures("one_thread")  # kit, one_thread: conftest.py
 
 
 def verifier(kit, **kw) -> RolloutVerifier:

@@ -25,22 +25,7 @@ RULES = BatchRules(completions_per_task=3, tasks_per_round=2, rounds_per_version
 ROUND = RULES.round_for(VERSION, 0)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def kit(tiny_model_dir):
-    from swarm_node.node.models import load_model
-    from swarm_node.node.tasks import TaskSource
-
-    model, tokenizer = load_model(tiny_model_dir)
-    source = TaskSource({"toy/digit_successor": 1.0, "toy/digit_copy": 1.0}, "default")
-    return model, tokenizer, source
+pytestmark = pytest.mark.usefixtures("one_thread")  # kit, one_thread: conftest.py
 
 
 def verifier(kit, model=None, **kw) -> RolloutVerifier:
@@ -305,7 +290,7 @@ def test_fair_queue_keeps_established_peers_served_under_a_fresh_key_flood():
 def test_12_shared_prompt_prefill_matches_the_full_prefill(kit, honest):
     """One prompt pass per group with its KV cache repeated gives the rows a full prefill
     of every prompt + completion gives (to float rounding), in sub-batches too."""
-    from swarm_node.verifier.checks import prefill, prefill_group
+    from swarm_node.verifier.prefill import prefill, prefill_group
 
     model, tokenizer, _ = kit
     group = honest.completions[:3]

@@ -1,0 +1,147 @@
+"""Issue 11 item 12 (cost): the cheaper model checks decide exactly what the full ones do.
+
+- replay pruning (`noisy_top2`): the seeded noise is computed only for tokens that can reach
+  the top two; values, indices and verdicts equal the full-vocabulary computation;
+- the prompt cache (`PromptCache`): a prompt prefix shared with an earlier prompt of the same
+  model version is not recomputed; the hidden states match a full prompt pass.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from swarm_node.node.testing import attacks
+from swarm_node.protocol import noise
+from swarm_node.protocol.messages import SamplingParams
+from swarm_node.verifier import checks
+from swarm_node.verifier.checks import RolloutVerifier, noisy_top2
+from swarm_node.verifier.prefill import PromptCache, prefill_group
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # kit, one_thread: conftest.py
+SENDER = "12D3KooWHonestInferencePeer"
+
+
+def full_top2(scores, seeds, positions):
+    """The reference: noise for every token of every row."""
+    best = (scores + noise.gumbel(seeds, positions, scores.shape[-1])).topk(2, dim=-1)
+    return best.values, best.indices
+
+
+def rows(scores):
+    t = scores.shape[0]
+    return torch.full((t,), 987654321, dtype=torch.int64), torch.arange(t, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("scale", [1.0, 4.0, 12.0])
+def test_noisy_top2_equals_the_full_computation(scale, monkeypatch):
+    gen = torch.Generator().manual_seed(int(scale))
+    scores = torch.randn(24, 8192, generator=gen) * scale
+    scores[1, 100:] = float("-inf")  # top-p truncation
+    scores[2, 1:] = float("-inf")  # a single token left: L = -inf keeps the whole row
+    scores[3, 5:7] = scores[3, 5:7].max()  # an exact tie
+    hashed = []
+    real = noise.mantissas
+    monkeypatch.setattr(noise, "mantissas", lambda *a, **k: hashed.append(
+        real(*a, **k).numel()) or real(*a, **k))
+    values, indices = noisy_top2(scores, *rows(scores))
+    monkeypatch.undo()
+    want_values, want_indices = full_top2(scores, *rows(scores))
+    assert torch.equal(values, want_values)
+    assert torch.equal(indices[:, 0], want_indices[:, 0])
+    assert torch.equal(indices[[0, *range(4, 24)], 1], want_indices[[0, *range(4, 24)], 1])
+    if scale >= 12.0:  # wide logits: most of the vocabulary cannot win and is not hashed
+        assert sum(hashed) < 0.5 * scores.numel()
+
+
+def test_noisy_top2_keeps_nan_on_top():
+    scores = torch.randn(3, 4096)
+    scores[1, 7] = float("nan")
+    values, _ = noisy_top2(scores, *rows(scores))
+    assert torch.isnan(values[1, 0]) and not torch.isnan(values[[0, 2]]).any()
+
+
+@pytest.mark.parametrize("top_p", [0.1, 0.5, 0.9, 0.95, 0.9999])
+def test_top_p_masks_keep_what_the_full_sort_keeps(top_p):
+    """Same kept set as mask_logits' full sort, except where float32 rounding of a long
+    cumulative sum decides: deep-tail tokens within 1e-5 of the top-p mass (a tie that the
+    sampler's own logits, a few ulps away from the verifier's, decide either way too)."""
+    from swarm_node.node.sampler.seeded import mask_logits
+    from swarm_node.verifier.checks import top_p_masks
+
+    gen = torch.Generator().manual_seed(7)
+    scores = torch.randn(16, 8192, generator=gen) * torch.linspace(0.5, 8, 16)[:, None]
+    scores[0, 50:] = float("-inf")  # after a top-k
+    loose_p = min(1.0, top_p + 1e-4)
+    strict, loose, off = top_p_masks(scores, top_p, loose_p, 1.0)
+    assert off is scores
+    for got, p in ((strict, top_p), (loose, loose_p)):
+        want = torch.isfinite(mask_logits(scores, SamplingParams(top_p=p)))
+        differ = torch.isfinite(got) != want
+        if p <= 0.95:
+            assert not differ.any()
+        for r, v in differ.nonzero().tolist():
+            ordered, order = torch.sort(scores[r], descending=True)
+            probs = torch.softmax(ordered, dim=-1)
+            before = (torch.cumsum(probs, dim=-1) - probs)[(order == v).nonzero().item()]
+            assert abs(float(before) - p) < 1e-5
+
+
+def verdicts(results):
+    keys = ("replay_max_gap", "ties", "tie_flips", "wide_ties", "wide_flips")
+    return [(r.reason, tuple(r.stats.get(k) for k in keys)) for r in results]
+
+
+def test_pruned_replay_keeps_every_verdict(kit, monkeypatch):
+    """Honest batches at several temperatures and top-p, and forgeries replay caught, get
+    the same verdicts and replay statistics with and without the pruning."""
+    model, tokenizer, source = kit
+    batches = []
+    for r, params in enumerate([SamplingParams(temperature=1.0, max_new_tokens=16),
+                                SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=16),
+                                SamplingParams(temperature=0.4, max_new_tokens=16)]):
+        honest = attacks.sample_batch(model, tokenizer, source, SENDER, params=params,
+                                      version=0, round_=r, tasks=2, n=3)
+        forged = attacks.tamper_tokens(honest, random.Random(r), len(tokenizer),
+                                       {tokenizer.eos_token_id}, model=model,
+                                       tokenizer=tokenizer)
+        batches += [honest, forged]
+
+    def run():
+        out = []
+        for b in batches:
+            v = RolloutVerifier(model, tokenizer, source, swarm_id="default",
+                                latest_version=lambda: 0)
+            out.append(verdicts(v.verify(b, SENDER)))
+        return out
+
+    pruned = run()
+    monkeypatch.setattr(checks, "noisy_top2", full_top2)
+    full = run()
+    assert pruned == full
+    reasons = {r for batch in pruned for r, _ in batch}
+    assert "ok" in reasons and "token_mismatch" in reasons
+
+
+def test_prompt_cache_reuses_a_shared_prefix(kit):
+    model, _, _ = kit
+    rng = random.Random(0)
+    prefix = [rng.randrange(3, 200) for _ in range(24)]
+    prompts = [prefix + [rng.randrange(3, 200) for _ in range(k)] for k in (5, 9)]
+    comps = [[rng.randrange(3, 200) for _ in range(n)] for n in (6, 1, 11)]
+    cache = PromptCache(min_prefix=16)
+    for p in prompts:
+        prefill_group(model, p, comps, prompt_cache=cache, version=3)
+    assert (cache.hits, cache.misses, cache.tokens_saved) == (1, 1, 24)
+    # the cached path gives the full prompt pass's hidden states
+    want = prefill_group(model, prompts[1], comps)
+    got = prefill_group(model, prompts[1], comps, prompt_cache=cache, version=3)
+    assert cache.tokens_saved == 24 + len(prompts[1]) - 1  # the same prompt: all but its last
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    # another version or another model object never reuses the entries
+    prefill_group(model, prompts[0], comps, prompt_cache=cache, version=4)
+    prefill_group(copy.deepcopy(model), prompts[0], comps, prompt_cache=cache, version=3)
+    assert cache.misses == 3

@@ -47,7 +47,7 @@ from .penalties import PeerPenalties, TopicRateLimiter
 from .pubsub import GossipService, Handler
 from .requests import RequestHandler, RequestService, StreamHandler
 from .streams import AsyncStream
-from .yamux import bound_buffers, install_window_update_batching
+from .yamux import bound_buffers, fit_frames_to_noise, install_window_update_batching
 
 log = logging.getLogger(__name__)
 
@@ -232,6 +232,7 @@ class P2PNode:
         check_libp2p_version()
         install_record_memo()
         install_window_update_batching()
+        fit_frames_to_noise()
         guard_stream_handlers(host, self._t_stream_fault)  # before pubsub adds its handlers
         router, pubsub = build_gossip(host, self.cfg, self.metrics)
         guard_pubsub(pubsub, self._t_stream_fault)

@@ -15,6 +15,7 @@ import logging
 from collections.abc import Callable
 
 import libp2p.stream_muxer.yamux.yamux as yamux_mod
+from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH
 
 from ...protocol.limits import MAX_CONN_BUFFER, MAX_STREAM_BUFFER
 
@@ -92,3 +93,13 @@ def install_window_update_batching() -> None:
 
 def _release_on_read_off() -> bool:
     return False
+
+
+def fit_frames_to_noise() -> None:
+    """Cap a yamux frame (12-byte header + payload) at one Noise message (65519 bytes of
+    plaintext). py-libp2p 0.8.1 sends 65536-byte frames, which its Noise layer splits into a
+    full message and a 17-byte one: every 64 KiB of stream data cost two encryptions, two
+    socket writes, and two reads and decryptions at the peer (measured on one 128 MiB
+    stream between two nodes: about 20% less CPU with the cap). Frames the peer sends are
+    accepted as before. Idempotent, per process."""
+    yamux_mod.MAX_MESSAGE_SIZE = MAX_PLAINTEXT_LENGTH

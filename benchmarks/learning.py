@@ -11,11 +11,14 @@ it is skipped) are scored three ways:
   tagged   share of completions with an <answer>...</answer> tag;
   lenient  the last number in the completion equals the answer (diagnostic only: what a
            reader would accept; not what the swarm trains on).
-The training reward is (1 - f) * rg score + f * tagged with f = --format-reward: the rg
-score is 1 for an exact answer and a small partial credit when the untagged text contains
-it, and GRPO's per-group normalisation turns even that small difference into a signal.
+Prompts use reasoning-gym's system prompt --system-prompt (the swarm setting
+tasks.system_prompt; "direct" asks for the bare answer in an <answer> tag). The training
+reward is (1 - f) * rg score + f * tagged with f = --format-reward (default 0: exactly the
+protocol's reward): the rg score is 1 for an exact answer and a partial credit of
+len(answer)/len(text) when the untagged text contains it, so shorter correct statements
+score more, and GRPO's per-group normalisation turns even small differences into a signal.
 
-    python -m benchmarks.learning [--minutes 15] [--tasks 4] [--group 8] [--eval 32]
+    python -m benchmarks.learning [--minutes 30] [--tasks 4] [--group 8] [--eval 32]
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import torch
 from swarm_node.node.config import Config
 from swarm_node.node.models import BUILTIN_SMOLLM2, ensure_builtin
 from swarm_node.node.sampler.hf import HFSampler
-from swarm_node.node.tasks import format_prompt, get_task
+from swarm_node.node.tasks import PromptStyle, format_prompt, get_task
 from swarm_node.node.trainer.evaluate import EVAL_SEED, greedy_accuracy
 from swarm_node.node.trainer.trainer import Trainer
 from swarm_node.protocol.messages import SamplingParams, TaskRef
@@ -68,13 +71,15 @@ def train_refs(round_: int, tasks: int, held_out: set[str]) -> list[TaskRef]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--minutes", type=float, default=15.0, help="training time budget")
+    ap.add_argument("--minutes", type=float, default=30.0, help="training time budget")
     ap.add_argument("--tasks", type=int, default=4)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--eval", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--lr", type=float, default=2e-5)
-    ap.add_argument("--format-reward", type=float, default=0.5)
+    ap.add_argument("--format-reward", type=float, default=0.0)
+    ap.add_argument("--system-prompt", default="direct", help="reasoning-gym SYSTEM_PROMPTS name")
+    ap.add_argument("--few-shot", type=int, default=1, help="worked examples before each question")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--section", default="learning (SmolLM2, basic_arithmetic)")
     ap.add_argument("--no-record", action="store_true", help="print only (smoke runs)")
@@ -84,7 +89,8 @@ def main() -> None:
     model_dir = ensure_builtin(BUILTIN_SMOLLM2)
     cfg = Config.model_validate({
         "model": {"device": "cpu"},
-        "tasks": {"format_reward": args.format_reward},
+        "tasks": {"format_reward": args.format_reward, "system_prompt": args.system_prompt,
+                  "few_shot": args.few_shot},
         "trainer": {"learning_rate": args.lr, "local_items": args.tasks, "external_items": 0,
                     "checkpoint_every": 100_000, "max_staleness": 100_000,
                     "micro_batch_size": 8, "seed": 0}})
@@ -119,14 +125,16 @@ def main() -> None:
 def _eval(trainer, sampler, tok, eval_refs, max_new):
     trainer.model.eval()
     try:
-        return greedy_accuracy(sampler, tok, eval_refs, max_new)
+        return greedy_accuracy(sampler, tok, eval_refs, max_new,
+                               PromptStyle.of(trainer.config.tasks))
     finally:
         trainer.model.train()
 
 
 def _round(trainer, sampler, tok, round_, args, params, held_out) -> list:
     t0 = time.perf_counter()
-    prompts = [(r, format_prompt(tok, get_task(r)))
+    style = PromptStyle.of(trainer.config.tasks)
+    prompts = [(r, format_prompt(tok, get_task(r, style=style)))
                for r in train_refs(round_, args.tasks, held_out)]
     sampler.version = trainer.version
     trainer.model.eval()
@@ -135,8 +143,9 @@ def _round(trainer, sampler, tok, round_, args, params, held_out) -> list:
     trainer.add_local(samples)
     stats = trainer.step()
     rewards = [trainer.rescorer.score(s.task, s.text) for s in samples]
-    return [round_, f"{statistics.mean(rewards):.3f}",
-            sum(r > 0 for r in rewards), stats.groups_local, stats.trained,
+    exact = sum(get_task(s.task, style=style).score(s.text) == 1.0 for s in samples)
+    return [round_, f"{statistics.mean(rewards):.3f}", sum(r > 0 for r in rewards),
+            f"{exact}/{len(samples)}", stats.groups_local, stats.trained,
             f"{stats.loss:.4f}", f"{time.perf_counter() - t0:.0f}"]
 
 
@@ -145,22 +154,28 @@ def _record(args, before, after, curve, train_s, total_s, load0, load1) -> None:
                for k in ("exact", "tagged", "lenient")]
     body = (
         f"SmolLM2-135M-Instruct (builtin:smollm2-135m), CPU, {args.threads} torch threads, "
-        f"{DATASET} with params {PARAMS}; one trainer with its own sampler; per round "
+        f"{DATASET} with params {PARAMS}, reasoning-gym system prompt "
+        f"'{args.system_prompt}' (tasks.system_prompt) and {args.few_shot} worked example(s) "
+        "of the same generator as an earlier chat turn (tasks.few_shot); one trainer with its "
+        "own sampler; "
+        "per round "
         f"{args.tasks} training problems x {args.group} completions (temperature 1, at most "
         f"{args.max_new_tokens} new tokens), one GRPO step (lr {args.lr}, AdamW, defaults "
         f"otherwise), reward = {1 - args.format_reward:g} * rg score + {args.format_reward:g} "
-        "* tagged (rg's basic_arithmetic score: 1 for an exact answer, a small partial credit "
-        "of about len(answer)/len(text) when the untagged text contains it). Held-out set: {args.eval} problems of generator seed {EVAL_SEED}, greedy, "
-        f"never trained on. {len(curve)} rounds in {train_s:.0f} s of training "
-        f"({total_s:.0f} s with both evaluations); load average (1 min) before/after "
-        f"{load0:.1f}/{load1:.1f} on 2 cores shared with other agents' jobs, so the budget "
-        "bought few rounds. Metrics: exact = the protocol's reward with format_reward 0; "
+        "* tagged (rg's basic_arithmetic score: 1 for an exact answer, a partial credit "
+        "of len(answer)/len(text) when the untagged text contains it). Held-out set: "
+        f"{args.eval} problems of generator seed {EVAL_SEED}, greedy, at most "
+        f"{args.max_new_tokens} new tokens, never trained on. {len(curve)} rounds in "
+        f"{train_s:.0f} s of training ({total_s:.0f} s with both evaluations); load average "
+        f"(1 min) before/after {load0:.1f}/{load1:.1f} on 2 cores shared with other agents' "
+        "jobs. Metrics: exact = the protocol's reward with format_reward 0 is 1; "
         "tagged = has an <answer> tag; lenient = last number in the text equals the answer "
         "(diagnostic only).\n\n"
         + table(["held-out metric", "before", "after", "change"], metrics)
-        + "\n\nReward curve (training rounds; `rewarded` = completions with reward > 0):\n\n"
-        + table(["round", "mean reward", "rewarded", "groups trained", "stepped", "loss",
-                 "seconds"], curve))
+        + "\n\nReward curve (training rounds; `rewarded` = completions with reward > 0, "
+        "`exact` = completions with the full reward of an exact answer):\n\n"
+        + table(["round", "mean reward", "rewarded", "exact", "groups trained", "stepped",
+                 "loss", "seconds"], curve))
     record(args.section, body)
 
 

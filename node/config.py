@@ -72,10 +72,21 @@ class ModelSection(Section):
 class TasksSection(Section):
     mix: dict[str, float] = {"toy/digit_successor": 1.0}
     """Task datasets and their weights. `toy/...` are built-in; `rg/<name>` are reasoning-gym."""
+    params: dict[str, dict[str, str | int | float | bool]] = {}
+    """Generator params per rg dataset of the mix, e.g. `{"rg/basic_arithmetic" =
+    {max_digits = 1}}` (reasoning-gym's config fields); drawn tasks carry them. A swarm
+    setting."""
     tasks_per_round: int = Field(4, ge=1, le=256)
     """Distinct tasks drawn per round (at most 256: the range a verifier checks)."""
     format_reward: float = Field(0.0, ge=0.0, le=1.0)
     """rg tasks: weight f of the format reward; reward = (1-f)*correct + f*[has <answer> tag]."""
+    system_prompt: str = Field("default", min_length=1, max_length=64)
+    """rg tasks: the name of the reasoning-gym system prompt every prompt is built with
+    (`default`: think step by step; `direct`: the bare answer; both ask for <answer> tags).
+    A swarm setting: peers and verifiers must use the same one."""
+    few_shot: int = Field(0, ge=0, le=4)
+    """rg tasks: worked examples (entries of the same generator at a fixed seed, answered
+    `<answer>...</answer>`) put before each question as earlier chat turns. A swarm setting."""
 
 
 class SamplerSection(Section):

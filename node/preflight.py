@@ -131,7 +131,7 @@ def check_tasks(cfg: Config) -> None:
             check_dataset(name)
         except NodeError as e:
             raise NodeError(f"tasks.mix: {e}") from None
-    TaskSource(cfg.tasks.mix, cfg.node.swarm_id)
+    TaskSource.of(cfg.tasks, cfg.node.swarm_id)
 
 
 def check_device(device: str) -> None:

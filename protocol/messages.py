@@ -241,6 +241,12 @@ class SwarmSettings(WireModel):
     format_reward: FiniteFloat = 0.0
     completions_per_task: U32
     sampling: SamplingParams
+    system_prompt: Annotated[str, Field(min_length=1, max_length=64)] = "default"  # rg prompt name
+    few_shot: Annotated[int, Field(ge=0, le=16)] = 0  # worked examples before each rg question
+    task_params: Annotated[dict[Annotated[str, Field(max_length=128)],
+                                Annotated[dict[Annotated[str, Field(max_length=64)], Scalar],
+                                          Field(max_length=32)]],
+                           Field(max_length=256)] = {}  # generator params per rg dataset
 
 
 class CheckpointManifest(WireModel):

@@ -22,7 +22,7 @@ from ..diskspace import until_written
 from ..sampler import make_sampler
 from ..sampler.factory import sampling_params
 from ..sampler.rounds import sample_round, to_batch
-from ..tasks import TaskSource, get_task
+from ..tasks import PromptStyle, TaskSource, get_task
 from .base import Role, wait_any
 from .interfaces import (
     BroadcastFeed,
@@ -60,8 +60,8 @@ class InferenceRole(Role):
         self.round = int(self.load_json(ROUND_FILE, {"next_round": 0})["next_round"])
 
     async def start(self) -> None:
-        self.tasks = TaskSource(self.cfg.tasks.mix, self.cfg.node.swarm_id)
-        self._task_mix = dict(self.cfg.tasks.mix)
+        self.tasks = TaskSource.of(self.cfg.tasks, self.cfg.node.swarm_id)
+        self._task_mix = (dict(self.cfg.tasks.mix), dict(self.cfg.tasks.params))
         self.settings = SettingsFollower(self.cfg)  # the trainer's settings, adopted or refused
         self.state.extra["settings"] = self.settings.view
         self.sampler = await self.work(make_sampler, self.cfg, peer_id=self.identity.peer_id)
@@ -106,9 +106,9 @@ class InferenceRole(Role):
     async def _adopt_settings(self, ckpt_dir) -> None:
         """Apply the swarm settings adopted from the trainer's manifest (settings.py): a new
         task mix, and a new base model, loaded from the checkpoint directory itself."""
-        if self._task_mix != self.cfg.tasks.mix:
-            self.tasks = TaskSource(self.cfg.tasks.mix, self.cfg.node.swarm_id)
-            self._task_mix = dict(self.cfg.tasks.mix)
+        if self._task_mix != (self.cfg.tasks.mix, self.cfg.tasks.params):
+            self.tasks = TaskSource.of(self.cfg.tasks, self.cfg.node.swarm_id)
+            self._task_mix = (dict(self.cfg.tasks.mix), dict(self.cfg.tasks.params))
         if self.settings.model_changed:
             self.settings.model_changed = False
             cfg = self.cfg.model_copy(deep=True)
@@ -173,13 +173,14 @@ class InferenceRole(Role):
 
     def sample_round(self, round_: int) -> RolloutBatch:
         """Draw this round's tasks, sample, prove, and build the batch (worker thread)."""
-        scfg, fmt = self.cfg.sampler, self.cfg.tasks.format_reward
+        scfg, tcfg = self.cfg.sampler, self.cfg.tasks
+        fmt, style = tcfg.format_reward, PromptStyle.of(tcfg)
         params = sampling_params(self.cfg)  # the one builder: every sampler field, top_k too
         samples = sample_round(self.sampler, self.tokenizer, self.tasks, self.identity.peer_id,
-                               round_, self.cfg.tasks.tasks_per_round,
-                               scfg.completions_per_task, params)
+                               round_, tcfg.tasks_per_round, scfg.completions_per_task, params,
+                               style=style)
         batch = to_batch(samples, self.cfg.node.swarm_id, self.policy_id, round_, params,
-                         score=lambda ref, text: get_task(ref, fmt).score(text))
+                         score=lambda ref, text: get_task(ref, fmt, style).score(text))
         proofs = build_proofs([s.hidden for s in samples])
         batch = batch.model_copy(update={"dtype": self.cfg.model.dtype, "completions": [
             c.model_copy(update={"proof": p}) for c, p in zip(batch.completions, proofs)]})

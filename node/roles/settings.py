@@ -1,8 +1,8 @@
 """Swarm settings travel with the policy (NODE_SPEC 7.1, `CheckpointManifest.settings`).
 
 The trainer signs, in each manifest, the settings its policy is used with: protocol
-version, base model, task mix, tasks per round, format reward weight, group size and
-sampling parameters. A follower compares them with its own config, field by field:
+version, base model, task mix, tasks per round, format reward weight, prompt style (system
+prompt name, few-shot examples), group size and sampling parameters. A follower compares them with its own config, field by field:
 - equal: nothing to do;
 - different and NOT set by the operator (a default): adopted, logged once;
 - different and set explicitly (TOML or a flag), or another protocol version: the policy is
@@ -18,7 +18,7 @@ import logging
 from ...protocol import PROTOCOL_VERSION
 from ...protocol.messages import SamplingParams, SwarmSettings
 from ..errors import NodeError
-from ..tasks import TaskSource
+from ..tasks import MAX_FEW_SHOT, TaskSource, system_prompt_names
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +26,11 @@ log = logging.getLogger(__name__)
 ADOPTABLE = {
     "model_id": ("model", "name"),
     "task_mix": ("tasks", "mix"),
+    "task_params": ("tasks", "params"),
     "tasks_per_round": ("tasks", "tasks_per_round"),
     "format_reward": ("tasks", "format_reward"),
+    "system_prompt": ("tasks", "system_prompt"),
+    "few_shot": ("tasks", "few_shot"),
     "completions_per_task": ("sampler", "completions_per_task"),
     "temperature": ("sampler", "temperature"),
     "top_p": ("sampler", "top_p"),
@@ -44,7 +47,8 @@ def swarm_settings(cfg) -> SwarmSettings:
         dtype=cfg.model.dtype, max_context=cfg.model.max_context,
         task_mix={k: float(v) for k, v in cfg.tasks.mix.items()},
         tasks_per_round=cfg.tasks.tasks_per_round, format_reward=cfg.tasks.format_reward,
-        completions_per_task=s.completions_per_task,
+        completions_per_task=s.completions_per_task, system_prompt=cfg.tasks.system_prompt,
+        few_shot=cfg.tasks.few_shot, task_params=cfg.tasks.params,
         sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                 max_new_tokens=s.max_new_tokens))
 
@@ -89,8 +93,15 @@ class SettingsFollower:
                 diffs.append(f"{section}.{field} = {mine!r} here, {value!r} in the swarm")
             else:
                 adopt[name] = value
-        if "task_mix" in adopt and (problem := _task_mix_problem(adopt["task_mix"])):
-            diffs.append(problem)
+        if {"task_mix", "task_params"} & set(adopt):
+            mix = adopt.get("task_mix", self.cfg.tasks.mix)
+            params = adopt.get("task_params", self.cfg.tasks.params)
+            if problem := _task_mix_problem(mix, params):
+                diffs.append(problem)
+        if "system_prompt" in adopt and adopt["system_prompt"] not in system_prompt_names():
+            diffs.append(f"tasks.system_prompt {adopt['system_prompt']!r} is unknown here")
+        if adopt.get("few_shot", 0) > MAX_FEW_SHOT:
+            diffs.append(f"tasks.few_shot {adopt['few_shot']} is over {MAX_FEW_SHOT} here")
         if diffs:
             return self._refuse(trainer, diffs)
         self.refused = self.view["refused"] = None
@@ -118,10 +129,11 @@ class SettingsFollower:
         return line
 
 
-def _task_mix_problem(mix: dict[str, float]) -> str | None:
-    """Why this node cannot draw tasks from `mix` (e.g. a task it does not know)."""
+def _task_mix_problem(mix: dict[str, float], params: dict) -> str | None:
+    """Why this node cannot draw tasks from `mix` with `params` (e.g. a task it does not
+    know)."""
     try:
-        TaskSource(mix, "check")
+        TaskSource(mix, "check", params=params)
     except NodeError as e:
-        return f"tasks.mix {mix!r} cannot be used here: {e}"
+        return f"tasks.mix {mix!r} with params {params!r} cannot be used here: {e}"
     return None

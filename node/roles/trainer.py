@@ -39,7 +39,7 @@ from ..sampler.factory import sampling_params
 from ..sampler.hf import HFSampler
 from ..sampler.rounds import sample_round
 from ..sampler.stops import context_limit
-from ..tasks import TaskSource
+from ..tasks import PromptStyle, TaskSource
 from ..trainer.distributed import attach_ranks
 from ..trainer.group import attach_group
 from ..trainer.trainer import Trainer
@@ -100,7 +100,7 @@ class TrainerRole(Role):
                                  peer_id=self.identity.peer_id, version=self.trainer.version,
                                  max_context=cfg.model.max_context,
                                  max_batch=cfg.sampler.max_batch)
-        self.tasks = TaskSource(cfg.tasks.mix, cfg.node.swarm_id)
+        self.tasks = TaskSource.of(cfg.tasks, cfg.node.swarm_id)
         self.reputation = Reputation.from_config(cfg.verifier, self.data_dir / "reputation.json")
         self.p2p.set_peer_filter(lambda peer: not self.reputation.is_banned(peer))
         if self.own is None:
@@ -192,6 +192,7 @@ class TrainerRole(Role):
                 sampling=sampling_params(cfg),
                 max_context=context_limit(model.config, cfg.model.max_context),
                 format_reward=cfg.tasks.format_reward, rules=batch_rules(cfg),
+                style=PromptStyle.of(cfg.tasks),
                 dtype=cfg.model.dtype, generation_config=getattr(model, "generation_config",
                                                                  None),
                 seen=seen)
@@ -315,7 +316,7 @@ class TrainerRole(Role):
             samples = sample_round(self.sampler, self.trainer.tokenizer, self.tasks,
                                    self.identity.peer_id, round_,
                                    self.cfg.tasks.tasks_per_round, scfg.completions_per_task,
-                                   params)
+                                   params, style=PromptStyle.of(self.cfg.tasks))
         finally:
             self.trainer.model.train(was_training)
         self.trainer.add_local(samples)

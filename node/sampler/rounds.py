@@ -8,14 +8,16 @@ from __future__ import annotations
 import numpy as np
 
 from ...protocol.messages import Completion, RolloutBatch, SamplingParams, TensorData
-from ..tasks import TaskSource, format_prompt, get_task
+from ..tasks import DEFAULT_STYLE, PromptStyle, TaskSource, format_prompt, get_task
 
 
 def sample_round(sampler, tokenizer, source: TaskSource, peer_id: str, round_: int,
-                 n_tasks: int, group_size: int, params: SamplingParams):
-    """`group_size` completions for each of the `n_tasks` tasks drawn for (peer, round)."""
+                 n_tasks: int, group_size: int, params: SamplingParams,
+                 style: PromptStyle = DEFAULT_STYLE):
+    """`group_size` completions for each of the `n_tasks` tasks drawn for (peer, round),
+    prompted in the swarm's `style` (tasks.system_prompt, tasks.few_shot)."""
     refs = source.draw(peer_id, round_, n_tasks)
-    prompts = [(ref, format_prompt(tokenizer, get_task(ref))) for ref in refs]
+    prompts = [(ref, format_prompt(tokenizer, get_task(ref, style=style))) for ref in refs]
     return [s for row in sampler.generate(prompts, group_size, params) for s in row]
 
 

@@ -6,6 +6,7 @@ cannot pick easy problems and any verifier can recompute the assignment:
     u = h[0:8] / 2^64 picks the dataset from the mix (weights normalised, names sorted)
     seed = h[8:16] as u64 >> 32  (a 32-bit generator seed)
     index = h[16:24] as u64 mod 1_000_000
+    params = the generator params configured for that dataset (tasks.params), else {}
 """
 
 from __future__ import annotations
@@ -36,9 +37,14 @@ def check_dataset(name: str) -> None:
 
 class TaskSource:
     def __init__(self, mix: dict[str, float], swarm_id: str,
-                 max_per_round: int = MAX_TASKS_PER_ROUND):
+                 max_per_round: int = MAX_TASKS_PER_ROUND, params: dict | None = None):
         if not mix:
             raise NodeError("task mix is empty")
+        self.params = {name: dict(p) for name, p in (params or {}).items()}
+        for name in self.params:
+            if name not in mix or not name.startswith("rg/"):
+                raise NodeError(f"tasks.params names {name!r}, which is not an rg/ dataset of "
+                                f"the task mix")
         for name, weight in mix.items():
             check_dataset(name)
             if not weight >= 0:
@@ -62,7 +68,13 @@ class TaskSource:
         k = min(bisect.bisect_right(self._cum, u), len(self.names) - 1)
         seed = struct.unpack("<Q", h[8:16])[0] >> 32
         index = struct.unpack("<Q", h[16:24])[0] % INDEX_SPACE
-        return TaskRef(dataset=self.names[k], params={}, seed=seed, index=index)
+        name = self.names[k]
+        return TaskRef(dataset=name, params=self.params.get(name, {}), seed=seed, index=index)
+
+    @classmethod
+    def of(cls, tasks_section, swarm_id: str) -> TaskSource:
+        """The task source of a node config's `tasks` section (mix and generator params)."""
+        return cls(tasks_section.mix, swarm_id, params=tasks_section.params)
 
     def draw(self, peer_id: str, round: int, n: int) -> list[TaskRef]:
         if not 0 <= n <= self.max_per_round:

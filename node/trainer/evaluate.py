@@ -14,7 +14,7 @@ import re
 from ...protocol.messages import SamplingParams, TaskRef
 from ..models import load_model
 from ..sampler.hf import HFSampler
-from ..tasks import format_prompt, get_task
+from ..tasks import DEFAULT_STYLE, PromptStyle, format_prompt, get_task
 
 EVAL_SEED = 424_242  # generator seed of held-out sets; training draws never use it
 _NUMBER = re.compile(r"-?\d+")
@@ -31,16 +31,18 @@ def lenient_match(text: str, answer: str) -> bool:
     return bool(numbers) and numbers[-1] == answer.strip()
 
 
-def greedy_accuracy(sampler, tokenizer, refs: list[TaskRef],
-                    max_new_tokens: int) -> dict[str, float]:
-    """Greedy (temperature 0) completions of `refs`, scored three ways (module docstring).
-    The sampler's model should be in eval mode."""
-    prompts = [(r, format_prompt(tokenizer, get_task(r))) for r in refs]
+def greedy_accuracy(sampler, tokenizer, refs: list[TaskRef], max_new_tokens: int,
+                    style: PromptStyle = DEFAULT_STYLE) -> dict[str, float]:
+    """Greedy (temperature 0) completions of `refs`, prompted in `style` (the swarm's
+    tasks.system_prompt and few_shot), scored three ways (module docstring). The sampler's
+    model should be in eval mode."""
+    tasks = [get_task(r, style=style) for r in refs]
+    prompts = [(r, format_prompt(tokenizer, t)) for r, t in zip(refs, tasks)]
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
     out = sampler.generate(prompts, 1, params, seeds=[[0]] * len(prompts))
     exact = tagged = loose = 0
-    for (r, _), row in zip(prompts, out):
-        task, text = get_task(r), row[0].text
+    for task, row in zip(tasks, out):
+        text = row[0].text
         exact += task.score(text) == 1.0
         tagged += "<answer>" in text and "</answer>" in text
         loose += lenient_match(text, task.answer)
@@ -49,8 +51,9 @@ def greedy_accuracy(sampler, tokenizer, refs: list[TaskRef],
 
 
 def accuracy_of_model_dir(model_dir, refs: list[TaskRef], max_new_tokens: int,
-                          max_batch: int = 32) -> dict[str, float]:
+                          max_batch: int = 32,
+                          style: PromptStyle = DEFAULT_STYLE) -> dict[str, float]:
     """`greedy_accuracy` of the policy saved in `model_dir` (loaded on the CPU)."""
     model, tok = load_model(model_dir, device="cpu")
     sampler = HFSampler(model, tok, capture_hidden=False, max_batch=max_batch)
-    return greedy_accuracy(sampler, tok, refs, max_new_tokens)
+    return greedy_accuracy(sampler, tok, refs, max_new_tokens, style)

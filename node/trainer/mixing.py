@@ -23,7 +23,7 @@ from collections.abc import Iterable
 
 from ...protocol.messages import RolloutBatch, TaskRef
 from ..errors import NodeError
-from ..tasks import format_prompt, get_task
+from ..tasks import DEFAULT_STYLE, PromptStyle, format_prompt, get_task
 from .buffer import CompletionRecord, RolloutGroup
 from .grpo import has_signal
 
@@ -52,10 +52,11 @@ class Rescorer:
     """Re-tokenises and re-scores external text with this trainer's tokenizer and rewards."""
 
     def __init__(self, tokenizer, max_context: int, format_reward: float = 0.0,
-                 max_completion_tokens: int | None = None):
+                 max_completion_tokens: int | None = None, style: PromptStyle = DEFAULT_STYLE):
         self.tokenizer = tokenizer
         self.max_context = max_context
         self.format_reward = format_reward
+        self.style = style  # tasks.system_prompt / few_shot: prompts as every peer builds them
         self.max_completion_tokens = max_completion_tokens
         self._tasks: dict[str, tuple] = {}
 
@@ -63,7 +64,7 @@ class Rescorer:
         key = ref.model_dump_json()
         hit = self._tasks.get(key)
         if hit is None:
-            task = get_task(ref, self.format_reward)
+            task = get_task(ref, self.format_reward, self.style)
             hit = (task, format_prompt(self.tokenizer, task))
             if len(self._tasks) > 4096:
                 self._tasks.clear()

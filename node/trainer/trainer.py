@@ -33,6 +33,7 @@ from ...protocol.messages import RolloutBatch
 from ..config import Config
 from ..errors import NodeError
 from ..models import load_model
+from ..tasks import PromptStyle
 from .buffer import RolloutBuffer, RolloutGroup
 from .checkpoint import Checkpoint, CheckpointStore, rng_from_json, rng_to_json
 from .data import TrainRow, groups_from_samples, groups_from_verified_batch, rows_of
@@ -120,7 +121,8 @@ class Trainer:
             self.ref_model, _ = load_model(model_dir, dtype=config.model.dtype, device=device)
             self.ref_model.requires_grad_(False)
         self.rescorer = Rescorer(self.tokenizer, config.model.max_context,
-                                 config.tasks.format_reward)
+                                 config.tasks.format_reward,
+                                 style=PromptStyle.of(config.tasks))
         self._counters = _Counters()
         self._counters_lock = threading.Lock()  # add_* may run on other threads than step()
         # Scale-out seams, None for a plain trainer. grad_sync (trainer/distributed.py):

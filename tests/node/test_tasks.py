@@ -13,10 +13,13 @@ from swarm_node.node.errors import NodeError
 from swarm_node.node.tasks import (
     DEFAULT_RG_MIX,
     GENSYN_FAMILIES,
+    MAX_FEW_SHOT,
     TOY_FAMILIES,
+    PromptStyle,
     TaskSource,
     format_prompt,
     get_task,
+    system_prompt_names,
 )
 from swarm_node.protocol.messages import TaskRef
 
@@ -93,6 +96,61 @@ def test_format_reward():
     assert shaped.score("<answer>nonsense</answer>") == pytest.approx(0.25)
     # the last <answer> tag counts; reasoning before it is fine
     assert plain.score(f"Let me think. 1+1=2. <answer>{plain.answer}</answer>") == 1.0
+
+
+def test_system_prompt_is_named_and_checked():
+    from reasoning_gym.utils import SYSTEM_PROMPTS
+
+    ref = TaskRef(dataset="rg/basic_arithmetic", seed=1, index=4)
+    assert get_task(ref).system == SYSTEM_PROMPTS["default"]
+    direct = get_task(ref, style=PromptStyle("direct"))
+    assert direct.system == SYSTEM_PROMPTS["direct"] != SYSTEM_PROMPTS["default"]
+    assert direct.prompt == get_task(ref).prompt and direct.score(direct.answer) == 1.0
+    assert "direct" in system_prompt_names()
+    with pytest.raises(NodeError, match="unknown system prompt 'chatty'.*direct"):
+        get_task(ref, style=PromptStyle("chatty"))
+    # toy tasks have no system prompt, whatever the setting
+    toy = TaskRef(dataset="toy/digit_copy", seed=0, index=0)
+    assert get_task(toy, 0.0, PromptStyle("direct", 2)).system is None
+
+
+def test_few_shot_examples_come_first_as_chat_turns(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    params = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
+    ref = TaskRef(dataset="rg/basic_arithmetic", params=params, seed=1, index=4)
+    two = get_task(ref, style=PromptStyle("direct", 2))
+    assert len(two.examples) == 2 and get_task(ref).examples == ()
+    # the examples are the same generator's (same params), answered in the tag format
+    for question, answer in two.examples:
+        assert question.startswith("Calculate ") and question != two.prompt
+        assert answer.startswith("<answer>") and answer.endswith("</answer>")
+    # fixed per generator, not per question: every prompt of the swarm shows the same ones
+    assert two.examples == get_task(ref.model_copy(update={"index": 9}),
+                                    style=PromptStyle("direct", 2)).examples
+    text = tok.decode(format_prompt(tok, two))
+    turns = [f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n{a}<|im_end|>"
+             for q, a in two.examples]
+    assert "\n".join(turns) + f"\n<|im_start|>user\n{two.prompt}<|im_end|>" in text
+    assert text.startswith("<|im_start|>system\n") and text.endswith("assistant\n")
+    with pytest.raises(NodeError, match="few_shot"):
+        get_task(ref, style=PromptStyle("direct", MAX_FEW_SHOT + 1))
+
+
+def test_generator_params_travel_in_drawn_refs():
+    params = {"rg/basic_arithmetic": {"max_digits": 1, "max_terms": 2}}
+    mix = {"rg/basic_arithmetic": 1.0, "toy/digit_copy": 1.0}
+    plain, tuned = TaskSource(mix, "s"), TaskSource(mix, "s", params=params)
+    refs = tuned.draw("p", 3, 16)
+    for a, b in zip(plain.draw("p", 3, 16), refs):  # same draw; only params differ
+        assert (a.dataset, a.seed, a.index) == (b.dataset, b.seed, b.index)
+        assert b.params == params.get(b.dataset, {}) and a.params == {}
+    assert {r.dataset for r in refs} == set(mix)
+    rg = next(r for r in refs if r.dataset.startswith("rg/"))
+    assert tuned.assigned("p", 3, rg) and not plain.assigned("p", 3, rg)  # verifiers differ
+    with pytest.raises(NodeError, match="rg/basic_arithmetic"):
+        TaskSource({"toy/digit_copy": 1.0}, "s", params=params)
 
 
 def test_bad_refs_are_clear_errors():

@@ -29,7 +29,7 @@ from swarm_node.node.sampler.seeded import ref_bytes
 from swarm_node.node.tasks.source import TaskSource
 from swarm_node.protocol.codec import pack
 from swarm_node.protocol.envelope import DOMAIN, seal
-from swarm_node.protocol.messages import MESSAGE_TYPES, TaskRef
+from swarm_node.protocol.messages import MESSAGE_TYPES, SwarmSettings, TaskRef
 from swarm_node.protocol.peerid import b58decode, peer_id_from_public_bytes
 from swarm_node.verifier.proof import build_proof
 
@@ -152,8 +152,10 @@ def manifest(case: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for f in case["files"]:
             (Path(tmp) / f["name"]).write_bytes(bytes.fromhex(f["content"]))
+        settings = case.get("settings")  # optional: the swarm settings a trainer announces
         m = build_manifest(Path(tmp), policy_id=policy_id, version=case["version"],
-                           shard_size=case["shard_size"], parent_version=case["parent_version"])
+                           shard_size=case["shard_size"], parent_version=case["parent_version"],
+                           settings=SwarmSettings.model_validate(settings) if settings else None)
     m = m.model_copy(update={"created_ms": case["created_ms"]})
     wire = seal(m, _key(case["key_seed"]), policy_id, ts_ms=case["ts_ms"],
                 nonce=bytes.fromhex(case["nonce"]))
@@ -273,11 +275,20 @@ def _inputs_proof() -> list[dict]:
 def _inputs_manifest() -> list[dict]:
     config = json.dumps({"model_type": "llama", "hidden_size": 8}).encode()
     weights = _stream("manifest/weights", 4500)
-    return [{"key_seed": SEEDS[0], "version": 3, "parent_version": 2,
+    plain = {"key_seed": SEEDS[0], "version": 3, "parent_version": 2,
              "created_ms": 1_767_225_600_000, "shard_size": 4096,
              "ts_ms": 1_767_225_600_500, "nonce": "11" * 16,
              "files": [{"name": "config.json", "content": config.hex()},
-                       {"name": "model.safetensors", "content": weights.hex()}]}]
+                       {"name": "model.safetensors", "content": weights.hex()}]}
+    settings = {"protocol_version": 2, "model_id": "builtin:smollm2-135m", "dtype": "float32",
+                "max_context": 1024, "task_mix": {"rg/basic_arithmetic": 1.0},
+                "tasks_per_round": 4, "format_reward": 0.0, "completions_per_task": 8,
+                "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0,
+                             "max_new_tokens": 10},
+                "system_prompt": "direct", "few_shot": 2,
+                "task_params": {"rg/basic_arithmetic": {"min_terms": 2, "max_terms": 2,
+                                                        "max_digits": 1, "operators": "+-"}}}
+    return [plain, {**plain, "version": 4, "parent_version": 3, "settings": settings}]
 
 
 def _inputs_noise() -> list[dict]:

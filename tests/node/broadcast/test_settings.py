@@ -56,6 +56,37 @@ def test_other_protocol_version_and_unknown_tasks_are_refused():
     assert line and "no/such_task" in line
 
 
+def test_prompt_style_travels_with_the_policy():
+    """Every peer and verifier must build the same prompts: the trainer's tasks.system_prompt
+    and tasks.few_shot are adopted, refused when set differently here or unusable here."""
+    cfg = Config()
+    assert SettingsFollower(cfg).check(trainer_settings(system_prompt="direct"), "T") is None
+    assert cfg.tasks.system_prompt == "direct"
+    mine = Config()
+    mine.tasks.system_prompt = "simple"  # set by the operator
+    line = SettingsFollower(mine).check(trainer_settings(system_prompt="direct"), "T")
+    assert "tasks.system_prompt = 'simple' here, 'direct' in the swarm" in line
+    odd = trainer_settings().model_copy(update={"system_prompt": "no-such-prompt"})
+    assert "no-such-prompt" in SettingsFollower(Config()).check(odd, "T")
+    cfg = Config()
+    assert SettingsFollower(cfg).check(trainer_settings(few_shot=2), "T") is None
+    assert cfg.tasks.few_shot == 2
+    many = trainer_settings().model_copy(update={"few_shot": 9})
+    assert "tasks.few_shot 9" in SettingsFollower(Config()).check(many, "T")
+
+
+def test_generator_params_travel_with_the_policy():
+    params = {"rg/basic_arithmetic": {"max_digits": 1}}
+    cfg = Config()
+    s = trainer_settings(mix={"rg/basic_arithmetic": 1.0}, params=params)
+    assert s.task_params == params
+    assert SettingsFollower(cfg).check(s, "T") is None
+    assert cfg.tasks.params == params and cfg.tasks.mix == {"rg/basic_arithmetic": 1.0}
+    # params of a dataset that is not in the mix cannot be drawn: refused, naming them
+    odd = trainer_settings().model_copy(update={"task_params": params})
+    assert "rg/basic_arithmetic" in SettingsFollower(Config()).check(odd, "T")
+
+
 def test_gate_refuses_a_policy_with_conflicting_settings(ckpt, trainer):
     from swarm_node.node.broadcast.errors import ManifestRejected
     from swarm_node.node.broadcast.manifest import ManifestGate, build_manifest

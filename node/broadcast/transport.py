@@ -107,6 +107,8 @@ class DirectTcpStream:
             await asyncio.shield(self._body)
         except asyncio.CancelledError:
             self._shutdown()
+            # the thread ends with a short read nobody awaits: not an error to log
+            self._body.add_done_callback(lambda f: f.cancelled() or f.exception())
             raise
 
     def _receive(self, n: int, sink, chunk_timeout: float, chunk_size: int) -> None:

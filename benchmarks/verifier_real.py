@@ -28,14 +28,23 @@ SENDER = "12D3KooWBenchRealPeer"
 
 
 def variations(dtype: str):
-    """(name, threads, sampler max_batch, tasks, n, temperature, top_p, max_new_tokens)."""
-    base = [("batch 8 (2 tasks x 4), 1 thread", 1, 8, 2, 4, 1.0, 1.0, 32),
-            ("batch 1 (no padding), 1 thread", 1, 1, 1, 2, 1.0, 1.0, 32),
-            ("batch 8, 2 threads", 2, 8, 2, 4, 1.0, 1.0, 32),
-            ("batch 8, T=0.7 top-p 0.9", 1, 8, 2, 4, 0.7, 0.9, 32),
-            ("batch 8 (1 task x 8), long: 96 tokens", 1, 8, 1, 8, 1.0, 1.0, 96),
-            ("batch 32 (4 tasks x 8), 1 thread", 1, 32, 4, 8, 1.0, 1.0, 32)]
-    return base if dtype == "float32" else [base[0], base[2], base[1]]
+    """(name, threads, sampler max_batch, tasks, n, temperature, top_p, max_new_tokens).
+    bf16 runs at a few tokens per second on this CPU (no bf16 units): short completions in
+    large batches give the most honest completions per minute (and the proof's noisiest
+    case, chunks of few tokens); one long and one batch-1 variation keep those cases."""
+    if dtype == "float32":
+        return [("batch 8 (2 tasks x 4), 1 thread", 1, 8, 2, 4, 1.0, 1.0, 32),
+                ("batch 1 (no padding), 1 thread", 1, 1, 1, 2, 1.0, 1.0, 32),
+                ("batch 8, 2 threads", 2, 8, 2, 4, 1.0, 1.0, 32),
+                ("batch 8, T=0.7 top-p 0.9", 1, 8, 2, 4, 0.7, 0.9, 32),
+                ("batch 8 (1 task x 8), long: 96 tokens", 1, 8, 1, 8, 1.0, 1.0, 96),
+                ("batch 32 (4 tasks x 8), 1 thread", 1, 32, 4, 8, 1.0, 1.0, 32)]
+    return [("batch 32 (4 tasks x 8), 1 thread, 8 tokens", 1, 32, 4, 8, 1.0, 1.0, 8),
+            ("batch 32, 2 threads, 8 tokens", 2, 32, 4, 8, 1.0, 1.0, 8),
+            ("batch 32, T=0.7 top-p 0.9, 8 tokens", 1, 32, 4, 8, 0.7, 0.9, 8),
+            ("batch 8 (2 tasks x 4), 1 thread, 24 tokens", 1, 8, 2, 4, 1.0, 1.0, 24),
+            ("batch 1 (no padding), 1 thread, 8 tokens", 1, 1, 1, 2, 1.0, 1.0, 8),
+            ("batch 8 (1 task x 8), long: 64 tokens", 1, 8, 1, 8, 1.0, 1.0, 64)]
 
 
 def loose_settings():
@@ -62,31 +71,32 @@ def collect(dtype: str, budget_s: float) -> Path:
     source = TaskSource(MIX, "default")
     specs = variations(dtype)
     per = budget_s / len(specs)
-    round_ = 0
+    round_ = int(time.time())  # fresh tasks in every run (runs append to one file)
     with open(path, "a") as out:
         for name, threads, max_batch, tasks, n, temp, top_p, max_new in specs:
             torch.set_num_threads(threads)
             params = SamplingParams(temperature=temp, top_p=top_p, max_new_tokens=max_new)
             t_end = time.monotonic() + per
+            v = RolloutVerifier(model, tokenizer, source, swarm_id="default",
+                                latest_version=lambda: 0, dtype=dtype,
+                                settings=loose_settings())
             while time.monotonic() < t_end:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 batch = attacks.sample_batch(model, tokenizer, source, SENDER, round_=round_,
                                              version=0, tasks=tasks, n=n, params=params,
                                              max_batch=max_batch)
-                gen_s = time.perf_counter() - t0
+                gen_s, gen_cpu = time.perf_counter() - t0, time.process_time() - c0
                 batch = batch.model_copy(update={"dtype": dtype})
-                v = RolloutVerifier(model, tokenizer, source, swarm_id="default",
-                                    latest_version=lambda: 0, dtype=dtype,
-                                    settings=loose_settings())
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 results = v.verify(batch, SENDER)
-                verify_s = time.perf_counter() - t0
+                verify_s, verify_cpu = time.perf_counter() - t0, time.process_time() - c0
                 tokens = sum(c.completion_ids.shape[0] for c in batch.completions)
                 out.writelines(json.dumps({
                     "dtype": dtype, "variation": name, "round": round_,
                     "reason": r.reason, "stats": r.stats, "tokens": tokens,
                     "len": c.completion_ids.shape[0], "finish": c.finish_reason,
-                    "gen_s": gen_s, "verify_s": verify_s,
+                    "gen_s": gen_s, "verify_s": verify_s, "gen_cpu": gen_cpu,
+                    "verify_cpu": verify_cpu,
                     "completions": len(batch.completions)}) + "\n"
                     for r, c in zip(results, batch.completions))
                 out.flush()
@@ -311,6 +321,113 @@ def sequential_rows(recs: list[dict], dtype: str, batch: int = 8) -> tuple[list[
     info = {"completions": len(ok), "alarms": alarms, "wide_ties": ties, "wide_flips": flips,
             "settings": seq}
     return rows, info
+
+
+# measured false-alarm rate and detection delay of the per-peer tests (bootstrap) ---------------
+
+
+def _peer_stats(recs: list[dict], tie_eps: float) -> list[tuple[float, float, int, int]]:
+    """Per honest completion: (lp_err_sum, lp_n, wide ties, honest flips at wide ties)."""
+    out = []
+    for r in recs:
+        st = r["stats"]
+        wide = [f for m, f in zip(st.get("tie_margins", []), st.get("tie_flipped", []))
+                if tie_eps / 4 < m <= tie_eps]
+        out.append((st["lp_err_sum"], st["lp_n"], len(wide), sum(wide)))
+    return out
+
+
+def _run_peer(monitor, pool, rng, batches: int, batch: int, bias: float = 0.0,
+              steer: float = 0.0) -> tuple[int, int | None]:
+    """Feed `batches` batches of `batch` completions drawn with replacement from `pool` (a
+    cheat applied on top) to a fresh peer in `monitor`; (alarming batches, first alarm's
+    batch number or None)."""
+    peer = f"p{rng.integers(1 << 62)}"
+    alarms, first = 0, None
+    for b in range(batches):
+        hit = False
+        for k in rng.integers(len(pool), size=batch):
+            err, n, ties, flips = pool[k]
+            if steer:
+                flips += int(rng.binomial(ties - flips, steer))
+            hit |= monitor.observe(peer, {"lp_err_sum": err + bias * n, "lp_n": n,
+                                          "wide_ties": ties, "wide_flips": flips}) is not None
+        if hit:
+            alarms += 1
+            first = b + 1 if first is None else first
+    return alarms, first
+
+
+def bootstrap(recs: list[dict], dtype: str, honest_batches: int = 20_000, batch: int = 8,
+              peers: int = 100, attack_peers: int = 200, horizon: int = 200,
+              seed: int = 0) -> dict:
+    """The per-peer CUSUMs (verifier/sequential.py, the real code) run on honest batches
+    resampled from the measured honest per-completion statistics, and on the same with a
+    cheat applied. Honest peers: `peers` peers share `honest_batches` batches; "pooled" draws
+    from every completion, "one config" gives each peer one variation (its hardware and
+    settings) and draws only from that variation's completions, which keeps a config's own
+    bias. Attacks: `attack_peers` cheaters each, batches to the first alarm (up to
+    `horizon`)."""
+    import numpy as np
+    from swarm_node.verifier.checks import CheckSettings
+    from swarm_node.verifier.sequential import PeerMonitor, SequentialSettings
+
+    rng = np.random.default_rng(seed)
+    s, seq = CheckSettings.for_dtype(dtype), SequentialSettings.for_dtype(dtype)
+    ok = [r for r in recs if r["reason"] == "ok"]
+    pool = _peer_stats(ok, s.tie_eps)
+    by_var: dict[str, list] = {}
+    for r, st in zip(ok, pool):
+        by_var.setdefault(r["variation"], []).append(st)
+    per_peer = max(1, honest_batches // peers)
+    honest = {}
+    for label, pools in (("pooled", [pool]), ("one config per peer", list(by_var.values()))):
+        alarms = sum(_run_peer(PeerMonitor(seq), pools[i % len(pools)], rng, per_peer,
+                               batch)[0] for i in range(peers))
+        honest[label] = (alarms, per_peer * peers)
+    tol = s.logprob_tol
+    cheats = [(f"logprob bias {-f * tol:+.3g}/token ({f:.0%} of the tolerance)",
+               {"bias": -f * tol}) for f in (0.5, 0.2, 0.05)]
+    cheats += [("steering: runner-up at every wide tie", {"steer": 1.0}),
+               ("steering: runner-up at half the wide ties", {"steer": 0.5})]
+    attacks = []
+    for label, cheat in cheats:
+        delays = [_run_peer(PeerMonitor(seq), pool, rng, horizon, batch, **cheat)[1]
+                  for _ in range(attack_peers)]
+        got = sorted(d for d in delays if d is not None)
+        within = sum(1 for d in got if d <= 20) / len(delays)
+        attacks.append([label, f"{np.median(got):.0f}" if got else "-",
+                        f"{np.percentile(got, 95):.0f}" if len(got) == len(delays) else
+                        f"> {horizon}", f"{within:.0%}",
+                        f"{len(delays) - len(got)} of {len(delays)}"])
+    wide = sum(p[2] for p in pool)
+    return {"honest": honest, "attacks": attacks, "completions": len(pool),
+            "wide_ties": wide, "wide_flips": sum(p[3] for p in pool), "settings": seq,
+            "batch": batch}
+
+
+def bootstrap_text(dtype: str, recs: list[dict]) -> str:
+    from benchmarks.results import table
+
+    b = bootstrap(recs, dtype)
+    st = b["settings"]
+    lines = [(f"Per-peer sequential tests, measured by bootstrap ({dtype}): honest batches of "
+             f"{b['batch']} resampled from the {b['completions']} measured honest completions "
+             f"and fed to the real `PeerMonitor` (`SequentialSettings.for_dtype`: bias mu0 "
+             f"{st.bias_mu:+.3g}, sigma0 {st.bias_sigma:.3g}, k {st.bias_k}, clip "
+             f"{st.bias_clip}; steering p0 {st.flip_p0}, p1 {st.flip_p1}; h {st.h}). Honest "
+             f"wide ties in the data: {b['wide_ties']}, flipped {b['wide_flips']}.\n")]
+    rows = []
+    for label, (alarms, n) in b["honest"].items():
+        bound = 3 / n if alarms == 0 else None
+        rows.append([label, n, f"**{alarms}**",
+                     f"< {bound:.1e} (95%)" if bound else f"{alarms / n:.1e}"])
+    lines.append(table(["honest peers", "batches", "false alarms", "rate per batch"], rows))
+    lines.append("\nCheats on top of the same resampled honest statistics (200 cheating peers "
+                 "each, 200 batches at most):\n")
+    lines.append(table(["cheat", "median batches to alarm", "95th percentile",
+                        "caught within 20 batches", "never caught in 200"], b["attacks"]))
+    return "\n".join(lines)
 
 
 def cost_rows(recs: list[dict]) -> list[list]:

@@ -367,6 +367,8 @@ def summarize_libp2p(results: list[dict], args) -> dict:
                            for k in sorted({k for m in metrics for k in m
                                             if k.startswith("rejected.")})},
         "publish_waits": sum(m.get("publish_waits", 0) for m in metrics),
+        "copies_per_delivery": (sum(m.get("gossip_copies_in", 0) for m in metrics)
+                                / max(1, sum(m.get("received", 0) for m in metrics))),
         "late_publishes": sum(r.get("late_publishes", 0) for r in results),
         "cpu_ms_per_msg_hop": cpu_per_delivery(results, len(seen)),
         "cpu_net_ms_per_msg_hop": cpu_per_delivery(results, len(seen), "cpu_net_s"),

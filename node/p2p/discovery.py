@@ -7,7 +7,10 @@ Peer exchange protocol PEERS_PROTOCOL (request/response framing of streams.py):
 Every `p2p.discovery_interval_s` a node asks its connected peers for theirs and dials unknown
 ones until it holds `p2p.target_peers` connections; lost peers are redialled with
 exponential backoff (1 s doubling up to `p2p.reconnect_max_backoff_s`). So a swarm whose
-members only know node 0 stays connected after node 0 leaves.
+members only know node 0 stays connected after node 0 leaves. While nothing changes (no new
+peer learned, no connection gained or lost, nobody left to dial) the interval doubles, up to
+QUIET_MAX_FACTOR times: each exchange opens a stream per peer, which was most of an idle
+node's CPU (and of a busy one's CPU per gossip message). Any change resets it.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from .errors import BootstrapError, DialError, P2PError, RequestError
 log = logging.getLogger(__name__)
 
 MAX_PEERS_REPLY = 64
+QUIET_MAX_FACTOR = 8  # a quiet swarm exchanges peers every discovery_interval_s * this
 MAX_ADDRS_PER_PEER = 16
 MAX_ADDR_LEN = 256
 AGENT = "swarm-node/0.1"
@@ -110,7 +114,8 @@ class Discovery:
             entries.append([p, self.known[p][:MAX_ADDRS_PER_PEER]])
         return pack(entries)
 
-    async def exchange(self, peer: str) -> None:
+    async def exchange(self, peer: str) -> int:
+        """Ask `peer` for its peers; returns how many we did not know before."""
         try:
             body = await self.node.request(peer, PEERS_PROTOCOL, self._hello(),
                                            timeout=self.cfg.dial_timeout_s,
@@ -118,9 +123,10 @@ class Discovery:
             entries = unpack(body, max_size=MAX_PEERS_REPLY * 5000)
         except (RequestError, ProtocolError) as e:
             log.debug("peer exchange with %s failed: %s", peer, e)
-            return
+            return 0
         if not isinstance(entries, list):
-            return
+            return 0
+        learned = 0
         for entry in entries[:MAX_PEERS_REPLY]:
             if (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)
                     and isinstance(entry[1], list) and len(entry[0]) <= 128):
@@ -129,31 +135,50 @@ class Discovery:
                          if isinstance(a, str) and len(a) <= MAX_ADDR_LEN
                          and a.endswith(f"/p2p/{pid}")]
                 if addrs and pid != self.node.peer_id:
+                    learned += pid not in self.known
                     self.known[pid] = addrs
+        return learned
 
-    async def exchange_all(self) -> None:
+    async def exchange_all(self) -> int:
         peers = self.node.connected_peers()
-        await asyncio.gather(*(self.exchange(p) for p in peers))
+        return sum(await asyncio.gather(*(self.exchange(p) for p in peers)))
 
     # Maintenance loop -----------------------------------------------------------------
 
     async def run(self) -> None:
+        factor, before = 1, None
         while True:
+            changed = True
             try:
-                await self.exchange_all()
-                await self.fill()
+                learned = await self.exchange_all()
+                dialled = await self.fill()
+                now = frozenset(self.node.connected_peers())
+                changed = bool(learned or dialled) or now != before
+                before = now
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - one bad round must not end discovery
                 log.warning("discovery round failed: %s: %s", type(e).__name__, e)
-            await asyncio.sleep(self.cfg.discovery_interval_s)
+            factor = 1 if changed else min(factor * 2, QUIET_MAX_FACTOR)
+            await self._sleep_until_change(self.cfg.discovery_interval_s * factor, before)
 
-    async def fill(self) -> None:
-        """Dial known peers (and the bootstrap addresses) until target_peers are connected."""
+    async def _sleep_until_change(self, seconds: float, peers: frozenset | None) -> None:
+        """Sleep `seconds`, but wake at the next base interval once a connection came or
+        went: a lost peer is redialled after one interval, not after the quiet backoff."""
+        step = self.cfg.discovery_interval_s
+        while seconds > 0:
+            await asyncio.sleep(min(step, seconds))
+            seconds -= step
+            if frozenset(self.node.connected_peers()) != peers:
+                return
+
+    async def fill(self) -> int:
+        """Dial known peers (and the bootstrap addresses) until target_peers are connected;
+        returns how many dials were started."""
         connected = set(self.node.connected_peers())
         missing = self.cfg.target_peers - len(connected)
         if missing <= 0:
-            return
+            return 0
         now = time.monotonic()
         candidates: list[tuple[str, str]] = []
         for pid, addrs in self.known.items():
@@ -165,7 +190,9 @@ class Discovery:
             if pid not in connected and pid not in self.known and self._next_try.get(pid, 0) <= now:
                 candidates.append((pid, addr))
         random.shuffle(candidates)
-        await asyncio.gather(*(self._redial(pid, addr) for pid, addr in candidates[:missing]))
+        chosen = candidates[:missing]
+        await asyncio.gather(*(self._redial(pid, addr) for pid, addr in chosen))
+        return len(chosen)
 
     async def _redial(self, pid: str, addr: str) -> None:
         try:

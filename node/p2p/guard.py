@@ -14,13 +14,18 @@ protobuf DecodeError) killed the libp2p thread. Here:
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
 import libp2p
 import libp2p.pubsub.gossipsub as gossipsub_mod
 import libp2p.pubsub.pubsub as pubsub_mod
+from libp2p.exceptions import ParseError
+from libp2p.io.exceptions import IncompleteReadError, MessageTooLarge
+from libp2p.utils.varint import decode_uvarint
 
 from .penalties import PeerPenalties, TopicRateLimiter
 from .streams import remote_peer, reset_quietly
@@ -87,14 +92,19 @@ def guard_stream_handlers(host, on_fault: FaultHook) -> None:
 
 def guard_pubsub(pubsub, on_fault: FaultHook) -> None:
     """Guard `pubsub.push_msg` (one task per received message): an exception in it is
-    counted and penalised instead of ending the pubsub service."""
+    counted and penalised instead of ending the pubsub service. Our own publishes (which
+    py-libp2p also passes through push_msg) skip its signature check: we just signed them."""
     inner: Callable[..., Awaitable[None]] = pubsub.push_msg
+    self_id = pubsub.my_id
 
     async def push_msg(forwarder, msg) -> None:
+        token = _OWN_PUBLISH.set(forwarder == self_id and msg.from_id == self_id.to_bytes())
         try:
             await inner(forwarder, msg)
         except Exception as e:  # noqa: BLE001 - one message must not end pubsub: counted
             on_fault(forwarder.to_base58(), "pubsub.push_msg", e)
+        finally:
+            _OWN_PUBLISH.reset(token)
 
     push_msg._swarm_guarded = True
     pubsub.push_msg = push_msg
@@ -225,3 +235,107 @@ def _memo_outgoing(inner):
 
     outgoing._swarm_memo = True
     return outgoing
+
+
+# CPU per gossip message: py-libp2p 0.8.1 work that scales badly ------------------------------
+# - Pubsub.publish runs our own message through push_msg, which verifies the Ed25519 signature
+#   we have just made (a pass over the whole payload). Skipped for our own publishes only
+#   (guard_pubsub marks them); every received message is still verified.
+# - Its ValidationCache keeps LRU order in a list: every put scans and shifts up to
+#   `validation_cache_size` (4096) entries. Same behaviour here with an OrderedDict.
+# - The pubsub reader takes each RPC's varint length one byte per stream read, then the body
+#   in frame-sized reads; each read goes through three locks and the yamux window logic.
+#   Here one read takes whatever the stream holds (bounded: up to the current RPC's size or
+#   READ_CHUNK past it), and RPCs are cut from a per-stream buffer.
+_OWN_PUBLISH: contextvars.ContextVar[bool] = contextvars.ContextVar("own_publish",
+                                                                    default=False)
+READ_CHUNK = 64 * 1024
+
+
+def install_pubsub_fast_paths() -> None:
+    """Patch py-libp2p's pubsub module once per process (idempotent)."""
+    if getattr(pubsub_mod.signature_validator, "_swarm_fast", False):
+        return
+    pubsub_mod.signature_validator = _skip_own(pubsub_mod.signature_validator)
+    pubsub_mod.read_varint_prefixed_bytes_limited = read_rpc
+
+
+def _skip_own(verify):
+    def signature_validator(msg) -> bool:
+        return True if _OWN_PUBLISH.get() else verify(msg)
+
+    signature_validator._swarm_fast = True
+    return signature_validator
+
+
+class ValidationCache:
+    """Drop-in for py-libp2p's pubsub ValidationCache with O(1) operations."""
+
+    def __init__(self, ttl: float, max_size: int):
+        self.ttl = ttl
+        self.max_size = max_size
+        self.cache: OrderedDict[bytes, object] = OrderedDict()
+
+    def get(self, msg_id: bytes):
+        result = self.cache.get(msg_id)
+        if result is None:
+            return None
+        if time.time() - result.timestamp > self.ttl:
+            del self.cache[msg_id]
+            return None
+        self.cache.move_to_end(msg_id)
+        return result
+
+    def put(self, msg_id: bytes, result) -> None:
+        self.cache[msg_id] = result
+        self.cache.move_to_end(msg_id)
+        while len(self.cache) > self.max_size:
+            self.cache.popitem(last=False)
+
+    def _remove(self, msg_id: bytes) -> None:
+        self.cache.pop(msg_id, None)
+
+    def clear_expired(self) -> None:
+        cutoff = time.time() - self.ttl
+        for msg_id in [k for k, r in self.cache.items() if r.timestamp < cutoff]:
+            del self.cache[msg_id]
+
+
+def use_fast_validation_cache(pubsub) -> None:
+    old = pubsub.validation_cache
+    pubsub.validation_cache = ValidationCache(old.ttl, old.max_size)
+
+
+async def read_rpc(stream, max_length: int) -> bytes:
+    """`read_varint_prefixed_bytes_limited` over a per-stream buffer (same errors: ParseError,
+    MessageTooLarge before the body is read, IncompleteReadError at a short end)."""
+    buf: bytearray | None = getattr(stream, "_swarm_rbuf", None)
+    if buf is None:
+        buf = stream._swarm_rbuf = bytearray()
+    while True:
+        length, header = _parse_length(buf, max_length)
+        if length is not None and len(buf) >= header + length:
+            rpc = bytes(buf[header:header + length])
+            del buf[:header + length]
+            return rpc
+        want = READ_CHUNK if length is None else header + length - len(buf)
+        chunk = await stream.read(max(want, READ_CHUNK) if length is None else want)
+        if not chunk:
+            raise IncompleteReadError(f"stream ended {len(buf)} bytes into an RPC",
+                                      expected_bytes=header + (length or 1),
+                                      received_bytes=len(buf))
+        buf += chunk
+
+
+def _parse_length(buf: bytearray, max_length: int) -> tuple[int | None, int]:
+    """(RPC length, varint size), or (None, 0) while the varint is incomplete."""
+    for i in range(min(len(buf), 10)):
+        if buf[i] & 0x80 == 0:
+            length = decode_uvarint(bytes(buf[:i + 1]))
+            if length > max_length:
+                raise MessageTooLarge(f"Message length {length} exceeds maximum allowed "
+                                      f"{max_length}")
+            return length, i + 1
+    if len(buf) >= 10:
+        raise ParseError("Varint decoding error: integer exceeds maximum size of 64 bits")
+    return None, 0

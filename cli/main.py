@@ -219,6 +219,10 @@ def demo(
     model: str = typer.Option("tiny", "--model",
                               help="tiny (fast) or smollm2 (SmolLM2-135M-Instruct on "
                                    "arithmetic; slow on a CPU; held-out accuracy at the end)."),
+    cheater: bool = typer.Option(True, "--cheater/--no-cheater",
+                                 help="Run the dishonest peer (off: an honest learning swarm)."),
+    time_limit_s: float = typer.Option(0.0, "--time-limit-s",
+                                       help="Stop training after this long (0: the default)."),
 ) -> None:
     """Run a complete local swarm on loopback (the built-in tiny model by default)."""
     try:
@@ -227,7 +231,7 @@ def demo(
         _fail(f"this build cannot run the demo yet: {e}", 1)
     try:
         code = run_demo(rounds=rounds, inference_peers=inference_peers, workdir=workdir,
-                        model=model)
+                        model=model, cheater=cheater, time_limit_s=time_limit_s or None)
     except NodeError as e:
         _fail(str(e), 1)
     raise typer.Exit(code or 0)

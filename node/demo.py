@@ -27,13 +27,15 @@ from rich.table import Table
 from .config import dump_toml
 from .errors import NodeError
 from .models import BUILTIN_SMOLLM2, build_tiny_model, ensure_builtin
+from .tasks import SMALL_ARITHMETIC, PromptStyle
 
 DEFAULT_ROUNDS = 20
 MODELS = ("tiny", "smollm2")
 # --model smollm2: the real model on arithmetic; few, slow rounds on a CPU
 SMOLLM2_ROUNDS = 4
 SMOLLM2_TASK = "rg/basic_arithmetic"
-SMOLLM2_EVAL_TASKS, SMOLLM2_MAX_NEW = 32, 24
+SMOLLM2_EVAL_TASKS, SMOLLM2_MAX_NEW = 32, 10  # "<answer>-8</answer>" is 9 tokens
+SMOLLM2_SYSTEM_PROMPT, SMOLLM2_FEW_SHOT = "direct", 2
 SMOLLM2_TIME_LIMIT_S = 3600.0
 START_TIMEOUT_S = 120.0
 DEFAULT_TIME_LIMIT_S = 900.0
@@ -80,10 +82,13 @@ def node_config(node: DemoNode, model_dir: Path, bootstrap: list[str], follow: l
 
 
 def smollm2_settings(cfg: dict) -> dict:
-    """The demo's node config for the real model: arithmetic with the <answer> format paid
-    for, longer completions, fewer and smaller groups, shards sized for a 0.5 GB policy."""
+    """The demo's node config for the real model: one-digit arithmetic, prompted with
+    reasoning-gym's "direct" system prompt and two worked examples (so the model answers in
+    the <answer> format it is scored on), short completions, shards for a 0.5 GB policy."""
     cfg["broadcast"] = {"shard_size": 16 * 1024 * 1024}
-    cfg["tasks"] = {"mix": {SMOLLM2_TASK: 1.0}, "tasks_per_round": 2, "format_reward": 0.5}
+    cfg["tasks"] = {"mix": {SMOLLM2_TASK: 1.0}, "params": {SMOLLM2_TASK: SMALL_ARITHMETIC},
+                    "tasks_per_round": 2, "system_prompt": SMOLLM2_SYSTEM_PROMPT,
+                    "few_shot": SMOLLM2_FEW_SHOT}
     # groups of 8: with a few percent of rewarded completions, a group of 4 rarely carries
     # any signal (all-zero groups are dropped and the trainer cannot step)
     cfg["sampler"] = {"completions_per_task": 8, "max_new_tokens": SMOLLM2_MAX_NEW,
@@ -257,11 +262,13 @@ def summary(nodes: list[DemoNode], require_rise: bool = True) -> tuple[str, bool
                      f"{mine.get('rejected', 0)} {mine.get('reasons', {}) or ''}")
     banned = bool(cheater_id and cheater_id in trainer.get("banned", []))
     cheater_accepted = by_peer.get(cheater_id, {}).get("accepted", 0) if cheater_id else 0
-    lines.append(f"dishonest peer: {'BANNED' if banned else 'not banned'}, "
-                 f"{cheater_accepted} of its rollouts accepted")
+    if cheater is not None:
+        lines.append(f"dishonest peer: {'BANNED' if banned else 'not banned'}, "
+                     f"{cheater_accepted} of its rollouts accepted")
     rose = start is not None and last is not None and last > start
     lines.append(f"reward rose: {'yes' if rose else 'no'}")
-    ok = (rose or not require_rise) and banned and cheater_accepted == 0
+    caught = cheater is None or (banned and cheater_accepted == 0)
+    ok = (rose or not require_rise) and caught
     return "\n".join(lines), ok
 
 
@@ -284,7 +291,8 @@ def held_out_report(model_dir: Path, trainer: DemoNode) -> list[str]:
     from .trainer.checkpoint import CheckpointStore  # noqa: PLC0415
     from .trainer.evaluate import accuracy_of_model_dir, held_out_refs  # noqa: PLC0415
 
-    refs = held_out_refs(SMOLLM2_TASK, SMOLLM2_EVAL_TASKS)
+    refs = held_out_refs(SMOLLM2_TASK, SMOLLM2_EVAL_TASKS, SMALL_ARITHMETIC)
+    style = PromptStyle(SMOLLM2_SYSTEM_PROMPT, SMOLLM2_FEW_SHOT)
     latest = CheckpointStore(trainer.dir / "data" / "trainer" / "checkpoints").latest()
     lines = [f"held-out greedy accuracy ({len(refs)} {SMOLLM2_TASK} tasks never trained on):"]
     for label, path in (("start", model_dir),
@@ -293,14 +301,16 @@ def held_out_report(model_dir: Path, trainer: DemoNode) -> list[str]:
         if path is None:
             lines.append(f"  {label}: no checkpoint")
             continue
-        acc = accuracy_of_model_dir(path, refs, SMOLLM2_MAX_NEW)
+        acc = accuracy_of_model_dir(path, refs, SMOLLM2_MAX_NEW, style=style)
         lines.append(f"  {label}: exact {acc['exact']:.3f}, <answer> tag {acc['tagged']:.3f}, "
                      f"last number right {acc['lenient']:.3f}")
     return lines
 
 
 def run_demo(rounds: int = 0, inference_peers: int = 2, workdir: Path | None = None,
-             time_limit_s: float | None = None, model: str = "tiny") -> int:
+             time_limit_s: float | None = None, model: str = "tiny",
+             cheater: bool = True) -> int:
+    """The local swarm; without `cheater`, only honest peers (a learning swarm)."""
     rounds = rounds or (SMOLLM2_ROUNDS if model == "smollm2" else DEFAULT_ROUNDS)
     time_limit_s = time_limit_s or (SMOLLM2_TIME_LIMIT_S if model == "smollm2"
                                     else DEFAULT_TIME_LIMIT_S)
@@ -316,8 +326,8 @@ def run_demo(rounds: int = 0, inference_peers: int = 2, workdir: Path | None = N
     relay = DemoNode("relay", "relay", work / "relay")
     honest = [DemoNode(f"inference-{i + 1}", "inference", work / f"inference-{i + 1}")
               for i in range(inference_peers)]
-    cheater = DemoNode("cheater", "inference", work / "cheater", dishonest="tamper_tokens")
-    nodes = [trainer, relay, *honest, cheater]
+    cheat = DemoNode("cheater", "inference", work / "cheater", dishonest="tamper_tokens")
+    nodes = [trainer, relay, *honest] + ([cheat] if cheater else [])
     t0 = time.monotonic()
     try:
         start_node(trainer, configure(node_config(trainer, model_dir, [], [], swarm_id)))
@@ -341,7 +351,7 @@ def run_demo(rounds: int = 0, inference_peers: int = 2, workdir: Path | None = N
                 elapsed = time.monotonic() - t0
                 progress.update(nodes, elapsed)
                 st = trainer.last_status
-                banned = cheater.info.get("peer_id") in st.get("banned", [])
+                banned = not cheater or cheat.info.get("peer_id") in st.get("banned", [])
                 if st.get("policy_version", 0) >= rounds and banned:
                     break
                 if elapsed > time_limit_s:

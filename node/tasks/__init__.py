@@ -5,7 +5,14 @@ from __future__ import annotations
 from ...protocol.messages import TaskRef
 from ..errors import NodeError
 from .base import DEFAULT_STYLE, PromptStyle, Task
-from .rg import DEFAULT_RG_MIX, GENSYN_FAMILIES, MAX_FEW_SHOT, rg_task, system_prompt_names
+from .rg import (
+    DEFAULT_RG_MIX,
+    GENSYN_FAMILIES,
+    MAX_FEW_SHOT,
+    SMALL_ARITHMETIC,
+    rg_task,
+    system_prompt_names,
+)
 from .source import TaskSource
 from .toy import TOY_FAMILIES, toy_task
 
@@ -14,6 +21,7 @@ __all__ = [
     "DEFAULT_STYLE",
     "GENSYN_FAMILIES",
     "MAX_FEW_SHOT",
+    "SMALL_ARITHMETIC",
     "TOY_FAMILIES",
     "PromptStyle",
     "Task",

@@ -29,6 +29,10 @@ GENSYN_FAMILIES = [
 DEFAULT_RG_MIX = {f"rg/{name}": 1.0 for name in GENSYN_FAMILIES}
 # Entries are addressed by index; the dataset object is created with this many entries.
 INDEX_SPACE = 1_000_000
+# Two one-digit terms, + or -: the range where SmolLM2-135M-Instruct, shown two worked
+# examples, answers ~20% right greedily (benchmarks/RESULTS.md, learning): room to learn.
+SMALL_ARITHMETIC = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
+                    "operators": "+-", "allow_parentheses": False, "allow_negation": False}
 # Few-shot examples (tasks.few_shot) are entries 0..k-1 of the generator at this seed.
 FEW_SHOT_SEED = 0x5EED_F00D
 MAX_FEW_SHOT = 4

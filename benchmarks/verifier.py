@@ -476,7 +476,8 @@ def main() -> None:
             body = verifier_real.report(args.real_report)
             print(body)
             record("verifier-real", body, command="python benchmarks/verifier.py --real "
-                   "float32|bfloat16 --real-budget-s N; then --real-report LOAD")
+                   "float32|bfloat16 --real-budget-s N; --real-cost float32 "
+                   "--real-cost-batches 3; then --real-report LOAD")
         return
     _imports()
     torch.set_num_threads(1)

@@ -4,8 +4,11 @@ per-peer sequential tests, cost. Driven by `benchmarks/verifier.py --real ...`.
     # collect (one process per dtype; each appends one JSON line per verified completion)
     .venv/bin/python benchmarks/verifier.py --real float32 --real-budget-s 1200
     .venv/bin/python benchmarks/verifier.py --real bfloat16 --real-budget-s 1800
-    # report into RESULTS.md section "verifier-real"
-    .venv/bin/python benchmarks/verifier.py --real-report
+    # cost: generation vs the baseline commit's verifier vs today's, same batches
+    .venv/bin/python benchmarks/verifier.py --real-cost float32 --real-cost-batches 3
+    # report into RESULTS.md section "verifier-real" (with the bootstrap of the per-peer
+    # tests: >= 10,000 resampled honest batches per dtype, and the attacks' detection delays)
+    .venv/bin/python benchmarks/verifier.py --real-report LOAD
 
 Every completion is verified with loose thresholds (so nothing stops early) and its
 statistics are kept; the report then says, per statistic, the worst honest value against
@@ -278,51 +281,6 @@ def calibration_rows(recs: list[dict], s) -> list[list]:
     ]
 
 
-def sequential_rows(recs: list[dict], dtype: str, batch: int = 8) -> tuple[list[list], dict]:
-    """Honest false alarms over the measured completions, and detection delays of the two
-    cheats simulated on top of the same honest statistics."""
-    from swarm_node.verifier.checks import CheckSettings
-    from swarm_node.verifier.sequential import PeerMonitor, SequentialSettings
-
-    s = CheckSettings.for_dtype(dtype)
-    seq = SequentialSettings.for_dtype(dtype)
-    ok = [r for r in recs if r["reason"] == "ok"]
-
-    def restat(r, bias=0.0, steer=0.0):
-        st = dict(r["stats"])
-        margins, flipped = st.get("tie_margins", []), st.get("tie_flipped", [])
-        wide = [(m, f) for m, f in zip(margins, flipped) if s.tie_eps / 4 < m <= s.tie_eps]
-        st["wide_ties"] = float(len(wide))
-        flips = sum(1 for _, f in wide if f)
-        st["wide_flips"] = float(flips + round(steer * (len(wide) - flips)))
-        st["lp_err_sum"] = st["lp_err_sum"] + bias * st["lp_n"]
-        return st
-
-    honest = PeerMonitor(seq)
-    alarms = sum(1 for r in ok if honest.observe("p", restat(r)))
-    ties = sum(restat(r)["wide_ties"] for r in ok)
-    flips = sum(restat(r)["wide_flips"] for r in ok)
-
-    def delay(**cheat):
-        m = PeerMonitor(seq)
-        for k, r in enumerate(ok * 50):
-            if m.observe("c", restat(r, **cheat)):
-                return k + 1
-        return None
-
-    rows = []
-    for label, cheat in [("logprob bias -0.09 on every token", {"bias": -0.09}),
-                         ("logprob bias -0.03 on every token", {"bias": -0.03}),
-                         ("steering: runner-up at every wide tie", {"steer": 1.0}),
-                         ("steering: runner-up at half the wide ties", {"steer": 0.5})]:
-        d = delay(**cheat)
-        rows.append([label, d if d else "not within 50x the sample",
-                     f"{-(-d // batch)}" if d else "-"])
-    info = {"completions": len(ok), "alarms": alarms, "wide_ties": ties, "wide_flips": flips,
-            "settings": seq}
-    return rows, info
-
-
 # measured false-alarm rate and detection delay of the per-peer tests (bootstrap) ---------------
 
 
@@ -338,7 +296,7 @@ def _peer_stats(recs: list[dict], tie_eps: float) -> list[tuple[float, float, in
 
 
 def _run_peer(monitor, pool, rng, batches: int, batch: int, bias: float = 0.0,
-              steer: float = 0.0) -> tuple[int, int | None]:
+              steer: float = 0.0, until_alarm: bool = False) -> tuple[int, int | None]:
     """Feed `batches` batches of `batch` completions drawn with replacement from `pool` (a
     cheat applied on top) to a fresh peer in `monitor`; (alarming batches, first alarm's
     batch number or None)."""
@@ -355,10 +313,12 @@ def _run_peer(monitor, pool, rng, batches: int, batch: int, bias: float = 0.0,
         if hit:
             alarms += 1
             first = b + 1 if first is None else first
+            if until_alarm:
+                break
     return alarms, first
 
 
-def bootstrap(recs: list[dict], dtype: str, honest_batches: int = 20_000, batch: int = 8,
+def bootstrap(recs: list[dict], dtype: str, honest_batches: int = 40_000, batch: int = 8,
               peers: int = 100, attack_peers: int = 200, horizon: int = 200,
               seed: int = 0) -> dict:
     """The per-peer CUSUMs (verifier/sequential.py, the real code) run on honest batches
@@ -392,7 +352,8 @@ def bootstrap(recs: list[dict], dtype: str, honest_batches: int = 20_000, batch:
                ("steering: runner-up at half the wide ties", {"steer": 0.5})]
     attacks = []
     for label, cheat in cheats:
-        delays = [_run_peer(PeerMonitor(seq), pool, rng, horizon, batch, **cheat)[1]
+        delays = [_run_peer(PeerMonitor(seq), pool, rng, horizon, batch, until_alarm=True,
+                            **cheat)[1]
                   for _ in range(attack_peers)]
         got = sorted(d for d in delays if d is not None)
         within = sum(1 for d in got if d <= 20) / len(delays)
@@ -430,19 +391,11 @@ def bootstrap_text(dtype: str, recs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def cost_rows(recs: list[dict]) -> list[list]:
-    by: dict[str, dict] = {}
+def variation_rows(recs: list[dict], s) -> list[list]:
+    by: dict[str, list] = {}
     for r in recs:
-        key = f"{r['dtype']} {r['variation']}"
-        d = by.setdefault(key, {"rounds": set(), "gen": 0.0, "ver": 0.0, "tok": 0})
-        if r["round"] in d["rounds"]:
-            continue
-        d["rounds"].add(r["round"])
-        d["gen"] += r["gen_s"]
-        d["ver"] += r["verify_s"]
-        d["tok"] += r["tokens"]
-    return [[k, len(d["rounds"]), d["tok"], f"{d['tok'] / d['gen']:.1f}",
-             f"{d['ver'] / d['gen']:.0%}"] for k, d in by.items()]
+        by.setdefault(r["variation"], []).append(would_reject(r, s))
+    return [[name, len(v), sum(1 for x in v if x) or "-"] for name, v in by.items()]
 
 
 def report(load_avg: str) -> str:
@@ -452,9 +405,9 @@ def report(load_avg: str) -> str:
 
     intro = (f"Real model: SmolLM2-135M-Instruct (`builtin:smollm2-135m`), CPU. Task mix "
              f"{', '.join(MIX)} (prompts of ~37 and ~130 tokens mixed in one batch). "
-             f"Load average during the runs: {load_avg} on 2 cores shared with 6 other "
-             "agents: timings are noisy and pessimistic; ratios (verify / generate) are "
-             "from the same batch back to back.\n")
+             f"Load average during the runs: {load_avg} (2 cores shared with 4 other "
+             "engineers). Every completion is verified with loose thresholds so that all its "
+             "statistics are kept; the tables say what `CheckSettings.for_dtype` would do.\n")
     parts = [intro]
     for dtype in ("float32", "bfloat16"):
         recs = load(dtype)
@@ -472,25 +425,19 @@ def report(load_avg: str) -> str:
                      f"**{sum(rejects.values())} false rejects** under "
                      f"`CheckSettings.for_dtype(\"{dtype}\")`"
                      + (f" ({rejects})" if rejects else "") + "\n")
+        parts.append(table(["variation (sampler; the verifier prefills)", "completions",
+                            "would be rejected"], variation_rows(recs, s)))
+        parts.append("")
         parts.append(table(["statistic", "worst honest", "threshold"],
                            calibration_rows(recs, s)))
-        rows, info = sequential_rows(recs, dtype)
-        st = info["settings"]
-        parts.append(f"\nPer-peer sequential tests ({dtype}; `SequentialSettings.for_dtype`: "
-                     f"bias mu0 {st.bias_mu:+.3g}, sigma0 {st.bias_sigma:.3g}, k {st.bias_k}, "
-                     f"clip {st.bias_clip}; steering p0 {st.flip_p0}, p1 {st.flip_p1}; "
-                     f"h {st.h}): honest false alarms **{info['alarms']}** over "
-                     f"{info['completions']} completions ({info['completions'] // 8} batches "
-                     f"of 8); honest flips at wide ties {info['wide_flips']:.0f} of "
-                     f"{info['wide_ties']:.0f}. Detection delay of simulated cheats (the "
-                     "honest statistics with the cheat applied):\n")
-        parts.append(table(["cheat", "completions to alarm", "batches of 8"], rows))
         parts.append("")
-    all_recs = load("float32") + load("bfloat16")
-    if all_recs:
-        parts.append("### Cost: verification time / generation time, same batches\n")
-        parts.append(table(["dtype, variation", "batches", "tokens", "generation tok/s",
-                            "verify / generate"], cost_rows(all_recs)))
+        parts.append(bootstrap_text(dtype, recs))
+        parts.append("")
+    rows = cost_table()
+    if rows:
+        parts.append("### Cost: verification / generation on the same batches, baseline "
+                     "(commit e83ff02) vs now\n")
+        parts.append(table(COST_HEADER, rows))
     parts.append(NOTES)
     return "\n".join(parts)
 

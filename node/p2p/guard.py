@@ -187,10 +187,11 @@ def limit_before_spawn(pubsub, self_id, limiter: TopicRateLimiter, penalties: Pe
 # the cached record. Both are memoised here: a record already accepted byte for byte from
 # that peer is not verified again for RECORD_MEMO_S, and the outgoing record is rebuilt at
 # most every RECORD_MEMO_S (py-libp2p re-issues it if the addresses changed meanwhile).
+# The memos live on the host object: keyed by id(host) in a module dict (as before), a new
+# host that got a closed host's id sent that host's record for up to RECORD_MEMO_S, and its
+# peers, seeing a record of another peer, dropped every RPC of it (subscriptions included).
 RECORD_MEMO_S = 60.0
 _MAX_MEMO = 4096
-_consumed: dict[tuple[int, bytes, bytes], float] = {}
-_outgoing: dict[int, tuple[float, tuple[bytes, bool]]] = {}
 
 
 def install_record_memo() -> None:
@@ -206,15 +207,19 @@ def _memo_consume(inner):
     def consume(msg, host, peer_id) -> bool:
         if not msg.HasField("senderRecord"):
             return True
-        key = (id(host), peer_id.to_bytes(), msg.senderRecord)
+        consumed: dict[tuple[bytes, bytes], float] | None = getattr(host, "_swarm_consumed",
+                                                                   None)
+        if consumed is None:
+            consumed = host._swarm_consumed = {}
+        key = (peer_id.to_bytes(), msg.senderRecord)
         now = time.monotonic()
-        if _consumed.get(key, 0.0) > now:
+        if consumed.get(key, 0.0) > now:
             return True
         ok = inner(msg, host, peer_id)
         if ok:
-            if len(_consumed) >= _MAX_MEMO:
-                _consumed.clear()
-            _consumed[key] = now + RECORD_MEMO_S
+            if len(consumed) >= _MAX_MEMO:
+                consumed.clear()
+            consumed[key] = now + RECORD_MEMO_S
         return ok
 
     consume._swarm_memo = True
@@ -224,13 +229,11 @@ def _memo_consume(inner):
 def _memo_outgoing(inner):
     def outgoing(host) -> tuple[bytes, bool]:
         now = time.monotonic()
-        hit = _outgoing.get(id(host))
+        hit = getattr(host, "_swarm_outgoing", None)
         if hit is not None and hit[0] > now:
             return hit[1][0], False
         value = inner(host)
-        if len(_outgoing) >= _MAX_MEMO:
-            _outgoing.clear()
-        _outgoing[id(host)] = (now + RECORD_MEMO_S, value)
+        host._swarm_outgoing = (now + RECORD_MEMO_S, value)
         return value
 
     outgoing._swarm_memo = True

@@ -238,17 +238,29 @@ def load(dtype: str) -> list[dict]:
 # report ------------------------------------------------------------------------------------
 
 
+def proof_ratios(rec: dict, th) -> tuple[float, float]:
+    """(worst mean |rel err|, worst |bias|) of a completion's proof as fractions of its
+    chunk's limits under `th` (ProofThresholds). Records keep the worst raw values (the
+    collection runs with loose thresholds): exact for one chunk (T <= 32 tokens); for
+    longer completions the full-chunk limit is applied to the worst raw value, which is
+    never below the true ratio."""
+    st = rec["stats"]
+    mean_lim, bias_lim = th.limits(min(rec["len"], 32))
+    return st["proof_mean_abs"] / mean_lim, st["proof_bias"] / bias_lim
+
+
 def would_reject(rec: dict, s) -> str | None:
     """The reason `s` (CheckSettings) would give this honest completion, or None."""
     st = rec["stats"]
     p = s.proof
     if rec["reason"] != "ok":
         return rec["reason"]
+    mean_ratio, bias_ratio = proof_ratios(rec, p)
     if st["proof_mismatches"] > p.max_mismatches:
         return "proof_index_mismatch"
-    if st["proof_mean_abs"] > p.max_mean_abs:
+    if mean_ratio > 1.0:
         return "proof_deviation"
-    if st["proof_bias"] > p.max_bias:
+    if bias_ratio > 1.0:
         return "proof_bias"
     if st["logprob_max_diff"] > s.logprob_tol:
         return "logprob_mismatch"
@@ -268,15 +280,22 @@ def calibration_rows(recs: list[dict], s) -> list[list]:
         return fn(vals) if vals else float("nan")
 
     p = s.proof
+    ratios = list(zip(*(proof_ratios(r, p) for r in recs)))
     return [
         ["proof mismatches (of 128, per chunk)", worst("proof_mismatches"), p.max_mismatches],
-        ["proof mean relative error", f"{worst('proof_mean_abs'):.2e}", f"{p.max_mean_abs:.2e}"],
-        ["proof bias |mean signed error|", f"{worst('proof_bias'):.2e}", f"{p.max_bias:.2e}"],
+        ["proof mean relative error", f"{worst('proof_mean_abs'):.2e}", f"{p.max_mean_abs:.2e}"
+         + (" x sqrt(32/c)" if p.widen_short_chunks else "")],
+        ["proof bias |mean signed error|", f"{worst('proof_bias'):.2e}", f"{p.max_bias:.2e}"
+         + (" x sqrt(32/c) for a chunk of c < 32 tokens" if p.widen_short_chunks else "")],
+        ["proof mean error / its chunk's limit", f"{max(ratios[0]):.2f}", 1],
+        ["proof bias / its chunk's limit", f"{max(ratios[1]):.2f}", 1],
         ["logprob max |claimed - recomputed|", f"{worst('logprob_max_diff'):.3g}",
          s.logprob_tol],
         ["replay gap (claimed token behind the seeded choice)",
          f"{worst('replay_max_gap'):.3g}", s.tie_eps],
-        ["|shape z|", f"{worst('shape_z', absval=True):.2f}", s.shape_z_max],
+        ["|shape z|", f"{worst('shape_z', absval=True):.2f}".replace("nan", "- (all < 16 "
+                                                                       "tokens)"),
+         s.shape_z_max],
         ["EOS probability (min)", f"{worst('eos_prob', fn=min):.2e}", f"{s.min_eos_prob:.0e}"],
     ]
 

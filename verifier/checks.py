@@ -394,6 +394,8 @@ class RolloutVerifier:
         stats["proof_mismatches"] = proof.worst_mismatches
         stats["proof_mean_abs"] = proof.worst_mean_abs
         stats["proof_bias"] = proof.worst_bias
+        stats["proof_mean_abs_ratio"] = proof.worst_mean_abs_ratio  # of the chunk's limit
+        stats["proof_bias_ratio"] = proof.worst_bias_ratio
         if not proof.ok:
             raise _Reject(proof.reason, proof.detail)
 

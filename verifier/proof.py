@@ -60,6 +60,19 @@ class ProofThresholds:
     max_mismatches: int = 8
     max_mean_abs: float = 3.5e-4
     max_bias: float = 1.2e-4
+    # 16-bit inference: a chunk of c < 32 tokens gets max_mean_abs and max_bias times
+    # sqrt(32 / c). Its top-k values come from c rows, and a row's error is shared by its
+    # values (one decode step vs the verifier's prefill), so the chunk mean averages c
+    # row errors: measured on SmolLM2 bf16, 8-token chunks reach bias 2.2e-2 where 32-token
+    # chunks stay below 9.1e-3 (RESULTS.md "verifier-real"). Full chunks keep the limits.
+    widen_short_chunks: bool = False
+
+    def limits(self, tokens: int) -> tuple[float, float]:
+        """(max_mean_abs, max_bias) for a chunk of `tokens` tokens."""
+        if not self.widen_short_chunks or tokens >= CHUNK_TOKENS:
+            return self.max_mean_abs, self.max_bias
+        scale = (CHUNK_TOKENS / max(tokens, 1)) ** 0.5
+        return self.max_mean_abs * scale, self.max_bias * scale
 
     @classmethod
     def for_dtype(cls, dtype: str) -> ProofThresholds:
@@ -69,7 +82,8 @@ class ProofThresholds:
         noisiest). The price: a model scaled by 1.01 is no longer caught by the proof
         alone in bf16."""
         if dtype in ("bfloat16", "float16"):
-            return cls(match_rel=2.0**-3, max_mismatches=24, max_mean_abs=4.5e-2, max_bias=2e-2)
+            return cls(match_rel=2.0**-3, max_mismatches=24, max_mean_abs=4.5e-2, max_bias=2e-2,
+                       widen_short_chunks=True)
         return cls()
 
 
@@ -84,6 +98,8 @@ class ProofResult:
     worst_mismatches: int = 0
     worst_mean_abs: float = 0.0
     worst_bias: float = 0.0
+    worst_mean_abs_ratio: float = 0.0  # max over chunks of mean_abs / the chunk's limit
+    worst_bias_ratio: float = 0.0
     stats: list[dict] = field(default_factory=list)
 
     def as_dict(self) -> dict:
@@ -378,6 +394,10 @@ def _verify(proof: bytes, hidden: torch.Tensor, th: ProofThresholds) -> ProofRes
         result.worst_mismatches = max(result.worst_mismatches, mismatches)
         result.worst_mean_abs = max(result.worst_mean_abs, mean_abs)
         result.worst_bias = max(result.worst_bias, abs(bias))
+        max_mean_abs, max_bias = th.limits(layout[i][0])
+        # the chunk's values against its limits (the benchmarks' calibration reads these)
+        result.worst_mean_abs_ratio = max(result.worst_mean_abs_ratio, mean_abs / max_mean_abs)
+        result.worst_bias_ratio = max(result.worst_bias_ratio, abs(bias) / max_bias)
         if not result.ok:
             continue
         if moduli[i] != canonical[i] and mismatches == 0:
@@ -387,10 +407,10 @@ def _verify(proof: bytes, hidden: torch.Tensor, th: ProofThresholds) -> ProofRes
         elif mismatches > th.max_mismatches:
             result.ok, result.reason = False, "proof_index_mismatch"
             result.detail = f"chunk {i}: {mismatches}/{match.size} values do not match"
-        elif mean_abs > th.max_mean_abs:
+        elif mean_abs > max_mean_abs:
             result.ok, result.reason = False, "proof_deviation"
-            result.detail = f"chunk {i}: mean |rel err| {mean_abs:.2e} > {th.max_mean_abs:.2e}"
-        elif abs(bias) > th.max_bias:
+            result.detail = f"chunk {i}: mean |rel err| {mean_abs:.2e} > {max_mean_abs:.2e}"
+        elif abs(bias) > max_bias:
             result.ok, result.reason = False, "proof_bias"
-            result.detail = f"chunk {i}: mean rel err {bias:+.2e}, limit {th.max_bias:.2e}"
+            result.detail = f"chunk {i}: mean rel err {bias:+.2e}, limit {max_bias:.2e}"
     return result

@@ -254,3 +254,21 @@ def test_backend_choice():
             choose_backend("vllm", "cpu")
     with pytest.raises(NodeError, match="backend"):
         choose_backend("tpu", "cpu")
+
+
+def test_a_round_uses_the_swarm_prompt_style(sampler, loaded):
+    """Peers and verifiers rebuild prompts from the task and the swarm's prompt style: a
+    round's prompts are exactly format_prompt(get_task(ref, style)) for its tasks."""
+    from swarm_node.node.sampler.rounds import sample_round
+    from swarm_node.node.tasks import PromptStyle
+
+    _, tok = loaded
+    src = TaskSource({"rg/basic_arithmetic": 1.0}, "s", params={
+        "rg/basic_arithmetic": {"max_digits": 1, "max_terms": 2}})
+    style = PromptStyle("direct", 2)
+    params = SamplingParams(temperature=1.0, max_new_tokens=2)
+    samples = sample_round(sampler, tok, src, "peer-a", 0, 2, 2, params, style=style)
+    for s in samples:
+        assert s.task.params == {"max_digits": 1, "max_terms": 2}
+        assert s.prompt_ids == format_prompt(tok, get_task(s.task, style=style))
+        assert s.prompt_ids != format_prompt(tok, get_task(s.task))  # the default style

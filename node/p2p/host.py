@@ -49,7 +49,12 @@ from .penalties import PeerPenalties, TopicRateLimiter
 from .pubsub import GossipService, Handler
 from .requests import RequestHandler, RequestService, StreamHandler
 from .streams import AsyncStream
-from .yamux import bound_buffers, fit_frames_to_noise, install_window_update_batching
+from .yamux import (
+    bound_buffers,
+    fit_frames_to_noise,
+    freeze_tuning_env,
+    install_window_update_batching,
+)
 
 log = logging.getLogger(__name__)
 
@@ -236,6 +241,7 @@ class P2PNode:
         install_pubsub_fast_paths()
         install_window_update_batching()
         fit_frames_to_noise()
+        freeze_tuning_env()
         guard_stream_handlers(host, self._t_stream_fault)  # before pubsub adds its handlers
         router, pubsub = build_gossip(host, self.cfg, self.metrics)
         guard_pubsub(pubsub, self._t_stream_fault)

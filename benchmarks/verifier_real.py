@@ -228,6 +228,57 @@ COST_HEADER = ["dtype, variation", "batches", "tokens", "gen tok/CPU-s",
                f"amortised, spot checks at {SPOT_FRACTION:.0%}", "rejects"]
 
 
+# attacks on the real model under the thresholds of its dtype ----------------------------------
+
+
+def attack_run(dtype: str, max_new_tokens: int = 8) -> Path:
+    """Cheats on SmolLM2 in `dtype`, short completions (the widest proof limits), verified
+    with `CheckSettings.for_dtype(dtype)`: other weights (x1.01, x1.02, x1.05), consistent
+    token forgeries (1 token, re-proven), truncation + EOS, a forged reward. Writes
+    attacks-<dtype>.json: attack -> {reason: count}."""
+    import random
+    from collections import Counter
+
+    from swarm_node.node.models import BUILTIN_SMOLLM2, ensure_builtin, load_model
+    from swarm_node.node.tasks import TaskSource
+    from swarm_node.node.testing import attacks
+    from swarm_node.protocol.messages import SamplingParams
+    from swarm_node.verifier.checks import RolloutVerifier
+
+    torch.set_num_threads(1)
+    model, tokenizer = load_model(ensure_builtin(BUILTIN_SMOLLM2), dtype=dtype)
+    source = TaskSource(MIX, "default")
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=max_new_tokens)
+    rng = random.Random(0)
+    eos = tokenizer.eos_token_id
+    out: dict[str, dict] = {}
+
+    def sample(m, round_):
+        b = attacks.sample_batch(m, tokenizer, source, SENDER, round_=round_, version=0,
+                                 tasks=2, n=4, params=params, max_batch=8)
+        return b.model_copy(update={"dtype": dtype})
+
+    def check(name, batch):
+        v = RolloutVerifier(model, tokenizer, source, swarm_id="default",
+                            latest_version=lambda: 0, dtype=dtype)
+        out[name] = dict(Counter(r.reason for r in v.verify(batch, SENDER)))
+        print(name, out[name], flush=True)
+
+    honest = sample(model, 1)
+    check("honest (control)", honest)
+    for factor in (1.01, 1.02, 1.05):
+        check(f"weights x{factor}", sample(attacks.scaled_copy(model, factor), 2))
+    check("1 token changed, consistently re-proven",
+          attacks.tamper_tokens(honest, rng, len(tokenizer), {eos}, model=model,
+                                tokenizer=tokenizer))
+    check("truncated, EOS appended (re-proven)",
+          attacks.truncate_with_eos(honest, rng, eos, model, tokenizer))
+    check("claimed reward forged", attacks.forge_reward(honest))
+    path = OUT / f"attacks-{dtype}.json"
+    path.write_text(json.dumps(out, indent=1))
+    return path
+
+
 def load(dtype: str) -> list[dict]:
     path = OUT / f"{dtype}.jsonl"
     if not path.exists():
@@ -452,6 +503,16 @@ def report(load_avg: str) -> str:
         parts.append("")
         parts.append(bootstrap_text(dtype, recs))
         parts.append("")
+    for dtype in ("bfloat16", "float32"):
+        path = OUT / f"attacks-{dtype}.json"
+        if path.exists():
+            got = json.loads(path.read_text())
+            parts.append(f"### Attacks on SmolLM2 in {dtype}, 8-token completions (batch of "
+                         f"2 tasks x 4), `CheckSettings.for_dtype(\"{dtype}\")`\n")
+            parts.append(table(["attack", "verdicts"], [
+                [k, ", ".join(f"{r}={n}" for r, n in sorted(v.items()))]
+                for k, v in got.items()]))
+            parts.append("")
     rows = cost_table()
     if rows:
         parts.append("### Cost: verification / generation on the same batches, baseline "
@@ -462,28 +523,54 @@ def report(load_avg: str) -> str:
 
 
 NOTES = """
-Notes (honest about what this is and is not):
-- Far fewer honest verifications than the issue's goal of >= 500 per dtype: the machine was
-  shared (load 9-22 on 2 cores) and bf16 runs at ~1-4 tok/s on this CPU (no bf16 units), so
-  one 25-35 min window gave 214 fp32 and 52 bf16 completions. The bf16 thresholds rest on
-  those 52 (plus 16 from exploratory runs: logprob diff up to 0.21, replay gap up to 0.29)
-  and on CPU kernels only; GPU bf16 kernels were not measured.
-- The bf16 thresholds are wide (proof mean error 4.5e-2, bias 2e-2, logprob 0.5, tie 0.4):
-  with them a 1%-scaled model is no longer caught by the proof alone in bf16; the fp32
-  thresholds are unchanged and keep catching it (tiny-model section "verifier").
-- Verification here is one prompt pass per task group with its KV cache shared by the
-  group's completions (prefill_group). The top-p rows were measured before the top-p masks
-  were shared between replay and the shape check (three full-vocabulary sorts per
-  completion then, two now). Goal of the issue (<= 15% of generation at batch 8) not met on
-  this loaded CPU: 20-42% at T=1, 64% with top-p. With spot checks at fraction f for
-  trusted peers the amortised cost is f times that plus the cheap checks (e.g. f = 0.1:
-  2-4%).
-- Attacks on SmolLM2 in bf16 under these thresholds (one batch of 2 tasks x 2, 16 tokens,
-  /tmp script, same load): consistent 1- and 4-token forgeries, truncation + EOS and a
-  greedy decode claimed as T = 1 -> `token_mismatch`; forged reward -> `reward_mismatch`;
-  swapped proofs and weights x1.05 -> `proof_index_mismatch`; weights x1.01 -> **accepted**
-  (the bf16 price above).
-- Steering in fp32: with tie_eps 1e-3 "wide" near-ties are rare (2 in 214 completions), so
-  there is almost nothing to steer and the test rarely has data; in bf16 (tie_eps 0.4)
-  honest flips at wide ties were 6 of 210 (2.9%, p0 = 0.1 in the test).
+Notes (written by hand after the runs; honest about what this is and is not):
+- Collection. This session's honest completions were collected at nice 15 beside the other
+  engineers' benchmarks (the statistics above do not depend on load; their timings are not
+  used). The rows "session 3: ..." are the previous session's 214 fp32 and 52 bf16
+  completions (same model, same sampler; verified then by the code of that day). One
+  verifier per variation, so the verifier's prompt cache (shared prompt prefixes) is in the
+  calibrated path.
+- bf16 thresholds: the data did not support tightening them; it showed the opposite. An
+  honest 8-token bf16 completion reached proof bias 2.19e-2 against the limit 2e-2 (a false
+  reject under the old limits): a short chunk's top-k values come from few rows, and a
+  row's error is shared by its values (decode step vs prefill), so the chunk mean averages
+  fewer row errors (worst bias 2.2e-2 at 8-token chunks, 9.1e-3 at 32). The 16-bit limits
+  now widen as sqrt(32 / c) for a chunk of c < 32 tokens; full chunks keep 4.5e-2 / 2e-2
+  (ProofThresholds.widen_short_chunks). Price: in bf16 a completion shorter than 32 tokens
+  (or a last chunk of c tokens) gets up to sqrt(32/c) times wider proof mean/bias limits;
+  a 1%-scaled model already passed the bf16 proof before (session 3). No honest 1-token
+  chunk was observed: the widening there (x5.7) is extrapolated, not measured.
+- Cost. Measured by `--real-cost float32 --real-cost-batches 3` under the bench lock
+  (12:21-12:29 UTC, load 4.2 -> 8.0), the baseline verifier (commit e83ff02) and today's
+  on the same batches. CPU seconds of the process are the figure (wall time on this shared
+  machine mostly measures the other tenants; both shown). Now 24-36% of generation (from
+  34-57%); the top-p case gained most (partial sorts: 57% -> 30%). The goal (<= 15% at batch
+  8) is NOT met, and on this CPU it cannot be met without weakening a check: a profile of
+  one batch of 8 (cProfile, CPU time) puts 85% of verification in the forward pass itself
+  (decoder over the completion tokens 1.40 s, lm_head over the completion rows 0.28 s, of
+  1.98 s); the rest was replay noise 0.17 s, shape 0.08 s, proof 0.007 s, cheap checks
+  0.012 s. The forward is the same arithmetic the sampler does for the completion tokens;
+  the verifier's prefill runs ~210 tokens per CPU-second against the sampler's 38 (batch
+  8) to 54 (batch 32) tokens per CPU-second, so the forward alone is ~18-25% of generation
+  here. The lm_head and the log-softmax over the 49k vocabulary are needed at every
+  position (the trainer trains on the recomputed logprobs; replay checks every token).
+  On a GPU decode is memory-bound and the ratio is far lower (not measured: no GPU).
+- What was cut: replay noise computed only for tokens that can reach the top two (the
+  noise's 64-bit integer hash, not vectorised on this CPU, was the cost; at T = 1 about 22%
+  of SmolLM2's vocabulary can still win, 3% at T = 0.7); top-p masks from one partial sort
+  for both the strict and the loosened top-p; one log-softmax shared by the logprob, EOS and
+  shape checks; a prompt-prefix KV cache per model version (system prompts of 25-110
+  tokens; it warms over batches: 0 -> 367 prompt tokens saved over 3 batches of 32).
+- Amortised: trusted peers spot-checked at 10% of their groups cost 2.5-3.8% of generation
+  (the cheap checks alone 0.1-0.2%); <= 3% everywhere needs a fraction of <= 7.5% (batch 32).
+  Config default `spot_check_fraction` is 1.0 (everything verified).
+- 2 threads: process CPU time counts both OpenMP threads (and their spinning), so its CPU
+  ratio (24%) is less meaningful; wall 78% -> 18%.
+- Per-peer tests: measured by resampling (bootstrap) the honest per-completion statistics
+  into >= 40,000 honest batches per dtype, with the real PeerMonitor; a peer pinned to one
+  variation keeps that config's own bias. fp32 steering is not detectable within 20
+  batches because fp32 wide near-ties are very rare: there is almost nothing to steer
+  (a steering sender changes about one token per hundred completions).
+- Attacks on SmolLM2 in bf16 (session 3, /tmp script, 16-token completions) were not rerun
+  with the widened short-chunk limits.
 """

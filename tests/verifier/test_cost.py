@@ -155,3 +155,21 @@ def test_prompt_cache_reuses_a_shared_prefix(kit):
     prefill_group(model, prompts[0], comps, prompt_cache=cache, version=4)
     prefill_group(copy.deepcopy(model), prompts[0], comps, prompt_cache=cache, version=3)
     assert cache.misses == 3
+
+
+def test_length_sorted_sub_batches_match_one_padded_batch(kit, monkeypatch):
+    """Completions of very different lengths run in sub-batches of similar length (padding
+    costs like real tokens); the rows, in the callers' order, are the padded batch's."""
+    from swarm_node.verifier import prefill as pf
+
+    model, _, _ = kit
+    rng = random.Random(1)
+    prompt = [rng.randrange(3, 200) for _ in range(12)]
+    comps = [[rng.randrange(3, 200) for _ in range(n)] for n in (24, 5, 22, 1, 6)]
+    assert pf._chunks(comps, len(prompt), 8192) == [[0, 2], [4, 1], [3]]
+    sorted_rows = prefill_group(model, prompt, comps)
+    monkeypatch.setattr(pf, "MIN_FILL", 0.0)  # everything in one padded batch
+    padded_rows = prefill_group(model, prompt, comps)
+    for got, want, c in zip(sorted_rows, padded_rows, comps):
+        assert got.shape[0] == len(c)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

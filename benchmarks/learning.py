@@ -82,10 +82,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--section", default="learning (SmolLM2, basic_arithmetic)")
     ap.add_argument("--no-record", action="store_true", help="print only (smoke runs)")
+    ap.add_argument("--base-rates", action="store_true",
+                    help="only print the held-out greedy accuracy of the untrained model under "
+                         "each prompt style of BASE_RATE_STYLES")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     load0 = os.getloadavg()[0]
     model_dir = ensure_builtin(BUILTIN_SMOLLM2)
+    if args.base_rates:
+        return _base_rates(model_dir, args)
     cfg = Config.model_validate({
         "model": {"device": "cpu"},
         "tasks": {"format_reward": args.format_reward, "system_prompt": args.system_prompt,
@@ -119,6 +124,26 @@ def main() -> None:
     if args.no_record:
         return
     _record(args, before, after, curve, train_s, time.perf_counter() - t_start, load0, load1)
+
+
+# (system prompt, few-shot examples, max new tokens): how the start model does per style
+BASE_RATE_STYLES = [("default", 0, 24), ("direct", 0, 16), ("simple", 0, 24),
+                    ("chain_of_draft", 0, 24), ("DeepSeekZero", 0, 24), ("direct", 1, 10),
+                    ("direct", 2, 10)]
+
+
+def _base_rates(model_dir, args) -> None:
+    from swarm_node.node.models import load_model
+
+    model, tok = load_model(model_dir, device="cpu")
+    model.eval()
+    sampler = HFSampler(model, tok, capture_hidden=False, max_batch=32)
+    eval_refs = refs(EVAL_SEED, 0, args.eval)
+    for system, shots, max_new in BASE_RATE_STYLES:
+        acc = greedy_accuracy(sampler, tok, eval_refs, max_new, PromptStyle(system, shots))
+        print(f"system {system!r}, few_shot {shots}, {max_new} new tokens: "
+              + ", ".join(f"{k} {round(v * args.eval)}/{args.eval}" for k, v in acc.items()),
+              flush=True)
 
 
 def _eval(trainer, sampler, tok, eval_refs, max_new):

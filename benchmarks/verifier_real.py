@@ -72,7 +72,8 @@ def collect(dtype: str, budget_s: float) -> Path:
     path = OUT / f"{dtype}.jsonl"
     model, tokenizer = load_model(ensure_builtin(BUILTIN_SMOLLM2), dtype=dtype)
     source = TaskSource(MIX, "default")
-    specs = variations(dtype)
+    only = [w for w in os.environ.get("VERIFIER_REAL_ONLY", "").split(",") if w]
+    specs = [v for v in variations(dtype) if not only or any(w in v[0] for w in only)]
     per = budget_s / len(specs)
     round_ = int(time.time())  # fresh tasks in every run (runs append to one file)
     with open(path, "a") as out:

@@ -67,8 +67,11 @@ class CheckSettings:
     @classmethod
     def for_dtype(cls, dtype: str, **overrides) -> CheckSettings:
         if dtype in ("bfloat16", "float16"):
-            # measured on SmolLM2 bf16 (CPU): logprob diff up to 0.32, replay gap up to 0.29
-            base = {"logprob_tol": 0.5, "tie_eps": 0.4, "top_p_eps": 1e-2,
+            # measured on SmolLM2 bf16 (CPU, 180 completions; RESULTS.md "verifier-real"):
+            # logprob diff up to 0.65 (one outlier, next 0.32: bf16 logits near 20-30 are
+            # rounded to 1/8-1/4), replay gap up to 0.29. The trainer never uses claimed
+            # logprobs; a bias inside the tolerance is the per-peer test's job.
+            base = {"logprob_tol": 1.0, "tie_eps": 0.4, "top_p_eps": 1e-2,
                     "proof": ProofThresholds.for_dtype(dtype)}
         else:
             base = {}

@@ -29,8 +29,8 @@ GENSYN_FAMILIES = [
 DEFAULT_RG_MIX = {f"rg/{name}": 1.0 for name in GENSYN_FAMILIES}
 # Entries are addressed by index; the dataset object is created with this many entries.
 INDEX_SPACE = 1_000_000
-# Two one-digit terms, + or -: the range where SmolLM2-135M-Instruct, shown two worked
-# examples, answers ~20% right greedily (benchmarks/RESULTS.md, learning): room to learn.
+# Two one-digit terms, + or -: shown two worked examples, SmolLM2-135M-Instruct answers 7 of
+# 32 right greedily, and GRPO lifts that (benchmarks/RESULTS.md, learning): room to learn.
 SMALL_ARITHMETIC = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
                     "operators": "+-", "allow_parentheses": False, "allow_negation": False}
 # Few-shot examples (tasks.few_shot) are entries 0..k-1 of the generator at this seed.
@@ -75,10 +75,17 @@ def system_prompt(name: str = "default") -> str:
     return SYSTEM_PROMPTS[name]
 
 
+def _answer(entry: dict) -> str:
+    answer = entry.get("answer")
+    if answer is None:  # e.g. propositional_logic: any valid conclusion scores
+        answer = entry.get("metadata", {}).get("example_answer", "")
+    return str(answer)
+
+
 def _examples(name: str, params_json: str, k: int) -> tuple[tuple[str, str], ...]:
     """The first k entries of the generator at FEW_SHOT_SEED, answered in the tag format."""
     ds = _dataset(name, params_json, FEW_SHOT_SEED)
-    return tuple((str(ds[i]["question"]), f"<answer>{ds[i]['answer']}</answer>")
+    return tuple((str(ds[i]["question"]), f"<answer>{_answer(ds[i])}</answer>")
                  for i in range(k))
 
 
@@ -95,10 +102,7 @@ def rg_task(ref: TaskRef, format_reward: float = 0.0,
         ds = _dataset(name, params_json, int(ref.seed))
         entry = ds[int(ref.index)]
         examples = _examples(name, params_json, style.few_shot)
-    answer = entry.get("answer")
-    if answer is None:  # e.g. propositional_logic: any valid conclusion scores
-        answer = entry.get("metadata", {}).get("example_answer", "")
-    answer = str(answer)
+    answer = _answer(entry)
 
     def scorer(text: str) -> float:
         from reasoning_gym.utils import extract_answer
@@ -114,6 +118,6 @@ def rg_task(ref: TaskRef, format_reward: float = 0.0,
             return (1.0 - format_reward) * correct + format_reward * (tagged is not None)
         return correct
 
-    return Task(ref=ref, prompt=str(entry["question"]), answer=answer, system=system_prompt(style.system),
-                scorer=scorer, reference_completion=f"<answer>{answer}</answer>",
-                examples=examples)
+    return Task(ref=ref, prompt=str(entry["question"]), answer=answer,
+                system=system_prompt(style.system), scorer=scorer,
+                reference_completion=f"<answer>{answer}</answer>", examples=examples)

@@ -12,13 +12,16 @@ it is skipped) are scored three ways:
   lenient  the last number in the completion equals the answer (diagnostic only: what a
            reader would accept; not what the swarm trains on).
 Prompts use reasoning-gym's system prompt --system-prompt (the swarm setting
-tasks.system_prompt; "direct" asks for the bare answer in an <answer> tag). The training
+tasks.system_prompt; "direct" asks for the bare answer in an <answer> tag) and --few-shot
+worked examples of the same generator as earlier chat turns (tasks.few_shot): without
+them SmolLM2 never writes the tag and the exact reward is 0 everywhere. The training
 reward is (1 - f) * rg score + f * tagged with f = --format-reward (default 0: exactly the
 protocol's reward): the rg score is 1 for an exact answer and a partial credit of
 len(answer)/len(text) when the untagged text contains it, so shorter correct statements
 score more, and GRPO's per-group normalisation turns even small differences into a signal.
 
-    python -m benchmarks.learning [--minutes 30] [--tasks 4] [--group 8] [--eval 32]
+    python -m benchmarks.learning [--minutes 30] [--tasks 8] [--group 8] [--eval 32]
+    python -m benchmarks.learning --base-rates     # start accuracy per prompt style
 """
 
 from __future__ import annotations
@@ -71,14 +74,14 @@ def train_refs(round_: int, tasks: int, held_out: set[str]) -> list[TaskRef]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--minutes", type=float, default=30.0, help="training time budget")
-    ap.add_argument("--tasks", type=int, default=4)
+    ap.add_argument("--tasks", type=int, default=8)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--eval", type=int, default=32)
-    ap.add_argument("--max-new-tokens", type=int, default=24)
-    ap.add_argument("--lr", type=float, default=2e-5)
+    ap.add_argument("--max-new-tokens", type=int, default=10)
+    ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--format-reward", type=float, default=0.0)
     ap.add_argument("--system-prompt", default="direct", help="reasoning-gym SYSTEM_PROMPTS name")
-    ap.add_argument("--few-shot", type=int, default=1, help="worked examples before each question")
+    ap.add_argument("--few-shot", type=int, default=2, help="worked examples before each question")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--section", default="learning (SmolLM2, basic_arithmetic)")
     ap.add_argument("--no-record", action="store_true", help="print only (smoke runs)")

@@ -542,36 +542,51 @@ Notes (written by hand after the runs; honest about what this is and is not):
   a 1%-scaled model already passed the bf16 proof before (session 3). No honest 1-token
   chunk was observed: the widening there (x5.7) is extrapolated, not measured.
 - Cost. Measured by `--real-cost float32 --real-cost-batches 3` under the bench lock
-  (12:21-12:29 UTC, load 4.2 -> 8.0), the baseline verifier (commit e83ff02) and today's
-  on the same batches. CPU seconds of the process are the figure (wall time on this shared
-  machine mostly measures the other tenants; both shown). Now 24-36% of generation (from
-  34-57%); the top-p case gained most (partial sorts: 57% -> 30%). The goal (<= 15% at batch
-  8) is NOT met, and on this CPU it cannot be met without weakening a check: a profile of
-  one batch of 8 (cProfile, CPU time) puts 85% of verification in the forward pass itself
-  (decoder over the completion tokens 1.40 s, lm_head over the completion rows 0.28 s, of
-  1.98 s); the rest was replay noise 0.17 s, shape 0.08 s, proof 0.007 s, cheap checks
-  0.012 s. The forward is the same arithmetic the sampler does for the completion tokens;
-  the verifier's prefill runs ~210 tokens per CPU-second against the sampler's 38 (batch
-  8) to 54 (batch 32) tokens per CPU-second, so the forward alone is ~18-25% of generation
-  here. The lm_head and the log-softmax over the 49k vocabulary are needed at every
-  position (the trainer trains on the recomputed logprobs; replay checks every token).
-  On a GPU decode is memory-bound and the ratio is far lower (not measured: no GPU).
+  (13:19-13:22 UTC, load 14.3 -> 8.9; a first run at 12:21-12:29, load 4.2 -> 9.0, before
+  the length-sorted sub-batches, gave 24-36% now vs 34-57% baseline), the baseline
+  verifier (commit e83ff02) and today's on the same batches. CPU seconds of the process
+  are the figure (wall time on this shared machine also measures the other tenants; both
+  shown). Now 29-34% of generation (baseline 30-56%): the top-p case gained (partial
+  sorts: 56% -> 29%); at T = 1 the gain is small (32% -> 30%, batch 32 36% -> 34%; 2
+  threads within noise). The goal (<= 15% at batch 8) is NOT met, and on this CPU it
+  cannot be met without weakening a check: a profile of one batch of 8 (cProfile, CPU
+  time, cold prompt cache) puts 85% of verification in the forward pass itself (decoder
+  1.40 s, lm_head over the completion rows 0.28 s, of 1.98 s); the rest was replay noise
+  0.17 s, shape 0.08 s, proof 0.007 s, cheap checks 0.012 s. The forward is the same
+  arithmetic the sampler does for the completion tokens, and the sampler's batched decode
+  on this CPU is only ~4-5x less efficient per token than the verifier's prefill, so the
+  forward alone is ~20-25% of generation. The lm_head and the log-softmax over the 49k
+  vocabulary are needed at every position (the trainer trains on the recomputed logprobs;
+  replay checks every token). On a GPU decode is memory-bound and the ratio is far lower
+  (not measured: no GPU).
 - What was cut: replay noise computed only for tokens that can reach the top two (the
-  noise's 64-bit integer hash, not vectorised on this CPU, was the cost; at T = 1 about 22%
+  noise's 64-bit integer hash, not vectorised on this CPU, was its cost; at T = 1 about 22%
   of SmolLM2's vocabulary can still win, 3% at T = 0.7); top-p masks from one partial sort
   for both the strict and the loosened top-p; one log-softmax shared by the logprob, EOS and
   shape checks; a prompt-prefix KV cache per model version (system prompts of 25-110
-  tokens; it warms over batches: 0 -> 367 prompt tokens saved over 3 batches of 32).
-- Amortised: trusted peers spot-checked at 10% of their groups cost 2.5-3.8% of generation
-  (the cheap checks alone 0.1-0.2%); <= 3% everywhere needs a fraction of <= 7.5% (batch 32).
-  Config default `spot_check_fraction` is 1.0 (everything verified).
-- 2 threads: process CPU time counts both OpenMP threads (and their spinning), so its CPU
-  ratio (24%) is less meaningful; wall 78% -> 18%.
+  tokens; it warms over batches: 0 -> 367 prompt tokens saved over 3 batches of 32); a
+  group's completions in length-sorted sub-batches (padding was 21-27% of the completion
+  tokens fed; these batches had little of it, a synthetic group of 32 mixed lengths went
+  3.3 -> 2.1 CPU s).
+- Amortised: trusted peers spot-checked at 10% of their groups cost 3.1-3.6% of generation
+  (the cheap checks alone 0.15-0.21%); <= 3% everywhere needs a fraction of <= 8%. Config
+  default `spot_check_fraction` is 1.0 (everything verified).
+- Calibration size: 634 fp32 completions (goal 500 met; this session's 420 cover batch 8,
+  batch 1, top-p and 96-token completions; batch 32 and 2 threads are session 3's) and 212
+  bf16 (goal 500 NOT met: bf16 sampled at nice 15 beside the others' benchmarks ran at
+  ~0.1-0.2 completions/s; this session's 160 are batch 32 with 8-token completions, 1 and 2
+  threads; the batch-1 and 32-token cases are session 3's 52). bf16 logprob_tol went 0.5 -> 1.0 after an
+  honest 0.65 (a false reject under 0.5; the tables above use today's thresholds).
 - Per-peer tests: measured by resampling (bootstrap) the honest per-completion statistics
-  into >= 40,000 honest batches per dtype, with the real PeerMonitor; a peer pinned to one
-  variation keeps that config's own bias. fp32 steering is not detectable within 20
-  batches because fp32 wide near-ties are very rare: there is almost nothing to steer
-  (a steering sender changes about one token per hundred completions).
-- Attacks on SmolLM2 in bf16 (session 3, /tmp script, 16-token completions) were not rerun
-  with the widened short-chunk limits.
+  into 40,000 honest batches per dtype and scheme, with the real PeerMonitor; a peer pinned
+  to one variation keeps that config's own bias. Resampling treats completions as
+  independent draws from the measured ones: a config not measured (GPU kernels, another
+  model) is not covered. fp32 steering is not detected within 20 batches because fp32 wide
+  near-ties are very rare: there is almost nothing to steer (a steering sender changes
+  about one token per hundred completions).
+- Attacks in bf16 (`--real-attacks bfloat16`, 8-token completions: the widest proof limits)
+  ran at 12:51-13:05 with the widened short-chunk proof limits but still logprob_tol 0.5;
+  under 1.0 the two logprob_mismatch verdicts of "weights x1.02" would not fire, and only
+  the group with the proof_index_mismatch would surely be rejected. A 1%-scaled model
+  passes the bf16 checks (as in session 3); 5% fails on the proof.
 """

@@ -1,13 +1,13 @@
 """Per-peer sequential tests across batches: what the per-completion tolerances let through.
 
-A tolerance sized for honest float differences (bf16: 0.1 nats) leaves room for two cheats
+A tolerance sized for honest float differences (bf16: 1 nat) leaves room for two cheats
 that no single completion reveals:
 
 - logprob bias: every claimed logprob shifted the same way inside the tolerance. Honest
   bf16 errors need not be zero-mean (the sampler's own rounding helped pick the token it
-  took); measured on SmolLM2 (CPU, 27 completions): mean +0.002 nats per token, per-token
-  spread 0.054, per-completion means from -0.012 to +0.025. Test: per completion
-  z = (sum err - mu0 n) / (sigma0 sqrt n), clipped to +-`bias_clip`, with mu0 and sigma0
+  took); measured on SmolLM2 (CPU, 180 completions in session 4): mean +0.0021 nats per
+  token, per-token spread 0.058 (27 completions of session 3: +0.002, 0.054). Test: per
+  completion z = (sum err - mu0 n) / (sigma0 sqrt n), clipped to +-`bias_clip`, with mu0 and sigma0
   per dtype from the calibration (`for_dtype`); a two-sided CUSUM with allowance `bias_k`.
   (The trainer trains on the recomputed logprobs anyway; this catches the cheater and costs
   it its reputation.)
@@ -20,7 +20,9 @@ that no single completion reveals:
 CUSUM: g = max(0, g + LLR(observation)); an alarm when g > h, then g restarts at 0.
 For the steering test h = 12 (log-likelihood units) bounds false alarms by about e^-12
 per start (~6e-6); for the bias test an honest peer needs a run of clipped 4-sigma
-completions to reach h. Measured false alarms and detection delays: RESULTS.md
+completions to reach h. Measured, not only bounded: benchmarks/verifier_real.py `bootstrap`
+feeds >= 40,000 honest batches per dtype, resampled from the measured honest completions,
+to this code (0 alarms), and the same with each cheat applied (detection delays); RESULTS.md
 "verifier-real". Peer records are an LRU table of `max_peers`.
 """
 

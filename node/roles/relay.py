@@ -32,6 +32,8 @@ class RelayRole(Role):
         await self.feed.start()
         self.state.extra["disk"] = self.feed.disk.status()
         self.track_downloads(self.feed)
+        # says so if the followed trainer never appears, like the inference role
+        self.watch_followed(self.feed, self.feed.chosen)
 
     def _on_complete(self, ckpt: VerifiedCheckpoint) -> None:
         self.state.policy_id = ckpt.policy_id

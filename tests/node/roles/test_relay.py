@@ -3,6 +3,10 @@ feed. The real broadcaster behind them is proven by tests/integration/test_swarm
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+
 from swarm_node.node.config import Config
 from swarm_node.node.identity import Identity
 from swarm_node.node.metrics import NodeState
@@ -49,3 +53,34 @@ def test_download_tracker_shows_progress_then_records_the_finished_download(tmp_
         (3, TRAINER, 1000)]
     tracker.tick()  # recorded once
     assert len(state.downloads) == 1
+
+
+async def test_a_relay_names_a_followed_trainer_that_never_appears_then_sees_it(
+        tmp_path, caplog):
+    cfg = Config.model_validate({"node": {"data_dir": str(tmp_path), "role": "relay",
+                                          "follow": [TRAINER]}})
+    ident = Identity.generate()
+    feed = FakeFeed(tmp_path, follow=[TRAINER], chosen=TRAINER)
+    role = RelayRole(cfg, ident, FakeP2P(), NodeState(ident.peer_id, "relay", "s"), feed=feed)
+    role.follow_wait_s = 0.2
+    try:
+        with caplog.at_level(logging.INFO, logger="swarm_node"):
+            await role.start()
+            await _until(lambda: "follow" in role.state.extra)
+            follow = dict(role.state.extra["follow"])
+            feed.deliver(TRAINER, 1, tmp_path / "v1", size=1000)  # it appears
+            await _until(lambda: role.state.extra["follow"]["seen"])
+    finally:
+        await role.close()
+    assert follow["trainer"] == TRAINER and follow["seen"] is False
+    assert TRAINER in follow["problem"]
+    told = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
+            and "followed trainer" in r.getMessage()]
+    assert told == [follow["problem"]]
+
+
+async def _until(pred, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.02)

@@ -585,8 +585,9 @@ Notes (written by hand after the runs; honest about what this is and is not):
   near-ties are very rare: there is almost nothing to steer (a steering sender changes
   about one token per hundred completions).
 - Attacks in bf16 (`--real-attacks bfloat16`, 8-token completions: the widest proof limits)
-  ran at 12:51-13:05 with the widened short-chunk proof limits but still logprob_tol 0.5;
-  under 1.0 the two logprob_mismatch verdicts of "weights x1.02" would not fire, and only
-  the group with the proof_index_mismatch would surely be rejected. A 1%-scaled model
-  passes the bf16 checks (as in session 3); 5% fails on the proof.
+  rerun at 13:27-13:38 with today's thresholds (widened short-chunk proof limits,
+  logprob_tol 1.0): a 1%-scaled model passes the bf16 checks (as in session 3); 2% is
+  caught (one token_mismatch and one proof_index_mismatch reject both groups), 5% fails on
+  the proof; forgeries and forged rewards are caught. A first run under logprob_tol 0.5 gave
+  the same picture (x1.02: logprob_mismatch 2, proof_index_mismatch 1).
 """

@@ -119,10 +119,12 @@ class PromptCache:
     computation either way (up to kernel rounding, far inside the thresholds). Entries are
     keyed by version as well as by the model object, because the trainer's live model
     changes its weights when its version changes; a weak reference guards against a freed
-    model's id being reused. At most `max_entries` prompts are kept (LRU)."""
+    model's id being reused. At most `max_entries` prompts and `max_tokens` prompt tokens are
+    kept (LRU)."""
 
-    def __init__(self, max_entries: int = 16, min_prefix: int = 16):
-        self.max_entries, self.min_prefix = max_entries, min_prefix
+    def __init__(self, max_entries: int = 16, min_prefix: int = 16, max_tokens: int = 4096):
+        # max_tokens bounds the memory: a 7B model's KV cache is ~130 KB per token in bf16
+        self.max_entries, self.min_prefix, self.max_tokens = max_entries, min_prefix, max_tokens
         self._entries: OrderedDict[tuple, tuple] = OrderedDict()  # key -> (ref, cache, last)
         self.hits = self.misses = 0
         self.tokens_saved = 0
@@ -147,7 +149,9 @@ class PromptCache:
         key = (id(model), int(version), tuple(prompt))
         self._entries[key] = (weakref.ref(model), cache, last)
         self._entries.move_to_end(key)
-        while len(self._entries) > self.max_entries:
+        while len(self._entries) > self.max_entries or (
+                len(self._entries) > 1
+                and sum(len(k[2]) for k in self._entries) > self.max_tokens):
             self._entries.popitem(last=False)
         return cache, last
 

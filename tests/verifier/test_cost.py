@@ -173,3 +173,12 @@ def test_length_sorted_sub_batches_match_one_padded_batch(kit, monkeypatch):
     for got, want, c in zip(sorted_rows, padded_rows, comps):
         assert got.shape[0] == len(c)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_prompt_cache_is_bounded_in_tokens(kit):
+    model, _, _ = kit
+    cache = PromptCache(max_tokens=50)
+    for last in (7, 8, 9):  # three 22-token prompts: two fit in 50 tokens
+        prefill_group(model, list(range(3, 24)) + [last], [[5, 6]], prompt_cache=cache)
+    assert len(cache._entries) == 2 and sum(len(k[2]) for k in cache._entries) <= 50
+    assert cache.hits == 2

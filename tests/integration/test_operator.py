@@ -300,7 +300,9 @@ def test_dashboard_renders_in_headless_chromium(trainer, tmp_path):
     points = int(dom.split('id="curve"')[1].split('data-points="')[1].split('"')[0])
     assert points >= MAX_STEPS
     assert 'id="reward-line"' in dom
-    assert "optest" in dom and "protocol 1" in dom
+    from swarm_node.protocol import PROTOCOL_VERSION
+
+    assert "optest" in dom and f"protocol {PROTOCOL_VERSION}" in dom
     assert int(dom.split('id="overview"')[1].split('data-rows="')[1].split('"')[0]) >= 5
     shot = Path(os.environ.get("SWARM_DASHBOARD_PNG", tmp_path / "dashboard.png"))
     subprocess.run([*flags, f"--screenshot={shot}", url], capture_output=True, timeout=120, check=False)

@@ -71,7 +71,12 @@ def test_vllm_weight_reload(engines, tmp_path):
     vs.load_weights(tmp_path / "m1")
     assert vs.version == 1
     after = vs.generate(prompts, 1, params, seeds=seeds)
-    assert [r[0].completion_ids for r in after] != [r[0].completion_ids for r in before]
+    # On the random tiny model the seeded noise outweighs the near-flat logits, so both
+    # weight sets may pick the same tokens (the HF sampler too): the logprobs show the reload.
+    assert any(not torch.allclose(a[0].logprobs, b[0].logprobs, atol=1e-3)
+               for a, b in zip(after, before))
     hf.load_weights(tmp_path / "m1")
     ref = hf.generate(prompts, 1, params, seeds=seeds)
-    assert [r[0].completion_ids for r in after] == [r[0].completion_ids for r in ref]
+    for a, r in zip(after, ref):
+        assert a[0].completion_ids == r[0].completion_ids
+        torch.testing.assert_close(a[0].logprobs, r[0].logprobs, atol=1e-3, rtol=1e-3)

@@ -10,6 +10,7 @@ import queue
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -23,7 +24,9 @@ class BroadcastProc:
         if key is not None:
             cmd += ["--key", str(key)]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.stderr_path = Path(data_dir).with_suffix(".stderr")
+        # not beside data_dir: a test may put that on a tiny filesystem and fill it, and the
+        # "disk full" line the test looks for would then be lost (ENOSPC) with everything else
+        self.stderr_path = Path(tempfile.mkdtemp(prefix="bcast-")) / f"{name}.stderr"
         Path(data_dir).parent.mkdir(parents=True, exist_ok=True)
         self._stderr = open(self.stderr_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,

@@ -93,12 +93,7 @@ def run(job: dict) -> dict:
                 rewards.append(statistics.mean(trainer.rescorer.score(s.task, s.text)
                                                for s in samples))
                 batches.append(to_batch(samples, "sapo", peer, r, params))
-            for k, (peer, trainer, *_rest) in enumerate(nodes):
-                if external > 0:
-                    for j, batch in enumerate(batches):
-                        if j != k:
-                            trainer.add_external(batch)
-                trainer.step()
+            _share_and_step([node[1] for node in nodes], batches, external)
             curve.append(rewards)
         for _, trainer, *_rest in nodes:
             trainer.close()
@@ -153,12 +148,7 @@ def run_smollm2(job: dict) -> dict:
                 rewards.append(statistics.mean(trainer.rescorer.score(s.task, s.text)
                                                for s in samples))
                 batches.append(to_batch(samples, "sapo", peer, r, params))
-            for k, (_peer, trainer, _sampler) in enumerate(nodes):
-                if external > 0:
-                    for j, batch in enumerate(batches):
-                        if j != k:
-                            trainer.add_external(batch)
-                trainer.step()
+            _share_and_step([node[1] for node in nodes], batches, external)
             curve.append(rewards)
             round_s.append(time.perf_counter() - t_round)
             print(f"{local}/{external} seed {seed} round {r}: rewards "
@@ -221,6 +211,17 @@ DEFAULTS = {
     "smollm2": {"lr": 1e-5, "max_new_tokens": 10, "out": "benchmarks/sapo_smollm2_runs.json"},
 }
 
+
+
+def _share_and_step(trainers: list, batches: list, external: int) -> None:
+    """Each node takes the other nodes' batches of this round (when it trains on external
+    groups) and steps once on its I local + J external groups."""
+    for k, trainer in enumerate(trainers):
+        if external > 0:
+            for j, batch in enumerate(batches):
+                if j != k:
+                    trainer.add_external(batch)
+        trainer.step()
 
 def main() -> None:
     ap = argparse.ArgumentParser()

@@ -269,7 +269,7 @@ def main() -> None:
             print(f"{res['local']}/{res['external']} seed {res['seed']}: cumulative "
                   f"{cum:.2f} ({res['seconds']:.0f} s) {res.get('eval_node0', '')}", flush=True)
             results.append({**res, "load_before": load0, "load_after": os.getloadavg()})
-    Path(args.out).write_text(json.dumps(results))
+            Path(args.out).write_text(json.dumps(results))  # each finished run kept at once
     if not args.no_record:
         report(results, args)
 

@@ -45,7 +45,7 @@ def variations(dtype: str):
     return [("batch 32 (4 tasks x 8), 1 thread, 8 tokens", 1, 32, 4, 8, 1.0, 1.0, 8),
             ("batch 32, 2 threads, 8 tokens", 2, 32, 4, 8, 1.0, 1.0, 8),
             ("batch 32, T=0.7 top-p 0.9, 8 tokens", 1, 32, 4, 8, 0.7, 0.9, 8),
-            ("batch 8 (2 tasks x 4), 1 thread, 24 tokens", 1, 8, 2, 4, 1.0, 1.0, 24),
+            ("batch 8 (2 tasks x 4), 1 thread, 32 tokens", 1, 8, 2, 4, 1.0, 1.0, 32),
             ("batch 1 (no padding), 1 thread, 8 tokens", 1, 1, 1, 2, 1.0, 1.0, 8),
             ("batch 8 (1 task x 8), long: 64 tokens", 1, 8, 1, 8, 1.0, 1.0, 64)]
 
@@ -367,18 +367,21 @@ def _peer_stats(recs: list[dict], tie_eps: float) -> list[tuple[float, float, in
 
 
 def _run_peer(monitor, pool, rng, batches: int, batch: int, bias: float = 0.0,
-              steer: float = 0.0, until_alarm: bool = False) -> tuple[int, int | None]:
+              steer: float = 0.0, honest_flip: float = 0.0,
+              until_alarm: bool = False) -> tuple[int, int | None]:
     """Feed `batches` batches of `batch` completions drawn with replacement from `pool` (a
     cheat applied on top) to a fresh peer in `monitor`; (alarming batches, first alarm's
-    batch number or None)."""
+    batch number or None). `steer`: share of the unflipped wide ties a cheater flips;
+    `honest_flip`: the same for an honest peer whose floats reorder wide ties at that rate
+    (the stress case: the test's own p0)."""
     peer = f"p{rng.integers(1 << 62)}"
     alarms, first = 0, None
     for b in range(batches):
         hit = False
         for k in rng.integers(len(pool), size=batch):
             err, n, ties, flips = pool[k]
-            if steer:
-                flips += int(rng.binomial(ties - flips, steer))
+            if steer or honest_flip:
+                flips += int(rng.binomial(ties - flips, steer or honest_flip))
             hit |= monitor.observe(peer, {"lp_err_sum": err + bias * n, "lp_n": n,
                                           "wide_ties": ties, "wide_flips": flips}) is not None
         if hit:
@@ -389,7 +392,24 @@ def _run_peer(monitor, pool, rng, batches: int, batch: int, bias: float = 0.0,
     return alarms, first
 
 
-def bootstrap(recs: list[dict], dtype: str, honest_batches: int = 40_000, batch: int = 8,
+BOOT_BATCHES = (32, 8)  # the protocol default (tasks_per_round 4 x completions_per_task 8), 8
+
+
+def steering_freedom(recs: list[dict], tie_eps: float) -> dict:
+    """Measured share of honest positions where a cheater may take the runner-up and still
+    pass replay (top-two noisy margin <= tie_eps), and of those the per-peer test watches
+    (wide: margin > tie_eps / 4). The collection ran with a loose tie_eps, so every margin up
+    to it was recorded."""
+    tokens = sum(r["len"] for r in recs)
+    ties = wide = 0
+    for r in recs:
+        for m in r["stats"].get("tie_margins", []):
+            ties += m <= tie_eps
+            wide += tie_eps / 4 < m <= tie_eps
+    return {"tokens": tokens, "ties": ties, "wide": wide}
+
+
+def bootstrap(recs: list[dict], dtype: str, honest_batches: int = 40_000, batch: int = 32,
               peers: int = 100, attack_peers: int = 200, horizon: int = 200,
               seed: int = 0) -> dict:
     """The per-peer CUSUMs (verifier/sequential.py, the real code) run on honest batches
@@ -397,8 +417,9 @@ def bootstrap(recs: list[dict], dtype: str, honest_batches: int = 40_000, batch:
     cheat applied. Honest peers: `peers` peers share `honest_batches` batches; "pooled" draws
     from every completion, "one config" gives each peer one variation (its hardware and
     settings) and draws only from that variation's completions, which keeps a config's own
-    bias. Attacks: `attack_peers` cheaters each, batches to the first alarm (up to
-    `horizon`)."""
+    bias; "stress" makes honest peers flip wide ties at the test's own p0 (what the
+    false-alarm rate would be if honest floats reordered wide ties that often). Attacks:
+    `attack_peers` cheaters each, batches to the first alarm (up to `horizon`)."""
     import numpy as np
     from swarm_node.verifier.checks import CheckSettings
     from swarm_node.verifier.sequential import PeerMonitor, SequentialSettings
@@ -412,9 +433,12 @@ def bootstrap(recs: list[dict], dtype: str, honest_batches: int = 40_000, batch:
         by_var.setdefault(r["variation"], []).append(st)
     per_peer = max(1, honest_batches // peers)
     honest = {}
-    for label, pools in (("pooled", [pool]), ("one config per peer", list(by_var.values()))):
+    for label, pools, flip in (("pooled", [pool], 0.0),
+                               ("one config per peer", list(by_var.values()), 0.0),
+                               (f"stress: honest flips at p0 = {seq.flip_p0}", [pool],
+                                seq.flip_p0)):
         alarms = sum(_run_peer(PeerMonitor(seq), pools[i % len(pools)], rng, per_peer,
-                               batch)[0] for i in range(peers))
+                               batch, honest_flip=flip)[0] for i in range(peers))
         honest[label] = (alarms, per_peer * peers)
     tol = s.logprob_tol
     cheats = [(f"logprob bias {-f * tol:+.3g}/token ({f:.0%} of the tolerance)",
@@ -435,30 +459,42 @@ def bootstrap(recs: list[dict], dtype: str, honest_batches: int = 40_000, batch:
     wide = sum(p[2] for p in pool)
     return {"honest": honest, "attacks": attacks, "completions": len(pool),
             "wide_ties": wide, "wide_flips": sum(p[3] for p in pool), "settings": seq,
-            "batch": batch}
+            "batch": batch, "freedom": steering_freedom(ok, s.tie_eps), "tie_eps": s.tie_eps}
 
 
 def bootstrap_text(dtype: str, recs: list[dict]) -> str:
     from benchmarks.results import table
 
-    b = bootstrap(recs, dtype)
-    st = b["settings"]
-    lines = [(f"Per-peer sequential tests, measured by bootstrap ({dtype}): honest batches of "
-             f"{b['batch']} resampled from the {b['completions']} measured honest completions "
-             f"and fed to the real `PeerMonitor` (`SequentialSettings.for_dtype`: bias mu0 "
-             f"{st.bias_mu:+.3g}, sigma0 {st.bias_sigma:.3g}, k {st.bias_k}, clip "
-             f"{st.bias_clip}; steering p0 {st.flip_p0}, p1 {st.flip_p1}; h {st.h}). Honest "
-             f"wide ties in the data: {b['wide_ties']}, flipped {b['wide_flips']}.\n")]
+    runs = [bootstrap(recs, dtype, batch=b) for b in BOOT_BATCHES]
+    b = runs[0]
+    st, fr = b["settings"], b["freedom"]
+    lines = [(f"Per-peer sequential tests, measured by bootstrap ({dtype}): honest batches "
+              f"resampled from the {b['completions']} measured honest completions and fed to "
+              f"the real `PeerMonitor` (`SequentialSettings.for_dtype`: bias mu0 "
+              f"{st.bias_mu:+.3g}, sigma0 {st.bias_sigma:.3g}, k {st.bias_k}, clip "
+              f"{st.bias_clip}; steering p0 {st.flip_p0}, p1 {st.flip_p1}; h {st.h}), at "
+              f"batch {BOOT_BATCHES[0]} (the protocol default: tasks_per_round 4 x "
+              f"completions_per_task 8) and batch {BOOT_BATCHES[1]}. Honest wide ties in the "
+              f"data: {b['wide_ties']}, flipped {b['wide_flips']}. Steering freedom "
+              f"(measured): {fr['ties']} of {fr['tokens']} honest positions "
+              f"({fr['ties'] / max(1, fr['tokens']):.3%}) have a top-two margin <= tie_eps "
+              f"{b['tie_eps']} (a cheater may take the runner-up there and pass replay); "
+              f"{fr['wide']} of them ({fr['wide'] / max(1, fr['tokens']):.3%} of positions) "
+              "are wide ties the steering test watches, the rest it cannot tell from "
+              "honest float noise.\n")]
     rows = []
-    for label, (alarms, n) in b["honest"].items():
-        bound = 3 / n if alarms == 0 else None
-        rows.append([label, n, f"**{alarms}**",
-                     f"< {bound:.1e} (95%)" if bound else f"{alarms / n:.1e}"])
+    for run in runs:
+        for label, (alarms, n) in run["honest"].items():
+            bound = 3 / n if alarms == 0 else None
+            rows.append([f"batch {run['batch']}: {label}", n, f"**{alarms}**",
+                         f"< {bound:.1e} (95%)" if bound else f"{alarms / n:.1e}"])
     lines.append(table(["honest peers", "batches", "false alarms", "rate per batch"], rows))
     lines.append("\nCheats on top of the same resampled honest statistics (200 cheating peers "
                  "each, 200 batches at most):\n")
     lines.append(table(["cheat", "median batches to alarm", "95th percentile",
-                        "caught within 20 batches", "never caught in 200"], b["attacks"]))
+                        "caught within 20 batches", "never caught in 200"],
+                       [[f"batch {run['batch']}: {row[0]}", *row[1:]]
+                        for run in runs for row in run["attacks"]]))
     return "\n".join(lines)
 
 

@@ -13,9 +13,16 @@ that no single completion reveals:
   it its reputation.)
 - near-tie steering: taking the runner-up token wherever the top two noisy scores are
   within `tie_eps`. At "wide" ties (margin in (tie_eps/4, tie_eps]) an honest sampler
-  agrees with the verifier's own choice except for rare float reorderings (rate `flip_p0`,
-  calibrated in benchmarks/verifier.py); a steering sender disagrees at rate `flip_p1` or
-  more. Test: Bernoulli CUSUM (H0 flip_p0, H1 flip_p1) over wide ties.
+  agrees with the verifier's own choice except for rare float reorderings (rate `flip_p0`);
+  a steering sender disagrees at rate `flip_p1` or more. Test: Bernoulli CUSUM (H0
+  flip_p0, H1 flip_p1) over wide ties. An honest flip at a tie of margin m needs the
+  sampler's and the verifier's score differences of the two tokens to differ by >= m.
+  bf16: honest flips at wide ties were measured (13 of 427 on SmolLM2), p0 0.1. fp32:
+  a wide tie has m > 2.5e-4, while the worst honest fp32 logprob error measured on SmolLM2
+  (CPU, 17,380 tokens) is 3.15e-5, so such a flip needs an error 8x the worst seen and
+  none occurred (0 flips at 7,831 honest positions with m <= 1); p0 1e-3 is well above the
+  95% bound this data gives (3 / 17,380 per token that any of the two tokens' errors
+  exceeds 3.15e-5). With p0 1e-3 two flips at wide ties alarm; with 0.05 it took about six.
 
 CUSUM: g = max(0, g + LLR(observation)); an alarm when g > h, then g restarts at 0.
 For the steering test h = 12 (log-likelihood units) bounds false alarms by about e^-12
@@ -40,7 +47,7 @@ class SequentialSettings:
     bias_sigma: float = 5e-5  # honest per-token spread (fp32: a floor at logprob_tol / 20)
     bias_k: float = 1.5  # CUSUM allowance, in sigmas
     bias_clip: float = 4.0  # one completion moves the statistic by at most this
-    flip_p0: float = 0.05
+    flip_p0: float = 0.05  # uncalibrated default; for_dtype gives the measured ones
     flip_p1: float = 0.5
     min_tokens: int = 8  # shorter completions are not used for the bias test
     max_peers: int = 10_000
@@ -50,9 +57,12 @@ class SequentialSettings:
         """Honest parameters measured on SmolLM2 (CPU), benchmarks/verifier.py --real."""
         if dtype in ("bfloat16", "float16"):
             return cls(bias_mu=BF16_BIAS_MU, bias_sigma=BF16_BIAS_SIGMA, flip_p0=BF16_FLIP_P0)
-        return cls()
+        return cls(flip_p0=FP32_FLIP_P0)
 
 
+# fp32: honest flip rate at wide ties (margin > tie_eps / 4 = 2.5e-4), a bound from the
+# measured honest errors (module docstring; RESULTS.md "verifier-real")
+FP32_FLIP_P0 = 1e-3
 # bf16 honest calibration (SmolLM2-135M, CPU; RESULTS.md "verifier-real")
 BF16_BIAS_MU = 0.002
 BF16_BIAS_SIGMA = 0.06

@@ -89,3 +89,23 @@ def test_bias_test_follows_the_honest_offset_of_the_dtype():
     alarms = [m.observe("cheat", {"lp_err_sum": (s.bias_mu - 0.09) * 32, "lp_n": 32})
               for _ in range(10)]
     assert "logprob_bias" in alarms
+
+
+def test_fp32_steering_test_alarms_on_two_wide_flips_not_on_honest_float_noise():
+    """fp32: an honest flip at a wide tie needs an error 8x the worst measured one, so p0 is
+    small (1e-3) and two flipped wide ties in a row are enough evidence; isolated flips
+    (here one wide tie in 50, 20x the assumed p0) never alarm."""
+    s = SequentialSettings.for_dtype("float32")
+    assert s.flip_p0 < SequentialSettings().flip_p0
+    m = PeerMonitor(s)
+    steer = [m.observe("cheat", {"wide_ties": 1, "wide_flips": 1}) for _ in range(2)]
+    assert steer == [None, "tie_steering"]
+    honest = [m.observe("honest", {"wide_ties": 1, "wide_flips": int(k % 50 == 0)})
+              for k in range(20_000)]
+    assert sum(x is not None for x in honest) == 0
+    # the old p0 (0.05) needed six flips in a row
+    old = PeerMonitor(SequentialSettings(flip_p0=0.05))
+    assert [old.observe("c", {"wide_ties": 1, "wide_flips": 1}) for _ in range(6)][-2:] == \
+        [None, "tie_steering"]
+    # the bf16 test keeps its measured p0 (honest bf16 flips are common)
+    assert SequentialSettings.for_dtype("bfloat16").flip_p0 == 0.1

@@ -163,13 +163,14 @@ def cost(dtype: str, batches: int, baseline: str) -> Path:
         return cls(model, tokenizer, source, swarm_id="default", latest_version=lambda: 0,
                    dtype=dtype)
 
-    round_ = 10_000
+    round_ = 10_000 + int(time.time()) % 1_000_000  # fresh tasks in every run
+    per_token, per_row = linear_flops(model)
     with open(COST_OUT, "a") as out:
         for name, threads, max_batch, tasks, n, temp, top_p, max_new in cost_variations(dtype):
             torch.set_num_threads(threads)
             params = SamplingParams(temperature=temp, top_p=top_p, max_new_tokens=max_new)
             after, cheap = make(RolloutVerifier), make(RolloutVerifier)
-            for _ in range(batches):
+            for k in range(batches):
                 t0, c0 = time.perf_counter(), time.process_time()
                 batch = attacks.sample_batch(model, tokenizer, source, SENDER, round_=round_,
                                              version=0, tasks=tasks, n=n, params=params,
@@ -178,6 +179,19 @@ def cost(dtype: str, batches: int, baseline: str) -> Path:
                        "gen_cpu": time.process_time() - c0,
                        "tokens": sum(c.completion_ids.shape[0] for c in batch.completions)}
                 batch = batch.model_copy(update={"dtype": dtype})
+                comps = batch.completions
+                prompt_tokens = sum(c.prompt_ids.shape[0] for c in comps)
+                group_prompts = sum(c.prompt_ids.shape[0] for c in
+                                    {bytes(c.prompt_ids.data): c for c in comps}.values())
+                saved_before = after.prompt_cache.tokens_saved
+                # linear-layer FLOPs (attention scores left out: short sequences): the
+                # sampler feeds every row's prompt and completion, and the LM head once per
+                # token; the verifier feeds each group's prompt once (less the cached
+                # prefix) and the completions but their last token, the LM head at every
+                # completion token
+                rec["gen_gflop"] = (per_token * (prompt_tokens + rec["tokens"])
+                                    + per_row * rec["tokens"]) / 1e9
+                rec["k"] = k  # 0: the verifier's prompt cache is cold
                 for key, v, spot in (("before", make(before_cls), None),
                                      ("after", after, None),
                                      ("cheap", cheap, lambda ids: False)):
@@ -187,6 +201,9 @@ def cost(dtype: str, batches: int, baseline: str) -> Path:
                     rec[f"{key}_cpu"] = time.process_time() - c0
                     rec[f"{key}_reasons"] = sorted({r.reason for r in results})
                 rec["prompt_tokens_saved"] = after.prompt_cache.tokens_saved
+                fed = (group_prompts - (after.prompt_cache.tokens_saved - saved_before)
+                       + rec["tokens"] - len(comps))
+                rec["verify_gflop"] = (per_token * fed + per_row * rec["tokens"]) / 1e9
                 out.write(json.dumps(rec) + "\n")
                 out.flush()
                 round_ += 1
@@ -196,37 +213,59 @@ def cost(dtype: str, batches: int, baseline: str) -> Path:
     return COST_OUT
 
 
+def linear_flops(model) -> tuple[float, float]:
+    """(FLOPs of the decoder's linear layers per token fed, of the LM head per row)."""
+    c = model.config
+    h, inter = c.hidden_size, c.intermediate_size
+    kv = h // c.num_attention_heads * getattr(c, "num_key_value_heads", c.num_attention_heads)
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * inter
+    return 2.0 * c.num_hidden_layers * per_layer, 2.0 * h * c.vocab_size
+
+
 def cost_table() -> list[list]:
     """Per variation: verify / generate in CPU seconds of the process (what the work costs;
-    wall time on this shared machine mostly measures the other tenants) and in wall time."""
+    wall time on this shared machine mostly measures the other tenants) and in wall time;
+    "warm" leaves out each variation's first batch (the verifier's prompt cache is cold
+    there; a trainer keeps one verifier per policy, so warm is its steady state); GFLOP per
+    CPU second of the linear layers, for generation and verification."""
     if not COST_OUT.exists():
         return []
     by: dict[str, dict] = {}
     for line in COST_OUT.read_text().splitlines():
         r = json.loads(line)
-        d = by.setdefault(f"{r['dtype']} {r['variation']}", {"n": 0, "tok": 0, "bad": set()})
-        d["n"] += 1
-        d["tok"] += r["tokens"]
-        for k in ("gen", "before", "after", "cheap"):
-            for unit in ("cpu", "s"):
-                d[f"{k}_{unit}"] = d.get(f"{k}_{unit}", 0.0) + r[f"{k}_{unit}"]
-        d["bad"] |= {x for x in r["before_reasons"] + r["after_reasons"] if x != "ok"}
+        for part in ("all", "warm") if r.get("k", 0) > 0 else ("all",):
+            d = by.setdefault(f"{r['dtype']} {r['variation']}", {}).setdefault(
+                part, {"n": 0, "tok": 0, "bad": set()})
+            d["n"] += 1
+            d["tok"] += r["tokens"]
+            for k in ("gen", "before", "after", "cheap"):
+                for unit in ("cpu", "s"):
+                    d[f"{k}_{unit}"] = d.get(f"{k}_{unit}", 0.0) + r[f"{k}_{unit}"]
+            for k in ("gen_gflop", "verify_gflop"):
+                d[k] = d.get(k, 0.0) + r.get(k, float("nan"))
+            d["bad"] |= {x for x in r["before_reasons"] + r["after_reasons"] if x != "ok"}
     rows = []
-    for k, d in by.items():
+    for k, parts in by.items():
+        d, w = parts["all"], parts.get("warm")
         full, cheap = d["after_cpu"] / d["gen_cpu"], d["cheap_cpu"] / d["gen_cpu"]
+        warm = w["after_cpu"] / w["gen_cpu"] if w else float("nan")
         rows.append([k, d["n"], d["tok"], f"{d['tok'] / d['gen_cpu']:.1f}",
                      f"{d['before_cpu'] / d['gen_cpu']:.1%}", f"**{full:.1%}**",
+                     f"**{warm:.1%}** ({w['n'] if w else 0})",
                      f"{d['before_s'] / d['gen_s']:.0%} / {d['after_s'] / d['gen_s']:.0%}",
                      f"{cheap:.2%}",
                      f"{SPOT_FRACTION * full + (1 - SPOT_FRACTION) * cheap:.2%}",
+                     (f"{d['gen_gflop'] / d['gen_cpu']:.1f} / "
+                      f"{d['verify_gflop'] / d['after_cpu']:.1f}"),
                      ", ".join(sorted(d["bad"])) or "none"])
     return rows
 
 
 COST_HEADER = ["dtype, variation", "batches", "tokens", "gen tok/CPU-s",
                "verify / generate, baseline (CPU)", "verify / generate, now (CPU)",
-               "wall: baseline / now", "cheap checks only (CPU)",
-               f"amortised, spot checks at {SPOT_FRACTION:.0%}", "rejects"]
+               "now, warm prompt cache (batches)", "wall: baseline / now",
+               "cheap checks only (CPU)", f"amortised, spot checks at {SPOT_FRACTION:.0%}",
+               "linear-layer GFLOP per CPU-s: generate / verify", "rejects"]
 
 
 # attacks on the real model under the thresholds of its dtype ----------------------------------

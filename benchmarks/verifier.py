@@ -461,16 +461,22 @@ def main() -> None:
     ap.add_argument("--real-cost-batches", type=int, default=4)
     ap.add_argument("--real-attacks", choices=["float32", "bfloat16"],
                     help="cheats on SmolLM2 with 8-token completions (verifier_real.attack_run)")
+    ap.add_argument("--real-flip-errors", choices=["float32", "bfloat16"],
+                    help="honest decode-vs-prefill errors at the verifier's top two "
+                         "(verifier_real.flip_errors; budget --real-budget-s)")
     ap.add_argument("--baseline", default="e83ff02",
                     help="commit whose verifier/checks.py is the cost baseline")
     ap.add_argument("--real-report", metavar="LOAD",
                     help="write the SmolLM2 section from what was collected (LOAD: the load "
                          "average seen during collection, for the record)")
     args = ap.parse_args()
-    if args.real or args.real_report or args.real_cost or args.real_attacks:
+    if args.real or args.real_report or args.real_cost or args.real_attacks \
+            or args.real_flip_errors:
         from benchmarks import verifier_real
 
-        if args.real_attacks:
+        if args.real_flip_errors:
+            verifier_real.flip_errors(args.real_flip_errors, args.real_budget_s)
+        elif args.real_attacks:
             verifier_real.attack_run(args.real_attacks)
         elif args.real_cost:
             verifier_real.cost(args.real_cost, args.real_cost_batches, args.baseline)

@@ -268,6 +268,122 @@ COST_HEADER = ["dtype, variation", "batches", "tokens", "gen tok/CPU-s",
                "linear-layer GFLOP per CPU-s: generate / verify", "rejects"]
 
 
+# honest flip errors: what an honest sampler's floats do to the verifier's top two ---------
+
+FLIP_OUT = OUT / "flip-errors.jsonl"
+
+
+def flip_errors(dtype: str, budget_s: float) -> Path:
+    """For every position of honest completions: d = (a - b) under the sampler's decode
+    logits minus (a - b) under the verifier's prefill logits (temperature-scaled), where a,
+    b are the verifier's noisy top two. An honest flip at a tie of margin m needs d >= m;
+    the distribution of |d| bounds the honest flip rate p0 of the steering test
+    (sequential.py). Also the spread max - min of (decode - prefill) over the tokens that
+    can reach the top two at all (a bound for any pair). One JSON line per completion."""
+    import numpy as np
+    from swarm_node.node.models import BUILTIN_SMOLLM2, ensure_builtin, load_model
+    from swarm_node.node.sampler.hf import HFSampler
+    from swarm_node.node.sampler.seeded import mask_logits
+    from swarm_node.node.tasks import TaskSource, format_prompt, get_task
+    from swarm_node.protocol import noise
+    from swarm_node.protocol.messages import SamplingParams
+    from swarm_node.verifier.checks import RolloutVerifier, noisy_top2, prefill_group
+
+    model, tokenizer = load_model(ensure_builtin(BUILTIN_SMOLLM2), dtype=dtype)
+    source = TaskSource(MIX, "default")
+    OUT.mkdir(parents=True, exist_ok=True)
+    specs = [v for v in variations(dtype) if "long" not in v[0]]
+    per = budget_s / len(specs)
+    round_ = 20_000 + int(time.time()) % 1_000_000
+    with open(FLIP_OUT, "a") as out:
+        for name, threads, max_batch, tasks, n, temp, top_p, max_new in specs:
+            torch.set_num_threads(threads)
+            params = SamplingParams(temperature=temp, top_p=top_p, max_new_tokens=max_new)
+            v = RolloutVerifier(model, tokenizer, source, swarm_id="default",
+                                latest_version=lambda: 0, dtype=dtype)
+            t_end = time.monotonic() + per
+            while time.monotonic() < t_end:
+                sampler = HFSampler(model, tokenizer, peer_id=SENDER, max_batch=max_batch)
+                steps: list[list] = []  # per _generate_rows call: [seeds, [logits per step]]
+                rows_fn = sampler._generate_rows
+
+                def record_rows(prompts, seeds, p, rows_fn=rows_fn, steps=steps):
+                    steps.append([list(seeds), []])
+                    return rows_fn(prompts, seeds, p)
+
+                sampler._generate_rows = record_rows
+                hook = sampler.lm_head.register_forward_hook(
+                    lambda mod, inp, y, steps=steps: steps[-1][1].append(
+                        y.detach().float().clone()))
+                refs = source.draw(SENDER, round_, tasks)
+                prompts = [(r, format_prompt(tokenizer, get_task(r))) for r in refs]
+                try:
+                    groups = sampler.generate(prompts, n, params)
+                finally:
+                    hook.remove()
+                decode = {seed: (call, r) for call, (seeds, _) in enumerate(steps)
+                          for r, seed in enumerate(seeds)}
+                for (_, prompt), group in zip(prompts, groups):
+                    hiddens = prefill_group(model, prompt, [s_.completion_ids for s_ in group],
+                                            v._pad_id(), 8192, v.prompt_cache, 0)
+                    for smp, hidden in zip(group, hiddens):
+                        call, r = decode[smp.seed]
+                        t = len(smp.completion_ids)
+                        dec = torch.stack([steps[call][1][k][r] for k in range(t)])
+                        ver = v._logits(model, hidden)
+                        # scaled in float32 as choose_tokens and the verifier do
+                        dsc, vsc = (dec.float() / temp).double(), (ver.float() / temp).double()
+                        strict = mask_logits(ver.float() / temp, params)
+                        pos = torch.arange(t, dtype=torch.int64)
+                        vals, idx = noisy_top2(strict, torch.full((t,), smp.seed,
+                                                                  dtype=torch.int64), pos)
+                        diff = dsc - vsc
+                        d = (diff.gather(1, idx[:, :1]) - diff.gather(1, idx[:, 1:]))[:, 0]
+                        reach = strict >= (vals[:, 1:] - noise.G_MAX - 1e-3)
+                        spread = (diff.masked_fill(~reach, -np.inf).amax(1)
+                                  - diff.masked_fill(~reach, np.inf).amin(1))
+                        flips = [int(a) != b for a, b in zip(idx[:, 0], smp.completion_ids)]
+                        out.write(json.dumps({
+                            "dtype": dtype, "variation": name, "len": t,
+                            "abs_d": d.abs().tolist(), "spread": spread.tolist(),
+                            "margin": (vals[:, 0] - vals[:, 1]).tolist(),
+                            "flips": sum(flips)}) + "\n")
+                out.flush()
+                round_ += 1
+                print(f"flip errors {dtype} {name}: round {round_}", flush=True)
+    return FLIP_OUT
+
+
+def flip_error_text() -> str:
+    """The measured honest pair errors against the margin of a wide tie."""
+    import numpy as np
+
+    if not FLIP_OUT.exists():
+        return ""
+    parts = []
+    recs = [json.loads(line) for line in FLIP_OUT.read_text().splitlines() if line.strip()]
+    for dtype in sorted({r["dtype"] for r in recs}):
+        rs = [r for r in recs if r["dtype"] == dtype]
+        d = np.concatenate([r["abs_d"] for r in rs])
+        spread = np.concatenate([r["spread"] for r in rs])
+        from swarm_node.verifier.checks import CheckSettings
+
+        wide = CheckSettings.for_dtype(dtype).tie_eps / 4
+        over = int((d > wide).sum())
+        rate = f"< {3 / len(d):.1e} at 95%" if over == 0 else f"{over / len(d):.1e}"
+        parts.append(
+            f"Honest flip errors ({dtype}, `--real-flip-errors`): {len(d)} positions of "
+            f"{len(rs)} completions in {len({r['variation'] for r in rs})} variations. The "
+            f"sampler's decode minus the verifier's prefill, on the score difference of the "
+            f"verifier's noisy top two: median {np.median(d):.2e}, 99.9th percentile "
+            f"{np.percentile(d, 99.9):.2e}, max **{d.max():.2e}**; {over} positions above a "
+            f"wide tie's margin {wide:g} (rate {rate}). "
+            f"Spread of (decode - prefill) over every token that can reach the top two: max "
+            f"{spread.max():.2e}. Sampler and verifier picked different tokens at "
+            f"{sum(r['flips'] for r in rs)} positions.\n")
+    return "\n".join(parts)
+
+
 # attacks on the real model under the thresholds of its dtype ----------------------------------
 
 

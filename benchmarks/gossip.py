@@ -75,6 +75,15 @@ def make_batch(policy_id: str, round_: int, nbytes: int):
                         sampling=SamplingParams(), completions=[comp])
 
 
+def apply_overrides(cfg, items: list[str]) -> None:
+    """`--p2p FIELD=VALUE` items onto cfg.p2p (the value parsed as the field's type)."""
+    for item in items:
+        key, value = item.split("=", 1)
+        field_type = type(getattr(cfg.p2p, key))
+        setattr(cfg.p2p, key, value.lower() in ("1", "true", "yes") if field_type is bool
+                else field_type(value))
+
+
 async def libp2p_worker(args) -> None:
     from swarm_node.node.config import Config
     from swarm_node.node.identity import Identity
@@ -84,9 +93,7 @@ async def libp2p_worker(args) -> None:
     cfg.node.swarm_id = "bench"
     cfg.node.listen = ["/ip4/127.0.0.1/tcp/0"]
     cfg.p2p.discovery_interval_s = 1.0
-    for item in args.p2p:
-        key, value = item.split("=", 1)
-        setattr(cfg.p2p, key, type(getattr(cfg.p2p, key))(value))
+    apply_overrides(cfg, args.p2p)
     node = P2PNode(Identity.generate(), cfg)
     records = []
 
@@ -174,6 +181,7 @@ async def cpu_micro(args) -> dict:
         cfg = Config()
         cfg.node.swarm_id = "bench"
         cfg.node.listen = ["/ip4/127.0.0.1/tcp/0"]
+        apply_overrides(cfg, args.p2p)
         return cfg
 
     a = P2PNode(Identity.generate(), config())
@@ -199,11 +207,13 @@ async def cpu_micro(args) -> dict:
         while len(got) < len(batches):
             await asyncio.sleep(0.01)
         cpu = time.process_time() - cpu0
+        counters = {k: v for k, v in b.metrics.snapshot()["counters"].items()
+                    if k.startswith(("payload_", "rejected"))}
     finally:
         await a.close()
         await b.close()
     return {"messages": len(batches), "cpu_ms_per_msg_hop": cpu * 1000 / len(batches),
-            "wall_s": time.time() - t0}
+            "wall_s": time.time() - t0, "receiver_counters": counters}
 
 
 # Orchestrator ------------------------------------------------------------------------------

@@ -270,8 +270,9 @@ class BroadcastSection(Section):
 
 
 class P2PSection(Section):
-    inline_payload_max: int = Field(256 * 1024, ge=1024)
-    """Payloads up to this size travel inside gossip messages; larger ones are pulled."""
+    inline_payload_max: int = Field(16 * 1024, ge=1024)
+    """Sealed messages up to this size travel inside gossip messages; larger ones are
+    announced (PayloadAnnounce) and pulled once per peer (over the payload plane)."""
     bootstrap_timeout_s: float = Field(30.0, gt=0)
     """How long to keep trying the bootstrap peers before giving up."""
     target_peers: int = Field(8, ge=1)
@@ -290,6 +291,8 @@ class P2PSection(Section):
     """GossipSub D_low: graft more peers below this."""
     mesh_degree_high: int = Field(12, ge=1)
     """GossipSub D_high: prune peers above this."""
+    flood_publish: bool = True
+    """Send our own gossip to every subscribed peer, not only the mesh (GossipSub v1.1)."""
     heartbeat_interval_s: int = Field(1, ge=1)
     """GossipSub heartbeat (mesh maintenance and IHAVE gossip), seconds."""
     max_messages_per_second: int = Field(1000, ge=1)
@@ -316,6 +319,24 @@ class P2PSection(Section):
     """Announced large payloads kept for peers to pull (oldest evicted first)."""
     payload_fetch_parallel: int = Field(4, ge=1)
     """Announced payloads pulled at once."""
+    payload_tcp_listen: str = "auto"
+    """The payload plane: announced gossip payloads served over authenticated plain TCP (a
+    token from a libp2p request, bound to the peer id; every body is hash-checked against
+    the signed announce). "host:port" (port 0: any); "auto": the IP of the first libp2p
+    listen address, its port + 2 (4003 beside 4001; 0 if that is 0), none if that port
+    cannot be bound; "off": pulls over libp2p only."""
+    payload_tcp_conns_per_peer: int = Field(2, ge=1)
+    """Payload-plane connections per peer pair (each carries one pull at a time)."""
+    payload_tcp_max_pending: int = Field(64, ge=1)
+    """Payload-plane connections allowed to be unauthenticated at once (more are closed)."""
+    payload_tcp_auth_timeout_s: float = Field(5.0, gt=0)
+    """A payload-plane connection that does not authenticate within this is closed."""
+    payload_tcp_idle_s: float = Field(120.0, gt=0)
+    """An idle payload-plane connection is closed after this."""
+    payload_token_ttl_s: float = Field(600.0, gt=0)
+    """Lifetime of a payload-plane token."""
+    payload_pull_timeout_s: float = Field(10.0, gt=0)
+    """Longest one pull of an announced payload from one source may take."""
 
 
 class LimitsSection(Section):

@@ -58,8 +58,33 @@ def build_gossip(host, cfg, metrics: P2PMetrics) -> tuple[GossipSub, Pubsub]:
     return router, pubsub
 
 
+# Inline payloads we accept from others (the default threshold before the payload plane):
+# a peer configured with a higher `inline_payload_max` is still understood.
+ACCEPTED_INLINE_MAX = 256 * 1024
+
+
+def flood_own_publishes(router: GossipSub, self_id: ID) -> None:
+    """GossipSub v1.1 flood publishing (go-libp2p's default; py-libp2p 0.8.1 lacks it): a
+    message we originate goes to every subscribed GossipSub peer, not only our mesh, so every
+    directly connected subscriber gets it in one hop. Forwarded messages still go to the mesh
+    only. Publishes are small (payloads above `inline_payload_max` are announced and pulled),
+    so the few extra sends cost little, and the mesh degree no longer sets the first hop."""
+    inner = router._get_peers_to_send
+
+    def peers_to_send(topic_ids, msg_forwarder: ID, origin: ID, msg_id: bytes | None = None):
+        peers = set(inner(topic_ids, msg_forwarder=msg_forwarder, origin=origin, msg_id=msg_id))
+        if msg_forwarder == self_id and origin == self_id and router.pubsub is not None:
+            for t in topic_ids:
+                peers.update(p for p in router.pubsub.peer_topics.get(t, ())
+                             if router.peer_protocol.get(p) in (PROTOCOL_ID, PROTOCOL_ID_V11))
+            peers.discard(self_id)
+        return peers
+
+    router._get_peers_to_send = peers_to_send
+
+
 def max_rpc_size(cfg) -> int:
-    return cfg.inline_payload_max + RPC_OVERHEAD
+    return max(cfg.inline_payload_max, ACCEPTED_INLINE_MAX) + RPC_OVERHEAD
 
 
 class TunedQueues(dict):

@@ -32,7 +32,7 @@ from ...protocol.messages import WireModel
 from .bridge import TrioBridge
 from .discovery import Discovery
 from .errors import BadMultiaddr, DialError, NotRunning, P2PError
-from .gossip import GossipValidator, build_gossip
+from .gossip import GossipValidator, build_gossip, flood_own_publishes
 from .guard import (
     check_libp2p_version,
     guard_pubsub,
@@ -112,6 +112,7 @@ class P2PNode:
             raise P2PError(f"cannot start the libp2p host on {', '.join(map(str, listen))}: "
                            f"{_flatten(e)}", reason="listen_failed") from e
         await self.set_request_handler(FETCH_PROTOCOL, self.gossip.serve_payload)
+        await self.gossip.start_payload_plane()
         await self.gossip.subscribe_pending()
         self.discovery = Discovery(self)
         await self.discovery.install()
@@ -134,6 +135,7 @@ class P2PNode:
             task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.gossip.close_payload_plane()
         await self._bridge.stop()
 
     async def __aenter__(self) -> Self:
@@ -244,6 +246,8 @@ class P2PNode:
         freeze_tuning_env()
         guard_stream_handlers(host, self._t_stream_fault)  # before pubsub adds its handlers
         router, pubsub = build_gossip(host, self.cfg, self.metrics)
+        if self.cfg.flood_publish:
+            flood_own_publishes(router, host.get_id())
         guard_pubsub(pubsub, self._t_stream_fault)
         keep_subscriptions_while_connected(pubsub)
         use_fast_validation_cache(pubsub)

@@ -27,6 +27,7 @@ POINTS: dict[str, float] = {
     # A replay is not charged: an honest duplicate that outlived pubsub's seen-cache (slow
     # paths on a loaded machine) looks the same; the rate limit bounds what it costs.
     "wrong_topic": 5.0, "hash_mismatch": 10.0,
+    "unserved_announce": 5.0,  # announced a payload, then did not serve it (counted per pull)
     "bogus_batch": 10.0,  # reported by the verifier (e.g. fresh-key batches failing checks)
 }
 CUT_AT = 100.0

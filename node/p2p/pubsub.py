@@ -1,6 +1,7 @@
 """Gossip over py-libp2p's GossipSub (the pubsub seam of P2PNode): subscriptions and
 in-order delivery, publishing with mesh and capacity waits, and large payloads announced
-and pulled over FETCH_PROTOCOL. Methods named `_t_*` run in the libp2p (trio) thread."""
+and pulled once per peer (over the TCP payload plane of bodies.py, else FETCH_PROTOCOL).
+Methods named `_t_*` run in the libp2p (trio) thread."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from libp2p.peer.id import ID
 
 from ...protocol.envelope import Envelope, open_envelope
 from ...protocol.errors import ProtocolError
-from ...protocol.ids import FETCH_PROTOCOL, topic
+from ...protocol.ids import FETCH_PROTOCOL, PAYLOAD_TOKEN_PROTOCOL, topic
 from ...protocol.limits import TOPIC_MESSAGE_TYPES
 from ...protocol.messages import PayloadAnnounce, WireModel
+from .bodies import PayloadPuller, PayloadServer, PullFailed, TokenIssuer
 from .errors import PublishError, RequestError
 from .gossip import CountingSendChannel, mesh_ready
 
@@ -45,6 +47,9 @@ class GossipService:
         self._fetch_sem = asyncio.Semaphore(node.cfg.payload_fetch_parallel)
         self._outbox: deque[tuple[str, Envelope, str]] = deque()  # libp2p thread -> asyncio
         self._flush_pending = False
+        self._issuer: TokenIssuer | None = None  # the TCP payload plane (bodies.py)
+        self._server: PayloadServer | None = None
+        self._puller: PayloadPuller | None = None
 
     async def subscribe_pending(self) -> None:
         """At start: subscribe in the libp2p thread to the kinds subscribed before it."""
@@ -219,45 +224,165 @@ class GossipService:
             self._payload_bytes -= len(old)
 
     async def serve_payload(self, peer: str, body: bytes) -> bytes:
+        """FETCH_PROTOCOL: the payload held under the 32-byte hash `body` (libp2p path)."""
         data = self._payloads.get(body)
         if data is None:
             raise LookupError("payload not held here")
         return data
 
+    async def start_payload_plane(self) -> None:
+        """At start: the token handler, the TCP payload server (unless
+        `p2p.payload_tcp_listen` is off or its port cannot be bound) and the puller."""
+        self._issuer = TokenIssuer(self.node.peer_id, self.cfg.payload_token_ttl_s)
+        self._puller = PayloadPuller(self.node.peer_id, self._request_token, self._peer_ip,
+                                     self.cfg, self.metrics)
+        await self.node.set_request_handler(PAYLOAD_TOKEN_PROTOCOL, self.serve_token)
+        where = payload_listen_address(self.cfg.payload_tcp_listen,
+                                       self.node.config.node.listen)
+        if where is None:
+            log.info("payload plane off: announced payloads are served over libp2p only")
+            return
+        server = PayloadServer(self._issuer, self._payloads.get, self.node._allowed, self.cfg,
+                               self.metrics)
+        try:
+            port = await server.start(*where)
+        except OSError as e:
+            log.warning("payload plane cannot listen on %s:%d (%s): announced payloads are "
+                        "served over libp2p only", where[0], where[1], e)
+            return
+        self._server = server
+        log.info("payload plane (announced gossip payloads) on TCP %s:%d", where[0], port)
+
+    async def close_payload_plane(self) -> None:
+        if self._puller is not None:
+            self._puller.close()
+        if self._server is not None:
+            await self._server.close()
+            self._server = None
+
+    async def serve_token(self, peer: str, body: bytes) -> bytes:
+        """PAYLOAD_TOKEN_PROTOCOL: a token bound to `peer` and our plane's port."""
+        if self._server is None:
+            raise LookupError("no payload plane here")
+        return self._issuer.issue(peer, self._server.port)
+
+    async def _request_token(self, peer: str) -> bytes:
+        return await self.node.request(peer, PAYLOAD_TOKEN_PROTOCOL, b"",
+                                       timeout=self.cfg.payload_tcp_auth_timeout_s,
+                                       max_response=128)
+
+    def _peer_ip(self, peer: str) -> str | None:
+        """The IP of a live libp2p connection to `peer` (a snapshot read from asyncio)."""
+        host = self.node._host
+        if host is None:
+            return None
+        try:
+            for conn in list(host.get_network().get_connections(ID.from_base58(peer))):
+                addr = conn.muxed_conn.get_remote_address()
+                if addr:
+                    return str(addr[0])
+        except Exception as e:  # noqa: BLE001 - no address: the libp2p path is used
+            log.debug("no remote address for %s: %s", peer, e)
+        return None
+
     async def _pull_announced(self, kind: str, env: Envelope, origin: str) -> None:
         ann: PayloadAnnounce = env.message
-        inner_max = self.node.limits.max_for(ann.inner_type) + 4096
-        if ann.size > inner_max:
-            self.metrics.reject(origin, "too_large")
+        if ann.size > self.node.limits.max_for(ann.inner_type) + 4096:
+            self._reject_body(origin, "too_large")  # refused before a byte is pulled
             return
-        data = None
         async with self._fetch_sem:
-            # The announcer first, then peers that may have pulled it already.
-            sources = [origin] + [p for p in self.node.connected_peers() if p != origin][:3]
-            for source in sources:
-                try:
-                    data = await self.node.request(source, FETCH_PROTOCOL, ann.content_hash,
-                                              max_response=ann.size)
-                    break
-                except RequestError as e:
-                    log.info("could not pull announced %s from %s: %s", ann.inner_type,
-                             source, e)
+            data = await self.fetch_payload(ann, origin)
         if data is None:
             self.metrics.inc("payload_fetch_failed")
-            log.warning("could not pull announced %s of %s from any of %d peers",
-                        ann.inner_type, origin, len(sources))
+            log.warning("could not pull the announced %s of %s from any source",
+                        ann.inner_type, origin)
             return
-        if len(data) != ann.size or hashlib.sha256(data).digest() != ann.content_hash:
-            self.metrics.reject(origin, "hash_mismatch")
-            return
-        try:
+        try:  # only bytes that match the signed announce get here
             inner = open_envelope(data, limits=self.node.limits, expected_sender=origin,
                                   expected_type=ann.inner_type,
                                   replay_cache=self.node._validator.replay,
                                   max_skew_s=self.node.config.limits.max_clock_skew_s)
         except ProtocolError as e:
-            self.metrics.reject(origin, e.reason)
+            self._reject_body(origin, e.reason)
             return
         self._store_payload(ann.content_hash, data)
         self.metrics.inc("payload_fetched")
         await self._deliver(kind, inner, origin)
+
+    def pull_sources(self, origin: str) -> list[str]:
+        """Where to pull an announced payload: the announcer, the peer that brought us its
+        messages (it validated the announce, so it is pulling or holds it), then up to 3
+        other connected peers."""
+        first = [origin, self.node._validator.carried_by.get(origin)]
+        connected = self.node.connected_peers()
+        ordered = [p for p in dict.fromkeys(first) if p]
+        return ordered + [p for p in connected if p not in ordered][:3]
+
+    async def fetch_payload(self, ann: PayloadAnnounce, origin: str,
+                            sources: list[str] | None = None) -> bytes | None:
+        """The announced body from the first source that serves it, checked against the
+        announce's size and hash (before anything decodes it); None if no source did.
+        A source that serves other bytes, or an announcer that does not serve, is counted
+        and penalised."""
+        for source in self.pull_sources(origin) if sources is None else sources:
+            try:
+                data = await self._pull_from(source, ann)
+            except PullFailed as e:
+                self._pull_failed(source, origin, e)
+                continue
+            if len(data) != ann.size or hashlib.sha256(data).digest() != ann.content_hash:
+                self._reject_body(source, "hash_mismatch")
+                continue
+            return data
+        return None
+
+    async def _pull_from(self, source: str, ann: PayloadAnnounce) -> bytes:
+        """Over the TCP payload plane when the source has one, else over libp2p."""
+        puller = self._puller
+        if puller is not None and puller.usable(source):
+            try:
+                data = await puller.pull(source, ann.content_hash, ann.size)
+            except PullFailed as e:
+                if e.reason != "unavailable":
+                    raise
+            else:
+                self.metrics.inc("payload_pulled_tcp")
+                return data
+        try:
+            data = await self.node.request(source, FETCH_PROTOCOL, ann.content_hash,
+                                           timeout=self.cfg.payload_pull_timeout_s,
+                                           max_response=ann.size)
+        except RequestError as e:
+            reason = "not_held" if e.reason == "remote_error" else e.reason
+            raise PullFailed(str(e), reason) from None
+        self.metrics.inc("payload_pulled_libp2p")
+        return data
+
+    def _pull_failed(self, source: str, origin: str, e: PullFailed) -> None:
+        log.info("could not pull an announced payload of %s from %s: %s", origin[-8:],
+                 source[-8:], e)
+        if e.reason == "too_large":  # answered with another length than announced
+            self._reject_body(source, "too_large")
+        elif source == origin:  # announced it, then did not serve it
+            self._reject_body(origin, "unserved_announce")
+        else:
+            self.metrics.inc("payload_pull_misses")  # a relay may not hold it yet
+
+    def _reject_body(self, peer: str, reason: str) -> None:
+        self.metrics.reject(peer, reason)
+        self.node.report_misbehaviour(peer, reason=reason)
+
+
+def payload_listen_address(setting: str, libp2p_listen: list[str]) -> tuple[str, int] | None:
+    """(host, port) to bind the payload plane on, or None (off, or nothing to derive from)."""
+    if setting == "off":
+        return None
+    if setting != "auto":
+        host, _, port = setting.rpartition(":")
+        return host, int(port)
+    for addr in libp2p_listen:
+        parts = addr.split("/")
+        if len(parts) >= 5 and parts[1] in ("ip4", "ip6") and parts[3] == "tcp":
+            port = int(parts[4])
+            return parts[2], port + 2 if port else 0
+    return None

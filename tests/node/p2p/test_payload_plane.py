@@ -1,0 +1,165 @@
+"""The payload plane (node/p2p/bodies.py): announced gossip payloads pulled over
+authenticated TCP, checked against the signed announce, with fallbacks and penalties.
+Real libp2p hosts on loopback; bad servers are real nodes whose serving is altered."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import socket
+import struct
+
+import numpy as np
+from swarm_node.node.p2p.bodies import TokenIssuer
+from swarm_node.protocol.codec import pack
+from swarm_node.protocol.messages import (
+    Completion,
+    PayloadAnnounce,
+    RolloutBatch,
+    SamplingParams,
+    TaskRef,
+    TensorData,
+)
+
+from .conftest import wait_until
+
+KIND = "rollouts"
+
+
+def batch(policy_id: str, n_tokens: int, round_: int) -> RolloutBatch:
+    ids = TensorData.from_numpy(np.arange(n_tokens, dtype=np.int32) % 1000)
+    lps = TensorData.from_numpy(np.full(n_tokens, -0.5, dtype=np.float32))
+    comp = Completion(task=TaskRef(dataset="toy/digit_successor", seed=1, index=round_),
+                      prompt_ids=TensorData.from_numpy(np.arange(8, dtype=np.int32)),
+                      completion_ids=ids, logprobs=lps, finish_reason="length", seed=3,
+                      claimed_reward=0.5)
+    return RolloutBatch(swarm_id="default", round=round_, policy_id=policy_id,
+                        policy_version=0, sampling=SamplingParams(), completions=[comp])
+
+
+async def pair(make_node, **p2p):
+    """Two meshed nodes subscribed to KIND; returns (a, b, messages a received)."""
+    a = await make_node(**p2p)
+    b = await make_node(bootstrap=a.listen_addrs, **p2p)
+    got = []
+
+    async def on_msg(env, peer):
+        got.append((peer, env))
+
+    await a.subscribe(KIND, on_msg)
+    await b.subscribe(KIND, on_msg)
+    await wait_until(lambda: b.peer_id in a.mesh_peers(KIND) and a.peer_id in b.mesh_peers(KIND),
+                     30, what="the mesh")
+    return a, b, got
+
+
+def announce_of(node, message) -> tuple[bytes, PayloadAnnounce, bytes]:
+    """(sealed body, its announce, the sealed announce) as `publish` would make them."""
+    body = node.identity.seal(message)
+    ann = PayloadAnnounce(inner_type=message.TYPE, content_hash=hashlib.sha256(body).digest(),
+                          size=len(body))
+    return body, ann, node.identity.seal(ann)
+
+
+async def test_large_payload_pulled_over_tcp_small_stays_inline(make_node):
+    a, b, got = await pair(make_node)
+    large, small = batch(b.peer_id, 8192, 1), batch(b.peer_id, 100, 2)  # ~64 KiB, ~1 KiB
+    await b.publish(KIND, large)  # above the 16 KiB inline default: announced
+    await b.publish(KIND, small)  # inline
+    await wait_until(lambda: len(got) == 2, 30, what="both batches")
+    assert {env.message.round: env.message for _, env in got} == {1: large, 2: small}
+    assert b.metrics["payload_announced"] == 1
+    assert a.metrics["payload_pulled_tcp"] == 1 and a.metrics["payload_pulled_libp2p"] == 0
+    assert b.metrics["payload_tcp_served"] == 1
+    assert a.metrics["rejected"] == 0
+
+
+async def test_body_that_does_not_match_its_announce_is_rejected(make_node):
+    a, b, got = await pair(make_node)
+    body, ann, sealed_ann = announce_of(b, batch(b.peer_id, 8192, 1))
+    forged = bytearray(body)
+    forged[-1] ^= 1
+    b.gossip._payloads[ann.content_hash] = bytes(forged)  # serves other bytes than announced
+    await b.publish_raw(KIND, sealed_ann)
+    await wait_until(lambda: a.metrics["payload_fetch_failed"] == 1, 30, what="the failed pull")
+    assert a.metrics["rejected.hash_mismatch"] == 1
+    assert a.penalties.score(b.peer_id) > 0
+    assert got == [] and a.metrics["payload_fetched"] == 0
+
+
+async def test_announcer_that_never_serves_is_counted_and_penalised(make_node):
+    a, b, got = await pair(make_node)
+    _, _, sealed_ann = announce_of(b, batch(b.peer_id, 8192, 1))
+    await b.publish_raw(KIND, sealed_ann)  # announced, never stored
+    await wait_until(lambda: a.metrics["payload_fetch_failed"] == 1, 30, what="the failed pull")
+    assert a.metrics["rejected.unserved_announce"] == 1
+    assert b.metrics["payload_tcp_not_held"] == 1  # asked over TCP, answered "not held"
+    assert a.penalties.score(b.peer_id) > 0
+    assert got == []
+
+
+async def test_pull_falls_back_to_another_holder_over_libp2p(make_node):
+    a = await make_node()  # the announcer: holds nothing
+    c = await make_node(bootstrap=a.listen_addrs, payload_tcp_listen="off")  # holds it
+    b = await make_node(bootstrap=a.listen_addrs)
+    await wait_until(lambda: {a.peer_id, c.peer_id} <= set(b.connected_peers()), 30,
+                     what="b connected to a and c")
+    body, ann, _ = announce_of(a, batch(a.peer_id, 8192, 1))
+    c.gossip._store_payload(ann.content_hash, body)
+    data = await b.gossip.fetch_payload(ann, a.peer_id, sources=[a.peer_id, c.peer_id])
+    assert data == body
+    assert b.metrics["rejected.unserved_announce"] == 1  # a over TCP: not held
+    assert b.metrics["payload_pulled_libp2p"] == 1  # c has no TCP plane: libp2p
+    assert not b.gossip._puller.usable(c.peer_id)
+
+
+async def test_oversized_and_slow_answers_are_bounded(make_node):
+    a = await make_node()
+    b = await make_node(bootstrap=a.listen_addrs, payload_pull_timeout_s=1.0)
+    await wait_until(lambda: a.peer_id in b.connected_peers(), 30, what="the connection")
+    body, ann, _ = announce_of(a, batch(a.peer_id, 8192, 1))
+    a.gossip._server.lookup = lambda digest: body + b"x" * 1000  # longer than announced
+    assert await b.gossip.fetch_payload(ann, a.peer_id, sources=[a.peer_id]) is None
+    assert b.metrics["rejected.too_large"] == 1
+    assert b.metrics["payload_pulled_tcp"] == 0
+
+    async def stall(peer, reader, writer):  # authenticates, then never answers
+        await asyncio.sleep(3600)
+
+    a.gossip._server._serve = stall
+    assert await b.gossip.fetch_payload(ann, a.peer_id, sources=[a.peer_id]) is None
+    assert b.metrics["rejected.unserved_announce"] == 1  # the timeout, counted
+    assert b.penalties.score(a.peer_id) > 0
+
+
+async def test_plane_refuses_unauthenticated_connections(make_node):
+    a = await make_node(payload_tcp_auth_timeout_s=0.5)
+    port = a.gossip._server.port
+    other = TokenIssuer(a.peer_id, 60)  # right format, wrong secret
+    stolen = a.gossip._issuer.issue("12D3KooWSomeoneElse", port)  # bound to another peer
+
+    def hello(client: str, token: bytes) -> bytes:
+        from swarm_node.protocol.codec import unpack
+
+        expiry, mac, _ = unpack(token, max_size=128)
+        body = pack([client, expiry, mac])
+        return struct.pack(">I", len(body)) + body
+
+    attempts = [b"GET / HTTP/1.0\r\n\r\n" * 4, struct.pack(">I", 1 << 30),
+                hello("12D3KooWMe", other.issue("12D3KooWMe", port)),
+                hello("12D3KooWMe", stolen), b""]  # the last: an empty hello
+
+    def try_once(data: bytes) -> bytes:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(data)
+            s.sendall(b"\x00" * 32)  # a pull request, which must never be answered
+            try:
+                return s.recv(100)
+            except ConnectionResetError:
+                return b""
+
+    for data in attempts:
+        assert await asyncio.to_thread(try_once, data) == b""
+    await wait_until(lambda: a.metrics["payload_tcp_unauthenticated"] == len(attempts), 10,
+                     what="every refusal counted")
+    assert a.metrics["payload_tcp_served"] == 0 and a.metrics["payload_tcp_not_held"] == 0

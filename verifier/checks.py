@@ -44,6 +44,8 @@ from .seen import SeenStore
 log = logging.getLogger(__name__)
 
 ModelFor = Callable[[int], Any]
+# logits computed at once: 2^24 float32 values (64 MiB; 341 rows of a 49k vocabulary)
+LOGITS_BLOCK = 1 << 24
 SpotCheck = Callable[[list[bytes]], bool]
 
 
@@ -242,9 +244,8 @@ class RolloutVerifier:
                                     [c.completion_ids.to_numpy() for c in comps],
                                     self._pad_id(), self.settings.prefill_token_budget,
                                     self.prompt_cache, batch.policy_version)
-            for i, hidden in zip(members, hiddens):
+            for i, hidden, logits in zip(members, hiddens, self._group_logits(model, hiddens)):
                 try:
-                    logits = self._logits(model, hidden)
                     stats, logprobs = self._model_checks(batch, batch.completions[i], hidden,
                                                          logits)
                     _, _, text, reward = cheap[i]
@@ -381,9 +382,30 @@ class RolloutVerifier:
 
     @torch.inference_mode()
     def _logits(self, model, hidden: torch.Tensor) -> torch.Tensor:
-        """LM head on one completion's hidden states (one [T, V] at a time bounds memory)."""
+        """LM head on one completion's hidden states."""
         head = model.get_output_embeddings()
         return head(hidden.to(head.weight.device, head.weight.dtype)).float().cpu()
+
+    def _group_logits(self, model, hiddens: list[torch.Tensor]):
+        """Logits [T, V] of each completion in `hiddens`, in order: the LM head runs over
+        consecutive completions' rows together, in blocks of at most LOGITS_BLOCK values
+        (memory). One matrix product over a few hundred rows runs about twice as many FLOPs
+        per CPU second as one per completion (T rows; measured for SmolLM2's head:
+        31 rows 32 GFLOP/s, 248 rows 65)."""
+        vocab = model.get_output_embeddings().weight.shape[0]
+        cap = max(1, LOGITS_BLOCK // vocab)
+        i = 0
+        while i < len(hiddens):
+            j, rows = i + 1, hiddens[i].shape[0]
+            while j < len(hiddens) and rows + hiddens[j].shape[0] <= cap:
+                rows += hiddens[j].shape[0]
+                j += 1
+            block = self._logits(model, torch.cat(hiddens[i:j]))
+            start = 0
+            for h in hiddens[i:j]:
+                yield block[start:start + h.shape[0]]
+                start += h.shape[0]
+            i = j
 
     def _model_checks(self, batch, c: Completion, hidden, logits):
         """Proof, logprobs, seeded replay, EOS and shape. Returns (stats, recomputed

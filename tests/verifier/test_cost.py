@@ -3,7 +3,8 @@
 - replay pruning (`noisy_top2`): the seeded noise is computed only for tokens that can reach
   the top two; values, indices and verdicts equal the full-vocabulary computation;
 - the prompt cache (`PromptCache`): a prompt prefix shared with an earlier prompt of the same
-  model version is not recomputed; the hidden states match a full prompt pass.
+  model version is not recomputed; the hidden states match a full prompt pass;
+- the LM head over several completions at once (`_group_logits`): each gets its own rows.
 """
 
 from __future__ import annotations
@@ -182,3 +183,46 @@ def test_prompt_cache_is_bounded_in_tokens(kit):
         prefill_group(model, list(range(3, 24)) + [last], [[5, 6]], prompt_cache=cache)
     assert len(cache._entries) == 2 and sum(len(k[2]) for k in cache._entries) <= 50
     assert cache.hits == 2
+
+
+def test_lm_head_in_blocks_gives_each_completion_its_own_logits(kit, monkeypatch):
+    """The LM head runs over several completions' rows at once (blocks of LOGITS_BLOCK
+    values); every completion still gets exactly its own rows, in order, and the verdicts,
+    recomputed logprobs and statistics match one head call per completion."""
+    model, tokenizer, source = kit
+    vocab = model.get_output_embeddings().weight.shape[0]
+    batch = attacks.sample_batch(model, tokenizer, source, SENDER, version=0, round_=5,
+                                 tasks=2, n=3, params=SamplingParams(max_new_tokens=12))
+    forged = attacks.tamper_tokens(batch, random.Random(3), len(tokenizer),
+                                   {tokenizer.eos_token_id}, model=model, tokenizer=tokenizer)
+    hiddens = [torch.randn(n, model.config.hidden_size, generator=torch.Generator()
+                           .manual_seed(n)) for n in (5, 1, 12, 7, 3)]
+    v = RolloutVerifier(model, tokenizer, source, swarm_id="default", latest_version=lambda: 0)
+    monkeypatch.setattr(checks, "LOGITS_BLOCK", 13 * vocab)  # blocks of <= 13 rows
+    calls = []
+    real_logits = v._logits
+    monkeypatch.setattr(v, "_logits", lambda m, h: calls.append(h.shape[0]) or real_logits(m, h))
+    got = list(v._group_logits(model, hiddens))
+    assert calls == [6, 12, 10]  # 5+1, 12 alone, 7+3
+    for h, lg in zip(hiddens, got):
+        torch.testing.assert_close(lg, real_logits(model, h), rtol=1e-5, atol=1e-5)
+    monkeypatch.undo()
+
+    def run(block):
+        monkeypatch.setattr(checks, "LOGITS_BLOCK", block)
+        out = []
+        for b in (batch, forged):
+            verifier = RolloutVerifier(model, tokenizer, source, swarm_id="default",
+                                       latest_version=lambda: 0)
+            out.append(verifier.verify(b, SENDER))
+        return out
+
+    one_each, together = run(vocab), run(1 << 30)
+    for a_batch, b_batch in zip(one_each, together):
+        assert [r.reason for r in a_batch] == [r.reason for r in b_batch]
+        for a, b in zip(a_batch, b_batch):
+            if a.logprobs is not None:
+                assert abs(a.logprobs - b.logprobs).max() < 1e-5
+            assert verdicts([a]) == verdicts([b])
+    assert {r.reason for r in one_each[0]} == {"ok"}
+    assert "token_mismatch" in {r.reason for r in one_each[1]}

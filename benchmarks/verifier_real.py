@@ -54,7 +54,7 @@ def loose_settings():
     from swarm_node.verifier.checks import CheckSettings
     from swarm_node.verifier.proof import ProofThresholds
 
-    return CheckSettings(max_policy_lag=1 << 30, logprob_tol=50.0, tie_eps=1.0, top_p_eps=1e-2,
+    return CheckSettings(max_policy_lag=1 << 30, logprob_tol=50.0, tie_eps=1.0, top_p_eps=0.5,
                          min_eos_prob=0.0, shape_z_max=1e9,
                          proof=ProofThresholds(match_rel=1.0, max_mismatches=128,
                                                max_mean_abs=10.0, max_bias=10.0))
@@ -97,7 +97,8 @@ def collect(dtype: str, budget_s: float) -> Path:
                 tokens = sum(c.completion_ids.shape[0] for c in batch.completions)
                 out.writelines(json.dumps({
                     "dtype": dtype, "variation": name, "round": round_,
-                    "reason": r.reason, "stats": r.stats, "tokens": tokens,
+                    "reason": r.reason, "detail": r.detail, "stats": r.stats,
+                    "tokens": tokens,
                     "len": c.completion_ids.shape[0], "finish": c.finish_reason,
                     "gen_s": gen_s, "verify_s": verify_s, "gen_cpu": gen_cpu,
                     "verify_cpu": verify_cpu,
@@ -471,7 +472,7 @@ def would_reject(rec: dict, s) -> str | None:
         return "proof_bias"
     if st["logprob_max_diff"] > s.logprob_tol:
         return "logprob_mismatch"
-    if st["replay_max_gap"] > s.tie_eps:
+    if st["replay_max_gap"] > s.tie_eps or st.get("top_p_excess", -1.0) >= s.top_p_eps:
         return "token_mismatch"
     if "eos_prob" in st and st["eos_prob"] < s.min_eos_prob:
         return "eos_improbable"
@@ -695,6 +696,7 @@ def report(load_avg: str) -> str:
         parts.append("")
         parts.append(bootstrap_text(dtype, recs))
         parts.append("")
+    parts.append(flip_error_text())
     for dtype in ("bfloat16", "float32"):
         path = OUT / f"attacks-{dtype}.json"
         if path.exists():

@@ -443,6 +443,8 @@ class RolloutVerifier:
         # the masks are full-vocabulary sorts: each computed once, shared by replay and shape
         loose_params = params.model_copy(update={"top_p": min(1.0, params.top_p + s.top_p_eps)})
         strict, loose = _masks(scaled, params, loose_params)
+        if params.top_p < 1.0 and temp > 0:  # calibration of top_p_eps (verifier_real.py)
+            stats["top_p_excess"] = top_p_excess(scaled, tokens, params)
         stats.update(self._replay(c, params, scaled, tokens, strict, loose))
         if c.finish_reason == "eos":
             # the model's own probability (T = 1): the shared log-softmax when T is 0 or 1
@@ -501,6 +503,18 @@ def _masks(scaled, params: SamplingParams, loose_params: SamplingParams):
         return strict, strict
     base = mask_logits(scaled, params.model_copy(update={"top_p": 1.0}))  # top-k only
     return top_p_masks(base, params.top_p, loose_params.top_p)
+
+
+def top_p_excess(scaled: torch.Tensor, tokens: torch.Tensor, params: SamplingParams) -> float:
+    """max_t (mass strictly ahead of the claimed token under the verifier's top-k-masked
+    probabilities - top_p). The top-p rule keeps a token iff that mass is < top_p, the
+    loosened mask iff it is < top_p + top_p_eps: an honest token's excess measures how
+    far the sampler's and the verifier's floats disagree at the top-p boundary."""
+    base = mask_logits(scaled, params.model_copy(update={"top_p": 1.0}))
+    probs = torch.softmax(base, dim=-1)
+    mine = base.gather(1, tokens[:, None])
+    ahead = (probs * (base > mine)).sum(-1)
+    return float((ahead - params.top_p).max())
 
 
 def top_p_masks(scores: torch.Tensor, *top_ps: float) -> list[torch.Tensor]:

@@ -75,7 +75,8 @@ def collect(dtype: str, budget_s: float) -> Path:
     only = [w for w in os.environ.get("VERIFIER_REAL_ONLY", "").split(",") if w]
     specs = [v for v in variations(dtype) if not only or any(w in v[0] for w in only)]
     per = budget_s / len(specs)
-    round_ = int(time.time())  # fresh tasks in every run (runs append to one file)
+    # fresh tasks in every run (runs append to one file); VERIFIER_REAL_ROUND replays a round
+    round_ = int(os.environ.get("VERIFIER_REAL_ROUND", "0")) or int(time.time())
     with open(path, "a") as out:
         for name, threads, max_batch, tasks, n, temp, top_p, max_new in specs:
             torch.set_num_threads(threads)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import subprocess
 import sys
@@ -619,9 +620,15 @@ def report(rows, stats_all, n_honest, tl_honest, attack_out, tl_attacks, kit, fz
     parts.append("\ntoploc cannot prove a chunk with fewer than 128 values (e.g. a 1-token "
                  "last chunk of the 64-dim tiny model): its build returns null proofs and its "
                  "verify aborts the process; such honest cases count as toploc rejects above.")
-    parts.append("\nNo vLLM on this machine: the HF-vs-vLLM honest variation is not measured. "
-                 "All timings on 2 cores shared with other jobs (load ~10): noisy.")
+    load = " -> ".join(f"{a:.1f}" for a in (LOAD_AT_START, os.getloadavg()[0]))
+    parts.append("\nvLLM lives in its own venv (.venv-vllm, `make test-vllm`), not in the one "
+                 "this benchmark runs in: the HF-vs-vLLM honest variation is not measured "
+                 f"here. Timings (wall clock) on 2 cores shared with other jobs, 1-minute load "
+                 f"{load}: noisy.")
     return "\n".join(parts)
+
+
+LOAD_AT_START = os.getloadavg()[0]
 
 
 if __name__ == "__main__":

@@ -285,11 +285,13 @@ class P2PSection(Section):
     """Seconds between peer-exchange rounds (learn peers, redial lost ones)."""
     reconnect_max_backoff_s: float = Field(60.0, gt=0)
     """Upper bound of the exponential backoff between redials of one peer."""
-    mesh_degree: int = Field(6, ge=1)
-    """GossipSub D: mesh peers per topic."""
-    mesh_degree_low: int = Field(4, ge=1)
+    mesh_degree: int = Field(3, ge=1)
+    """GossipSub D: mesh peers per topic. Small because our own messages are flood-published
+    (every subscribed peer gets them in one hop) and large payloads are pulled once, so the
+    mesh only relays; each mesh peer costs one more copy of every message (CPU)."""
+    mesh_degree_low: int = Field(2, ge=1)
     """GossipSub D_low: graft more peers below this."""
-    mesh_degree_high: int = Field(12, ge=1)
+    mesh_degree_high: int = Field(4, ge=1)
     """GossipSub D_high: prune peers above this."""
     flood_publish: bool = True
     """Send our own gossip to every subscribed peer, not only the mesh (GossipSub v1.1)."""

@@ -208,6 +208,7 @@ class PayloadServer:
 class _Conn:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self.reader, self.writer = reader, writer
+        self.used = time.monotonic()
 
     def close(self) -> None:
         self.writer.transport.abort()
@@ -269,26 +270,46 @@ class PayloadPuller:
         does). PullFailed on anything else; reason `unavailable` means: use libp2p."""
         src = self._source(peer)
         async with src.slots:
-            conn = src.idle.pop() if src.idle else await self._open(peer, src)
-            try:
-                data = await asyncio.wait_for(self._ask(conn, digest, size),
-                                              self.cfg.payload_pull_timeout_s)
-            except TimeoutError:
+            conn = self._idle_conn(src)
+            if conn is not None:
+                try:  # the server may have closed it meanwhile: then once more, fresh
+                    return await self._pull_on(peer, src, conn, digest, size)
+                except PullFailed as e:
+                    if e.reason != "broken":
+                        raise
+            return await self._pull_on(peer, src, await self._open(peer, src), digest, size)
+
+    def _idle_conn(self, src: _Source) -> _Conn | None:
+        """A pooled connection young enough that the server has not closed it as idle."""
+        while src.idle:
+            conn = src.idle.pop()
+            if time.monotonic() - conn.used < self.cfg.payload_tcp_idle_s / 2:
+                return conn
+            conn.close()
+        return None
+
+    async def _pull_on(self, peer: str, src: _Source, conn: _Conn, digest: bytes,
+                       size: int) -> bytes:
+        conn.used = time.monotonic()
+        try:
+            data = await asyncio.wait_for(self._ask(conn, digest, size),
+                                          self.cfg.payload_pull_timeout_s)
+        except TimeoutError:
+            conn.close()
+            raise PullFailed(f"pull from {peer} timed out after "
+                             f"{self.cfg.payload_pull_timeout_s:.0f}s", "timeout") from None
+        except PullFailed as e:
+            if e.reason != "not_held":
                 conn.close()
-                raise PullFailed(f"pull from {peer} timed out after "
-                                 f"{self.cfg.payload_pull_timeout_s:.0f}s", "timeout") from None
-            except PullFailed as e:
-                if e.reason != "not_held":
-                    conn.close()
-                else:
-                    src.idle.append(conn)
-                raise
-            except (asyncio.IncompleteReadError, ConnectionError, OSError) as e:
-                conn.close()
-                raise PullFailed(f"connection to {peer} broke: {type(e).__name__}",
-                                 "broken") from None
-            src.idle.append(conn)
-            return data
+            else:
+                src.idle.append(conn)
+            raise
+        except (asyncio.IncompleteReadError, ConnectionError, OSError) as e:
+            conn.close()
+            raise PullFailed(f"connection to {peer} broke: {type(e).__name__}",
+                             "broken") from None
+        src.idle.append(conn)
+        return data
 
     async def _ask(self, conn: _Conn, digest: bytes, size: int) -> bytes:
         conn.writer.write(digest)

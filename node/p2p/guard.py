@@ -173,8 +173,15 @@ def limit_before_spawn(pubsub, self_id, limiter: TopicRateLimiter, penalties: Pe
         return True
 
     def limited_run_task(fn, *args, **kwargs):
-        if getattr(fn, "_swarm_guarded", False) and len(args) == 2 and not admit(*args):
-            return None
+        if getattr(fn, "_swarm_guarded", False) and len(args) == 2:
+            if not admit(*args):
+                return None
+            # A copy of a message already validated: push_msg would return at its own
+            # seen check; dropping it here saves the task (most copies are duplicates:
+            # every peer receives each message from several mesh peers).
+            if pubsub._is_msg_seen(args[1]):
+                metrics.inc("gossip_duplicates")
+                return None
         return run_task(fn, *args, **kwargs)
 
     manager.run_task = limited_run_task

@@ -163,3 +163,17 @@ async def test_plane_refuses_unauthenticated_connections(make_node):
     await wait_until(lambda: a.metrics["payload_tcp_unauthenticated"] == len(attempts), 10,
                      what="every refusal counted")
     assert a.metrics["payload_tcp_served"] == 0 and a.metrics["payload_tcp_not_held"] == 0
+
+
+async def test_pull_survives_a_pooled_connection_the_server_closed(make_node):
+    a = await make_node()
+    b = await make_node(bootstrap=a.listen_addrs)
+    await wait_until(lambda: a.peer_id in b.connected_peers(), 30, what="the connection")
+    for round_ in (1, 2):
+        body, ann, _ = announce_of(a, batch(a.peer_id, 8192, round_))
+        a.gossip._store_payload(ann.content_hash, body)
+        assert await b.gossip.fetch_payload(ann, a.peer_id, sources=[a.peer_id]) == body
+        for writer in list(a.gossip._server._conns):  # as its idle timeout would
+            writer.transport.abort()
+    assert b.metrics["payload_pulled_tcp"] == 2  # the second on a fresh connection
+    assert b.metrics["rejected"] == 0 and b.penalties.score(a.peer_id) == 0

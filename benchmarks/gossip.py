@@ -516,8 +516,9 @@ def record(args, ours: dict, base: dict | None, note: str) -> None:
                  "still queued, not lost).")
     if base and not math.isnan(base["round_p95"]) and not math.isnan(ours["round_p95"]):
         ratio = ours["round_p95"] / base["round_p95"]
+        goal = 0.3 if args.load == 0 else 0.5  # issue 13: quiet machine / with --load 2
         body += (f" p95 all-held time is {ratio:.2f}x the hivemind baseline's "
-                 f"(goal: <= 0.5x): {'met' if ratio <= 0.5 else 'NOT met'}.")
+                 f"(goal: <= {goal}x): {'met' if ratio <= goal else 'NOT met'}.")
     body += f" hivemind get() polled every {args.poll}s."
     body += (f" Load average (1 min) before/after: {LOAD_BEFORE:.1f}/{os.getloadavg()[0]:.1f} "
              f"on {os.cpu_count()} cores"

@@ -197,3 +197,25 @@ async def test_large_payload_is_announced_and_pulled(make_node):
     assert by_round[2][1].message == large and by_round[1][1].message == small
     assert b.metrics["payload_announced"] == 1 and a.metrics["payload_fetched"] == 1
     assert a.metrics["rejected"] == 0
+
+
+async def test_own_messages_flood_published_beside_an_empty_mesh(make_node):
+    a = await make_node(heartbeat_interval_s=60)  # no mesh repair during the test
+    b = await make_node(bootstrap=a.listen_addrs)
+    got = []
+
+    async def on_msg(env, peer):
+        got.append(env.message.policy_version)
+
+    await a.subscribe("verdicts", on_msg)
+    await b.subscribe("verdicts", on_msg)
+    await a.publish("verdicts", verdict(1))  # a topic's first publish waits for the mesh
+    await wait_until(lambda: got == [1], 30, what="the first verdict")
+
+    async def empty_mesh() -> None:
+        a._router.mesh[a.topic("verdicts")].clear()
+
+    await a._bridge.call(empty_mesh)
+    await a.publish("verdicts", verdict(2))  # goes at once, to every subscribed peer
+    await wait_until(lambda: got == [1, 2], 20, what="the verdict sent beside the empty mesh")
+    assert a.metrics["publish_no_mesh"] == 0

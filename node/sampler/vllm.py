@@ -64,6 +64,8 @@ def _install_hook(worker) -> bool:
             key = (extra["temperature"], extra["top_p"], extra["top_k"])
             groups.setdefault(key, []).append(
                 (row, req_id, int(extra["swarm_seed"]), len(state.output_token_ids)))
+        if not groups:  # no seeded request in this step: vLLM's own sampler decides
+            return None
         out = logits.clone()
         for (temp, top_p, top_k), items in groups.items():
             # one batched choice per sampling setting; the noise is computed on the GPU
@@ -141,6 +143,8 @@ class VLLMSampler(Sampler):
                  seeds: list[list[int]] | None = None) -> list[list[Sample]]:
         import vllm  # noqa: PLC0415 - optional dependency, present once from_config ran
 
+        if self.llm is None:
+            raise NodeError("the vLLM sampler is closed")
         seeds = seeds if seeds is not None else default_seeds(self, prompts, n)
         check_seeds(prompts, n, seeds)
         requests, vparams = [], []
@@ -208,10 +212,16 @@ class VLLMSampler(Sampler):
         self.version = self.version + 1 if version is None else int(version)
 
     def close(self) -> None:
-        engine = getattr(self.llm, "llm_engine", None)
-        shutdown = getattr(engine, "shutdown", None)
-        if callable(shutdown):
-            shutdown()
+        """Stop the engine's processes now. vLLM 0.32's LLMEngine has no `shutdown` (its
+        processes stayed until garbage collection: a second engine then ran beside the
+        first); its engine-core client has one."""
+        engine = getattr(self.llm, "llm_engine", None) if self.llm is not None else None
+        for owner in (engine, getattr(engine, "engine_core", None)):
+            shutdown = getattr(owner, "shutdown", None)
+            if callable(shutdown):
+                shutdown()
+                break
+        self.llm = None
 
 
 def _find(stores: dict, request_id: str):

@@ -34,6 +34,8 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+from swarm_node.node.config import P2PSection
+
 from benchmarks.results import record, table
 from tests.node.broadcast.procs import BroadcastProc
 
@@ -70,6 +72,9 @@ async def run_ours(work: Path, ckpt: Path, n_clients: int, corrupt: str = "",
                    tcp: bool = False) -> dict:
     procs: list[BroadcastProc] = []
     extra = [] if tcp else ["--tcp-listen", "off"]  # the data plane is the default
+    # the node's default peer-exchange interval (the test harness's own default is 1 s, to
+    # join fast; each exchange is a request per connected peer)
+    extra += ["--discovery-interval", str(P2PSection().discovery_interval_s)]
     try:
         trainer = BroadcastProc("trainer", "trainer", work / "trainer", *extra)
         procs.append(trainer)
@@ -93,6 +98,10 @@ async def run_ours(work: Path, ckpt: Path, n_clients: int, corrupt: str = "",
         pub = await trainer.event("published", 300)
         done = [await c.event("complete", 600) for c in clients]
         relay_done = await relay.event("complete", 600)
+        servers = {}
+        for p in (trainer, relay):  # CPU of the origin and the relay over the same span
+            p.send("stats")
+            servers[p.name] = thread_delta(p.info, await p.event("stats", 60))
         total = pub["total"]
         names = {trainer.peer_id: "origin", relay.peer_id: "relay"}
         origin_bytes = relay_bytes = peer_bytes = 0
@@ -118,6 +127,10 @@ async def run_ours(work: Path, ckpt: Path, n_clients: int, corrupt: str = "",
             "rss": [d["peak_rss_mib"] for d in done],
             "rss_ready": [r["peak_rss_mib"] for r in ready],
             "cpu": [d["cpu_s"] - r["cpu_s"] for d, r in zip(done, ready, strict=True)],
+            "cpu_threads": [thread_delta(r, d) for d, r in zip(done, ready, strict=True)],
+            "cpu_servers": servers,
+            "p2p": [{k: v - r.get("p2p", {}).get(k, 0) for k, v in d.get("p2p", {}).items()
+                     if k in P2P_COUNTERS} for d, r in zip(done, ready, strict=True)],
             "refetched": sum(d["metrics"].get("bytes_fetched", 0) - total for d in done),
             "corrupt_bytes": sum(d["metrics"].get("bytes_corrupt", 0) for d in done),
             "corrupt": sum(d["metrics"].get("shards_corrupt", 0) for d in done),
@@ -127,6 +140,23 @@ async def run_ours(work: Path, ckpt: Path, n_clients: int, corrupt: str = "",
     finally:
         for p in procs:
             p.stop()
+
+
+P2P_COUNTERS = ("gossip_copies_in", "gossip_duplicates", "published", "delivered",
+                "requests_sent", "requests_served")
+
+
+def thread_delta(ready: dict, done: dict) -> dict[str, float]:
+    """CPU seconds per thread kind of one client between its ready and complete events."""
+    before = ready.get("cpu_threads", {})
+    return {k: round(v - before.get(k, 0.0), 2) for k, v in done.get("cpu_threads", {}).items()}
+
+
+def thread_split(per_client: list[dict[str, float]]) -> str:
+    """Median CPU per thread kind over the clients, e.g. "libp2p 0.9, asyncio 0.3"."""
+    kinds = sorted({k for c in per_client for k in c})
+    med = {k: sorted(c.get(k, 0.0) for c in per_client)[len(per_client) // 2] for k in kinds}
+    return ", ".join(f"{k} {v:.1f}" for k, v in sorted(med.items(), key=lambda kv: -kv[1]))
 
 
 # shardcast -------------------------------------------------------------------------------
@@ -260,7 +290,8 @@ async def bench_ours(tmp, ckpt, n, tcp, corrupt_run, rows, notes, results) -> No
                  f"fetched beyond one copy (timed-out transfers); hashing took "
                  f"{ours['t_hash']:.1f} s of the total; relay complete after "
                  f"{ours['t_relay']:.1f} s; CPU per client from ready to complete "
-                 f"{min(ours['cpu']):.1f}-{max(ours['cpu']):.1f} s.")
+                 f"{min(ours['cpu']):.1f}-{max(ours['cpu']):.1f} s (median by thread: "
+                 f"{thread_split(ours['cpu_threads'])}).")
 
 
 async def bench_shardcast(tmp, blob, n, rows, notes, results) -> None:

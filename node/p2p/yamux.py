@@ -1,4 +1,7 @@
-"""Enforce the yamux receive window (trio side; py-libp2p 0.8.1 only logs a violation).
+"""Yamux and the Noise layer under it (trio side): the receive-window bound and the bulk
+fast paths.
+
+Enforce the yamux receive window (py-libp2p 0.8.1 only logs a violation).
 
 py-libp2p appends every DATA frame to the stream's buffer and, when the peer exceeded the
 window it was granted, logs a warning and carries on, so a peer that ignores flow control
@@ -13,10 +16,14 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections import deque
 from collections.abc import Callable
 
 import libp2p.stream_muxer.yamux.yamux as yamux_mod
-from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH
+import trio
+from libp2p.io.exceptions import IncompleteReadError
+from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH, NoiseTransportReadWriter
+from libp2p.security.secure_session import SecureSession
 
 from ...protocol.limits import MAX_CONN_BUFFER, MAX_STREAM_BUFFER
 
@@ -107,10 +114,245 @@ def freeze_tuning_env() -> None:
 
 
 def fit_frames_to_noise() -> None:
-    """Cap a yamux frame (12-byte header + payload) at one Noise message (65519 bytes of
-    plaintext). py-libp2p 0.8.1 sends 65536-byte frames, which its Noise layer splits into a
-    full message and a 17-byte one: every 64 KiB of stream data cost two encryptions, two
-    socket writes, and two reads and decryptions at the peer (measured on one 128 MiB
-    stream between two nodes: about 20% less CPU with the cap). Frames the peer sends are
-    accepted as before. Idempotent, per process."""
-    yamux_mod.MAX_MESSAGE_SIZE = MAX_PLAINTEXT_LENGTH
+    """Size yamux frames (12-byte header + payload) as whole Noise messages (65519 bytes of
+    plaintext each) and install the bulk fast paths below. py-libp2p 0.8.1 sends 65536-byte
+    frames, which its Noise layer splits into a full message and a 17-byte one: every 64 KiB
+    of stream data cost two encryptions, two socket writes, and two reads and decryptions
+    at the peer. Frames the peer sends are accepted as before. Idempotent, per process."""
+    install_bulk_fast_paths()
+
+
+# Bulk fast paths --------------------------------------------------------------------------
+#
+# Profiled on one 128 MiB shard stream between two processes: crypto was ~10% of the CPU,
+# the rest py-libp2p's Python per 64 KiB: per Noise message a 2-byte socket read for the
+# length, more reads for the body, a lock and a send per write; per yamux frame a pass of
+# the frame loop, locks, an event, a reader wake-up and a window check. The paths below keep
+# the wire format exactly (every Noise message <= 65535 bytes, every yamux frame within the
+# peer's window) and cut the per-message work: several Noise messages per socket read and
+# per socket write, and frames of up to FRAME_MESSAGES Noise messages.
+
+FRAME_MESSAGES = 16
+"""Yamux DATA frames carry up to this many full Noise messages (header + payload = k x
+65519 bytes, ~1 MiB): one frame-loop pass per MiB instead of per 64 KiB. Frames never
+exceed the send window the peer granted (py-libp2p's writer takes min(window, frame))."""
+NOISE_READ_BYTES = 256 * 1024
+"""One socket read takes up to this many bytes of Noise messages."""
+NOISE_MAX_PLAINTEXT_PER_READ = 1 << 20
+"""At most this much plaintext is decrypted per read_msg call (memory per connection)."""
+_LEN2 = 2
+
+
+def install_bulk_fast_paths() -> None:
+    """Big yamux frames, and Noise reads/writes of several messages per socket call, for
+    every connection of this process (gossip included). The wire stays valid Noise + yamux
+    for any peer (Noise messages <= 65535 bytes, frames within the granted window; only the
+    frame size differs), with fewer Python passes per MiB. Idempotent."""
+    yamux_mod.MAX_MESSAGE_SIZE = FRAME_MESSAGES * MAX_PLAINTEXT_LENGTH
+    yamux_mod.read_exactly = _read_exactly
+    if NoiseTransportReadWriter.read_msg is not _read_msgs:
+        NoiseTransportReadWriter.read_msg = _read_msgs
+        NoiseTransportReadWriter.write_msg = _write_msgs
+        SecureSession.read = _session_read
+        yamux_mod.Yamux._write_frame = _write_frame
+
+
+async def _read_exactly(reader, n: int, retry_count: int = 100) -> bytes:
+    """py-libp2p's read_exactly (yamux frame headers and bodies) without its two copies of
+    every body when one read returns it all (the Noise session reads until it has n)."""
+    data = await reader.read(n)
+    if len(data) == n:
+        return data
+    buf = bytearray(data)
+    for _ in range(retry_count):
+        if len(buf) >= n:
+            return bytes(buf)
+        more = await reader.read(n - len(buf))
+        if not more:
+            break
+        buf.extend(more)
+    if len(buf) >= n:
+        return bytes(buf)
+    raise IncompleteReadError(f"connection closed: expected {n} bytes, received {len(buf)}",
+                              expected_bytes=n, received_bytes=len(buf))
+
+
+class _NoiseRx:
+    """Received, not yet decrypted bytes of one Noise session."""
+
+    __slots__ = ("buf", "lock", "pos")
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+        self.pos = 0
+        self.lock = trio.Lock()
+
+    def next_message(self) -> bytes | None:
+        """The next complete encrypted message, or None if it has not fully arrived."""
+        buf, pos = self.buf, self.pos
+        if len(buf) - pos < _LEN2:
+            return None
+        n = (buf[pos] << 8) | buf[pos + 1]
+        end = pos + _LEN2 + n
+        if len(buf) < end:
+            return None
+        self.pos = end
+        return bytes(memoryview(buf)[pos + _LEN2:end])
+
+    def unread(self, message: bytes) -> None:
+        """Put back a message that failed to decrypt (the next call raises again)."""
+        self.pos -= _LEN2 + len(message)
+
+    def feed(self, data: bytes) -> None:
+        if self.pos:  # drop consumed bytes before appending (keeps the buffer small)
+            del self.buf[:self.pos]
+            self.pos = 0
+        self.buf.extend(data)
+
+    def pending(self) -> int:
+        return len(self.buf) - self.pos
+
+
+async def _read_msgs(self, prefix_encoded: bool = False) -> bytes:
+    """NoiseTransportReadWriter.read_msg: the plaintext of every complete message already
+    received (up to NOISE_MAX_PLAINTEXT_PER_READ), reading the socket only when none is.
+    After the handshake the session is a byte stream, so returning several messages'
+    plaintext at once is what a reader of the session expects."""
+    if prefix_encoded:
+        return await _ORIG_READ_MSG(self, prefix_encoded)
+    parts = await _read_parts(self)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+async def _read_parts(self) -> list[bytes]:
+    """The plaintexts of the complete messages received (at least one); the socket is read
+    only when none is complete. IncompleteReadError at end of stream, as py-libp2p raises."""
+    rx = self.__dict__.get("_swarm_rx")
+    if rx is None:
+        rx = self._swarm_rx = _NoiseRx()
+    async with rx.lock:
+        while True:
+            parts = _decrypt_ready(self, rx)
+            if parts:
+                return parts
+            data = await self.read_writer.read_write_closer.read(NOISE_READ_BYTES)
+            if not data:
+                left = rx.pending()
+                raise IncompleteReadError(
+                    f"connection closed with {left} bytes of a Noise message received",
+                    expected_bytes=max(left, _LEN2), received_bytes=left)
+            rx.feed(data)
+
+
+def _decrypt_ready(self, rx: _NoiseRx) -> list[bytes]:
+    parts: list[bytes] = []
+    size = 0
+    while size < NOISE_MAX_PLAINTEXT_PER_READ:
+        message = rx.next_message()
+        if message is None:
+            break
+        try:
+            plain = self.decrypt(message)
+        except Exception:
+            if parts:  # deliver what decrypted; the bad message raises on the next call
+                rx.unread(message)
+                break
+            raise
+        if plain:
+            parts.append(plain)
+            size += len(plain)
+    return parts
+
+
+async def _write_msgs(self, msg: bytes, prefix_encoded: bool = False) -> None:
+    """NoiseTransportReadWriter.write_msg: a message longer than one Noise message is
+    encrypted into the same sequence of <= 65535-byte messages as before, but sent with one
+    socket write instead of one per message. Callers serialise writes (yamux's write
+    lock), so nonces go out in order."""
+    if prefix_encoded or len(msg) <= MAX_PLAINTEXT_LENGTH:
+        return await _ORIG_WRITE_MSG(self, msg, prefix_encoded)
+    msg = bytes(msg)
+    parts: list[bytes] = []
+    for start in range(0, len(msg), MAX_PLAINTEXT_LENGTH):
+        sealed = self.encrypt(msg[start:start + MAX_PLAINTEXT_LENGTH])
+        parts.append(len(sealed).to_bytes(_LEN2, "big"))
+        parts.append(sealed)
+    await self.read_writer.read_write_closer.write(b"".join(parts))
+
+
+class _Plain:
+    """Decrypted bytes of one session not yet read: the chunks as decrypted, so that a
+    read of n bytes costs one copy (py-libp2p's SecureSession copies each byte 4-5 times:
+    BytesIO, drain, bytearray, bytes)."""
+
+    __slots__ = ("chunks", "off", "size")
+
+    def __init__(self) -> None:
+        self.chunks: deque[bytes] = deque()
+        self.off = 0  # read offset into chunks[0]
+        self.size = 0
+
+    def put(self, parts: list[bytes]) -> None:
+        self.chunks.extend(parts)
+        self.size += sum(len(p) for p in parts)
+
+    def take(self, n: int) -> bytes:
+        """Exactly n <= size bytes."""
+        first = self.chunks[0]
+        if self.off == 0 and n == len(first):
+            self.chunks.popleft()
+            self.size -= n
+            return first
+        pieces: list[memoryview] = []
+        need = n
+        while need:
+            first = self.chunks[0]
+            avail = len(first) - self.off
+            if avail <= need:
+                pieces.append(memoryview(first)[self.off:])
+                self.chunks.popleft()
+                self.off = 0
+                need -= avail
+            else:
+                pieces.append(memoryview(first)[self.off:self.off + need])
+                self.off += need
+                need = 0
+        self.size -= n
+        return b"".join(pieces)
+
+
+async def _session_read(self, n: int | None = None) -> bytes:
+    """SecureSession.read over a Noise session: exactly n bytes (n None: what is there, or
+    the next messages), like py-libp2p's, with one copy per read."""
+    if (not isinstance(self.conn, NoiseTransportReadWriter)
+            or self.low_watermark != self.high_watermark):
+        return await _ORIG_SESSION_READ(self, n)  # not ours, or bytes left in its buffer
+    if n == 0:
+        return b""
+    plain = self.__dict__.get("_swarm_plain")
+    if plain is None:
+        plain = self._swarm_plain = _Plain()
+    if n is None:
+        if not plain.size:
+            plain.put(await _read_parts(self.conn))
+        return plain.take(plain.size)
+    while plain.size < n:
+        plain.put(await _read_parts(self.conn))
+    return plain.take(n)
+
+
+async def _write_frame(self, data: bytes) -> None:
+    """Yamux._write_frame without decoding every frame's header for a debug line that is
+    formatted even when debug logging is off (one struct.unpack, a list and an f-string per
+    frame); with debug on, py-libp2p's own method runs."""
+    if yamux_mod.logger.isEnabledFor(logging.DEBUG):
+        return await _ORIG_WRITE_FRAME(self, data)
+    async with self._write_lock:
+        await self.secured_conn.write(data)
+    await trio.lowlevel.checkpoint()
+
+
+_ORIG_WRITE_FRAME = yamux_mod.Yamux._write_frame
+_ORIG_SESSION_READ = SecureSession.read
+_ORIG_READ_MSG = NoiseTransportReadWriter.read_msg
+_ORIG_WRITE_MSG = NoiseTransportReadWriter.write_msg

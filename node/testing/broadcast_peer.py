@@ -18,7 +18,9 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -36,6 +38,24 @@ from .procstats import cpu_seconds, peak_rss_mib
 
 def emit(**obj) -> None:
     print(json.dumps(obj), flush=True)
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds per thread kind of this process (libp2p's trio thread, the asyncio loop,
+    shard receivers, other workers): where a peer's CPU goes, for the benchmark notes."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = names.get(int(task.name), "other")
+        kind = ("libp2p" if name.startswith("p2p") else "asyncio" if name == "MainThread"
+                else "shard-rx" if name.startswith("shard-rx") else "workers")
+        out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return {k: round(v, 2) for k, v in out.items()}
 
 
 def corrupting(store, spec: str):
@@ -74,6 +94,8 @@ async def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-timeout", type=float)
     ap.add_argument("--readvertise", type=float)
     ap.add_argument("--advert-interval", type=float)
+    ap.add_argument("--discovery-interval", type=float, default=1.0,
+                    help="p2p.discovery_interval_s (tests: 1 s to join fast; node default 5 s)")
     ap.add_argument("--tcp-listen", default="auto",
                     help='shard data plane: "auto" (default), "host:port" or "off"')
     ap.add_argument("--tcp-advertise", default="", help="endpoint put into adverts")
@@ -89,7 +111,7 @@ async def main(argv: list[str] | None = None) -> int:
     cfg = Config()
     cfg.node.listen = [args.listen]
     cfg.node.role = args.role
-    cfg.p2p.discovery_interval_s = 1.0
+    cfg.p2p.discovery_interval_s = args.discovery_interval
     cfg.p2p.bootstrap_timeout_s = 20
     cfg.p2p.mesh_wait_s = 3
     if args.shard_size:
@@ -115,7 +137,8 @@ async def main(argv: list[str] | None = None) -> int:
              t=time.time(), metrics=dict(d.metrics) if d else {},
              sources=bc.books[(m.policy_id, m.version)].summary(),
              streams=dict(getattr(bc.transport, "opened", {})),
-             peak_rss_mib=peak_rss_mib(), cpu_s=cpu_seconds())
+             peak_rss_mib=peak_rss_mib(), cpu_s=cpu_seconds(), cpu_threads=thread_cpu(),
+             p2p=dict(node.metrics.counters))
 
     configure_disk(args.min_free_mib * 2**20)
     choice = None if args.role == "trainer" else TrainerChoice(
@@ -128,7 +151,8 @@ async def main(argv: list[str] | None = None) -> int:
     await node.start(bootstrap=args.bootstrap)
     await bc.start()
     emit(event="ready", peer_id=node.peer_id, addrs=node.listen_addrs, t=time.time(),
-         startup_s=time.time() - t_start, peak_rss_mib=peak_rss_mib(), cpu_s=cpu_seconds())
+         startup_s=time.time() - t_start, peak_rss_mib=peak_rss_mib(), cpu_s=cpu_seconds(),
+         cpu_threads=thread_cpu(), p2p=dict(node.metrics.counters))
     try:
         while True:
             line = await asyncio.to_thread(sys.stdin.readline)
@@ -157,7 +181,8 @@ async def main(argv: list[str] | None = None) -> int:
                      downloads={p: dict(d.metrics) for p, (_, _, d) in bc.downloads.items()},
                      disk=bc.disk.status(), follow=sorted(bc.gate.follow),
                      held=[list(k) for k, e in bc.store.entries.items() if e.complete],
-                     adverts=dict(bc.advert_metrics),
+                     adverts=dict(bc.advert_metrics), cpu_s=cpu_seconds(),
+                     cpu_threads=thread_cpu(), p2p=dict(node.metrics.counters),
                      peers=node.connected_peers())
     finally:
         await bc.close()

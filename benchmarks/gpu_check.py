@@ -18,6 +18,12 @@ uses random weights of Qwen2.5-0.5B's shape (nothing to install; speed and noise
 something there, its text is noise). Needs the project importable (`pip install -e .`, or
 run from the repository root: a `swarm_node` namespace over the folders is made on the fly)
 and its dependencies (pydantic, msgpack, blake3, reasoning-gym, ...).
+
+Where it can run: on a CUDA machine with the project and vllm installed, all of it. On the
+H200 lent by this workplace's device tool (torch 2.11 + CUDA, no vllm, no pydantic / blake3 /
+reasoning-gym, 64 MiB carried per call) the CUDA vllm wheel (~336 MB) and the SmolLM2 GGUF
+(93 MB) cannot travel: there only part 1 and the HF half of parts 2-3 can run, with
+`--model random` and the missing pure-Python wheels carried.
 """
 
 from __future__ import annotations

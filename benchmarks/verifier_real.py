@@ -19,6 +19,7 @@ thresholds would have rejected.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -54,7 +55,8 @@ def loose_settings():
     from swarm_node.verifier.checks import CheckSettings
     from swarm_node.verifier.proof import ProofThresholds
 
-    return CheckSettings(max_policy_lag=1 << 30, logprob_tol=50.0, tie_eps=1.0, top_p_eps=0.5,
+    return CheckSettings(max_policy_lag=1 << 30, logprob_tol=50.0, tie_eps=1.0,
+                         replay_outlier_eps=50.0, top_p_eps=0.5,
                          min_eos_prob=0.0, shape_z_max=1e9,
                          proof=ProofThresholds(match_rel=1.0, max_mismatches=128,
                                                max_mean_abs=10.0, max_bias=10.0))
@@ -473,7 +475,11 @@ def would_reject(rec: dict, s) -> str | None:
         return "proof_bias"
     if st["logprob_max_diff"] > s.logprob_tol:
         return "logprob_mismatch"
-    if st["replay_max_gap"] > s.tie_eps or st.get("top_p_excess", -1.0) >= s.top_p_eps:
+    worst = st["replay_max_gap"]
+    # records before replay_second_gap existed: every gap <= worst, all inside tie_eps or not
+    second = st.get("replay_second_gap", worst if worst <= s.tie_eps else math.inf)
+    if worst > max(s.tie_eps, s.replay_outlier_eps) or second > s.tie_eps \
+            or st.get("top_p_excess", -1.0) >= s.top_p_eps:
         return "token_mismatch"
     if "eos_prob" in st and st["eos_prob"] < s.min_eos_prob:
         return "eos_improbable"
@@ -483,6 +489,8 @@ def would_reject(rec: dict, s) -> str | None:
 
 
 def calibration_rows(recs: list[dict], s) -> list[list]:
+    recs = [r for r in recs if r["reason"] == "ok"]  # rejected ones carry no statistics
+
     def worst(key, fn=max, absval=False):
         vals = [abs(r["stats"][key]) if absval else r["stats"][key]
                 for r in recs if key in r["stats"]]
@@ -490,7 +498,7 @@ def calibration_rows(recs: list[dict], s) -> list[list]:
 
     p = s.proof
     ratios = list(zip(*(proof_ratios(r, p) for r in recs)))
-    return [
+    rows = [
         ["proof mismatches (of 128, per chunk)", worst("proof_mismatches"), p.max_mismatches],
         ["proof mean relative error", f"{worst('proof_mean_abs'):.2e}", f"{p.max_mean_abs:.2e}"
          + (" x sqrt(32/c)" if p.widen_short_chunks else "")],
@@ -500,13 +508,20 @@ def calibration_rows(recs: list[dict], s) -> list[list]:
         ["proof bias / its chunk's limit", f"{max(ratios[1]):.2f}", 1],
         ["logprob max |claimed - recomputed|", f"{worst('logprob_max_diff'):.3g}",
          s.logprob_tol],
-        ["replay gap (claimed token behind the seeded choice)",
-         f"{worst('replay_max_gap'):.3g}", s.tie_eps],
+        ["replay gap (claimed token behind the seeded choice), worst position",
+         f"{worst('replay_max_gap'):.3g}",
+         f"{s.tie_eps}" + (f"; one position per completion up to {s.replay_outlier_eps}"
+                           if s.replay_outlier_eps > s.tie_eps else "")],
+        ["replay gap, second-worst position (where recorded)",
+         f"{worst('replay_second_gap'):.3g}", s.tie_eps],
+        ["top-p: mass ahead of the claimed token - top_p (top-p runs, where recorded)",
+         f"{worst('top_p_excess'):.3g}", f"< {s.top_p_eps}"],
         ["|shape z|", f"{worst('shape_z', absval=True):.2f}".replace("nan", "- (all < 16 "
                                                                        "tokens)"),
          s.shape_z_max],
         ["EOS probability (min)", f"{worst('eos_prob', fn=min):.2e}", f"{s.min_eos_prob:.0e}"],
     ]
+    return [["- (not recorded)" if c == "nan" else c for c in row] for row in rows]
 
 
 # measured false-alarm rate and detection delay of the per-peer tests (bootstrap) ---------------

@@ -57,6 +57,8 @@ class CheckSettings:
     max_policy_lag: int = 2
     logprob_tol: float = 1e-3
     tie_eps: float = 1e-3
+    # at most one position per completion may trail by more than tie_eps, up to this (0: off)
+    replay_outlier_eps: float = 0.0
     top_p_eps: float = 1e-4
     min_eos_prob: float = 1e-4
     shape_z_max: float = 6.0
@@ -73,7 +75,11 @@ class CheckSettings:
             # logprob diff up to 0.65 (one outlier, next 0.32: bf16 logits near 20-30 are
             # rounded to 1/8-1/4), replay gap up to 0.29. The trainer never uses claimed
             # logprobs; a bias inside the tolerance is the per-peer test's job.
-            base = {"logprob_tol": 1.0, "tie_eps": 0.4, "top_p_eps": 1e-2,
+            # One honest bf16 completion (T = 0.7, 1 of 292) trailed by 1.57 at one position
+            # (6.6x the next worst, 0.24): one such position per completion is allowed up to
+            # 2.0; the per-peer test counts them (sequential.py).
+            base = {"logprob_tol": 1.0, "tie_eps": 0.4, "replay_outlier_eps": 2.0,
+                    "top_p_eps": 1e-2,
                     "proof": ProofThresholds.for_dtype(dtype)}
         else:
             base = {}
@@ -464,7 +470,9 @@ class RolloutVerifier:
 
     def _replay(self, c, params, scaled, tokens, strict, loose) -> dict[str, float]:
         """Seeded replay. Near-ties: the claimed token's noisy score may trail the winner's by
-        at most tie_eps (floating-point differences between decode and prefill). Also counts
+        at most tie_eps (floating-point differences between decode and prefill), except at one
+        position per completion, which may trail by up to replay_outlier_eps when that is set
+        (bf16: rare honest outliers; counted as `replay_outliers`). Also counts
         near-tie positions and how often the claimed token is not the verifier's own choice
         there (`ties`, `tie_flips`): the per-peer steering test (sequential.py) uses them."""
         s = self.settings
@@ -478,9 +486,14 @@ class RolloutVerifier:
             best_vals, best_idx = noisy_top2(strict, seeds, positions)
             mine = (loose.gather(1, tokens[:, None])[:, 0]
                     + noise.gumbel_at(seeds, positions, tokens[:, None])[:, 0])
-        gap = best_vals[:, 0] - mine
-        if not float(gap.max()) <= s.tie_eps:  # also catches NaN / -inf (masked token)
-            k = int(torch.nan_to_num(gap, nan=math.inf).argmax())
+        # NaN or a masked claimed token (mine = -inf): an infinite gap, rejected
+        gap = torch.nan_to_num(best_vals[:, 0] - mine, nan=math.inf, posinf=math.inf)
+        top = gap.topk(min(2, gap.shape[0])).values
+        limit = max(s.tie_eps, s.replay_outlier_eps)  # one position may use the outlier limit
+        second = float(top[1]) if top.shape[0] > 1 else -math.inf
+        if not (float(top[0]) <= limit and second <= s.tie_eps):
+            k = int(gap.argmax()) if float(top[0]) > limit else \
+                int((gap == top[1]).nonzero()[0, 0])
             raise _Reject("token_mismatch", f"position {k}: token {int(tokens[k])} trails the "
                                             f"seeded choice by {float(gap[k]):.3g}")
         margin = best_vals[:, 0] - best_vals[:, 1]
@@ -489,7 +502,8 @@ class RolloutVerifier:
         # "wide" ties (margin above a quarter of tie_eps): an honest float difference rarely
         # reorders those, a steering sender takes the runner-up there as often as it likes
         wide = ties & (margin > s.tie_eps / 4)
-        return {"replay_max_gap": float(gap.max()), "ties": float(ties.sum()),
+        return {"replay_max_gap": float(top[0]), "replay_second_gap": max(second, 0.0),
+                "replay_outliers": float((gap > s.tie_eps).sum()), "ties": float(ties.sum()),
                 "tie_flips": float(flips.sum()), "wide_ties": float(wide.sum()),
                 "wide_flips": float((wide & flips).sum()),
                 # per near-tie position (calibration: benchmarks/verifier.py --real)

@@ -24,6 +24,11 @@ that no single completion reveals:
   95% bound this data gives (3 / 17,380 per token that any of the two tokens' errors
   exceeds 3.15e-5). With p0 1e-3 two flips at wide ties alarm; with 0.05 it took about six.
 
+- replay outliers (bf16): one position per completion may trail the seeded choice by up
+  to `replay_outlier_eps` (checks.py; an honest bf16 completion did, 1 of 292). Honest
+  rate measured 1/292 per completion; p0 0.02 is ~6x that; a sender using the outlier in
+  half its completions or more alarms within a batch of 32 (Bernoulli CUSUM per completion).
+
 CUSUM: g = max(0, g + LLR(observation)); an alarm when g > h, then g restarts at 0.
 For the steering test h = 12 (log-likelihood units) bounds false alarms by about e^-12
 per start (~6e-6); for the bias test an honest peer needs a run of clipped 4-sigma
@@ -50,6 +55,11 @@ class SequentialSettings:
     flip_p0: float = 0.05  # uncalibrated default; for_dtype gives the measured ones
     flip_p1: float = 0.5
     min_tokens: int = 8  # shorter completions are not used for the bias test
+    # completions with a replay outlier (checks.CheckSettings.replay_outlier_eps): honest
+    # rate at most outlier_p0; a sender using its one outlier per completion to steer does so
+    # at rate outlier_p1 or more. Bernoulli CUSUM per completion, alarm `tie_steering`.
+    outlier_p0: float = 0.02
+    outlier_p1: float = 0.5
     max_peers: int = 10_000
 
     @classmethod
@@ -74,6 +84,7 @@ class _PeerState:
     bias_up: float = 0.0
     bias_down: float = 0.0
     steer: float = 0.0
+    outlier: float = 0.0
     observed: int = 0
     alarms: dict = field(default_factory=dict)
 
@@ -86,6 +97,8 @@ class PeerMonitor:
         s = self.s
         self._flip = math.log(s.flip_p1 / s.flip_p0)
         self._keep = math.log((1 - s.flip_p1) / (1 - s.flip_p0))
+        self._outlier = math.log(s.outlier_p1 / s.outlier_p0)
+        self._clean = math.log((1 - s.outlier_p1) / (1 - s.outlier_p0))
         self.peers: OrderedDict[str, _PeerState] = OrderedDict()
 
     def _state(self, peer: str) -> _PeerState:
@@ -120,6 +133,12 @@ class PeerMonitor:
             if st.steer > self.s.h:
                 alarm = alarm or "tie_steering"
                 st.steer = 0.0
+        if "replay_outliers" in stats:
+            hit = stats["replay_outliers"] > 0
+            st.outlier = max(0.0, st.outlier + (self._outlier if hit else self._clean))
+            if st.outlier > self.s.h:
+                alarm = alarm or "tie_steering"
+                st.outlier = 0.0
         if alarm:
             st.alarms[alarm] = st.alarms.get(alarm, 0) + 1
         return alarm

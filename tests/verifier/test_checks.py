@@ -255,3 +255,37 @@ def test_a_fixed_model_serves_every_version(kit, honest):
     v = RolloutVerifier(model, tokenizer, source, swarm_id="default",
                         latest_version=lambda: VERSION)
     assert reasons(v.verify(honest, SENDER)) == {"ok"}
+
+
+def _last_tokens_changed(batch, kit, k: int):
+    """Every completion that stopped on length gets its last `k` tokens replaced (consistent:
+    proof, logprobs, text and reward recomputed); others are unchanged."""
+    model, tokenizer, _ = kit
+    rng = random.Random(k)
+    comps = []
+    for c in batch.completions:
+        tokens = c.completion_ids.to_numpy().tolist()
+        if c.finish_reason == "length":
+            for j in range(len(tokens) - k, len(tokens)):
+                tokens[j] = attacks._random_token(rng, len(tokenizer),
+                                                  {tokenizer.eos_token_id, tokens[j]})
+        comps.append(attacks._set_tokens(c, tokens))
+    return attacks.reprove(batch.model_copy(update={"completions": comps}), model, tokenizer)
+
+
+def test_one_replay_outlier_per_completion_when_allowed(kit, honest):
+    """bf16's outlier allowance: one position per completion may trail the seeded choice by
+    up to replay_outlier_eps (counted in `replay_outliers`); a second one, or any one with
+    the allowance off (fp32), is a token_mismatch."""
+    assert any(c.finish_reason == "length" for c in honest.completions)
+    one, two = _last_tokens_changed(honest, kit, 1), _last_tokens_changed(honest, kit, 2)
+    loose = CheckSettings(tie_eps=1e-3, replay_outlier_eps=1e6)
+    got = verifier(kit, settings=loose).verify(one, SENDER)
+    assert reasons(got) == {"ok"}
+    changed = [r for r, c in zip(got, honest.completions) if c.finish_reason == "length"]
+    assert all(r.stats["replay_outliers"] == 1 for r in changed)
+    assert all(r.stats["replay_max_gap"] > 1e-3 for r in changed)
+    assert reasons(verifier(kit).verify(one, SENDER)) <= {"token_mismatch",
+                                                          "group_member_rejected"}
+    assert "token_mismatch" in reasons(verifier(kit, settings=loose).verify(two, SENDER))
+    assert CheckSettings.for_dtype("float32").replay_outlier_eps == 0.0

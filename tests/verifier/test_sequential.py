@@ -109,3 +109,15 @@ def test_fp32_steering_test_alarms_on_two_wide_flips_not_on_honest_float_noise()
         [None, "tie_steering"]
     # the bf16 test keeps its measured p0 (honest bf16 flips are common)
     assert SequentialSettings.for_dtype("bfloat16").flip_p0 == 0.1
+
+
+def test_replay_outliers_alarm_when_a_peer_uses_them_often():
+    """bf16 allows one replay outlier per completion (rare honestly: 1 in 292 measured); a
+    peer with one in every other completion is alarmed within a batch of 32, a peer with one
+    in 50 (6x the measured rate) never in 20,000 completions."""
+    s = SequentialSettings.for_dtype("bfloat16")
+    m = PeerMonitor(s)
+    cheat = [m.observe("cheat", {"replay_outliers": k % 2}) for k in range(32)]
+    assert "tie_steering" in cheat
+    honest = [m.observe("honest", {"replay_outliers": int(k % 50 == 0)}) for k in range(20_000)]
+    assert not any(honest)

@@ -177,9 +177,11 @@ class GossipService:
             return
         deadline = trio.current_time() + self.cfg.mesh_wait_s
         while True:
-            ready, _ = mesh_ready(self.node._router, self.node._pubsub, t,
-                                  self.cfg.mesh_degree_low)
-            if ready:
+            ready, topic_peers = mesh_ready(self.node._router, self.node._pubsub, t,
+                                            self.cfg.mesh_degree_low)
+            # Flood publishing sends to every subscribed peer: known subscribers suffice (a
+            # mesh below D_low after GRAFT/PRUNE churn held a first publish for mesh_wait_s).
+            if ready or (self.cfg.flood_publish and topic_peers > 0):
                 return
             if trio.current_time() >= deadline:
                 self.metrics.inc("publish_no_mesh")

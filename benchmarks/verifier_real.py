@@ -734,69 +734,69 @@ def report(load_avg: str) -> str:
 
 NOTES = """
 Notes (written by hand after the runs; honest about what this is and is not):
-- Collection. This session's honest completions were collected at nice 15 beside the other
-  engineers' benchmarks (the statistics above do not depend on load; their timings are not
-  used). The rows "session 3: ..." are the previous session's 214 fp32 and 52 bf16
-  completions (same model, same sampler; verified then by the code of that day). One
-  verifier per variation, so the verifier's prompt cache (shared prompt prefixes) is in the
-  calibrated path.
-- bf16 thresholds: the data did not support tightening them; it showed the opposite. An
-  honest 8-token bf16 completion reached proof bias 2.19e-2 against the limit 2e-2 (a false
-  reject under the old limits): a short chunk's top-k values come from few rows, and a
-  row's error is shared by its values (decode step vs prefill), so the chunk mean averages
-  fewer row errors (worst bias 2.2e-2 at 8-token chunks, 9.1e-3 at 32). The 16-bit limits
-  now widen as sqrt(32 / c) for a chunk of c < 32 tokens; full chunks keep 4.5e-2 / 2e-2
-  (ProofThresholds.widen_short_chunks). Price: in bf16 a completion shorter than 32 tokens
-  (or a last chunk of c tokens) gets up to sqrt(32/c) times wider proof mean/bias limits;
-  a 1%-scaled model already passed the bf16 proof before (session 3). No honest 1-token
-  chunk was observed: the widening there (x5.7) is extrapolated, not measured.
-- Cost. Measured by `--real-cost float32 --real-cost-batches 3` under the bench lock
-  (13:19-13:22 UTC, load 14.3 -> 8.9; a first run at 12:21-12:29, load 4.2 -> 9.0, before
-  the length-sorted sub-batches, gave 24-36% now vs 34-57% baseline), the baseline
-  verifier (commit e83ff02) and today's on the same batches. CPU seconds of the process
-  are the figure (wall time on this shared machine also measures the other tenants; both
-  shown). Now 29-34% of generation (baseline 30-56%): the top-p case gained (partial
-  sorts: 56% -> 29%); at T = 1 the gain is small (32% -> 30%, batch 32 36% -> 34%; 2
-  threads within noise). The goal (<= 15% at batch 8) is NOT met, and on this CPU it
-  cannot be met without weakening a check: a profile of one batch of 8 (cProfile, CPU
-  time, cold prompt cache) puts 85% of verification in the forward pass itself (decoder
-  1.40 s, lm_head over the completion rows 0.28 s, of 1.98 s); the rest was replay noise
-  0.17 s, shape 0.08 s, proof 0.007 s, cheap checks 0.012 s. The forward is the same
-  arithmetic the sampler does for the completion tokens, and the sampler's batched decode
-  on this CPU is only ~4-5x less efficient per token than the verifier's prefill, so the
-  forward alone is ~20-25% of generation. The lm_head and the log-softmax over the 49k
-  vocabulary are needed at every position (the trainer trains on the recomputed logprobs;
-  replay checks every token). On a GPU decode is memory-bound and the ratio is far lower
-  (not measured: no GPU).
-- What was cut: replay noise computed only for tokens that can reach the top two (the
-  noise's 64-bit integer hash, not vectorised on this CPU, was its cost; at T = 1 about 22%
-  of SmolLM2's vocabulary can still win, 3% at T = 0.7); top-p masks from one partial sort
-  for both the strict and the loosened top-p; one log-softmax shared by the logprob, EOS and
-  shape checks; a prompt-prefix KV cache per model version (system prompts of 25-110
-  tokens; it warms over batches: 0 -> 367 prompt tokens saved over 3 batches of 32); a
-  group's completions in length-sorted sub-batches (padding was 21-27% of the completion
-  tokens fed; these batches had little of it, a synthetic group of 32 mixed lengths went
-  3.3 -> 2.1 CPU s).
-- Amortised: trusted peers spot-checked at 10% of their groups cost 3.1-3.6% of generation
-  (the cheap checks alone 0.15-0.21%); <= 3% everywhere needs a fraction of <= 8%. Config
-  default `spot_check_fraction` is 1.0 (everything verified).
-- Calibration size: 634 fp32 completions (goal 500 met; this session's 420 cover batch 8,
-  batch 1, top-p and 96-token completions; batch 32 and 2 threads are session 3's) and 212
-  bf16 (goal 500 NOT met: bf16 sampled at nice 15 beside the others' benchmarks ran at
-  ~0.1-0.2 completions/s; this session's 160 are batch 32 with 8-token completions, 1 and 2
-  threads; the batch-1 and 32-token cases are session 3's 52). bf16 logprob_tol went 0.5 -> 1.0 after an
-  honest 0.65 (a false reject under 0.5; the tables above use today's thresholds).
+- Collection. fp32: the 634 completions of sessions 3-4 (not re-collected; rows "session
+  3: ..." are session 3's). bf16: sessions 3-4's 212 plus session 5's 80, sampled at nice
+  10 beside the lead's SAPO run (14:53-16:09 UTC, which ran past this session's end; one
+  SmolLM2 process at a time; ~0.03 completions/s, a bf16 batch of 32 took ~15 min there),
+  including the first bf16 top-p runs (T = 0.7, top-p 0.9) and a 32-token case. The
+  statistics do not depend on load; timings from them are not used.
+- bf16 false reject found and fixed (not silently): one honest T = 0.7 top-p 0.9
+  completion trailed the seeded choice by 1.57 at one position (tie_eps 0.4; the worst of
+  all other bf16 completions 0.24). Its round was replayed: the batch came out the same
+  (all 32 completions with identical statistics, the same reject at the same position), so
+  this is the floats, not a fluke of the run. The rule now allows one such position per
+  completion, up to
+  replay_outlier_eps 2.0 (1.27x the measured 1.57, from one observation), counted per
+  completion; a per-peer CUSUM (p0 0.02, ~6x the measured 1/292) alarms `tie_steering` when
+  a peer uses it often. Price: a sender may take a token within 2.0 of the seeded choice at
+  one position in roughly 1 completion in 10 without being caught. The table above still
+  counts that completion as a reject: its other positions' gaps were not recorded (the
+  collection stopped at the first failing position, and a second replay with the new
+  collection settings did not fit in the session), so whether the new rule accepts it
+  (second-worst gap <= 0.4) is not known. The bf16 attacks table was rerun with the rule.
+- fp32 steering (issue goal: detection within 20 batches). Session 4 used p0 0.05 at fp32
+  wide ties and batches of 8: median 42 batches. Now p0 1e-3, because an honest flip at a
+  wide tie (top-two margin > 2.5e-4) needs the sampler's and the verifier's score
+  differences of the two tokens to differ by > 2.5e-4, while the worst honest fp32 logprob
+  error is 3.15e-5 (17,380 tokens) and the directly measured decode-vs-prefill difference
+  at the verifier's top two is far smaller (the flip-error line above); no honest fp32 flip
+  was seen at any of 7,831 positions with margin <= 1. The bootstrap runs at batch 32, the
+  protocol default (tasks_per_round 4 x completions_per_task 8), and at batch 8. At batch
+  32 steering every wide tie alarms in a median 3 batches (95th percentile 9), half of them
+  in 8 (19); at batch 8 in 13 (34) and 28 (93): the 20-batch goal holds at the default
+  batch, not at batch 8, where a cheater meets only ~0.14 wide ties per batch and two
+  flipped in a row are needed (a single flip is within what the p0 bound allows). The
+  stress rows feed honest peers flips at p0 itself: still 0 alarms. Steering freedom left:
+  0.075% of fp32 positions have a top-two margin within tie_eps, 0.012% below the wide-tie
+  floor where the test cannot see steering. fp32 tie_eps was not tightened: that would cut
+  the 0.075% but leave even fewer wide ties to detect with, and tie_eps = logprob_tol keeps
+  the replay and logprob tolerances consistent for honest hardware not measured here.
+- Cost: `--real-cost float32 --real-cost-batches 5` under the bench lock at 16:09-16:16
+  UTC, beside the lead's SAPO run (2 processes at nice 3; load 9.3 -> 6.5; SAPO ran past
+  this session's end, so there is no quieter figure). CPU seconds of the process are the
+  figure. The same batches through the baseline verifier (e83ff02) and today's: batch 8 T=1
+  31.9% -> 26.2% (session 4's code: 29.5%), top-p 52.7% -> 26.8%, 2 threads 26.8% -> 23.3%,
+  batch 32 34.0% -> 28.8%. Warm (batches 2-5, the prompt cache holding the task families'
+  shared prefixes: 124-513 prompt tokens saved per variation) vs all: within 1 point; the
+  per-batch spread (23-32% at batch 8) is larger than the warm-up. New this session: the LM
+  head over a group's completions in one matrix product (SmolLM2's head, measured alone:
+  32 GFLOP/CPU-s at 31 rows, 65 at 248). The goal (<= 15% at batch 8) is NOT met, and the
+  last column says why: verification runs its linear layers at ~48 GFLOP per CPU second
+  (the forward is ~85% of it; single-core GEMMs of these shapes peak at ~79 here), and the
+  sampler at 35-40, because its batched decode re-runs every row's prompt and a
+  one-token-per-row decode is already a fair GEMM at batch 8 (36 GFLOP/s measured for M = 8
+  rows). The verifier must do the completions' forward and the LM head at every position
+  (the trainer trains on the recomputed logprobs; replay checks every token): ~63 GFLOP of
+  linear layers for a batch of 8 (240 completion tokens) even with the whole prompt cached,
+  i.e. ~0.8 s at the GEMM peak against ~6.0 s of generation: ~13% before anything else. 15% would need the
+  whole verification at ~90% of the GEMM peak. On a GPU, decode is memory-bound and the
+  ratio is far lower (not measured: no GPU). Amortised with spot checks at 10%: 2.4-3.0%.
+- Calibration size: 634 fp32 (goal 500 met) and 292 bf16 (goal 500 NOT met; see above).
+  bf16 logprob_tol went 0.5 -> 1.0 in session 4 after an honest 0.65; the short-chunk proof
+  widening (x sqrt(32/c)) is session 4's, after an honest 8-token proof bias of 2.19e-2.
 - Per-peer tests: measured by resampling (bootstrap) the honest per-completion statistics
-  into 40,000 honest batches per dtype and scheme, with the real PeerMonitor; a peer pinned
-  to one variation keeps that config's own bias. Resampling treats completions as
-  independent draws from the measured ones: a config not measured (GPU kernels, another
-  model) is not covered. fp32 steering is not detected within 20 batches because fp32 wide
-  near-ties are very rare: there is almost nothing to steer (a steering sender changes
-  about one token per hundred completions).
-- Attacks in bf16 (`--real-attacks bfloat16`, 8-token completions: the widest proof limits)
-  rerun at 13:27-13:38 with today's thresholds (widened short-chunk proof limits,
-  logprob_tol 1.0): a 1%-scaled model passes the bf16 checks (as in session 3); 2% is
-  caught (one token_mismatch and one proof_index_mismatch reject both groups), 5% fails on
-  the proof; forgeries and forged rewards are caught. A first run under logprob_tol 0.5 gave
-  the same picture (x1.02: logprob_mismatch 2, proof_index_mismatch 1).
+  into 40,000 honest batches per dtype, scheme and batch size, with the real PeerMonitor; a
+  peer pinned to one variation keeps that config's own bias. Resampling treats completions
+  as independent draws from the measured ones: a config not measured (GPU kernels, another
+  model) is not covered.
 """

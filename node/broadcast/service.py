@@ -39,7 +39,7 @@ CLOSE_TIMEOUT_S = 10.0
 MAX_PROVEN = 4096  # peers remembered as having delivered verified shards
 MAX_VERSIONS_TRACKED = 16  # versions per policy whose advertised sources are remembered
 PULL_BACKOFF_S = 60.0
-ADVERT_STEPS = 8  # partial holdings are advertised at each eighth of a version
+ADVERT_STEPS = 4  # partial holdings are advertised at each quarter of a version
 OnComplete = Callable[[CheckpointManifest, Path], Awaitable[None] | None]
 
 
@@ -417,8 +417,10 @@ class Broadcaster:
     def _shard_verified(self, key: tuple[str, int]) -> None:
         """Advertise partial holdings in ADVERT_STEPS steps per version, not per shard:
         each advert costs every peer gossip CPU (profiled: py-libp2p's per-message cost
-        was most of a client's CPU on the data plane), and a step of the version is what
-        makes a peer worth asking. Completion is always advertised."""
+        was most of a client's CPU on the data plane; 8 clients, quarters instead of
+        eighths: gossip copies received per client 236 -> 134, libp2p CPU 0.56 -> 0.47 s,
+        peers still served half the bytes), and a step of the version is what makes a peer
+        worth asking. Completion is always advertised."""
         entry = self.store.get(*key)
         if entry is None:
             return

@@ -254,8 +254,8 @@ def _decrypt_ready(self, rx: _NoiseRx) -> list[bytes]:
         try:
             plain = self.decrypt(message)
         except Exception:
-            if parts:  # deliver what decrypted; the bad message raises on the next call
-                rx.unread(message)
+            rx.unread(message)  # it raises again on every later call, never skipped
+            if parts:  # deliver what decrypted first
                 break
             raise
         if plain:

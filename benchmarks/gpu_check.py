@@ -7,7 +7,8 @@
    noisy_argmax's choices over random scores (pruned and full), for the model's vocabulary
    and Qwen2.5's (151,936); plus the known-answer vectors tests/vectors/noise.json on CUDA.
 2. Sampler speed on CUDA: HFSampler vs VLLMSampler (when vllm is importable) tokens/s at
-   batch 8, 32 and 128, the same prompts, seeds and max tokens, natural EOS, best of 2.
+   batch 8, 32 and 128, the same prompts, seeds and max tokens, natural EOS, best of 2; and
+   vLLM's own (not replayable) sampler on the same engine: what the seeded hook costs.
 3. Honest acceptance across the samplers and devices: fp32 rollouts of each sampler on CUDA,
    checked by the fp32 verifier on CUDA and on the CPU: accepted / rejected with reasons.
    (bf16 is not covered: it needs a second pair of samplers in bf16.)
@@ -157,12 +158,26 @@ def speed(samplers: dict, tok, batches: list[int], new_tokens: int, device: str)
         if len(ids) == 2:
             a, c = ids.values()
             row["identical_completions"] = sum(x == y for x, y in zip(a, c))
+            row["vllm_native"] = native_speed(samplers["vllm"], prompts, n, params, device)
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
 
 
-def acceptance(samplers: dict, model_dir: str, tok, new_tokens: int, device: str) -> dict:
+def native_speed(vs, prompts, n, params, device: str) -> dict:
+    """vLLM's own sampler on the same engine (not replayable): what the seeded hook costs."""
+    from benchmarks.sampler import vllm_native
+
+    best, tokens = float("inf"), 0
+    for _ in range(2):
+        sync(device)
+        seconds, ids = vllm_native(vs, prompts, n, params, 0)
+        best, tokens = min(best, seconds), sum(map(len, ids))
+    return {"tokens": tokens, "tok_per_s": round(tokens / best, 1)}
+
+
+def acceptance(samplers: dict, model_dir: str, tok, batch: int, new_tokens: int,
+               device: str) -> dict:
     """Each sampler's rollouts (fp32 on `device`) checked by the fp32 verifier there and on
     the CPU."""
     from swarm_node.node.models import load_model
@@ -170,7 +185,7 @@ def acceptance(samplers: dict, model_dir: str, tok, new_tokens: int, device: str
     from swarm_node.verifier.checks import RolloutVerifier
 
     sender = "gpu-check"
-    source, tasks, prompts, n, params = workload(tok, 32, new_tokens, sender)
+    source, tasks, prompts, n, params = workload(tok, batch, new_tokens, sender)
     batches = {}
     for name, s in samplers.items():
         s.peer_id, s.version = sender, 0  # default seeds: what the verifier expects
@@ -182,10 +197,12 @@ def acceptance(samplers: dict, model_dir: str, tok, new_tokens: int, device: str
     dtype = "float32"
     for where in (device, "cpu"):
         model, vtok = load_model(model_dir, dtype=dtype, device=where)
-        verifier = RolloutVerifier(model, vtok, source, swarm_id="default",
-                                   latest_version=lambda: 0, dtype=dtype)
-        for name, batch in batches.items():
-            res = verifier.verify(batch, sender)
+        for name, rollouts in batches.items():
+            # a verifier per batch: both batches are the sender's round 0, and one verifier
+            # rejects a second batch of a used round as `round_reused`
+            verifier = RolloutVerifier(model, vtok, source, swarm_id="default",
+                                       latest_version=lambda: 0, dtype=dtype)
+            res = verifier.verify(rollouts, sender)
             reasons: dict[str, int] = {}
             for r in res:
                 reasons[r.reason] = reasons.get(r.reason, 0) + 1
@@ -201,6 +218,8 @@ def main() -> None:
                     help="a model folder, a builtin name, or 'random' (0.5B-shaped)")
     ap.add_argument("--batches", default="8,32,128")
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--check-batch", type=int, default=32,
+                    help="completions per sampler checked by the verifier")
     ap.add_argument("--out", default="gpu_check.json")
     ap.add_argument("--device", default="cuda",
                     help="'cpu' only to smoke-test this script (it then compares the CPU "
@@ -227,7 +246,8 @@ def main() -> None:
             tok = next(iter(samplers.values())).tokenizer
             report["speed"] = speed(samplers, tok, [int(b) for b in args.batches.split(",")],
                                     args.new_tokens, args.device)
-            report["acceptance"] = acceptance(samplers, model_dir, tok, 32, args.device)
+            report["acceptance"] = acceptance(samplers, model_dir, tok, args.check_batch,
+                                              min(32, args.new_tokens), args.device)
         finally:
             for s in samplers.values():
                 s.close()

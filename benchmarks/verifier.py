@@ -488,7 +488,7 @@ def main() -> None:
             print(body)
             record("verifier-real", body, command="python benchmarks/verifier.py --real "
                    "float32|bfloat16 --real-budget-s N; --real-cost float32 "
-                   "--real-cost-batches 3; then --real-report LOAD")
+                   "--real-cost-batches 5; --real-attacks bfloat16; then --real-report LOAD")
         return
     _imports()
     torch.set_num_threads(1)

@@ -426,7 +426,8 @@ def attack_run(dtype: str, max_new_tokens: int = 8) -> Path:
 
     honest = sample(model, 1)
     check("honest (control)", honest)
-    for factor in (1.01, 1.02, 1.05):
+    factors = os.environ.get("VERIFIER_REAL_FACTORS", "1.01,1.02,1.05")  # "" skips them
+    for factor in [float(f) for f in factors.split(",") if f]:
         check(f"weights x{factor}", sample(attacks.scaled_copy(model, factor), 2))
     check("1 token changed, consistently re-proven",
           attacks.tamper_tokens(honest, rng, len(tokenizer), {eos}, model=model,
@@ -745,22 +746,27 @@ Notes (written by hand after the runs; honest about what this is and is not):
   all other bf16 completions 0.24). Its round was replayed: the batch came out the same
   (all 32 completions with identical statistics, the same reject at the same position), so
   this is the floats, not a fluke of the run. The rule now allows one such position per
-  completion, up to
-  replay_outlier_eps 2.0 (1.27x the measured 1.57, from one observation), counted per
+  completion, up to replay_outlier_eps 2.0 (1.27x the measured 1.57, from one observation),
+  counted per
   completion; a per-peer CUSUM (p0 0.02, ~6x the measured 1/292) alarms `tie_steering` when
   a peer uses it often. Price: a sender may take a token within 2.0 of the seeded choice at
   one position in roughly 1 completion in 10 without being caught. The table above still
   counts that completion as a reject: its other positions' gaps were not recorded (the
   collection stopped at the first failing position, and a second replay with the new
   collection settings did not fit in the session), so whether the new rule accepts it
-  (second-worst gap <= 0.4) is not known. The bf16 attacks table was rerun with the rule.
+  (second-worst gap <= 0.4) is not known. The bf16 attacks table: the honest control and
+  the forgeries were rerun with the rule (session 5 rows); the scaled-weight rows are
+  session 4's, before it (not rerun: no time; x1.02 was caught there by one token_mismatch
+  and one proof_index_mismatch, so under the rule it may rest on the proof alone).
 - fp32 steering (issue goal: detection within 20 batches). Session 4 used p0 0.05 at fp32
   wide ties and batches of 8: median 42 batches. Now p0 1e-3, because an honest flip at a
   wide tie (top-two margin > 2.5e-4) needs the sampler's and the verifier's score
   differences of the two tokens to differ by > 2.5e-4, while the worst honest fp32 logprob
-  error is 3.15e-5 (17,380 tokens) and the directly measured decode-vs-prefill difference
-  at the verifier's top two is far smaller (the flip-error line above); no honest fp32 flip
-  was seen at any of 7,831 positions with margin <= 1. The bootstrap runs at batch 32, the
+  error is 3.15e-5 (17,380 tokens); no honest fp32 flip was seen at any of 7,831 positions
+  with margin <= 1. The direct measurement of the quantity a flip needs (decode minus
+  prefill on the score difference of the verifier's top two, `--real-flip-errors`) was
+  built but not run on SmolLM2 in this session (no time beside SAPO; one SmolLM2 process
+  at a time); on the tiny model its maximum was 2.7e-7 over 6,158 positions. The bootstrap runs at batch 32, the
   protocol default (tasks_per_round 4 x completions_per_task 8), and at batch 8. At batch
   32 steering every wide tie alarms in a median 3 batches (95th percentile 9), half of them
   in 8 (19); at batch 8 in 13 (34) and 28 (93): the 20-batch goal holds at the default
@@ -794,6 +800,10 @@ Notes (written by hand after the runs; honest about what this is and is not):
 - Calibration size: 634 fp32 (goal 500 met) and 292 bf16 (goal 500 NOT met; see above).
   bf16 logprob_tol went 0.5 -> 1.0 in session 4 after an honest 0.65; the short-chunk proof
   widening (x sqrt(32/c)) is session 4's, after an honest 8-token proof bias of 2.19e-2.
+- bf16 stress rows: honest peers flipping wide ties at the test's p0 0.1 (the measured
+  honest rate is 15/541 = 0.03) give 2 alarms in 40,000 batches of 32 and 4 in 40,000 of 8
+  (1e-4, the goal's limit): the bound holds with a 3x pessimistic flip rate, barely at
+  batch 8.
 - Per-peer tests: measured by resampling (bootstrap) the honest per-completion statistics
   into 40,000 honest batches per dtype, scheme and batch size, with the real PeerMonitor; a
   peer pinned to one variation keeps that config's own bias. Resampling treats completions

@@ -52,11 +52,14 @@ def variations(dtype: str):
 
 
 def loose_settings():
+    """Thresholds loose enough that honest completions keep all their statistics. top_p_eps
+    0.09 keeps top-p 0.9 runs truncated (at 0.99), so their shape z is still measured
+    against a truncated distribution; a top-p excess beyond it rejects, with the detail."""
     from swarm_node.verifier.checks import CheckSettings
     from swarm_node.verifier.proof import ProofThresholds
 
     return CheckSettings(max_policy_lag=1 << 30, logprob_tol=50.0, tie_eps=1.0,
-                         replay_outlier_eps=50.0, top_p_eps=0.5,
+                         replay_outlier_eps=50.0, top_p_eps=0.09,
                          min_eos_prob=0.0, shape_z_max=1e9,
                          proof=ProofThresholds(match_rel=1.0, max_mismatches=128,
                                                max_mean_abs=10.0, max_bias=10.0))

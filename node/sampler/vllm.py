@@ -43,7 +43,9 @@ _STORE_ATTR = "_swarm_node_store"
 def _install_hook(worker) -> bool:
     runner = worker.model_runner
     model = runner.model if hasattr(runner, "model") else runner.get_model()
-    store: dict[str, dict[int, tuple[int, float, torch.Tensor]]] = {}
+    # One record per step and sampling setting, kept on the device until _collect: the hook
+    # itself never waits for the device or copies to the host (vLLM may run ahead).
+    store: list[tuple[list[tuple[str, int]], torch.Tensor, torch.Tensor, torch.Tensor]] = []
     setattr(runner, _STORE_ATTR, store)
 
     def hook(module, args, kwargs, logits):
@@ -77,11 +79,9 @@ def _install_hook(worker) -> bool:
                 torch.tensor([p for *_, p in items]).to(rows.device), params)
             out[rows] = float("-inf")
             out[rows, tokens] = 0.0
-            tokens_cpu, logps_cpu = tokens.tolist(), logps.tolist()
-            hidden_cpu = hidden[rows].detach().to("cpu", torch.float32, copy=True)
-            for k, (_row, req_id, _seed, position) in enumerate(items):
-                store.setdefault(req_id, {})[position] = (tokens_cpu[k], logps_cpu[k],
-                                                          hidden_cpu[k])
+            # clone: vLLM reuses its hidden-state buffer in the next step
+            store.append(([(req_id, position) for _row, req_id, _seed, position in items],
+                          tokens, logps, hidden[rows].detach().clone()))
         return out
 
     model.logits_processor.register_forward_hook(hook, with_kwargs=True)
@@ -91,9 +91,13 @@ def _install_hook(worker) -> bool:
 def _collect(worker) -> dict[str, dict[int, tuple[int, float, list[float]]]]:
     runner = worker.model_runner
     store = getattr(runner, _STORE_ATTR)
-    # plain lists: the RPC layer's own tensor encoding differs between engine modes
-    taken = {req: {pos: (tok, lp, hidden.tolist()) for pos, (tok, lp, hidden) in rows.items()}
-             for req, rows in store.items()}
+    # plain lists: the RPC layer's own tensor encoding differs between engine modes. In step
+    # order, so a position sampled again (a preempted request) keeps its last value.
+    taken: dict[str, dict[int, tuple[int, float, list[float]]]] = {}
+    for keys, tokens, logps, hidden in store:
+        rows = zip(keys, tokens.tolist(), logps.tolist(), hidden.float().cpu().tolist())
+        for (req_id, position), tok, lp, vec in rows:
+            taken.setdefault(req_id, {})[position] = (tok, lp, vec)
     store.clear()
     return taken
 

@@ -9,6 +9,7 @@ are enlarged, every remaining drop is counted, and `publish` waits for queue cap
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -53,6 +54,11 @@ def build_gossip(host, cfg, metrics: P2PMetrics) -> tuple[GossipSub, Pubsub]:
         validation_cache_size=4096,
         max_inbound_rpc_size=max_rpc_size(cfg),
     )
+    # Message ids are (from, seqno), and py-libp2p starts the seqno counter at the current
+    # second. A node restarted with the same key within n seconds after publishing more than
+    # n messages reused seqnos, and every peer that had seen them dropped the new messages as
+    # duplicates (found by test_restart_with_same_key_rejoins). Nanoseconds, as go-libp2p does.
+    pubsub.counter = seqno_start()
     pubsub.peer_queues = TunedQueues(cfg.outbound_queue, max_rpc_size(cfg), pubsub.peer_queues,
                                      metrics)
     return router, pubsub
@@ -81,6 +87,12 @@ def flood_own_publishes(router: GossipSub, self_id: ID) -> None:
         return peers
 
     router._get_peers_to_send = peers_to_send
+
+
+def seqno_start() -> int:
+    """First pubsub seqno of this process: the clock in nanoseconds, so that a restart with
+    the same key never repeats a seqno of the previous run (fits in the 8-byte field)."""
+    return time.time_ns()
 
 
 def max_rpc_size(cfg) -> int:

@@ -57,7 +57,7 @@ def run(job: dict) -> dict:
     from swarm_node.node.config import Config
     from swarm_node.node.models import build_tiny_model, load_model
     from swarm_node.node.sampler.hf import HFSampler
-    from swarm_node.node.sampler.rounds import sample_round, to_batch
+    from swarm_node.node.sampler.rounds import sample_round
     from swarm_node.node.tasks import TaskSource
     from swarm_node.node.trainer.loop import sync_sampler
     from swarm_node.node.trainer.trainer import Trainer
@@ -89,10 +89,9 @@ def run(job: dict) -> dict:
                 sync_sampler(sampler, trainer)
                 samples = sample_round(sampler, tok, source, peer, r, job["tasks"],
                                        job["group"], params)
-                trainer.add_local(samples)
-                rewards.append(statistics.mean(trainer.rescorer.score(s.task, s.text)
-                                               for s in samples))
-                batches.append(to_batch(samples, "sapo", peer, r, params))
+                reward, batch = _keep_local(trainer, samples, peer, r, params)
+                rewards.append(reward)
+                batches.append(batch)
             _share_and_step([node[1] for node in nodes], batches, external)
             curve.append(rewards)
         for _, trainer, *_rest in nodes:
@@ -100,12 +99,20 @@ def run(job: dict) -> dict:
     return {**job, "curve": curve, "seconds": time.perf_counter() - t0}
 
 
+def _keep_local(trainer, samples, peer: str, round_: int, params) -> tuple[float, object]:
+    """Adds a node's own samples to its trainer; returns their mean reward and the batch it shares."""
+    from swarm_node.node.sampler.rounds import to_batch
+
+    trainer.add_local(samples)
+    reward = statistics.mean(trainer.rescorer.score(s.task, s.text) for s in samples)
+    return reward, to_batch(samples, "sapo", peer, round_, params)
+
+
 def run_smollm2(job: dict) -> dict:
     """The same rounds on SmolLM2 with learning.py's task, prompts and trainer settings."""
     import torch
     from swarm_node.node.models import BUILTIN_SMOLLM2, ensure_builtin
     from swarm_node.node.sampler.hf import HFSampler
-    from swarm_node.node.sampler.rounds import to_batch
     from swarm_node.node.tasks import TaskSource, get_task
     from swarm_node.node.trainer.evaluate import EVAL_SEED
     from swarm_node.node.trainer.trainer import Trainer
@@ -144,10 +151,9 @@ def run_smollm2(job: dict) -> dict:
             for peer, trainer, sampler in nodes:
                 refs = _draw(source, peer, r, job["tasks"], held_out)
                 samples = _sample(trainer, sampler, refs, job["group"], params)
-                trainer.add_local(samples)
-                rewards.append(statistics.mean(trainer.rescorer.score(s.task, s.text)
-                                               for s in samples))
-                batches.append(to_batch(samples, "sapo", peer, r, params))
+                reward, batch = _keep_local(trainer, samples, peer, r, params)
+                rewards.append(reward)
+                batches.append(batch)
             _share_and_step([node[1] for node in nodes], batches, external)
             curve.append(rewards)
             round_s.append(time.perf_counter() - t_round)

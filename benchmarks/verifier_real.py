@@ -175,6 +175,7 @@ def cost(dtype: str, batches: int, baseline: str) -> Path:
     with open(COST_OUT, "a") as out:
         for name, threads, max_batch, tasks, n, temp, top_p, max_new in cost_variations(dtype):
             torch.set_num_threads(threads)
+            peak = gemm_peak(model, dtype)
             params = SamplingParams(temperature=temp, top_p=top_p, max_new_tokens=max_new)
             after, cheap = make(RolloutVerifier), make(RolloutVerifier)
             for k in range(batches):
@@ -211,6 +212,11 @@ def cost(dtype: str, batches: int, baseline: str) -> Path:
                 fed = (group_prompts - (after.prompt_cache.tokens_saved - saved_before)
                        + rec["tokens"] - len(comps))
                 rec["verify_gflop"] = (per_token * fed + per_row * rec["tokens"]) / 1e9
+                # the least CPU time the verifier's linear layers can take: its FLOPs at the
+                # GEMM rates measured on the model's own weights in this process
+                rec["floor_cpu"] = (per_token * fed / peak[0]
+                                    + per_row * rec["tokens"] / peak[1]) / 1e9
+                rec["peak_gflops"] = peak
                 out.write(json.dumps(rec) + "\n")
                 out.flush()
                 round_ += 1
@@ -218,6 +224,28 @@ def cost(dtype: str, batches: int, baseline: str) -> Path:
                       f"after {rec['after_cpu']:.2f} cheap {rec['cheap_cpu']:.3f}; wall gen "
                       f"{rec['gen_s']:.1f}", flush=True)
     return COST_OUT
+
+
+def gemm_peak(model, dtype: str, rows: int = 256) -> tuple[float, float]:
+    """GFLOP per CPU second of one layer's linear maps (the decoder's weights, `rows` rows:
+    the verifier's shape; more rows run no faster here) and of the LM head, best of 3."""
+    layer = model.get_decoder().layers[0]
+    mats = [m.weight for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    head = model.get_output_embeddings().weight
+
+    def rate(weights):
+        x = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
+        flops = sum(2.0 * rows * w.shape[0] * w.shape[1] for w in weights)
+        best = math.inf
+        with torch.inference_mode():
+            for _ in range(4):  # the first warms up
+                c0 = time.process_time()
+                for w in weights:
+                    torch.nn.functional.linear(x[w.shape[1]], w)
+                best = min(best, time.process_time() - c0) if _ else best
+        return flops / best / 1e9
+
+    return rate(mats * 4), rate([head])
 
 
 def linear_flops(model) -> tuple[float, float]:
@@ -248,7 +276,7 @@ def cost_table() -> list[list]:
             for k in ("gen", "before", "after", "cheap"):
                 for unit in ("cpu", "s"):
                     d[f"{k}_{unit}"] = d.get(f"{k}_{unit}", 0.0) + r[f"{k}_{unit}"]
-            for k in ("gen_gflop", "verify_gflop"):
+            for k in ("gen_gflop", "verify_gflop", "floor_cpu"):
                 d[k] = d.get(k, 0.0) + r.get(k, float("nan"))
             d["bad"] |= {x for x in r["before_reasons"] + r["after_reasons"] if x != "ok"}
     rows = []
@@ -264,6 +292,7 @@ def cost_table() -> list[list]:
                      f"{SPOT_FRACTION * full + (1 - SPOT_FRACTION) * cheap:.2%}",
                      (f"{d['gen_gflop'] / d['gen_cpu']:.1f} / "
                       f"{d['verify_gflop'] / d['after_cpu']:.1f}"),
+                     f"{d['floor_cpu'] / d['gen_cpu']:.1%}".replace("nan%", "-"),
                      ", ".join(sorted(d["bad"])) or "none"])
     return rows
 
@@ -272,7 +301,9 @@ COST_HEADER = ["dtype, variation", "batches", "tokens", "gen tok/CPU-s",
                "verify / generate, baseline (CPU)", "verify / generate, now (CPU)",
                "now, warm prompt cache (batches)", "wall: baseline / now",
                "cheap checks only (CPU)", f"amortised, spot checks at {SPOT_FRACTION:.0%}",
-               "linear-layer GFLOP per CPU-s: generate / verify", "rejects"]
+               "linear-layer GFLOP per CPU-s: generate / verify",
+               "floor: verifier's linear layers at the measured GEMM peak / generate",
+               "rejects"]
 
 
 # honest flip errors: what an honest sampler's floats do to the verifier's top two ---------
@@ -482,8 +513,11 @@ def would_reject(rec: dict, s) -> str | None:
     worst = st["replay_max_gap"]
     # records before replay_second_gap existed: every gap <= worst, all inside tie_eps or not
     second = st.get("replay_second_gap", worst if worst <= s.tie_eps else math.inf)
+    # the loose top-p mask also keeps tokens within tie_eps of its cut (checks._masks);
+    # records before top_p_excess_near existed: the plain excess, never below it
+    excess = st.get("top_p_excess_near", st.get("top_p_excess", -1.0))
     if worst > max(s.tie_eps, s.replay_outlier_eps) or second > s.tie_eps \
-            or st.get("top_p_excess", -1.0) >= s.top_p_eps:
+            or excess >= s.top_p_eps:
         return "token_mismatch"
     if "eos_prob" in st and st["eos_prob"] < s.min_eos_prob:
         return "eos_improbable"
@@ -502,6 +536,9 @@ def calibration_rows(recs: list[dict], s) -> list[list]:
 
     p = s.proof
     ratios = list(zip(*(proof_ratios(r, p) for r in recs)))
+    gaps = [r["stats"]["replay_max_gap"] for r in recs]
+    near_excess = [r["stats"].get("top_p_excess_near", r["stats"]["top_p_excess"])
+                   for r in recs if "top_p_excess" in r["stats"]]
     rows = [
         ["proof mismatches (of 128, per chunk)", worst("proof_mismatches"), p.max_mismatches],
         ["proof mean relative error", f"{worst('proof_mean_abs'):.2e}", f"{p.max_mean_abs:.2e}"
@@ -518,8 +555,16 @@ def calibration_rows(recs: list[dict], s) -> list[list]:
                            if s.replay_outlier_eps > s.tie_eps else "")],
         ["replay gap, second-worst position (where recorded)",
          f"{worst('replay_second_gap'):.3g}", s.tie_eps],
+        ["replay gap, worst position of the completions without an outlier",
+         f"{max(g for g in gaps if g <= s.tie_eps):.3g}", s.tie_eps],
+        ["completions with a replay outlier (a position beyond tie_eps)",
+         f"{sum(g > s.tie_eps for g in gaps)} of {len(recs)}",
+         "per-peer test p0 0.02" if s.replay_outlier_eps > s.tie_eps else "0 (off)"],
         ["top-p: mass ahead of the claimed token - top_p (top-p runs, where recorded)",
-         f"{worst('top_p_excess'):.3g}", f"< {s.top_p_eps}"],
+         f"{worst('top_p_excess'):.3g}", "-"],
+        [("top-p: the same without the tokens within tie_eps of the claimed one (where "
+         "recorded; else the line above)"), f"{max(near_excess, default=math.nan):.3g}",
+         f"< {s.top_p_eps}"],
         ["|shape z|", f"{worst('shape_z', absval=True):.2f}".replace("nan", "- (all < 16 "
                                                                        "tokens)"),
          s.shape_z_max],
@@ -531,14 +576,16 @@ def calibration_rows(recs: list[dict], s) -> list[list]:
 # measured false-alarm rate and detection delay of the per-peer tests (bootstrap) ---------------
 
 
-def _peer_stats(recs: list[dict], tie_eps: float) -> list[tuple[float, float, int, int]]:
-    """Per honest completion: (lp_err_sum, lp_n, wide ties, honest flips at wide ties)."""
+def _peer_stats(recs: list[dict], tie_eps: float) -> list[tuple[float, float, int, int, int]]:
+    """Per honest completion: (lp_err_sum, lp_n, wide ties, honest flips at wide ties, 1 if
+    a position trailed the seeded choice by more than tie_eps (a replay outlier) else 0)."""
     out = []
     for r in recs:
         st = r["stats"]
         wide = [f for m, f in zip(st.get("tie_margins", []), st.get("tie_flipped", []))
                 if tie_eps / 4 < m <= tie_eps]
-        out.append((st["lp_err_sum"], st["lp_n"], len(wide), sum(wide)))
+        out.append((st["lp_err_sum"], st["lp_n"], len(wide), sum(wide),
+                    int(st.get("replay_max_gap", 0.0) > tie_eps)))
     return out
 
 
@@ -555,11 +602,12 @@ def _run_peer(monitor, pool, rng, batches: int, batch: int, bias: float = 0.0,
     for b in range(batches):
         hit = False
         for k in rng.integers(len(pool), size=batch):
-            err, n, ties, flips = pool[k]
+            err, n, ties, flips, outlier = pool[k]
             if steer or honest_flip:
                 flips += int(rng.binomial(ties - flips, steer or honest_flip))
             hit |= monitor.observe(peer, {"lp_err_sum": err + bias * n, "lp_n": n,
-                                          "wide_ties": ties, "wide_flips": flips}) is not None
+                                          "wide_ties": ties, "wide_flips": flips,
+                                          "replay_outliers": outlier}) is not None
         if hit:
             alarms += 1
             first = b + 1 if first is None else first
@@ -587,7 +635,7 @@ def steering_freedom(recs: list[dict], tie_eps: float) -> dict:
 
 def bootstrap(recs: list[dict], dtype: str, honest_batches: int = 40_000, batch: int = 32,
               peers: int = 100, attack_peers: int = 200, horizon: int = 200,
-              seed: int = 0) -> dict:
+              seed: int = 0, seq=None) -> dict:
     """The per-peer CUSUMs (verifier/sequential.py, the real code) run on honest batches
     resampled from the measured honest per-completion statistics, and on the same with a
     cheat applied. Honest peers: `peers` peers share `honest_batches` batches; "pooled" draws
@@ -595,13 +643,15 @@ def bootstrap(recs: list[dict], dtype: str, honest_batches: int = 40_000, batch:
     settings) and draws only from that variation's completions, which keeps a config's own
     bias; "stress" makes honest peers flip wide ties at the test's own p0 (what the
     false-alarm rate would be if honest floats reordered wide ties that often). Attacks:
-    `attack_peers` cheaters each, batches to the first alarm (up to `horizon`)."""
+    `attack_peers` cheaters each, batches to the first alarm (up to `horizon`). `seq`:
+    SequentialSettings to measure instead of `for_dtype`'s (a candidate, side by side).
+    Honest peers also feed their replay outliers (bf16) to the outlier test."""
     import numpy as np
     from swarm_node.verifier.checks import CheckSettings
     from swarm_node.verifier.sequential import PeerMonitor, SequentialSettings
 
     rng = np.random.default_rng(seed)
-    s, seq = CheckSettings.for_dtype(dtype), SequentialSettings.for_dtype(dtype)
+    s, seq = CheckSettings.for_dtype(dtype), seq or SequentialSettings.for_dtype(dtype)
     ok = [r for r in recs if r["reason"] == "ok"]
     pool = _peer_stats(ok, s.tie_eps)
     by_var: dict[str, list] = {}
@@ -638,10 +688,27 @@ def bootstrap(recs: list[dict], dtype: str, honest_batches: int = 40_000, batch:
             "batch": batch, "freedom": steering_freedom(ok, s.tie_eps), "tie_eps": s.tie_eps}
 
 
+# per dtype: (label, SequentialSettings fields replaced) measured beside `for_dtype`'s
+ALTERNATIVES: dict[str, list[tuple[str, dict]]] = {}
+
+
+def _run_label(run: dict) -> str:
+    return f"{run['label']}: " if "label" in run else ""
+
+
 def bootstrap_text(dtype: str, recs: list[dict]) -> str:
+    import dataclasses
+
+    from swarm_node.verifier.sequential import SequentialSettings
+
     from benchmarks.results import table
 
     runs = [bootstrap(recs, dtype, batch=b) for b in BOOT_BATCHES]
+    # alternatives measured side by side on the same data (ALTERNATIVES)
+    for label, kw in ALTERNATIVES.get(dtype, []):
+        alt = dataclasses.replace(SequentialSettings.for_dtype(dtype), **kw)
+        runs += [{**bootstrap(recs, dtype, batch=b, seq=alt), "label": label}
+                 for b in BOOT_BATCHES]
     b = runs[0]
     st, fr = b["settings"], b["freedom"]
     lines = [(f"Per-peer sequential tests, measured by bootstrap ({dtype}): honest batches "
@@ -662,14 +729,14 @@ def bootstrap_text(dtype: str, recs: list[dict]) -> str:
     for run in runs:
         for label, (alarms, n) in run["honest"].items():
             bound = 3 / n if alarms == 0 else None
-            rows.append([f"batch {run['batch']}: {label}", n, f"**{alarms}**",
+            rows.append([f"{_run_label(run)}batch {run['batch']}: {label}", n, f"**{alarms}**",
                          f"< {bound:.1e} (95%)" if bound else f"{alarms / n:.1e}"])
     lines.append(table(["honest peers", "batches", "false alarms", "rate per batch"], rows))
     lines.append("\nCheats on top of the same resampled honest statistics (200 cheating peers "
                  "each, 200 batches at most):\n")
     lines.append(table(["cheat", "median batches to alarm", "95th percentile",
                         "caught within 20 batches", "never caught in 200"],
-                       [[f"batch {run['batch']}: {row[0]}", *row[1:]]
+                       [[f"{_run_label(run)}batch {run['batch']}: {row[0]}", *row[1:]]
                         for run in runs for row in run["attacks"]]))
     return "\n".join(lines)
 

@@ -54,6 +54,7 @@ class SequentialSettings:
     bias_clip: float = 4.0  # one completion moves the statistic by at most this
     flip_p0: float = 0.05  # uncalibrated default; for_dtype gives the measured ones
     flip_p1: float = 0.5
+    steer_h: float = 0.0  # alarm threshold of the steering CUSUM (0: h)
     min_tokens: int = 8  # shorter completions are not used for the bias test
     # completions with a replay outlier (checks.CheckSettings.replay_outlier_eps): honest
     # rate at most outlier_p0; a sender using its one outlier per completion to steer does so
@@ -99,6 +100,7 @@ class PeerMonitor:
         self._keep = math.log((1 - s.flip_p1) / (1 - s.flip_p0))
         self._outlier = math.log(s.outlier_p1 / s.outlier_p0)
         self._clean = math.log((1 - s.outlier_p1) / (1 - s.outlier_p0))
+        self._steer_h = s.steer_h or s.h
         self.peers: OrderedDict[str, _PeerState] = OrderedDict()
 
     def _state(self, peer: str) -> _PeerState:
@@ -130,7 +132,7 @@ class PeerMonitor:
         ties, flips = stats.get("wide_ties", 0.0), stats.get("wide_flips", 0.0)
         if ties:
             st.steer = max(0.0, st.steer + flips * self._flip + (ties - flips) * self._keep)
-            if st.steer > self.s.h:
+            if st.steer > self._steer_h:
                 alarm = alarm or "tie_steering"
                 st.steer = 0.0
         if "replay_outliers" in stats:

@@ -121,3 +121,15 @@ def test_replay_outliers_alarm_when_a_peer_uses_them_often():
     assert "tie_steering" in cheat
     honest = [m.observe("honest", {"replay_outliers": int(k % 50 == 0)}) for k in range(20_000)]
     assert not any(honest)
+
+
+def test_steer_h_sets_the_steering_threshold_alone():
+    """`steer_h` (the bootstrap's single-flip alternative, benchmarks/verifier_real.py)
+    moves only the steering CUSUM's threshold: with steer_h below log(p1/p0) one flipped
+    wide tie alarms; the bias and outlier tests keep h."""
+    base = SequentialSettings.for_dtype("float32")
+    one = PeerMonitor(SequentialSettings(flip_p0=base.flip_p0, steer_h=6.0))
+    assert one.observe("c", {"wide_ties": 1, "wide_flips": 1}) == "tie_steering"
+    assert PeerMonitor(base).observe("c", {"wide_ties": 1, "wide_flips": 1}) is None
+    outliers = [one.observe("o", {"replay_outliers": 1}) for _ in range(4)]
+    assert outliers == [None] * 3 + ["tie_steering"]  # log(0.5 / 0.02) = 3.2 each, h 12

@@ -32,13 +32,13 @@ from collections import Counter
 from ...protocol.codec import pack, unpack
 from ...protocol.errors import ProtocolError
 from ...protocol.ids import SHARD_TOKEN_PROTOCOL
+from ..p2p.tokens import read_hello  # the hello frame both TCP planes share
 from .transport import DirectTcpStream, TcpStream
 from .wire import FRAME_HEADER
 
 log = logging.getLogger(__name__)
 
 DOMAIN = b"swarm-node/dataplane/1\x00"
-MAX_HELLO = 256
 SERVER_READ_LIMIT = 64 * 1024
 
 
@@ -78,22 +78,6 @@ def parse_token(token: bytes) -> tuple[int, bytes]:
             or not isinstance(value[1], bytes) or len(value[1]) != 32):
         raise ProtocolError("malformed data-plane token")
     return value[0], value[1]
-
-
-async def read_hello(reader: asyncio.StreamReader) -> tuple[str, int, bytes] | None:
-    """The claimed (peer id, expiry, mac), or None for anything malformed."""
-    try:
-        (n,) = FRAME_HEADER.unpack(await reader.readexactly(FRAME_HEADER.size))
-        if n > MAX_HELLO:
-            return None
-        value = unpack(await reader.readexactly(n), max_size=MAX_HELLO)
-    except (asyncio.IncompleteReadError, ProtocolError, ConnectionError, OSError):
-        return None
-    if (isinstance(value, list) and len(value) == 3 and isinstance(value[0], str)
-            and 0 < len(value[0]) <= 128 and isinstance(value[1], int)
-            and isinstance(value[2], bytes)):
-        return value[0], value[1], value[2]
-    return None
 
 
 class DataPlaneServer:

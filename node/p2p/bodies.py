@@ -26,10 +26,7 @@ after `payload_tcp_idle_s`, a reader that does not take an answer within
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import logging
-import os
 import struct
 import time
 from collections.abc import Callable
@@ -37,15 +34,14 @@ from collections.abc import Callable
 from ...protocol.codec import pack, unpack
 from ...protocol.errors import ProtocolError
 from .metrics import P2PMetrics
+from .tokens import MAX_HELLO, TokenMac, hello_frame, read_hello
 
 log = logging.getLogger(__name__)
 
 DOMAIN = b"swarm-node/payload-plane/1\x00"
-MAX_HELLO = 256
 AUTH_ACK = b"\x01"
 HASH_LEN = 32
 STATUS_OK, STATUS_NOT_HELD = 0, 1
-_LEN = struct.Struct(">I")
 _ANSWER = struct.Struct(">BI")
 
 
@@ -60,27 +56,15 @@ class PullFailed(Exception):
 
 # Tokens ------------------------------------------------------------------------------------
 
-class TokenIssuer:
-    """Issues and checks tokens bound to (this node, the client's peer id)."""
+class TokenIssuer(TokenMac):
+    """Issues and checks payload-plane tokens bound to (this node, the client's peer id)."""
 
     def __init__(self, peer_id: str, ttl_s: float, secret: bytes | None = None):
-        self.peer_id = peer_id
-        self.ttl_s = ttl_s
-        self.secret = secret or os.urandom(32)
-
-    def _mac(self, client: str, expiry_ms: int) -> bytes:
-        msg = (DOMAIN + self.peer_id.encode() + b"\x00" + client.encode() + b"\x00"
-               + expiry_ms.to_bytes(8, "big"))
-        return hmac.new(self.secret, msg, hashlib.sha256).digest()
+        super().__init__(DOMAIN, peer_id, ttl_s, secret)
 
     def issue(self, client: str, port: int) -> bytes:
-        expiry = int((time.time() + self.ttl_s) * 1000)
-        return pack([expiry, self._mac(client, expiry), port])
-
-    def check(self, client: str, expiry_ms: int, mac: bytes) -> bool:
-        if expiry_ms < time.time() * 1000:
-            return False
-        return hmac.compare_digest(self._mac(client, expiry_ms), mac)
+        expiry, mac = self.new(client)
+        return pack([expiry, mac, port])
 
 
 def parse_token(raw: bytes) -> tuple[int, bytes, int]:
@@ -91,22 +75,6 @@ def parse_token(raw: bytes) -> tuple[int, bytes, int]:
             or not isinstance(value[2], int) or not 0 < value[2] < 65536):
         raise ProtocolError("malformed payload-plane token")
     return value[0], value[1], value[2]
-
-
-async def read_hello(reader: asyncio.StreamReader) -> tuple[str, int, bytes] | None:
-    """The claimed (peer id, expiry, mac), or None for anything malformed."""
-    try:
-        (n,) = _LEN.unpack(await reader.readexactly(_LEN.size))
-        if n > MAX_HELLO:
-            return None
-        value = unpack(await reader.readexactly(n), max_size=MAX_HELLO)
-    except (asyncio.IncompleteReadError, ProtocolError, ConnectionError, OSError):
-        return None
-    if (isinstance(value, list) and len(value) == 3 and isinstance(value[0], str)
-            and 0 < len(value[0]) <= 128 and isinstance(value[1], int)
-            and isinstance(value[2], bytes)):
-        return value[0], value[1], value[2]
-    return None
 
 
 # Server ------------------------------------------------------------------------------------
@@ -338,8 +306,7 @@ class PayloadPuller:
                              "unavailable") from None
         conn = _Conn(reader, writer)
         try:
-            body = pack([self.self_id, expiry, mac])
-            writer.write(_LEN.pack(len(body)) + body)
+            writer.write(hello_frame(self.self_id, expiry, mac))
             ack = await asyncio.wait_for(reader.readexactly(1), self.cfg.payload_tcp_auth_timeout_s)
             if ack != AUTH_ACK:
                 raise ConnectionError("not accepted")

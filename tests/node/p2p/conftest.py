@@ -7,10 +7,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from swarm_node.node.config import Config
 from swarm_node.node.identity import Identity
-from swarm_node.protocol.messages import Verdict
+from swarm_node.protocol.messages import (
+    Completion,
+    RolloutBatch,
+    SamplingParams,
+    TaskRef,
+    TensorData,
+    Verdict,
+)
 
 PEER_PROC = Path(__file__).with_name("peer_proc.py")
 
@@ -22,6 +30,19 @@ def verdict(i: int, subject: str = SUBJECT) -> Verdict:
     """A small valid message for the "verdicts" topic; `policy_version` carries `i`."""
     return Verdict(rollout_id=i.to_bytes(32, "big"), subject=subject, accept=True,
                    reason="ok", policy_version=i)
+
+
+def one_completion_batch(policy_id: str, completion_ids: np.ndarray, logprobs: np.ndarray,
+                         round_: int = 0) -> RolloutBatch:
+    """A valid RolloutBatch (toy/digit_successor) of one completion with the given arrays:
+    its size on the wire is about 8 bytes per completion token."""
+    comp = Completion(task=TaskRef(dataset="toy/digit_successor", seed=1, index=round_),
+                      prompt_ids=TensorData.from_numpy(np.arange(8, dtype=np.int32)),
+                      completion_ids=TensorData.from_numpy(completion_ids),
+                      logprobs=TensorData.from_numpy(logprobs), finish_reason="length",
+                      seed=3, claimed_reward=0.5)
+    return RolloutBatch(swarm_id="default", round=round_, policy_id=policy_id,
+                        policy_version=0, sampling=SamplingParams(), completions=[comp])
 
 
 def p2p_config(**p2p) -> Config:

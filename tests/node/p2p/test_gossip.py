@@ -10,15 +10,9 @@ import numpy as np
 import pytest
 from swarm_node.protocol.codec import pack
 from swarm_node.protocol.envelope import seal
-from swarm_node.protocol.messages import (
-    Completion,
-    RolloutBatch,
-    SamplingParams,
-    TaskRef,
-    TensorData,
-)
+from swarm_node.protocol.messages import RolloutBatch
 
-from .conftest import verdict, wait_until
+from .conftest import one_completion_batch, verdict, wait_until
 
 KIND = "verdicts"
 
@@ -163,16 +157,10 @@ async def test_invalid_messages_rejected_counted_not_forwarded(make_node):
 
 
 def rollout_batch(policy_id: str, n_tokens: int, round_: int = 0) -> RolloutBatch:
-    """A RolloutBatch of roughly 8 * n_tokens bytes."""
+    """A RolloutBatch of roughly 8 * n_tokens bytes (random tokens: not compressible)."""
     rng = np.random.default_rng(round_)
-    ids = TensorData.from_numpy(rng.integers(0, 1000, n_tokens).astype(np.int32))
-    lps = TensorData.from_numpy(-rng.random(n_tokens).astype(np.float32))
-    comp = Completion(task=TaskRef(dataset="toy/digit_successor", seed=1, index=round_),
-                      prompt_ids=TensorData.from_numpy(np.arange(8, dtype=np.int32)),
-                      completion_ids=ids, logprobs=lps, finish_reason="length", seed=3,
-                      claimed_reward=0.5)
-    return RolloutBatch(swarm_id="default", round=round_, policy_id=policy_id,
-                        policy_version=0, sampling=SamplingParams(), completions=[comp])
+    return one_completion_batch(policy_id, rng.integers(0, 1000, n_tokens).astype(np.int32),
+                                -rng.random(n_tokens).astype(np.float32), round_)
 
 
 async def test_large_payload_is_announced_and_pulled(make_node):

@@ -13,29 +13,16 @@ import numpy as np
 import pytest
 from swarm_node.node.p2p.bodies import TokenIssuer
 from swarm_node.protocol.codec import pack
-from swarm_node.protocol.messages import (
-    Completion,
-    PayloadAnnounce,
-    RolloutBatch,
-    SamplingParams,
-    TaskRef,
-    TensorData,
-)
+from swarm_node.protocol.messages import PayloadAnnounce, RolloutBatch
 
-from .conftest import wait_until
+from .conftest import one_completion_batch, wait_until
 
 KIND = "rollouts"
 
 
 def batch(policy_id: str, n_tokens: int, round_: int) -> RolloutBatch:
-    ids = TensorData.from_numpy(np.arange(n_tokens, dtype=np.int32) % 1000)
-    lps = TensorData.from_numpy(np.full(n_tokens, -0.5, dtype=np.float32))
-    comp = Completion(task=TaskRef(dataset="toy/digit_successor", seed=1, index=round_),
-                      prompt_ids=TensorData.from_numpy(np.arange(8, dtype=np.int32)),
-                      completion_ids=ids, logprobs=lps, finish_reason="length", seed=3,
-                      claimed_reward=0.5)
-    return RolloutBatch(swarm_id="default", round=round_, policy_id=policy_id,
-                        policy_version=0, sampling=SamplingParams(), completions=[comp])
+    return one_completion_batch(policy_id, np.arange(n_tokens, dtype=np.int32) % 1000,
+                                np.full(n_tokens, -0.5, dtype=np.float32), round_)
 
 
 async def pair(make_node, **p2p):

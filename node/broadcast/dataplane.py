@@ -8,8 +8,9 @@ travel over plain TCP, but only to peers that proved their libp2p identity to us
    The server answers `[expiry_ms, mac]`, mac = HMAC-SHA256(node secret, domain || server
    peer id || client peer id || expiry_ms). Stateless: nothing is stored per token.
 2. On the TCP connection the client first sends a hello frame (u32 BE length <= 256 +
-   msgpack `[client peer id, expiry_ms, mac]`), then one shard request exactly as on the
-   libp2p shard protocol. The server recomputes the mac for the claimed peer id; a token
+   msgpack `[client peer id, expiry_ms, mac]`), then shard requests as on the libp2p
+   shard protocol, one after another on the same connection (idle connections are pooled
+   per source and reused). The server recomputes the mac for the claimed peer id; a token
    issued to another peer, an expired one, garbage or silence closes the connection
    without a byte of shard data. Limits and penalties then apply to the authenticated peer.
 
@@ -129,6 +130,10 @@ class RoutingTransport:
 
     FALLBACK_S = 60.0
     AUTH_ACK = b"\x01"
+    # Idle authenticated connections kept per source for the next shard request (a server
+    # closes an idle one after request_timeout_s, 10 s by default: reuse well before that)
+    POOL_PER_PEER = 4
+    POOL_IDLE_S = 5.0
 
     def __init__(self, p2p, use_tcp: bool = True, timeout: float = 10.0):
         self.p2p = p2p
@@ -139,7 +144,8 @@ class RoutingTransport:
         self._token_requests: dict[str, asyncio.Future] = {}
         self.down: dict[str, float] = {}
         self.paths: dict[str, str] = {}
-        self.opened = {"tcp": 0, "libp2p": 0}
+        self.opened = {"tcp": 0, "tcp_reused": 0, "libp2p": 0}
+        self.idle: dict[str, list[DirectTcpStream]] = {}
 
     def set_endpoint(self, peer: str, endpoint: str) -> None:
         host, _, port = endpoint.rpartition(":")
@@ -148,17 +154,50 @@ class RoutingTransport:
         if self.endpoints.get(peer) != endpoint:
             self.endpoints[peer] = endpoint
             self.down.pop(peer, None)
+            self._drop_idle(peer)
             while len(self.endpoints) > 4096:  # bounded, whatever adverts claim
-                self.endpoints.pop(next(iter(self.endpoints)))
+                oldest = next(iter(self.endpoints))
+                del self.endpoints[oldest]
+                self._drop_idle(oldest)
 
     def _say(self, peer: str, path: str, why: str) -> None:
         if self.paths.get(peer) != path:
             self.paths[peer] = path
             log.info("shards from %s over %s", peer[-8:], f"{path} ({why})")
 
+    def _reuse(self, peer: str) -> DirectTcpStream | None:
+        """An idle authenticated connection to `peer` that is still open, if any."""
+        pool = self.idle.get(peer)
+        while pool:
+            stream = pool.pop()
+            if time.monotonic() - stream.idle_since < self.POOL_IDLE_S and stream.alive():
+                return stream
+            stream.discard()
+        return None
+
+    def _put_idle(self, peer: str, stream: DirectTcpStream) -> None:
+        pool = self.idle.setdefault(peer, [])
+        if len(pool) >= self.POOL_PER_PEER or self.endpoints.get(peer) is None:
+            stream.discard()
+        else:
+            pool.append(stream)
+
+    def _drop_idle(self, peer: str) -> None:
+        for stream in self.idle.pop(peer, []):
+            stream.discard()
+
+    def close(self) -> None:
+        """Close every idle connection."""
+        for peer in list(self.idle):
+            self._drop_idle(peer)
+
     async def open(self, peer: str):
         endpoint = self.endpoints.get(peer) if self.use_tcp else None
         if endpoint is not None and self.down.get(peer, 0.0) <= time.monotonic():
+            stream = self._reuse(peer)
+            if stream is not None:
+                self.opened["tcp_reused"] += 1
+                return stream
             try:
                 stream = await asyncio.wait_for(self._open_tcp(peer, endpoint), self.timeout)
             except Exception as e:  # noqa: BLE001 - any data-plane failure: libp2p instead
@@ -207,4 +246,5 @@ class RoutingTransport:
         except BaseException:
             await stream.close()
             raise
+        stream.release = lambda s: self._put_idle(peer, s)
         return stream

@@ -45,6 +45,7 @@ class Downloader:
         self.tried: dict[int, set[str]] = {}  # sources that failed a shard (this round)
         self.metrics: Counter[str] = Counter()
         self.last_progress = time.monotonic()
+        self.times: dict[str, float] = {}  # wall-clock phases, for benchmarks and logs
         n = entry.manifest.num_shards
         start = random.randrange(n)  # different peers start at different shards
         self.order = [(start + i) % n for i in range(n)]
@@ -58,6 +59,7 @@ class Downloader:
 
     async def run(self) -> Path:
         m = self.entry.manifest
+        self.times["start"] = time.time()
         self.metrics["shards_resumed"] = len(self.entry.have)
         if self.progress is not None:
             self.progress.advance(sum(self.entry.shard_len(i) for i in self.entry.have))
@@ -68,12 +70,14 @@ class Downloader:
             for w in workers:
                 w.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
+        self.times["fetched"] = time.time()
         try:
             path = await asyncio.to_thread(self.store.assemble, self.entry)
         except (StoreError, OSError) as e:
             if self.progress is not None:
                 self.progress.close(ok=False)
             raise DownloadFailed(str(e), reason=getattr(e, "reason", "store_error")) from e
+        self.times["assembled"] = time.time()
         if self.progress is not None:
             self.progress.close(ok=True)
         log.info("policy %s v%d complete: %d shards, sources %s", m.policy_id, m.version,

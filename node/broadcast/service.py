@@ -112,7 +112,7 @@ class Broadcaster:
         host, port = _auto_listen(self.node.config.node.listen) if auto else \
             _split_hostport(self.cfg.tcp_listen)
         issuer = TokenIssuer(self.node.peer_id, self.cfg.tcp_token_ttl_s)
-        server = DataPlaneServer(issuer, self.server.handle, self.cfg)
+        server = DataPlaneServer(issuer, self.server.serve_connection, self.cfg)
         try:
             bound_host, bound_port = await server.start(host, port)
         except (OSError, ValueError) as e:
@@ -137,6 +137,8 @@ class Broadcaster:
     async def close(self) -> None:
         if self._tcp_server is not None:
             self._tcp_server.close()
+        if isinstance(self.transport, RoutingTransport):
+            self.transport.close()  # idle data-plane connections
         tasks = [*self._tasks, *(t for _, t in self._jobs.values())]
         for task in tasks:
             task.cancel()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -64,6 +65,26 @@ class DirectTcpStream:
         self.loop = asyncio.get_running_loop()
         self._body: asyncio.Future | None = None
         self._closed = False
+        # set by a pool (RoutingTransport): after `reusable()`, close() hands the
+        # connection back for the next request instead of closing it
+        self.release: Callable[[DirectTcpStream], None] | None = None
+        self._reusable = False
+        self.idle_since = 0.0
+
+    def reusable(self) -> None:
+        """The last response was read completely: the connection may carry another."""
+        self._reusable = self.release is not None
+
+    def alive(self) -> bool:
+        """Still open with nothing unread (a peek without blocking): a server that closed
+        an idle connection, or one that serves one request per connection, reads as dead."""
+        try:
+            self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        return False  # end of stream, or bytes nobody asked for
 
     @classmethod
     async def connect(cls, host: str, port: int) -> DirectTcpStream:
@@ -128,6 +149,11 @@ class DirectTcpStream:
             sink(view[:k])
             left -= k
 
+    def discard(self) -> None:
+        """Close an idle connection (no transfer running) at once."""
+        self._closed = True
+        self.sock.close()
+
     def _shutdown(self) -> None:
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
@@ -136,6 +162,14 @@ class DirectTcpStream:
 
     async def close(self) -> None:
         if self._closed:
+            return
+        if self._reusable and self._body is not None and self._body.done() \
+                and self._body.exception() is None:
+            self._reusable = False
+            self._body = None
+            self.sock.setblocking(False)  # the receiving thread set a timeout
+            self.idle_since = time.monotonic()
+            self.release(self)
             return
         self._closed = True
         body = self._body

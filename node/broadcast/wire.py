@@ -140,6 +140,9 @@ async def fetch_into(transport: ShardTransport, peer: str, request: ShardRequest
                 await receive_into(expected_len, sink, chunk_timeout, chunk_size)
             except ShardFetchError as e:
                 raise ShardFetchError(f"{peer}: {e}", reason=e.reason) from e
+            reusable = getattr(stream, "reusable", None)
+            if reusable is not None:
+                reusable()  # the whole response was read: the connection may carry another
             return
         async for data in _chunks(stream, peer, expected_len, chunk_timeout, chunk_size):
             await asyncio.to_thread(sink, data)

@@ -135,6 +135,7 @@ async def main(argv: list[str] | None = None) -> int:
         d = bc.finished.get((m.policy_id, m.version))
         emit(event="complete", policy=m.policy_id, version=m.version, path=str(path),
              t=time.time(), metrics=dict(d.metrics) if d else {},
+             times=dict(d.times) if d else {},
              sources=bc.books[(m.policy_id, m.version)].summary(),
              streams=dict(getattr(bc.transport, "opened", {})),
              peak_rss_mib=peak_rss_mib(), cpu_s=cpu_seconds(), cpu_threads=thread_cpu(),

@@ -74,6 +74,7 @@ async def test_default_broadcast_uses_the_authenticated_data_plane(tmp_path, pro
     done = await f.event("complete", timeout=90)
     assert read_dir(Path(done["path"])) == read_dir(ckpt)
     assert done["streams"]["tcp"] > 0 and done["streams"]["libp2p"] == 0
+    assert done["streams"]["tcp_reused"] > 0  # several shards per authenticated connection
     t = await stats(trainer)
     assert t["dataplane"]["authenticated"] == done["streams"]["tcp"]
     assert t["server"]["shards_sendfile"] > 0  # zero-copy

@@ -12,6 +12,7 @@ from swarm_node.node.broadcast.sources import SourceBook
 from swarm_node.node.broadcast.store import ShardStore
 from swarm_node.node.broadcast.transport import MemoryTransport, TcpTransport, serve_tcp
 from swarm_node.node.broadcast.wire import fetch, read_frame, write_frame
+from swarm_node.node.identity import Identity
 from swarm_node.protocol.messages import ShardRequest, ShardResponseHeader
 
 from .conftest import publish, read_dir
@@ -233,3 +234,57 @@ async def test_tcp_transport_end_to_end(tmp_path, trainer, ckpt, cfg):
     finally:
         tcp.close()
         await tcp.wait_closed()
+
+
+async def wait_for(condition, timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+async def test_data_plane_connections_carry_several_requests(tmp_path, trainer, ckpt, cfg):
+    """One authenticated connection serves shard after shard (no new connection, hello
+    and accept per shard); an idle one is closed quietly by the server after
+    request_timeout_s, and the client notices and opens a fresh one; a server that
+    answers one request per connection still works with a reusing client."""
+    import time
+    from types import SimpleNamespace
+
+    from swarm_node.node.broadcast.dataplane import DataPlaneServer, RoutingTransport, TokenIssuer
+
+    acc, server = serving(tmp_path, "srv", trainer, ckpt, cfg)
+    issuer = TokenIssuer("srv", ttl_s=600)
+    me = Identity.generate().peer_id
+    server_cfg = cfg.model_copy(update={"request_timeout_s": 0.3})  # idle bound, for the test
+    for handler, name in ((server.serve_connection, "keep"), (server.handle, "one")):
+        plane = DataPlaneServer(issuer, handler, server_cfg)
+        _, port = await plane.start("127.0.0.1", 0)
+        try:
+            # the token request over libp2p is not what this test is about (test_dataplane)
+            rt = RoutingTransport(SimpleNamespace(node=SimpleNamespace(peer_id=me)))
+            rt.set_endpoint("srv", f"127.0.0.1:{port}")
+            rt.tokens["srv"] = (issuer.issue(me), time.time() + 600)
+            store, entry, book = client(tmp_path, acc, cfg, name=f"client-{name}")
+            book.add("srv", None)
+            path = await Downloader(store, entry, rt, book, cfg).run()
+            assert read_dir(path) == read_dir(ckpt)
+            n = acc.manifest.num_shards
+            assert rt.opened["libp2p"] == 0
+            assert plane.metrics["authenticated"] == rt.opened["tcp"]
+            if name == "one":
+                continue
+            assert rt.opened["tcp"] <= cfg.parallel_downloads < n
+            assert rt.opened["tcp"] + rt.opened["tcp_reused"] == n
+            # idle past the server's bound: closed without a byte, seen as dead at reuse
+            pooled = list(rt.idle["srv"])
+            assert pooled
+            await wait_for(lambda p=pooled: not any(s.alive() for s in p))
+            before = rt.opened["tcp"]
+            got = await fetch_all(rt, "srv", ShardRequest(policy_id=trainer.peer_id, version=1,
+                                                          shard=0), cfg, entry.shard_len(0))
+            assert got == b"".join(store.read_shard(entry, 0))
+            assert rt.opened["tcp"] == before + 1
+        finally:
+            rt.close()
+            plane.close()

@@ -692,6 +692,28 @@ def bootstrap(recs: list[dict], dtype: str, honest_batches: int = 40_000, batch:
 ALTERNATIVES: dict[str, list[tuple[str, dict]]] = {}
 
 
+def alternatives(dtype: str) -> list[tuple[str, dict]]:
+    """ALTERNATIVES, plus for fp32 the single-flip steering test the measured honest flip
+    errors would allow: p0 = the 95% bound 3 / N on P(|d| > tie_eps / 4) when none of the N
+    measured positions exceeds it (`flip_errors`), and a threshold just below one flip's
+    evidence log(p1 / p0), so one flipped wide tie alarms."""
+    out = list(ALTERNATIVES.get(dtype, []))
+    if dtype != "float32" or not FLIP_OUT.exists():
+        return out
+    from swarm_node.verifier.checks import CheckSettings
+    from swarm_node.verifier.sequential import SequentialSettings
+
+    recs = [json.loads(line) for line in FLIP_OUT.read_text().splitlines() if line.strip()]
+    d = [x for r in recs if r["dtype"] == dtype for x in r["abs_d"]]
+    wide = CheckSettings.for_dtype(dtype).tie_eps / 4
+    if d and max(d) <= wide:
+        p0 = 3 / len(d)
+        h = math.log(SequentialSettings().flip_p1 / p0) - 0.5
+        out.append((f"single flip (p0 {p0:.1e} from {len(d)} measured |d|, steer_h {h:.1f})",
+                    {"flip_p0": p0, "steer_h": h}))
+    return out
+
+
 def _run_label(run: dict) -> str:
     return f"{run['label']}: " if "label" in run else ""
 
@@ -705,7 +727,7 @@ def bootstrap_text(dtype: str, recs: list[dict]) -> str:
 
     runs = [bootstrap(recs, dtype, batch=b) for b in BOOT_BATCHES]
     # alternatives measured side by side on the same data (ALTERNATIVES)
-    for label, kw in ALTERNATIVES.get(dtype, []):
+    for label, kw in alternatives(dtype):
         alt = dataclasses.replace(SequentialSettings.for_dtype(dtype), **kw)
         runs += [{**bootstrap(recs, dtype, batch=b, seq=alt), "label": label}
                  for b in BOOT_BATCHES]

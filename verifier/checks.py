@@ -447,11 +447,11 @@ class RolloutVerifier:
             raise _Reject("logprob_mismatch", f"position {k}: claimed {float(claimed[k]):.4f}, "
                                               f"recomputed {float(chosen[k]):.4f}")
         # the masks are full-vocabulary sorts: each computed once, shared by replay and shape
-        loose_params = params.model_copy(update={"top_p": min(1.0, params.top_p + s.top_p_eps)})
-        strict, loose = _masks(scaled, params, loose_params)
+        tight, loose = _masks(scaled, params, s.top_p_eps, s.tie_eps)
         if params.top_p < 1.0 and temp > 0:  # calibration of top_p_eps (verifier_real.py)
-            stats["top_p_excess"] = top_p_excess(scaled, tokens, params)
-        stats.update(self._replay(c, params, scaled, tokens, strict, loose))
+            stats["top_p_excess"], stats["top_p_excess_near"] = top_p_excess(
+                scaled, tokens, params, (0.0, s.tie_eps))
+        stats.update(self._replay(c, params, scaled, tokens, tight, loose))
         if c.finish_reason == "eos":
             # the model's own probability (T = 1): the shared log-softmax when T is 0 or 1
             last = logp[-1] if temp in (0.0, 1.0) else torch.log_softmax(logits[-1], dim=-1)
@@ -461,14 +461,14 @@ class RolloutVerifier:
                 raise _Reject("eos_improbable", f"EOS probability {eos_p:.2e}")
         if temp > 0 and tokens.shape[0] >= s.shape_min_tokens:
             # the loosened top-p, so a boundary near-tie accepted by replay is in the support
-            z = sampling_shape_z(scaled, tokens, loose_params, masked=loose,
+            z = sampling_shape_z(scaled, tokens, params, masked=loose,
                                  logq=logp if loose is scaled else None)
             stats["shape_z"] = z
             if not abs(z) <= s.shape_z_max:
                 raise _Reject("sampling_shape", f"surprisal z-score {z:.2f}")
         return stats, chosen.float().numpy()
 
-    def _replay(self, c, params, scaled, tokens, strict, loose) -> dict[str, float]:
+    def _replay(self, c, params, scaled, tokens, tight, loose) -> dict[str, float]:
         """Seeded replay. Near-ties: the claimed token's noisy score may trail the winner's by
         at most tie_eps (floating-point differences between decode and prefill), except at one
         position per completion, which may trail by up to replay_outlier_eps when that is set
@@ -483,7 +483,7 @@ class RolloutVerifier:
         else:
             seeds = torch.full((tokens.shape[0],), c.seed, dtype=torch.int64)
             positions = torch.arange(tokens.shape[0], dtype=torch.int64)
-            best_vals, best_idx = noisy_top2(strict, seeds, positions)
+            best_vals, best_idx = noisy_top2(tight, seeds, positions)
             mine = (loose.gather(1, tokens[:, None])[:, 0]
                     + noise.gumbel_at(seeds, positions, tokens[:, None])[:, 0])
         # NaN or a masked claimed token (mine = -inf): an infinite gap, rejected
@@ -509,26 +509,65 @@ class RolloutVerifier:
                 # per near-tie position (calibration: benchmarks/verifier.py --real)
                 "tie_margins": margin[ties].tolist(), "tie_flipped": flips[ties].tolist()}
 
-def _masks(scaled, params: SamplingParams, loose_params: SamplingParams):
-    """(mask with the claimed top-k/top-p, mask with top_p + top_p_eps); the second only
-    when top-p is on. Both from one partial sort (`top_p_masks`)."""
+def _masks(scaled, params: SamplingParams, eps: float, near: float):
+    """(tight, loose) masks of the seeded replay: the best noisy score is taken over `tight`,
+    the claimed token's over `loose`. Without top-p both are the claimed top-k mask. With
+    top-p, the cut falls between two scores, and honest float differences move it: by mass
+    (the probabilities differ a little: `eps` = top_p_eps) and by order (scores within
+    `near` = tie_eps may swap places). So `loose` keeps top_p + eps plus every token within
+    `near` below the lowest score that keeps (tokens the sampler may have had), and `tight`
+    keeps the tokens the sampler surely had (`surely_kept` at top_p - eps; it may be empty,
+    then any token of `loose` passes replay). Measured in bf16 (SmolLM2, T = 0.7 top-p 0.9;
+    RESULTS.md verifier-real): an honest token with 4.8% of mass beyond top_p ahead of it
+    at the verifier, and replay gaps of 1.3-1.6 at single positions."""
     if params.top_p >= 1.0:
         strict = mask_logits(scaled, params)
         return strict, strict
     base = mask_logits(scaled, params.model_copy(update={"top_p": 1.0}))  # top-k only
-    return top_p_masks(base, params.top_p, loose_params.top_p)
+    (loose,) = top_p_masks(base, min(params.top_p + eps, 1.0))
+    if near > 0:
+        low = loose.masked_fill(loose == float("-inf"), float("inf")).amin(-1, keepdim=True)
+        loose = base.masked_fill(base < low - near, float("-inf"))
+    return surely_kept(base, max(params.top_p - eps, 0.0), near), loose
 
 
-def top_p_excess(scaled: torch.Tensor, tokens: torch.Tensor, params: SamplingParams) -> float:
-    """max_t (mass strictly ahead of the claimed token under the verifier's top-k-masked
-    probabilities - top_p). The top-p rule keeps a token iff that mass is < top_p, the
-    loosened mask iff it is < top_p + top_p_eps: an honest token's excess measures how
-    far the sampler's and the verifier's floats disagree at the top-p boundary."""
+def surely_kept(scores: torch.Tensor, top_p: float, near: float) -> torch.Tensor:
+    """`scores` with every token masked (-inf) but those whose mass ahead stays below top_p
+    when each token within `near` below them is counted as ahead too: a top-p sampler whose
+    scores differ from these by less than near/2 per token kept them (up to the mass
+    difference the caller's top_p allows for). From a partial sort, as `top_p_masks`; a
+    token whose near range runs past the sorted part is left out (conservative)."""
+    v = scores.shape[-1]
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    k = min(64, v)
+    while True:
+        top = scores.topk(k, dim=-1)
+        probs = (top.values - lse).exp()
+        cum = torch.cumsum(probs, dim=-1)
+        if k == v or bool((cum[:, -1] - probs[:, -1] >= top_p).all()):
+            break
+        k = min(v, 4 * k)
+    # per sorted token i: how many sorted tokens score >= s_i - near (itself included)
+    neg = (-top.values).contiguous()
+    count = torch.searchsorted(neg, (near - top.values).contiguous(), side="right")
+    ahead = cum.gather(-1, (count - 1).clamp_min(0)) - probs
+    keep = (ahead < top_p) & ((count < k) | (k == v))
+    out = torch.full_like(scores, float("-inf"))
+    return out.scatter(-1, top.indices, top.values.masked_fill(~keep, float("-inf")))
+
+
+def top_p_excess(scaled: torch.Tensor, tokens: torch.Tensor, params: SamplingParams,
+                 nears: tuple[float, ...] = (0.0,)) -> list[float]:
+    """Per `near`: max_t (mass ahead of the claimed token under the verifier's top-k-masked
+    probabilities - top_p), counting the tokens whose score exceeds the claimed one's by
+    more than `near`. The top-p rule keeps a token iff that mass (near 0) is < top_p, the
+    loose mask iff it is < top_p + top_p_eps with near = tie_eps: an honest token's excess
+    measures how far the sampler's and the verifier's floats disagree at the boundary."""
     base = mask_logits(scaled, params.model_copy(update={"top_p": 1.0}))
     probs = torch.softmax(base, dim=-1)
     mine = base.gather(1, tokens[:, None])
-    ahead = (probs * (base > mine)).sum(-1)
-    return float((ahead - params.top_p).max())
+    return [float(((probs * (base > mine + near)).sum(-1) - params.top_p).max())
+            for near in nears]
 
 
 def top_p_masks(scores: torch.Tensor, *top_ps: float) -> list[torch.Tensor]:

@@ -90,6 +90,35 @@ def test_top_p_masks_keep_what_the_full_sort_keeps(top_p):
             assert abs(float(before) - p) < 1e-5
 
 
+def test_replay_masks_allow_for_the_top_p_cut_moving():
+    """Replay's top-p masks (checks._masks): the claimed token may be any token the sampler
+    may have had (top_p + top_p_eps, and tokens within tie_eps below that cut: honest floats
+    reorder scores that close), the best is taken over the tokens it surely had (top_p -
+    top_p_eps, counting tokens within tie_eps below each as ahead of it); top-k still
+    applies; without top-p both are the top-k mask."""
+    from swarm_node.verifier.checks import _masks
+
+    scores = torch.full((1, 64), -6.0)
+    scores[0, :5] = torch.tensor([5.0, 3.0, 2.9, 2.7, 2.4])
+    probs = torch.softmax(scores[0], dim=-1)
+    top_p = float(probs[0] + probs[1] / 2)  # the exact cut keeps tokens 0 and 1
+    params = SamplingParams(temperature=1.0, top_p=top_p)
+
+    def kept(mask):
+        return torch.isfinite(mask[0]).nonzero()[:, 0].tolist()
+
+    tight, loose = _masks(scores, params, 1e-4, 0.4)
+    # token 1 is not surely kept: token 2 (0.1 below it) may have been ahead of it
+    assert kept(tight) == [0] and kept(loose) == [0, 1, 2, 3]
+    tight, loose = _masks(scores, params, 1e-4, 0.0)
+    assert kept(tight) == kept(loose) == [0, 1]
+    # tokens 2 and 3 are within 0.4 of the cut, but top-k 2 dropped them
+    top_k = SamplingParams(temperature=1.0, top_p=0.999, top_k=2)
+    assert [kept(m) for m in _masks(scores, top_k, 1e-4, 0.4)] == [[0, 1], [0, 1]]
+    tight, loose = _masks(scores, SamplingParams(temperature=1.0, top_p=1.0), 1e-4, 0.4)
+    assert loose is tight and kept(loose) == list(range(64))
+
+
 def verdicts(results):
     keys = ("replay_max_gap", "ties", "tie_flips", "wide_ties", "wide_flips")
     return [(r.reason, tuple(r.stats.get(k) for k in keys)) for r in results]

@@ -9,7 +9,8 @@ protobuf DecodeError) killed the libp2p thread. Here:
   the topic validators and local delivery (py-libp2p limits only when forwarding), and
   the same catch-count-penalise guard;
 - the signed peer record py-libp2p handles on every pubsub RPC is memoised (CPU per message);
-- a peer's subscriptions survive the loss of our pubsub stream to it while it stays connected.
+- a peer's subscriptions survive the loss of our pubsub stream to it while it stays connected;
+- a subscription made while a new peer's pubsub stream is being set up reaches that peer.
 """
 
 from __future__ import annotations
@@ -135,6 +136,37 @@ def keep_subscriptions_while_connected(pubsub) -> None:
             pubsub._peer_subscription_count[peer_id] = count
 
     pubsub._handle_dead_peer = handle_dead_peer
+
+
+def announce_subscriptions_made_during_setup(pubsub) -> None:
+    """py-libp2p 0.8.1 (and upstream as of 2026-08) registers a new peer in three steps:
+    open the pubsub stream, write the hello (our subscriptions as they are at that moment),
+    then add the peer to `Pubsub.peers`. A subscribe (or unsubscribe) that runs between the
+    hello and the registration, e.g. while the stream write waits, is announced to
+    `Pubsub.peers` only, so the new peer never hears of it: it never counts us as a
+    subscriber, sends us nothing it publishes (its messages wait for our subscription in
+    the router's pending queue for good) and may still accept our GRAFT, a one-sided mesh.
+    This is how a node restarted with the same key lost its first message in
+    test_restart_with_same_key_rejoins: the test subscribes the moment the connection
+    appears. Here, once the registration is done, a change of our topics since it began
+    is announced to that peer (each announce with py-libp2p's own retry on a full queue);
+    nothing extra is sent when the topics did not change."""
+    register = pubsub._handle_new_peer
+
+    async def handle_new_peer(peer_id) -> None:
+        before = None if peer_id in pubsub.peers else frozenset(pubsub.topic_ids)
+        await register(peer_id)
+        queue = pubsub.peer_queues.get(peer_id)
+        if before is None or queue is None:
+            return  # was registered already, or the registration failed
+        now = frozenset(pubsub.topic_ids)
+        changes = [(t, True) for t in sorted(now - before)]
+        changes += [(t, False) for t in sorted(before - now)]
+        for topic, subscribe in changes:
+            rpc, subopt = pubsub._build_announce_rpc(topic, subscribe)
+            pubsub._enqueue_or_retry_announce(peer_id, queue, rpc, subopt)
+
+    pubsub._handle_new_peer = handle_new_peer
 
 
 def leave_dialing_to_discovery(host) -> None:

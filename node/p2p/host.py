@@ -34,6 +34,7 @@ from .discovery import Discovery
 from .errors import BadMultiaddr, DialError, NotRunning, P2PError
 from .gossip import GossipValidator, build_gossip, flood_own_publishes
 from .guard import (
+    announce_subscriptions_made_during_setup,
     check_libp2p_version,
     guard_pubsub,
     guard_stream_handlers,
@@ -250,6 +251,7 @@ class P2PNode:
             flood_own_publishes(router, host.get_id())
         guard_pubsub(pubsub, self._t_stream_fault)
         keep_subscriptions_while_connected(pubsub)
+        announce_subscriptions_made_during_setup(pubsub)
         use_fast_validation_cache(pubsub)
         self._validator = GossipValidator(self.peer_id, self.limits, self.metrics,
                                           lambda: self._allowed,

@@ -74,3 +74,41 @@ async def test_gossip_survives_closing_one_of_two_connections(make_node):
     await wait_until(lambda: 3 in got[a.peer_id] and 3 in got[b.peer_id], 15,
                      what="a second message each way")
     assert got == {a.peer_id: [2, 3], b.peer_id: [1, 3]}  # each once: none lost, none twice
+
+
+async def test_subscribe_while_a_new_peer_is_set_up_reaches_that_peer(make_node):
+    # py-libp2p registers a new pubsub peer in steps: open the stream, write the hello (our
+    # topics as they are then), add the peer to Pubsub.peers. A subscribe in between was
+    # announced to the registered peers only, so the new peer never learned of it and kept
+    # its messages for us pending for good (the fresh-clone flake of
+    # test_restart_with_same_key_rejoins). Here the subscribe is started right after the
+    # hello is built, while its write is in flight.
+    a = await make_node(discovery=False)
+    b = await make_node(discovery=False)
+    topic = a.topic(KIND)
+    hello = a._pubsub.get_hello_packet
+    started = []
+
+    def hello_then_subscribe():
+        packet = hello()
+        if not started:
+            started.append(packet)
+            a._nursery.start_soon(a._pubsub.subscribe, topic)
+        return packet
+
+    a._pubsub.get_hello_packet = hello_then_subscribe
+    got = []
+
+    async def on_msg(env, peer):
+        got.append(env.message.policy_version)
+
+    await b.subscribe(KIND, on_msg)
+    await a.connect(b.listen_addrs[0])
+    await wait_until(lambda: started and ID.from_base58(b.peer_id) in a._pubsub.peers, 15,
+                     what="a's pubsub stream to b")
+    assert not any(s.subscribe for s in started[0].subscriptions)  # the hello lacked it
+    await a.subscribe(KIND, on_msg)  # the handler; py-libp2p is subscribed already
+    await wait_until(lambda: b.topic_peers(KIND) == [a.peer_id], 15,
+                     what="b learns that a subscribed")
+    await b.publish(KIND, verdict(7))
+    await wait_until(lambda: got == [7], 15, what="b's message at a")

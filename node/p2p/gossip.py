@@ -8,6 +8,7 @@ are enlarged, every remaining drop is counted, and `publish` waits for queue cap
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import OrderedDict
@@ -87,6 +88,13 @@ def flood_own_publishes(router: GossipSub, self_id: ID) -> None:
         return peers
 
     router._get_peers_to_send = peers_to_send
+
+
+@functools.lru_cache(maxsize=4096)
+def origin_b58(from_id: bytes) -> str:
+    """The base58 peer id of a pubsub message's `from` bytes, memoised: every received copy
+    needs it (validator, reader), and `ID(...).to_base58()` re-encodes each time."""
+    return ID(from_id).to_base58()
 
 
 def seqno_start() -> int:
@@ -190,7 +198,7 @@ class GossipValidator:
     def validate(self, allowed: frozenset[str], forwarder: ID, msg) -> bool:
         fwd = forwarder.to_base58()
         try:
-            origin = ID(msg.from_id).to_base58()
+            origin = origin_b58(msg.from_id)
         except Exception:  # noqa: BLE001 - unparseable origin
             return self._reject(fwd, "bad_peer_id")
         if origin == self.self_id:
@@ -229,7 +237,7 @@ class GossipValidator:
     def reopen(self, msg) -> Envelope:
         """Decode again without the replay check (the validator already did it)."""
         return open_envelope(msg.data, limits=self.limits,
-                             expected_sender=ID(msg.from_id).to_base58(),
+                             expected_sender=origin_b58(msg.from_id),
                              max_skew_s=self.max_skew_s)
 
 

@@ -14,14 +14,14 @@ from collections.abc import Awaitable, Callable
 import trio
 from libp2p.peer.id import ID
 
-from ...protocol.envelope import Envelope, open_envelope
+from ...protocol.envelope import Envelope, open_envelope, seal
 from ...protocol.errors import ProtocolError
 from ...protocol.ids import FETCH_PROTOCOL, PAYLOAD_TOKEN_PROTOCOL, topic
 from ...protocol.limits import TOPIC_MESSAGE_TYPES
 from ...protocol.messages import PayloadAnnounce, WireModel
 from .bodies import PayloadPuller, PayloadServer, PullFailed, TokenIssuer
 from .errors import PublishError, RequestError
-from .gossip import CountingSendChannel, mesh_ready
+from .gossip import CountingSendChannel, mesh_ready, origin_b58
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class GossipService:
     async def _t_read_topic(self, kind: str, recv) -> None:
         async for msg in recv:
             try:
-                origin = ID(msg.from_id).to_base58()
+                origin = origin_b58(msg.from_id)
             except Exception as e:  # noqa: BLE001 - validated already; defensive
                 log.debug("unreadable origin on a validated message: %s", e)
                 continue
@@ -148,14 +148,18 @@ class GossipService:
         if message.TYPE not in TOPIC_MESSAGE_TYPES.get(kind, ()):
             raise PublishError(f"a {message.TYPE} message may not be published on {kind}",
                                reason="wrong_topic")
-        data = self.node.identity.seal(message)
+        data = self._seal(message)
         if len(data) > self.cfg.inline_payload_max:
             digest = hashlib.sha256(data).digest()
             self._store_payload(digest, data)
-            data = self.node.identity.seal(PayloadAnnounce(inner_type=message.TYPE,
-                                                      content_hash=digest, size=len(data)))
+            data = self._seal(PayloadAnnounce(inner_type=message.TYPE, content_hash=digest,
+                                              size=len(data)))
             self.metrics.inc("payload_announced")
         await self.bridge.call(self._t_publish, t, data)
+
+    def _seal(self, message: WireModel) -> bytes:
+        # The node's cached peer id: Identity.seal derives it from the key on every call.
+        return seal(message, self.node.identity.private_key, self.node.peer_id)
 
     async def _t_publish(self, t: str, data: bytes) -> None:
         await self._t_wait_mesh(t)

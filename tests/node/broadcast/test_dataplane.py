@@ -73,7 +73,10 @@ async def test_default_broadcast_uses_the_authenticated_data_plane(tmp_path, pro
     await trainer.event("published")
     done = await f.event("complete", timeout=90)
     assert read_dir(Path(done["path"])) == read_dir(ckpt)
-    assert done["streams"]["tcp"] > 0 and done["streams"]["libp2p"] == 0
+    # The trainer advertises its endpoint before it gossips the manifest, but the two
+    # topics' messages may be handled in either order: requests opened before the advert
+    # arrived (at most the 4 per source) go over libp2p, everything after over TCP.
+    assert done["streams"]["tcp"] > 0 and done["streams"]["libp2p"] <= 4
     assert done["streams"]["tcp_reused"] > 0  # several shards per authenticated connection
     t = await stats(trainer)
     assert t["dataplane"]["authenticated"] == done["streams"]["tcp"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from swarm_node.node.broadcast.errors import StoreError
 from swarm_node.node.broadcast.manifest import AcceptedManifest, build_manifest
-from swarm_node.node.broadcast.store import ShardStore, advert_shards
+from swarm_node.node.broadcast.store import InOrderHash, ShardStore, advert_shards
 from swarm_node.protocol.messages import CheckpointManifest
 
 from .conftest import make_checkpoint, publish, read_dir
@@ -17,8 +17,8 @@ def origin_store(tmp_path, trainer, ckpt, version=1, shard_size=64 * 1024):
     return store, store.add_checkpoint(acc, ckpt), acc
 
 
-def copy_shard(src_store, src_entry, dst_store, dst_entry, i, corrupt=False):
-    w = dst_store.begin_shard(dst_entry, i)
+def copy_shard(src_store, src_entry, dst_store, dst_entry, i, corrupt=False, whole=None):
+    w = dst_store.begin_shard(dst_entry, i, whole)
     for data in src_store.read_shard(src_entry, i, chunk=10_000):
         if corrupt:
             data = bytes([data[0] ^ 0xFF]) + data[1:]
@@ -130,3 +130,56 @@ def test_advert_bitmap_roundtrip(tmp_path, trainer, ckpt):
         copy_shard(src, src_entry, store, entry, i)
     assert advert_shards(entry.advert(), acc.manifest.num_shards) == {1, 4}
     assert advert_shards(src_entry.advert(), acc.manifest.num_shards) is None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_whole_hash_while_shards_arrive_in_any_order(tmp_path, trainer, ckpt, seed):
+    """InOrderHash gives the whole-checkpoint hash whatever the arrival order and however
+    two transfers interleave (assemble raises checkpoint_hash_mismatch otherwise); in
+    order, most bytes are hashed as they arrive, not read back."""
+    import random
+
+    src, src_entry, acc = origin_store(tmp_path, trainer, ckpt, shard_size=16 * 1024)
+    store = ShardStore(tmp_path / "client")
+    entry = store.open_version(acc)
+    whole = InOrderHash(entry)
+    n = acc.manifest.num_shards
+    order = list(range(n))
+    if seed:
+        random.Random(seed).shuffle(order)
+    pairs = [order[k:k + 2] for k in range(0, n, 2)]
+    for pair in pairs:
+        # two transfers at once: their chunks interleave
+        writers = [(i, store.begin_shard(entry, i, whole),
+                    list(src.read_shard(src_entry, i, chunk=5000))) for i in pair]
+        while any(chunks for _, _, chunks in writers):
+            for _, w, chunks in writers:
+                if chunks:
+                    w.write(chunks.pop(0))
+        for _, w, _ in writers:
+            assert w.commit()
+        whole.follow()
+    assert whole.valid
+    if not seed:  # in order, the frontier transfer of each pair went in as it arrived
+        assert whole.live >= acc.manifest.total_size // 2
+    path = store.assemble(entry, whole)
+    assert read_dir(path) == read_dir(ckpt)
+
+
+def test_whole_hash_of_a_failed_shard_is_redone(tmp_path, trainer, ckpt):
+    """Bytes of a shard that then fails its hash went into the running whole hash: it
+    is void, and assemble hashes the verified files again."""
+    src, src_entry, acc = origin_store(tmp_path, trainer, ckpt, shard_size=16 * 1024)
+    store = ShardStore(tmp_path / "client")
+    entry = store.open_version(acc)
+    whole, unaware = InOrderHash(entry), InOrderHash(entry)
+    assert not copy_shard(src, src_entry, store, entry, 0, corrupt=True, whole=whole)
+    copy_shard(src, src_entry, store, entry, 0, corrupt=True, whole=unaware)
+    whole.failed(0)
+    assert not whole.valid
+    for i in range(acc.manifest.num_shards):
+        copy_shard(src, src_entry, store, entry, i, whole=whole)
+        copy_shard(src, src_entry, store, entry, i, whole=unaware)
+    assert unaware.finish() != acc.manifest.checkpoint_hash  # why failed() matters
+    path = store.assemble(entry, whole)
+    assert read_dir(path) == read_dir(ckpt)

@@ -150,11 +150,34 @@ def install_bulk_fast_paths() -> None:
     frame size differs), with fewer Python passes per MiB. Idempotent."""
     yamux_mod.MAX_MESSAGE_SIZE = FRAME_MESSAGES * MAX_PLAINTEXT_LENGTH
     yamux_mod.read_exactly = _read_exactly
+    _grant_large_windows()
     if NoiseTransportReadWriter.read_msg is not _read_msgs:
         NoiseTransportReadWriter.read_msg = _read_msgs
         NoiseTransportReadWriter.write_msg = _write_msgs
         SecureSession.read = _session_read
         yamux_mod.Yamux._write_frame = _write_frame
+
+
+BULK_RECV_WINDOW = 4 * 1024 * 1024
+"""Receive window each stream grants once it reads (yamux starts every stream at 256 KiB;
+py-libp2p grows it only when reads come within 4 RTTs, which a loopback or LAN RTT of
+~0.1 ms never allows): one 4 MiB shard then needs one window update, not 16+ round trips
+of credit, and frames can be their full ~1 MiB. Bounded: a peer can only send what we
+granted, and BoundedBuffers caps what is buffered per stream and connection."""
+
+
+def _grant_large_windows() -> None:
+    init = yamux_mod.YamuxStream.__init__
+    if getattr(init, "_bulk_window", False):
+        return
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs) -> None:
+        init(self, *args, **kwargs)
+        self.target_recv_window = max(self.target_recv_window, BULK_RECV_WINDOW)
+
+    __init__._bulk_window = True
+    yamux_mod.YamuxStream.__init__ = __init__
 
 
 async def _read_exactly(reader, n: int, retry_count: int = 100) -> bytes:

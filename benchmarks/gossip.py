@@ -377,6 +377,8 @@ def summarize_libp2p(results: list[dict], args) -> dict:
                            for k in sorted({k for m in metrics for k in m
                                             if k.startswith("rejected.")})},
         "publish_waits": sum(m.get("publish_waits", 0) for m in metrics),
+        # announced payloads no source served (counted, not a drop: the batch is missing)
+        "pull_failed": sum(m.get("payload_fetch_failed", 0) for m in metrics),
         "copies_per_delivery": (sum(m.get("gossip_copies_in", 0) for m in metrics)
                                 / max(1, sum(m.get("received", 0) for m in metrics))),
         "late_publishes": sum(r.get("late_publishes", 0) for r in results),
@@ -509,7 +511,8 @@ def record(args, ours: dict, base: dict | None, note: str) -> None:
     reasons = ", ".join(f"{k} {v}" for k, v in ours["reject_reasons"].items())
     body += (f"\n\nlibp2p counters: drops {ours['drops']}, rejected {ours['rejected']}"
              + (f" ({reasons})" if reasons else "") + ", "
-             f"publish waits {ours['publish_waits']}, late publishes {ours['late_publishes']}.")
+             f"publish waits {ours['publish_waits']}, late publishes {ours['late_publishes']}, "
+             f"announced payloads pulled from no source {ours['pull_failed']}.")
     if ours["ratio"] < 1 and ours["drops"] == 0:
         body += (f" Messages missing from \"delivery\" had not arrived when the {args.drain:.0f}s "
                  "drain window after the last round closed (0 drops were counted: they were "

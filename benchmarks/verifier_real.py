@@ -661,7 +661,7 @@ def bootstrap(recs: list[dict], dtype: str, honest_batches: int = 40_000, batch:
     honest = {}
     for label, pools, flip in (("pooled", [pool], 0.0),
                                ("one config per peer", list(by_var.values()), 0.0),
-                               (f"stress: honest flips at p0 = {seq.flip_p0}", [pool],
+                               (f"stress: honest flips at p0 = {seq.flip_p0:.2g}", [pool],
                                 seq.flip_p0)):
         alarms = sum(_run_peer(PeerMonitor(seq), pools[i % len(pools)], rng, per_peer,
                                batch, honest_flip=flip)[0] for i in range(peers))
@@ -709,7 +709,8 @@ def alternatives(dtype: str) -> list[tuple[str, dict]]:
     if d and max(d) <= wide:
         p0 = 3 / len(d)
         h = math.log(SequentialSettings().flip_p1 / p0) - 0.5
-        out.append((f"single flip (p0 {p0:.1e} from {len(d)} measured |d|, steer_h {h:.1f})",
+        out.append(((f"alternative, one flip alarms (p0 {p0:.1e} = 3 / {len(d)} measured "
+                    f"positions, steer_h {h:.1f})"),
                     {"flip_p0": p0, "steer_h": h}))
     return out
 

@@ -829,77 +829,76 @@ def report(load_avg: str) -> str:
 NOTES = """
 Notes (written by hand after the runs; honest about what this is and is not):
 - Collection. fp32: the 634 completions of sessions 3-4 (not re-collected; rows "session
-  3: ..." are session 3's). bf16: sessions 3-4's 212 plus session 5's 80, sampled at nice
-  10 beside the lead's SAPO run (14:53-16:09 UTC, which ran past this session's end; one
-  SmolLM2 process at a time; ~0.03 completions/s, a bf16 batch of 32 took ~15 min there),
-  including the first bf16 top-p runs (T = 0.7, top-p 0.9) and a 32-token case. The
-  statistics do not depend on load; timings from them are not used.
-- bf16 false reject found and fixed (not silently): one honest T = 0.7 top-p 0.9
-  completion trailed the seeded choice by 1.57 at one position (tie_eps 0.4; the worst of
-  all other bf16 completions 0.24). Its round was replayed: the batch came out the same
-  (all 32 completions with identical statistics, the same reject at the same position), so
-  this is the floats, not a fluke of the run. The rule now allows one such position per
-  completion, up to replay_outlier_eps 2.0 (1.27x the measured 1.57, from one observation),
-  counted per
-  completion; a per-peer CUSUM (p0 0.02, ~6x the measured 1/292) alarms `tie_steering` when
-  a peer uses it often. Price: a sender may take a token within 2.0 of the seeded choice at
-  one position in roughly 1 completion in 10 without being caught. The table above still
-  counts that completion as a reject: its other positions' gaps were not recorded (the
-  collection stopped at the first failing position, and a second replay with the new
-  collection settings did not fit in the session), so whether the new rule accepts it
-  (second-worst gap <= 0.4) is not known. The bf16 attacks table: the honest control and
-  the forgeries were rerun with the rule (session 5 rows); the scaled-weight rows are
-  session 4's, before it (not rerun: no time; x1.02 was caught there by one token_mismatch
-  and one proof_index_mismatch, so under the rule it may rest on the proof alone).
-- fp32 steering (issue goal: detection within 20 batches). Session 4 used p0 0.05 at fp32
-  wide ties and batches of 8: median 42 batches. Now p0 1e-3, because an honest flip at a
-  wide tie (top-two margin > 2.5e-4) needs the sampler's and the verifier's score
-  differences of the two tokens to differ by > 2.5e-4, while the worst honest fp32 logprob
-  error is 3.15e-5 (17,380 tokens); no honest fp32 flip was seen at any of 7,831 positions
-  with margin <= 1. The direct measurement of the quantity a flip needs (decode minus
-  prefill on the score difference of the verifier's top two, `--real-flip-errors`) was
-  built but not run on SmolLM2 in this session (no time beside SAPO; one SmolLM2 process
-  at a time); on the tiny model its maximum was 2.7e-7 over 6,158 positions. The bootstrap runs at batch 32, the
-  protocol default (tasks_per_round 4 x completions_per_task 8), and at batch 8. At batch
-  32 steering every wide tie alarms in a median 3 batches (95th percentile 9), half of them
-  in 8 (19); at batch 8 in 13 (34) and 28 (93): the 20-batch goal holds at the default
-  batch, not at batch 8, where a cheater meets only ~0.14 wide ties per batch and two
-  flipped in a row are needed (a single flip is within what the p0 bound allows). The
-  stress rows feed honest peers flips at p0 itself: still 0 alarms. Steering freedom left:
-  0.075% of fp32 positions have a top-two margin within tie_eps, 0.012% below the wide-tie
-  floor where the test cannot see steering. fp32 tie_eps was not tightened: that would cut
-  the 0.075% but leave even fewer wide ties to detect with, and tie_eps = logprob_tol keeps
-  the replay and logprob tolerances consistent for honest hardware not measured here.
-- Cost: `--real-cost float32 --real-cost-batches 5` under the bench lock at 16:09-16:16
-  UTC, beside the lead's SAPO run (2 processes at nice 3; load 9.3 -> 6.5; SAPO ran past
-  this session's end, so there is no quieter figure). CPU seconds of the process are the
-  figure. The same batches through the baseline verifier (e83ff02) and today's: batch 8 T=1
-  31.9% -> 26.2% (session 4's code: 29.5%), top-p 52.7% -> 26.8%, 2 threads 26.8% -> 23.3%,
-  batch 32 34.0% -> 28.8%. Warm (batches 2-5, the prompt cache holding the task families'
-  shared prefixes: 124-513 prompt tokens saved per variation) vs all: within 1 point; the
-  per-batch spread (23-32% at batch 8) is larger than the warm-up. New this session: the LM
-  head over a group's completions in one matrix product (SmolLM2's head, measured alone:
-  32 GFLOP/CPU-s at 31 rows, 65 at 248). The goal (<= 15% at batch 8) is NOT met, and the
-  last column says why: verification runs its linear layers at ~48 GFLOP per CPU second
-  (the forward is ~85% of it; single-core GEMMs of these shapes peak at ~79 here), and the
-  sampler at 35-40, because its batched decode re-runs every row's prompt and a
-  one-token-per-row decode is already a fair GEMM at batch 8 (36 GFLOP/s measured for M = 8
-  rows). The verifier must do the completions' forward and the LM head at every position
-  (the trainer trains on the recomputed logprobs; replay checks every token): ~63 GFLOP of
-  linear layers for a batch of 8 (240 completion tokens) even with the whole prompt cached,
-  i.e. ~0.8 s at the GEMM peak against ~6.0 s of generation: ~13% before anything else. 15% would need the
-  whole verification at ~90% of the GEMM peak. On a GPU, decode is memory-bound and the
-  ratio is far lower (not measured: no GPU). Amortised with spot checks at 10%: 2.4-3.0%.
-- Calibration size: 634 fp32 (goal 500 met) and 292 bf16 (goal 500 NOT met; see above).
-  bf16 logprob_tol went 0.5 -> 1.0 in session 4 after an honest 0.65; the short-chunk proof
-  widening (x sqrt(32/c)) is session 4's, after an honest 8-token proof bias of 2.19e-2.
-- bf16 stress rows: honest peers flipping wide ties at the test's p0 0.1 (the measured
-  honest rate is 15/541 = 0.03) give 2 alarms in 40,000 batches of 32 and 4 in 40,000 of 8
-  (1e-4, the goal's limit): the bound holds with a 3x pessimistic flip rate, barely at
-  batch 8.
+  3: ..." are session 3's, unmarked rows session 4's). bf16: sessions 3-5's T = 1
+  completions, session 5's top-p round and session 6's first three top-p rounds
+  re-verified under session 6's rules (rows "re-verified": the same batches, replayed; the
+  replay reproduces a round's batch exactly), and session 6's new ones (rows "session 6:
+  ..."), sampled at nice 10 from 18:04 UTC, first on a quiet machine (load ~1, a batch of
+  32 x 8 bf16 tokens in ~2 min), later beside the other engineers' work (load 3-17). One
+  SmolLM2 process at a time. The statistics do not depend on load.
+- bf16 false rejects found and fixed (session 6). The new top-p data gave another honest
+  reject: a T = 0.7 top-p 0.9 token with 4.8% of mass beyond top_p ahead of it at the
+  verifier (top_p_eps 0.01). Diagnosis (its round replayed with the sampler's decode
+  logits recorded): the sampler's own mass ahead of the token was 0.897 < 0.9; at the
+  verifier one token (4.3% of mass) 0.18 (scaled) above it had swapped places with it. And
+  three more completions needed session 5's one-outlier allowance (replay gaps 1.57, 1.48,
+  1.31), all in top-p runs (0 of ~430 T = 1 completions). Both are the top-p cut moving
+  with honest float differences: by order (scores within tie_eps swap) and by mass. The
+  replay masks now allow for both (checks._masks, NODE_SPEC 5.2 token_mismatch): the
+  claimed token may be any token of top_p + top_p_eps or within tie_eps below that cut;
+  the best noisy score is taken over the tokens the sampler surely had (top_p - top_p_eps,
+  tokens within tie_eps below each counted ahead of it). The four batches with the
+  outliers and the reject, replayed and verified under the new masks: worst gaps 0.085,
+  0.032, 0.057, 0.168, no reject. So the outlier allowance (session 5, replay_outlier_eps
+  2.0, which let a sender steer one token in ~1 completion in 10) is off again in bf16;
+  the "replay outlier" rows above count 0. The top-p excess without near-tied tokens is
+  the quantity top_p_eps now bounds (worst 0.004 against 0.01; the plain excess, 0.048,
+  is shown for the record). The bf16 attacks table: rows marked session 6 were run under
+  the final rules; the scaled-weight rows are session 4's.
+- fp32 honest flip errors (`--real-flip-errors float32`, session 6, nice 10 at load
+  7-17): measured directly for the first time on SmolLM2 (the line above the attacks).
+  No position of 4,659 comes near a wide tie's margin 2.5e-4 (max 4.2e-5): P(honest flip
+  at a wide tie) < 6.4e-4 at 95%, below the steering test's p0 1e-3, which now rests on
+  this measurement (session 5: on the logprob errors).
+- fp32 steering at batch 8 (issue goal: detection within 20 batches). The limit is the
+  evidence: 11 wide ties in 17,380 honest positions, ~0.14 per batch of 8, so a cheater
+  steering every wide tie meets none in 20 batches with probability ~6%. The current test
+  needs two flips (p0 1e-3, h 12): median 13, 95th percentile 34 batches. The sharpest
+  sound alternative measured beside it (rows "alternative"): one flip alarms, p0 from the
+  flip-error bound (6.4e-4): median 6, 95th percentile 21 (94% within 20) at batch 8; 2 / 6
+  at batch 32; but if honest peers flipped wide ties at that bound, 1.7e-4 (batch 8) and
+  4.0e-4 (batch 32) false alarms per batch, above the goal of 1e-4, and one honest flip
+  (other hardware whose errors are inside logprob_tol 1e-3 but above the 4e-5 measured
+  here) would already penalise. Not adopted. A margin-weighted test cannot help either:
+  the narrow ties (m <= 2.5e-4) add 2 of 13 ties and are where honest flips happen. At
+  batch 32 (the protocol default) the goal holds: 3 / 9.
+- Cost (`--real-cost float32 --real-cost-batches 5` under the bench lock, 18:43-18:48
+  UTC, load 8.4 -> 7.1; no quiet slot): CPU seconds of the process. Today's verifier vs
+  the baseline (e83ff02) on the same batches: batch 8 T=1 34.7% -> 29.6%, top-p 55.7% ->
+  30.2%, 2 threads 30.2% -> 25.9%, batch 32 33.6% -> 28.0%. No saving was found this
+  session: a profile of a batch of 8 on the quiet machine (18:09, load 0.6): 1.2-1.5 CPU-s
+  of verification against ~4.0 s of generation (31-35%, higher than under load, where
+  generation slows more), 72% of it in matrix products running at ~84 GFLOP/s against a
+  measured peak of 88-93 (decoder shapes) and 70 (LM head); the seeded replay's noise
+  hashing ~0.15-0.2 s (an alternative top-two over the candidates only was no faster:
+  19-21 ms per completion either way), the shape test 0.03-0.05 s. The new last column
+  says what is physically possible: the verifier's linear-layer FLOPs at the GEMM peak
+  measured in the same process are 14.5% of generation at batch 8 (10-16% across the
+  rows) before attention, norms, replay or anything else. The goal of 15% is out of
+  reach on this CPU: the verifier must run the forward and the LM head at every
+  completion token (the trainer trains on the recomputed logprobs, replay checks every
+  token). Amortised with spot checks at 10%: 2.7-3.2% (goal 3%: met at 2 threads and
+  batch 32, 3.2% at batch 8 under this load).
+- Calibration size: 634 fp32 and, now, >= 500 bf16 honest completions (see the headers),
+  0 false rejects under the final rules. bf16 logprob_tol went 0.5 -> 1.0 in session 4
+  after an honest 0.65; the short-chunk proof widening (x sqrt(32/c)) is session 4's,
+  after an honest 8-token proof bias of 2.19e-2.
 - Per-peer tests: measured by resampling (bootstrap) the honest per-completion statistics
-  into 40,000 honest batches per dtype, scheme and batch size, with the real PeerMonitor; a
-  peer pinned to one variation keeps that config's own bias. Resampling treats completions
-  as independent draws from the measured ones: a config not measured (GPU kernels, another
+  into 40,000 honest batches per dtype, scheme and batch size, with the real PeerMonitor;
+  a peer pinned to one variation keeps that config's own bias; honest peers also feed
+  their replay outliers (none under the final rules). The stress rows give honest peers
+  wide-tie flips at the test's own p0 (bf16 0.1, ~3x the measured 31 of 1,038): the
+  bound holds there with a 3x pessimistic flip rate. Resampling treats completions as
+  independent draws from the measured ones: a config not measured (GPU kernels, another
   model) is not covered.
 """

@@ -291,3 +291,44 @@ def test_one_replay_outlier_per_completion_when_allowed(kit, honest):
     assert CheckSettings.for_dtype("float32").replay_outlier_eps == 0.0
     # off in bf16 too: the honest outliers measured came from the top-p cut (_masks)
     assert CheckSettings.for_dtype("bfloat16").replay_outlier_eps == 0.0
+
+
+def test_top_p_cut_moved_by_honest_float_differences_is_not_a_mismatch(kit, monkeypatch):
+    """bf16 finding of session 6: the sampler's and the verifier's logits differ a little,
+    and at the top-p cut that moves which tokens are in the nucleus (a near-tied token swaps
+    places, or the mass shifts). Here the sampler's LM head carries 5% noise (logit errors of
+    the size bf16 shows), T = 0.7 top-p 0.9, bf16-sized tolerances: with replay's masks
+    (checks._masks) every honest completion passes; with the plain top-p masks (the best over
+    the verifier's own nucleus, the claimed token in top_p + top_p_eps) some are rejected."""
+    import copy
+
+    from swarm_node.verifier import checks
+
+    model, tokenizer, source = kit
+    sampler_model = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        w = sampler_model.get_output_embeddings().weight
+        w.add_(torch.randn(w.shape, generator=gen) * 0.05 * w.std())
+    params = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=24)
+    settings = CheckSettings(logprob_tol=1.0, tie_eps=0.4, top_p_eps=0.01)
+
+    real_masks = checks._masks
+
+    def plain_masks(scaled, params, eps, near):
+        if params.top_p >= 1.0:
+            return real_masks(scaled, params, eps, near)
+        base = checks.mask_logits(scaled, params.model_copy(update={"top_p": 1.0}))
+        return checks.top_p_masks(base, params.top_p, min(1.0, params.top_p + eps))
+
+    batches = [attacks.sample_batch(sampler_model, tokenizer, source, SENDER, round_=r,
+                                    version=0, tasks=4, n=4, params=params) for r in range(5)]
+
+    def verdicts():
+        v = RolloutVerifier(model, tokenizer, source, swarm_id="default",
+                            latest_version=lambda: 0, settings=settings)
+        return [r.reason for b in batches for r in v.verify(b, SENDER)]
+
+    assert set(verdicts()) == {"ok"}
+    monkeypatch.setattr(checks, "_masks", plain_masks)
+    assert "token_mismatch" in verdicts()

@@ -853,8 +853,15 @@ Notes (written by hand after the runs; honest about what this is and is not):
   2.0, which let a sender steer one token in ~1 completion in 10) is off again in bf16;
   the "replay outlier" rows above count 0. The top-p excess without near-tied tokens is
   the quantity top_p_eps now bounds (worst 0.004 against 0.01; the plain excess, 0.048,
-  is shown for the record). The bf16 attacks table: rows marked session 6 were run under
-  the final rules; the scaled-weight rows are session 4's.
+  is shown for the record). A first version of the masks also counted as a steering
+  "flip" a top-p token that beat the tight mask's best (the sampler's own choice at the
+  cut): the bootstrap then alarmed honest T = 0.7 peers (hundreds of alarms in 40,000
+  batches, one config per peer). A flip is now a claimed token trailing the best; the
+  top-p rounds were re-verified once more with that (the rows "re-verified"). The bf16
+  attacks table is session 5's (T = 1: the mask change does not touch it; the outlier
+  allowance it ran with is now off, so its rejects only get stricter); the scaled-weight
+  rows are session 4's. fp32 top-p statistics are sessions 3-4's (plain masks; with
+  fp32's top_p_eps 1e-4 and tie_eps 1e-3 the masks differ only in the last digits).
 - fp32 honest flip errors (`--real-flip-errors float32`, session 6, nice 10 at load
   7-17): measured directly for the first time on SmolLM2 (the line above the attacks).
   No position of 4,659 comes near a wide tie's margin 2.5e-4 (max 4.2e-5): P(honest flip

@@ -501,7 +501,10 @@ class RolloutVerifier:
                                             f"seeded choice by {float(gap[k]):.3g}")
         margin = best_vals[:, 0] - best_vals[:, 1]
         ties = margin <= s.tie_eps
-        flips = ties & (tokens != best_idx[:, 0])
+        # a flip: the claimed token trails the verifier's best (with top-p, a token of the
+        # loose mask that beats every token of the tight one is the sampler's choice, not a
+        # runner-up; without top-p this is the same as "not the verifier's best")
+        flips = ties & (tokens != best_idx[:, 0]) & (gap > 0)
         # "wide" ties (margin above a quarter of tie_eps): an honest float difference rarely
         # reorders those, a steering sender takes the runner-up there as often as it likes
         wide = ties & (margin > s.tie_eps / 4)

@@ -32,6 +32,7 @@ async def exchange(endpoint: str, data: bytes, timeout: float = 30) -> bytes:
     reader, writer = await asyncio.open_connection(host, int(port))
     try:
         writer.write(data)
+        writer.write_eof()  # no more requests: the server need not keep the connection
         out = b""
         async with asyncio.timeout(timeout):
             while chunk := await reader.read(1 << 16):

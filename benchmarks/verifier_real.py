@@ -778,7 +778,7 @@ def report(load_avg: str) -> str:
 
     intro = (f"Real model: SmolLM2-135M-Instruct (`builtin:smollm2-135m`), CPU. Task mix "
              f"{', '.join(MIX)} (prompts of ~37 and ~130 tokens mixed in one batch). "
-             f"Load average during the runs: {load_avg} (2 cores shared with 4 other "
+             f"Load average during the runs: {load_avg} (2 cores shared with the other "
              "engineers). Every completion is verified with loose thresholds so that all its "
              "statistics are kept; the tables say what `CheckSettings.for_dtype` would do.\n")
     parts = [intro]
@@ -849,9 +849,15 @@ Notes (written by hand after the runs; honest about what this is and is not):
   the best noisy score is taken over the tokens the sampler surely had (top_p - top_p_eps,
   tokens within tie_eps below each counted ahead of it). The four batches with the
   outliers and the reject, replayed and verified under the new masks: worst gaps 0.085,
-  0.032, 0.057, 0.168, no reject. So the outlier allowance (session 5, replay_outlier_eps
-  2.0, which let a sender steer one token in ~1 completion in 10) is off again in bf16;
-  the "replay outlier" rows above count 0. The top-p excess without near-tied tokens is
+  0.032, 0.057, 0.168, no reject. The outlier allowance (session 5, replay_outlier_eps
+  2.0) was switched off on that evidence (commit 27b68d0) and back on an hour later: a
+  new honest T = 1 completion of 63 tokens trailed by 0.43 at one position (tie_eps 0.4;
+  second-worst 0.16), and the diagnosis run measured single bf16 logits differing by up
+  to 0.74 (scaled, T = 0.7) between decode and prefill, so a pair can differ by ~1.5.
+  That completion is the one "replay outlier" above (1 in 600; the per-peer outlier
+  test's p0 is 0.02). Price as before: a sender may take a token within 2.0 of the seeded
+  choice at one position in roughly 1 completion in 10 without being caught. The top-p
+  excess without near-tied tokens is
   the quantity top_p_eps now bounds (worst 0.004 against 0.01; the plain excess, 0.048,
   is shown for the record). A first version of the masks also counted as a steering
   "flip" a top-p token that beat the tight mask's best (the sampler's own choice at the
@@ -859,7 +865,7 @@ Notes (written by hand after the runs; honest about what this is and is not):
   batches, one config per peer). A flip is now a claimed token trailing the best; the
   top-p rounds were re-verified once more with that (the rows "re-verified"). The bf16
   attacks table is session 5's (T = 1: the mask change does not touch it; the outlier
-  allowance it ran with is now off, so its rejects only get stricter); the scaled-weight
+  allowance it ran with is still on); the scaled-weight
   rows are session 4's. fp32 top-p statistics are sessions 3-4's (plain masks; with
   fp32's top_p_eps 1e-4 and tie_eps 1e-3 the masks differ only in the last digits).
 - fp32 honest flip errors (`--real-flip-errors float32`, session 6, nice 10 at load
@@ -903,8 +909,8 @@ Notes (written by hand after the runs; honest about what this is and is not):
 - Per-peer tests: measured by resampling (bootstrap) the honest per-completion statistics
   into 40,000 honest batches per dtype, scheme and batch size, with the real PeerMonitor;
   a peer pinned to one variation keeps that config's own bias; honest peers also feed
-  their replay outliers (none under the final rules). The stress rows give honest peers
-  wide-tie flips at the test's own p0 (bf16 0.1, ~3x the measured 31 of 1,038): the
+  their replay outliers (1 in 600). The stress rows give honest peers
+  wide-tie flips at the test's own p0 (bf16 0.1, ~3x the measured 34 of 1,110): the
   bound holds there with a 3x pessimistic flip rate. Resampling treats completions as
   independent draws from the measured ones: a config not measured (GPU kernels, another
   model) is not covered.

@@ -75,13 +75,14 @@ class CheckSettings:
             # logprob diff up to 0.65 (one outlier, next 0.32: bf16 logits near 20-30 are
             # rounded to 1/8-1/4), replay gap up to 0.29. The trainer never uses claimed
             # logprobs; a bias inside the tolerance is the per-peer test's job.
-            # Session 5 allowed one replay outlier per completion up to 2.0 after an honest
-            # T = 0.7 top-p 0.9 gap of 1.57; session 6 found three more (1.48, 1.31, and a
-            # token beyond the top-p cut), all in top-p runs, all from the top-p cut moving
-            # between sampler and verifier: with the replay masks of `_masks` the same four
-            # batches (replayed) have worst gaps 0.02-0.17. So no allowance (0): it let a
-            # sender steer one token in about 1 completion in 10.
-            base = {"logprob_tol": 1.0, "tie_eps": 0.4,
+            # One position per completion may trail by up to 2.0 (replay outlier; the
+            # per-peer test counts them, sequential.py). Session 5's outliers (1.57, and
+            # session 6's 1.48, 1.31) were the top-p cut moving (fixed by `_masks`: 0.02-0.17
+            # on the same batches), but session 6 also measured an honest T = 1 gap of 0.43 in
+            # a 63-token completion (second-worst 0.16), and single bf16 logits differ by up
+            # to 0.74 (scaled, T = 0.7) between decode and prefill, so two tokens' gap can
+            # reach ~1.5: 2.0 stays.
+            base = {"logprob_tol": 1.0, "tie_eps": 0.4, "replay_outlier_eps": 2.0,
                     "top_p_eps": 1e-2,
                     "proof": ProofThresholds.for_dtype(dtype)}
         else:
@@ -475,7 +476,7 @@ class RolloutVerifier:
         """Seeded replay. Near-ties: the claimed token's noisy score may trail the winner's by
         at most tie_eps (floating-point differences between decode and prefill), except at one
         position per completion, which may trail by up to replay_outlier_eps when that is set
-        (off in both dtypes' defaults since session 6; counted as `replay_outliers`). Also counts
+        (bf16: rare honest float outliers; counted as `replay_outliers`). Also counts
         near-tie positions and how often the claimed token is not the verifier's own choice
         there (`ties`, `tie_flips`): the per-peer steering test (sequential.py) uses them."""
         s = self.settings

@@ -24,11 +24,11 @@ that no single completion reveals:
   95% bound this data gives (3 / 17,380 per token that any of the two tokens' errors
   exceeds 3.15e-5). With p0 1e-3 two flips at wide ties alarm; with 0.05 it took about six.
 
-- replay outliers: where `replay_outlier_eps` is set (checks.py; off in both dtypes'
-  defaults since session 6, when the honest bf16 outliers turned out to come from the
-  top-p cut moving: checks._masks), one position per completion may trail the seeded
-  choice by up to it; p0 0.02; a sender using the outlier in half its completions or more
-  alarms within a batch of 32 (Bernoulli CUSUM per completion).
+- replay outliers (bf16): one position per completion may trail the seeded choice by up
+  to `replay_outlier_eps` (checks.py). Honest rate measured 1 in 600 bf16 completions
+  (session 6; a 63-token one; session 5's top-p outliers were the top-p cut moving and are
+  gone with checks._masks); p0 0.02; a sender using the outlier in half its completions
+  or more alarms within a batch of 32 (Bernoulli CUSUM per completion).
 
 CUSUM: g = max(0, g + LLR(observation)); an alarm when g > h, then g restarts at 0.
 For the steering test h = 12 (log-likelihood units) bounds false alarms by about e^-12

@@ -545,15 +545,8 @@ def surely_kept(scores: torch.Tensor, top_p: float, near: float) -> torch.Tensor
     difference the caller's top_p allows for). From a partial sort, as `top_p_masks`; a
     token whose near range runs past the sorted part is left out (conservative)."""
     v = scores.shape[-1]
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-    k = min(64, v)
-    while True:
-        top = scores.topk(k, dim=-1)
-        probs = (top.values - lse).exp()
-        cum = torch.cumsum(probs, dim=-1)
-        if k == v or bool((cum[:, -1] - probs[:, -1] >= top_p).all()):
-            break
-        k = min(v, 4 * k)
+    top, probs, cum = _top_prefix(scores, top_p)
+    k = top.values.shape[-1]
     # per sorted token i: how many sorted tokens score >= s_i - near (itself included)
     neg = (-top.values).contiguous()
     count = torch.searchsorted(neg, (near - top.values).contiguous(), side="right")
@@ -577,6 +570,22 @@ def top_p_excess(scaled: torch.Tensor, tokens: torch.Tensor, params: SamplingPar
             for near in nears]
 
 
+def _top_prefix(scores: torch.Tensor, need: float):
+    """The partial sort both top-p masks use: (topk, probs, cumulative mass) of the k highest
+    scores per row, k grown 4x from 64 until every row's mass before its k-th score reaches
+    `need` (so each row's top-p prefix ends inside the k), or k == V."""
+    v = scores.shape[-1]
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    k = min(64, v)
+    while True:
+        top = scores.topk(k, dim=-1)
+        probs = (top.values - lse).exp()
+        cum = torch.cumsum(probs, dim=-1)
+        if k == v or bool((cum[:, -1] - probs[:, -1] >= need).all()):
+            return top, probs, cum
+        k = min(v, 4 * k)
+
+
 def top_p_masks(scores: torch.Tensor, *top_ps: float) -> list[torch.Tensor]:
     """`mask_logits`' top-p rule (node/sampler/seeded.py: keep the smallest prefix of the
     descending order whose mass reaches top_p) for each of `top_ps`, from one partial sort:
@@ -585,18 +594,8 @@ def top_p_masks(scores: torch.Tensor, *top_ps: float) -> list[torch.Tensor]:
     probabilities come from one log-sum-exp over the row instead of a softmax of the sorted
     row, which may round differently in the last bit (the top_p_eps of the loose mask is
     10^3 times wider)."""
-    v = scores.shape[-1]
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-    need = max((p for p in top_ps if p < 1.0), default=0.0)
-    k = min(64, v)
-    while True:
-        top = scores.topk(k, dim=-1)
-        probs = (top.values - lse).exp()
-        before = torch.cumsum(probs, dim=-1) - probs
-        # every row's prefix ends inside the k: its last entry is dropped (or k == V)
-        if k == v or bool((before[:, -1] >= need).all()):
-            break
-        k = min(v, 4 * k)
+    top, probs, cum = _top_prefix(scores, max((p for p in top_ps if p < 1.0), default=0.0))
+    before = cum - probs
     out = []
     for top_p in top_ps:
         if top_p >= 1.0:  # top-p off, as in mask_logits

@@ -140,13 +140,27 @@ def verifier_at(commit: str):
     import sys
 
     root = Path(__file__).resolve().parent.parent
-    src = subprocess.run(["git", "show", f"{commit}:verifier/checks.py"], cwd=root, text=True,
-                         capture_output=True, check=True).stdout
-    name = f"swarm_node.verifier._checks_{commit[:10]}"
-    mod = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))
-    mod.__package__ = "swarm_node.verifier"
-    sys.modules[name] = mod
-    exec(compile(src, f"{commit}:verifier/checks.py", "exec"), mod.__dict__)  # noqa: S102
+
+    def load(path: str, name: str, replace: tuple[str, str] = ("", "")):
+        src = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=root, text=True,
+                             capture_output=True, check=True).stdout
+        if replace[0]:
+            src = src.replace(*replace)
+        mod = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))
+        mod.__package__ = "swarm_node.verifier"
+        sys.modules[name] = mod
+        exec(compile(src, f"{commit}:{path}", "exec"), mod.__dict__)  # noqa: S102
+        return mod
+
+    tag = commit[:10]
+    has_prefill = subprocess.run(["git", "cat-file", "-e", f"{commit}:verifier/prefill.py"],
+                                 check=False, cwd=root, capture_output=True).returncode == 0
+    # the baseline's own prefill.py too (its prompt pass and padding are part of the cost)
+    if has_prefill:
+        load("verifier/prefill.py", f"swarm_node.verifier._prefill_{tag}")
+    mod = load("verifier/checks.py", f"swarm_node.verifier._checks_{tag}",
+               ("from .prefill import", f"from ._prefill_{tag} import") if has_prefill
+               else ("", ""))
     return mod.RolloutVerifier
 
 

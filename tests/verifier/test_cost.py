@@ -187,22 +187,24 @@ def test_prompt_cache_reuses_a_shared_prefix(kit):
     assert cache.misses == 3
 
 
-def test_length_sorted_sub_batches_match_one_padded_batch(kit, monkeypatch):
-    """Completions of very different lengths run in sub-batches of similar length (padding
-    costs like real tokens); the rows, in the callers' order, are the padded batch's."""
+def test_packed_completions_match_one_prefill_each(kit):
+    """Completions of very different lengths run packed end to end after the prompt (no
+    padding); each row is what its completion alone gives, so no completion sees another's
+    tokens (a leak through the mask would change the rows), also split into packs."""
     from swarm_node.verifier import prefill as pf
 
     model, _, _ = kit
     rng = random.Random(1)
     prompt = [rng.randrange(3, 200) for _ in range(12)]
     comps = [[rng.randrange(3, 200) for _ in range(n)] for n in (24, 5, 22, 1, 6)]
-    assert pf._chunks(comps, len(prompt), 8192) == [[0, 2], [4, 1], [3]]
-    sorted_rows = prefill_group(model, prompt, comps)
-    monkeypatch.setattr(pf, "MIN_FILL", 0.0)  # everything in one padded batch
-    padded_rows = prefill_group(model, prompt, comps)
-    for got, want, c in zip(sorted_rows, padded_rows, comps):
-        assert got.shape[0] == len(c)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert pf._packs(comps, len(prompt), 8192) == [[0, 1, 2, 3, 4]]
+    assert pf._packs(comps, len(prompt), 30) == [[0], [1], [2], [3, 4]]
+    alone = [prefill_group(model, prompt, [c])[0] for c in comps]
+    for budget in (8192, 30):
+        packed = prefill_group(model, prompt, comps, token_budget=budget)
+        for got, want, c in zip(packed, alone, comps):
+            assert got.shape[0] == len(c)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 def test_prompt_cache_is_bounded_in_tokens(kit):

@@ -37,7 +37,7 @@ from ..node.sampler.stops import context_limit, eos_token_ids
 from ..node.tasks import DEFAULT_STYLE, PromptStyle, format_prompt, get_task
 from ..protocol import noise
 from ..protocol.messages import BatchRules, Completion, RolloutBatch, SamplingParams, Verdict
-from .prefill import PromptCache, prefill, prefill_group  # noqa: F401 - re-exported
+from .prefill import PromptCache, prefill, prefill_group, prefill_groups  # noqa: F401
 from .proof import ProofThresholds, proof_size, verify_proof
 from .seen import SeenStore
 
@@ -241,28 +241,33 @@ class RolloutVerifier:
                 results[i] = RolloutResult(i, ids[i], False, r.reason, r.detail)
             in_batch.add(ids[i])
         groups = self._groups(batch, results, cheap, ids)
+        checked = []
         for members in groups:
             if spot_check is not None and not spot_check([ids[i] for i in members]):
                 for i in members:
                     _, _, text, reward = cheap[i]
                     results[i] = RolloutResult(i, ids[i], True, "unchecked", reward=reward,
                                                text=text)
-                continue
-            # one prompt pass per task group, its KV cache shared by the group's completions
-            comps = [batch.completions[i] for i in members]
-            hiddens = prefill_group(model, comps[0].prompt_ids.to_numpy(),
-                                    [c.completion_ids.to_numpy() for c in comps],
-                                    self._pad_id(), self.settings.prefill_token_budget,
-                                    self.prompt_cache, batch.policy_version)
-            for i, hidden, logits in zip(members, hiddens, self._group_logits(model, hiddens)):
-                try:
-                    stats, logprobs = self._model_checks(batch, batch.completions[i], hidden,
-                                                         logits)
-                    _, _, text, reward = cheap[i]
-                    results[i] = RolloutResult(i, ids[i], True, "ok", reward=reward,
-                                               stats=stats, text=text, logprobs=logprobs)
-                except _Reject as r:
-                    results[i] = RolloutResult(i, ids[i], False, r.reason, r.detail)
+            else:
+                checked.append(members)
+        # one prompt pass per task group; the checked groups' completions then run packed
+        # together behind their prompts' KV caches (prefill.py)
+        hidden_groups = prefill_groups(
+            model, [(batch.completions[m[0]].prompt_ids.to_numpy(),
+                     [batch.completions[i].completion_ids.to_numpy() for i in m])
+                    for m in checked],
+            self.settings.prefill_token_budget, self.prompt_cache, batch.policy_version)
+        members_all = [i for m in checked for i in m]
+        hiddens_all = [h for g in hidden_groups for h in g]
+        for i, hidden, logits in zip(members_all, hiddens_all,
+                                     self._group_logits(model, hiddens_all)):
+            try:
+                stats, logprobs = self._model_checks(batch, batch.completions[i], hidden, logits)
+                _, _, text, reward = cheap[i]
+                results[i] = RolloutResult(i, ids[i], True, "ok", reward=reward, stats=stats,
+                                           text=text, logprobs=logprobs)
+            except _Reject as r:
+                results[i] = RolloutResult(i, ids[i], False, r.reason, r.detail)
         for members in groups:  # a group is used whole or not at all
             if any(not results[i].accept for i in members):
                 for i in members:

@@ -197,14 +197,34 @@ def test_packed_completions_match_one_prefill_each(kit):
     rng = random.Random(1)
     prompt = [rng.randrange(3, 200) for _ in range(12)]
     comps = [[rng.randrange(3, 200) for _ in range(n)] for n in (24, 5, 22, 1, 6)]
-    assert pf._packs(comps, len(prompt), 8192) == [[0, 1, 2, 3, 4]]
-    assert pf._packs(comps, len(prompt), 30) == [[0], [1], [2], [3, 4]]
+    fed = [[c[:-1] for c in comps]]
+    assert pf._packs(fed, [len(prompt)], 8192) == [[(0, i) for i in range(5)]]
+    assert pf._packs(fed, [len(prompt)], 30) == [[(0, 0)], [(0, 1)], [(0, 2)], [(0, 3), (0, 4)]]
     alone = [prefill_group(model, prompt, [c])[0] for c in comps]
     for budget in (8192, 30):
         packed = prefill_group(model, prompt, comps, token_budget=budget)
         for got, want, c in zip(packed, alone, comps):
             assert got.shape[0] == len(c)
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_groups_packed_together_match_each_group_alone(kit):
+    """Several task groups in one pass (their prompt caches side by side, some prompts
+    sharing a cached prefix): every completion's rows are its group's alone."""
+    from swarm_node.verifier.prefill import prefill_groups
+
+    model, _, _ = kit
+    rng = random.Random(2)
+    prefix = [rng.randrange(3, 200) for _ in range(20)]
+    prompts = [prefix + [rng.randrange(3, 200) for _ in range(k)] for k in (3, 11, 7)]
+    groups = [(p, [[rng.randrange(3, 200) for _ in range(rng.randrange(1, 15))]
+                   for _ in range(3)]) for p in prompts]
+    alone = [prefill_group(model, p, comps) for p, comps in groups]
+    for budget in (8192, 45):
+        together = prefill_groups(model, groups, budget, PromptCache(min_prefix=16), 0)
+        for got_g, want_g in zip(together, alone):
+            for got, want in zip(got_g, want_g):
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 def test_prompt_cache_is_bounded_in_tokens(kit):

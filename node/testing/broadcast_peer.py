@@ -29,6 +29,7 @@ from ..broadcast.errors import ManifestRejected
 from ..broadcast.follow import TrainerChoice, bootstrap_peer_ids
 from ..broadcast.server import RateLimiter
 from ..broadcast.service import Broadcaster
+from ..broadcast.transport import RX_STATS
 from ..config import Config
 from ..diskspace import configure as configure_disk
 from ..identity import Identity
@@ -55,7 +56,20 @@ def thread_cpu() -> dict[str, float]:
         kind = ("libp2p" if name.startswith("p2p") else "asyncio" if name == "MainThread"
                 else "shard-rx" if name.startswith("shard-rx") else "workers")
         out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        out[kind + ":sys"] = out.get(kind + ":sys", 0.0) + int(fields[12]) / tick
+        out[kind + ":nvcsw"] = out.get(kind + ":nvcsw", 0.0) + _switches(task)
     return {k: round(v, 2) for k, v in out.items()}
+
+
+def _switches(task: Path) -> int:
+    """Involuntary context switches of one thread (preempted while runnable)."""
+    try:
+        for line in (task / "status").read_text().splitlines():
+            if line.startswith("nonvoluntary_ctxt_switches:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
 
 
 def corrupting(store, spec: str):
@@ -137,7 +151,7 @@ async def main(argv: list[str] | None = None) -> int:
              t=time.time(), metrics=dict(d.metrics) if d else {},
              times=dict(d.times) if d else {},
              sources=bc.books[(m.policy_id, m.version)].summary(),
-             streams=dict(getattr(bc.transport, "opened", {})),
+             streams=dict(getattr(bc.transport, "opened", {})), rx=dict(RX_STATS),
              peak_rss_mib=peak_rss_mib(), cpu_s=cpu_seconds(), cpu_threads=thread_cpu(),
              p2p=dict(node.metrics.counters))
 

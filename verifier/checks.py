@@ -47,6 +47,10 @@ ModelFor = Callable[[int], Any]
 # logits computed at once: 2^24 float32 values (64 MiB; 341 rows of a 49k vocabulary)
 LOGITS_BLOCK = 1 << 24
 SpotCheck = Callable[[list[bytes]], bool]
+# candidates whose protocol noise is hashed at once (noisy_top2)
+NOISE_BLOCK = 1 << 16
+# above this share of candidates, noisy_top2 hashes every token (row blocks) instead
+DENSE_SHARE = 0.15
 
 
 @dataclass(frozen=True)
@@ -637,13 +641,38 @@ def noisy_top2(scores: torch.Tensor, seeds: torch.Tensor,
                                                         top.indices))
     floor = (top.values + g_top).topk(min(2, g_top.shape[-1]), dim=-1).values[:, -1]
     bound = floor - noise.G_MAX - noise.NOISE_SPAN_MARGIN
-    flat = torch.nonzero(((scores >= bound[:, None]) | scores.isnan()).view(-1))[:, 0]
-    rows = flat // v
+    candidates = (scores >= bound[:, None]) | scores.isnan()
+    if int(candidates.sum()) > DENSE_SHARE * t * v:
+        return _dense_top2(scores, keys)
+    flat = torch.nonzero(candidates.view(-1))[:, 0]
     noisy = torch.full((t * v,), float("-inf"), dtype=scores.dtype)
-    noisy[flat] = scores.reshape(-1)[flat] + noise.gumbel_from_mantissas(
-        noise.mantissas(keys[rows], flat - rows * v))
+    flat_scores = scores.reshape(-1)
+    # in blocks that stay in the CPU's cache: the hash is ~10 int64 passes over its input,
+    # memory-bound over millions of candidates (measured 5x faster in 64k blocks, same bits)
+    for start in range(0, flat.shape[0], NOISE_BLOCK):
+        part = flat[start:start + NOISE_BLOCK]
+        rows = part // v
+        noisy[part] = flat_scores[part] + noise.gumbel_from_mantissas(
+            noise.mantissas(keys[rows], part - rows * v))
     best = noisy.view(t, v).topk(2, dim=-1)
     return best.values, best.indices
+
+
+def _dense_top2(scores: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top two of scores + noise with the noise of every token (the definition itself),
+    a few rows at a time so the hash's int64 passes stay in the CPU's cache. Where most of
+    the vocabulary are candidates (SmolLM2 at T = 1: about half), this is cheaper than
+    gathering and scattering the candidates (measured ~3x on the verifier's part)."""
+    t, v = scores.shape
+    step = max(1, NOISE_BLOCK // v)
+    values, indices = [], []
+    for start in range(0, t, step):
+        g = noise.gumbel_from_mantissas(noise.mantissas(keys[start:start + step],
+                                                        vocab_size=v))
+        best = (scores[start:start + step] + g).topk(2, dim=-1)
+        values.append(best.values)
+        indices.append(best.indices)
+    return torch.cat(values), torch.cat(indices)
 
 
 def sampling_shape_z(scaled: torch.Tensor, tokens: torch.Tensor, params: SamplingParams,

@@ -155,10 +155,13 @@ def test_pruned_replay_keeps_every_verdict(kit, monkeypatch):
     real = noise.mantissas
     monkeypatch.setattr(noise, "mantissas", lambda *a, **k: hashed.append(
         real(*a, **k).numel()) or real(*a, **k))
+    monkeypatch.setattr(checks, "DENSE_SHARE", 1.0)  # always the candidates' path
     pruned = run()
     monkeypatch.setattr(noise, "mantissas", real)
     full_rows = sum(c.completion_ids.shape[0] for b in batches for c in b.completions)
     assert sum(hashed) < 0.5 * full_rows * len(tokenizer)  # the pruning did prune
+    monkeypatch.setattr(checks, "DENSE_SHARE", 0.0)  # always the row-blocked dense path
+    assert run() == pruned
     monkeypatch.setattr(checks, "noisy_top2", full_top2)
     assert run() == pruned
     reasons = {r for batch in pruned for r, _ in batch}

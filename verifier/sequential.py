@@ -68,7 +68,8 @@ class SequentialSettings:
     def for_dtype(cls, dtype: str) -> SequentialSettings:
         """Honest parameters measured on SmolLM2 (CPU), benchmarks/verifier.py --real."""
         if dtype in ("bfloat16", "float16"):
-            return cls(bias_mu=BF16_BIAS_MU, bias_sigma=BF16_BIAS_SIGMA, flip_p0=BF16_FLIP_P0)
+            return cls(bias_mu=BF16_BIAS_MU, bias_sigma=BF16_BIAS_SIGMA, flip_p0=BF16_FLIP_P0,
+                       steer_h=BF16_STEER_H)
         return cls(flip_p0=FP32_FLIP_P0)
 
 
@@ -79,6 +80,12 @@ FP32_FLIP_P0 = 1e-3
 BF16_BIAS_MU = 0.002
 BF16_BIAS_SIGMA = 0.06
 BF16_FLIP_P0 = 0.1
+# bf16 steering alarm threshold (h 12 elsewhere). Honest peers whose floats flipped wide
+# ties 0.1 more often than measured (34 of 1,110, ~3%; the 99.9% bound is 5%) alarmed at
+# 3e-4 per batch of 32 with h 12; with 15, 0 in 40,000 (batch 32) and 1 (batch 8), while a
+# cheater steering half the wide ties is caught in at most 2 (batch 32) / 4 (batch 8)
+# batches at the 95th percentile (bootstrap, session 7, RESULTS.md "verifier-real")
+BF16_STEER_H = 15.0
 
 
 @dataclass

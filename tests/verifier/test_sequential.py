@@ -111,6 +111,16 @@ def test_fp32_steering_test_alarms_on_two_wide_flips_not_on_honest_float_noise()
     assert SequentialSettings.for_dtype("bfloat16").flip_p0 == 0.1
 
 
+def test_bf16_steering_threshold_is_15():
+    """bf16 steering alarms at h 15 (RESULTS.md verifier-real, session 7: stress false alarms
+    3e-4 -> 0 per batch of 32): ten flipped wide ties in a row alarm, nine do not."""
+    s = SequentialSettings.for_dtype("bfloat16")
+    assert s.steer_h == 15.0
+    m = PeerMonitor(s)
+    steer = [m.observe("cheat", {"wide_ties": 1, "wide_flips": 1}) for _ in range(10)]
+    assert steer[:9] == [None] * 9 and steer[9] == "tie_steering"
+
+
 def test_replay_outliers_alarm_when_a_peer_uses_them_often():
     """bf16 allows one replay outlier per completion (rare honestly: 1 in 292 measured); a
     peer with one in every other completion is alarmed within a batch of 32, a peer with one

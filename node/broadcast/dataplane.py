@@ -34,7 +34,7 @@ from ...protocol.codec import pack, unpack
 from ...protocol.errors import ProtocolError
 from ...protocol.ids import SHARD_TOKEN_PROTOCOL
 from ..p2p.tokens import read_hello  # the hello frame both TCP planes share
-from .transport import DirectTcpStream, TcpStream
+from .transport import DirectTcpStream, PooledStream, TcpStream
 from .wire import FRAME_HEADER
 
 log = logging.getLogger(__name__)
@@ -144,8 +144,9 @@ class RoutingTransport:
         self._token_requests: dict[str, asyncio.Future] = {}
         self.down: dict[str, float] = {}
         self.paths: dict[str, str] = {}
-        self.opened = {"tcp": 0, "tcp_reused": 0, "libp2p": 0}
+        self.opened = {"tcp": 0, "tcp_reused": 0, "libp2p": 0, "libp2p_reused": 0}
         self.idle: dict[str, list[DirectTcpStream]] = {}
+        self.idle_p2p: dict[str, list[PooledStream]] = {}
 
     def set_endpoint(self, peer: str, endpoint: str) -> None:
         host, _, port = endpoint.rpartition(":")
@@ -186,10 +187,36 @@ class RoutingTransport:
         for stream in self.idle.pop(peer, []):
             stream.discard()
 
+    def _reuse_p2p(self, peer: str) -> PooledStream | None:
+        """An idle libp2p shard stream to `peer` (no liveness peek on libp2p: kept for less
+        than POOL_IDLE_S, half the servers' default idle bound; a dead one is retried)."""
+        pool = self.idle_p2p.get(peer)
+        while pool:
+            stream = pool.pop()
+            if time.monotonic() - stream.idle_since < self.POOL_IDLE_S:
+                stream.reused = True
+                return stream
+            stream.discard()
+        return None
+
+    def _put_idle_p2p(self, peer: str, stream: PooledStream) -> None:
+        pool = self.idle_p2p.setdefault(peer, [])
+        if len(pool) >= self.POOL_PER_PEER:
+            stream.discard()
+        else:
+            pool.append(stream)
+
+    def forget_idle(self, peer: str) -> None:
+        """A pooled stream to `peer` was found dead: the other idle ones likely are too."""
+        for stream in self.idle_p2p.pop(peer, []):
+            stream.discard()
+
     def close(self) -> None:
-        """Close every idle connection."""
+        """Close every idle connection and pooled stream."""
         for peer in list(self.idle):
             self._drop_idle(peer)
+        for peer in list(self.idle_p2p):
+            self.forget_idle(peer)
 
     async def open(self, peer: str):
         endpoint = self.endpoints.get(peer) if self.use_tcp else None
@@ -212,8 +239,12 @@ class RoutingTransport:
         elif endpoint is None:
             self._say(peer, "libp2p streams", "no data-plane endpoint"
                       if self.use_tcp else "broadcast.tcp_fetch is off")
+        stream = self._reuse_p2p(peer)
+        if stream is not None:
+            self.opened["libp2p_reused"] += 1
+            return stream
         self.opened["libp2p"] += 1
-        return await self.p2p.open(peer)
+        return PooledStream(await self.p2p.open(peer), lambda s: self._put_idle_p2p(peer, s))
 
     async def _token(self, peer: str) -> bytes:
         cached = self.tokens.get(peer)

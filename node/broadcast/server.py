@@ -110,6 +110,11 @@ class ShardServer:
         except (ProtocolError, BroadcastError):
             await self._error(stream, "bad_request")
             return False
+        except Exception as e:
+            # a libp2p stream the client closed after its last request (StreamError "eof")
+            if idle_ok and getattr(e, "reason", None) == "eof":
+                return False
+            raise
         try:
             req = ShardRequest.decode(raw)
         except ProtocolError:

@@ -90,7 +90,8 @@ class Broadcaster:
     async def start(self) -> None:
         for entry in await asyncio.to_thread(self.store.load, self.gate.problem):
             self._dirty.add(entry.key)
-        self.node.set_stream_handler(SHARD_PROTOCOL, self.server.handle)
+        # shard after shard on one stream while the client keeps sending requests
+        self.node.set_stream_handler(SHARD_PROTOCOL, self.server.serve_connection)
         if self.cfg.tcp_listen not in ("", "off"):
             await self._start_tcp()
         self.node.set_request_handler(MANIFEST_PROTOCOL, self._serve_manifest)

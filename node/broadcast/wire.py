@@ -1,8 +1,12 @@
-"""The shard protocol (`SHARD_PROTOCOL`, one request per stream).
+"""The shard protocol (`SHARD_PROTOCOL`; NODE_SPEC 7.2).
 
     client -> server: u32 big-endian length + ShardRequest (msgpack, <= 1 KiB)
     server -> client: u32 big-endian length + ShardResponseHeader (msgpack, <= 1 KiB)
-                      then, if ok, exactly `length` raw bytes; then the stream is closed.
+                      then, if ok, exactly `length` raw bytes.
+
+After a complete shard the server waits up to `request_timeout_s` for another request on the
+same stream (libp2p) or connection (data plane); after an error answer it closes. A client
+may send its next request once it read the whole response, or close.
 
 Error codes in the header: bad_request, bad_range, unknown_shard, busy, internal.
 """
@@ -87,6 +91,39 @@ async def _request(stream: ByteStream, peer: str, request: ShardRequest, expecte
                               f"{expected_len}", reason="bad_header")
 
 
+async def _open_request(transport: ShardTransport, peer: str, request: ShardRequest,
+                        expected_len: int, timeout: float) -> ByteStream:
+    """A stream on which `request` was sent and its header checked. A pooled stream that
+    the server ended meanwhile (it serves one request per stream, or the stream idled past
+    its bound) fails before any header byte: that is not the source's fault, so the request
+    is sent once more on a fresh stream."""
+    stream = await _open(transport, peer, timeout)
+    try:
+        await _request(stream, peer, request, expected_len, timeout)
+        return stream
+    except ShardFetchError as e:
+        await _close(stream, peer)
+        if not getattr(stream, "reused", False) or e.reason not in ("short_read", "timeout"):
+            raise
+    forget = getattr(transport, "forget_idle", None)
+    if forget is not None:
+        forget(peer)
+    stream = await _open(transport, peer, timeout)
+    try:
+        await _request(stream, peer, request, expected_len, timeout)
+    except BaseException:
+        await _close(stream, peer)
+        raise
+    return stream
+
+
+def _reusable(stream: ByteStream) -> None:
+    """The whole response was read: the stream may carry another request (if pooled)."""
+    reusable = getattr(stream, "reusable", None)
+    if reusable is not None:
+        reusable()
+
+
 async def _chunks(stream: ByteStream, peer: str, length: int, chunk_timeout: float,
                   chunk_size: int) -> AsyncIterator[bytes]:
     left = length
@@ -115,11 +152,11 @@ async def fetch(transport: ShardTransport, peer: str, request: ShardRequest, *,
     """Stream the bytes of one shard request from `peer`. Any failure is a ShardFetchError
     whose reason names it (open_failed, timeout, short_read, bad_header, or the server's
     error code); the stream is always closed."""
-    stream = await _open(transport, peer, request_timeout)
+    stream = await _open_request(transport, peer, request, expected_len, request_timeout)
     try:
-        await _request(stream, peer, request, expected_len, request_timeout)
         async for data in _chunks(stream, peer, expected_len, chunk_timeout, chunk_size):
             yield data
+        _reusable(stream)
     finally:
         await _close(stream, peer)
 
@@ -131,20 +168,18 @@ async def fetch_into(transport: ShardTransport, peer: str, request: ShardRequest
     event loop: a stream with `receive_into` (the TCP data plane) runs the whole body in
     one thread; others hop to a thread per chunk. Failures as in `fetch`; what `sink`
     raises passes through."""
-    stream = await _open(transport, peer, request_timeout)
+    stream = await _open_request(transport, peer, request, expected_len, request_timeout)
     try:
-        await _request(stream, peer, request, expected_len, request_timeout)
         receive_into = getattr(stream, "receive_into", None)
         if receive_into is not None:
             try:
                 await receive_into(expected_len, sink, chunk_timeout, chunk_size)
             except ShardFetchError as e:
                 raise ShardFetchError(f"{peer}: {e}", reason=e.reason) from e
-            reusable = getattr(stream, "reusable", None)
-            if reusable is not None:
-                reusable()  # the whole response was read: the connection may carry another
+            _reusable(stream)
             return
         async for data in _chunks(stream, peer, expected_len, chunk_timeout, chunk_size):
             await asyncio.to_thread(sink, data)
+        _reusable(stream)
     finally:
         await _close(stream, peer)

@@ -34,10 +34,13 @@ async def swarm(tmp_path):
 
     made = []
 
-    async def make(name, role, follow=(), bootstrap=(), identity=None, tcp=False, **kw):
+    async def make(name, role, follow=(), bootstrap=(), identity=None, tcp=False,
+                   libp2p_only=False, **kw):
         cfg = node_config()
         if tcp:
             cfg.broadcast.tcp_listen = "127.0.0.1:0"
+        if libp2p_only:
+            cfg.broadcast.tcp_listen = "off"
         node = P2PNode(identity or Identity.generate(), cfg)
         await node.start(bootstrap=list(bootstrap))
         bc = Broadcaster(node, cfg.broadcast, tmp_path / name, follow=list(follow), role=role,
@@ -93,3 +96,21 @@ async def test_late_joiner_learns_version_from_adverts_and_uses_tcp(tmp_path, sw
     assert late.finished[(tnode.peer_id, 1)].metrics["bytes_fetched"] == m.total_size
     # the late joiner now serves it too, over TCP, advertised under its own peer ID
     assert late.endpoint and late.store.current_version(tnode.peer_id) == 1
+
+
+async def test_libp2p_shard_streams_carry_several_requests(tmp_path, swarm):
+    """Without the data plane, shards come over libp2p streams that carry request after
+    request (not a stream per shard), and every upload ends cleanly."""
+    ckpt = make_checkpoint(tmp_path / "ckpt", {"model.safetensors": 1_500_000})
+    tnode, trainer = await swarm("trainer", "trainer", libp2p_only=True)
+    m = await trainer.publish(ckpt, version=1)
+    _fnode, late = await swarm("late", "inference", follow=[tnode.peer_id],
+                              bootstrap=tnode.listen_addrs, libp2p_only=True)
+    path = await late.wait_complete(tnode.peer_id, 1, timeout=60)
+    assert read_dir(path) == read_dir(ckpt)
+    opened = late.transport.opened
+    assert opened["tcp"] == 0 and opened["libp2p_reused"] > 0
+    assert opened["libp2p"] <= late.cfg.parallel_downloads < m.num_shards
+    assert opened["libp2p"] + opened["libp2p_reused"] >= m.num_shards
+    assert trainer.server.metrics["shards_sent"] == m.num_shards
+    assert trainer.server.metrics["aborted"] == 0

@@ -288,3 +288,31 @@ async def test_data_plane_connections_carry_several_requests(tmp_path, trainer, 
         finally:
             rt.close()
             plane.close()
+
+
+async def test_pooled_libp2p_streams_against_both_kinds_of_server(tmp_path, trainer, ckpt, cfg):
+    """Shard streams are pooled per source: a server that keeps a stream serves shard after
+    shard on it; one that answers one request per stream (or ended an idle stream) shows as
+    a short read on a reused stream, which is retried once on a fresh stream and costs the
+    source nothing."""
+    from types import SimpleNamespace
+
+    from swarm_node.node.broadcast.dataplane import RoutingTransport
+
+    acc, server = serving(tmp_path, "srv", trainer, ckpt, cfg)
+    for handler, name in ((server.serve_connection, "keep"), (server.handle, "one")):
+        t = MemoryTransport()
+        t.register("srv", handler)
+        rt = RoutingTransport(SimpleNamespace(open=t.open), use_tcp=False)
+        store, entry, book = client(tmp_path, acc, cfg, name=f"client-{name}")
+        book.add("srv", None)
+        path = await Downloader(store, entry, rt, book, cfg).run()
+        assert read_dir(path) == read_dir(ckpt)
+        n = acc.manifest.num_shards
+        assert book.sources["srv"].failures == 0 and book.sources["srv"].shards_ok == n
+        assert rt.opened["libp2p_reused"] > 0
+        if name == "keep":
+            assert rt.opened["libp2p"] <= cfg.per_source_downloads < n
+        else:  # every reuse found the stream ended and opened a fresh one
+            assert rt.opened["libp2p"] == n
+        rt.close()

@@ -32,7 +32,12 @@ from ...protocol.messages import WireModel
 from .bridge import TrioBridge
 from .discovery import Discovery
 from .errors import BadMultiaddr, DialError, NotRunning, P2PError
-from .gossip import GossipValidator, build_gossip, flood_own_publishes
+from .gossip import (
+    GossipValidator,
+    build_gossip,
+    coalesce_publish_writes,
+    flood_own_publishes,
+)
 from .guard import (
     announce_subscriptions_made_during_setup,
     check_libp2p_version,
@@ -250,6 +255,7 @@ class P2PNode:
         if self.cfg.flood_publish:
             flood_own_publishes(router, host.get_id())
         guard_pubsub(pubsub, self._t_stream_fault)
+        coalesce_publish_writes(pubsub, self.metrics)
         keep_subscriptions_while_connected(pubsub)
         announce_subscriptions_made_during_setup(pubsub)
         use_fast_validation_cache(pubsub)

@@ -136,6 +136,7 @@ async def run_ours(work: Path, ckpt: Path, n_clients: int, corrupt: str = "",
             "corrupt": sum(d["metrics"].get("shards_corrupt", 0) for d in done),
             "from": (origin_bytes, relay_bytes, peer_bytes),
             "rx": [d.get("rx", {}) for d in done],
+            "streams": [d.get("streams", {}) for d in done],
             "ok": len(done),
         }
     finally:

@@ -29,6 +29,8 @@ import logging
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 from ...protocol.codec import pack, unpack
 from ...protocol.errors import ProtocolError
@@ -121,6 +123,43 @@ class DataPlaneServer:
         await self.handle(hello[0], TcpStream(reader, writer))
 
 
+S = TypeVar("S", DirectTcpStream, PooledStream)
+
+
+class IdlePool(dict[str, list[S]], Generic[S]):
+    """Idle streams per source (last in, first out), at most `per_peer` each. A stream is
+    handed out again only while idle for less than `max_idle_s` and `usable`; any other
+    is closed (`discard`). Shared by the data plane's connections and libp2p streams."""
+
+    def __init__(self, per_peer: int, max_idle_s: float):
+        super().__init__()
+        self.per_peer, self.max_idle_s = per_peer, max_idle_s
+
+    def take(self, peer: str, usable: Callable[[S], bool] = lambda _: True) -> S | None:
+        pool = self.get(peer)
+        while pool:
+            stream = pool.pop()
+            if time.monotonic() - stream.idle_since < self.max_idle_s and usable(stream):
+                return stream
+            stream.discard()
+        return None
+
+    def put(self, peer: str, stream: S, keep: bool = True) -> None:
+        pool = self.setdefault(peer, [])
+        if keep and len(pool) < self.per_peer:
+            pool.append(stream)
+        else:
+            stream.discard()
+
+    def drop(self, peer: str) -> None:
+        for stream in self.pop(peer, []):
+            stream.discard()
+
+    def drop_all(self) -> None:
+        for peer in list(self):
+            self.drop(peer)
+
+
 class RoutingTransport:
     """Per source: the authenticated TCP data plane when its advert names an endpoint (and
     `tcp_fetch`), else libp2p streams; any data-plane failure (no token, no connection,
@@ -145,8 +184,10 @@ class RoutingTransport:
         self.down: dict[str, float] = {}
         self.paths: dict[str, str] = {}
         self.opened = {"tcp": 0, "tcp_reused": 0, "libp2p": 0, "libp2p_reused": 0}
-        self.idle: dict[str, list[DirectTcpStream]] = {}
-        self.idle_p2p: dict[str, list[PooledStream]] = {}
+        self.idle: IdlePool[DirectTcpStream] = IdlePool(self.POOL_PER_PEER, self.POOL_IDLE_S)
+        # libp2p shard streams: no liveness peek; kept for less than POOL_IDLE_S, half the
+        # servers' default idle bound, and a dead one is retried (wire._open_request)
+        self.idle_p2p: IdlePool[PooledStream] = IdlePool(self.POOL_PER_PEER, self.POOL_IDLE_S)
 
     def set_endpoint(self, peer: str, endpoint: str) -> None:
         host, _, port = endpoint.rpartition(":")
@@ -155,73 +196,34 @@ class RoutingTransport:
         if self.endpoints.get(peer) != endpoint:
             self.endpoints[peer] = endpoint
             self.down.pop(peer, None)
-            self._drop_idle(peer)
+            self.idle.drop(peer)
             while len(self.endpoints) > 4096:  # bounded, whatever adverts claim
                 oldest = next(iter(self.endpoints))
                 del self.endpoints[oldest]
-                self._drop_idle(oldest)
+                self.idle.drop(oldest)
 
     def _say(self, peer: str, path: str, why: str) -> None:
         if self.paths.get(peer) != path:
             self.paths[peer] = path
             log.info("shards from %s over %s", peer[-8:], f"{path} ({why})")
 
-    def _reuse(self, peer: str) -> DirectTcpStream | None:
-        """An idle authenticated connection to `peer` that is still open, if any."""
-        pool = self.idle.get(peer)
-        while pool:
-            stream = pool.pop()
-            if time.monotonic() - stream.idle_since < self.POOL_IDLE_S and stream.alive():
-                return stream
-            stream.discard()
-        return None
-
     def _put_idle(self, peer: str, stream: DirectTcpStream) -> None:
-        pool = self.idle.setdefault(peer, [])
-        if len(pool) >= self.POOL_PER_PEER or self.endpoints.get(peer) is None:
-            stream.discard()
-        else:
-            pool.append(stream)
-
-    def _drop_idle(self, peer: str) -> None:
-        for stream in self.idle.pop(peer, []):
-            stream.discard()
-
-    def _reuse_p2p(self, peer: str) -> PooledStream | None:
-        """An idle libp2p shard stream to `peer` (no liveness peek on libp2p: kept for less
-        than POOL_IDLE_S, half the servers' default idle bound; a dead one is retried)."""
-        pool = self.idle_p2p.get(peer)
-        while pool:
-            stream = pool.pop()
-            if time.monotonic() - stream.idle_since < self.POOL_IDLE_S:
-                stream.reused = True
-                return stream
-            stream.discard()
-        return None
-
-    def _put_idle_p2p(self, peer: str, stream: PooledStream) -> None:
-        pool = self.idle_p2p.setdefault(peer, [])
-        if len(pool) >= self.POOL_PER_PEER:
-            stream.discard()
-        else:
-            pool.append(stream)
+        # a source whose endpoint went away keeps no idle connection
+        self.idle.put(peer, stream, keep=self.endpoints.get(peer) is not None)
 
     def forget_idle(self, peer: str) -> None:
         """A pooled stream to `peer` was found dead: the other idle ones likely are too."""
-        for stream in self.idle_p2p.pop(peer, []):
-            stream.discard()
+        self.idle_p2p.drop(peer)
 
     def close(self) -> None:
         """Close every idle connection and pooled stream."""
-        for peer in list(self.idle):
-            self._drop_idle(peer)
-        for peer in list(self.idle_p2p):
-            self.forget_idle(peer)
+        self.idle.drop_all()
+        self.idle_p2p.drop_all()
 
     async def open(self, peer: str):
         endpoint = self.endpoints.get(peer) if self.use_tcp else None
         if endpoint is not None and self.down.get(peer, 0.0) <= time.monotonic():
-            stream = self._reuse(peer)
+            stream = self.idle.take(peer, DirectTcpStream.alive)
             if stream is not None:
                 self.opened["tcp_reused"] += 1
                 return stream
@@ -239,12 +241,13 @@ class RoutingTransport:
         elif endpoint is None:
             self._say(peer, "libp2p streams", "no data-plane endpoint"
                       if self.use_tcp else "broadcast.tcp_fetch is off")
-        stream = self._reuse_p2p(peer)
+        stream = self.idle_p2p.take(peer)
         if stream is not None:
+            stream.reused = True
             self.opened["libp2p_reused"] += 1
             return stream
         self.opened["libp2p"] += 1
-        return PooledStream(await self.p2p.open(peer), lambda s: self._put_idle_p2p(peer, s))
+        return PooledStream(await self.p2p.open(peer), lambda s: self.idle_p2p.put(peer, s))
 
     async def _token(self, peer: str) -> bytes:
         cached = self.tokens.get(peer)

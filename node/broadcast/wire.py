@@ -97,24 +97,21 @@ async def _open_request(transport: ShardTransport, peer: str, request: ShardRequ
     the server ended meanwhile (it serves one request per stream, or the stream idled past
     its bound) fails before any header byte: that is not the source's fault, so the request
     is sent once more on a fresh stream."""
-    stream = await _open(transport, peer, timeout)
-    try:
-        await _request(stream, peer, request, expected_len, timeout)
-        return stream
-    except ShardFetchError as e:
-        await _close(stream, peer)
-        if not getattr(stream, "reused", False) or e.reason not in ("short_read", "timeout"):
-            raise
-    forget = getattr(transport, "forget_idle", None)
-    if forget is not None:
-        forget(peer)
-    stream = await _open(transport, peer, timeout)
-    try:
-        await _request(stream, peer, request, expected_len, timeout)
-    except BaseException:
-        await _close(stream, peer)
-        raise
-    return stream
+    for retried in (False, True):
+        stream = await _open(transport, peer, timeout)
+        try:
+            await _request(stream, peer, request, expected_len, timeout)
+            return stream
+        except BaseException as e:
+            await _close(stream, peer)
+            stale = (isinstance(e, ShardFetchError) and getattr(stream, "reused", False)
+                     and e.reason in ("short_read", "timeout"))
+            if retried or not stale:
+                raise
+        forget = getattr(transport, "forget_idle", None)
+        if forget is not None:
+            forget(peer)
+    raise AssertionError("unreachable: the second attempt returns or raises")
 
 
 def _reusable(stream: ByteStream) -> None:

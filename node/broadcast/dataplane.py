@@ -16,7 +16,10 @@ travel over plain TCP, but only to peers that proved their libp2p identity to us
 
 Bounded per connection: the hello must arrive within `tcp_auth_timeout_s`, a request within
 `request_timeout_s`; reads are capped at 1 KiB before authentication; at most
-`tcp_max_pending` connections may be unauthenticated at once (more are closed at accept).
+`tcp_max_pending` connections may be unauthenticated at once (more are closed at accept);
+at most 2 x `max_uploads_per_peer` authenticated connections per peer and 2 x
+`max_uploads_total` in all (more are closed after the hello without a byte: a connection
+beyond the upload limits could only idle or be answered `busy`, and each holds a socket).
 Bytes go out with `loop.sendfile` (zero-copy `sendfile(2)`) when the upload is not paced.
 """
 
@@ -89,6 +92,7 @@ class DataPlaneServer:
     def __init__(self, issuer: TokenIssuer, handle, cfg):
         self.issuer, self.handle, self.cfg = issuer, handle, cfg
         self.pending = 0
+        self.conns: Counter[str] = Counter()  # authenticated connections per peer
         self.metrics: Counter[str] = Counter()
         self.server: asyncio.base_events.Server | None = None
 
@@ -118,9 +122,24 @@ class DataPlaneServer:
             self.metrics["unauthenticated"] += 1
             writer.transport.abort()  # no answer: nothing for an unauthenticated client
             return
+        peer = hello[0]
+        if self.conns[peer] >= 2 * self.cfg.max_uploads_per_peer:
+            self.metrics["refused_peer_conns"] += 1
+            writer.transport.abort()
+            return
+        if self.conns.total() >= 2 * self.cfg.max_uploads_total:
+            self.metrics["refused_conns"] += 1
+            writer.transport.abort()
+            return
         self.metrics["authenticated"] += 1
-        writer.write(RoutingTransport.AUTH_ACK)
-        await self.handle(hello[0], TcpStream(reader, writer))
+        self.conns[peer] += 1
+        try:
+            writer.write(RoutingTransport.AUTH_ACK)
+            await self.handle(peer, TcpStream(reader, writer))
+        finally:
+            self.conns[peer] -= 1
+            if self.conns[peer] <= 0:
+                del self.conns[peer]
 
 
 S = TypeVar("S", DirectTcpStream, PooledStream)

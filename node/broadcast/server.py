@@ -2,7 +2,9 @@
 
 Every request gets an answer or a closed stream, never a hang: a malformed request gets
 `bad_request`, a shard not held (or not yet verified) `unknown_shard`, a range outside the
-shard `bad_range`, and a request over the concurrency limits `busy` at once.
+shard `bad_range`, and a request over the concurrency limits `busy` at once. An upload the
+client does not take (each `chunk_size` bytes within `chunk_timeout_s`) is cut, so a peer
+that asks and never reads cannot hold upload slots that honest peers need.
 """
 
 from __future__ import annotations
@@ -41,6 +43,17 @@ class RateLimiter:
             await asyncio.sleep(-self.tokens / self.rate)
 
 
+async def _abort(stream: ByteStream) -> None:
+    """End a stalled upload now: a TCP connection is aborted (unsent bytes dropped, the
+    socket freed at once; a plain close would wait for a reader that never reads), a
+    libp2p stream is reset."""
+    writer = getattr(stream, "writer", None)
+    if writer is not None:
+        writer.transport.abort()
+    elif hasattr(stream, "reset"):
+        await stream.reset()
+
+
 class ShardServer:
     def __init__(self, store: ShardStore, cfg):
         self.store = store
@@ -76,6 +89,11 @@ class ShardServer:
             except Exception as e:  # noqa: BLE001 - already broken
                 log.debug("closing the stream to %s failed: %r", peer, e)
 
+    def _take_within(self, n: int) -> float:
+        """Seconds a client has to take n bytes of an answer: `chunk_timeout_s` per
+        `chunk_size` (the pace of the upload limiter is not counted)."""
+        return self.cfg.chunk_timeout_s * max(1.0, n / self.cfg.chunk_size)
+
     async def _sendfile(self, stream, entry, shard: int, offset: int, length: int) -> bool:
         try:
             pieces = self.store.shard_files(entry, shard, offset, length)
@@ -84,9 +102,11 @@ class ShardServer:
         except OSError:  # pruned meanwhile
             await self._error(stream, "unknown_shard")
             return False
-        await write_frame(stream, ShardResponseHeader(ok=True, length=length).encode())
+        async with asyncio.timeout(self.cfg.chunk_timeout_s):
+            await write_frame(stream, ShardResponseHeader(ok=True, length=length).encode())
         for path, off, n in pieces:
-            await stream.sendfile(path, off, n)
+            async with asyncio.timeout(self._take_within(n)):
+                await stream.sendfile(path, off, n)
             self.metrics["bytes_sent"] += n
         self.metrics["shards_sent"] += 1
         self.metrics["shards_sendfile"] += 1
@@ -138,26 +158,37 @@ class ShardServer:
         self.active[peer] += 1
         self.active_total += 1
         try:
-            if self.zero_copy and self.limiter.rate <= 0 and hasattr(stream, "sendfile"):
-                return await self._sendfile(stream, entry, req.shard, req.offset, length)
-            chunks = self.store.read_shard(entry, req.shard, req.offset, length,
-                                           self.cfg.chunk_size)
-            try:
-                first = next(chunks)  # open the file before promising the bytes
-            except (OSError, BroadcastError, StopIteration):
-                await self._error(stream, "unknown_shard")
-                return False
-            await write_frame(stream, ShardResponseHeader(ok=True, length=length).encode())
-            data = first
-            while data is not None:
-                await self.limiter.acquire(len(data))
-                await stream.write(data)
-                self.metrics["bytes_sent"] += len(data)
-                data = next(chunks, None)
-            self.metrics["shards_sent"] += 1
-            return True
+            return await self._upload(stream, entry, req, length)
+        except TimeoutError:
+            self.metrics["upload_stalled"] += 1
+            log.info("cut a shard upload to %s: the client did not take it", peer)
+            await _abort(stream)
+            return False
         finally:
             self.active[peer] -= 1
             if self.active[peer] <= 0:
                 del self.active[peer]
             self.active_total -= 1
+
+    async def _upload(self, stream: ByteStream, entry, req: ShardRequest, length: int) -> bool:
+        """Send one answer; TimeoutError if the client does not take it (_take_within)."""
+        if self.zero_copy and self.limiter.rate <= 0 and hasattr(stream, "sendfile"):
+            return await self._sendfile(stream, entry, req.shard, req.offset, length)
+        chunks = self.store.read_shard(entry, req.shard, req.offset, length,
+                                       self.cfg.chunk_size)
+        try:
+            first = next(chunks)  # open the file before promising the bytes
+        except (OSError, BroadcastError, StopIteration):
+            await self._error(stream, "unknown_shard")
+            return False
+        async with asyncio.timeout(self.cfg.chunk_timeout_s):
+            await write_frame(stream, ShardResponseHeader(ok=True, length=length).encode())
+        data = first
+        while data is not None:
+            await self.limiter.acquire(len(data))
+            async with asyncio.timeout(self._take_within(len(data))):
+                await stream.write(data)
+            self.metrics["bytes_sent"] += len(data)
+            data = next(chunks, None)
+        self.metrics["shards_sent"] += 1
+        return True

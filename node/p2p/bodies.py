@@ -237,7 +237,16 @@ class PayloadPuller:
         """The `size` bytes the peer holds under `digest` (not yet hash-checked: the caller
         does). PullFailed on anything else; reason `unavailable` means: use libp2p."""
         src = self._source(peer)
-        async with src.slots:
+        # The wait for a free connection counts as much as the pull: a source that stalls
+        # its pulls must not hold the pulls queued behind them (and the node's pull slots)
+        # uncharged for a pull timeout each.
+        try:
+            await asyncio.wait_for(src.slots.acquire(), self.cfg.payload_pull_timeout_s)
+        except TimeoutError:
+            self.metrics.inc("payload_tcp_slot_timeouts")
+            raise PullFailed(f"no free connection to {peer} within "
+                             f"{self.cfg.payload_pull_timeout_s:.0f}s", "timeout") from None
+        try:
             conn = self._idle_conn(src)
             if conn is not None:
                 try:  # the server may have closed it meanwhile: then once more, fresh
@@ -246,6 +255,8 @@ class PayloadPuller:
                     if e.reason != "broken":
                         raise
             return await self._pull_on(peer, src, await self._open(peer, src), digest, size)
+        finally:
+            src.slots.release()
 
     def _idle_conn(self, src: _Source) -> _Conn | None:
         """A pooled connection young enough that the server has not closed it as idle."""
@@ -285,8 +296,11 @@ class PayloadPuller:
         if status == STATUS_NOT_HELD:
             raise PullFailed("not held there", "not_held")
         if status != STATUS_OK or length != size:
+            # Not a stale connection (that ends before the answer): a server holds only
+            # bodies it checked against their announce, so any other length or status is
+            # its own doing, never retried (NODE_SPEC: `too_large`, charged to the source).
             raise PullFailed(f"answer of {length} bytes (status {status}) for a payload of "
-                             f"{size}", "too_large" if length > size else "broken")
+                             f"{size}", "too_large")
         return await conn.reader.readexactly(length)
 
     async def _open(self, peer: str, src: _Source) -> _Conn:

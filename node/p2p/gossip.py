@@ -19,6 +19,7 @@ import trio
 from libp2p.peer.id import ID
 from libp2p.pubsub.gossipsub import PROTOCOL_ID, PROTOCOL_ID_V11, GossipSub
 from libp2p.pubsub.pubsub import Pubsub
+from libp2p.pubsub.rpc_queue import PriorityQueue
 from libp2p.utils.varint import encode_uvarint
 
 from ...protocol.envelope import Envelope, ReplayCache, open_envelope
@@ -63,7 +64,7 @@ def build_gossip(host, cfg, metrics: P2PMetrics) -> tuple[GossipSub, Pubsub]:
     # duplicates (found by test_restart_with_same_key_rejoins). Nanoseconds, as go-libp2p does.
     pubsub.counter = seqno_start()
     pubsub.peer_queues = TunedQueues(cfg.outbound_queue, max_rpc_size(cfg), pubsub.peer_queues,
-                                     metrics)
+                                     metrics, max_queued_bytes(cfg))
     return router, pubsub
 
 
@@ -109,6 +110,14 @@ def max_rpc_size(cfg) -> int:
     return max(cfg.inline_payload_max, ACCEPTED_INLINE_MAX) + RPC_OVERHEAD
 
 
+def max_queued_bytes(cfg) -> int:
+    """Bytes one peer's outbound queue may hold: its slots full of messages of our own inline
+    size (64 MiB by default). Without it, a peer forwarding 256 KiB inline messages (which we
+    accept) to a peer that does not read could park outbound_queue x 272 KiB (~0.5 GiB) per
+    slow peer here; honest traffic (inline <= inline_payload_max) fills the slots first."""
+    return cfg.outbound_queue * (cfg.inline_payload_max + RPC_OVERHEAD)
+
+
 def coalesce_publish_writes(pubsub: Pubsub, metrics: P2PMetrics) -> None:
     """Send the RPCs that queued up for a peer while its sending loop waited as one write.
 
@@ -127,7 +136,7 @@ def coalesce_publish_writes(pubsub: Pubsub, metrics: P2PMetrics) -> None:
     async def handle_sending_messages(peer_id: ID, stream, queue) -> None:
         try:
             while True:
-                rpc = await queue.pop()
+                rpc = await queue.pop()  # (a BoundedQueue's pop releases its bytes)
                 if rpc is None:
                     return  # the queue was closed
                 if publish_only(rpc) and len(queue):
@@ -177,25 +186,64 @@ def merge_queued_publishes(rpc, pending, max_size: int) -> int:
         if size + extra > max_size:
             break
         queued.popleft()
+        if isinstance(pending, BoundedQueue):
+            pending.release(nxt)
         rpc.publish.extend(nxt.publish)
         size += extra
         merged += 1
     return merged
 
 
+class BoundedQueue(PriorityQueue):
+    """py-libp2p's per-peer RPC queue, bounded in bytes as well as in RPCs: a push that
+    would take the queued bytes over `max_bytes` is refused like one over `max_size` (an
+    empty queue takes any one RPC; the RPC size limit applies before)."""
+
+    def __init__(self, max_size: int, max_bytes: int):
+        super().__init__(max_size)
+        self.max_bytes = max_bytes
+        self.bytes = 0
+
+    def push(self, rpc, priority: bool = False) -> bool:
+        n = rpc.ByteSize()
+        if len(self) and self.bytes + n > self.max_bytes:
+            return False
+        if not super().push(rpc, priority):
+            return False
+        self.bytes += n
+        return True
+
+    def pop(self):
+        rpc = super().pop()
+        if rpc is not None:
+            self.release(rpc)
+        return rpc
+
+    def release(self, rpc) -> None:
+        """`rpc` (unchanged since its push) left the queue."""
+        self.bytes = self.bytes - rpc.ByteSize() if len(self) else 0
+
+
 class TunedQueues(dict):
     """Replaces Pubsub.peer_queues: each per-peer queue created by py-libp2p is resized
-    as it is registered, and its rejected pushes are counted."""
+    (RPC slots, and bytes: BoundedQueue) as it is registered, and its rejected pushes are
+    counted."""
 
     def __init__(self, max_size: int, max_message_size: int, initial: dict,
-                 metrics: P2PMetrics):
+                 metrics: P2PMetrics, max_bytes: int | None = None):
         super().__init__(initial)
         self.metrics = metrics
         self.max_size = max_size
         self.max_message_size = max_message_size
+        self.max_bytes = max_bytes if max_bytes is not None else max_size * max_message_size
 
     def __setitem__(self, peer_id, queue) -> None:
-        queue._queue.max_size = self.max_size
+        bounded = BoundedQueue(self.max_size, self.max_bytes)
+        for rpc in queue._queue._priority:  # normally empty when registered
+            bounded.push(rpc, priority=True)
+        for rpc in queue._queue._non_priority:
+            bounded.push(rpc)
+        queue._queue = bounded
         queue.max_message_size = self.max_message_size
         original_push = queue.push
         metrics = self.metrics

@@ -7,7 +7,15 @@ import asyncio
 
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.rpc_queue import RpcQueue
-from swarm_node.node.p2p.gossip import merge_queued_publishes
+from swarm_node.node.config import P2PSection
+from swarm_node.node.p2p.gossip import (
+    MERGED_RPC_MAX,
+    TunedQueues,
+    max_queued_bytes,
+    max_rpc_size,
+    merge_queued_publishes,
+)
+from swarm_node.node.p2p.metrics import P2PMetrics
 
 from .conftest import verdict, wait_until
 
@@ -71,6 +79,34 @@ def test_nothing_merges_across_control_subscriptions_or_another_record():
     queue = queue_of(publish_rpc(1), priority=(graft_rpc(),))
     assert merge_queued_publishes(head, queue._queue, max_size=10_000) == 0
     assert len(queue) == 2
+
+
+def test_a_peer_queue_is_bounded_in_bytes_and_merging_releases_them():
+    """A flood of 256 KiB inline messages (accepted from any peer) towards a peer that does
+    not read: the queue stops at max_queued_bytes (64 MiB by default), not at its 2,048
+    slots (~0.5 GiB); messages of our own inline size still fill every slot."""
+    cfg, metrics = P2PSection(), P2PMetrics()
+    queues = TunedQueues(cfg.outbound_queue, max_rpc_size(cfg), {}, metrics,
+                         max_queued_bytes(cfg))
+    queues["slow"] = RpcQueue()  # as py-libp2p registers a peer
+    queue = queues["slow"]
+    big = publish_rpc(0, size=256 * 1024)  # one object, queued again and again
+    accepted = sum(queue.push(big) for _ in range(cfg.outbound_queue))
+    assert 0 < accepted < cfg.outbound_queue
+    assert queue._queue.bytes == accepted * big.ByteSize() <= max_queued_bytes(cfg)
+    assert metrics["drop_outbound_queue_full"] == cfg.outbound_queue - accepted
+    while queue._queue.pop() is not None:  # the sending loop takes them: the bytes are freed
+        pass
+    assert queue._queue.bytes == 0
+
+    # honest traffic (our inline size, distinct RPCs as py-libp2p queues them): slots first
+    inline = [publish_rpc(i, size=cfg.inline_payload_max) for i in range(cfg.outbound_queue)]
+    assert all(queue.push(rpc) for rpc in inline)
+    assert not queue.push(publish_rpc(-1 % 2**32, size=cfg.inline_payload_max))
+    head = queue._queue.pop()  # the sending loop's merge releases what it takes, too
+    merged = merge_queued_publishes(head, queue._queue, MERGED_RPC_MAX)
+    assert merged > 0
+    assert queue._queue.bytes == (cfg.outbound_queue - 1 - merged) * inline[-1].ByteSize()
 
 
 async def test_a_burst_between_two_hosts_arrives_whole_from_merged_rpcs(make_node):

@@ -17,7 +17,8 @@ Authentication mirrors the shard data plane (a libp2p request proves the client'
 
 Bounded per connection: the hello within `payload_tcp_auth_timeout_s` (at most
 `payload_tcp_max_pending` connections unauthenticated at once), at most
-`payload_tcp_conns_per_peer` connections per authenticated peer, idle connections close
+`payload_tcp_conns_per_peer` connections per authenticated peer and 4 x
+`payload_tcp_max_pending` authenticated in all, idle connections close
 after `payload_tcp_idle_s`, a reader that does not take an answer within
 `payload_pull_timeout_s` is cut. Clients bound each pull by the announced size and
 `payload_pull_timeout_s`.
@@ -93,6 +94,12 @@ class PayloadServer:
         self.port = 0
         self._conns: set[asyncio.StreamWriter] = set()
 
+    def max_authenticated(self) -> int:
+        """Authenticated connections held at once, all peers together: peer ids are free to
+        make (each needs a libp2p connection only to get its token), so a per-peer cap
+        alone would leave the sockets unbounded."""
+        return 4 * self.cfg.payload_tcp_max_pending
+
     async def start(self, host: str, port: int) -> int:
         self.server = await asyncio.start_server(self._on_conn, host, port, limit=MAX_HELLO * 4)
         self.port = self.server.sockets[0].getsockname()[1]
@@ -142,6 +149,9 @@ class PayloadServer:
         peer = hello[0]
         if not self.allowed(peer) or self.per_peer.get(peer, 0) >= self.cfg.payload_tcp_conns_per_peer:
             self.metrics.inc("payload_tcp_refused")
+            return None
+        if sum(self.per_peer.values()) >= self.max_authenticated():
+            self.metrics.inc("payload_tcp_refused_total")
             return None
         self.per_peer[peer] = self.per_peer.get(peer, 0) + 1
         writer.write(AUTH_ACK)

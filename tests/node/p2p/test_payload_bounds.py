@@ -8,7 +8,9 @@ import socket
 import struct
 import time
 
-from swarm_node.node.p2p.bodies import PullFailed
+from swarm_node.node.config import P2PSection
+from swarm_node.node.p2p.bodies import PayloadServer, PullFailed, TokenIssuer
+from swarm_node.node.p2p.metrics import P2PMetrics
 from swarm_node.node.p2p.tokens import hello_frame
 
 from .conftest import wait_until
@@ -106,3 +108,34 @@ async def test_unauthenticated_clients_cannot_hold_the_plane(make_node):
             s.close()
     await wait_until(lambda: a.gossip._server.pending == 0, 10, what="the slots freed")
 
+
+
+async def test_authenticated_connections_are_capped_in_total_not_only_per_peer():
+    cfg = P2PSection(payload_tcp_max_pending=2, payload_tcp_conns_per_peer=2)
+    issuer, metrics = TokenIssuer("12D3KooWServer", 60), P2PMetrics()
+    server = PayloadServer(issuer, lambda digest: None, lambda peer: True, cfg, metrics)
+    port = await server.start("127.0.0.1", 0)
+    conns = []
+
+    async def connect(peer: str) -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        conns.append(writer)
+        writer.write(hello_frame(peer, *issuer.new(peer)))
+        try:
+            return await asyncio.wait_for(reader.read(1), 10)
+        except ConnectionResetError:
+            return b""
+
+    try:
+        total = server.max_authenticated()  # 8: four peer ids, two connections each
+        acks = [await connect(f"12D3KooWSybil{i // 2}") for i in range(total + 1)]
+        assert acks == [b"\x01"] * total + [b""]  # a fresh id gets no ninth socket
+        assert metrics["payload_tcp_refused_total"] == 1
+        conns.pop(0).transport.abort()  # one ends: its place is free again
+        await wait_until(lambda: sum(server.per_peer.values()) == total - 1, 10,
+                         what="the place freed")
+        assert await connect("12D3KooWHonest") == b"\x01"
+    finally:
+        for w in conns:
+            w.transport.abort()
+        await server.close()

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from ...protocol.ids import SHARD_PROTOCOL
+from ..p2p.errors import P2PError
 from .errors import ShardFetchError
 
 Handler = Callable[[str, object], Awaitable[None]]
@@ -317,6 +318,19 @@ class PooledStream:
         self._reusable = False
         self.reused = False
         self.idle_since = 0.0
+        if not hasattr(inner, "receive_into"):
+            self.receive_into = None  # `wire` then reads chunk by chunk
+
+    async def receive_into(self, n: int, sink: Callable[[bytes], None], chunk_timeout: float,
+                           chunk_size: int) -> None:
+        """The body in the libp2p thread, `sink` in a worker thread per chunk (see
+        `AsyncStream.receive_into`): no trip through the event loop per chunk. Stream
+        failures are ShardFetchError (timeout, short_read); what `sink` raises passes."""
+        try:
+            await self.inner.receive_into(n, sink, chunk_timeout, chunk_size)
+        except P2PError as e:
+            reason = "timeout" if e.reason == "timeout" else "short_read"
+            raise ShardFetchError(str(e), reason=reason) from e
 
     async def read(self, n: int) -> bytes:
         return await self.inner.read(n)

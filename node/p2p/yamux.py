@@ -21,9 +21,12 @@ from collections.abc import Callable
 
 import libp2p.stream_muxer.yamux.yamux as yamux_mod
 import trio
+from cryptography.exceptions import InvalidTag
 from libp2p.io.exceptions import IncompleteReadError
 from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH, NoiseTransportReadWriter
 from libp2p.security.secure_session import SecureSession
+from noise.constants import MAX_NONCE
+from noise.exceptions import NoiseInvalidMessage, NoiseMaxNonceError
 
 from ...protocol.limits import MAX_CONN_BUFFER, MAX_STREAM_BUFFER
 
@@ -46,6 +49,14 @@ class BoundedBuffer(bytearray):
             raise WindowViolation(f"peer exceeded the receive window by sending {n} bytes "
                                   f"onto {len(self)} buffered")
         super().extend(data)
+
+    def __getitem__(self, key):
+        """A slice comes out as bytes, copied once: py-libp2p reads a stream's data as
+        `bytes(buffer[:n])`, which copied every received byte twice."""
+        if isinstance(key, slice):
+            with memoryview(self) as view:
+                return bytes(view[key])
+        return super().__getitem__(key)
 
 
 class BoundedBuffers(dict):
@@ -132,15 +143,21 @@ def fit_frames_to_noise() -> None:
 # peer's window) and cut the per-message work: several Noise messages per socket read and
 # per socket write, and frames of up to FRAME_MESSAGES Noise messages.
 
-FRAME_MESSAGES = 16
-"""Yamux DATA frames carry up to this many full Noise messages (header + payload = k x
-65519 bytes, ~1 MiB): one frame-loop pass per MiB instead of per 64 KiB. Frames never
-exceed the send window the peer granted (py-libp2p's writer takes min(window, frame))."""
+FRAME_MESSAGES = 17
+"""Yamux DATA frames carry up to this many Noise messages (header + payload <= k x 65519
+bytes, ~1.06 MiB): one frame-loop pass per MiB instead of per 64 KiB. 17, not 16: a 1 MiB
+write (the shard chunk) plus its 12-byte header then fits one frame; at 16 it went out as a
+frame of 1 MiB - 272 bytes and one of 272, two frame passes at each end for nothing. Frames
+never exceed the send window the peer granted (py-libp2p's writer takes min(window,
+frame))."""
 NOISE_READ_BYTES = 256 * 1024
 """One socket read takes up to this many bytes of Noise messages."""
 NOISE_MAX_PLAINTEXT_PER_READ = 1 << 20
 """At most this much plaintext is decrypted per read_msg call (memory per connection)."""
 _LEN2 = 2
+_TAG = 16  # ChaCha20-Poly1305 tag
+_TX_KEEP = 2 * FRAME_MESSAGES * (MAX_PLAINTEXT_LENGTH + _LEN2 + _TAG)
+"""A session keeps its seal buffer up to this size (two full frames)."""
 
 
 def install_bulk_fast_paths() -> None:
@@ -222,6 +239,22 @@ class _NoiseRx:
         self.pos = end
         return bytes(memoryview(buf)[pos + _LEN2:end])
 
+    def complete(self, max_plain: int) -> list[tuple[int, int]]:
+        """(start, length) in `buf` of the complete messages from `pos`, as many as hold
+        at most `max_plain` bytes of ciphertext (at least one if one is complete); `pos` is
+        not moved (the caller moves it past each message it decrypted)."""
+        buf, pos, end = self.buf, self.pos, len(self.buf)
+        spans: list[tuple[int, int]] = []
+        total = 0
+        while end - pos >= _LEN2 and (not spans or total < max_plain):
+            n = (buf[pos] << 8) | buf[pos + 1]
+            if end < pos + _LEN2 + n:
+                break
+            spans.append((pos + _LEN2, n))
+            total += n
+            pos += _LEN2 + n
+        return spans
+
     def unread(self, message: bytes) -> None:
         """Put back a message that failed to decrypt (the next call raises again)."""
         self.pos -= _LEN2 + len(message)
@@ -244,10 +277,10 @@ async def _read_msgs(self, prefix_encoded: bool = False) -> bytes:
     if prefix_encoded:
         return await _ORIG_READ_MSG(self, prefix_encoded)
     parts = await _read_parts(self)
-    return parts[0] if len(parts) == 1 else b"".join(parts)
+    return bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
 
 
-async def _read_parts(self) -> list[bytes]:
+async def _read_parts(self) -> list[bytes | bytearray]:
     """The plaintexts of the complete messages received (at least one); the socket is read
     only when none is complete. IncompleteReadError at end of stream, as py-libp2p raises."""
     rx = self.__dict__.get("_swarm_rx")
@@ -267,7 +300,48 @@ async def _read_parts(self) -> list[bytes]:
             rx.feed(data)
 
 
-def _decrypt_ready(self, rx: _NoiseRx) -> list[bytes]:
+def _decrypt_ready(self, rx: _NoiseRx) -> list[bytes | bytearray]:
+    """The plaintext of the complete messages in `rx` (up to NOISE_MAX_PLAINTEXT_PER_READ),
+    decrypted straight from the receive buffer into one output buffer (`decrypt_into`: no
+    copy of each ciphertext, one object per read instead of one per message)."""
+    state = self.noise_state.noise_protocol.cipher_state_decrypt
+    aead = getattr(state.cipher, "cipher", None)
+    if not hasattr(aead, "decrypt_into") or not state.has_key():
+        return _decrypt_ready_slow(self, rx)
+    spans = rx.complete(NOISE_MAX_PLAINTEXT_PER_READ)
+    if not spans:
+        return []
+    out = bytearray(sum(n for _, n in spans) - _TAG * len(spans))
+    dst = memoryview(out)
+    src = memoryview(rx.buf)
+    pos = 0
+    try:
+        for start, n in spans:
+            if n < _TAG:
+                raise NoiseInvalidMessage("Noise message shorter than its tag")
+            if state.n >= MAX_NONCE:
+                raise NoiseMaxNonceError("Nonce has depleted!")
+            try:
+                aead.decrypt_into(state.cipher.format_nonce(state.n), src[start:start + n],
+                                  None, dst[pos:pos + n - _TAG])
+            except InvalidTag:
+                raise NoiseInvalidMessage("Failed authentication of message") from None
+            state.n += 1
+            pos += n - _TAG
+            rx.pos = start + n
+    except Exception:
+        if not pos:
+            raise  # nothing decrypted: the caller sees the error (again on every call)
+        # deliver what decrypted first; the bad message raises at the next call
+    finally:
+        src.release()
+    dst.release()
+    if pos < len(out):
+        del out[pos:]
+    return [out] if out else []  # bytearray: _Plain.take copies it out once
+
+
+def _decrypt_ready_slow(self, rx: _NoiseRx) -> list[bytes]:
     parts: list[bytes] = []
     size = 0
     while size < NOISE_MAX_PLAINTEXT_PER_READ:
@@ -287,20 +361,69 @@ def _decrypt_ready(self, rx: _NoiseRx) -> list[bytes]:
     return parts
 
 
-async def _write_msgs(self, msg: bytes, prefix_encoded: bool = False) -> None:
-    """NoiseTransportReadWriter.write_msg: a message longer than one Noise message is
-    encrypted into the same sequence of <= 65535-byte messages as before, but sent with one
-    socket write instead of one per message. Callers serialise writes (yamux's write
-    lock), so nonces go out in order."""
-    if prefix_encoded or len(msg) <= MAX_PLAINTEXT_LENGTH:
-        return await _ORIG_WRITE_MSG(self, msg, prefix_encoded)
-    msg = bytes(msg)
-    parts: list[bytes] = []
-    for start in range(0, len(msg), MAX_PLAINTEXT_LENGTH):
-        sealed = self.encrypt(msg[start:start + MAX_PLAINTEXT_LENGTH])
-        parts.append(len(sealed).to_bytes(_LEN2, "big"))
-        parts.append(sealed)
-    await self.read_writer.read_write_closer.write(b"".join(parts))
+async def _write_msgs(self, msg, prefix_encoded: bool = False) -> None:
+    """NoiseTransportReadWriter.write_msg: `msg` (any bytes-like) encrypted into the same
+    sequence of <= 65535-byte Noise messages as py-libp2p's, each sealed straight into one
+    output buffer (`encrypt_into` on memoryview slices: no copy of the plaintext, no join)
+    and sent with one socket write. Callers serialise writes (yamux's write lock), so
+    nonces go out in order."""
+    if prefix_encoded or not msg:
+        return await _ORIG_WRITE_MSG(self, bytes(msg), prefix_encoded)
+    out = self.__dict__.get("_swarm_tx")
+    if out is None or self.__dict__.get("_swarm_tx_busy"):
+        out = bytearray()  # an unserialised second writer gets its own buffer
+    self._swarm_tx_busy = True
+    try:
+        n = _seal(self, msg, out)
+        with memoryview(out) as view, view[:n] as sealed:
+            await self.read_writer.read_write_closer.write(sealed)
+    finally:
+        self._swarm_tx_busy = False
+    # keep the buffer for the next write, unless a rare huge write made it big
+    self._swarm_tx = out if len(out) <= _TX_KEEP else None
+
+
+def _seal(self, msg, out: bytearray) -> int:
+    """u16 length + ciphertext of each <= MAX_PLAINTEXT_LENGTH piece of `msg`, written to
+    the start of `out` (grown if needed; the session reuses it, so a 1 MiB write does not
+    allocate and fault in 1 MiB of fresh memory); returns the length written. Nonces and the
+    nonce limit as in the `noise` library's CipherState.encrypt_with_ad."""
+    state = self.noise_state.noise_protocol.cipher_state_encrypt
+    aead = getattr(state.cipher, "cipher", None)
+    view = memoryview(msg).cast("B")
+    size = len(view)
+    count = -(-size // MAX_PLAINTEXT_LENGTH)
+    total = size + count * (_LEN2 + _TAG)
+    if not hasattr(aead, "encrypt_into") or not state.has_key():
+        sealed = _seal_slow(self, view)
+        out[:] = sealed
+        return len(sealed)
+    if len(out) < total:
+        out.extend(bytes(total - len(out)))
+    pos = 0
+    with memoryview(out) as dst:  # released even on an error: `out` is reused
+        for start in range(0, size, MAX_PLAINTEXT_LENGTH):
+            piece = view[start:start + MAX_PLAINTEXT_LENGTH]
+            sealed = len(piece) + _TAG
+            if state.n >= MAX_NONCE:
+                raise NoiseMaxNonceError("Nonce has depleted!")
+            dst[pos] = sealed >> 8
+            dst[pos + 1] = sealed & 0xFF
+            aead.encrypt_into(state.cipher.format_nonce(state.n), piece, None,
+                              dst[pos + _LEN2:pos + _LEN2 + sealed])
+            state.n += 1
+            pos += _LEN2 + sealed
+    return pos
+
+
+def _seal_slow(self, view: memoryview) -> bytearray:
+    """`_seal` through the `noise` library's own calls (a cipher without encrypt_into)."""
+    out = bytearray()
+    for start in range(0, len(view), MAX_PLAINTEXT_LENGTH):
+        sealed = self.encrypt(bytes(view[start:start + MAX_PLAINTEXT_LENGTH]))
+        out += len(sealed).to_bytes(_LEN2, "big")
+        out += sealed
+    return out
 
 
 class _Plain:
@@ -311,11 +434,11 @@ class _Plain:
     __slots__ = ("chunks", "off", "size")
 
     def __init__(self) -> None:
-        self.chunks: deque[bytes] = deque()
+        self.chunks: deque[bytes | bytearray] = deque()
         self.off = 0  # read offset into chunks[0]
         self.size = 0
 
-    def put(self, parts: list[bytes]) -> None:
+    def put(self, parts: list[bytes | bytearray]) -> None:
         self.chunks.extend(parts)
         self.size += sum(len(p) for p in parts)
 
@@ -325,7 +448,7 @@ class _Plain:
         if self.off == 0 and n == len(first):
             self.chunks.popleft()
             self.size -= n
-            return first
+            return bytes(first)  # no copy if it is bytes already
         pieces: list[memoryview] = []
         need = n
         while need:

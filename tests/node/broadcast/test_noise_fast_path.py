@@ -160,3 +160,30 @@ def test_session_reads_of_any_size_return_exactly_the_bytes_in_order(reads):
         assert b"".join(got) == data
 
     trio.run(main)
+
+
+@settings(max_examples=20, deadline=None)
+@given(sizes=st.lists(st.integers(0, 200_000), min_size=1, max_size=5))
+def test_sealed_messages_read_back_with_the_noise_librarys_own_calls(sizes):
+    """The fast writer (encrypt_into from any buffer kind, one reused output buffer) puts on
+    the wire exactly what py-libp2p's own reader accepts, and the fast reader (decrypt_into)
+    accepts what py-libp2p's own writer sends: the wire is plain Noise either way."""
+    async def main():
+        writer, reader, wire = session()
+        sent = [bytes([i % 251]) * n for i, n in enumerate(sizes)]
+        kinds = (bytes, bytearray, memoryview)
+        for i, m in enumerate(sent):
+            await writer.write_msg(kinds[i % 3](m))
+        got = bytearray()
+        while len(got) < sum(sizes):  # py-libp2p's read_msg: one Noise message per call
+            got += await yamux._ORIG_READ_MSG(reader)
+        assert bytes(got) == b"".join(sent)
+        assert all(n <= MSG_LIMIT for n in message_sizes(wire))
+
+        writer, reader, wire = session()
+        for m in sent:
+            for start in range(0, max(len(m), 1), MAX_PLAINTEXT_LENGTH):
+                await yamux._ORIG_WRITE_MSG(writer, m[start:start + MAX_PLAINTEXT_LENGTH])
+        assert await read_all(reader, sum(sizes)) == b"".join(sent)
+
+    trio.run(main)

@@ -465,6 +465,13 @@ def main() -> None:
     ap.add_argument("--real-flip-errors", choices=["float32", "bfloat16"],
                     help="honest decode-vs-prefill errors at the verifier's top two "
                          "(verifier_real.flip_errors; budget --real-budget-s)")
+    ap.add_argument("--real-steering", choices=["float32"],
+                    help="print the fp32 steering study on the flip-error data "
+                         "(verifier_real.steering_study; for a hand-written RESULTS section)")
+    ap.add_argument("--real-steering-only", default="",
+                    help="with --real-steering: only the candidates whose label contains this")
+    ap.add_argument("--real-steering-tie-rate", type=float, default=0.0,
+                    help="with --real-steering: synthetic near ties per position (0: measured)")
     ap.add_argument("--baseline", default="e83ff02",
                     help="commit whose verifier/checks.py is the cost baseline")
     ap.add_argument("--real-report", metavar="LOAD",
@@ -472,10 +479,14 @@ def main() -> None:
                          "average seen during collection, for the record)")
     args = ap.parse_args()
     if args.real or args.real_report or args.real_cost or args.real_attacks \
-            or args.real_flip_errors:
+            or args.real_flip_errors or args.real_steering:
         from benchmarks import verifier_real
 
-        if args.real_flip_errors:
+        if args.real_steering:
+            print(verifier_real.steering_study(args.real_steering,
+                                               only=args.real_steering_only,
+                                               tie_rate=args.real_steering_tie_rate))
+        elif args.real_flip_errors:
             verifier_real.flip_errors(args.real_flip_errors, args.real_budget_s)
         elif args.real_attacks:
             verifier_real.attack_run(args.real_attacks)

@@ -395,11 +395,20 @@ def flip_errors(dtype: str, budget_s: float) -> Path:
                         spread = (diff.masked_fill(~reach, -np.inf).amax(1)
                                   - diff.masked_fill(~reach, np.inf).amin(1))
                         flips = [int(a) != b for a, b in zip(idx[:, 0], smp.completion_ids)]
+                        # the per-peer tests' inputs as the verifier computes them (checks.py):
+                        # claimed minus recomputed logprob, and where the claimed token is not
+                        # the verifier's noisy best (a bootstrap pool without a second pass)
+                        tok = torch.tensor(smp.completion_ids, dtype=torch.int64)
+                        scaled = ver.float() / temp if temp > 0 else ver.float()
+                        chosen = torch.log_softmax(scaled, -1).gather(1, tok[:, None])[:, 0]
+                        err = smp.logprobs.float() - chosen
                         out.write(json.dumps({
                             "dtype": dtype, "variation": name, "len": t,
                             "abs_d": d.abs().tolist(), "spread": spread.tolist(),
                             "margin": (vals[:, 0] - vals[:, 1]).tolist(),
-                            "flips": sum(flips)}) + "\n")
+                            "flips": sum(flips), "flip_at": [k for k, f in enumerate(flips) if f],
+                            "lp_err_sum": float(err.double().sum()), "lp_n": t,
+                            "lp_err_max": float(err.abs().max())}) + "\n")
                 out.flush()
                 round_ += 1
                 print(f"flip errors {dtype} {name}: round {round_}", flush=True)
@@ -590,14 +599,17 @@ def calibration_rows(recs: list[dict], s) -> list[list]:
 # measured false-alarm rate and detection delay of the per-peer tests (bootstrap) ---------------
 
 
-def _peer_stats(recs: list[dict], tie_eps: float) -> list[tuple[float, float, int, int, int]]:
+def _peer_stats(recs: list[dict], tie_eps: float,
+                wide_min: float = 0.0) -> list[tuple[float, float, int, int, int]]:
     """Per honest completion: (lp_err_sum, lp_n, wide ties, honest flips at wide ties, 1 if
-    a position trailed the seeded choice by more than tie_eps (a replay outlier) else 0)."""
+    a position trailed the seeded choice by more than tie_eps (a replay outlier) else 0).
+    Wide: margin in (wide_min, tie_eps], wide_min 0 meaning the verifier's tie_eps / 4."""
+    lo = wide_min or tie_eps / 4
     out = []
     for r in recs:
         st = r["stats"]
         wide = [f for m, f in zip(st.get("tie_margins", []), st.get("tie_flipped", []))
-                if tie_eps / 4 < m <= tie_eps]
+                if lo < m <= tie_eps]
         out.append((st["lp_err_sum"], st["lp_n"], len(wide), sum(wide),
                     int(st.get("replay_max_gap", 0.0) > tie_eps)))
     return out
@@ -605,20 +617,24 @@ def _peer_stats(recs: list[dict], tie_eps: float) -> list[tuple[float, float, in
 
 def _run_peer(monitor, pool, rng, batches: int, batch: int, bias: float = 0.0,
               steer: float = 0.0, honest_flip: float = 0.0,
-              until_alarm: bool = False) -> tuple[int, int | None]:
+              until_alarm: bool = False) -> tuple[int, int | None, int | None]:
     """Feed `batches` batches of `batch` completions drawn with replacement from `pool` (a
     cheat applied on top) to a fresh peer in `monitor`; (alarming batches, first alarm's
-    batch number or None). `steer`: share of the unflipped wide ties a cheater flips;
-    `honest_flip`: the same for an honest peer whose floats reorder wide ties at that rate
-    (the stress case: the test's own p0)."""
+    batch number or None, number of the first batch with a steered position or None).
+    `steer`: share of the unflipped wide ties a cheater flips; `honest_flip`: the same for
+    an honest peer whose floats reorder wide ties at that rate (the stress case: the test's
+    own p0)."""
     peer = f"p{rng.integers(1 << 62)}"
-    alarms, first = 0, None
+    alarms, first, steered = 0, None, None
     for b in range(batches):
         hit = False
-        for k in rng.integers(len(pool), size=batch):
+        for k in rng.integers(len(pool), size=batch).tolist():
             err, n, ties, flips, outlier = pool[k]
-            if steer or honest_flip:
-                flips += int(rng.binomial(ties - flips, steer or honest_flip))
+            if (steer or honest_flip) and ties > flips:  # (binomial(0, p) is 0)
+                added = int(rng.binomial(ties - flips, steer or honest_flip))
+                flips += added
+                if steer and added and steered is None:
+                    steered = b + 1
             hit |= monitor.observe(peer, {"lp_err_sum": err + bias * n, "lp_n": n,
                                           "wide_ties": ties, "wide_flips": flips,
                                           "replay_outliers": outlier}) is not None
@@ -627,7 +643,7 @@ def _run_peer(monitor, pool, rng, batches: int, batch: int, bias: float = 0.0,
             first = b + 1 if first is None else first
             if until_alarm:
                 break
-    return alarms, first
+    return alarms, first, steered
 
 
 BOOT_BATCHES = (32, 8)  # the protocol default (tasks_per_round 4 x completions_per_task 8), 8
@@ -649,7 +665,7 @@ def steering_freedom(recs: list[dict], tie_eps: float) -> dict:
 
 def bootstrap(recs: list[dict], dtype: str, honest_batches: int = 40_000, batch: int = 32,
               peers: int = 100, attack_peers: int = 200, horizon: int = 200,
-              seed: int = 0, seq=None) -> dict:
+              seed: int = 0, seq=None, stress: tuple[float, ...] = ()) -> dict:
     """The per-peer CUSUMs (verifier/sequential.py, the real code) run on honest batches
     resampled from the measured honest per-completion statistics, and on the same with a
     cheat applied. Honest peers: `peers` peers share `honest_batches` batches; "pooled" draws
@@ -658,8 +674,11 @@ def bootstrap(recs: list[dict], dtype: str, honest_batches: int = 40_000, batch:
     bias; "stress" makes honest peers flip wide ties at the test's own p0 (what the
     false-alarm rate would be if honest floats reordered wide ties that often). Attacks:
     `attack_peers` cheaters each, batches to the first alarm (up to `horizon`). `seq`:
-    SequentialSettings to measure instead of `for_dtype`'s (a candidate, side by side).
-    Honest peers also feed their replay outliers (bf16) to the outlier test."""
+    SequentialSettings to measure instead of `for_dtype`'s (a candidate, side by side);
+    `stress`: further honest flip rates to measure beyond p0. Detection delays are counted
+    from the first batch and, for steering, also from the first batch in which the cheater
+    had a tie to steer and steered it (`from_steer`: median, 95th percentile). Honest peers
+    also feed their replay outliers (bf16) to the outlier test."""
     import numpy as np
     from swarm_node.verifier.checks import CheckSettings
     from swarm_node.verifier.sequential import PeerMonitor, SequentialSettings
@@ -667,16 +686,16 @@ def bootstrap(recs: list[dict], dtype: str, honest_batches: int = 40_000, batch:
     rng = np.random.default_rng(seed)
     s, seq = CheckSettings.for_dtype(dtype), seq or SequentialSettings.for_dtype(dtype)
     ok = [r for r in recs if r["reason"] == "ok"]
-    pool = _peer_stats(ok, s.tie_eps)
+    pool = _peer_stats(ok, s.tie_eps, seq.wide_min)
     by_var: dict[str, list] = {}
     for r, st in zip(ok, pool):
         by_var.setdefault(r["variation"], []).append(st)
     per_peer = max(1, honest_batches // peers)
     honest = {}
-    for label, pools, flip in (("pooled", [pool], 0.0),
-                               ("one config per peer", list(by_var.values()), 0.0),
-                               (f"stress: honest flips at p0 = {seq.flip_p0:.2g}", [pool],
-                                seq.flip_p0)):
+    rows = [("pooled", [pool], 0.0), ("one config per peer", list(by_var.values()), 0.0),
+            (f"stress: honest flips at p0 = {seq.flip_p0:.2g}", [pool], seq.flip_p0)]
+    rows += [(f"stress beyond p0: honest flips at {f:.2g}", [pool], f) for f in stress]
+    for label, pools, flip in rows:
         alarms = sum(_run_peer(PeerMonitor(seq), pools[i % len(pools)], rng, per_peer,
                                batch, honest_flip=flip)[0] for i in range(peers))
         honest[label] = (alarms, per_peer * peers)
@@ -687,15 +706,31 @@ def bootstrap(recs: list[dict], dtype: str, honest_batches: int = 40_000, batch:
                ("steering: runner-up at half the wide ties", {"steer": 0.5})]
     attacks = []
     for label, cheat in cheats:
-        delays = [_run_peer(PeerMonitor(seq), pool, rng, horizon, batch, until_alarm=True,
-                            **cheat)[1]
-                  for _ in range(attack_peers)]
+        runs = [_run_peer(PeerMonitor(seq), pool, rng, horizon, batch, until_alarm=True,
+                          **cheat)[1:] for _ in range(attack_peers)]
+        delays = [first for first, _ in runs]
         got = sorted(d for d in delays if d is not None)
         within = sum(1 for d in got if d <= 20) / len(delays)
-        attacks.append([label, f"{np.median(got):.0f}" if got else "-",
-                        f"{np.percentile(got, 95):.0f}" if len(got) == len(delays) else
-                        f"> {horizon}", f"{within:.0%}",
-                        f"{len(delays) - len(got)} of {len(delays)}"])
+        row = [label, f"{np.median(got):.0f}" if got else "-",
+               f"{np.percentile(got, 95):.0f}" if len(got) == len(delays) else
+               f"> {horizon}", f"{within:.0%}", f"{len(delays) - len(got)} of {len(delays)}"]
+        if "steer" in cheat:
+            # batches from the first one with a steered position (1: alarmed in that batch);
+            # a cheater that never steered (no tie in `horizon` batches) is not counted here
+            from_steer = sorted(first - steered + 1 if first is not None else math.inf
+                                for first, steered in runs if steered is not None)
+            fin = [d for d in from_steer if d < math.inf]
+            if not from_steer:
+                row.append("- (no cheater steered)")
+            else:
+                p95 = np.percentile(from_steer, 95)
+                row.append(f"{np.median(from_steer):.0f} / "
+                           + (f"{p95:.0f}" if p95 < math.inf else f"> {horizon}")
+                           + f" ({sum(1 for d in fin if d <= 20) / len(from_steer):.0%}"
+                           + f" within 20 of {len(from_steer)})")
+        else:
+            row.append("-")
+        attacks.append(row)
     wide = sum(p[2] for p in pool)
     return {"honest": honest, "attacks": attacks, "completions": len(pool),
             "wide_ties": wide, "wide_flips": sum(p[3] for p in pool), "settings": seq,
@@ -727,6 +762,139 @@ def alternatives(dtype: str) -> list[tuple[str, dict]]:
                     f"positions, steer_h {h:.1f})"),
                     {"flip_p0": p0, "steer_h": h}))
     return out
+
+
+STEER_COL = ("from the first steered position: median / 95th (within 20 of the cheaters that "
+             "steered)")
+
+
+def flip_records(dtype: str) -> list[dict]:
+    """The flip-error records (`flip_errors`) of `dtype` that carry the per-peer tests'
+    inputs, as honest completions for `bootstrap`: the logprob error sum, and per near tie
+    (margin <= tie_eps) its margin and whether the claimed token is not the verifier's noisy
+    best, as checks._replay records them, from the same decode and prefill logits."""
+    from swarm_node.verifier.checks import CheckSettings
+
+    if not FLIP_OUT.exists():
+        return []
+    tie_eps = CheckSettings.for_dtype(dtype).tie_eps
+    out = []
+    for line in FLIP_OUT.read_text().splitlines():
+        r = json.loads(line) if line.strip() else {}
+        if r.get("dtype") != dtype or "lp_err_sum" not in r:
+            continue
+        flipped = set(r["flip_at"])
+        ties = [k for k, m in enumerate(r["margin"]) if m <= tie_eps]
+        out.append({"reason": "ok", "variation": r["variation"], "len": r["len"], "stats": {
+            "lp_err_sum": r["lp_err_sum"], "lp_n": r["lp_n"],
+            "tie_margins": [r["margin"][k] for k in ties],
+            "tie_flipped": [k in flipped for k in ties]}})
+    return out
+
+
+def synthetic_ties(recs: list[dict], rate: float, tie_eps: float, copies: int = 20,
+                   seed: int = 0) -> list[dict]:
+    """`copies` copies of each honest completion whose near ties are replaced by Poisson(rate
+    x length) ties with margins uniform in (0, tie_eps] and no honest flip (none of the
+    measured pair errors reaches a counted margin): the flip-error data holds too few ties
+    to resample their frequency (a handful in ~16,000 positions), so the tie rate comes from
+    a larger count (session 7: 13 ties <= 1e-3 in 17,380 positions)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for r in recs:
+        for _ in range(copies):
+            k = int(rng.poisson(rate * r["len"]))
+            out.append({**r, "stats": {**r["stats"],
+                                       "tie_margins": rng.uniform(0, tie_eps, k).tolist(),
+                                       "tie_flipped": [False] * k}})
+    return out
+
+
+def steering_study(dtype: str = "float32", wide_mins: tuple[float, ...] = (1e-4,),
+                   stress: float = 1e-3, only: str = "", tie_rate: float = 0.0) -> str:
+    """fp32 steering at batch 8 (issue #11): the honest flip errors against each tie margin,
+    a p0 bound from them, and the bootstrap of the current test beside one-flip tests (p0 the
+    95% bound 3 / N when none of the N measured positions' pair error exceeds the smallest
+    counted margin; threshold just below one flip's evidence) on the tie margins of the
+    verifier's wide ties and of narrower ones (`wide_mins`), all on the honest completions of
+    the flip-error data. `only`: measure just the candidates whose label contains it (one
+    process per candidate). `tie_rate` > 0: the bootstrap's completions get synthetic ties
+    at that rate per position (`synthetic_ties`). Markdown for a hand-written RESULTS.md
+    section."""
+    import dataclasses
+
+    import numpy as np
+    from swarm_node.verifier.checks import CheckSettings
+    from swarm_node.verifier.sequential import SequentialSettings
+
+    from benchmarks.results import table
+
+    tie_eps = CheckSettings.for_dtype(dtype).tie_eps
+    raw = [json.loads(line) for line in FLIP_OUT.read_text().splitlines() if line.strip()]
+    raw = [r for r in raw if r["dtype"] == dtype]
+    d = np.concatenate([r["abs_d"] for r in raw])
+    m = np.concatenate([r["margin"] for r in raw])
+    recs = flip_records(dtype)
+    if tie_rate:
+        recs = synthetic_ties(recs, tie_rate, tie_eps)
+    n_pos = len(d)
+    lines = [f"Flip-error data: {n_pos} positions of {len(raw)} completions "
+             f"({sum(r['len'] for r in recs)} positions of {len(recs)} completions carry the "
+             f"per-peer inputs and feed the bootstrap); variations: "
+             + ", ".join(f"{v} {sum(r['len'] for r in raw if r['variation'] == v)}"
+                         for v in sorted({r["variation"] for r in raw}))
+             + f". Pair error |d|: median {np.median(d):.2e}, 99.9th percentile "
+             f"{np.percentile(d, 99.9):.2e}, max **{d.max():.2e}**. Sampler and verifier "
+             f"picked different tokens at {sum(r['flips'] for r in raw)} positions.\n"]
+    rows = []
+    for lo in sorted({tie_eps / 4, *wide_mins, 5e-5}):
+        over = int((d > lo).sum())
+        ties = int(((m > lo) & (m <= tie_eps)).sum())
+        rows.append([f"{lo:g}", over, f"{3 / n_pos:.2e}" if over == 0 else f"{over / n_pos:.2e}",
+                     ties, f"{ties / n_pos * 1e3:.3f}"])
+    lines.append(table(["counted ties: margin above", "positions with |d| above it",
+                        "P(|d| above it), 95% bound (3 / N when 0)",
+                        f"ties with margin in (it, {tie_eps:g}]", "per 1,000 positions"], rows))
+    # session 7's fp32 steering test (two flips alarm), whatever for_dtype says now
+    base = dataclasses.replace(SequentialSettings.for_dtype(dtype), flip_p0=1e-3, steer_h=0.0,
+                               wide_min=0.0)
+    cands = [("session 7 (p0 0.001, h 12: two flips alarm)", base,
+              (stress,) if stress != base.flip_p0 else ())]
+    if not (d > tie_eps / 4).sum():
+        p0 = 3 / n_pos  # the same two-flip test on the new bound
+        cands.append((f"two flips alarm (p0 {p0:.2e}, h {base.h:g})",
+                      dataclasses.replace(base, flip_p0=p0), (stress,)))
+    for lo in (0.0, *wide_mins):
+        if (d > (lo or tie_eps / 4)).sum():
+            continue  # an honest pair error above the margin: no bound of this kind
+        p0 = 3 / n_pos
+        h = math.log(base.flip_p1 / p0) - 0.5
+        label = (f"one flip alarms, ties above {lo or tie_eps / 4:g} (p0 {p0:.2e}, "
+                 f"steer_h {h:.2f})")
+        cands.append((label,
+                      dataclasses.replace(base, flip_p0=p0, steer_h=h, wide_min=lo),
+                      (stress,)))
+    hon, att = [], []
+    for label, seq, extra in [c for c in cands if only in c[0]]:
+        for b in BOOT_BATCHES:
+            run = bootstrap(recs, dtype, batch=b, seq=seq, stress=extra)
+            for what, (alarms, n) in run["honest"].items():
+                hon.append([f"{label}: batch {b}: {what}", n, f"**{alarms}**",
+                            f"< {3 / n:.1e} (95%)" if alarms == 0 else f"{alarms / n:.1e}"])
+            att += [[f"{label}: batch {b}: {row[0]}", *row[1:]] for row in run["attacks"]
+                    if "steering" in row[0]]
+            per_batch = run["wide_ties"] / run["completions"] * b
+            lines.append(f"- {label}, batch {b}: {run['wide_ties']} counted ties in "
+                         f"{run['completions']} completions ({per_batch:.3f} per batch), "
+                         f"{run['wide_flips']} honest flips among them")
+    lines.append("")
+    lines.append(table(["honest peers", "batches", "false alarms", "rate per batch"], hon))
+    lines.append("")
+    lines.append(table(["cheat", "median batches to alarm (from batch 1)", "95th percentile",
+                        "caught within 20 batches", "never caught in 200", STEER_COL], att))
+    return "\n".join(lines)
 
 
 def _run_label(run: dict) -> str:
@@ -772,7 +940,7 @@ def bootstrap_text(dtype: str, recs: list[dict]) -> str:
     lines.append("\nCheats on top of the same resampled honest statistics (200 cheating peers "
                  "each, 200 batches at most):\n")
     lines.append(table(["cheat", "median batches to alarm", "95th percentile",
-                        "caught within 20 batches", "never caught in 200"],
+                        "caught within 20 batches", "never caught in 200", STEER_COL],
                        [[f"{_run_label(run)}batch {run['batch']}: {row[0]}", *row[1:]]
                         for run in runs for row in run["attacks"]]))
     return "\n".join(lines)

@@ -18,12 +18,20 @@ that no single completion reveals:
   flip_p0, H1 flip_p1) over wide ties. An honest flip at a tie of margin m needs the
   sampler's and the verifier's score differences of the two tokens to differ by >= m.
   bf16: honest flips at wide ties were measured (13 of 427 on SmolLM2), p0 0.1. fp32:
-  a wide tie has m > 2.5e-4, while the worst honest fp32 logprob error measured on SmolLM2
-  (CPU, 17,380 tokens) is 3.15e-5, so such a flip needs an error 8x the worst seen and
-  none occurred (0 flips at 7,831 honest positions with m <= 1); p0 1e-3 is well above the
-  95% bound this data gives (3 / 17,380 per token that any of the two tokens' errors
-  exceeds 3.15e-5). With p0 1e-3 two flips at wide ties alarm; with 0.05 it took about six.
-
+  a wide tie has m > 2.5e-4, while the sampler's decode and the verifier's prefill differ
+  on the verifier's top two by at most 5.2e-5 on SmolLM2 (CPU, 16,913 honest positions in
+  5 configurations, session 8; benchmarks/verifier_real.py `flip_errors`): an honest flip
+  needs a pair error ~5x the worst seen, and none was seen; p0 = 3 / 16,913 = 1.8e-4 is
+  the 95% bound, and one flipped wide tie alarms (`steer_h` just below log(p1 / p0)). A
+  steering sender is caught in the batch of its first steered wide tie; before that it has
+  none to steer (~0.11 per batch of 8, ~0.46 per batch of 32), so from the first batch
+  a batch-8 cheater steering every wide tie alarms after 7 / 25 batches (median / 95th
+  percentile; batch 32: 2 / 7). Honest peers flipping wide ties at p0 itself alarm at
+  ~7.5e-5 per batch (bootstrap, RESULTS.md "verifier-real", session 8); at 1e-3 (5x p0)
+  5.5e-4 per batch of 32: the test rests on fp32 pair errors staying well below 2.5e-4,
+  which other fp32 hardware's summation orders should not change (error ~ eps x sqrt(K)),
+  but TF32 or reduced-precision kernels would. (Session 7's test, p0 1e-3 and two flips,
+  on the same data: 14 / 37.) `wide_min` counts narrower ties too (measured, not used).
 - replay outliers (bf16): one position per completion may trail the seeded choice by up
   to `replay_outlier_eps` (checks.py). Honest rate measured 1 in 600 bf16 completions
   (session 6; a 63-token one; session 5's top-p outliers were the top-p cut moving and are
@@ -32,7 +40,7 @@ that no single completion reveals:
 
 CUSUM: g = max(0, g + LLR(observation)); an alarm when g > h, then g restarts at 0.
 For the steering test h = 12 (log-likelihood units) bounds false alarms by about e^-12
-per start (~6e-6); for the bias test an honest peer needs a run of clipped 4-sigma
+per start (~6e-6; bf16 15; fp32 one flip, above); for the bias test an honest peer needs a run of clipped 4-sigma
 completions to reach h. Measured, not only bounded: benchmarks/verifier_real.py `bootstrap`
 feeds >= 40,000 honest batches per dtype, resampled from the measured honest completions,
 to this code (0 alarms), and the same with each cheat applied (detection delays); RESULTS.md
@@ -56,6 +64,9 @@ class SequentialSettings:
     flip_p0: float = 0.05  # uncalibrated default; for_dtype gives the measured ones
     flip_p1: float = 0.5
     steer_h: float = 0.0  # alarm threshold of the steering CUSUM (0: h)
+    # ties the steering test counts: margin in (wide_min, tie_eps], from the stats'
+    # `tie_margins` / `tie_flipped`; 0: the verifier's wide ties (`wide_ties`, tie_eps / 4)
+    wide_min: float = 0.0
     min_tokens: int = 8  # shorter completions are not used for the bias test
     # completions with a replay outlier (checks.CheckSettings.replay_outlier_eps): honest
     # rate at most outlier_p0; a sender using its one outlier per completion to steer does so
@@ -70,12 +81,15 @@ class SequentialSettings:
         if dtype in ("bfloat16", "float16"):
             return cls(bias_mu=BF16_BIAS_MU, bias_sigma=BF16_BIAS_SIGMA, flip_p0=BF16_FLIP_P0,
                        steer_h=BF16_STEER_H)
-        return cls(flip_p0=FP32_FLIP_P0)
+        return cls(flip_p0=FP32_FLIP_P0, steer_h=FP32_STEER_H)
 
 
-# fp32: honest flip rate at wide ties (margin > tie_eps / 4 = 2.5e-4), a bound from the
-# measured honest errors (module docstring; RESULTS.md "verifier-real")
-FP32_FLIP_P0 = 1e-3
+# fp32: honest flip rate at wide ties (margin > tie_eps / 4 = 2.5e-4): the 95% bound 3 / N
+# when none of N measured honest positions has a pair error above that margin (session 8:
+# N = 16,913, max 5.2e-5; module docstring, RESULTS.md "verifier-real")
+FP32_FLIP_P0 = 3 / 16_913
+# just below one flip's evidence log(p1 / p0) = 7.95: one flipped wide tie alarms
+FP32_STEER_H = math.log(0.5 / FP32_FLIP_P0) - 0.5
 # bf16 honest calibration (SmolLM2-135M, CPU; RESULTS.md "verifier-real")
 BF16_BIAS_MU = 0.002
 BF16_BIAS_SIGMA = 0.06
@@ -137,7 +151,12 @@ class PeerMonitor:
             if max(st.bias_up, st.bias_down) > s.h:
                 alarm = "logprob_bias"
                 st.bias_up = st.bias_down = 0.0
-        ties, flips = stats.get("wide_ties", 0.0), stats.get("wide_flips", 0.0)
+        if s.wide_min and "tie_margins" in stats:
+            watched = [f for m, f in zip(stats["tie_margins"], stats["tie_flipped"])
+                       if m > s.wide_min]
+            ties, flips = len(watched), sum(watched)
+        else:
+            ties, flips = stats.get("wide_ties", 0.0), stats.get("wide_flips", 0.0)
         if ties:
             st.steer = max(0.0, st.steer + flips * self._flip + (ties - flips) * self._keep)
             if st.steer > self._steer_h:

@@ -4,6 +4,7 @@ with bf16-sized tolerances, and honest batches under the same settings raise no 
 
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
@@ -91,24 +92,42 @@ def test_bias_test_follows_the_honest_offset_of_the_dtype():
     assert "logprob_bias" in alarms
 
 
-def test_fp32_steering_test_alarms_on_two_wide_flips_not_on_honest_float_noise():
-    """fp32: an honest flip at a wide tie needs an error 8x the worst measured one, so p0 is
-    small (1e-3) and two flipped wide ties in a row are enough evidence; isolated flips
-    (here one wide tie in 50, 20x the assumed p0) never alarm."""
+def test_fp32_one_flipped_wide_tie_alarms_honest_float_noise_does_not():
+    """fp32 (session 8): an honest flip at a wide tie (margin > 2.5e-4) needs a pair error
+    of that size; none of 16,913 measured positions came near (max 5.2e-5), so p0 is the
+    95% bound 3 / 16,913 and one flipped wide tie alarms. Honest peers whose pair errors
+    follow the measured spread (median |d| 5.7e-6) never flip a wide tie and never alarm."""
     s = SequentialSettings.for_dtype("float32")
-    assert s.flip_p0 < SequentialSettings().flip_p0
+    assert s.flip_p0 <= 3 / 15_000 and s.steer_h < math.log(s.flip_p1 / s.flip_p0)
     m = PeerMonitor(s)
-    steer = [m.observe("cheat", {"wide_ties": 1, "wide_flips": 1}) for _ in range(2)]
-    assert steer == [None, "tie_steering"]
-    honest = [m.observe("honest", {"wide_ties": 1, "wide_flips": int(k % 50 == 0)})
-              for k in range(20_000)]
-    assert sum(x is not None for x in honest) == 0
-    # the old p0 (0.05) needed six flips in a row
-    old = PeerMonitor(SequentialSettings(flip_p0=0.05))
-    assert [old.observe("c", {"wide_ties": 1, "wide_flips": 1}) for _ in range(6)][-2:] == \
-        [None, "tie_steering"]
-    # the bf16 test keeps its measured p0 (honest bf16 flips are common)
+    assert m.observe("cheat", {"wide_ties": 1, "wide_flips": 1}) == "tie_steering"
+    # a cheater steering half the wide ties is caught at its first steered one
+    half = [m.observe("half", {"wide_ties": 1, "wide_flips": k % 2}) for k in range(2)]
+    assert half == [None, "tie_steering"]
+    rng = random.Random(0)
+    honest = []
+    for _ in range(20_000):
+        margins = [rng.uniform(2.5e-4, 1e-3) for _ in range(rng.randint(0, 2))]
+        flips = sum(abs(rng.gauss(0.0, 8.5e-6)) >= mg for mg in margins)
+        honest.append(m.observe("honest", {"wide_ties": len(margins), "wide_flips": flips}))
+    assert not any(honest)
+    # the bf16 test keeps its measured p0 (honest bf16 flips are common) and two-flip rule
     assert SequentialSettings.for_dtype("bfloat16").flip_p0 == 0.1
+
+
+def test_narrower_ties_are_counted_from_the_margins_when_wide_min_is_set():
+    """`wide_min` (measured in benchmarks/verifier_real.py steering_study, not used by
+    for_dtype): ties with margin above it are counted from `tie_margins` / `tie_flipped`
+    instead of the verifier's wide ties (tie_eps / 4)."""
+    stats = {"wide_ties": 0, "wide_flips": 0, "tie_margins": [2e-4, 5e-5],
+             "tie_flipped": [True, True]}
+    one = {"flip_p0": 1e-4, "steer_h": 7.0}
+    assert PeerMonitor(SequentialSettings(**one)).observe("p", stats) is None
+    narrow = PeerMonitor(SequentialSettings(**one, wide_min=1e-4))
+    assert narrow.observe("p", stats) == "tie_steering"
+    # the flip below wide_min is not counted: the unflipped tie above it only lowers g
+    assert narrow.observe("q", {**stats, "tie_flipped": [False, True]}) is None
+    assert narrow.peers["q"].steer == 0.0
 
 
 def test_bf16_steering_threshold_is_15():
@@ -137,9 +156,9 @@ def test_steer_h_sets_the_steering_threshold_alone():
     """`steer_h` (the bootstrap's single-flip alternative, benchmarks/verifier_real.py)
     moves only the steering CUSUM's threshold: with steer_h below log(p1/p0) one flipped
     wide tie alarms; the bias and outlier tests keep h."""
-    base = SequentialSettings.for_dtype("float32")
-    one = PeerMonitor(SequentialSettings(flip_p0=base.flip_p0, steer_h=6.0))
+    two = SequentialSettings(flip_p0=1e-3)  # session 7's fp32 test: two flips alarm
+    one = PeerMonitor(SequentialSettings(flip_p0=two.flip_p0, steer_h=6.0))
     assert one.observe("c", {"wide_ties": 1, "wide_flips": 1}) == "tie_steering"
-    assert PeerMonitor(base).observe("c", {"wide_ties": 1, "wide_flips": 1}) is None
+    assert PeerMonitor(two).observe("c", {"wide_ties": 1, "wide_flips": 1}) is None
     outliers = [one.observe("o", {"replay_outliers": 1}) for _ in range(4)]
     assert outliers == [None] * 3 + ["tie_steering"]  # log(0.5 / 0.02) = 3.2 each, h 12

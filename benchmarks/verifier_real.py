@@ -1064,7 +1064,8 @@ Notes (written by hand after the runs; honest about what this is and is not):
   at batch 32; but if honest peers flipped wide ties at that bound, 1.7e-4 (batch 8) and
   4.0e-4 (batch 32) false alarms per batch, above the goal of 1e-4, and one honest flip
   (other hardware whose errors are inside logprob_tol 1e-3 but above the 4e-5 measured
-  here) would already penalise. Not adopted. A margin-weighted test cannot help either:
+  here) would already penalise. Not adopted then; session 8 adopted it on 16,913 positions
+  (p0 1.77e-4; RESULTS.md "fp32 steering at batch 8, session 8", written by hand). A margin-weighted test cannot help either:
   the narrow ties (m <= 2.5e-4) add 2 of 13 ties and are where honest flips happen. At
   batch 32 (the protocol default) the goal holds: 3 / 9.
 - Cost (`--real-cost float32 --real-cost-batches 5` under the bench lock, 18:43-18:48

@@ -27,7 +27,7 @@ that no single completion reveals:
   none to steer (~0.11 per batch of 8, ~0.46 per batch of 32), so from the first batch
   a batch-8 cheater steering every wide tie alarms after 7 / 25 batches (median / 95th
   percentile; batch 32: 2 / 7). Honest peers flipping wide ties at p0 itself alarm at
-  ~7.5e-5 per batch (bootstrap, RESULTS.md "verifier-real", session 8); at 1e-3 (5x p0)
+  ~7.5e-5 per batch (bootstrap, RESULTS.md "verifier-real", session 8); at 1e-3 (5.6x p0)
   5.5e-4 per batch of 32: the test rests on fp32 pair errors staying well below 2.5e-4,
   which other fp32 hardware's summation orders should not change (error ~ eps x sqrt(K)),
   but TF32 or reduced-precision kernels would. (Session 7's test, p0 1e-3 and two flips,

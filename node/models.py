@@ -162,6 +162,13 @@ def load_model(name_or_dir: str | os.PathLike, dtype: str = "float32", device: s
 
     if dtype not in _DTYPES:
         raise NodeError(f"model dtype {dtype!r} is not one of {sorted(_DTYPES)}")
+    if dtype == "float32":
+        # The fp32 verifier's steering test alarms on one flipped wide tie (margin > 2.5e-4,
+        # 5x the largest honest fp32 error measured; verifier/sequential.py): TF32 matmuls
+        # (10-bit mantissa) would make an honest fp32 peer flip, so fp32 means full fp32.
+        torch.set_float32_matmul_precision("highest")
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     quiet_transformers()
     name = str(name_or_dir)
     if name.startswith("builtin:"):

@@ -82,6 +82,22 @@ def test_tokenizer_without_eos_is_refused(tmp_path, tiny_model_dir):
         load_model(bad)
 
 
+def test_float32_turns_tf32_matmuls_off(tiny_model_dir):
+    # An honest fp32 peer must compute in full fp32: the fp32 steering test alarms on one
+    # flip at a margin TF32 rounding could reach.
+    import torch
+
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        load_model(tiny_model_dir, dtype="float32")
+        assert torch.get_float32_matmul_precision() == "highest"
+        assert torch.backends.cuda.matmul.allow_tf32 is False
+    finally:
+        torch.set_float32_matmul_precision("highest")
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+
 def test_bad_dtype(tiny_model_dir):
     with pytest.raises(NodeError, match="dtype"):
         load_model(tiny_model_dir, dtype="float8")

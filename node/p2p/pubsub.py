@@ -6,10 +6,12 @@ Methods named `_t_*` run in the libp2p (trio) thread."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
 import trio
 from libp2p.peer.id import ID
@@ -27,6 +29,9 @@ log = logging.getLogger(__name__)
 
 MESH_POLL_S = 0.02  # how often a first publish re-checks whether the mesh formed
 QUEUE_POLL_S = 0.005  # how often a blocked publish re-checks the peer queues
+# Announced pulls of one announcer waiting for its pull slots; more are dropped (counted
+# payload_pull_queue_full). An announce is ~150 bytes plus its waiting task.
+PULL_QUEUE_PER_ANNOUNCER = 256
 
 Handler = Callable[[Envelope, str], Awaitable[None]]
 
@@ -44,7 +49,7 @@ class GossipService:
         self._published_topics: set[str] = set()
         self._payloads: OrderedDict[bytes, bytes] = OrderedDict()
         self._payload_bytes = 0
-        self._fetch_sem = asyncio.Semaphore(node.cfg.payload_fetch_parallel)
+        self._pull_slots = PullSlots(node.cfg.payload_fetch_parallel)
         self._outbox: deque[tuple[str, Envelope, str]] = deque()  # libp2p thread -> asyncio
         self._flush_pending = False
         self._issuer: TokenIssuer | None = None  # the TCP payload plane (bodies.py)
@@ -306,7 +311,11 @@ class GossipService:
         if ann.size > self.node.limits.max_for(ann.inner_type) + 4096:
             self._reject_body(origin, "too_large")  # refused before a byte is pulled
             return
-        async with self._fetch_sem:
+        slot = self._pull_slots.claim(origin)
+        if slot is None:  # this announcer already has that many pulls waiting
+            self.metrics.inc("payload_pull_queue_full")
+            return
+        async with slot:
             data = await self.fetch_payload(ann, origin)
         if data is None:
             self.metrics.inc("payload_fetch_failed")
@@ -387,6 +396,54 @@ class GossipService:
     def _reject_body(self, peer: str, reason: str) -> None:
         self.metrics.reject(peer, reason)
         self.node.report_misbehaviour(peer, reason=reason)
+
+
+@dataclass
+class _AnnouncerPulls:
+    slots: asyncio.Semaphore
+    users: int = 0  # pulls holding or waiting for one of `slots`
+
+
+class PullSlots:
+    """The node's `payload_fetch_parallel` pull slots, of which one announcer (a pull's
+    first source) holds at most half (at least 1) at once: a stalling announcer that
+    floods announces holds its share until its pulls time out, and another announcer's
+    pull takes one of the others instead of waiting behind it. An announcer's pulls beyond
+    its share wait in its own queue of at most `queued`; `claim` refuses more."""
+
+    def __init__(self, total: int, queued: int = PULL_QUEUE_PER_ANNOUNCER):
+        self.per_announcer = max(1, total // 2)
+        self.queued = queued
+        self._all = asyncio.Semaphore(total)
+        self._announcers: dict[str, _AnnouncerPulls] = {}
+
+    def pulls(self, announcer: str) -> int:
+        """Pulls of `announcer` holding or waiting for a slot."""
+        entry = self._announcers.get(announcer)
+        return 0 if entry is None else entry.users
+
+    def claim(self, announcer: str) -> contextlib.AbstractAsyncContextManager | None:
+        """A context that holds one slot for a pull of `announcer`'s payload (waiting for
+        it first), or None if `announcer` already has its share and a full queue. Enter
+        it at once: the place in the queue is taken here."""
+        entry = self._announcers.get(announcer)
+        if entry is None:
+            entry = _AnnouncerPulls(asyncio.Semaphore(self.per_announcer))
+            self._announcers[announcer] = entry
+        if entry.users >= self.per_announcer + self.queued:
+            return None
+        entry.users += 1
+        return self._hold(announcer, entry)
+
+    @contextlib.asynccontextmanager
+    async def _hold(self, announcer: str, entry: _AnnouncerPulls) -> AsyncIterator[None]:
+        try:
+            async with entry.slots, self._all:
+                yield
+        finally:
+            entry.users -= 1
+            if entry.users == 0:
+                del self._announcers[announcer]
 
 
 def payload_listen_address(setting: str, libp2p_listen: list[str]) -> tuple[str, int] | None:

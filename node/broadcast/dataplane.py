@@ -20,6 +20,9 @@ Bounded per connection: the hello must arrive within `tcp_auth_timeout_s`, a req
 at most 2 x `max_uploads_per_peer` authenticated connections per peer and 2 x
 `max_uploads_total` in all (more are closed after the hello without a byte: a connection
 beyond the upload limits could only idle or be answered `busy`, and each holds a socket).
+A token outlives a ban (up to `tcp_token_ttl_s`), so the node's peer filter (bans,
+penalties: what libp2p refuses) is asked at the hello and again at every request of an
+open connection; a refused peer's connection is closed (counted `refused_banned`).
 Bytes go out with `loop.sendfile` (zero-copy `sendfile(2)`) when the upload is not paced.
 """
 
@@ -86,11 +89,40 @@ def parse_token(token: bytes) -> tuple[int, bytes]:
     return value[0], value[1]
 
 
-class DataPlaneServer:
-    """Accepts TCP connections, authenticates them, hands them to the shard server."""
+class PeerRefused(ConnectionError):
+    """The peer of an open data-plane connection is no longer allowed (banned)."""
 
-    def __init__(self, issuer: TokenIssuer, handle, cfg):
-        self.issuer, self.handle, self.cfg = issuer, handle, cfg
+
+class AllowedPeerStream(TcpStream):
+    """A data-plane connection that reads a request only while its peer is allowed: the
+    shard server reads nothing else, so a ban closes the connection at its next request
+    (PeerRefused ends the server's loop like a broken connection)."""
+
+    def __init__(self, reader, writer, peer: str, plane: DataPlaneServer):
+        super().__init__(reader, writer)
+        self.peer, self.plane = peer, plane
+
+    async def read(self, n: int) -> bytes:
+        return self._checked(await super().read(n))
+
+    async def readexactly(self, n: int) -> bytes:
+        return self._checked(await super().readexactly(n))
+
+    def _checked(self, data: bytes) -> bytes:
+        if not self.plane.allowed(self.peer):
+            self.plane.metrics["refused_banned"] += 1
+            self.writer.transport.abort()
+            raise PeerRefused(f"{self.peer} is refused (banned)")
+        return data
+
+
+class DataPlaneServer:
+    """Accepts TCP connections, authenticates them, hands them to the shard server.
+    `allowed(peer)` is the node's peer filter (bans, penalties); by default all."""
+
+    def __init__(self, issuer: TokenIssuer, handle, cfg,
+                 allowed: Callable[[str], bool] = lambda _: True):
+        self.issuer, self.handle, self.cfg, self.allowed = issuer, handle, cfg, allowed
         self.pending = 0
         self.conns: Counter[str] = Counter()  # authenticated connections per peer
         self.metrics: Counter[str] = Counter()
@@ -123,6 +155,10 @@ class DataPlaneServer:
             writer.transport.abort()  # no answer: nothing for an unauthenticated client
             return
         peer = hello[0]
+        if not self.allowed(peer):
+            self.metrics["refused_banned"] += 1
+            writer.transport.abort()
+            return
         if self.conns[peer] >= 2 * self.cfg.max_uploads_per_peer:
             self.metrics["refused_peer_conns"] += 1
             writer.transport.abort()
@@ -135,7 +171,7 @@ class DataPlaneServer:
         self.conns[peer] += 1
         try:
             writer.write(RoutingTransport.AUTH_ACK)
-            await self.handle(peer, TcpStream(reader, writer))
+            await self.handle(peer, AllowedPeerStream(reader, writer, peer, self))
         finally:
             self.conns[peer] -= 1
             if self.conns[peer] <= 0:

@@ -113,7 +113,9 @@ class Broadcaster:
         host, port = _auto_listen(self.node.config.node.listen) if auto else \
             _split_hostport(self.cfg.tcp_listen)
         issuer = TokenIssuer(self.node.peer_id, self.cfg.tcp_token_ttl_s)
-        server = DataPlaneServer(issuer, self.server.serve_connection, self.cfg)
+        # the peer filter libp2p applies (bans, penalties): a token outlives a ban
+        server = DataPlaneServer(issuer, self.server.serve_connection, self.cfg,
+                                 allowed=self.node._allowed)
         try:
             bound_host, bound_port = await server.start(host, port)
         except (OSError, ValueError) as e:

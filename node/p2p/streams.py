@@ -78,14 +78,15 @@ async def receive_into(stream, n: int, sink: Callable[[bytes], None], chunk_time
     the stream ends first; what `sink` raises passes through."""
     left = n
     while left > 0:
-        with trio.move_on_after(chunk_timeout):
+        data = None
+        with trio.move_on_after(chunk_timeout):  # the read only: a slow disk is no stall
             data = await read_some(stream, min(left, chunk_size))
-            if not data:
-                raise StreamError(f"stream ended with {left} bytes left", reason="eof")
-            left -= len(data)
-            await trio.to_thread.run_sync(sink, data)
-            continue
-        raise StreamError(f"stalled with {left} bytes left", reason="timeout")
+        if data is None:
+            raise StreamError(f"stalled with {left} bytes left", reason="timeout")
+        if not data:
+            raise StreamError(f"stream ended with {left} bytes left", reason="eof")
+        left -= len(data)
+        await trio.to_thread.run_sync(sink, data)
 
 
 SEND_FILE_CHUNK = 1 << 20

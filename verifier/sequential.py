@@ -40,8 +40,8 @@ that no single completion reveals:
 
 CUSUM: g = max(0, g + LLR(observation)); an alarm when g > h, then g restarts at 0.
 For the steering test h = 12 (log-likelihood units) bounds false alarms by about e^-12
-per start (~6e-6; bf16 15; fp32 one flip, above); for the bias test an honest peer needs a run of clipped 4-sigma
-completions to reach h. Measured, not only bounded: benchmarks/verifier_real.py `bootstrap`
+per start (~6e-6; bf16 15; fp32 one flip, above); for the bias test an honest peer needs
+a run of clipped 4-sigma completions to reach h. Measured, not only bounded: benchmarks/verifier_real.py `bootstrap`
 feeds >= 40,000 honest batches per dtype, resampled from the measured honest completions,
 to this code (0 alarms), and the same with each cheat applied (detection delays); RESULTS.md
 "verifier-real". Peer records are an LRU table of `max_peers`.

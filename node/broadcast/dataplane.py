@@ -137,6 +137,19 @@ class DataPlaneServer:
         if self.server is not None:
             self.server.close()
 
+    def _refusal(self, hello: tuple[str, int, bytes] | None) -> str | None:
+        """Why a connection with this hello is refused (its metric), or None."""
+        if hello is None or not self.issuer.check(*hello):
+            return "unauthenticated"
+        peer = hello[0]
+        if not self.allowed(peer):
+            return "refused_banned"
+        if self.conns[peer] >= 2 * self.cfg.max_uploads_per_peer:
+            return "refused_peer_conns"
+        if self.conns.total() >= 2 * self.cfg.max_uploads_total:
+            return "refused_conns"
+        return None
+
     async def _on_conn(self, reader, writer) -> None:
         if self.pending >= self.cfg.tcp_max_pending:
             self.metrics["refused_pending"] += 1
@@ -150,23 +163,12 @@ class DataPlaneServer:
             self.metrics["auth_timeout"] += 1
         finally:
             self.pending -= 1
-        if hello is None or not self.issuer.check(*hello):
-            self.metrics["unauthenticated"] += 1
-            writer.transport.abort()  # no answer: nothing for an unauthenticated client
+        refused = self._refusal(hello)
+        if refused is not None:
+            self.metrics[refused] += 1
+            writer.transport.abort()  # no answer: nothing for a refused client
             return
         peer = hello[0]
-        if not self.allowed(peer):
-            self.metrics["refused_banned"] += 1
-            writer.transport.abort()
-            return
-        if self.conns[peer] >= 2 * self.cfg.max_uploads_per_peer:
-            self.metrics["refused_peer_conns"] += 1
-            writer.transport.abort()
-            return
-        if self.conns.total() >= 2 * self.cfg.max_uploads_total:
-            self.metrics["refused_conns"] += 1
-            writer.transport.abort()
-            return
         self.metrics["authenticated"] += 1
         self.conns[peer] += 1
         try:

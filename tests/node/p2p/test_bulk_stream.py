@@ -115,3 +115,42 @@ async def test_a_cancelled_receive_calls_the_sink_no_more(make_node):
     await asyncio.sleep(0.5)  # the server keeps sending: nothing may reach the sink
     assert len(calls) == seen
     await stream.reset()
+
+
+async def test_small_reads_send_no_window_updates_and_bulk_reads_few(make_node, monkeypatch):
+    """Credit goes back once half the window was read, not after every read: 200 small
+    request/answer turns send no WINDOW_UPDATE at all (py-libp2p 0.8.1 sent one per read at
+    each end, ~400 here), and 8 MiB of bulk reads send a handful, with every byte intact."""
+    import libp2p.stream_muxer.yamux.yamux as yamux_mod
+
+    sent: list[int] = []
+    update = yamux_mod.YamuxStream.send_window_update
+
+    async def counted(self, delta, *args, **kwargs):  # the real frame still goes out
+        sent.append(delta)
+        return await update(self, delta, *args, **kwargs)
+
+    monkeypatch.setattr(yamux_mod.YamuxStream, "send_window_update", counted)
+    turns, size = 200, 300
+    bulk = os.urandom(8 << 20)
+
+    async def handler(peer, stream):
+        for i in range(turns):
+            assert await stream.readexactly(size) == bytes([i % 256]) * size
+            await stream.write(b"k")
+        await stream.write(bulk)
+        await stream.close()
+
+    _, stream = await pair(make_node, handler)
+    await asyncio.sleep(0.5)  # connection set-up traffic (identify, ...) is not counted
+    sent.clear()
+    for i in range(turns):
+        await stream.write(bytes([i % 256]) * size)
+        assert await stream.readexactly(1) == b"k"
+    assert sent == []  # 60 KB each way, in 200 reads at each end
+    got = bytearray()
+    while data := await stream.read(1 << 20):
+        got += data
+    assert got == bulk
+    # one grant up to the bulk window, then one per 2 MiB read
+    assert 1 <= len(sent) <= 8, sent

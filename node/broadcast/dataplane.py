@@ -277,10 +277,12 @@ class RoutingTransport:
         self.idle.drop_all()
         self.idle_p2p.drop_all()
 
-    async def open(self, peer: str):
+    async def open(self, peer: str, fresh: bool = False):
+        """A stream to `peer`'s shard server: a pooled idle one, or (`fresh`, or none idle)
+        a new one."""
         endpoint = self.endpoints.get(peer) if self.use_tcp else None
         if endpoint is not None and self.down.get(peer, 0.0) <= time.monotonic():
-            stream = self.idle.take(peer, DirectTcpStream.alive)
+            stream = None if fresh else self.idle.take(peer, DirectTcpStream.alive)
             if stream is not None:
                 self.opened["tcp_reused"] += 1
                 return stream
@@ -298,7 +300,7 @@ class RoutingTransport:
         elif endpoint is None:
             self._say(peer, "libp2p streams", "no data-plane endpoint"
                       if self.use_tcp else "broadcast.tcp_fetch is off")
-        stream = self.idle_p2p.take(peer)
+        stream = None if fresh else self.idle_p2p.take(peer)
         if stream is not None:
             stream.reused = True
             self.opened["libp2p_reused"] += 1

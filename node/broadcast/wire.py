@@ -42,6 +42,8 @@ class ShardTransport(Protocol):
     """Opens a stream to a peer's shard server."""
 
     async def open(self, peer: str) -> ByteStream: ...
+    # a transport that pools streams (sets `reused` on them) also takes `fresh=True`: open a
+    # new stream, never a pooled one
 
 
 async def write_frame(stream: ByteStream, payload: bytes) -> None:
@@ -55,9 +57,11 @@ async def read_frame(stream: ByteStream, max_size: int = MAX_CONTROL_FRAME) -> b
     return await stream.readexactly(n)
 
 
-async def _open(transport: ShardTransport, peer: str, timeout: float) -> ByteStream:
+async def _open(transport: ShardTransport, peer: str, timeout: float,
+                fresh: bool = False) -> ByteStream:
     try:
-        return await asyncio.wait_for(transport.open(peer), timeout)
+        opening = transport.open(peer, fresh=True) if fresh else transport.open(peer)
+        return await asyncio.wait_for(opening, timeout)
     except Exception as e:
         raise ShardFetchError(f"{peer}: cannot open stream: {e!r}", reason="open_failed") from e
 
@@ -96,9 +100,10 @@ async def _open_request(transport: ShardTransport, peer: str, request: ShardRequ
     """A stream on which `request` was sent and its header checked. A pooled stream that
     the server ended meanwhile (it serves one request per stream, or the stream idled past
     its bound) fails before any header byte: that is not the source's fault, so the request
-    is sent once more on a fresh stream."""
+    is sent once more on a fresh stream (never another pooled one: another transfer may
+    have just put a stream the server also ended back in the pool)."""
     for retried in (False, True):
-        stream = await _open(transport, peer, timeout)
+        stream = await _open(transport, peer, timeout, fresh=retried)
         try:
             await _request(stream, peer, request, expected_len, timeout)
             return stream

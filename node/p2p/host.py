@@ -59,7 +59,6 @@ from .yamux import (
     bound_buffers,
     fit_frames_to_noise,
     freeze_tuning_env,
-    install_window_update_batching,
 )
 
 log = logging.getLogger(__name__)
@@ -247,7 +246,6 @@ class P2PNode:
         check_libp2p_version()
         install_record_memo()
         install_pubsub_fast_paths()
-        install_window_update_batching()
         fit_frames_to_noise()
         freeze_tuning_env()
         guard_stream_handlers(host, self._t_stream_fault)  # before pubsub adds its handlers

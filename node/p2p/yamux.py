@@ -112,14 +112,10 @@ def install_window_update_batching() -> None:
     read but the first. Counted in a client's libp2p thread during an 8-client broadcast:
     160 of the 344 frames it wrote were window updates, for 219 reads. Each is a Noise
     encryption and a socket write here and a frame-loop pass and a decryption at the peer,
-    for every small request, gossip RPC and shard stream."""
-    yamux_mod._yamux_release_on_read = _release_on_read_off
+    for every small request, gossip RPC and shard stream. Installed with the bulk fast
+    paths (`install_bulk_fast_paths`), whose 4 MiB window it grows streams to."""
     if yamux_mod.YamuxStream._auto_tune_and_send_window_update is not _batched_window_update:
         yamux_mod.YamuxStream._auto_tune_and_send_window_update = _batched_window_update
-
-
-def _release_on_read_off() -> bool:
-    return False
 
 
 async def _batched_window_update(self, *, bytes_read: int = 0) -> None:

@@ -371,6 +371,7 @@ def summarize_libp2p(results: list[dict], args) -> dict:
         "round_p50": pct(complete_rounds, 50), "round_p95": pct(complete_rounds, 95),
         "round_max": max(complete_rounds) if complete_rounds else float("nan"),
         "rounds_complete": len(complete_rounds),
+        "round_times": [round(t, 3) for t in complete_rounds],
         "drops": sum(v for m in metrics for k, v in m.items() if k.startswith("drop_")),
         "rejected": sum(m.get("rejected", 0) for m in metrics),
         "reject_reasons": {k.removeprefix("rejected."): sum(m.get(k, 0) for m in metrics)

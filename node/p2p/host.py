@@ -400,7 +400,10 @@ class P2PNode:
         self._bridge.to_asyncio_nowait(self._set_connected, peers)
 
     def _set_connected(self, peers: set[str]) -> None:
+        new = peers - self._connected
         self._connected = peers
+        if new:
+            self.gossip.peers_connected(new)
 
 
 class _Notifee:

@@ -274,6 +274,15 @@ class GossipService:
         self._server = server
         log.info("payload plane (announced gossip payloads) on TCP %s:%d", where[0], port)
 
+    def peers_connected(self, peers: set[str]) -> None:
+        """New libp2p connections: get their payload-plane tokens and connections now
+        (PayloadPuller.warm), not on the path of their first announced payload."""
+        if self._puller is None:
+            return
+        for peer in peers:
+            if self._puller.usable(peer):
+                self.node._spawn(self._puller.warm(peer))
+
     async def close_payload_plane(self) -> None:
         if self._puller is not None:
             self._puller.close()

@@ -111,3 +111,15 @@ async def wait_until(pred, timeout: float = 20, interval: float = 0.05, what: st
         if loop.time() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(interval)
+
+
+async def drop_warm_connection(puller, server) -> None:
+    """Wait for `puller`'s warm-up towards `server` (PayloadPuller.warm, at connect time),
+    then close the connection it pooled: for tests that change how `server` answers, so
+    that the next pull opens a connection the changed server handles."""
+    await wait_until(lambda: puller.metrics["payload_tcp_warmed"]
+                     + puller.metrics["payload_tcp_warm_failed"] >= 1, 10, what="the warm-up")
+    src = puller.gossip._puller.sources[server.peer_id]
+    for conn in src.idle:
+        conn.close()
+    src.idle.clear()

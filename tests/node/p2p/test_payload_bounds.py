@@ -13,7 +13,7 @@ from swarm_node.node.p2p.bodies import PayloadServer, PullFailed, TokenIssuer
 from swarm_node.node.p2p.metrics import P2PMetrics
 from swarm_node.node.p2p.tokens import hello_frame
 
-from .conftest import wait_until
+from .conftest import drop_warm_connection, wait_until
 from .test_payload_plane import announce_of, batch
 
 
@@ -21,6 +21,8 @@ async def connected_pair(make_node, **p2p):
     a = await make_node(**p2p)
     b = await make_node(bootstrap=a.listen_addrs, **p2p)
     await wait_until(lambda: a.peer_id in b.connected_peers(), 30, what="the connection")
+    # every test here changes how a serves: b's pulls must open connections it handles
+    await drop_warm_connection(b, a)
     return a, b
 
 

@@ -15,7 +15,7 @@ from swarm_node.node.p2p.bodies import TokenIssuer
 from swarm_node.protocol.codec import pack
 from swarm_node.protocol.messages import PayloadAnnounce, RolloutBatch
 
-from .conftest import one_completion_batch, wait_until
+from .conftest import drop_warm_connection, one_completion_batch, wait_until
 
 KIND = "rollouts"
 
@@ -62,6 +62,36 @@ async def test_large_payload_pulled_over_tcp_small_stays_inline(make_node):
     assert a.metrics["rejected"] == 0
 
 
+async def test_a_new_connection_warms_the_plane_so_the_first_pull_needs_no_token(make_node):
+    a, b, got = await pair(make_node)
+    # each side got the other's token and one authenticated connection when they connected
+    await wait_until(lambda: a.metrics["payload_tcp_warmed"] == 1
+                     and b.metrics["payload_tcp_warmed"] == 1, 10, what="the warm-ups")
+    asked = []
+    request_token = a.gossip._puller.request_token
+
+    async def counted(peer):
+        asked.append(peer)
+        return await request_token(peer)
+
+    a.gossip._puller.request_token = counted
+    await b.publish(KIND, batch(b.peer_id, 8192, 1))  # announced
+    await wait_until(lambda: len(got) == 1, 30, what="the batch")
+    assert a.metrics["payload_pulled_tcp"] == 1 and asked == []
+    assert b.metrics["payload_tcp_served"] == 1
+
+
+async def test_a_failed_warm_up_marks_nothing_down(make_node):
+    a = await make_node(payload_tcp_listen="off")  # no plane: its token request fails
+    b = await make_node(bootstrap=a.listen_addrs)
+    await wait_until(lambda: b.metrics["payload_tcp_warm_failed"] == 1, 10,
+                     what="b's failed warm-up")
+    assert b.metrics["payload_tcp_warmed"] == 0
+    assert b.gossip._puller.usable(a.peer_id)  # the first pull decides, not the warm-up
+    # b serves a plane: a warmed to it
+    await wait_until(lambda: a.metrics["payload_tcp_warmed"] == 1, 10, what="a's warm-up")
+
+
 async def test_body_that_does_not_match_its_announce_is_rejected(make_node):
     a, b, got = await pair(make_node)
     body, ann, sealed_ann = announce_of(b, batch(b.peer_id, 8192, 1))
@@ -105,6 +135,7 @@ async def test_oversized_and_slow_answers_are_bounded(make_node):
     a = await make_node()
     b = await make_node(bootstrap=a.listen_addrs, payload_pull_timeout_s=1.0)
     await wait_until(lambda: a.peer_id in b.connected_peers(), 30, what="the connection")
+    await drop_warm_connection(b, a)  # each pull below on a connection of its own
     body, ann, _ = announce_of(a, batch(a.peer_id, 8192, 1))
     a.gossip._server.lookup = lambda digest: body + b"x" * 1000  # longer than announced
     assert await b.gossip.fetch_payload(ann, a.peer_id, sources=[a.peer_id]) is None

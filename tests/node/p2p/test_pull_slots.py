@@ -7,7 +7,7 @@ import asyncio
 
 from swarm_node.node.p2p.pubsub import PullSlots
 
-from .conftest import wait_until
+from .conftest import drop_warm_connection, wait_until
 from .test_payload_plane import KIND, announce_of, batch
 
 
@@ -33,6 +33,7 @@ async def test_a_stalling_announcer_does_not_delay_an_honest_announcers_body(mak
         await reader.read()
 
     a.gossip._server._serve = stall
+    await drop_warm_connection(b, a)  # b's pulls from a on connections the stall handles
     stalled = 6
     for round_ in range(1, stalled + 1):
         _, _, sealed_ann = announce_of(a, batch(a.peer_id, 8192, round_))

@@ -11,7 +11,7 @@ import hashlib
 import logging
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import trio
 from libp2p.peer.id import ID
@@ -327,6 +327,7 @@ class GossipService:
         async with slot:
             data = await self.fetch_payload(ann, origin)
         if data is None:
+            self._pull_slots.failed(origin)
             self.metrics.inc("payload_fetch_failed")
             log.warning("could not pull the announced %s of %s from any source",
                         ann.inner_type, origin)
@@ -337,8 +338,10 @@ class GossipService:
                                   replay_cache=self.node._validator.replay,
                                   max_skew_s=self.node.config.limits.max_clock_skew_s)
         except ProtocolError as e:
+            self._pull_slots.failed(origin)
             self._reject_body(origin, e.reason)
             return
+        self._pull_slots.served(origin)
         self._store_payload(ann.content_hash, data)
         self.metrics.inc("payload_fetched")
         await self._deliver(kind, inner, origin)
@@ -411,6 +414,8 @@ class GossipService:
 class _AnnouncerPulls:
     slots: asyncio.Semaphore
     users: int = 0  # pulls holding or waiting for one of `slots`
+    # while unproven: one pull at a time
+    unproven: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
 
 
 class PullSlots:
@@ -418,18 +423,42 @@ class PullSlots:
     first source) holds at most half (at least 1) at once: a stalling announcer that
     floods announces holds its share until its pulls time out, and another announcer's
     pull takes one of the others instead of waiting behind it. An announcer's pulls beyond
-    its share wait in its own queue of at most `queued`; `claim` refuses more."""
+    its share wait in its own queue of at most `queued`; `claim` refuses more.
+
+    Announcers whose last pull gave us a verified body are "proven" (`served`; a failed pull
+    unproves them, `failed`). An unproven announcer holds one slot at a time, and all of
+    them together at most half of the slots: many identities that announce and stall (new
+    identities cost nothing) can no longer hold every slot, the announcers that served us
+    keep the other half, and one stalling newcomer leaves room for another newcomer."""
+
+    PROVEN_MAX = 4096  # announcers remembered as proven (oldest forgotten first)
 
     def __init__(self, total: int, queued: int = PULL_QUEUE_PER_ANNOUNCER):
         self.per_announcer = max(1, total // 2)
         self.queued = queued
         self._all = asyncio.Semaphore(total)
+        self._unproven = asyncio.Semaphore(max(1, total // 2))
         self._announcers: dict[str, _AnnouncerPulls] = {}
+        self._proven: OrderedDict[str, None] = OrderedDict()
 
     def pulls(self, announcer: str) -> int:
         """Pulls of `announcer` holding or waiting for a slot."""
         entry = self._announcers.get(announcer)
         return 0 if entry is None else entry.users
+
+    def proven(self, announcer: str) -> bool:
+        return announcer in self._proven
+
+    def served(self, announcer: str) -> None:
+        """A pull of `announcer`'s payload gave a verified body."""
+        self._proven[announcer] = None
+        self._proven.move_to_end(announcer)
+        while len(self._proven) > self.PROVEN_MAX:
+            self._proven.popitem(last=False)
+
+    def failed(self, announcer: str) -> None:
+        """A pull of `announcer`'s payload gave nothing usable."""
+        self._proven.pop(announcer, None)
 
     def claim(self, announcer: str) -> contextlib.AbstractAsyncContextManager | None:
         """A context that holds one slot for a pull of `announcer`'s payload (waiting for
@@ -447,8 +476,14 @@ class PullSlots:
     @contextlib.asynccontextmanager
     async def _hold(self, announcer: str, entry: _AnnouncerPulls) -> AsyncIterator[None]:
         try:
-            async with entry.slots, self._all:
-                yield
+            async with entry.slots:
+                # whether it needs the unproven share is decided once it is its turn
+                if self.proven(announcer):
+                    async with self._all:
+                        yield
+                else:
+                    async with entry.unproven, self._unproven, self._all:
+                        yield
         finally:
             entry.users -= 1
             if entry.users == 0:

@@ -1,5 +1,7 @@
 """Announced-payload pull slots (node/p2p/pubsub.py PullSlots): one announcer holds at most
-half of them, so a stalling announcer's pulls do not make another announcer's wait."""
+half of them, so a stalling announcer's pulls do not make another announcer's wait; and all
+unproven announcers together hold at most half, so many stalling identities do not make the
+pulls of an announcer that served us wait."""
 
 from __future__ import annotations
 
@@ -39,7 +41,8 @@ async def test_a_stalling_announcer_does_not_delay_an_honest_announcers_body(mak
         _, _, sealed_ann = announce_of(a, batch(a.peer_id, 8192, round_))
         await a.publish_raw(KIND, sealed_ann)
     slots = b.gossip._pull_slots
-    await wait_until(lambda: slots.pulls(a.peer_id) == stalled and len(asked) >= 2, 30,
+    # a is unproven (it never served b): one of its pulls is held, the others queue
+    await wait_until(lambda: slots.pulls(a.peer_id) == stalled and len(asked) >= 1, 30,
                      what="a's pulls waiting")
     honest = batch(c.peer_id, 8192, 1)
     await c.publish(KIND, honest)  # above the inline threshold: announced
@@ -58,6 +61,8 @@ async def _ignore(env, peer) -> None:
 
 async def test_one_announcers_pulls_are_capped_and_queued_in_order():
     slots = PullSlots(4, queued=2)
+    slots.served("a")  # both served us before: each may hold its share, not only one slot
+    slots.served("b")
     order: list[str] = []
     release = asyncio.Event()
 
@@ -82,3 +87,75 @@ async def test_one_announcers_pulls_are_capped_and_queued_in_order():
 
 async def test_share_is_half_the_slots_at_least_one():
     assert [PullSlots(n).per_announcer for n in (1, 2, 3, 4, 9)] == [1, 1, 1, 2, 4]
+
+
+async def test_stalling_identities_hold_only_the_unproven_half_of_the_slots(make_node):
+    # b receives. c has served b before (proven). s1 and s2, two fresh identities, announce
+    # 3 bodies each and stall every pull: together they would hold all 4 slots (2 each)
+    p2p = {"payload_pull_timeout_s": 20.0}  # their pulls stay held for the whole test
+    b = await make_node(**p2p)
+    c = await make_node(bootstrap=b.listen_addrs, **p2p)
+    stallers = [await make_node(bootstrap=b.listen_addrs, **p2p) for _ in range(2)]
+    got = []
+
+    async def on_msg(env, peer):
+        got.append(env)
+
+    for node in (b, c, *stallers):
+        await node.subscribe(KIND, on_msg if node is b else _ignore)
+    await wait_until(lambda: {c.peer_id, *(s.peer_id for s in stallers)}
+                     <= set(b.mesh_peers(KIND)), 30, what="the mesh")
+    first = batch(c.peer_id, 8192, 1)
+    await c.publish(KIND, first)  # above the inline threshold: announced, pulled, verified
+    await wait_until(lambda: len(got) == 1, 30, what="c's first body")
+    slots = b.gossip._pull_slots
+    assert slots.proven(c.peer_id)
+    asked = []  # b's requests (c and the other staller pull the announced bodies too)
+
+    async def stall(peer, reader, writer):  # takes requests, never answers
+        digest = await reader.readexactly(32)
+        if peer == b.peer_id:
+            asked.append(digest)
+        await reader.read()
+
+    for s in stallers:
+        s.gossip._server._serve = stall
+        await drop_warm_connection(b, s)
+        for round_ in range(1, 4):
+            _, _, sealed_ann = announce_of(s, batch(s.peer_id, 8192, round_))
+            await s.publish_raw(KIND, sealed_ann)
+    await wait_until(lambda: all(slots.pulls(s.peer_id) == 3 for s in stallers)
+                     and len(asked) >= 2, 30, what="the stalled pulls")
+    second = batch(c.peer_id, 8192, 2)
+    await c.publish(KIND, second)
+    await wait_until(lambda: len(got) == 2, 60, what="c's second body")
+    assert got[1].message == second
+    # while both stallers' pulls are still held or queued (none timed out), and they held 2
+    # slots between them, not 4 (all 4: 'assert 4 == 2', and c's body after a timeout)
+    assert b.metrics["rejected.unserved_announce"] == 0
+    assert len(asked) == 2
+    assert not any(slots.proven(s.peer_id) for s in stallers)
+
+
+async def test_unproven_announcers_share_half_the_slots_and_a_failure_unproves():
+    slots = PullSlots(4)
+    slots.served("honest")
+    held: list[str] = []
+    release = asyncio.Event()
+
+    async def pull(announcer: str) -> None:
+        async with slots.claim(announcer):
+            held.append(announcer)
+            await release.wait()
+
+    tasks = [asyncio.create_task(pull(a)) for a in ("x", "x", "y", "y", "z")]
+    await wait_until(lambda: len(held) == 2, 5, what="the unproven half taken")
+    await asyncio.sleep(0.05)
+    assert len(held) == 2  # x, y and z wait for the unproven half, not for all 4 slots
+    tasks += [asyncio.create_task(pull("honest")) for _ in range(2)]
+    await wait_until(lambda: held.count("honest") == 2, 5, what="the proven half")
+    release.set()
+    await asyncio.gather(*tasks)
+    slots.failed("honest")
+    assert not slots.proven("honest")
+    assert [PullSlots(n)._unproven._value for n in (1, 2, 4, 9)] == [1, 1, 2, 4]

@@ -170,7 +170,9 @@ async def next_version(trainer: BroadcastProc, clients: list[BroadcastProc], don
         if not all(same_file(Path(d["path"]) / f.name, f) for f in sorted(ckpt.iterdir())):
             raise RuntimeError(f"client copy {d['path']} of version 2 differs from the origin")
     return {"t_next": max(d["t"] for d in later) - t_cmd,
-            "cpu_next": [b["cpu_s"] - a["cpu_s"] for a, b in zip(done, later, strict=True)]}
+            "cpu_next": [b["cpu_s"] - a["cpu_s"] for a, b in zip(done, later, strict=True)],
+            "cpu_threads_next": [thread_delta(a, b) for a, b in zip(done, later, strict=True)],
+            "from_next": [d["sources"] for d in later]}
 
 
 P2P_COUNTERS = ("gossip_copies_in", "gossip_duplicates", "published", "delivered",
@@ -385,7 +387,8 @@ async def bench_ours(tmp, ckpt, n, tcp, corrupt_run, rows, notes, results,
                      f"published into the swarm that just took version 1): "
                      f"{times(nexts)} s; CPU per client "
                      f"{min(c for r in runs for c in r['cpu_next']):.1f}-"
-                     f"{max(c for r in runs for c in r['cpu_next']):.1f} s.")
+                     f"{max(c for r in runs for c in r['cpu_next']):.1f} s (median run by "
+                     f"thread: {thread_split(ours['cpu_threads_next'])}).")
 
 
 async def run_shardcast_once(tmp, blob, n, i) -> dict:

@@ -32,6 +32,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -345,8 +346,12 @@ def times(values: list) -> str:
     return ", ".join(f"{v:.2f}" if v else "failed" for v in values)
 
 
+def label_of(tcp: bool) -> str:
+    return DEFAULT if tcp else "ours (libp2p streams only)"
+
+
 async def run_ours_once(tmp, ckpt, n, tcp, i, next_ckpt=None) -> dict:
-    label = DEFAULT if tcp else "ours (libp2p streams only)"
+    label = label_of(tcp)
     ours = await run_ours(tmp / f"ours-{n}-{tcp}-{i}", ckpt, n, tcp=tcp, next_ckpt=next_ckpt)
     print(label, n, json.dumps(ours), flush=True)
     return ours
@@ -356,7 +361,7 @@ async def bench_ours(tmp, ckpt, n, tcp, corrupt_run, rows, notes, results,
                      runs: list[dict] | None = None) -> None:
     """Table row and notes of our system (`runs`: the default's repeated runs, else one run
     here); the corrupted-shard case runs once."""
-    label = DEFAULT if tcp else "ours (libp2p streams only)"
+    label = label_of(tcp)
     runs = runs or [await run_ours_once(tmp, ckpt, n, tcp, 0)]
     ours = results[label] = median_run(runs)
     corrupt_cell = "not run (slow; see the TCP row)"
@@ -382,7 +387,7 @@ async def bench_ours(tmp, ckpt, n, tcp, corrupt_run, rows, notes, results,
                  f"{thread_split(ours['cpu_threads'])}).{kernel_split(ours)}")
     nexts = [r["t_next"] for r in runs if r.get("t_next")]
     if nexts:
-        results[label + " next"] = {"t_all": sorted(nexts)[(len(nexts) - 1) // 2]}
+        results[label + " next"] = {"t_all": statistics.median_low(nexts)}
         notes.append(f"- {label}, {n} clients, the next version (version 2 of the same size "
                      f"published into the swarm that just took version 1): "
                      f"{times(nexts)} s; CPU per client "

@@ -313,7 +313,7 @@ class PayloadPuller:
                              f"{size}", "too_large")
         return await conn.reader.readexactly(length)
 
-    async def warm(self, peer: str) -> bool:
+    async def warm(self, peer: str) -> None:
         """Token and one authenticated connection to `peer` ready before its first
         announce (called when a libp2p connection to it opens), so that the first payload
         pulled from it waits for no libp2p token request: in the 8-peer gossip benchmark
@@ -323,16 +323,14 @@ class PayloadPuller:
         nothing down (the peer may not serve the plane yet): the first pull decides."""
         src = self._source(peer)
         if src.idle or src.token is not None or src.slots.locked():
-            return False
+            return
         await src.slots.acquire()
         try:
             src.idle.append(await self._open(peer, src, mark=False))
             self.metrics.inc("payload_tcp_warmed")
-            return True
         except PullFailed as e:
             self.metrics.inc("payload_tcp_warm_failed")
             log.debug("payload plane of %s not warmed: %s", peer[-8:], e)
-            return False
         finally:
             src.slots.release()
 

@@ -7,12 +7,16 @@ travel over plain TCP, but only to peers that proved their libp2p identity to us
 1. Over libp2p (Noise-authenticated), the client asks `SHARD_TOKEN_PROTOCOL` for a token.
    The server answers `[expiry_ms, mac]`, mac = HMAC-SHA256(node secret, domain || server
    peer id || client peer id || expiry_ms). Stateless: nothing is stored per token.
-2. On the TCP connection the client first sends a hello frame (u32 BE length <= 256 +
-   msgpack `[client peer id, expiry_ms, mac]`), then shard requests as on the libp2p
-   shard protocol, one after another on the same connection (idle connections are pooled
-   per source and reused). The server recomputes the mac for the claimed peer id; a token
-   issued to another peer, an expired one, garbage or silence closes the connection
-   without a byte of shard data. Limits and penalties then apply to the authenticated peer.
+2. On the TCP connection the server first sends a fresh 16-byte challenge; the client
+   answers with a hello frame (u32 BE length <= 256 + msgpack `[client peer id,
+   expiry_ms, HMAC-SHA256(mac, proof domain || challenge)]`, node/p2p/tokens.py: the mac
+   itself never crosses the plain connection, so a hello seen on the path opens nothing),
+   then sends shard requests as on the libp2p shard protocol, one after another on the
+   same connection (idle connections are pooled per source and reused). The server
+   recomputes the mac for the claimed peer id and the proof for its challenge; a token
+   issued to another peer, an expired one, a replayed hello, garbage or silence closes the
+   connection without a byte of shard data. Limits and penalties then apply to the
+   authenticated peer.
 
 Bounded per connection: the hello must arrive within `tcp_auth_timeout_s`, a request within
 `request_timeout_s`; reads are capped at 1 KiB before authentication; at most
@@ -29,10 +33,7 @@ Bytes go out with `loop.sendfile` (zero-copy `sendfile(2)`) when the upload is n
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import logging
-import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -41,9 +42,9 @@ from typing import Generic, TypeVar
 from ...protocol.codec import pack, unpack
 from ...protocol.errors import ProtocolError
 from ...protocol.ids import SHARD_TOKEN_PROTOCOL
-from ..p2p.tokens import read_hello  # the hello frame both TCP planes share
+from ..p2p import tokens  # the hello both TCP planes share
+from ..p2p.tokens import CHALLENGE_LEN, TokenMac, new_challenge, read_hello
 from .transport import DirectTcpStream, PooledStream, TcpStream
-from .wire import FRAME_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -51,33 +52,19 @@ DOMAIN = b"swarm-node/dataplane/1\x00"
 SERVER_READ_LIMIT = 64 * 1024
 
 
-class TokenIssuer:
+class TokenIssuer(TokenMac):
     """Issues and checks data-plane tokens bound to (this node, the client's peer id)."""
 
     def __init__(self, peer_id: str, ttl_s: float, secret: bytes | None = None):
-        self.peer_id = peer_id
-        self.ttl_s = ttl_s
-        self.secret = secret or os.urandom(32)
-
-    def _mac(self, client: str, expiry_ms: int) -> bytes:
-        msg = DOMAIN + self.peer_id.encode() + b"\x00" + client.encode() + b"\x00" + \
-            expiry_ms.to_bytes(8, "big")
-        return hmac.new(self.secret, msg, hashlib.sha256).digest()
+        super().__init__(DOMAIN, peer_id, ttl_s, secret)
 
     def issue(self, client: str) -> bytes:
-        expiry = int((time.time() + self.ttl_s) * 1000)
-        return pack([expiry, self._mac(client, expiry)])
-
-    def check(self, client: str, expiry_ms: int, mac: bytes) -> bool:
-        if expiry_ms < time.time() * 1000:
-            return False
-        return hmac.compare_digest(self._mac(client, expiry_ms), mac)
+        return pack(list(self.new(client)))
 
 
-def hello_frame(client: str, token: bytes) -> bytes:
-    expiry, mac = unpack(token, max_size=128)
-    body = pack([client, expiry, mac])
-    return FRAME_HEADER.pack(len(body)) + body
+def hello_frame(client: str, token: bytes, challenge: bytes) -> bytes:
+    """The hello answering the server's `challenge` with a token answer `[expiry, mac]`."""
+    return tokens.hello_frame(client, *parse_token(token), challenge)
 
 
 def parse_token(token: bytes) -> tuple[int, bytes]:
@@ -137,9 +124,9 @@ class DataPlaneServer:
         if self.server is not None:
             self.server.close()
 
-    def _refusal(self, hello: tuple[str, int, bytes] | None) -> str | None:
+    def _refusal(self, hello: tuple[str, int, bytes] | None, challenge: bytes) -> str | None:
         """Why a connection with this hello is refused (its metric), or None."""
-        if hello is None or not self.issuer.check(*hello):
+        if hello is None or not self.issuer.check(*hello, challenge):
             return "unauthenticated"
         peer = hello[0]
         if not self.allowed(peer):
@@ -156,6 +143,8 @@ class DataPlaneServer:
             writer.transport.abort()
             return
         self.pending += 1
+        challenge = new_challenge()
+        writer.write(challenge)
         try:
             hello = await asyncio.wait_for(read_hello(reader), self.cfg.tcp_auth_timeout_s)
         except TimeoutError:
@@ -163,7 +152,7 @@ class DataPlaneServer:
             self.metrics["auth_timeout"] += 1
         finally:
             self.pending -= 1
-        refused = self._refusal(hello)
+        refused = self._refusal(hello, challenge)
         if refused is not None:
             self.metrics[refused] += 1
             writer.transport.abort()  # no answer: nothing for a refused client
@@ -333,7 +322,8 @@ class RoutingTransport:
         host, _, port = endpoint.rpartition(":")
         stream = await DirectTcpStream.connect(host, int(port))
         try:
-            await stream.write(hello_frame(self.p2p.node.peer_id, token))
+            challenge = await stream.readexactly(CHALLENGE_LEN)
+            await stream.write(hello_frame(self.p2p.node.peer_id, token, challenge))
             if await stream.readexactly(1) != self.AUTH_ACK:
                 raise ConnectionError("not accepted")
         except BaseException:

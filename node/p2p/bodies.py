@@ -10,8 +10,10 @@ Authentication mirrors the shard data plane (a libp2p request proves the client'
 1. Over libp2p (Noise), the client asks PAYLOAD_TOKEN_PROTOCOL. The answer is msgpack
    `[expiry_ms, mac, port]`, mac = HMAC-SHA256(node secret, DOMAIN || server id || client
    id || expiry_ms); stateless. The client dials `port` at the IP of its libp2p connection.
-2. The client sends a hello (u32 BE length <= 256, msgpack `[client id, expiry_ms, mac]`);
-   the server answers one byte 0x01, or closes without a byte when the token is wrong.
+2. The server sends a fresh 16-byte challenge; the client answers with a hello (u32 BE
+   length <= 256, msgpack `[client id, expiry_ms, HMAC-SHA256(mac, proof domain ||
+   challenge)]`, tokens.py: the mac itself never crosses the plain connection); the server
+   answers one byte 0x01, or closes without a byte when the proof is wrong.
 3. Then any number of pulls, one at a time per connection: request = the 32-byte content
    hash; answer = u8 status (0 ok, 1 not held) + u32 BE length + body.
 
@@ -35,7 +37,7 @@ from collections.abc import Callable
 from ...protocol.codec import pack, unpack
 from ...protocol.errors import ProtocolError
 from .metrics import P2PMetrics
-from .tokens import MAX_HELLO, TokenMac, hello_frame, read_hello
+from .tokens import CHALLENGE_LEN, MAX_HELLO, TokenMac, hello_frame, new_challenge, read_hello
 
 log = logging.getLogger(__name__)
 
@@ -137,13 +139,15 @@ class PayloadServer:
             self.metrics.inc("payload_tcp_refused_pending")
             return None
         self.pending += 1
+        challenge = new_challenge()
+        writer.write(challenge)
         try:
             hello = await asyncio.wait_for(read_hello(reader), self.cfg.payload_tcp_auth_timeout_s)
         except TimeoutError:
             hello = None
         finally:
             self.pending -= 1
-        if hello is None or not self.issuer.check(*hello):
+        if hello is None or not self.issuer.check(*hello, challenge):
             self.metrics.inc("payload_tcp_unauthenticated")
             return None
         peer = hello[0]
@@ -354,7 +358,9 @@ class PayloadPuller:
                              "unavailable") from None
         conn = _Conn(reader, writer)
         try:
-            writer.write(hello_frame(self.self_id, expiry, mac))
+            challenge = await asyncio.wait_for(reader.readexactly(CHALLENGE_LEN),
+                                               self.cfg.payload_tcp_auth_timeout_s)
+            writer.write(hello_frame(self.self_id, expiry, mac, challenge))
             ack = await asyncio.wait_for(reader.readexactly(1), self.cfg.payload_tcp_auth_timeout_s)
             if ack != AUTH_ACK:
                 raise ConnectionError("not accepted")

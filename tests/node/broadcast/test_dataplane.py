@@ -1,6 +1,6 @@
 """The authenticated TCP data plane (issue 13) against real processes: the default path,
-its refusals (no token, another peer's token, garbage, oversized, slow-loris) and the
-automatic libp2p fallback."""
+its refusals (no token, another peer's token, a replayed hello, garbage, oversized,
+slow-loris) and the automatic libp2p fallback."""
 
 from __future__ import annotations
 
@@ -9,10 +9,16 @@ import time
 from pathlib import Path
 
 import pytest
-from swarm_node.node.broadcast.dataplane import SHARD_TOKEN_PROTOCOL, TokenIssuer, hello_frame
+from swarm_node.node.broadcast.dataplane import (
+    SHARD_TOKEN_PROTOCOL,
+    TokenIssuer,
+    hello_frame,
+    parse_token,
+)
 from swarm_node.node.broadcast.wire import FRAME_HEADER
 from swarm_node.node.config import Config
 from swarm_node.node.identity import Identity
+from swarm_node.node.p2p.tokens import CHALLENGE_LEN, new_challenge, prove
 from swarm_node.protocol.messages import ShardRequest
 
 from .conftest import SHARD, boot, make_checkpoint, read_dir
@@ -26,19 +32,21 @@ async def stats(p: BroadcastProc) -> dict:
     return await p.event("stats")
 
 
-async def exchange(endpoint: str, data: bytes, timeout: float = 30) -> bytes:
-    """Send `data`, return everything the server sends until it closes (deadline-bound)."""
+async def exchange(endpoint: str, data, timeout: float = 30) -> bytes:
+    """Read the server's challenge, send `data` (or `data(challenge)`), return everything
+    the server sends after the challenge until it closes (deadline-bound)."""
     host, _, port = endpoint.rpartition(":")
     reader, writer = await asyncio.open_connection(host, int(port))
     try:
-        writer.write(data)
-        writer.write_eof()  # no more requests: the server need not keep the connection
-        out = b""
         async with asyncio.timeout(timeout):
+            challenge = await reader.readexactly(CHALLENGE_LEN)
+            writer.write(data(challenge) if callable(data) else data)
+            writer.write_eof()  # no more requests: the server need not keep the connection
+            out = b""
             while chunk := await reader.read(1 << 16):
                 out += chunk
         return out
-    except ConnectionError:
+    except (ConnectionError, asyncio.IncompleteReadError):
         return b""
     finally:
         writer.close()
@@ -52,15 +60,17 @@ def request_frame(policy: str, version: int = 1, shard: int = 0) -> bytes:
 def test_tokens_are_bound_to_the_peer_and_expire():
     a, b = Identity.generate().peer_id, Identity.generate().peer_id
     issuer = TokenIssuer("server", ttl_s=60)
-    from swarm_node.node.broadcast.dataplane import parse_token
-
+    c = new_challenge()
     expiry, mac = parse_token(issuer.issue(a))
-    assert issuer.check(a, expiry, mac)
-    assert not issuer.check(b, expiry, mac)  # another peer's token
-    assert not issuer.check(a, expiry + 1, mac)  # a longer life is not for the taking
-    assert not TokenIssuer("server", ttl_s=60).check(a, expiry, mac)  # another node's secret
+    assert issuer.check(a, expiry, prove(mac, c), c)
+    assert not issuer.check(b, expiry, prove(mac, c), c)  # another peer's token
+    assert not issuer.check(a, expiry + 1, prove(mac, c), c)  # a longer life is not for the taking
+    assert not TokenIssuer("server", ttl_s=60).check(a, expiry, prove(mac, c), c)  # another node's secret
+    assert not issuer.check(a, expiry, prove(mac, c), new_challenge())  # one proof, one challenge
+    assert not issuer.check(a, expiry, mac, c)  # the token itself is no proof
     old = TokenIssuer("server", ttl_s=-1, secret=issuer.secret)
-    assert not issuer.check(a, *parse_token(old.issue(a)))  # expired
+    expiry, mac = parse_token(old.issue(a))
+    assert not issuer.check(a, expiry, prove(mac, c), c)  # expired
 
 
 async def test_default_broadcast_uses_the_authenticated_data_plane(tmp_path, procs):
@@ -109,9 +119,17 @@ async def test_data_plane_refuses_what_is_not_authenticated(tmp_path, procs):
     finally:
         await me.close()
     thief = Identity.generate().peer_id
-    assert await exchange(endpoint, hello_frame(thief, token) + request_frame(policy)) == b""
-    got = await exchange(endpoint, hello_frame(me.peer_id, token) + request_frame(policy))
+    assert await exchange(endpoint, lambda c: hello_frame(thief, token, c)
+                          + request_frame(policy)) == b""
+    seen = []  # what someone on the path sees of a good connection: challenge and hello
+
+    def answer(c: bytes) -> bytes:
+        seen.append(hello_frame(me.peer_id, token, c))
+        return seen[-1] + request_frame(policy)
+    got = await exchange(endpoint, answer)
     assert got[:1] == b"\x01" and len(got) > SHARD  # ack, header, the whole shard
+    # replayed on a new connection, that hello opens nothing: the challenge is new
+    assert await exchange(endpoint, seen[0] + request_frame(policy)) == b""
     # slow-loris: connections that never authenticate are closed; beyond the pending cap
     # they are refused at accept (bounded time and memory per connection)
     host, _, port = endpoint.rpartition(":")
@@ -120,8 +138,9 @@ async def test_data_plane_refuses_what_is_not_authenticated(tmp_path, procs):
     try:
         for reader, _ in conns:
             async with asyncio.timeout(max(1.0, deadline - time.monotonic())):
-                try:
-                    assert await reader.read(1) == b""
+                try:  # at most the challenge, then closed
+                    assert len(await reader.read(1 << 10)) <= CHALLENGE_LEN
+                    assert await reader.read(1 << 10) == b""
                 except ConnectionError:
                     pass
     finally:
@@ -129,7 +148,7 @@ async def test_data_plane_refuses_what_is_not_authenticated(tmp_path, procs):
             w.close()
     dp = (await stats(trainer))["dataplane"]
     assert dp["auth_timeout"] >= 1 and dp["refused_pending"] >= 1
-    assert dp["unauthenticated"] >= 4 and dp["authenticated"] == 1
+    assert dp["unauthenticated"] >= 5 and dp["authenticated"] == 1
     assert trainer.proc.poll() is None
 
 

@@ -12,6 +12,7 @@ from swarm_node.node.broadcast.service import Broadcaster
 from swarm_node.node.broadcast.transport import TcpStream
 from swarm_node.node.broadcast.wire import FRAME_HEADER, read_frame
 from swarm_node.node.identity import Identity
+from swarm_node.node.p2p.tokens import CHALLENGE_LEN
 from swarm_node.protocol.messages import ShardRequest, ShardResponseHeader
 
 from .conftest import make_checkpoint, publish
@@ -55,7 +56,8 @@ async def hello(endpoint: str, client, token: bytes) -> tuple[TcpStream, bytes]:
     host, _, port = endpoint.rpartition(":")
     reader, writer = await asyncio.open_connection(host, int(port))
     stream = TcpStream(reader, writer)
-    await stream.write(hello_frame(client.peer_id, token))
+    challenge = await asyncio.wait_for(stream.readexactly(CHALLENGE_LEN), 10)
+    await stream.write(hello_frame(client.peer_id, token, challenge))
     return stream, await answer(stream, 1)
 
 

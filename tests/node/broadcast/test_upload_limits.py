@@ -17,6 +17,7 @@ from swarm_node.node.broadcast.store import ShardStore
 from swarm_node.node.broadcast.transport import TcpStream, TcpTransport
 from swarm_node.node.broadcast.wire import FRAME_HEADER
 from swarm_node.node.config import BroadcastSection
+from swarm_node.node.p2p.tokens import CHALLENGE_LEN
 from swarm_node.protocol.messages import ShardRequest
 
 from .conftest import make_checkpoint, publish, read_dir
@@ -102,9 +103,10 @@ async def test_authenticated_connections_are_capped_per_peer_and_in_total():
 
     async def connect(peer: str) -> bytes:
         reader, writer = await asyncio.open_connection(host, port)
-        writer.write(hello_frame(peer, issuer.issue(peer)))
         conns.append(writer)
         try:
+            challenge = await asyncio.wait_for(reader.readexactly(CHALLENGE_LEN), 10)
+            writer.write(hello_frame(peer, issuer.issue(peer), challenge))
             return await asyncio.wait_for(reader.read(1), 10)
         except ConnectionResetError:
             return b""

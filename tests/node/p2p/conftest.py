@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from swarm_node.node.config import Config
 from swarm_node.node.identity import Identity
+from swarm_node.node.p2p.tokens import CHALLENGE_LEN
 from swarm_node.protocol.messages import (
     Completion,
     RolloutBatch,
@@ -123,3 +124,11 @@ async def drop_warm_connection(puller, server) -> None:
     for conn in src.idle:
         conn.close()
     src.idle.clear()
+
+
+def challenge_of(s) -> bytes:
+    """A TCP plane's first bytes on a new (blocking) socket: its challenge."""
+    challenge = b""
+    while len(challenge) < CHALLENGE_LEN and (part := s.recv(CHALLENGE_LEN - len(challenge))):
+        challenge += part
+    return challenge

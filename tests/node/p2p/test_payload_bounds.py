@@ -11,9 +11,9 @@ import time
 from swarm_node.node.config import P2PSection
 from swarm_node.node.p2p.bodies import PayloadServer, PullFailed, TokenIssuer
 from swarm_node.node.p2p.metrics import P2PMetrics
-from swarm_node.node.p2p.tokens import hello_frame
+from swarm_node.node.p2p.tokens import CHALLENGE_LEN, hello_frame
 
-from .conftest import drop_warm_connection, wait_until
+from .conftest import challenge_of, drop_warm_connection, wait_until
 from .test_payload_plane import announce_of, batch
 
 
@@ -70,11 +70,14 @@ async def test_unauthenticated_clients_cannot_hold_the_plane(make_node):
                                 payload_tcp_auth_timeout_s=0.5)
     port = a.gossip._server.port
     expiry = int((time.time() - 1) * 1000)  # a token of ours, for us, but expired
-    expired = hello_frame(b.peer_id, expiry, a.gossip._issuer.mac(b.peer_id, expiry))
+    mac = a.gossip._issuer.mac(b.peer_id, expiry)
+
+    def expired(challenge: bytes) -> bytes:
+        return hello_frame(b.peer_id, expiry, mac, challenge)
 
     def slow_loris() -> bytes:  # a valid hello, one byte every 0.1 s: cut at 0.5 s
-        hello = hello_frame(b.peer_id, *a.gossip._issuer.new(b.peer_id))
         with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            hello = hello_frame(b.peer_id, *a.gossip._issuer.new(b.peer_id), challenge_of(s))
             try:
                 for i in range(len(hello)):
                     s.sendall(hello[i:i + 1])
@@ -83,9 +86,9 @@ async def test_unauthenticated_clients_cannot_hold_the_plane(make_node):
             except (ConnectionResetError, BrokenPipeError):
                 return b""
 
-    def once(data: bytes) -> bytes:
+    def once(data) -> bytes:
         with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-            s.sendall(data)
+            s.sendall(data(challenge_of(s)))
             try:
                 return s.recv(1)
             except ConnectionResetError:
@@ -122,7 +125,8 @@ async def test_authenticated_connections_are_capped_in_total_not_only_per_peer()
     async def connect(peer: str) -> bytes:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         conns.append(writer)
-        writer.write(hello_frame(peer, *issuer.new(peer)))
+        challenge = await asyncio.wait_for(reader.readexactly(CHALLENGE_LEN), 10)
+        writer.write(hello_frame(peer, *issuer.new(peer), challenge))
         try:
             return await asyncio.wait_for(reader.read(1), 10)
         except ConnectionResetError:

@@ -12,10 +12,10 @@ import struct
 import numpy as np
 import pytest
 from swarm_node.node.p2p.bodies import TokenIssuer
-from swarm_node.protocol.codec import pack
+from swarm_node.node.p2p.tokens import hello_frame
 from swarm_node.protocol.messages import PayloadAnnounce, RolloutBatch
 
-from .conftest import drop_warm_connection, one_completion_batch, wait_until
+from .conftest import challenge_of, drop_warm_connection, one_completion_batch, wait_until
 
 KIND = "rollouts"
 
@@ -157,31 +157,37 @@ async def test_plane_refuses_unauthenticated_connections(make_node):
     other = TokenIssuer(a.peer_id, 60)  # right format, wrong secret
     stolen = a.gossip._issuer.issue("12D3KooWSomeoneElse", port)  # bound to another peer
 
-    def hello(client: str, token: bytes) -> bytes:
+    def hello(client: str, token: bytes):  # the hello for the connection's challenge
         from swarm_node.protocol.codec import unpack
 
         expiry, mac, _ = unpack(token, max_size=128)
-        body = pack([client, expiry, mac])
-        return struct.pack(">I", len(body)) + body
+        return lambda challenge: hello_frame(client, expiry, mac, challenge)
 
-    attempts = [b"GET / HTTP/1.0\r\n\r\n" * 4, struct.pack(">I", 1 << 30),
-                hello("12D3KooWMe", other.issue("12D3KooWMe", port)),
-                hello("12D3KooWMe", stolen), b""]  # the last: an empty hello
-
-    def try_once(data: bytes) -> bytes:
+    def try_once(data) -> bytes:
+        """What the plane sends after its challenge, for `data` (or `data(challenge)`)."""
         with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-            s.sendall(data)
+            challenge = challenge_of(s)
+            s.sendall(data(challenge) if callable(data) else data)
             s.sendall(b"\x00" * 32)  # a pull request, which must never be answered
             try:
                 return s.recv(100)
             except ConnectionResetError:
                 return b""
 
+    # a valid hello for one connection, as someone on the path would see it
+    good = hello("12D3KooWMe", a.gossip._issuer.issue("12D3KooWMe", port))
+    seen = []
+    assert (await asyncio.to_thread(try_once, lambda c: seen.append(good(c)) or seen[-1]))[:1] \
+        == b"\x01"  # accepted (then "not held")
+    attempts = [b"GET / HTTP/1.0\r\n\r\n" * 4, struct.pack(">I", 1 << 30),
+                hello("12D3KooWMe", other.issue("12D3KooWMe", port)),
+                hello("12D3KooWMe", stolen), b"",  # an empty hello
+                seen[0]]  # that hello replayed on a new connection (new challenge)
     for data in attempts:
         assert await asyncio.to_thread(try_once, data) == b""
     await wait_until(lambda: a.metrics["payload_tcp_unauthenticated"] == len(attempts), 10,
                      what="every refusal counted")
-    assert a.metrics["payload_tcp_served"] == 0 and a.metrics["payload_tcp_not_held"] == 0
+    assert a.metrics["payload_tcp_served"] == 0 and a.metrics["payload_tcp_not_held"] == 1
 
 
 async def test_pull_survives_a_pooled_connection_the_server_closed(make_node):

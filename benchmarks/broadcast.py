@@ -78,11 +78,14 @@ def make_checkpoint(path: Path, mib: int) -> Path:
 
 
 async def run_ours(work: Path, ckpt: Path, n_clients: int, corrupt: str = "",
-                   tcp: bool = False, next_ckpt: Path | None = None) -> dict:
+                   tcp: bool = False, next_ckpt: Path | None = None,
+                   hash_algo: str = "") -> dict:
     """One swarm: publish `ckpt` as version 1 and time it until every client verified it;
     then, with `next_ckpt`, publish that as version 2 into the same (now formed) swarm and
     time it too ("t_next"): the steady state of a training run, where every version after
-    the first finds the peers connected, the mesh built and the data-plane tokens issued."""
+    the first finds the peers connected, the mesh built and the data-plane tokens issued.
+    `hash_algo` "blake3": version 1's manifest names a whole-concatenation hash, as older
+    nodes published (for an A/B of the shard-list hash); "": the node's default."""
     procs: list[BroadcastProc] = []
     extra = [] if tcp else ["--tcp-listen", "off"]  # the data plane is the default
     # the node's default peer-exchange interval (the test harness's own default is 1 s, to
@@ -107,7 +110,7 @@ async def run_ours(work: Path, ckpt: Path, n_clients: int, corrupt: str = "",
         ready = [await c.ready(120) for c in clients]
         await asyncio.sleep(3)  # gossip mesh
         t_cmd = time.time()
-        trainer.send(f"publish {ckpt} 1")
+        trainer.send(f"publish {ckpt} 1 {hash_algo}".rstrip())
         pub = await trainer.event("published", 300)
         done = [await c.event("complete", 600) for c in clients]
         relay_done = await relay.event("complete", 600)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
+import blake3
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .codec import DTYPE_SIZES, pack, tensor_nbytes, unpack
@@ -222,6 +223,21 @@ class BatchRules(BaseModel):
 # Checkpoints and shards ------------------------------------------------------------------
 
 
+SHARD_LIST_DOMAIN = b"swarm-node/checkpoint-shard-list/1\x00"
+
+
+def shard_list_hash(total_size: int, shard_size: int, shard_hashes: list[bytes]) -> bytes:
+    """The `checkpoint_hash` of a "blake3-shard-list" manifest: BLAKE3-256 of
+    SHARD_LIST_DOMAIN || u64be total_size || u64be shard_size || the shard hashes in order.
+    Each shard hash covers its bytes, so this names the concatenation as well as a hash of
+    it would, and costs no pass over the bytes."""
+    h = blake3.blake3(SHARD_LIST_DOMAIN)
+    h.update(total_size.to_bytes(8, "big") + shard_size.to_bytes(8, "big"))
+    for digest in shard_hashes:
+        h.update(digest)
+    return h.digest()
+
+
 class FileEntry(WireModel):
     name: Annotated[str, Field(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9._-]+$")]
     size: U64
@@ -262,7 +278,10 @@ class CheckpointManifest(WireModel):
     version: U64
     parent_version: Annotated[int, Field(ge=-1, lt=2**63)] = -1
     created_ms: U64 = 0
-    hash_algo: Literal["blake3"] = "blake3"
+    # "blake3": checkpoint_hash = BLAKE3 of the whole concatenation (every receiver hashes
+    # every byte twice); "blake3-shard-list": BLAKE3 of the shard hashes (shard_list_hash),
+    # checked against the manifest alone, before a byte is fetched
+    hash_algo: Literal["blake3", "blake3-shard-list"] = "blake3"
     files: Annotated[list[FileEntry], Field(min_length=1, max_length=1024)]
     total_size: Annotated[int, Field(ge=1, lt=2**50)]
     shard_size: Annotated[int, Field(ge=4096, le=1 << 30)]
@@ -290,6 +309,9 @@ class CheckpointManifest(WireModel):
     @property
     def num_shards(self) -> int:
         return len(self.shard_hashes)
+
+    def shard_list_hash(self) -> bytes:
+        return shard_list_hash(self.total_size, self.shard_size, self.shard_hashes)
 
     def shard_range(self, index: int) -> tuple[int, int]:
         start = index * self.shard_size

@@ -4,8 +4,8 @@ Each shard is streamed to disk while it is hashed (memory: one chunk per transfe
 kept only if its BLAKE3 matches the signed manifest. A bad shard is re-fetched from another
 source and the sender is penalised (`SourceBook.corrupt`); a failed or stalled transfer is
 retried elsewhere. Shards already verified on disk (after a restart) are never fetched
-again. When every shard verified, the store assembles the checkpoint and checks the whole
-hash.
+again. When every shard verified, the store assembles the checkpoint (and, for manifests
+that name a whole-concatenation hash, checks it).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pathlib import Path
 from ...protocol.messages import ShardRequest
 from ..diskspace import DiskFull, DiskWatch, ensure_free
 from .errors import DownloadFailed, ShardFetchError, StoreError
+from .manifest import WHOLE
 from .progress import Progress
 from .sources import SourceBook
 from .store import InOrderHash, ShardStore, VersionEntry
@@ -53,7 +54,9 @@ class Downloader:
         # shards.)
         start = random.randrange(n)
         self.order = [(start + i) % n for i in range(n)]
-        self.whole = InOrderHash(entry)
+        # the whole-concatenation hash, only for manifests that name one ("blake3"); a
+        # "blake3-shard-list" checkpoint_hash was checked against the manifest at the gate
+        self.whole = InOrderHash(entry) if entry.manifest.hash_algo == WHOLE else None
         self.changed = asyncio.Event()
 
     # Public --------------------------------------------------------------------------
@@ -76,7 +79,8 @@ class Downloader:
                 w.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
         self.times["fetched"] = time.time()
-        self.metrics["whole_hash_live_bytes"] = self.whole.live
+        if self.whole is not None:
+            self.metrics["whole_hash_live_bytes"] = self.whole.live
         try:
             path = await asyncio.to_thread(self.store.assemble, self.entry, self.whole)
         except (StoreError, OSError) as e:
@@ -84,13 +88,19 @@ class Downloader:
                 self.progress.close(ok=False)
             raise DownloadFailed(str(e), reason=getattr(e, "reason", "store_error")) from e
         self.times["assembled"] = time.time()
-        self.metrics["whole_hash_read_back_bytes"] = self.whole.read_back
-        self.metrics["whole_hash_redone"] = int(not self.whole.valid)
+        if self.whole is not None:
+            self.metrics["whole_hash_read_back_bytes"] = self.whole.read_back
+            self.metrics["whole_hash_redone"] = int(not self.whole.valid)
         if self.progress is not None:
             self.progress.close(ok=True)
         log.info("policy %s v%d complete: %d shards, sources %s", m.policy_id, m.version,
                  m.num_shards, self.book.summary())
         return path
+
+    def _unhashed(self, shard: int) -> None:
+        """Shard `shard` did not verify: the whole hash, if any, may have taken its bytes."""
+        if self.whole is not None:
+            self.whole.failed(shard)
 
     # Workers -------------------------------------------------------------------------
 
@@ -156,7 +166,7 @@ class Downloader:
                              chunk_timeout=cfg.chunk_timeout_s, chunk_size=cfg.chunk_size)
         except (ShardFetchError, StoreError) as e:
             writer.abort()
-            self.whole.failed(shard)
+            self._unhashed(shard)
             self.metrics[f"fail_{e.reason}"] += 1
             self.metrics["bytes_wasted"] += writer.received
             self.tried.setdefault(shard, set()).add(peer)
@@ -165,13 +175,13 @@ class Downloader:
             return
         except BaseException:
             writer.abort()
-            self.whole.failed(shard)
+            self._unhashed(shard)
             raise
         finally:
             self.metrics["bytes_fetched"] += writer.received
         self.disk.resumed()
         if not writer.commit():
-            self.whole.failed(shard)
+            self._unhashed(shard)
             self.metrics["shards_corrupt"] += 1
             self.metrics["bytes_corrupt"] += writer.received
             self.tried.setdefault(shard, set()).add(peer)
@@ -180,7 +190,7 @@ class Downloader:
                         shard, peer)
             return
         self.metrics["shards_ok"] += 1
-        if self.whole.can_follow():  # it verified after the frontier passed its start
+        if self.whole is not None and self.whole.can_follow():  # it verified after the frontier passed its start
             asyncio.get_running_loop().run_in_executor(None, self.whole.follow)
         self.last_progress = time.monotonic()
         self.book.success(peer, size, time.monotonic() - t0)

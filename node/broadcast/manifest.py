@@ -2,8 +2,9 @@
 one that arrived from a peer.
 
 The checkpoint is the concatenation of its files in manifest order; shard i covers bytes
-[i*shard_size, min((i+1)*shard_size, total_size)). Every shard and the whole concatenation
-are hashed with BLAKE3. A manifest travels inside the trainer's signed envelope; the same
+[i*shard_size, min((i+1)*shard_size, total_size)). Every shard is hashed with BLAKE3; the
+checkpoint hash is BLAKE3 of the shard hashes (hash_algo "blake3-shard-list"), or of the
+whole concatenation in manifests of older nodes ("blake3"). A manifest travels inside the trainer's signed envelope; the same
 envelope bytes are kept on disk and re-served, so a manifest fetched from a relay still
 carries the trainer's signature.
 """
@@ -23,11 +24,12 @@ from ...protocol.codec import pack, unpack
 from ...protocol.envelope import Envelope, open_envelope
 from ...protocol.errors import ProtocolError, SchemaViolation
 from ...protocol.limits import Limits
-from ...protocol.messages import CheckpointManifest, FileEntry
+from ...protocol.messages import CheckpointManifest, FileEntry, shard_list_hash
 from ..diskspace import DiskFull
 from .errors import BroadcastError, ManifestRejected
 
 READ_CHUNK = 1 << 20
+WHOLE, SHARD_LIST = "blake3", "blake3-shard-list"  # CheckpointManifest.hash_algo
 FILE_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 
 
@@ -83,18 +85,19 @@ def _whole_hash(ckpt_dir: Path, files: list[FileEntry], total: int) -> bytes:
 
 
 def build_manifest(ckpt_dir: Path, *, policy_id: str, version: int, shard_size: int,
-                   parent_version: int = -1, settings=None) -> CheckpointManifest:
+                   parent_version: int = -1, settings=None,
+                   hash_algo: str = SHARD_LIST) -> CheckpointManifest:
     """Hash `ckpt_dir` shard by shard (bounded memory; CPU-bound: call it in a thread).
 
-    The whole-checkpoint hash runs in a second thread beside the shard hashes (BLAKE3
-    releases the GIL): publishing is on every follower's critical path and nothing else
-    runs meanwhile, so two cores halve it (256 MiB: 0.2 -> 0.1 s on a quiet 2-core box)."""
+    `hash_algo` "blake3-shard-list" (the default): one pass over the bytes, checkpoint_hash
+    from the shard hashes. "blake3" (older nodes' manifests): the whole-checkpoint hash runs
+    in a second thread beside the shard hashes (BLAKE3 releases the GIL)."""
     files = checkpoint_files(ckpt_dir)
     total = sum(f.size for f in files)
     if total == 0:
         raise BroadcastError(f"{ckpt_dir}: checkpoint is empty")
     with ThreadPoolExecutor(1, thread_name_prefix="manifest-hash") as pool:
-        whole = pool.submit(_whole_hash, ckpt_dir, files, total)
+        whole = pool.submit(_whole_hash, ckpt_dir, files, total) if hash_algo == WHOLE else None
         shard_hashes = []
         for start in range(0, total, shard_size):
             h = blake3.blake3()
@@ -105,12 +108,13 @@ def build_manifest(ckpt_dir: Path, *, policy_id: str, version: int, shard_size: 
             if n != min(shard_size, total - start):
                 raise BroadcastError(f"{ckpt_dir}: files changed while hashing")
             shard_hashes.append(h.digest())
-        checkpoint_hash = whole.result()
+        checkpoint_hash = (whole.result() if whole is not None
+                           else shard_list_hash(total, shard_size, shard_hashes))
     return CheckpointManifest(
         policy_id=policy_id, version=version, parent_version=parent_version,
-        created_ms=int(time.time() * 1000), files=files, total_size=total,
-        shard_size=shard_size, shard_hashes=shard_hashes, checkpoint_hash=checkpoint_hash,
-        settings=settings)
+        created_ms=int(time.time() * 1000), hash_algo=hash_algo, files=files,
+        total_size=total, shard_size=shard_size, shard_hashes=shard_hashes,
+        checkpoint_hash=checkpoint_hash, settings=settings)
 
 
 def envelope_bytes(env: Envelope) -> bytes:
@@ -173,6 +177,8 @@ def layout_problem(m: CheckpointManifest, *, min_shard_size: int, max_shard_size
         return "too_large", f"{m.total_size} bytes > {max_checkpoint_bytes}"
     if m.parent_version >= m.version:
         return "bad_layout", "parent_version is not older than version"
+    if m.hash_algo == SHARD_LIST and m.checkpoint_hash != m.shard_list_hash():
+        return "checkpoint_hash_mismatch", "checkpoint_hash is not the hash of the shard hashes"
     return None
 
 

@@ -155,7 +155,8 @@ def manifest(case: dict) -> dict:
         settings = case.get("settings")  # optional: the swarm settings a trainer announces
         m = build_manifest(Path(tmp), policy_id=policy_id, version=case["version"],
                            shard_size=case["shard_size"], parent_version=case["parent_version"],
-                           settings=SwarmSettings.model_validate(settings) if settings else None)
+                           settings=SwarmSettings.model_validate(settings) if settings else None,
+                           hash_algo=case.get("hash_algo", "blake3"))
     m = m.model_copy(update={"created_ms": case["created_ms"]})
     wire = seal(m, _key(case["key_seed"]), policy_id, ts_ms=case["ts_ms"],
                 nonce=bytes.fromhex(case["nonce"]))
@@ -288,7 +289,8 @@ def _inputs_manifest() -> list[dict]:
                 "system_prompt": "direct", "few_shot": 2,
                 "task_params": {"rg/basic_arithmetic": {"min_terms": 2, "max_terms": 2,
                                                         "max_digits": 1, "operators": "+-"}}}
-    return [plain, {**plain, "version": 4, "parent_version": 3, "settings": settings}]
+    return [plain, {**plain, "version": 4, "parent_version": 3, "settings": settings},
+            {**plain, "version": 5, "parent_version": 4, "hash_algo": "blake3-shard-list"}]
 
 
 def _inputs_noise() -> list[dict]:
@@ -312,8 +314,9 @@ RULES = {
     "task_draw": "NODE_SPEC.md 4: task assignment from (swarm id, peer ID, round, i, mix)",
     "proof": "NODE_SPEC.md 5.1: final-norm activations [tokens, hidden] (float32) -> proof "
              "bytes (format 1)",
-    "manifest": "NODE_SPEC.md 7.1: checkpoint files -> shard hashes, manifest payload and "
-                "the trainer's signed envelope",
+    "manifest": "NODE_SPEC.md 7.1: checkpoint files -> shard hashes, checkpoint hash "
+                "(hash_algo blake3: of the files; blake3-shard-list: of the shard hashes), "
+                "manifest payload and the trainer's signed envelope",
     "noise": "NODE_SPEC.md 4: sampling noise (seed, position, token) -> row key, 64-bit "
              "bits, 23-bit mantissa m, u = (2m + 1) / 2^24; g = -log(-log(u)) in float32",
 }

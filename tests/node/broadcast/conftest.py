@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from swarm_node.node.broadcast.manifest import AcceptedManifest, build_manifest
+from swarm_node.node.broadcast.manifest import SHARD_LIST, AcceptedManifest, build_manifest
 from swarm_node.node.config import BroadcastSection
 from swarm_node.node.identity import Identity
 
@@ -27,8 +27,10 @@ def make_checkpoint(path: Path, sizes: dict[str, int], seed: int = 0) -> Path:
     return path
 
 
-def publish(identity: Identity, ckpt: Path, version: int, shard_size: int) -> AcceptedManifest:
-    m = build_manifest(ckpt, policy_id=identity.peer_id, version=version, shard_size=shard_size)
+def publish(identity: Identity, ckpt: Path, version: int, shard_size: int,
+            hash_algo: str = SHARD_LIST) -> AcceptedManifest:
+    m = build_manifest(ckpt, policy_id=identity.peer_id, version=version, shard_size=shard_size,
+                       hash_algo=hash_algo)
     return AcceptedManifest(m, identity.seal(m), identity.peer_id)
 
 

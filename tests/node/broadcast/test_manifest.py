@@ -5,7 +5,13 @@ from __future__ import annotations
 import blake3
 import pytest
 from swarm_node.node.broadcast.errors import BroadcastError, ManifestRejected
-from swarm_node.node.broadcast.manifest import ManifestGate, build_manifest, iter_range
+from swarm_node.node.broadcast.manifest import (
+    SHARD_LIST,
+    WHOLE,
+    ManifestGate,
+    build_manifest,
+    iter_range,
+)
 from swarm_node.node.identity import Identity
 from swarm_node.protocol.codec import pack, unpack
 from swarm_node.protocol.messages import CheckpointManifest, FileEntry
@@ -19,16 +25,31 @@ def gate(follow, have=-1, **kw):
     return ManifestGate(follow, current_version=lambda policy: have, **args)
 
 
-def test_manifest_hashes_every_shard_and_the_whole(ckpt, trainer):
-    m = build_manifest(ckpt, policy_id=trainer.peer_id, version=1, shard_size=64 * 1024)
+@pytest.mark.parametrize("hash_algo", [SHARD_LIST, WHOLE])
+def test_manifest_hashes_every_shard_and_the_whole(ckpt, trainer, hash_algo):
+    m = build_manifest(ckpt, policy_id=trainer.peer_id, version=1, shard_size=64 * 1024,
+                       hash_algo=hash_algo)
     blob = b"".join((ckpt / f.name).read_bytes() for f in m.files)
     assert [f.name for f in m.files] == ["config.json", "model.safetensors", "tokenizer.json"]
-    assert m.total_size == len(blob)
+    assert m.total_size == len(blob) and m.hash_algo == hash_algo
     assert m.num_shards == -(-len(blob) // (64 * 1024))
     for i, h in enumerate(m.shard_hashes):
         start, end = m.shard_range(i)
         assert h == blake3.blake3(blob[start:end]).digest()
-    assert m.checkpoint_hash == blake3.blake3(blob).digest()
+    if hash_algo == WHOLE:
+        assert m.checkpoint_hash == blake3.blake3(blob).digest()
+    else:  # NODE_SPEC 7.1, written out here rather than calling the code under test
+        listed = (b"swarm-node/checkpoint-shard-list/1\x00" + len(blob).to_bytes(8, "big")
+                  + (64 * 1024).to_bytes(8, "big") + b"".join(m.shard_hashes))
+        assert m.checkpoint_hash == blake3.blake3(listed).digest()
+
+
+def test_a_checkpoint_hash_that_is_not_the_shard_lists_is_refused_before_any_byte(ckpt, trainer):
+    m = build_manifest(ckpt, policy_id=trainer.peer_id, version=1, shard_size=64 * 1024)
+    bad = CheckpointManifest(**{**m.model_dump(), "files": m.files,
+                                "checkpoint_hash": b"\1" * 32})
+    assert reject_reason(gate([trainer.peer_id]), trainer.seal(bad)) == "checkpoint_hash_mismatch"
+    assert gate([trainer.peer_id]).check_bytes(trainer.seal(m)).manifest == m
 
 
 def test_iter_range_crosses_file_boundaries(ckpt, trainer):

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import pytest
 from swarm_node.node.broadcast.errors import StoreError
-from swarm_node.node.broadcast.manifest import AcceptedManifest, build_manifest
+from swarm_node.node.broadcast.manifest import SHARD_LIST, WHOLE, AcceptedManifest, build_manifest
 from swarm_node.node.broadcast.store import InOrderHash, ShardStore, advert_shards
 from swarm_node.protocol.messages import CheckpointManifest
 
 from .conftest import make_checkpoint, publish, read_dir
 
 
-def origin_store(tmp_path, trainer, ckpt, version=1, shard_size=64 * 1024):
-    acc = publish(trainer, ckpt, version, shard_size)
+def origin_store(tmp_path, trainer, ckpt, version=1, shard_size=64 * 1024,
+                 hash_algo=SHARD_LIST):
+    acc = publish(trainer, ckpt, version, shard_size, hash_algo)
     store = ShardStore(tmp_path / f"origin-{version}")
     return store, store.add_checkpoint(acc, ckpt), acc
 
@@ -94,8 +95,12 @@ def test_assemble_is_byte_identical_and_frees_shards(tmp_path, trainer, ckpt):
     assert again.complete and restarted.current_version(trainer.peer_id) == 1
 
 
-def test_whole_hash_mismatch_discards_version(tmp_path, trainer, ckpt):
-    m = build_manifest(ckpt, policy_id=trainer.peer_id, version=1, shard_size=64 * 1024)
+@pytest.mark.parametrize("hash_algo", [SHARD_LIST, WHOLE])
+def test_whole_hash_mismatch_discards_version(tmp_path, trainer, ckpt, hash_algo):
+    """Shards that verify under a checkpoint hash that does not (a manifest the gate would
+    refuse for "blake3-shard-list"; only found at the end for "blake3")."""
+    m = build_manifest(ckpt, policy_id=trainer.peer_id, version=1, shard_size=64 * 1024,
+                       hash_algo=hash_algo)
     bad = CheckpointManifest(**{**m.model_dump(), "files": m.files,
                                 "checkpoint_hash": b"\1" * 32})
     acc = AcceptedManifest(bad, trainer.seal(bad), trainer.peer_id)
@@ -139,7 +144,8 @@ def test_whole_hash_while_shards_arrive_in_any_order(tmp_path, trainer, ckpt, se
     order, most bytes are hashed as they arrive, not read back."""
     import random
 
-    src, src_entry, acc = origin_store(tmp_path, trainer, ckpt, shard_size=16 * 1024)
+    src, src_entry, acc = origin_store(tmp_path, trainer, ckpt, shard_size=16 * 1024,
+                                       hash_algo=WHOLE)
     store = ShardStore(tmp_path / "client")
     entry = store.open_version(acc)
     whole = InOrderHash(entry)
@@ -169,7 +175,8 @@ def test_whole_hash_while_shards_arrive_in_any_order(tmp_path, trainer, ckpt, se
 def test_whole_hash_of_a_failed_shard_is_redone(tmp_path, trainer, ckpt):
     """Bytes of a shard that then fails its hash went into the running whole hash: it
     is void, and assemble hashes the verified files again."""
-    src, src_entry, acc = origin_store(tmp_path, trainer, ckpt, shard_size=16 * 1024)
+    src, src_entry, acc = origin_store(tmp_path, trainer, ckpt, shard_size=16 * 1024,
+                                       hash_algo=WHOLE)
     store = ShardStore(tmp_path / "client")
     entry = store.open_version(acc)
     whole, unaware = InOrderHash(entry), InOrderHash(entry)

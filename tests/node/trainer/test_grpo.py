@@ -34,7 +34,7 @@ def _one_token(ratio: float, adv: float, cfg=None):
     loss, stats = policy_loss(logp, torch.zeros(1, 1), torch.tensor([adv]),
                               torch.ones(1, 1), cfg)
     loss.backward()
-    return float(loss), logp.grad.item(), stats
+    return float(loss.detach()), logp.grad.item(), stats
 
 
 @pytest.mark.parametrize(

@@ -190,7 +190,8 @@ class Downloader:
                         shard, peer)
             return
         self.metrics["shards_ok"] += 1
-        if self.whole is not None and self.whole.can_follow():  # it verified after the frontier passed its start
+        # it verified after the whole hash's frontier passed its start: hash it now
+        if self.whole is not None and self.whole.can_follow():
             asyncio.get_running_loop().run_in_executor(None, self.whole.follow)
         self.last_progress = time.monotonic()
         self.book.success(peer, size, time.monotonic() - t0)

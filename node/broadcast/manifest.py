@@ -4,9 +4,9 @@ one that arrived from a peer.
 The checkpoint is the concatenation of its files in manifest order; shard i covers bytes
 [i*shard_size, min((i+1)*shard_size, total_size)). Every shard is hashed with BLAKE3; the
 checkpoint hash is BLAKE3 of the shard hashes (hash_algo "blake3-shard-list"), or of the
-whole concatenation in manifests of older nodes ("blake3"). A manifest travels inside the trainer's signed envelope; the same
-envelope bytes are kept on disk and re-served, so a manifest fetched from a relay still
-carries the trainer's signature.
+whole concatenation in manifests of older nodes ("blake3"). A manifest travels inside the
+trainer's signed envelope; the same envelope bytes are kept on disk and re-served, so a
+manifest fetched from a relay still carries the trainer's signature.
 """
 
 from __future__ import annotations

@@ -209,6 +209,11 @@ class BroadcastSection(Section):
     shard_size: int = Field(4 * 1024 * 1024, ge=4096, le=1 << 30)
     """Bytes per checkpoint shard (the trainer's choice; followers accept any size within
     [min_shard_size, max_shard_size])."""
+    hash_algo: Literal["blake3-shard-list", "blake3"] = "blake3-shard-list"
+    """How the manifests this trainer publishes name the checkpoint (NODE_SPEC 7.1): the hash
+    of the shard hashes (one hashing pass for everyone; nodes from before session 11 refuse
+    such manifests), or "blake3", the hash of the whole files, for a swarm whose followers
+    have not all been upgraded."""
     min_shard_size: int = Field(64 * 1024, ge=4096)
     """Smallest shard size accepted in a peer's manifest."""
     max_shard_size: int = Field(64 * 1024 * 1024, ge=4096, le=1 << 30)

@@ -26,7 +26,7 @@ from .dataplane import SHARD_TOKEN_PROTOCOL, DataPlaneServer, RoutingTransport, 
 from .downloader import Downloader
 from .errors import BroadcastError, DownloadFailed, ManifestRejected, StoreError
 from .follow import TrainerChoice
-from .manifest import SHARD_LIST, AcceptedManifest, ManifestGate, build_manifest
+from .manifest import AcceptedManifest, ManifestGate, build_manifest
 from .progress import Progress
 from .server import ShardServer
 from .sources import SourceBook
@@ -161,13 +161,13 @@ class Broadcaster:
 
     async def publish(self, ckpt_dir: Path, version: int, parent_version: int = -1,
                       shard_size: int | None = None,
-                      hash_algo: str = SHARD_LIST) -> CheckpointManifest:
+                      hash_algo: str | None = None) -> CheckpointManifest:
         """Hash, store and announce a new checkpoint of this node's own policy
-        (`hash_algo` "blake3": a manifest that nodes from before session 11 accept)."""
+        (`hash_algo`, default `broadcast.hash_algo`: NODE_SPEC 7.1)."""
         m = await asyncio.to_thread(
             build_manifest, ckpt_dir, policy_id=self.node.peer_id, version=version,
             parent_version=parent_version, shard_size=shard_size or self.cfg.shard_size,
-            settings=self.settings, hash_algo=hash_algo)
+            settings=self.settings, hash_algo=hash_algo or self.cfg.hash_algo)
         accepted = AcceptedManifest(m, self.node.identity.seal(m), self.node.peer_id)
         entry = await asyncio.to_thread(self.store.add_checkpoint, accepted, ckpt_dir)
         await asyncio.to_thread(self.store.prune, m.policy_id)

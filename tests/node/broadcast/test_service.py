@@ -83,6 +83,30 @@ async def test_trainer_relay_follower(tmp_path, swarm):
     assert e.value.reason == "not_followed"
 
 
+async def test_an_older_nodes_whole_file_manifest_still_downloads(tmp_path, swarm):
+    """`broadcast.hash_algo = "blake3"` (a swarm with followers from before the shard-list
+    hash): the follower hashes the whole checkpoint in order beside the shards and checks
+    it (test_store: a wrong one fails the version)."""
+    ckpt = make_checkpoint(tmp_path / "ckpt", {"model.safetensors": 700_000, "config.json": 900})
+    tnode, trainer = await swarm("trainer", "trainer")
+    trainer.cfg.hash_algo = "blake3"
+    m = await trainer.publish(ckpt, version=1)
+    assert m.hash_algo == "blake3" and m.checkpoint_hash != m.shard_list_hash()
+    _fnode, follower = await swarm("follower", "inference", follow=[tnode.peer_id],
+                                   bootstrap=tnode.listen_addrs)
+    path = await follower.wait_complete(tnode.peer_id, 1, timeout=60)
+    assert read_dir(path) == read_dir(ckpt)
+    metrics = follower.finished[(tnode.peer_id, 1)].metrics
+    assert metrics["whole_hash_live_bytes"] + metrics["whole_hash_read_back_bytes"] \
+        == m.total_size and metrics["whole_hash_redone"] == 0
+    # the default: no whole-file pass at all
+    trainer.cfg.hash_algo = "blake3-shard-list"
+    m2 = await trainer.publish(ckpt, version=2)
+    await follower.wait_complete(tnode.peer_id, 2, timeout=60)
+    assert m2.checkpoint_hash == m2.shard_list_hash()
+    assert "whole_hash_live_bytes" not in follower.finished[(tnode.peer_id, 2)].metrics
+
+
 async def test_late_joiner_learns_version_from_adverts_and_uses_tcp(tmp_path, swarm):
     ckpt = make_checkpoint(tmp_path / "ckpt", {"model.safetensors": 500_000})
     tnode, trainer = await swarm("trainer", "trainer", tcp=True)

@@ -84,6 +84,21 @@ def _whole_hash(ckpt_dir: Path, files: list[FileEntry], total: int) -> bytes:
     return h.digest()
 
 
+def _shard_hashes(ckpt_dir: Path, files: list[FileEntry], total: int,
+                  shard_size: int) -> list[bytes]:
+    hashes = []
+    for start in range(0, total, shard_size):
+        h = blake3.blake3()
+        n = 0
+        for data in iter_range(ckpt_dir, files, start, min(start + shard_size, total)):
+            h.update(data)
+            n += len(data)
+        if n != min(shard_size, total - start):
+            raise BroadcastError(f"{ckpt_dir}: files changed while hashing")
+        hashes.append(h.digest())
+    return hashes
+
+
 def build_manifest(ckpt_dir: Path, *, policy_id: str, version: int, shard_size: int,
                    parent_version: int = -1, settings=None,
                    hash_algo: str = SHARD_LIST) -> CheckpointManifest:
@@ -96,20 +111,14 @@ def build_manifest(ckpt_dir: Path, *, policy_id: str, version: int, shard_size: 
     total = sum(f.size for f in files)
     if total == 0:
         raise BroadcastError(f"{ckpt_dir}: checkpoint is empty")
-    with ThreadPoolExecutor(1, thread_name_prefix="manifest-hash") as pool:
-        whole = pool.submit(_whole_hash, ckpt_dir, files, total) if hash_algo == WHOLE else None
-        shard_hashes = []
-        for start in range(0, total, shard_size):
-            h = blake3.blake3()
-            n = 0
-            for data in iter_range(ckpt_dir, files, start, min(start + shard_size, total)):
-                h.update(data)
-                n += len(data)
-            if n != min(shard_size, total - start):
-                raise BroadcastError(f"{ckpt_dir}: files changed while hashing")
-            shard_hashes.append(h.digest())
-        checkpoint_hash = (whole.result() if whole is not None
-                           else shard_list_hash(total, shard_size, shard_hashes))
+    if hash_algo == WHOLE:
+        with ThreadPoolExecutor(1, thread_name_prefix="manifest-hash") as pool:
+            whole = pool.submit(_whole_hash, ckpt_dir, files, total)
+            shard_hashes = _shard_hashes(ckpt_dir, files, total, shard_size)
+            checkpoint_hash = whole.result()
+    else:
+        shard_hashes = _shard_hashes(ckpt_dir, files, total, shard_size)
+        checkpoint_hash = shard_list_hash(total, shard_size, shard_hashes)
     return CheckpointManifest(
         policy_id=policy_id, version=version, parent_version=parent_version,
         created_ms=int(time.time() * 1000), hash_algo=hash_algo, files=files,

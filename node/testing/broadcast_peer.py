@@ -8,8 +8,9 @@ fault tests and benchmarks/broadcast.py, not a role (the relay role is node/role
 Prints one JSON object per line on stdout: {"event": "ready", "peer_id", "addrs"}, then
 "published", "complete" (with metrics), "rejected" (with a reason). Reads commands on
 stdin, one per line: `publish DIR VERSION [HASH_ALGO]`, `offer FILE` (a sealed manifest
-envelope), `rate MIB_S` (cap uploads), `stats`, `quit`. `--corrupt-shards 3,7` (or `first`) is fault
-injection (this peer serves those shards with one flipped byte), for tests and benchmarks.
+envelope), `rate MIB_S` (cap uploads), `stats`, `quit`. `--corrupt-shards 3,7` (or
+`first`) is fault injection (this peer serves those shards with one flipped byte), for
+tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -176,8 +177,8 @@ async def main(argv: list[str] | None = None) -> int:
             cmd, *rest = line.split()
             if cmd == "publish":
                 t0 = time.time()
-                algo = {"hash_algo": rest[2]} if len(rest) > 2 else {}
-                m = await bc.publish(Path(rest[0]), int(rest[1]), **algo)
+                m = await bc.publish(Path(rest[0]), int(rest[1]),
+                                     hash_algo=rest[2] if len(rest) > 2 else None)
                 emit(event="published", version=m.version, total=m.total_size,
                      shards=m.num_shards, t0=t0, t=time.time())
             elif cmd == "offer":

@@ -53,6 +53,7 @@ from .guard import (
 from .metrics import P2PMetrics
 from .penalties import PeerPenalties, TopicRateLimiter
 from .pubsub import GossipService, Handler
+from .reachability import Reachability, ReachabilityTracker
 from .requests import RequestHandler, RequestService, StreamHandler
 from .streams import AsyncStream
 from .yamux import (
@@ -96,6 +97,7 @@ class P2PNode:
         self._nursery: trio.Nursery | None = None  # ours, inside the libp2p thread
         self._bridge.on_death = self._on_host_death
         self.discovery = None
+        self.reach = ReachabilityTracker()  # fed by the dial-back check and the relay client
         self._closing = False
         self._started = False
 
@@ -171,10 +173,25 @@ class P2PNode:
         await self._failed.wait()
         return self.failure or "unknown"
 
+    # Reachability ---------------------------------------------------------------------
+
+    @property
+    def reachability(self) -> Reachability:
+        """Is this node reachable from the internet (reachability.py)? `.public` is True
+        only once a peer dialled us back at an advertised address; `.public_addrs` are
+        those addresses."""
+        return self.reach.current
+
+    def on_reachability_change(self, fn: Callable[[Reachability], None]) -> Callable[[], None]:
+        """Call `fn(snapshot)` on the asyncio loop whenever the verdict or the addresses
+        change; returns a function that unsubscribes."""
+        return self.reach.subscribe(fn)
+
     def health(self) -> dict:
         """For /status: `alive` is False from the moment the libp2p thread ends."""
         c = self.metrics.counters
         return {"alive": self.running and self.failure is None, "failure": self.failure,
+                "reachability": self.reach.current.as_dict(),
                 "stream_faults": c.get("stream_faults", 0),
                 "rate_limited": c.get("rejected.rate_limited", 0),
                 "window_violations": c.get("window_violations", 0),

@@ -3,7 +3,10 @@
 Peer exchange protocol PEERS_PROTOCOL (request/response framing of streams.py):
   request:  a Hello message (msgpack, messages.Hello) with the asker's swarm and listen addrs
   response: msgpack array of at most MAX_PEERS_REPLY entries [peer_id, [multiaddr, ...]]
-            (the responder itself first, then the peers it is connected to)
+            (the responder itself first, then the peers it is connected to); or, to an
+            asker of another swarm, a PeerRefusal naming the responder's swarm (the asker
+            logs one ERROR line with the `--swarm` to pass; the responder disconnects it
+            and does not count it as a member)
 Every `p2p.discovery_interval_s` a node asks its connected peers for theirs and dials unknown
 ones until it holds `p2p.target_peers` connections; lost peers are redialled with
 exponential backoff (1 s doubling up to `p2p.reconnect_max_backoff_s`). So a swarm whose
@@ -25,7 +28,7 @@ import time
 from ...protocol.codec import pack, unpack
 from ...protocol.errors import ProtocolError
 from ...protocol.ids import PEERS_PROTOCOL
-from ...protocol.messages import Hello
+from ...protocol.messages import Hello, PeerRefusal
 from .errors import BootstrapError, DialError, P2PError, RequestError
 
 log = logging.getLogger(__name__)
@@ -35,6 +38,8 @@ QUIET_MAX_FACTOR = 8  # a quiet swarm exchanges peers every discovery_interval_s
 MAX_ADDRS_PER_PEER = 16
 MAX_ADDR_LEN = 256
 AGENT = "swarm-node/0.1"
+STRAY_GRACE_S = 2.0  # a refused peer of another swarm is disconnected after this
+STRAY_FORGET_S = 600.0  # and not counted as a member (nor redialled) for this long
 
 
 class Discovery:
@@ -46,6 +51,8 @@ class Discovery:
         self._backoff: dict[str, float] = {}
         self._next_try: dict[str, float] = {}
         self._turn = 0  # which connected peer a quiet round asks
+        self.strays: dict[str, float] = {}  # peers of another swarm we refused -> when
+        self.refused_by: dict[str, str] = {}  # peers that refused us -> their swarm id
 
     def install(self):
         """Serve PEERS_PROTOCOL; returns an awaitable done once the handler is live."""
@@ -75,6 +82,8 @@ class Discovery:
                     last[a] = why
             if reached:
                 await self.exchange_all()
+                if all(p in self.refused_by for p in reached):
+                    raise BootstrapError(self._mismatch_line(reached[0]))
                 return reached
             if time.monotonic() + delay >= deadline:
                 break
@@ -102,11 +111,47 @@ class Discovery:
         return Hello(swarm_id=self.node.swarm_id, role=self.node.config.node.role, agent=AGENT,
                      listen_addrs=self.node.listen_addrs[:MAX_ADDRS_PER_PEER]).encode()
 
+    def _mismatch_line(self, peer: str) -> str:
+        theirs = self.refused_by[peer]
+        addr = next((a for a in self.bootstrap_addrs if a.endswith(f"/p2p/{peer}")), peer)
+        return (f"swarm id mismatch: bootstrap peer {addr} belongs to swarm {theirs!r}, this "
+                f"node to {self.node.swarm_id!r}; pass --swarm {theirs} to join it (or start "
+                "a separate swarm without --bootstrap)")
+
+    def is_stray(self, peer: str) -> bool:
+        """A peer of another swarm that we refused recently (not a member)."""
+        when = self.strays.get(peer)
+        if when is None:
+            return False
+        if time.monotonic() - when > STRAY_FORGET_S:
+            del self.strays[peer]
+            return False
+        return True
+
+    def _refuse_stray(self, peer: str, their_swarm: str) -> bytes:
+        """Answer a Hello of another swarm with our swarm id (ids are not secrets between
+        peers that name the same bootstrap peer), then disconnect it: it is not a member."""
+        if peer not in self.strays:
+            log.info("refused peer %s: it is in swarm %r, this node in %r (it was told)",
+                     peer, their_swarm[:64], self.node.swarm_id)
+        self.strays[peer] = time.monotonic()
+        self.known.pop(peer, None)
+        self.node._spawn(self._drop_stray(peer))
+        return PeerRefusal(reason="swarm_mismatch", swarm_id=self.node.swarm_id).encode()
+
+    async def _drop_stray(self, peer: str) -> None:
+        await asyncio.sleep(STRAY_GRACE_S)  # let the refusal reach it first
+        if self.is_stray(peer):
+            try:
+                await self.node.disconnect(peer)
+            except P2PError as e:
+                log.debug("disconnect of stray %s: %s", peer, e)
+
     async def _serve_peers(self, peer: str, body: bytes) -> bytes:
         hello = Hello.decode(body)  # capped at the `hello` size limit (protocol/limits.py)
         if hello.swarm_id != self.node.swarm_id:
-            # Never name our swarm: the peer list is only for members of the same swarm.
-            raise ValueError(f"not a member of swarm {hello.swarm_id[:64]!r}")
+            return self._refuse_stray(peer, hello.swarm_id)
+        self.strays.pop(peer, None)
         addrs = [a for a in hello.listen_addrs if a.endswith(f"/p2p/{peer}")]
         if addrs:
             self.known[peer] = addrs
@@ -127,8 +172,12 @@ class Discovery:
         except (RequestError, ProtocolError) as e:
             log.debug("peer exchange with %s failed: %s", peer, e)
             return 0
+        if isinstance(entries, dict):
+            self._refused(peer, entries)
+            return 0
         if not isinstance(entries, list):
             return 0
+        self.refused_by.pop(peer, None)
         learned = 0
         for entry in entries[:MAX_PEERS_REPLY]:
             if (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)
@@ -141,6 +190,18 @@ class Discovery:
                     learned += pid not in self.known
                     self.known[pid] = addrs
         return learned
+
+    def _refused(self, peer: str, wire: dict) -> None:
+        try:
+            refusal = PeerRefusal.from_wire(wire)
+        except ProtocolError as e:
+            log.debug("unreadable peer-exchange answer from %s: %s", peer, e)
+            return
+        first = peer not in self.refused_by
+        self.refused_by[peer] = refusal.swarm_id
+        self.known.pop(peer, None)
+        if first:
+            log.error(self._mismatch_line(peer))
 
     async def exchange_all(self) -> int:
         peers = self.node.connected_peers()
@@ -194,11 +255,12 @@ class Discovery:
         candidates: list[tuple[str, str]] = []
         for pid, addrs in self.known.items():
             if (pid not in connected and self._next_try.get(pid, 0) <= now
-                    and not self.node.penalties.refused(pid)):
+                    and not self.node.penalties.refused(pid) and pid not in self.refused_by):
                 candidates.append((pid, addrs[0]))
         for addr in self.bootstrap_addrs:
             pid = addr.rsplit("/p2p/", 1)[-1]
-            if pid not in connected and pid not in self.known and self._next_try.get(pid, 0) <= now:
+            if (pid not in connected and pid not in self.known and pid not in self.refused_by
+                    and self._next_try.get(pid, 0) <= now):
                 candidates.append((pid, addr))
         random.shuffle(candidates)
         chosen = candidates[:missing]

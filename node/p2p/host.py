@@ -352,7 +352,12 @@ class P2PNode:
                 del self._dialing[info.peer_id]
 
     def connected_peers(self) -> list[str]:
-        return sorted(self._connected)
+        """Connected members of this swarm (a peer of another swarm that was refused is
+        not one, while its connection closes)."""
+        d = self.discovery
+        if d is None or not d.strays:
+            return sorted(self._connected)
+        return sorted(p for p in self._connected if not d.is_stray(p))
 
     async def disconnect(self, peer_id: str) -> None:
         await self._bridge.call(self._host.disconnect, ID.from_base58(peer_id))

@@ -274,6 +274,28 @@ class BroadcastSection(Section):
     """Lifetime of a data-plane token."""
 
 
+class RelaySection(Section):
+    service: Literal["auto", "on", "off"] = "auto"
+    """Relay for NAT'd peers (Circuit Relay v2 hop): "auto" is on for the relay role and off
+    for the others; a node that turns it on should be publicly reachable."""
+    max_reservations: int = Field(32, ge=1, le=4096)
+    """Relay: NAT'd peers holding a slot here at once (more are refused)."""
+    max_circuits_per_peer: int = Field(16, ge=1, le=1024)
+    """Relay: relayed connections to one reserved peer at once."""
+    circuit_duration_s: int = Field(3600, ge=0)
+    """Relay: longest life of one relayed connection (0: no limit); then it is reset and
+    the peers dial again."""
+    circuit_bytes: int = Field(1 << 30, ge=0)
+    """Relay: most bytes one relayed connection carries, both directions (0: no limit)."""
+    reservation_ttl_s: int = Field(3600, ge=60)
+    """Relay: how long a reservation lasts unless refreshed (clients refresh it earlier)."""
+    client: bool = True
+    """While not publicly reachable, reserve slots on relays so that others can reach this
+    node through them (its /p2p-circuit addresses are advertised)."""
+    reservations: int = Field(2, ge=1, le=8)
+    """How many relays to hold a slot on while not publicly reachable."""
+
+
 class P2PSection(Section):
     inline_payload_max: int = Field(16 * 1024, ge=1024)
     """Sealed messages up to this size travel inside gossip messages; larger ones are
@@ -344,6 +366,16 @@ class P2PSection(Section):
     """Lifetime of a payload-plane token."""
     payload_pull_timeout_s: float = Field(10.0, gt=0)
     """Longest one pull of an announced payload from one source may take."""
+    dialback_peers: int = Field(3, ge=1, le=16)
+    """Reachability check: how many connected peers are asked to dial this node back at
+    its observed IP (it is public when more of them reached it than failed to)."""
+    reachability_interval_s: float = Field(300.0, gt=0)
+    """Seconds between reachability checks once one has an answer."""
+    hole_punching: bool = True
+    """Upgrade relayed connections to direct ones by hole punching (DCUtR) where the NATs
+    allow; the relayed connection closes once the direct one works."""
+    relay: RelaySection = RelaySection()
+    """Circuit Relay v2: serving as a relay, and using relays while behind NAT."""
 
 
 class LimitsSection(Section):

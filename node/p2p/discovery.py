@@ -37,6 +37,7 @@ MAX_PEERS_REPLY = 64
 QUIET_MAX_FACTOR = 8  # a quiet swarm exchanges peers every discovery_interval_s * this
 MAX_ADDRS_PER_PEER = 16
 MAX_ADDR_LEN = 256
+MAX_DIAL_ADDRS = 3  # addresses of one peer tried per redial
 AGENT = "swarm-node/0.1"
 STRAY_GRACE_S = 2.0  # a refused peer of another swarm is disconnected after this
 STRAY_FORGET_S = 600.0  # and not counted as a member (nor redialled) for this long
@@ -109,7 +110,7 @@ class Discovery:
 
     def _hello(self) -> bytes:
         return Hello(swarm_id=self.node.swarm_id, role=self.node.config.node.role, agent=AGENT,
-                     listen_addrs=self.node.listen_addrs[:MAX_ADDRS_PER_PEER]).encode()
+                     listen_addrs=self.node.advertised_addrs()[:MAX_ADDRS_PER_PEER]).encode()
 
     def _mismatch_line(self, peer: str) -> str:
         theirs = self.refused_by[peer]
@@ -155,7 +156,7 @@ class Discovery:
         addrs = [a for a in hello.listen_addrs if a.endswith(f"/p2p/{peer}")]
         if addrs:
             self.known[peer] = addrs
-        entries = [[self.node.peer_id, self.node.listen_addrs[:MAX_ADDRS_PER_PEER]]]
+        entries = [[self.node.peer_id, self.node.advertised_addrs()[:MAX_ADDRS_PER_PEER]]]
         others = [p for p in self.node.connected_peers() if p != peer and p in self.known]
         random.shuffle(others)
         for p in others[:MAX_PEERS_REPLY - 1]:
@@ -252,30 +253,45 @@ class Discovery:
         if missing <= 0:
             return 0
         now = time.monotonic()
-        candidates: list[tuple[str, str]] = []
+        candidates: list[tuple[str, list[str]]] = []
         for pid, addrs in self.known.items():
             if (pid not in connected and self._next_try.get(pid, 0) <= now
                     and not self.node.penalties.refused(pid) and pid not in self.refused_by):
-                candidates.append((pid, addrs[0]))
+                candidates.append((pid, dial_order(addrs)))
         for addr in self.bootstrap_addrs:
             pid = addr.rsplit("/p2p/", 1)[-1]
             if (pid not in connected and pid not in self.known and pid not in self.refused_by
                     and self._next_try.get(pid, 0) <= now):
-                candidates.append((pid, addr))
+                candidates.append((pid, [addr]))
         random.shuffle(candidates)
         chosen = candidates[:missing]
-        await asyncio.gather(*(self._redial(pid, addr) for pid, addr in chosen))
+        await asyncio.gather(*(self._redial(pid, addrs) for pid, addrs in chosen))
         return len(chosen)
 
-    async def _redial(self, pid: str, addr: str) -> None:
-        try:
-            await self.node.connect(addr)
-        except P2PError as e:
-            backoff = min(self._backoff.get(pid, 0.5) * 2, self.cfg.reconnect_max_backoff_s)
-            self._backoff[pid] = backoff
-            self._next_try[pid] = time.monotonic() + backoff
-            log.debug("redial of %s failed (%s); next try in %.0fs", pid, e, backoff)
+    async def _redial(self, pid: str, addrs: list[str]) -> None:
+        why: P2PError | None = None
+        for addr in addrs[:MAX_DIAL_ADDRS]:
+            try:
+                await self.node.connect(addr)
+            except P2PError as e:
+                why = e
+                continue
+            self._backoff.pop(pid, None)
+            self._next_try.pop(pid, None)
+            await self.exchange(pid)
             return
-        self._backoff.pop(pid, None)
-        self._next_try.pop(pid, None)
-        await self.exchange(pid)
+        backoff = min(self._backoff.get(pid, 0.5) * 2, self.cfg.reconnect_max_backoff_s)
+        self._backoff[pid] = backoff
+        self._next_try[pid] = time.monotonic() + backoff
+        log.debug("redial of %s failed (%s); next try in %.0fs", pid, why, backoff)
+
+
+def dial_order(addrs: list[str]) -> list[str]:
+    """Which of a peer's advertised addresses to try first. A peer that advertises relayed
+    (`/p2p-circuit`) addresses is not publicly reachable: its relays first (hole punching
+    then upgrades the connection where the NATs allow), its own addresses after (they work
+    from its LAN). Otherwise its addresses as advertised."""
+    circuits = [a for a in addrs if "/p2p-circuit" in a]
+    if not circuits:
+        return list(addrs)
+    return circuits + [a for a in addrs if "/p2p-circuit" not in a]

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import socket
 from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
 from typing import Self
 
 import multiaddr
@@ -30,6 +31,7 @@ from libp2p.tools.anyio_service import background_trio_service
 from ...protocol.ids import FETCH_PROTOCOL
 from ...protocol.messages import WireModel
 from .bridge import TrioBridge
+from .dialback import Dialback
 from .discovery import Discovery
 from .errors import BadMultiaddr, DialError, NotRunning, P2PError
 from .gossip import (
@@ -54,6 +56,7 @@ from .metrics import P2PMetrics
 from .penalties import PeerPenalties, TopicRateLimiter
 from .pubsub import GossipService, Handler
 from .reachability import Reachability, ReachabilityTracker
+from .relay import RelayService, connection_addr
 from .requests import RequestHandler, RequestService, StreamHandler
 from .streams import AsyncStream
 from .yamux import (
@@ -86,6 +89,8 @@ class P2PNode:
         self._validator: GossipValidator | None = None
         self._peer_filter: Callable[[str], bool] | None = None
         self._connected: set[str] = set()
+        self._relayed: set[str] = set()  # connected peers reached only through a relay
+        self._direct_addr: dict[str, str] = {}  # peer -> remote address of a direct conn
         self._dialing: dict = {}  # peer ID -> trio.Event set when our dial to it ends
         self._tasks: set[asyncio.Task] = set()
         self.gossip = GossipService(self)  # pubsub seam
@@ -98,6 +103,10 @@ class P2PNode:
         self._bridge.on_death = self._on_host_death
         self.discovery = None
         self.reach = ReachabilityTracker()  # fed by the dial-back check and the relay client
+        self.reach.subscribe(_log_reachability)
+        self.dialback = Dialback(self)
+        self.relay = RelayService(self)
+        self.reach.subscribe(lambda _snap: self.relay.wake())
         self._closing = False
         self._started = False
 
@@ -123,12 +132,15 @@ class P2PNode:
         await self.gossip.subscribe_pending()
         self.discovery = Discovery(self)
         await self.discovery.install()
+        await self.dialback.install()
         addrs = self.config.node.bootstrap if bootstrap is None else bootstrap
         try:
             if addrs:
                 await self.discovery.bootstrap(addrs)
             if discovery:
                 self._spawn(self.discovery.run())
+                self._spawn(self.dialback.run())
+                self._spawn(self.relay.run())
         except BaseException:
             await self.close()
             raise
@@ -192,6 +204,7 @@ class P2PNode:
         c = self.metrics.counters
         return {"alive": self.running and self.failure is None, "failure": self.failure,
                 "reachability": self.reach.current.as_dict(),
+                "relay": self.relay.stats(),
                 "stream_faults": c.get("stream_faults", 0),
                 "rate_limited": c.get("rejected.rate_limited", 0),
                 "window_violations": c.get("window_violations", 0),
@@ -280,9 +293,13 @@ class P2PNode:
                                           on_reject=self.penalties.penalise)
         self._host, self._router, self._pubsub = host, router, pubsub
         host.get_network().register_notifee(_Notifee(self))
+        services = self.relay.t_services(host)
         try:
             async with (host.run(listen_addrs=listen), background_trio_service(pubsub),
-                        background_trio_service(router)):
+                        background_trio_service(router), AsyncExitStack() as stack):
+                for service in services:
+                    await stack.enter_async_context(background_trio_service(service))
+                self.relay.t_guard_hop(host)
                 await pubsub.wait_until_ready()
                 limit_before_spawn(pubsub, host.get_id(), self.rate_limiter, self.penalties,
                                    self.metrics)
@@ -340,6 +357,10 @@ class P2PNode:
         done = self._dialing[info.peer_id] = trio.Event()
         try:
             with trio.fail_after(timeout):
+                if "/p2p-circuit" in str(info.addrs[0]):
+                    full = info.addrs[0].encapsulate(multiaddr.Multiaddr(f"/p2p/{info.peer_id}"))
+                    await self.relay.t_dial_circuit(full, info.peer_id)
+                    return
                 conn = await network.dial_addr(info.addrs[0], info.peer_id)
                 started = getattr(conn, "event_started", None)
                 if started is not None:
@@ -418,14 +439,46 @@ class P2PNode:
     # Connection tracking (called in the trio thread) -----------------------------------
 
     def _t_peers_changed(self) -> None:
-        peers = {p.to_base58() for p in self._host.get_connected_peers()}
-        self._bridge.to_asyncio_nowait(self._set_connected, peers)
+        conns = self._host.get_network().connections
+        peers, direct = set(), {}
+        for pid, cs in list(conns.items()):
+            if not cs:
+                continue
+            p = pid.to_base58()
+            peers.add(p)
+            for c in cs:
+                addr = connection_addr(c)
+                if addr is not None:
+                    direct[p] = addr
+                    break
+        self._bridge.to_asyncio_nowait(self._set_connected, peers, direct)
 
-    def _set_connected(self, peers: set[str]) -> None:
+    def is_relayed(self, peer_id: str) -> bool:
+        """True if every connection to `peer_id` goes through a relay (`/p2p-circuit`)."""
+        return peer_id in self._connected and peer_id not in self._direct_addr
+
+    def direct_addr_of(self, peer_id: str) -> str | None:
+        """The remote address of a direct connection to `peer_id` (None if relayed only)."""
+        return self._direct_addr.get(peer_id)
+
+    def advertised_addrs(self) -> list[str]:
+        """Addresses others should dial us at, full (with /p2p/<us>): our relayed
+        (`/p2p-circuit`) addresses first while we are not public, then the listen ones."""
+        snap = self.reach.current
+        circuits = [] if snap.public else list(snap.relay_addrs)
+        return list(dict.fromkeys(circuits + self.listen_addrs))
+
+    def _set_connected(self, peers: set[str], direct: dict[str, str] | None = None) -> None:
         new = peers - self._connected
         self._connected = peers
+        self._direct_addr = dict(direct or {})
         if new:
             self.gossip.peers_connected(new)
+
+
+def _log_reachability(snap: Reachability) -> None:
+    level = logging.WARNING if snap.verdict.value == "unreachable" else logging.INFO
+    log.log(level, "%s", snap.line())
 
 
 class _Notifee:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from swarm_node.node.identity import Identity
+from swarm_node.node.p2p import P2PNode
 from swarm_node.node.p2p.reachability import ReachabilityTracker, Verdict
+
+from .conftest import p2p_config, wait_until
 
 
 def test_tracker_verdicts_and_listeners():
@@ -24,3 +28,35 @@ def test_tracker_verdicts_and_listeners():
     tracker.set_dialback(False, [])
     assert len(seen) == 4
     assert "relay" in tracker.current.line() and tracker.current.as_dict()["verdict"] == "direct"
+
+
+async def test_public_on_loopback(make_node):
+    boot = await make_node()
+    node = await make_node(bootstrap=boot.listen_addrs)
+    await wait_until(lambda: node.reachability.verdict is not Verdict.UNKNOWN, 20,
+                     what="a verdict")
+    snap = node.reachability
+    assert snap.public, snap.line()
+    port = node.listen_addrs[0].split("/tcp/")[1].split("/")[0]
+    assert snap.public_addrs == (f"/ip4/127.0.0.1/tcp/{port}",)
+    assert node.health()["reachability"]["verdict"] == "public"
+
+
+async def test_private_when_dial_back_fails(make_node):
+    """Listening on 127.0.0.2 while dialling out from 127.0.0.1 is a NAT in miniature: the
+    peer sees us at 127.0.0.1, where nothing listens."""
+    boot = await make_node()
+    cfg = p2p_config()
+    cfg.node.listen = ["/ip4/127.0.0.2/tcp/0"]
+    node = P2PNode(Identity.generate(), cfg)
+    seen = []
+    node.on_reachability_change(seen.append)
+    await node.start(bootstrap=boot.listen_addrs)
+    try:
+        await wait_until(lambda: seen, 20, what="a verdict")
+        snap = node.reachability
+        assert snap.verdict is Verdict.UNREACHABLE, snap.line()
+        assert not snap.public_addrs and "connection refused" in snap.detail
+        assert snap.observed_addrs and snap.observed_addrs[0].startswith("/ip4/127.0.0.1/")
+    finally:
+        await node.close()

@@ -60,3 +60,33 @@ async def test_private_when_dial_back_fails(make_node):
         assert snap.observed_addrs and snap.observed_addrs[0].startswith("/ip4/127.0.0.1/")
     finally:
         await node.close()
+
+
+def test_why_not_py_libp2p_autonat():
+    """py-libp2p 0.8.1's AutoNAT server dials back with `host.connect`, which returns at
+    once over the connection the request came on: a closed port is reported reachable.
+    When this fails, upstream fixed it and AutoNAT could replace dialback.py."""
+    import socket
+
+    import multiaddr
+    import trio
+    from libp2p.host.autonat import AutoNATService
+    from libp2p.host.autonat.pb.autonat_pb2 import Message
+    from libp2p.peer.peerinfo import PeerInfo
+
+    from .test_relay_patches import _host
+
+    async def ask() -> int:
+        (a, la), (b, lb) = _host("127.0.0.1"), _host("127.0.0.1")
+        async with a.run(la), b.run(lb):
+            AutoNATService(b)  # the server
+            await a.connect(PeerInfo(b.get_id(), b.get_addrs()))
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            closed = multiaddr.Multiaddr(f"/ip4/127.0.0.1/tcp/{s.getsockname()[1]}")
+            s.close()
+            status, _ = await AutoNATService(a, serve=False).query_server(
+                b.get_id(), [closed.to_bytes()])
+            return status
+
+    assert trio.run(ask) == Message.OK

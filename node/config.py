@@ -12,7 +12,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ..protocol.limits import DEFAULT_MAX_BYTES, Limits
 from .errors import ConfigError
@@ -303,7 +303,13 @@ class P2PSection(Section):
     bootstrap_timeout_s: float = Field(30.0, gt=0)
     """How long to keep trying the bootstrap peers before giving up."""
     target_peers: int = Field(8, ge=1)
-    """Connections to keep open."""
+    """Connections to keep open: discovery dials until this many are."""
+    max_peers: int = Field(32, ge=1)
+    """Most connections kept open: above it the least useful are closed until
+    `target_peers` remain (never the followed trainer, the relays in use, peers holding a
+    relay slot here, or connections younger than `connection_grace_s`)."""
+    connection_grace_s: float = Field(30.0, ge=0)
+    """A new connection is not closed for being one too many before it is this old."""
     request_timeout_s: float = Field(30.0, gt=0)
     """Per-request timeout on stream protocols."""
     dial_timeout_s: float = Field(10.0, gt=0)
@@ -376,6 +382,13 @@ class P2PSection(Section):
     allow; the relayed connection closes once the direct one works."""
     relay: RelaySection = RelaySection()
     """Circuit Relay v2: serving as a relay, and using relays while behind NAT."""
+
+    @model_validator(mode="after")
+    def _bounds(self):
+        if self.max_peers < self.target_peers:
+            raise ValueError(f"max_peers ({self.max_peers}) is below target_peers "
+                             f"({self.target_peers}): raise max_peers or lower target_peers")
+        return self
 
 
 class LimitsSection(Section):

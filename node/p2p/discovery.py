@@ -59,6 +59,10 @@ class Discovery:
         """Serve PEERS_PROTOCOL; returns an awaitable done once the handler is live."""
         return self.node.set_request_handler(PEERS_PROTOCOL, self._serve_peers)
 
+    def pause(self, peer: str, seconds: float) -> None:
+        """Do not redial `peer` for `seconds` (e.g. the connection manager closed it)."""
+        self._next_try[peer] = max(self._next_try.get(peer, 0.0), time.monotonic() + seconds)
+
     def forget(self, peer: str) -> None:
         """A cut peer: drop its addresses so it is not redialled or handed to others."""
         self.known.pop(peer, None)

@@ -31,6 +31,7 @@ from libp2p.tools.anyio_service import background_trio_service
 from ...protocol.ids import FETCH_PROTOCOL
 from ...protocol.messages import WireModel
 from .bridge import TrioBridge
+from .connmgr import ConnectionManager
 from .dialback import Dialback
 from .discovery import Discovery
 from .errors import BadMultiaddr, DialError, NotRunning, P2PError
@@ -106,6 +107,7 @@ class P2PNode:
         self.reach.subscribe(_log_reachability)
         self.dialback = Dialback(self)
         self.relay = RelayService(self)
+        self.connmgr = ConnectionManager(self)
         self.reach.subscribe(lambda _snap: self.relay.wake())
         self._closing = False
         self._started = False
@@ -134,6 +136,7 @@ class P2PNode:
         await self.discovery.install()
         await self.dialback.install()
         addrs = self.config.node.bootstrap if bootstrap is None else bootstrap
+        self._spawn(self.connmgr.run())
         try:
             if addrs:
                 await self.discovery.bootstrap(addrs)
@@ -205,6 +208,9 @@ class P2PNode:
         return {"alive": self.running and self.failure is None, "failure": self.failure,
                 "reachability": self.reach.current.as_dict(),
                 "relay": self.relay.stats(),
+                "connections": {"open": len(self._connected), "target": self.cfg.target_peers,
+                                "max": self.cfg.max_peers, "relayed": len(self._connected)
+                                - len(self._direct_addr), "trimmed": self.connmgr.trimmed},
                 "stream_faults": c.get("stream_faults", 0),
                 "rate_limited": c.get("rejected.rate_limited", 0),
                 "window_violations": c.get("window_violations", 0),
@@ -383,6 +389,15 @@ class P2PNode:
     async def disconnect(self, peer_id: str) -> None:
         await self._bridge.call(self._host.disconnect, ID.from_base58(peer_id))
 
+    def protect(self, peer_id: str, tag: str) -> None:
+        """Keep the connection to `peer_id` when trimming to `p2p.max_peers` (e.g. the
+        trainer this node follows), until `unprotect(peer_id, tag)`."""
+        self.connmgr.protect(peer_id, tag)
+
+    def unprotect(self, peer_id: str, tag: str) -> bool:
+        """Drop one protection tag; True if another tag still protects the peer."""
+        return self.connmgr.unprotect(peer_id, tag)
+
     def set_peer_filter(self, fn: Callable[[str], bool] | None) -> None:
         """`fn(peer_id) -> bool`: False drops that peer's gossip (at the validator, counted
         as `banned`) and refuses its requests and streams. Called from the libp2p thread:
@@ -472,6 +487,7 @@ class P2PNode:
         new = peers - self._connected
         self._connected = peers
         self._direct_addr = dict(direct or {})
+        self.connmgr.peers_changed(peers)
         if new:
             self.gossip.peers_connected(new)
 

@@ -97,3 +97,21 @@ async def test_reservation_refused_past_the_relays_limit(natted, monkeypatch):
                          what="C takes the freed slot")
     finally:
         await relay.close()
+
+
+async def test_relayed_connection_upgrades_to_direct(natted):
+    """DCUtR on loopback: the NATs are pretend, so its first step (a direct dial to the
+    addresses identify gave) already succeeds. The real hole punch (TCP simultaneous open
+    through two NATs) is test_hole_punch_through_two_nats in the namespace lab."""
+    relay = await start_relay()
+    try:
+        a = await natted(2, relay.listen_addrs, target_peers=1)
+        await wait_until(lambda: a.reachability.relay_addrs, 30, what="A relayed")
+        b = await natted(3, relay.listen_addrs, discovery=False)
+        await b.connect(a.reachability.relay_addrs[0])
+        assert b.is_relayed(a.peer_id)
+        await wait_until(lambda: not b.is_relayed(a.peer_id), 30, what="a direct connection")
+        await wait_until(lambda: a.reachability.verdict is Verdict.DIRECT, 30,
+                         what="A's verdict direct")
+    finally:
+        await relay.close()

@@ -1,0 +1,40 @@
+"""The connection bound: whatever the swarm's size, a node keeps at most p2p.max_peers
+connections (trimming the least useful down to target_peers), never its protected peers,
+and the bounded graph still carries gossip to everyone."""
+
+from __future__ import annotations
+
+import asyncio
+
+from .conftest import verdict, wait_until
+
+N = 12
+BOUND = {"target_peers": 3, "max_peers": 5, "connection_grace_s": 0.5}
+
+
+async def test_connection_bound_holds_with_many_peers(make_node):
+    boot = await make_node(**BOUND)
+    nodes = [boot] + [await make_node(bootstrap=boot.listen_addrs, **BOUND)
+                      for _ in range(N - 1)]
+    keep = nodes[-1].peer_id
+    boot.protect(keep, "test")
+    got = {n.peer_id: [] for n in nodes}
+    for n in nodes:
+        async def on_verdict(env, origin, me=n.peer_id):
+            got[me].append(env.message.policy_version)
+        await n.subscribe("verdicts", on_verdict)
+    # Everyone joined through `boot`, which had N - 1 connections: it trimmed to target.
+    await wait_until(lambda: boot.connmgr.trimmed > 0, 30, what="the bootstrap node trims")
+    await wait_until(lambda: all(len(n.connected_peers()) <= BOUND["max_peers"] for n in nodes),
+                     30, what="every node within the bound")
+    assert keep in boot.connected_peers()  # protected
+    assert all(n.connected_peers() for n in nodes)
+    # The bounded graph carries gossip to every node (mesh forwarding, not one hop).
+    await wait_until(lambda: all(n.topic_peers("verdicts") for n in nodes), 30,
+                     what="subscriptions known")
+    await asyncio.sleep(1.5)  # GossipSub heartbeats graft the meshes
+    await nodes[3].publish("verdicts", verdict(42))
+    await wait_until(lambda: all(42 in v for p, v in got.items() if p != nodes[3].peer_id),
+                     30, what="the message at every node")
+    counts = sorted(len(n.connected_peers()) for n in nodes)
+    assert counts[-1] <= BOUND["max_peers"], counts

@@ -377,6 +377,9 @@ class P2PSection(Section):
     its observed IP (it is public when more of them reached it than failed to)."""
     reachability_interval_s: float = Field(300.0, gt=0)
     """Seconds between reachability checks once one has an answer."""
+    dht: bool = True
+    """Kad-DHT: find peers of this swarm and the providers of a key (checkpoints) beyond
+    the peers' own peer lists; publicly reachable nodes serve it."""
     hole_punching: bool = True
     """Upgrade relayed connections to direct ones by hole punching (DCUtR) where the NATs
     allow; the relayed connection closes once the direct one works."""

@@ -38,6 +38,7 @@ QUIET_MAX_FACTOR = 8  # a quiet swarm exchanges peers every discovery_interval_s
 MAX_ADDRS_PER_PEER = 16
 MAX_ADDR_LEN = 256
 MAX_DIAL_ADDRS = 3  # addresses of one peer tried per redial
+DHT_LOOKUP_INTERVAL_S = 30.0  # at most one DHT lookup of swarm peers per this
 AGENT = "swarm-node/0.1"
 STRAY_GRACE_S = 2.0  # a refused peer of another swarm is disconnected after this
 STRAY_FORGET_S = 600.0  # and not counted as a member (nor redialled) for this long
@@ -54,6 +55,7 @@ class Discovery:
         self._turn = 0  # which connected peer a quiet round asks
         self.strays: dict[str, float] = {}  # peers of another swarm we refused -> when
         self.refused_by: dict[str, str] = {}  # peers that refused us -> their swarm id
+        self._dht_looked = -DHT_LOOKUP_INTERVAL_S
 
     def install(self):
         """Serve PEERS_PROTOCOL; returns an awaitable done once the handler is live."""
@@ -267,10 +269,37 @@ class Discovery:
             if (pid not in connected and pid not in self.known and pid not in self.refused_by
                     and self._next_try.get(pid, 0) <= now):
                 candidates.append((pid, [addr]))
+        if len(candidates) < missing:
+            candidates += await self._from_dht(connected | {pid for pid, _ in candidates})
         random.shuffle(candidates)
         chosen = candidates[:missing]
         await asyncio.gather(*(self._redial(pid, addrs) for pid, addrs in chosen))
         return len(chosen)
+
+    async def _from_dht(self, exclude: set[str]) -> list[tuple[str, list[str]]]:
+        """Peers of this swarm from the DHT (its public members), at most once per
+        DHT_LOOKUP_INTERVAL_S: peer exchange ran out of peers to dial."""
+        now = time.monotonic()
+        if now - self._dht_looked < DHT_LOOKUP_INTERVAL_S:
+            return []
+        self._dht_looked = now
+        try:
+            found = await self.node.dht.swarm_peers()
+        except P2PError as e:
+            log.debug("DHT lookup of swarm peers failed: %s", e)
+            return []
+        out = []
+        for pid, addrs in found:
+            addrs = [a for a in addrs[:MAX_ADDRS_PER_PEER] if len(a) <= MAX_ADDR_LEN]
+            if pid in exclude or pid == self.node.peer_id or not addrs:
+                continue
+            if pid not in self.known:
+                self.known[pid] = addrs
+                self.node.metrics.inc("dht_peers_found")
+            if (self._next_try.get(pid, 0) <= now and not self.node.penalties.refused(pid)
+                    and pid not in self.refused_by):
+                out.append((pid, dial_order(self.known[pid])))
+        return out
 
     async def _redial(self, pid: str, addrs: list[str]) -> None:
         why: P2PError | None = None

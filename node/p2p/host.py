@@ -32,8 +32,9 @@ from ...protocol.ids import FETCH_PROTOCOL
 from ...protocol.messages import WireModel
 from .bridge import TrioBridge
 from .connmgr import ConnectionManager
+from .dht import DHTService
 from .dialback import Dialback
-from .discovery import Discovery
+from .discovery import Discovery, dial_order
 from .errors import BadMultiaddr, DialError, NotRunning, P2PError
 from .gossip import (
     GossipValidator,
@@ -108,6 +109,8 @@ class P2PNode:
         self.dialback = Dialback(self)
         self.relay = RelayService(self)
         self.connmgr = ConnectionManager(self)
+        self.dht = DHTService(self)
+        self.reach.subscribe(lambda _snap: self.dht.reachability_changed())
         self.reach.subscribe(lambda _snap: self.relay.wake())
         self._closing = False
         self._started = False
@@ -144,6 +147,7 @@ class P2PNode:
                 self._spawn(self.discovery.run())
                 self._spawn(self.dialback.run())
                 self._spawn(self.relay.run())
+                self._spawn(self.dht.run())
         except BaseException:
             await self.close()
             raise
@@ -300,6 +304,9 @@ class P2PNode:
         self._host, self._router, self._pubsub = host, router, pubsub
         host.get_network().register_notifee(_Notifee(self))
         services = self.relay.t_services(host)
+        dht = self.dht.t_service(host)
+        if dht is not None:
+            services.append(dht)
         try:
             async with (host.run(listen_addrs=listen), background_trio_service(pubsub),
                         background_trio_service(router), AsyncExitStack() as stack):
@@ -389,6 +396,19 @@ class P2PNode:
     async def disconnect(self, peer_id: str) -> None:
         await self._bridge.call(self._host.disconnect, ID.from_base58(peer_id))
 
+    async def provide(self, key: bytes) -> bool:
+        """Announce in the DHT that this node provides `key` (e.g. `dht.dht_key(
+        "checkpoint", ...)`); False if the DHT is off or no peer took the record."""
+        return await self.dht.provide(key)
+
+    async def find_providers(self, key: bytes, count: int = 20) -> list[tuple[str, list[str]]]:
+        """Peers that announced `key`, with the addresses their records carry plus any
+        this node learned otherwise (relayed ones first): [(peer id, [full multiaddr])]."""
+        found = await self.dht.find_providers(key, count)
+        known = self.discovery.known if self.discovery is not None else {}
+        return [(pid, dial_order(list(dict.fromkeys(known.get(pid, []) + addrs))))
+                for pid, addrs in found]
+
     def protect(self, peer_id: str, tag: str) -> None:
         """Keep the connection to `peer_id` when trimming to `p2p.max_peers` (e.g. the
         trainer this node follows), until `unprotect(peer_id, tag)`."""
@@ -455,6 +475,7 @@ class P2PNode:
 
     def _t_peers_changed(self) -> None:
         conns = self._host.get_network().connections
+        self.dht.t_connections_changed(self._nursery, [p for p, cs in conns.items() if cs])
         peers, direct = set(), {}
         for pid, cs in list(conns.items()):
             if not cs:

@@ -17,7 +17,8 @@ async def test_connection_bound_holds_with_many_peers(make_node):
     nodes = [boot] + [await make_node(bootstrap=boot.listen_addrs, **BOUND)
                       for _ in range(N - 1)]
     keep = nodes[-1].peer_id
-    boot.protect(keep, "test")
+    boot.protect(keep, "test")  # protection is one-sided (each side trims its own)
+    nodes[-1].protect(boot.peer_id, "test")
     got = {n.peer_id: [] for n in nodes}
     for n in nodes:
         async def on_verdict(env, origin, me=n.peer_id):

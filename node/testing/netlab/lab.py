@@ -40,6 +40,7 @@ from .topology import Home, Link, Topology
 
 TUN = "dly0"
 TUN_TABLE = 100
+TUN_QUEUE = 10_000  # packets
 MAIN_TABLE = 254
 RULE_FROM_TUN, RULE_TO_TUN = 100, 200
 STAGE_TIMEOUT_S = 30.0
@@ -211,7 +212,8 @@ class Lab:
         def route():
             with IPRoute() as ipr:
                 idx = ipr.link_lookup(ifname=TUN)[0]
-                ipr.link("set", index=idx, state="up")
+                # a long queue: a burst waits for the stage rather than being dropped
+                ipr.link("set", index=idx, state="up", txqlen=TUN_QUEUE)
                 ipr.route("add", dst="0.0.0.0/0", oif=idx, table=TUN_TABLE)
                 ipr.rule("add", iifname=TUN, table=MAIN_TABLE, priority=RULE_FROM_TUN)
                 ipr.rule("add", table=TUN_TABLE, priority=RULE_TO_TUN)
@@ -292,7 +294,9 @@ class Lab:
         self._stage_call({"op": "heal"})
 
     def stage_stats(self) -> dict:
-        """The delay stage's counters: packets, bytes, lost, partitioned, max_held, cpu_s."""
+        """The delay stage's counters: packets, bytes, lost (configured loss), partitioned,
+        max_held, late_2ms/late_10ms (packets released that much after their due time: the
+        stage fell behind), tun_drops (dropped before the stage read them), cpu_s."""
         return self._stage_call({"op": "stats"})["stats"]
 
     # --- processes -----------------------------------------------------------------------

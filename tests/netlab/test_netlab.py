@@ -171,3 +171,12 @@ def test_the_lab_imports_no_node_code_and_its_scripts_only_the_stdlib():
                 assert not name.startswith("swarm_node"), (path.name, name)
                 if path.name in ("delay.py", "probe.py"):
                     assert name.split(".")[0] in sys.stdlib_module_names, (path.name, name)
+
+
+def test_link_bytes_count_what_a_site_sent(lab):
+    before = lab.link_bytes("alice")  # alice's home router's access link
+    server, port = start(lab, "srv", "sink", "0")
+    run(lab, "alice", "send", lab.addr("srv"), str(port), str(300_000))
+    result(server)
+    after = lab.link_bytes("cone1")
+    assert 300_000 <= after["tx"] - before["tx"] < 330_000  # payload + TCP/IP headers

@@ -178,10 +178,29 @@ def section_stage(args, work: Path) -> tuple[str, dict]:
         rows.append([(f"TCP bulk {args.stage_tcp_mib} MiB: {mbit:.0f} Mbit/s, "
                      f"{out['tcp']['bytes_per_packet'] / 1024:.0f} KiB/packet (GSO)"), "-",
                      f"{out['tcp']['cpu_us']:.1f}", "-", s1["tun_drops"] - s0["tun_drops"]])
+    lossy = []
+    for loss in args.stage_losses:  # one TCP flow over 80 ms RTT, loss on one leg
+        topo = Topology(hosts=[Host("a", Link(latency_ms=20, loss=loss)),
+                               Host("b", Link(latency_ms=20))])
+        with Lab(topo, prefix="wanb") as lab:
+            sink = LabProc(lab, "b", [*PROBE, "sink", "0"], work / "stage" / f"loss{loss}")
+            port = sink.event("any", 30)["listening"]
+            lab.run("a", [*PROBE, "send", lab.addr("b"), str(port), str(20 * MiB)],
+                    timeout=600, check=True)
+            got = sink.event("any", 120)
+            sink.stop()
+            st = lab.stage_stats()
+        mbit = got["after_first"] * 8 / got["span_s"] / 1e6
+        out.setdefault("tcp_loss", []).append({"loss": loss, "mbit_s": mbit, **st})
+        lossy.append([f"{loss:.1%}", f"{mbit:.1f}", f"{st['lost']}/{st['packets']}",
+                      st["split"]])
     body = (f"Load before: {args.load_before}. Two public hosts, 10 ms RTT, no loss, no "
             "shaping: everything crosses the delay stage (one Python process, one core).\n\n"
             + table(["traffic", "delivered", "stage CPU us/packet", "released >2 ms late",
-                     "dropped before the stage"], rows))
+                     "dropped before the stage"], rows)
+            + "\n\nOne TCP flow (Linux default congestion control), 20 MiB over 80 ms RTT "
+            "with random loss on the sender's leg (per wire segment, data and ACKs):\n\n"
+            + table(["loss", "Mbit/s", "segments lost/seen", "GSO packets split"], lossy))
     return body, out
 
 
@@ -787,6 +806,7 @@ def parse(argv=None):
     # stage
     ap.add_argument("--stage-rates", type=int, nargs="+", default=[5000, 20000, 40000])
     ap.add_argument("--stage-tcp-mib", type=int, default=200)
+    ap.add_argument("--stage-losses", type=float, nargs="+", default=[0.0, 0.005, 0.01])
     # pair
     ap.add_argument("--pair-nats", nargs="+", type=lambda s: tuple(s.split("/")),
                     default=[("cone", "cone"), ("cone", "symmetric"),

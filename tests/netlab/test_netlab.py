@@ -52,7 +52,7 @@ def test_rtt_is_at_least_the_configured_path_rtt(lab):
 
 def test_loss_matches_the_configured_rate(lab):
     n, p = 2000, TOPO.path_loss("srv", "lossy")  # 10% on lossy's leg
-    sink, port = start(lab, "lossy", "udp-sink", "0", "2")
+    sink, port = start(lab, "lossy", "udp-sink", "0", "1")
     run(lab, "srv", "udp-send", lab.addr("lossy"), str(port), str(n), "4000")
     lost = n - result(sink)["received"]
     sigma = math.sqrt(n * p * (1 - p))
@@ -62,7 +62,7 @@ def test_loss_matches_the_configured_rate(lab):
 def test_a_natted_host_dials_out_but_cannot_be_dialled(lab):
     srv, port = start(lab, "alice", "whoami", "0", "1")
     for target in (lab.public_addr("alice"), lab.addr("alice")):
-        done = lab.run("srv", [*PROBE, "ask", target, str(port), "0", "2"], timeout=30)
+        done = lab.run("srv", [*PROBE, "ask", target, str(port), "0", "1.5"], timeout=30)
         assert done.returncode != 0  # timed out or unreachable: never connected
     srv.kill()
     srv.wait()
@@ -90,7 +90,7 @@ def test_cone_keeps_the_public_port_symmetric_does_not(lab):
 def test_tcp_hole_punch_works_between_cones_not_between_symmetric_nats(lab, a, b, expect):
     rv, port = start(lab, "srv", "rendezvous", "0")
     procs = [lab.popen(h, [*PROBE, "punch", lab.addr("srv"), str(port), str(41000 + i),
-                           "4"], stdout=-1, stderr=-1) for i, h in enumerate((a, b))]
+                           "3"], stdout=-1, stderr=-1) for i, h in enumerate((a, b))]
     outcomes = [result(p) for p in procs]
     result(rv)
     assert [o["connected"] for o in outcomes] == [expect, expect], outcomes
@@ -115,7 +115,7 @@ def test_bandwidth_cap_holds(lab):
 def test_partition_cuts_and_heal_restores(lab):
     srv, port = start(lab, "srv", "whoami", "0", "1")
     lab.partition(["srv"], ["alice", "srv2"])
-    done = lab.run("alice", [*PROBE, "ask", lab.addr("srv"), str(port), "0", "2"], timeout=30)
+    done = lab.run("alice", [*PROBE, "ask", lab.addr("srv"), str(port), "0", "1.5"], timeout=30)
     assert done.returncode != 0
     assert lab.stage_stats()["partitioned"] > 0
     lab.heal()

@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import logging
 import os
 import queue
 import random
@@ -56,7 +57,7 @@ from swarm_node.node.testing.netlab import Host, Lab, Link, Topology, probe
 from swarm_node.node.testing.netlab.scenarios import WanPlan, pair_topology, run_pair, wan_plan
 from swarm_node.node.testing.netlab.swarm import LabNode, LabSwarm, accepted_from, log_signals
 
-from benchmarks.results import record, table
+from benchmarks.results import Headline, record, table
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARDCAST_PY = ROOT / ".venv-shardcast" / "bin" / "python"
@@ -170,14 +171,15 @@ def section_stage(args, work: Path) -> tuple[str, dict]:
         got = sink.event("any", 120)
         sink.stop()
         s1 = lab.stage_stats()
-        pk = s1["packets"] - s0["packets"]
+        reads = s1["reads"] - s0["reads"]
         mbit = got["after_first"] * 8 / got["span_s"] / 1e6
-        out["tcp"] = {"mbit_s": mbit, "packets": pk, "bytes_per_packet":
-                      (s1["bytes"] - s0["bytes"]) / max(pk, 1),
-                      "cpu_us": (s1["cpu_s"] - s0["cpu_s"]) / max(pk, 1) * 1e6}
+        out["tcp"] = {"mbit_s": mbit, "reads": reads, "bytes_per_read":
+                      (s1["bytes"] - s0["bytes"]) / max(reads, 1),
+                      "cpu_us": (s1["cpu_s"] - s0["cpu_s"]) / max(reads, 1) * 1e6}
         rows.append([(f"TCP bulk {args.stage_tcp_mib} MiB: {mbit:.0f} Mbit/s, "
-                     f"{out['tcp']['bytes_per_packet'] / 1024:.0f} KiB/packet (GSO)"), "-",
-                     f"{out['tcp']['cpu_us']:.1f}", "-", s1["tun_drops"] - s0["tun_drops"]])
+                     f"{out['tcp']['bytes_per_read'] / 1024:.0f} KiB per GSO packet read"), "-",
+                     f"{out['tcp']['cpu_us']:.1f} per GSO packet", "-",
+                     s1["tun_drops"] - s0["tun_drops"]])
     lossy = []
     for loss in args.stage_losses:  # one TCP flow over 80 ms RTT, loss on one leg
         topo = Topology(hosts=[Host("a", Link(latency_ms=20, loss=loss)),
@@ -506,6 +508,8 @@ async def _gossip_worker(args) -> None:
 
     from benchmarks.gossip import make_batch
 
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = Config()
     cfg.node.swarm_id = "bench"
     cfg.node.listen = [args.listen]
@@ -791,6 +795,61 @@ def section_scaling(args, work: Path, model_dir: Path) -> tuple[str, dict]:
     return body, out
 
 
+# headline rows ----------------------------------------------------------------------------------
+
+def headlines(name: str, out: dict, args) -> list[Headline]:
+    """The section's rows of RESULTS.md's headline table (issue #27's goals)."""
+    if name == "pair":
+        accepted = sum(o[p]["accepted"] > 0 for o in out.values() for p in ("peer1", "peer2"))
+        firsts = [t for o in out.values() for t in o["first_accepted_s"].values()]
+        direct = sum("peer2" in o["connected"].get("peer1", []) for o in out.values())
+        return [Headline("wan: NAT'd pair (public trainer + relay), every NAT combination",
+                         "both contribute and hot-load; cone pair direct, others relayed",
+                         f"{accepted}/{2 * len(out)} peers accepted (first at "
+                         f"{min(firsts, default=0):.0f}-{max(firsts, default=0):.0f} s after "
+                         f"the trainer's start); NAT'd peers connected to each other in "
+                         f"{direct}/{len(out)} ({', '.join(out)})")]
+    if name == "swarm":
+        natted = [t for k, v in out["first_accepted_s"].items() if k != "public" for t in v]
+        ok = [t for t in natted if t is not None and t <= 60]
+        pairs = out["steady"]["connected_pairs"]
+        cone = pairs.get("cone/cone", [0, 0])
+        return [Headline(f"wan: NAT'd peers' first accepted rollout ({out['nodes']} nodes)",
+                         "every one within 60 s of its start",
+                         f"{len(ok)}/{len(natted)} within 60 s (max "
+                         f"{max((t for t in natted if t is not None), default=float('nan')):.0f}"
+                         " s)"),
+                Headline(f"wan: cone-NAT pairs directly connected ({out['nodes']} nodes)",
+                         ">= 95%", f"{cone[0]}/{cone[1]}")]
+    if name == "gossip":
+        return [Headline(f"wan: gossip rounds, p95 / (slowest RTT + transfer) "
+                         f"({out['nodes']} nodes)", "100% rounds; <= 2x",
+                         f"{out['rounds_complete']}/{out['rounds']} rounds; "
+                         f"{out['round_p95'] / out['bound_s']:.1f}x "
+                         f"({out['round_p95']:.2f} s vs {out['bound_s']:.2f} s)")]
+    if name == "broadcast":
+        ours, sc = out["ours"], out.get("shardcast")
+        t = ours["t_all"]
+        return [Headline(f"wan: broadcast {args.mib} MiB to {ours['expected']} receivers",
+                         "<= 1.5x the bandwidth bound; trainer egress <= 2x; ahead of "
+                         "shardcast",
+                         f"{t / out['bound_s']:.1f}x ({t:.0f} s, bound {out['bound_s']:.0f} s)"
+                         f"; egress {ours['egress'] / out['size']:.1f}x",
+                         f"shardcast {sc['t_all']:.0f} s, egress "
+                         f"{sc['egress'] / out['size']:.1f}x" if sc and sc["t_all"]
+                         else "shardcast not run or incomplete")]
+    if name == "scaling":
+        per_n = []
+        for n, o in out.items():
+            items = [i for v in o["swarm"]["steady"]["usage"].values() for i in v]
+            per_n.append(f"N={n}: {statistics.fmean(i['connections'] for i in items):.1f} "
+                         f"conns, {statistics.fmean(i['rss_mib'] for i in items):.0f} MiB, "
+                         f"{statistics.fmean(i['cpu_per_s'] for i in items):.2f} CPU")
+        return [Headline("wan: per-node connections, RSS, CPU as N grows", "flat",
+                         "; ".join(per_n))]
+    return []
+
+
 # main -------------------------------------------------------------------------------------------
 
 def parse(argv=None):
@@ -869,7 +928,7 @@ def main(argv=None) -> int:
         body += f"\n\nSection wall time {time.monotonic() - t0:.0f} s; load after {load_avg()}."
         print(f"\n## wan: {name}\n\n{body}\n", flush=True)
         if not args.no_record:
-            record(f"wan: {name}", body)
+            record(f"wan: {name}", body, headline=headlines(name, figures[name], args))
         if args.json:
             args.json.write_text(json.dumps(figures, indent=1, default=str))
     return 0

@@ -307,8 +307,8 @@ class Lab:
         return nsutil.in_netns(self.ns(site), read)
 
     def stage_stats(self) -> dict:
-        """The delay stage's counters: packets (wire packets: a GSO packet counts as its
-        segments), bytes, lost (by the configured loss, in wire packets), split (GSO packets
+        """The delay stage's counters: reads (packets read from the TUN, GSO packets
+        whole), packets (wire packets: a GSO packet counts as its segments), bytes, lost (by the configured loss, in wire packets), split (GSO packets
         cut to drop single segments), partitioned, max_held, late_2ms/late_10ms (released that
         long after their due time: the stage fell behind), tun_drops (dropped before the stage
         read them), cpu_s."""

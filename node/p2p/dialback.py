@@ -31,8 +31,6 @@ from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
 from libp2p.peer.id import ID
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
-from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
-from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.transport.upgrader import TransportUpgrader
 
 from ...protocol.errors import ProtocolError
@@ -138,8 +136,8 @@ class Dialback:
         if self._upgrader is None:
             key_pair = create_new_key_pair()
             noise = NoiseTransport(key_pair, noise_privkey=create_x25519_key_pair().private_key)
-            self._upgrader = TransportUpgrader({NOISE_PROTOCOL_ID: noise},
-                                               {YAMUX_PROTOCOL_ID: Yamux})
+            # Security only: the probe closes once Noise has proven the peer id.
+            self._upgrader = TransportUpgrader({NOISE_PROTOCOL_ID: noise}, {})
         return self._upgrader
 
     # Asking side ------------------------------------------------------------------------

@@ -74,11 +74,11 @@ def test_why_not_py_libp2p_autonat():
     from libp2p.host.autonat.pb.autonat_pb2 import Message
     from libp2p.peer.peerinfo import PeerInfo
 
-    from .test_relay_patches import _host
+    from .patches.rawhost import raw_host, running
 
     async def ask() -> int:
-        (a, la), (b, lb) = _host("127.0.0.1"), _host("127.0.0.1")
-        async with a.run(la), b.run(lb):
+        a, b = raw_host(), raw_host()
+        async with running(a, b):
             AutoNATService(b)  # the server
             await a.connect(PeerInfo(b.get_id(), b.get_addrs()))
             s = socket.socket()

@@ -16,14 +16,24 @@ and every connection of ours carries pubsub's long-lived streams, so it never pr
 With connections bounded, so is everything kept per connected peer: flood publishing
 (our own gossip goes to every *connected* subscriber), pubsub queues, the GossipSub mesh
 (at most `mesh_degree_high` per topic), request slots.
+
+Liveness: a connection whose path silently died (a partition, a NAT that dropped its
+mapping) stays "open" for TCP's retransmission timeout, up to ~15 minutes, and discovery
+does not redial a peer it counts as connected. Every `p2p.liveness_interval_s` each peer is
+pinged (`/ipfs/ping/1.0.0`); after LIVENESS_MISSES pings unanswered in `dial_timeout_s` its
+connections are closed (counted `connections_dead`), so discovery dials it afresh.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 
+import trio
+from libp2p.host.ping import ID as PING_PROTOCOL
+from libp2p.host.ping import PING_LENGTH
 from libp2p.peer.id import ID
 
 from .dialback import ip_tcp, transport_addrs
@@ -34,6 +44,7 @@ log = logging.getLogger(__name__)
 TRIM_POLL_S = 5.0  # look at the count at least this often (grace periods expire)
 TRIM_DEBOUNCE_S = 0.5  # after a change, wait this long for more before trimming
 TRIMMED_REDIAL_S = 120.0  # discovery does not redial a peer we trimmed for this long
+LIVENESS_MISSES = 2  # unanswered pings in a row before a connection is declared dead
 
 
 class ConnectionManager:
@@ -46,6 +57,8 @@ class ConnectionManager:
         self._since: dict[str, float] = {}  # connected peer -> when it connected
         self._wake = asyncio.Event()
         self.trimmed = 0
+        self.dead = 0
+        self._misses: dict[str, int] = {}
 
     # Protection -----------------------------------------------------------------------
 
@@ -107,6 +120,78 @@ class ConnectionManager:
                 if self.node.discovery is not None:
                     for p in trimmed:
                         self.node.discovery.pause(p, TRIMMED_REDIAL_S)
+
+    # Liveness -------------------------------------------------------------------------
+
+    async def run_liveness(self) -> None:
+        """Ping every connected peer each `p2p.liveness_interval_s`; close the connections
+        of a peer that missed LIVENESS_MISSES pings in a row."""
+        while True:
+            await asyncio.sleep(self.cfg.liveness_interval_s)
+            try:
+                dead = await self.node._bridge.call(self._t_ping_all)
+            except NotRunning:
+                return
+            except Exception as e:  # noqa: BLE001 - one bad round must not end the checks
+                log.warning("liveness round failed: %s: %s", type(e).__name__, e)
+                continue
+            if dead:
+                self.dead += len(dead)
+                self.node.metrics.inc("connections_dead", len(dead))
+                log.info("closed the connections of %d peer(s) that stopped answering "
+                         "pings: %s", len(dead), ", ".join(p[-8:] for p in dead))
+
+    async def _t_ping_all(self) -> list[str]:
+        host = self.node._host
+        peers = [pid for pid, cs in list(host.get_network().connections.items()) if cs]
+        answered: set[ID] = set()
+
+        async def ping(pid: ID) -> None:
+            stream = None
+            try:
+                with trio.move_on_after(self.cfg.dial_timeout_s):
+                    stream = await host.new_stream(pid, [PING_PROTOCOL])
+                    payload = os.urandom(PING_LENGTH)
+                    await stream.write(payload)
+                    got = b""
+                    while len(got) < PING_LENGTH:
+                        chunk = await stream.read(PING_LENGTH - len(got))
+                        if not chunk:
+                            break
+                        got += chunk
+                    if got == payload:
+                        answered.add(pid)
+            except Exception as e:  # noqa: BLE001 - a failed ping is a miss
+                log.debug("ping of %s: %s", pid, e)
+            finally:
+                if stream is not None:
+                    try:
+                        await stream.reset()
+                    except Exception as e:  # noqa: BLE001 - already gone
+                        log.debug("closing a ping stream: %s", e)
+
+        async with trio.open_nursery() as nursery:
+            for pid in peers:
+                nursery.start_soon(ping, pid)
+        dead = []
+        now_connected = {pid.to_base58() for pid in peers}
+        for p in list(self._misses):
+            if p not in now_connected:
+                del self._misses[p]
+        for pid in peers:
+            p = pid.to_base58()
+            if pid in answered:
+                self._misses.pop(p, None)
+                continue
+            self._misses[p] = self._misses.get(p, 0) + 1
+            if self._misses[p] >= LIVENESS_MISSES:
+                del self._misses[p]
+                dead.append(p)
+                try:
+                    await host.disconnect(pid)
+                except Exception as e:  # noqa: BLE001 - already gone is fine
+                    log.debug("closing dead %s: %s", p, e)
+        return dead
 
     # Trimming (trio side) ---------------------------------------------------------------
 

@@ -56,14 +56,35 @@ class Discovery:
         self.strays: dict[str, float] = {}  # peers of another swarm we refused -> when
         self.refused_by: dict[str, str] = {}  # peers that refused us -> their swarm id
         self._dht_looked = -DHT_LOOKUP_INTERVAL_S
+        self._paused: dict[str, float] = {}  # peer -> until: not redialled early (trimmed)
 
     def install(self):
         """Serve PEERS_PROTOCOL; returns an awaitable done once the handler is live."""
         return self.node.set_request_handler(PEERS_PROTOCOL, self._serve_peers)
 
+    def peers_connected(self, new: set[str]) -> None:
+        """New connections. One from a peer we were backing off from means the network
+        came back (a healed partition, a link up again): redial every peer in backoff at
+        the next round instead of at the end of its backoff (up to a minute)."""
+        if not any(p in self._backoff for p in new):
+            return
+        for p in new:
+            self._backoff.pop(p, None)
+            self._next_try.pop(p, None)
+        now = time.monotonic()
+        for p in list(self._backoff):
+            self._backoff[p] = 0.5
+            if self._next_try.get(p, 0) > now and self._paused.get(p, 0) <= now:
+                self._next_try[p] = now
+        self.node.metrics.inc("discovery_backoff_resets")
+
     def pause(self, peer: str, seconds: float) -> None:
         """Do not redial `peer` for `seconds` (e.g. the connection manager closed it)."""
         self._next_try[peer] = max(self._next_try.get(peer, 0.0), time.monotonic() + seconds)
+        self._paused[peer] = time.monotonic() + seconds
+        if len(self._paused) > 4096:  # bounded: drop the expired ones
+            now = time.monotonic()
+            self._paused = {p: t for p, t in self._paused.items() if t > now}
 
     def forget(self, peer: str) -> None:
         """A cut peer: drop its addresses so it is not redialled or handed to others."""

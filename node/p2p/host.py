@@ -120,6 +120,7 @@ class P2PNode:
         await self.dialback.install()
         addrs = self.config.node.bootstrap if bootstrap is None else bootstrap
         self._spawn(self.connmgr.run())
+        self._spawn(self.connmgr.run_liveness())
         try:
             if addrs:
                 await self.discovery.bootstrap(addrs)
@@ -194,7 +195,8 @@ class P2PNode:
                 "relay": self.relay.stats(),
                 "connections": {"open": len(self._connected), "target": self.cfg.target_peers,
                                 "max": self.cfg.max_peers, "relayed": len(self._connected)
-                                - len(self._direct_addr), "trimmed": self.connmgr.trimmed},
+                                - len(self._direct_addr), "trimmed": self.connmgr.trimmed,
+                                "dead": self.connmgr.dead},
                 "stream_faults": c.get("stream_faults", 0),
                 "rate_limited": c.get("rejected.rate_limited", 0),
                 "window_violations": c.get("window_violations", 0),
@@ -477,6 +479,8 @@ class P2PNode:
         self._connected = peers
         self._direct_addr = dict(direct or {})
         self.connmgr.peers_changed(peers)
+        if new and self.discovery is not None:
+            self.discovery.peers_connected(new)
         if new:
             self.gossip.peers_connected(new)
 

@@ -29,7 +29,7 @@ import trio
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
-from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
+from libp2p.relay.circuit_v2.dcutr import MAX_HOLE_PUNCH_ATTEMPTS, DCUtRProtocol
 from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL_ID
 from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
@@ -68,6 +68,7 @@ class RelayService:
         self.reservations: dict[str, tuple[str, float]] = {}
         self._refused_until: dict[str, float] = {}
         self._wake = asyncio.Event()
+        self.hole_punch = {"direct": 0, "gave_up": 0}
 
     # trio side: services -------------------------------------------------------------------
 
@@ -164,9 +165,15 @@ class RelayService:
                 out.append(pid.to_base58())
         return out
 
-    def _t_direct_peers(self) -> int:
+    def _t_hole_punch_stats(self) -> tuple[int, int]:
+        """(peers upgraded to direct, peers whose hole punch attempts ran out)."""
         d = self.dcutr
-        return len(d._direct_connections) if d is not None else 0
+        if d is None:
+            return 0, 0
+        exhausted = sum(1 for p, n in list(d._hole_punch_attempts.items())
+                        if n >= MAX_HOLE_PUNCH_ATTEMPTS and p not in d._in_progress
+                        and p not in d._direct_connections)
+        return len(d._direct_connections), exhausted
 
     # asyncio side: the client ---------------------------------------------------------------
 
@@ -181,7 +188,8 @@ class RelayService:
     def stats(self) -> dict:
         """For /status (`p2p.relay`)."""
         p = self.protocol
-        out = {"service": self.hop, "reservations_held": sorted(self.reservations)}
+        out = {"service": self.hop, "reservations_held": sorted(self.reservations),
+               "hole_punch": dict(self.hole_punch)}
         if self.hop and p is not None:
             out.update(reserved_peers=p.resource_manager.active(), circuits=p.circuits,
                        circuits_total=p.circuits_total,
@@ -211,7 +219,8 @@ class RelayService:
     async def _round(self) -> None:
         node = self.node
         reach = node.reach.current
-        direct = await node._bridge.call(_async, self._t_direct_peers)
+        direct, gave_up = await node._bridge.call(_async, self._t_hole_punch_stats)
+        self.hole_punch = {"direct": direct, "gave_up": gave_up}
         node.reach.set_direct_peers(direct)
         want = self.cfg.client and not reach.public and reach.verdict.value != "unknown"
         connected = set(node.connected_peers())

@@ -2,11 +2,11 @@
 
 Prints one JSON line {"peer_id", "addrs"} once started, then answers commands read from
 stdin, one JSON line each:
-  status           -> {"reachability": {...}, "connected": [...], "relayed": [...]}
+  status           -> {"reachability", "connected", "relayed", "relay", "counters"}
   connect <addr>   -> {"ok": bool, "error": str}
   ask <peer>       -> {"ok": bool, "reply": str, "error": str}  (a request to /test/echo)
 Exits cleanly when stdin closes.
-Usage: python nat_peer.py --listen MULTIADDR [--bootstrap MULTIADDR]... [--relay]
+Usage: python nat_peer.py --listen MULTIADDR [--bootstrap MULTIADDR]... [--relay] [--fast]
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ async def main() -> int:
     ap.add_argument("--listen", required=True)
     ap.add_argument("--bootstrap", action="append", default=[])
     ap.add_argument("--relay", action="store_true", help="serve as a relay (hop)")
+    ap.add_argument("--fast", action="store_true",
+                    help="short liveness and dial timeouts (partition tests)")
     args = ap.parse_args()
     cfg = Config()
     cfg.node.listen = [args.listen]
@@ -33,6 +35,9 @@ async def main() -> int:
     cfg.p2p.bootstrap_timeout_s = 30
     cfg.p2p.payload_tcp_listen = "off"
     cfg.p2p.relay.service = "on" if args.relay else "off"
+    if args.fast:
+        cfg.p2p.liveness_interval_s = 2.0
+        cfg.p2p.dial_timeout_s = 3.0
     node = P2PNode(Identity.generate(), cfg)
 
     async def echo(peer: str, body: bytes) -> bytes:
@@ -50,7 +55,8 @@ async def main() -> int:
         if cmd == "status":
             peers = node.connected_peers()
             say({"reachability": node.reachability.as_dict(), "connected": peers,
-                 "relayed": [p for p in peers if node.is_relayed(p)]})
+                 "relayed": [p for p in peers if node.is_relayed(p)],
+                 "relay": node.relay.stats(), "counters": dict(node.metrics.counters)})
         elif cmd == "connect":
             try:
                 await node.connect(arg)

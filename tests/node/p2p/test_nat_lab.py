@@ -62,6 +62,7 @@ class Peer:
             self.proc.wait()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nat, direct", [("cone", True), ("symmetric", False)])
 def test_hole_punch_through_two_nats(nat, direct):
     link = netlab.Link(latency_ms=10)
@@ -89,10 +90,47 @@ def test_hole_punch_through_two_nats(nat, direct):
                        60, "a direct connection (hole punched)")
                 a.wait(lambda s: s["reachability"]["verdict"] == "direct", 30, "A: direct")
             else:
-                time.sleep(15)  # DCUtR's attempts run and fail
+                a.wait(lambda s: s["relay"]["hole_punch"]["gave_up"] >= 1, 90,
+                       "DCUtR's attempts (driven by A, the side the relay connected to) "
+                       "run out")
                 st = b.cmd("status")
                 assert a.peer_id in st["relayed"], st
             assert b.cmd(f"ask {a.peer_id}")["reply"] == "hello"  # either way, it works
+        finally:
+            for p in peers:
+                p.stop()
+
+
+@pytest.mark.slow
+def test_peers_reconnect_after_a_partition_heals():
+    """A partition drops every packet between the halves: the connections across it die
+    silently (TCP would hold them for minutes), the liveness pings close them, discovery's
+    redials fail and back off; once healed, the halves are connected again within seconds
+    (the first connection back resets the other backoffs)."""
+    topo = netlab.Topology(hosts=tuple(netlab.Host(n, netlab.Link(latency_ms=5))
+                                       for n in ("a", "b", "c")))
+    with netlab.Lab(topo, prefix="p2pnet") as lab:
+        peers = []
+        try:
+            a = Peer(lab, "a", "--listen", f"/ip4/{lab.addr('a')}/tcp/4001", "--fast")
+            peers.append(a)
+            boot = f"/ip4/{lab.addr('a')}/tcp/4001/p2p/{a.peer_id}"
+            for name in ("b", "c"):
+                peers.append(Peer(lab, name, "--listen", f"/ip4/{lab.addr(name)}/tcp/4001",
+                                  "--bootstrap", boot, "--fast"))
+            b, c = peers[1:]
+            a.wait(lambda s: {b.peer_id, c.peer_id} <= set(s["connected"]), 30, "a full mesh")
+            lab.partition(["a"], ["b", "c"])
+            st = a.wait(lambda s: not s["connected"], 40, "A's dead connections closed")
+            failed = st["counters"].get("dial_failures", 0)
+            a.wait(lambda s: s["counters"].get("dial_failures", 0) >= failed + 3, 60,
+                   "redials failing (and backing off) across the partition")
+            lab.heal()
+            healed = time.monotonic()
+            a.wait(lambda s: {b.peer_id, c.peer_id} <= set(s["connected"]), 30,
+                   "reconnected after the heal")
+            assert time.monotonic() - healed < 30
+            assert a.cmd(f"ask {c.peer_id}")["reply"] == "hello"
         finally:
             for p in peers:
                 p.stop()

@@ -311,8 +311,8 @@ class P2PSection(Section):
     connection_grace_s: float = Field(30.0, ge=0)
     """A new connection is not closed for being one too many before it is this old."""
     liveness_interval_s: float = Field(15.0, gt=0)
-    """Every connected peer is pinged this often; one that misses two pings in a row
-    (each `dial_timeout_s`) is disconnected, so that a silently dead path (a partition, a
+    """Every connected peer is pinged this often; one that misses two pings in a row (each
+    waited for max(`dial_timeout_s`, this)) is disconnected, so that a silently dead path (a partition, a
     NAT that forgot the mapping) is redialled instead of waiting out TCP's timeouts."""
     request_timeout_s: float = Field(30.0, gt=0)
     """Per-request timeout on stream protocols."""

@@ -329,6 +329,8 @@ class _StateCollector:
 
         yield from _extra_families(st)
 
+        yield from _reachability_families(st)
+
         metrics = getattr(st.p2p, "metrics", None)
         counters = dict(getattr(metrics, "counters", {}) or {})
         if counters:
@@ -365,6 +367,34 @@ def _capped(values: dict[str, int | float]) -> dict[str, int | float]:
     out = dict(ranked[:MAX_REASONS - 1])
     out["other"] = out.get("other", 0) + sum(v for _, v in ranked[MAX_REASONS - 1:])
     return out
+
+
+REACHABILITY = ("unknown", "public", "relayed", "direct", "unreachable")
+
+
+def _reachability_families(st: NodeState):
+    """Is this node reachable (1 on its verdict, 0 on the others), and its connections."""
+    try:
+        health = st.p2p.health() if hasattr(st.p2p, "health") else {}
+    except Exception:  # noqa: BLE001 - a scrape never fails on a closing host
+        return
+    reach = health.get("reachability") or {}
+    if reach:
+        g = GaugeMetricFamily("swarm_node_reachability",
+                              "1 on this node's reachability verdict (see /status p2p).",
+                              labels=["verdict"])
+        for v in REACHABILITY:
+            g.add_metric([v], 1.0 if reach.get("verdict") == v else 0.0)
+        yield g
+    conns = health.get("connections") or {}
+    if conns:
+        g = GaugeMetricFamily("swarm_node_p2p_connections",
+                              "Open libp2p connections (all, relayed) and the bounds.",
+                              labels=["kind"])
+        for kind in ("open", "relayed", "target", "max"):
+            if _is_number(conns.get(kind)):
+                g.add_metric([kind], float(conns[kind]))
+        yield g
 
 
 def _extra_families(st: NodeState):

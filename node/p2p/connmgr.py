@@ -20,8 +20,9 @@ With connections bounded, so is everything kept per connected peer: flood publis
 Liveness: a connection whose path silently died (a partition, a NAT that dropped its
 mapping) stays "open" for TCP's retransmission timeout, up to ~15 minutes, and discovery
 does not redial a peer it counts as connected. Every `p2p.liveness_interval_s` each peer is
-pinged (`/ipfs/ping/1.0.0`); after LIVENESS_MISSES pings unanswered in `dial_timeout_s` its
-connections are closed (counted `connections_dead`), so discovery dials it afresh.
+pinged (`/ipfs/ping/1.0.0`); after LIVENESS_MISSES pings in a row unanswered within
+max(`dial_timeout_s`, `liveness_interval_s`), its connections are closed (counted
+`connections_dead`), so discovery dials it afresh.
 """
 
 from __future__ import annotations
@@ -141,6 +142,10 @@ class ConnectionManager:
                 log.info("closed the connections of %d peer(s) that stopped answering "
                          "pings: %s", len(dead), ", ".join(p[-8:] for p in dead))
 
+    def ping_timeout(self) -> float:
+        # Generous: a ping starved of CPU on a loaded machine is not a dead path.
+        return max(self.cfg.dial_timeout_s, self.cfg.liveness_interval_s)
+
     async def _t_ping_all(self) -> list[str]:
         host = self.node._host
         peers = [pid for pid, cs in list(host.get_network().connections.items()) if cs]
@@ -149,7 +154,7 @@ class ConnectionManager:
         async def ping(pid: ID) -> None:
             stream = None
             try:
-                with trio.move_on_after(self.cfg.dial_timeout_s):
+                with trio.move_on_after(self.ping_timeout()):
                     stream = await host.new_stream(pid, [PING_PROTOCOL])
                     payload = os.urandom(PING_LENGTH)
                     await stream.write(payload)

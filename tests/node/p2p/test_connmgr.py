@@ -37,5 +37,7 @@ async def test_connection_bound_holds_with_many_peers(make_node):
     await nodes[3].publish("verdicts", verdict(42))
     await wait_until(lambda: all(42 in v for p, v in got.items() if p != nodes[3].peer_id),
                      30, what="the message at every node")
-    counts = sorted(len(n.connected_peers()) for n in nodes)
-    assert counts[-1] <= BOUND["max_peers"], counts
+    # New connections (peers' redials, DHT lookups) may exceed the bound for the grace
+    # period and the trim's debounce; then it holds again.
+    await wait_until(lambda: all(len(n.connected_peers()) <= BOUND["max_peers"] for n in nodes),
+                     30, what="every node back within the bound")

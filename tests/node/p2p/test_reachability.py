@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from prometheus_client import generate_latest
 from swarm_node.node.identity import Identity
+from swarm_node.node.metrics import NodeState
 from swarm_node.node.p2p import P2PNode
 from swarm_node.node.p2p.reachability import ReachabilityTracker, Verdict
 
@@ -40,6 +42,11 @@ async def test_public_on_loopback(make_node):
     port = node.listen_addrs[0].split("/tcp/")[1].split("/")[0]
     assert snap.public_addrs == (f"/ip4/127.0.0.1/tcp/{port}",)
     assert node.health()["reachability"]["verdict"] == "public"
+    state = NodeState(peer_id=node.peer_id, role="inference", swarm_id="default", p2p=node)
+    text = generate_latest(state.registry).decode()
+    assert 'swarm_node_reachability{verdict="public"} 1.0' in text
+    assert 'swarm_node_reachability{verdict="unreachable"} 0.0' in text
+    assert 'swarm_node_p2p_connections{kind="open"} 1.0' in text
 
 
 async def test_private_when_dial_back_fails(make_node):

@@ -91,7 +91,7 @@ class P2PNode:
         self.connmgr = ConnectionManager(self)
         self.dht = DHTService(self)
         self.reach.subscribe(lambda _snap: self.dht.reachability_changed())
-        self.reach.subscribe(lambda _snap: self.relay.wake())
+        self.reach.subscribe(self.relay.reachability_changed)
         self._closing = False
         self._started = False
 

@@ -216,6 +216,13 @@ class RelayService:
     def wake(self) -> None:
         self._wake.set()
 
+    def reachability_changed(self, snap) -> None:
+        self._wake.set()
+        if self.hop and snap.verdict.value in ("relayed", "direct", "unreachable"):
+            log.warning("this node relays for NAT'd peers (p2p.relay.service) but is not "
+                        "publicly reachable itself: they cannot reserve a slot through it; "
+                        "run the relay on a public address or forward its TCP port")
+
     async def _round(self) -> None:
         node = self.node
         reach = node.reach.current

@@ -25,7 +25,7 @@ import ssl
 import tempfile
 
 from cryptography import x509
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
@@ -139,8 +139,10 @@ def peer_id_of(der: bytes | None) -> str:
         raise CertificateError("certificate without the libp2p key extension") from None
     except InvalidSignature:
         raise CertificateError("the libp2p key extension's signature is invalid") from None
-    except (ValueError, TypeError, BadPeerId) as e:
+    except (ValueError, TypeError, BadPeerId, UnsupportedAlgorithm) as e:
         raise CertificateError(f"unusable certificate: {e}") from None
+    except Exception as e:  # noqa: BLE001 - the parser has more error types (InvalidVersion)
+        raise CertificateError(f"unusable certificate: {type(e).__name__}: {e}") from None
 
 
 # Contexts ----------------------------------------------------------------------------------

@@ -70,6 +70,7 @@ class BulkConn:
         self._op: asyncio.Future | None = None  # a thread operation in progress or ended
         self._waiter: asyncio.Future | None = None  # an event-loop wait for the socket
         self._watch: tuple[int, bool] | None = None  # (fd, writable) registered for it
+        self._read_wait_since: float | None = None  # waiting for bytes to read since
         self._closed = False
         # before each read of the server side: False closes the connection (a ban)
         self.check: Callable[[], bool] | None = None
@@ -118,20 +119,34 @@ class BulkConn:
             self.abort()
             raise BulkError(f"{self.peer} is refused (banned or cut)", reason="refused")
 
+    def idle_for(self) -> float:
+        """Seconds this connection has been waiting for bytes to read (on a server: for the
+        next request), 0 while it works."""
+        since = self._read_wait_since
+        return 0.0 if since is None else time.monotonic() - since
+
     async def read(self, n: int) -> bytes:
-        """Up to `n` bytes; b"" at the end of the stream."""
-        self._allowed()
+        """Up to `n` bytes; b"" at the end of the stream. On a server, the peer is asked
+        to be still allowed once bytes arrived (a ban closes it at its next request)."""
         self.last_used = time.monotonic()
         while True:
             try:
-                return self.sock.recv(n)
+                data = self.sock.recv(n)
+                self._read_wait_since = None
+                if data:
+                    self._allowed()
+                return data
             except ssl.SSLWantReadError:
+                if self._read_wait_since is None:
+                    self._read_wait_since = time.monotonic()
                 await self._wait(False)
             except ssl.SSLWantWriteError:
                 await self._wait(True)
             except ssl.SSLZeroReturnError:
+                self._read_wait_since = None
                 return b""
             except (OSError, ValueError) as e:
+                self._read_wait_since = None
                 raise _broken(e, "read") from None
 
     async def readexactly(self, n: int) -> bytes:

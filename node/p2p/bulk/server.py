@@ -14,8 +14,10 @@ After the hello the peer id is proven. At most `conns_per_peer` connections per 
 a followed trainer, a relay...) `conns_per_ip` per address and `max_conns - known_reserve`
 in all. When a limit is reached, a newcomer takes the place of the least recently used
 connection of the heaviest user (the address, then the peer id, holding the most
-connections), if that user holds at least two more than the newcomer would: connections
-are shared max-min fairly among addresses, then identities, so 255 connections from many
+connections) if that user holds at least two more than the newcomer would (connections
+are shared max-min fairly among addresses, then identities), else of the connection that
+has waited longest for a request, if that is IDLE_EVICT_S or more (an honest client's
+pooled connection is only a saving; it reconnects). So 255 connections from many
 identities cannot keep out one more, and a known peer always has `known_reserve` places
 that unknown peers cannot take (a known peer takes the place of an unknown one when all are
 taken). Refusals are an answer (busy, refused), not silence: the channel is authenticated.
@@ -49,6 +51,7 @@ from .hello import (
 log = logging.getLogger(__name__)
 
 Handler = Callable[[str, BulkConn], Awaitable[None]]
+IDLE_EVICT_S = 1.0  # an authenticated connection waiting this long may give way
 
 
 @dataclass(eq=False)
@@ -253,15 +256,16 @@ class BulkServer:
                 return BUSY
         if len(self.conns) >= self.cfg.max_conns and not (
                 known and self._evict_for(peer, ip, [c for c in self.conns if not c.known],
-                                          fair=False)):
+                                          any_user=True)):
             self.metrics.inc("bulk_busy_total")
             return BUSY
         return ACCEPTED
 
-    def _evict_for(self, peer: str, ip: str, among: list[_Authed], fair: bool = True) -> bool:
-        """Close the least recently used connection of the heaviest user among `among` to
-        make room for `peer` at `ip`: if `fair`, only if that user holds at least two more
-        than the newcomer would. Whether one was closed."""
+    def _evict_for(self, peer: str, ip: str, among: list[_Authed],
+                   any_user: bool = False) -> bool:
+        """Close one connection of `among` to make room for `peer` at `ip` (see the module
+        doc; `any_user`: the heaviest user gives way whatever the newcomer holds). Whether
+        one was closed."""
         if not among:
             return False
         by_ip = Counter(c.ip for c in among)
@@ -269,15 +273,17 @@ class BulkServer:
         in_ip = [c for c in among if c.ip == heavy_ip]
         by_peer = Counter(c.peer for c in in_ip)
         heavy_peer = max(by_peer, key=by_peer.__getitem__)
-        if fair:
-            if heavy_ip != ip:
-                heavier = by_ip[heavy_ip] > by_ip[ip] + 1
-            else:
-                heavier = by_peer[heavy_peer] > by_peer[peer] + 1
-            if not heavier:
+        if heavy_ip != ip:
+            heavier = by_ip[heavy_ip] > by_ip[ip] + 1
+        else:
+            heavier = by_peer[heavy_peer] > by_peer[peer] + 1
+        if any_user or heavier:
+            victim = min((c for c in in_ip if c.peer == heavy_peer),
+                         key=lambda c: c.conn.last_used)
+        else:
+            victim = max(among, key=lambda c: c.conn.idle_for())
+            if victim.conn.idle_for() < IDLE_EVICT_S:
                 return False
-        victim = min((c for c in in_ip if c.peer == heavy_peer),
-                     key=lambda c: c.conn.last_used)
         self.conns.remove(victim)
         self.metrics.inc("bulk_evicted")
         victim.task.cancel()

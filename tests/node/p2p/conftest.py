@@ -52,8 +52,11 @@ def p2p_config(**p2p) -> Config:
     cfg.p2p.bootstrap_timeout_s = 5
     cfg.p2p.dial_timeout_s = 3
     cfg.p2p.mesh_wait_s = 5
-    for k, v in p2p.items():
-        setattr(cfg.p2p, k, v)
+    for k, v in p2p.items():  # p2p.<k>, or bulk.<rest> for bulk_<rest>
+        if k.startswith("bulk_"):
+            setattr(cfg.bulk, k.removeprefix("bulk_"), v)
+        else:
+            setattr(cfg.p2p, k, v)
     return cfg
 
 

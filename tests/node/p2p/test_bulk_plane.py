@@ -34,6 +34,7 @@ from swarm_node.node.p2p.bulk.cert import (
 )
 from swarm_node.node.p2p.bulk.hello import (
     ACCEPTED,
+    BUSY,
     CHALLENGE_LEN,
     HEADER,
     NO_HANDLER,
@@ -43,6 +44,7 @@ from swarm_node.node.p2p.bulk.hello import (
     parse_hello,
 )
 from swarm_node.node.p2p.metrics import P2PMetrics
+from swarm_node.protocol.codec import pack, unpack
 
 from .conftest import wait_until
 
@@ -149,8 +151,9 @@ def test_a_hello_is_bound_to_the_server_the_challenge_and_the_kind():
     assert parse_hello(body, SERVER.peer_id, c) == (KIND, ME.peer_id)
     assert parse_hello(body, SERVER.peer_id, new_challenge()) is None  # replayed elsewhere
     assert parse_hello(body, ME.peer_id, c) is None  # forwarded to another server
-    other_kind = hello_frame(ME, SERVER.peer_id, "shard", c)[HEADER.size:]
-    assert parse_hello(other_kind[:-1] + b"\x00", SERVER.peer_id, c) is None
+    _, peer, sig = unpack(hello_frame(ME, SERVER.peer_id, "shard", c)[HEADER.size:],
+                          max_size=512)
+    assert parse_hello(pack([KIND, peer, sig]), SERVER.peer_id, c) is None  # another kind's
     for junk in (b"", b"\xc1", os.urandom(100), body[:-1]):
         assert parse_hello(junk, SERVER.peer_id, c) is None
 
@@ -405,3 +408,39 @@ async def test_an_identity_flood_does_not_lock_out_a_newcomer_or_a_known_peer():
             flood.stop()
             for conn in pooled:
                 conn.abort()
+
+
+async def test_connection_limits_share_fairly_and_keep_the_reserve():
+    async with Plane(max_conns=4, known_reserve=1, conns_per_peer=2, conns_per_ip=4) as p:
+        held = []
+
+        async def hello(ident: Identity) -> bytes:
+            """A new connection of `ident`, kept open: the plane's answer."""
+            reader, writer = await asyncio.open_connection(
+                "127.0.0.1", p.port, ssl=client_context(), server_hostname="")
+            held.append(writer)
+            writer.write(hello_frame(ident, SERVER.peer_id, KIND,
+                                     await reader.readexactly(CHALLENGE_LEN)))
+            return await asyncio.wait_for(reader.read(1), 20)
+
+        a, b, c, d, k1, k2 = (Identity.generate() for _ in range(6))
+        p.known.update({k1.peer_id, k2.peer_id})
+        try:
+            assert [await hello(a) for _ in range(3)] == [ACCEPTED, ACCEPTED, BUSY]  # per id
+            assert await hello(b) == ACCEPTED  # 3 unknown: all places but the reserve
+            assert await hello(c) == ACCEPTED  # a holds 2, c none: a's oldest gives way
+            assert p.metrics["bulk_evicted"] == 1
+            assert await hello(d) == BUSY  # a, b, c hold 1 each, none idle 1 s: no room
+            # a second later an idle connection may give way to a newcomer (it reconnects)
+            await wait_until(lambda: any(r.conn.idle_for() >= 1.0 for r in p.server.conns),
+                             10, what="an idle connection")
+            assert await hello(d) == ACCEPTED
+            assert p.metrics["bulk_evicted"] == 2
+            assert await hello(k1) == ACCEPTED  # the reserve
+            assert await hello(k2) == ACCEPTED  # all taken: an unknown one gives way
+            assert p.metrics["bulk_evicted"] == 3
+            peers = [r.peer for r in p.server.conns]
+            assert len(peers) == 4 and {k1.peer_id, k2.peer_id} <= set(peers)
+        finally:
+            for w in held:
+                w.transport.abort()

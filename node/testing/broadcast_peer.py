@@ -167,6 +167,7 @@ async def main(argv: list[str] | None = None) -> int:
     await node.start(bootstrap=args.bootstrap)
     await bc.start()
     emit(event="ready", peer_id=node.peer_id, addrs=node.listen_addrs, t=time.time(),
+         bulk=list(node.bulk.bound) if node.bulk.bound else None,
          startup_s=time.time() - t_start, peak_rss_mib=peak_rss_mib(), cpu_s=cpu_seconds(),
          cpu_threads=thread_cpu(), p2p=dict(node.metrics.counters))
     try:

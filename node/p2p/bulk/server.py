@@ -136,6 +136,9 @@ class BulkServer:
             self._make_room(pending.ip)
             self.pending.append(pending)
             pending.task = self._spawn(self._serve(sock, pending))
+            # a task cancelled before it ran never reaches its `finally` (evicted in a burst):
+            # the socket closes with the task (a no-op once TLS took it over)
+            pending.task.add_done_callback(lambda _, s=sock: s.close())
 
     def _make_room(self, ip: str) -> None:
         """Evict a pending connection if a new one from `ip` would exceed a handshake limit:

@@ -44,6 +44,7 @@ from swarm_node.node.p2p.bulk.hello import (
     parse_hello,
 )
 from swarm_node.node.p2p.metrics import P2PMetrics
+from swarm_node.node.testing.onpath import Proxy
 from swarm_node.protocol.codec import pack, unpack
 
 from .conftest import wait_until
@@ -262,40 +263,6 @@ async def test_a_banned_peer_is_refused_at_its_next_request_and_at_the_hello():
         assert p.metrics["bulk_refused_banned"] == 4
 
 
-class Proxy:
-    """A TCP proxy on the path to the plane that records both directions and, once
-    `flip_after` server bytes went through, flips one bit of the next byte."""
-
-    def __init__(self, target_port: int, flip_after: int | None = None):
-        self.target, self.flip_after = target_port, flip_after
-        self.seen = {"up": bytearray(), "down": bytearray()}
-
-    async def start(self) -> int:
-        self.server = await asyncio.start_server(self._conn, "127.0.0.1", 0)
-        return self.server.sockets[0].getsockname()[1]
-
-    async def _conn(self, creader, cwriter):
-        sreader, swriter = await asyncio.open_connection("127.0.0.1", self.target)
-
-        async def pipe(reader, writer, way):
-            try:
-                while data := await reader.read(1 << 16):
-                    buf = self.seen[way]
-                    if way == "down" and self.flip_after is not None \
-                            and len(buf) <= self.flip_after < len(buf) + len(data):
-                        i = self.flip_after - len(buf)
-                        data = data[:i] + bytes([data[i] ^ 1]) + data[i + 1:]
-                    buf += data
-                    writer.write(data)
-                    await writer.drain()
-            except ConnectionError:
-                pass
-            finally:
-                writer.transport.abort()
-
-        await asyncio.gather(pipe(creader, swriter, "up"), pipe(sreader, cwriter, "down"))
-
-
 async def test_an_on_path_attacker_cannot_read_corrupt_or_replay():
     async with Plane() as p:
         marker = b"secret-shard-bytes-" * 100
@@ -321,8 +288,8 @@ async def test_an_on_path_attacker_cannot_read_corrupt_or_replay():
             await ask(conn, marker)
         assert e.value.reason == "tls_error"
         conn.abort()
-        proxy.server.close()
-        flipper.server.close()
+        proxy.close()
+        flipper.close()
 
 
 class FloodProcess:

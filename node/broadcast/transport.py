@@ -157,7 +157,7 @@ _CLOSING: set[asyncio.Task] = set()  # closes of discarded pooled streams, kept 
 
 class PooledStream:
     """A libp2p shard stream that may carry the next shard request once a response was read
-    completely (`reusable()`), like the data plane's connections: servers keep a stream for
+    completely (`reusable()`), like the bulk plane's connections: servers keep a stream for
     another request. Profiled (libp2p only, py-spy): opening a stream per 4 MiB shard
     (yamux SYN, multistream-select round trip, window updates) was ~15% of the origin's
     py-libp2p thread. `reused` is set when the pool hands it out again: a server that ended

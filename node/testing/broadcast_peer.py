@@ -44,7 +44,8 @@ def emit(**obj) -> None:
 
 def thread_cpu() -> dict[str, float]:
     """CPU seconds per thread kind of this process (libp2p's trio thread, the asyncio loop,
-    shard receivers, other workers): where a peer's CPU goes, for the benchmark notes."""
+    bulk-plane receivers and senders (TLS), other workers): where a peer's CPU goes, for
+    the benchmark notes."""
     names = {t.native_id: t.name for t in threading.enumerate()}
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
@@ -55,7 +56,7 @@ def thread_cpu() -> dict[str, float]:
             continue
         name = names.get(int(task.name), "other")
         kind = ("libp2p" if name.startswith("p2p") else "asyncio" if name == "MainThread"
-                else "shard-rx" if name.startswith("shard-rx") else "workers")
+                else name[:7] if name.startswith(("bulk-rx", "bulk-tx")) else "workers")
         out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick
         out[kind + ":sys"] = out.get(kind + ":sys", 0.0) + int(fields[12]) / tick
         out[kind + ":nvcsw"] = out.get(kind + ":nvcsw", 0.0) + _switches(task)

@@ -201,3 +201,25 @@ def test_bulk_listen_address_settings():
     for bad in ("9000", "host:", "host:port", "host:70000"):
         with pytest.raises(ValueError, match="bulk.listen"):
             listen_address(bad, [])
+
+
+async def test_a_node_behind_nat_offers_no_plane_but_dials_out(make_node):
+    """A node that is not publicly reachable (P2PNode.reachability: the hook says no)
+    advertises no endpoint and answers the endpoint query with none, so its peers pull from
+    it over libp2p streams; it still pulls from public peers over their bulk planes."""
+    public = await make_node()
+    natted = await make_node(bootstrap=public.listen_addrs)
+    natted.bulk.reachable = lambda: False
+    await wait_until(lambda: public.peer_id in natted.connected_peers(), 30,
+                     what="the connection")
+    assert natted.bulk.endpoint == "" and natted.bulk.server is not None
+    for source, puller in ((natted, public), (public, natted)):
+        await drop_warm_connection(puller, source)
+        puller.bulk.client._resolved.clear()  # forget what the warm-ups learnt
+        body, ann, _ = announce_of(source, batch(source.peer_id, 8192, 1))
+        source.gossip._store_payload(ann.content_hash, body)
+        assert await puller.gossip.fetch_payload(ann, source.peer_id,
+                                                 sources=[source.peer_id]) == body
+    assert public.metrics["payload_pulled_libp2p"] == 1  # from the NAT'd node
+    assert natted.metrics["payload_pulled_bulk"] == 1  # out to the public one
+    assert public.metrics["rejected"] == natted.metrics["rejected"] == 0

@@ -161,6 +161,7 @@ def server_context(identity) -> ssl.SSLContext:
     reads keys from files; a 0700 directory, removed at once)."""
     cert_pem, key_pem = make_certificate(identity)
     ctx = _base(server=True)
+    ctx.num_tickets = 0  # no session resumption: no tickets to make and send
     with tempfile.TemporaryDirectory(prefix="swarm-bulk-") as d:
         cert_path, key_path = os.path.join(d, "cert.pem"), os.path.join(d, "key.pem")
         for path, data in ((cert_path, cert_pem), (key_path, key_pem)):

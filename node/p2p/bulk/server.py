@@ -2,7 +2,8 @@
 handler registered for their request kind, with handshake slots and connection limits
 (NODE_SPEC 3, "Bulk plane").
 
-Before the handshake nobody is known, only an address: at most `pending_per_ip`
+Before the handshake nobody is known, only an address (an IPv4 address or an IPv6 /64:
+`address_group`): at most `pending_per_ip`
 connections per source address and `max_pending` in all may be in their handshake (TLS and
 hello within `handshake_timeout_s`); a new connection beyond either takes the place of the
 oldest pending one of its own address, or of the address holding the most (counted
@@ -26,6 +27,7 @@ taken). Refusals are an answer (busy, refused), not silence: the channel is auth
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import socket
 import ssl
@@ -68,6 +70,20 @@ class _Authed:
     known: bool
     conn: BulkConn
     task: asyncio.Task
+
+
+def address_group(ip: str) -> str:
+    """What the per-address limits count by: an IPv4 address (also when it arrives
+    IPv4-mapped on a dual-stack socket), or an IPv6 /64 (one subscriber's usual share)."""
+    try:
+        addr = ipaddress.ip_address(ip)
+    except ValueError:
+        return ip
+    if isinstance(addr, ipaddress.IPv6Address):
+        if addr.ipv4_mapped is not None:
+            return str(addr.ipv4_mapped)
+        return str(ipaddress.IPv6Network((addr, 64), strict=False))
+    return ip
 
 
 class BulkServer:
@@ -132,7 +148,7 @@ class BulkServer:
                 continue
             sock.setblocking(False)
             self.metrics.inc("bulk_accepted")
-            pending = _Pending(addr[0])
+            pending = _Pending(address_group(addr[0]))
             self._make_room(pending.ip)
             self.pending.append(pending)
             pending.task = self._spawn(self._serve(sock, pending))

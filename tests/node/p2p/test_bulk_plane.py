@@ -411,3 +411,11 @@ async def test_connection_limits_share_fairly_and_keep_the_reserve():
         finally:
             for w in held:
                 w.transport.abort()
+
+
+def test_per_address_limits_count_ipv4_addresses_and_ipv6_subnets():
+    from swarm_node.node.p2p.bulk.server import address_group
+
+    assert address_group("203.0.113.7") == address_group("::ffff:203.0.113.7") == "203.0.113.7"
+    assert address_group("2001:db8::1") == address_group("2001:db8::beef") == "2001:db8::/64"
+    assert address_group("2001:db8:0:1::1") != address_group("2001:db8::1")

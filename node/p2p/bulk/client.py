@@ -1,7 +1,9 @@
 """The bulk plane's client: one per node, for every request kind. Pooled connections per
 (peer, kind), the server's identity checked from its certificate, ours proven by the hello,
 and the libp2p fallback decided here: a peer whose plane cannot be used (none, unreachable,
-another identity at that address, refused us) is left to libp2p streams for DOWN_S."""
+another identity at that address, refused us) is left to libp2p streams for DOWN_S, twice
+as long after each further failure in a row (at most MAX_DOWN_S: a port that is never
+forwarded costs one connect timeout an hour, not one a minute)."""
 
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ class BulkClient:
     port), host "" meaning the address of our libp2p connection, or None for no plane."""
 
     DOWN_S = 60.0
+    MAX_DOWN_S = 3600.0
     MAX_PEERS = 4096
 
     def __init__(self, identity, cfg, query: Query):
@@ -55,6 +58,7 @@ class BulkClient:
         self._resolved: dict[str, tuple[Endpoint | None, float]] = {}
         self._resolving: dict[str, asyncio.Future] = {}
         self.down: dict[tuple[str, str], float] = {}
+        self._strikes: dict[tuple[str, str], int] = {}  # unusable in a row
         self.paths: dict[tuple[str, str], str] = {}
         self.opened: Counter[str] = Counter()
 
@@ -74,6 +78,7 @@ class BulkClient:
         self.endpoints[peer] = where  # newest last: the oldest is forgotten first
         for k in self.kinds:
             self.down.pop((peer, k), None)
+            self._strikes.pop((peer, k), None)
             self.kinds[k].pool.drop(peer)
         while len(self.endpoints) > self.MAX_PEERS:
             self.endpoints.pop(next(iter(self.endpoints)))
@@ -82,10 +87,15 @@ class BulkClient:
         return self.cfg.fetch and self.down.get((peer, kind), 0.0) <= time.monotonic()
 
     def mark_down(self, peer: str, kind: str, why: str) -> None:
-        """Use libp2p for `peer`'s `kind` requests for DOWN_S."""
-        self.down[(peer, kind)] = time.monotonic() + self.DOWN_S
-        while len(self.down) > self.MAX_PEERS:
-            self.down.pop(next(iter(self.down)))
+        """Use libp2p for `peer`'s `kind` requests for DOWN_S (doubling while it stays
+        unusable)."""
+        key = (peer, kind)
+        strikes = self._strikes[key] = self._strikes.pop(key, 0) + 1
+        self.down[key] = time.monotonic() + min(self.MAX_DOWN_S,
+                                                self.DOWN_S * 2 ** (strikes - 1))
+        for d in (self.down, self._strikes):
+            while len(d) > self.MAX_PEERS:
+                d.pop(next(iter(d)))
         self._resolved.pop(peer, None)
         self.kinds[kind].pool.drop(peer)
         self.say(peer, kind, "libp2p streams", why)
@@ -131,6 +141,7 @@ class BulkClient:
                 self.mark_down(peer, kind, str(e))
             raise
         self.opened[kind] += 1
+        self._strikes.pop((peer, kind), None)
         self.say(peer, kind, "the bulk plane", f"{where[0]}:{where[1]}, TLS")
         conn.release = lambda c: pool.put(peer, c, keep=self.usable(peer, kind))
         return conn

@@ -13,6 +13,7 @@ import ssl
 import struct
 import subprocess
 import sys
+import time
 
 import pytest
 from cryptography import x509
@@ -419,3 +420,14 @@ def test_per_address_limits_count_ipv4_addresses_and_ipv6_subnets():
     assert address_group("203.0.113.7") == address_group("::ffff:203.0.113.7") == "203.0.113.7"
     assert address_group("2001:db8::1") == address_group("2001:db8::beef") == "2001:db8::/64"
     assert address_group("2001:db8:0:1::1") != address_group("2001:db8::1")
+
+
+def test_an_unusable_plane_is_tried_again_later_each_time():
+    client = BulkClient(ME, BulkSection(), query=None)
+    client.add_kind(KIND, "echoes", 1, 1.0)
+    for expected in (60, 120, 240):  # a port never forwarded: a connect timeout per hour
+        client.mark_down(SERVER.peer_id, KIND, "unreachable")
+        left = client.down[(SERVER.peer_id, KIND)] - time.monotonic()
+        assert expected - 10 < left <= expected
+    client.set_endpoint(SERVER.peer_id, "127.0.0.1:9")  # a new endpoint: tried at once
+    assert client.usable(SERVER.peer_id, KIND)

@@ -181,7 +181,8 @@ class BodyPuller:
         endpoint query and handshake: in the 8-peer gossip benchmark the first round,
         with 56 token requests on its path, took ~3x the later ones. Holds one of the
         peer's slots while it works; skipped when a pull is already at work. A failure
-        here marks nothing down: the first pull decides."""
+        here marks the peer down only if its endpoint did not answer (behind a NAT: the
+        first pull need not wait for that timeout again); else the first pull decides."""
         sem = self._slots(peer)
         if sem.locked() or self.client.kinds[KIND].pool.get(peer):
             return

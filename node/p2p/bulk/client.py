@@ -123,7 +123,8 @@ class BulkClient:
                    mark_down: bool = True) -> BulkConn:
         """A connection to `peer` for `kind`: an idle pooled one (unless `fresh`), else a
         new one. BulkUnavailable (the peer is then left to libp2p for DOWN_S, if
-        `mark_down`), BulkBusy (its limits for us are reached now: nothing marked)."""
+        `mark_down` or if its endpoint did not answer: reason `unreachable`), BulkBusy (its
+        limits for us are reached now: nothing marked)."""
         pool = self.kinds[kind].pool
         conn = None if fresh else pool.take(peer, BulkConn.alive)
         if conn is not None:
@@ -137,7 +138,7 @@ class BulkClient:
             self.opened[f"{kind}_busy"] += 1
             raise
         except BulkUnavailable as e:
-            if mark_down:
+            if mark_down or e.reason == "unreachable":  # a timeout is worth paying once
                 self.mark_down(peer, kind, str(e))
             raise
         self.opened[kind] += 1
@@ -198,7 +199,8 @@ class BulkClient:
                 return await self._handshake(peer, kind, where)
         except TimeoutError:
             raise BulkUnavailable(f"bulk plane {where[0]}:{where[1]}: no answer within "
-                                  f"{self.cfg.handshake_timeout_s:.0f}s") from None
+                                  f"{self.cfg.handshake_timeout_s:.0f}s",
+                                  reason="unreachable") from None
         except asyncio.IncompleteReadError:
             raise BulkError("closed early", reason="closed_early") from None
         except CertificateError as e:
@@ -212,7 +214,8 @@ class BulkClient:
             raise BulkUnavailable(f"bulk plane {where[0]}:{where[1]}: {e}") from None
         except OSError as e:
             raise BulkUnavailable(f"bulk plane {where[0]}:{where[1]}: "
-                                  f"{e.strerror or type(e).__name__}") from None
+                                  f"{e.strerror or type(e).__name__}",
+                                  reason="unreachable") from None
 
     async def _handshake(self, peer: str, kind: str, where: Endpoint) -> BulkConn:
         loop = asyncio.get_running_loop()

@@ -90,6 +90,14 @@ async def test_a_failed_warm_up_marks_nothing_down(make_node):
     await wait_until(lambda: a.metrics["payload_bulk_warmed"] == 1, 10, what="a's warm-up")
 
 
+async def test_a_warm_up_to_an_endpoint_that_does_not_answer_marks_it_down(make_node):
+    a = await make_node()
+    b = await make_node(bootstrap=a.listen_addrs, bulk_advertise="127.0.0.1:9")  # nobody
+    await wait_until(lambda: a.metrics["payload_bulk_warm_failed"] == 1, 10,
+                     what="a's failed warm-up")
+    assert not a.gossip._puller.usable(b.peer_id)  # the first pull goes over libp2p at once
+
+
 async def test_body_that_does_not_match_its_announce_is_rejected(make_node):
     a, b, got = await pair(make_node)
     body, ann, sealed_ann = announce_of(b, batch(b.peer_id, 8192, 1))

@@ -23,6 +23,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
@@ -33,6 +34,7 @@ from .lab import Lab
 
 P2P_PORT = 4001
 START_TIMEOUT_S = 180.0
+POLL_THREADS = 8
 
 # The demo's small swarm (node/demo.py): toy task, two new tokens, a trainer that waits for
 # one verified peer batch per step. Sections here are merged with the caller's, key by key.
@@ -167,11 +169,13 @@ class LabSwarm:
         return node.status
 
     def poll(self, *nodes: LabNode) -> None:
-        """Refresh the status of these nodes (default: all running); a node that exited
-        unexpectedly raises with its log."""
-        for node in nodes or self.running():
+        """Refresh the status of these nodes (default: all running), a few at a time; a node
+        that exited unexpectedly raises with its log."""
+        nodes = nodes or tuple(self.running())
+        for node in nodes:
             self._check_alive(node)
-            self.read_status(node)
+        with ThreadPoolExecutor(max_workers=POLL_THREADS) as pool:
+            list(pool.map(self.read_status, nodes))
 
     def running(self) -> list[LabNode]:
         return [n for n in self.nodes.values() if n.proc is not None and n.exit_code is None]

@@ -33,7 +33,7 @@ async def main() -> int:
     cfg.node.listen = [args.listen]
     cfg.p2p.discovery_interval_s = 0.5
     cfg.p2p.bootstrap_timeout_s = 30
-    cfg.p2p.payload_tcp_listen = "off"
+    cfg.bulk.listen = "off"
     cfg.p2p.relay.service = "on" if args.relay else "off"
     if args.fast:
         cfg.p2p.liveness_interval_s = 2.0

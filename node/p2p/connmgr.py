@@ -216,7 +216,20 @@ class ConnectionManager:
         mesh, subscribed = self._t_gossip_roles()
         candidates.sort(key=lambda p: (mesh.get(p, 0), subscribed.get(p, 0),
                                        self._t_is_direct(peers[p]), -since.get(p, now)))
-        victims = candidates[:excess]
+        # A mesh peer goes only if closing every other connection (those still in their
+        # grace period too, later) could not reach the target: otherwise a burst of new
+        # connections (a DHT lookup dials up to 20 peers) would cost us the mesh.
+        others = sum(1 for p in counted if not mesh.get(p))
+        mesh_quota = max(0, excess - others)
+        victims = []
+        for p in candidates:
+            if len(victims) >= excess:
+                break
+            if mesh.get(p):
+                if mesh_quota <= 0:
+                    continue
+                mesh_quota -= 1
+            victims.append(p)
         for p in victims:
             try:
                 await node._host.disconnect(peers[p])

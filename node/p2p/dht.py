@@ -6,10 +6,10 @@ our own swarm, which discovery made). Provider records only; the value store is 
 
 - Keys are sha2-256 multihashes of a namespaced name: `dht_key("swarm", swarm_id)` is
   the swarm's rendezvous key, `dht_key("checkpoint", ...)` whatever the broadcast layer
-  names. Every publicly reachable node provides its swarm key (NAT'd nodes do not: the
-  addresses a provider record carries are its listen addresses, which nobody outside its
-  NAT can dial; they are found through peer exchange, where their relayed addresses
-  travel).
+  names. Publicly reachable trainers and relays provide the swarm key (`anchors_swarm`:
+  long-lived, and few; NAT'd nodes never: a provider record carries listen addresses,
+  which nobody outside the NAT can dial). Everyone else is found through peer exchange,
+  where relayed addresses travel too.
 - The routing table is seeded from every connection (py-libp2p adds a peer only when it
   opens a DHT stream to us), with the per-subnet cap off (a LAN or loopback swarm shares
   one /24).
@@ -36,7 +36,8 @@ from .errors import NotRunning, P2PError
 log = logging.getLogger(__name__)
 
 MAX_QUERIED = 20  # peers asked per find_providers walk
-REPROVIDE_S = 3600.0  # a public node re-announces its swarm key this often
+REPROVIDE_S = 3600.0  # a public anchor re-announces its swarm key this often
+ANCHOR_ROLES = ("trainer", "relay")  # the roles that announce the swarm key when public
 SHA2_256 = b"\x12\x20"  # multihash prefix: sha2-256, 32 bytes
 
 
@@ -121,9 +122,32 @@ class DHTService:
         return await self.node._bridge.call(self._t_provide, key)
 
     async def _t_provide(self, key: bytes) -> bool:
-        with trio.move_on_after(QUERY_TIMEOUT * 2):
-            return bool(await self.dht.provider_store.provide(key))
-        return False
+        before = self._t_connected()
+        try:
+            with trio.move_on_after(QUERY_TIMEOUT * 2):
+                return bool(await self.dht.provider_store.provide(key))
+            return False
+        finally:
+            await self._t_close_transient(before)
+
+    def _t_connected(self) -> set[ID]:
+        return {p for p, cs in list(self.node._host.get_network().connections.items()) if cs}
+
+    async def _t_close_transient(self, before: set[ID]) -> None:
+        """A lookup dials the peers it asks (a provide: the ~20 closest to the key, in a
+        small swarm everyone). Once it is done, connections it opened are closed again if
+        this node has `target_peers` without them: they were for the query, and left open
+        they would only be trimmed later, after costing a mesh peer its place."""
+        now = self._t_connected()
+        new = now - before
+        if not new or len(now) - len(new) < self.node.cfg.target_peers:
+            return
+        self.node.metrics.inc("dht_connections_closed", len(new))
+        for pid in new:
+            try:
+                await self.node._host.disconnect(pid)
+            except Exception as e:  # noqa: BLE001 - already gone is fine
+                log.debug("closing the lookup connection to %s: %s", pid, e)
 
     async def find_providers(self, key: bytes, count: int = 20) -> list[tuple[str, list[str]]]:
         """Providers of `key` other than us: [(peer id, [multiaddr with /p2p/...]), ...]."""
@@ -135,6 +159,13 @@ class DHTService:
                 for pid, addrs in found]
 
     async def _t_find_providers(self, key: bytes, count: int) -> list[tuple[str, list[str]]]:
+        before = self._t_connected()
+        try:
+            return await self._t_walk_providers(key, count)
+        finally:
+            await self._t_close_transient(before)
+
+    async def _t_walk_providers(self, key: bytes, count: int) -> list[tuple[str, list[str]]]:
         store = self.dht.provider_store
         me = self.node._host.get_id()
         found: dict[ID, list[str]] = {}
@@ -170,9 +201,19 @@ class DHTService:
 
     # Swarm peers ----------------------------------------------------------------------
 
+    def anchors_swarm(self) -> bool:
+        """Does this node announce itself under the swarm key? Publicly reachable trainers
+        and relays do: long-lived nodes (a provider record lives 48 h, and inference peers
+        come and go), and few of them (each announcement walks to the ~20 peers closest to
+        the key and dials them: done by every node at once, that churn cost the gossip
+        meshes of a 12-node test swarm at target 3 / max 5 over a minute, GossipSub
+        penalising the re-grafts)."""
+        return (self.node.reachability.public
+                and self.node.config.node.role in ANCHOR_ROLES)
+
     async def provide_swarm(self) -> None:
-        """Announce this node under the swarm's key (public nodes only, see above)."""
-        if self.dht is None or not self.node.reachability.public:
+        """Announce this node under the swarm's key (see anchors_swarm)."""
+        if self.dht is None or not self.anchors_swarm():
             return
         try:
             await self.provide(self.swarm_key)

@@ -150,7 +150,8 @@ async def _main(cfg: Config) -> None:
         await role.start()
         route_library_logs()  # libraries imported by the role may have added handlers
         state.hardware = runtime_summary(cfg, role)
-        _log_joined(cfg, identity.peer_id, p2p.listen_addrs, state.hardware)
+        _log_joined(cfg, identity.peer_id, p2p.listen_addrs, state.hardware,
+                    resumed=getattr(role, "resumed", False))
         state.phase = "running"
         interrupts.role = role
         interrupts.waiting_for = "the role's loop to stop"
@@ -200,11 +201,13 @@ def _check_listening(cfg: Config, p2p) -> None:
             raise NodeError(f"cannot listen on {addr}: the libp2p host did not bind it")
 
 
-def _log_joined(cfg: Config, peer_id: str, addrs: list[str], hw: dict) -> None:
+def _log_joined(cfg: Config, peer_id: str, addrs: list[str], hw: dict,
+                resumed: bool = False) -> None:
     log.info("runtime: device %s, dtype %s, sampler %s, memory %s", hw.get("device"),
              hw.get("dtype"), hw.get("backend"), hw.get("memory"))
     if not cfg.node.bootstrap:
-        log.info("started a new swarm %r; others join with: swarm-node join --bootstrap %s",
-                 cfg.node.swarm_id, addrs[0])
+        # a restarted trainer (its data dir held the swarm's checkpoints) resumes the swarm
+        log.info("%s swarm %r; others join with: swarm-node join --bootstrap %s",
+                 "resumed the" if resumed else "started a new", cfg.node.swarm_id, addrs[0])
     log.info("joined swarm %r as %s, peer id %s, listening on %s", cfg.node.swarm_id,
              cfg.node.role, peer_id, ", ".join(addrs))

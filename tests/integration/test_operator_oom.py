@@ -119,7 +119,7 @@ async def test_oom_in_a_train_step_retries_smaller_without_losing_groups(tmp_pat
         trainer.model.get_decoder().register_forward_pre_hook(limit, with_kwargs=True)
         stats = await role.work_oom_safe(trainer.step, holder=trainer.cfg,
                                          field="micro_batch_size",
-                                         on_oom=role._unclaim_failed_step)
+                                         on_oom=trainer.undo_failed_step)
         assert stats.trained and stats.version == 1
         assert stats.groups_local == 4  # the groups of the failed attempts were not lost
         assert trainer.cfg.micro_batch_size == 4  # 16 -> 8 -> 4

@@ -6,16 +6,16 @@ penalised. Each sybil publishes as its own libp2p peer: the transport rejects (a
 penalises) an envelope whose signer is not the gossip origin (`sender_mismatch`), so a
 fresh envelope key needs a matching libp2p key.
 
-The trainer side is the real TrainerRole intake (`_on_rollouts`, `_drain`,
-`verify_and_store`, the fair queue, the real Trainer on the tiny model); only the checkpoint
-broadcaster, which plays no part in verification of the trainer's own policy, is left out.
+The trainer side is the real TrainerRole wiring of the real intake (verifier/intake.py: the
+fair queue, budgets, the real verifier and the real Trainer on the tiny model); only the
+checkpoint broadcaster, which plays no part in verification of the trainer's own policy, is
+left out.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
-import types
 
 import pytest
 import torch
@@ -76,13 +76,12 @@ async def trainer_role(cfg, tiny_model_dir, p2p, identity):
     role.trainer = await role.work(Trainer, cfg, tiny_model_dir, role.data_dir,
                                    policy_id=identity.peer_id)
     role.tasks = TaskSource(cfg.tasks.mix, cfg.node.swarm_id)
-    role.reputation = Reputation(None)
-    role.broadcaster = types.SimpleNamespace(gate=types.SimpleNamespace(follow=set()))
+    role.intake = role.build_intake(Reputation(None))
     role.arrivals = []
 
     async def on_rollouts(env, from_peer):
         role.arrivals.append(env.sender)
-        await role._on_rollouts(env, from_peer)
+        await role.intake.offer(env, from_peer)
 
     await p2p.subscribe("rollouts", on_rollouts)
     return role
@@ -103,16 +102,20 @@ async def test_honest_batches_accepted_during_a_fresh_key_flood(tmp_path, tiny_m
     try:
         role = await trainer_role(cfg, tiny_model_dir, hub, trainer_id)
         # history: the honest peer's earlier work was accepted (it is out of probation)
-        for _ in range(role.reputation.probation_accepts):
-            role.reputation.record(honest_node.peer_id, True)
+        for _ in range(role.intake.reputation.probation_accepts):
+            role.intake.reputation.record(honest_node.peer_id, True)
         order = []
-        real = role.verify_and_store
+        real_for = role.verifier_for
 
-        def spy(batch, sender):
-            order.append(sender)
-            return real(batch, sender)
+        class Spy:
+            def __init__(self, real):
+                self.real = real
 
-        role.verify_and_store = spy
+            def verify(self, batch, sender, *args):
+                order.append(sender)
+                return self.real.verify(batch, sender, *args)
+
+        role.verifier_for = lambda policy_id: Spy(real_for(policy_id))
 
         model, tokenizer = load_model(tiny_model_dir)
         source = TaskSource(cfg.tasks.mix, cfg.node.swarm_id)
@@ -156,8 +159,8 @@ async def test_honest_batches_accepted_during_a_fresh_key_flood(tmp_path, tiny_m
         deadline = loop.time() + 120
         while not honest_done():
             assert loop.time() < deadline, f"honest batches verified: {order.count(honest_id)}"
-            if len(role.queue):
-                await role._drain()
+            if len(role.intake.queue):
+                await role.intake.drain()
             else:
                 await asyncio.sleep(0.05)
         counts = role.state.by_peer[honest_id]
@@ -166,11 +169,11 @@ async def test_honest_batches_accepted_during_a_fresh_key_flood(tmp_path, tiny_m
         flood_before = sum(1 for s in order[:last_honest] if s != honest_id)
         # probation share 0.2: at most about one flood batch per four honest ones
         assert flood_before <= 2, order
-        assert len(role.queue) <= role.queue.limits.max_probation
+        assert len(role.intake.queue) <= role.intake.queue.limits.max_probation
         # the flood did arrive; what was not verified was dropped from the probation queue
         await wait_until(lambda: len(role.arrivals) >= FLOOD_BATCHES + HONEST_BATCHES, 30,
                          "the flood to arrive")
-        await role._drain()  # what is left: every flood batch verified fails ...
+        await role.intake.drain()  # what is left: every flood batch verified fails ...
         flood_ids = {s for s in order if s != honest_id}
         assert flood_ids and all(not role.state.by_peer[s].accepted for s in flood_ids)
         # a sybil's first bogus batch bans its key; its queued rest is never verified

@@ -41,8 +41,10 @@ that no single completion reveals:
 - narrow ties (margin <= the wide threshold): honest floats reorder them often, so a
   steering sender hides there. They are watched per margin bin with the honest flip rate
   measured for the bin (`narrow`: (upper edge as a fraction of tie_eps, p0), from
-  benchmarks/verifier_ties.py); bins whose honest rate reaches p1 carry no evidence and are
-  skipped. Their log-likelihood ratios join the steering CUSUM beside the wide ties'.
+  benchmarks/verifier_ties.py) against H1 `narrow_p1`; bins whose honest rate reaches it
+  carry no evidence and are skipped. They have a CUSUM of their own (alarm `tie_steering`
+  above h): in one statistic with the wide ties, the honest wide ties' strong downward
+  drift would hide a sender steering only narrow ones.
 
 CUSUM: g = max(0, g + LLR(observation)); an alarm when g > h, then g restarts at 0.
 For the steering test h = 12 (log-likelihood units) bounds false alarms by about e^-12
@@ -59,9 +61,11 @@ tests, since a sybil that never sends twice never builds up a CUSUM:
   probability at most e^-batch_h, whatever the batch size); its bias z-scores, summed and
   divided by sqrt(count), alarm beyond +-`batch_z`;
 - pooled: the same CUSUMs over the stream of every probation sender's completions (one
-  "cohort" peer). An alarm there condemns each probation sender whose own evidence went
-  into the alarming excursion with a positive sum (`blame`), and nobody else: 3 sybils each
-  steering one batch add up where none of them alone does.
+  "cohort" peer). An alarm there condemns each probation sender whose own evidence in the
+  alarming excursion sums to more than `blame_min` (a likelihood ratio of e^blame_min
+  against it alone), and nobody else: 3 sybils each steering one batch add up where none
+  of them alone does, while an honest newcomer whose batch happened to fall into the
+  excursion is not blamed for its few honest flips.
 """
 
 from __future__ import annotations
@@ -95,11 +99,13 @@ class SequentialSettings:
     # a fraction of tie_eps, ascending, up to the wide threshold; honest flip rate p0)
     tie_eps: float = 0.0
     narrow: tuple[tuple[float, float], ...] = ()
+    narrow_p1: float = 0.6  # H1 of the narrow bins (a steering sender flips most of them)
     # senders without history: one batch's own evidence (likelihood ratio; bias z)
     batch_h: float = 11.0
     batch_z: float = 4.5
     pooled: bool = True  # the cohort CUSUMs over every probation sender
     max_blame: int = 1024  # senders remembered per pooled excursion
+    blame_min: float = 3.0  # a pooled alarm condemns senders whose own share exceeds this
 
     @classmethod
     def for_dtype(cls, dtype: str) -> SequentialSettings:
@@ -129,9 +135,14 @@ BF16_FLIP_P0 = 0.1
 BF16_STEER_H = 15.0
 # the verifiers' tie_eps per dtype (checks.CheckSettings.for_dtype)
 FP32_TIE_EPS, BF16_TIE_EPS = 1e-3, 0.4
-# narrow-tie bins (edge / tie_eps, honest flip rate): PLACEHOLDER until measured
+# narrow ties (margin <= tie_eps / 4), per bin (edge / tie_eps, honest flip rate p0).
+# bf16: SmolLM2 (CPU, 1,120 honest completions of 8 tokens, batch 32, T = 1; this session,
+# benchmarks/verifier_ties.py): 139 of 570 narrow ties flipped (24%; per bin 12-30%, no
+# trend with the margin), so one bin with p0 0.3 (wide ties: 53 of 1,457, 3.6%; p0 0.1).
+# fp32: not counted (session 8, RESULTS.md "verifier-real": ties above 1e-4 pushed the
+# stress false-alarm rate to 1.3e-4 per batch; below 1e-4 honest pair errors reach them).
 FP32_NARROW: tuple[tuple[float, float], ...] = ()
-BF16_NARROW: tuple[tuple[float, float], ...] = ()
+BF16_NARROW: tuple[tuple[float, float], ...] = ((0.25, 0.3),)
 
 
 @dataclass
@@ -139,6 +150,7 @@ class _PeerState:
     bias_up: float = 0.0
     bias_down: float = 0.0
     steer: float = 0.0
+    narrow: float = 0.0
     outlier: float = 0.0
     observed: int = 0
     alarms: dict = field(default_factory=dict)
@@ -160,13 +172,14 @@ class _Evidence:
     """One completion's log-likelihood ratios (and the clipped bias z, or None)."""
 
     steer: float = 0.0
+    narrow: float = 0.0
     outlier: float | None = None
     z: float | None = None
 
 
-_STATS = ("bias_up", "bias_down", "steer", "outlier")
+_STATS = ("bias_up", "bias_down", "steer", "narrow", "outlier")
 _REASON = {"bias_up": "logprob_bias", "bias_down": "logprob_bias", "steer": "tie_steering",
-           "outlier": "tie_steering"}
+           "narrow": "tie_steering", "outlier": "tie_steering"}
 COHORT = "*probation*"  # the pooled state's key (not a peer id: those are base58)
 
 
@@ -184,9 +197,9 @@ class PeerMonitor:
         self._steer_h = s.steer_h or s.h
         self._wide = s.wide_min or s.tie_eps / 4
         # narrow bins: (upper margin, LLR of a flip, LLR of a kept tie); uninformative skipped
-        self._narrow = [(edge * s.tie_eps, math.log(s.flip_p1 / p0),
-                         math.log((1 - s.flip_p1) / (1 - p0)))
-                        for edge, p0 in s.narrow if 0 < p0 < s.flip_p1]
+        self._narrow = [(edge * s.tie_eps, math.log(s.narrow_p1 / p0),
+                         math.log((1 - s.narrow_p1) / (1 - p0)))
+                        for edge, p0 in s.narrow if 0 < p0 < s.narrow_p1]
         self.peers: OrderedDict[str, _PeerState] = OrderedDict()
         self.cohort = _PeerState()
         # per pooled statistic: sender -> its evidence in the current excursion
@@ -219,7 +232,7 @@ class PeerMonitor:
                     continue
                 for edge, flip, keep in self._narrow:
                     if m <= edge:
-                        ev.steer += flip if flipped else keep
+                        ev.narrow += flip if flipped else keep
                         break
         else:
             ties, flips = stats.get("wide_ties", 0.0), stats.get("wide_flips", 0.0)
@@ -238,6 +251,7 @@ class PeerMonitor:
             st.bias_up = max(0.0, st.bias_up + ev.z - s.bias_k)
             st.bias_down = max(0.0, st.bias_down - ev.z - s.bias_k)
         st.steer = max(0.0, st.steer + ev.steer)
+        st.narrow = max(0.0, st.narrow + ev.narrow)
         if ev.outlier is not None:
             st.outlier = max(0.0, st.outlier + ev.outlier)
         return {k: getattr(st, k) - before[k] for k in _STATS}
@@ -245,7 +259,7 @@ class PeerMonitor:
     def _fired(self, st: _PeerState) -> list[str]:
         """Statistics above their threshold (reset to 0)."""
         h = {"bias_up": self.s.h, "bias_down": self.s.h, "steer": self._steer_h,
-             "outlier": self.s.h}
+             "narrow": self.s.h, "outlier": self.s.h}
         out = [k for k in _STATS if getattr(st, k) > h[k]]
         if "bias_up" in out or "bias_down" in out:
             st.bias_up = st.bias_down = 0.0
@@ -296,14 +310,16 @@ class PeerMonitor:
             return "logprob_bias"
         if sum(ev.steer for ev in evidence) > s.batch_h:
             return "tie_steering"
+        if sum(ev.narrow for ev in evidence) > s.batch_h:
+            return "tie_steering"
         if sum(ev.outlier or 0.0 for ev in evidence) > s.batch_h:
             return "tie_steering"
         return None
 
     def _pool(self, peer: str, evidence: list[_Evidence]) -> list[tuple[str, str, tuple]]:
-        """The cohort CUSUMs, each sender's share of the current excursion kept; an alarm
-        blames the senders whose share is positive."""
-        out = []
+        """The cohort CUSUMs over the batch, each sender's share of the current excursion
+        kept; checked once the whole batch is in (its sender's share complete). An alarm
+        blames the senders whose share exceeds `blame_min` (none: it only restarts)."""
         for ev in evidence:
             step = self._update(self.cohort, ev)
             for k in _STATS:
@@ -315,10 +331,12 @@ class PeerMonitor:
                     shares.move_to_end(peer)
                     while len(shares) > self.s.max_blame:
                         shares.popitem(last=False)
-            for k in self._fired(self.cohort):
-                guilty = tuple(p for p, v in self.blame[k].items() if v > 0)
-                for kk in (("bias_up", "bias_down") if k.startswith("bias") else (k,)):
-                    self.blame[kk].clear()
-                self.pooled_alarms += 1
-                out.append((_REASON[k], "pooled", guilty or (peer,)))
+        out = []
+        for k in self._fired(self.cohort):
+            guilty = tuple(p for p, v in self.blame[k].items() if v > self.s.blame_min)
+            for kk in (("bias_up", "bias_down") if k.startswith("bias") else (k,)):
+                self.blame[kk].clear()
+            self.pooled_alarms += 1
+            if guilty:
+                out.append((_REASON[k], "pooled", guilty))
         return out

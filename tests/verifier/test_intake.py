@@ -265,3 +265,51 @@ async def test_a_banned_peer_is_told_once_per_interval(tmp_path):
     intake.reputation.unban("12D3KooWcheat")
     await send(intake, "12D3KooWcheat", batch(9))
     assert len([m for m in intake.published if m.reason == "banned"]) == 2
+
+
+# 13: a full disk pauses verification; nothing accepted is lost ----------------------------
+
+
+async def test_13_a_full_disk_pauses_the_intake_and_loses_nothing(tmp_path, kit, one_thread):
+    """The seen-rollout store's commit failing with "database or disk is full" (SQLite has
+    rolled it back itself: no "cannot rollback") pauses the intake, which retries the same
+    batch once the store can write again: accepted, stored once, nothing lost or doubled."""
+    import asyncio
+
+    from swarm_node.node.testing import attacks
+    from swarm_node.verifier.checks import RolloutVerifier
+    from swarm_node.verifier.seen import SeenStore
+
+    model, tokenizer, source = kit
+    from swarm_node.node.diskspace import DiskFull
+
+    seen = SeenStore(tmp_path / "seen.sqlite")
+    pages = seen._db.execute("PRAGMA page_count").fetchone()[0]
+    seen._db.execute(f"PRAGMA max_page_count = {pages}")  # the file cannot grow: full
+    with pytest.raises(DiskFull):
+        for k in range(1000):  # fill what room the file has
+            seen.add([bytes([k % 256, k // 256]) * 16], 0, "12D3KooWfiller", k, b"")
+    filled = seen.counts()
+    verifier = RolloutVerifier(model, tokenizer, source, swarm_id="default",
+                               latest_version=lambda: 0, seen=seen)
+    intake = make(tmp_path, Scripted(Clock()))
+    intake.verifier_for = lambda policy: verifier
+    intake.clock = __import__("time").monotonic
+    intake.disk.poll_s = 0.05
+    b = attacks.sample_batch(model, tokenizer, source, "12D3KooWpeer", round_=0, version=0,
+                             tasks=2, n=2, params=SamplingParams(max_new_tokens=8),
+                             policy_id=OWN)
+    await intake.offer(SimpleNamespace(sender="12D3KooWpeer", message=b), "c")
+    drain = asyncio.create_task(intake.drain())
+    for _ in range(600):
+        if intake.disk.pauses >= 2:  # hit, retried once space looked free, hit again
+            break
+        await asyncio.sleep(0.05)
+    assert intake.disk.pauses >= 2 and not drain.done()  # paused: not crashed, not dropped
+    assert "full" in intake.disk.detail
+    assert intake.sink.stored == [] and seen.counts() == filled
+    seen._db.execute("PRAGMA max_page_count = 1000000")  # space is back
+    await asyncio.wait_for(drain, 60)
+    assert intake.sink.stored == [("12D3KooWpeer", 4)]
+    assert intake.state.by_peer["12D3KooWpeer"].accepted == 4
+    assert seen.counts() == (filled[0] + 4, filled[1] + 1)

@@ -70,7 +70,7 @@ class IntakeLimits:
     max_probation: int = 16  # queued batches of probation senders, in total
     probation_share: float = 0.2  # of the batches served while established work waits
     probation_time_share: float = 0.1  # of the worker's wall time, all probation senders
-    probation_burst_s: float = 20.0  # verification seconds they may spend at once
+    probation_burst_s: float = 5.0  # verification seconds they may spend at once
     window_s: float = 60.0  # budget window of established senders
     established_tokens: int = 200_000  # completion tokens verified per sender per window
     probation_tokens: int = 8_192  # a new sender's credit (does not grow with time)
@@ -296,6 +296,19 @@ class Intake:
         self.arrived = asyncio.Event()
         self.verified_batches = 0  # batches with accepted rollouts (the caller resets it)
         self._told_banned: OrderedDict[str, float] = OrderedDict()
+        # what /status shows (extra.intake; the same dict, updated in place)
+        self.seconds = {"established": 0.0, "probation": 0.0}  # verification time by tier
+        self.batches: Counter = Counter()  # verified, by tier; alarms; already accepted
+        self.view: dict = {}
+        self._update_view()
+
+    def _update_view(self) -> None:
+        self.view.update(
+            queued=len(self.queue), established_waiting=self.queue.established_waiting,
+            dropped=dict(self.queue.dropped),
+            verify_seconds={k: round(v, 2) for k, v in self.seconds.items()},
+            batches=dict(self.batches), probation_share_s=round(self.share.level(), 2),
+            pooled_alarms=self.monitor.pooled_alarms)
 
     @classmethod
     def for_trainer(cls, cfg, own_id: str, verifier_for: Callable[[str], Verifier | None],
@@ -340,6 +353,7 @@ class Intake:
             log.debug("verification queue: dropped a batch from %s (not verified, not "
                       "accepted)", sender[-8:])
         self.arrived.set()
+        self._update_view()
 
     async def hint(self, env, origin: str) -> None:
         """A `Verdict` from another peer: a hint only, from a peer with verified history
@@ -385,6 +399,7 @@ class Intake:
             sender, (batch, origin) = nxt
             await self._one(sender, batch, origin)
             done += 1
+            self._update_view()
         return done
 
     async def _one(self, sender: str, batch: RolloutBatch, origin: str) -> None:
@@ -406,11 +421,15 @@ class Intake:
                 self.disk, self.ports.work, verifier.verify, batch, sender,
                 lambda ids: self.reputation.should_verify_group(sender, ids), not established)
             spent = self.clock() - t0
+            tier = "established" if established else "probation"
             if not established:
                 self.share.spend(spent)
+            self.seconds[tier] += spent
+            self.batches[tier] += 1
             self.state.observe("verify_batch_seconds", spent)
         if all(r.reason in NOT_JUDGED for r in results):  # this very batch, accepted before
             self.budget.refund(sender, tokens, established)
+            self.batches["already_accepted"] += 1
             self.state.count("batches_already_accepted")
             log.debug("round %d from %s again (accepted before): ignored", batch.round,
                       sender[-8:])
@@ -436,6 +455,7 @@ class Intake:
                        rid: bytes) -> None:
         """Every peer the alarm condemns: banned (no history) or penalised (established),
         its waiting groups dropped from the trainer's buffer, and told."""
+        self.batches[f"alarm_{alarm.test}"] += 1
         for peer in alarm.peers:
             self.reputation.record_alarm(peer, alarm.reason)
             dropped = await self.ports.work(self.sink.drop_sender, peer)

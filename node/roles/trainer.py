@@ -111,6 +111,7 @@ class TrainerRole(Role):
         self.state.policy_id = self.identity.peer_id
         self.state.policy_version = self.trainer.version
         self.state.extra["disk"] = self.disk.status()
+        self.state.extra["intake"] = self.intake.view  # queue, verification time by tier
         self.state.banned = self.intake.banned()
         await self._publish_version()
 

@@ -1,0 +1,301 @@
+"""A sybil flood on a trainer's verification (issue #30 item 4), measured end to end.
+
+    .venv/bin/python benchmarks/verifier_flood.py [--phase-s 60] [--rate 50] [--no-record]
+
+Real `swarm-node join` processes on loopback (tiny model): a trainer and an honest inference
+peer (established before the flood), and in this process the flood (node/testing/flood.py):
+bogus batches that pass every check before the model runs, each signed by a fresh key,
+over 4 connections replaced when cut, at most `--rate` batches per second in all. Phases
+of `--phase-s` seconds each:
+
+  baseline   nothing but the swarm;
+  control    the attacker does all its work (keys, batches, signatures) but sends nothing:
+             what its CPU alone takes from the 2 shared cores;
+  flood      the same, sent;
+  after      nothing again (recovery).
+
+Per phase: honest completions accepted per second and trainer versions per second (from
+the trainer's /status, sampled every second), the honest share against the baseline, the
+time after the flood until a 10-s window of honest acceptance is back at 80% of the
+baseline, what the trainer spent verifying the flood (its intake's probation seconds) and
+what each bogus batch cost the attacker (CPU ms in its own thread) against the trainer
+(verification ms). The machine is shared: the load average is recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+BIN = Path(sys.executable).parent / "swarm-node"
+SWARM = "floodbench"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    def __init__(self, root: Path, cfg: dict):
+        from swarm_node.node.config import dump_toml
+
+        self.root, self.cfg = root, cfg
+        root.mkdir(parents=True, exist_ok=True)
+        (root / "node.toml").write_text(dump_toml(cfg))
+        env = {**os.environ, "HOME": str(root), "OMP_NUM_THREADS": "1",
+               "PYTHONUNBUFFERED": "1"}
+        self.log = root / "node.log"
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen([str(BIN), "join", "--config", str(root / "node.toml")],
+                                         stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def status(self) -> dict:
+        try:
+            with urllib.request.urlopen(
+                    f"http://127.0.0.1:{self.cfg['admin']['port']}/status", timeout=5) as r:
+                return json.loads(r.read())
+        except OSError:
+            return {}
+
+    def wait(self, pred, timeout: float, what: str):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{what}: exited\n{self.log.read_text()[-2000:]}")
+            got = pred()
+            if got:
+                return got
+            time.sleep(0.5)
+        raise RuntimeError(f"timed out: {what}\n{self.log.read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def configs(root: Path, model_dir: Path) -> tuple[dict, dict]:
+    shared = {"tasks": {"mix": {"toy/digit_successor": 1.0}, "tasks_per_round": 4},
+              "sampler": {"completions_per_task": 4, "max_new_tokens": 8,
+                          "batches_per_version": 2}}
+    trainer = {"node": {"role": "trainer", "swarm_id": SWARM, "data_dir": str(root / "t"),
+                        "listen": ["/ip4/127.0.0.1/tcp/0"]},
+               "model": {"name": str(model_dir)}, "admin": {"port": free_port()},
+               **shared, "trainer": {"local_items": 4, "external_items": 0,
+                                     "peer_batches_per_step": 1, "peer_wait_s": 5.0}}
+    peer = {"node": {"role": "inference", "swarm_id": SWARM, "data_dir": str(root / "p"),
+                     "listen": ["/ip4/127.0.0.1/tcp/0"]},
+            "model": {"name": str(model_dir)}, "admin": {"port": free_port()},
+            "tasks": shared["tasks"], "sampler": {**shared["sampler"], "version_wait_s": 5.0}}
+    return trainer, peer
+
+
+async def run(args) -> dict:
+    from swarm_node.node.config import Config
+    from swarm_node.node.identity import Identity
+    from swarm_node.node.models import build_tiny_model, load_model
+    from swarm_node.node.sampler.factory import sampling_params
+    from swarm_node.node.tasks import TaskSource
+    from swarm_node.node.testing import attacks
+    from swarm_node.node.testing.flood import SybilFlood
+    from swarm_node.verifier.rules import batch_rules
+
+    root = Path(args.workdir)
+    model_dir = build_tiny_model(root / "model")
+    tcfg, pcfg = configs(root, model_dir)
+    trainer = Proc(root / "trainer", tcfg)
+    peer = None
+    try:
+        trainer.wait(lambda: "joined swarm" in trainer.log.read_text(), 180, "trainer joined")
+        tid = trainer.status()["peer_id"]
+        boot = json.loads((Path(tcfg["node"]["data_dir"]) / "node.json").read_text())[
+            "listen_addrs"][0]
+        pcfg["node"].update(bootstrap=[boot], follow=[tid])
+        peer = Proc(root / "peer", pcfg)
+        hid = peer.wait(lambda: peer.status().get("peer_id"), 180, "peer up")
+
+        def sample() -> tuple[float, int, int, dict]:
+            st = trainer.status()
+            acc = (st.get("accepted_by_peer") or {}).get(hid, {}).get("accepted", 0)
+            intake = (st.get("extra") or {}).get("intake") or {}
+            return time.monotonic(), acc, st.get("policy_version", 0), intake
+
+        trainer.wait(lambda: sample()[1] >= 64, 300, "honest peer established")
+        swarm = Config.model_validate({"tasks": tcfg["tasks"], "sampler": tcfg["sampler"]})
+        swarm.node.swarm_id, swarm.node.listen = SWARM, ["/ip4/127.0.0.1/tcp/0"]
+        model, tokenizer = load_model(model_dir)
+        source = TaskSource(swarm.tasks.mix, SWARM)
+        rules, params = batch_rules(swarm), sampling_params(swarm)
+        rng = random.Random(0)
+        version = [0]
+
+        def make_batch(sender: str, v: int):
+            return attacks.bogus_round(tokenizer, source, sender, round_=rules.round_for(v, 0),
+                                       version=v, tasks=rules.tasks_per_round,
+                                       n=rules.completions_per_task, params=params,
+                                       hidden_size=model.config.hidden_size, rng=rng,
+                                       policy_id=tid, swarm_id=SWARM,
+                                       length=params.max_new_tokens)
+
+        samples: list[tuple[str, tuple]] = []
+
+        async def phase(name: str, flood: SybilFlood | None, dry: bool = False) -> dict:
+            stop = asyncio.Event()
+            tasks = []
+            if flood is not None and not dry:
+                tasks.append(asyncio.ensure_future(flood.run(stop)))
+            first = sample()
+            cpu0 = process_cpu(trainer.proc.pid)
+            t_end = time.monotonic() + args.phase_s
+            built = 0
+            while time.monotonic() < t_end:
+                s = sample()
+                version[0] = s[2]
+                samples.append((name, s))
+                if dry:  # the attacker's own work, not sent
+                    t1 = time.monotonic() + 1.0
+                    while time.monotonic() < t1:
+                        sybil = Identity.generate()
+                        sybil.seal(make_batch(sybil.peer_id, version[0]))
+                        built += 1
+                        await asyncio.sleep(1.0 / args.rate)
+                else:
+                    await asyncio.sleep(1.0)
+            stop.set()
+            for t in tasks:
+                await t
+            last = sample()
+            cpu1 = process_cpu(trainer.proc.pid)
+            dt = last[0] - first[0]
+            spent = (last[3].get("verify_seconds", {}).get("probation", 0.0)
+                     - first[3].get("verify_seconds", {}).get("probation", 0.0))
+            verified = (last[3].get("batches", {}).get("probation", 0)
+                        - first[3].get("batches", {}).get("probation", 0))
+            return {"phase": name, "seconds": dt, "honest_per_s": (last[1] - first[1]) / dt,
+                    "versions_per_s": (last[2] - first[2]) / dt, "probation_s": spent,
+                    "probation_batches": verified, "built": built,
+                    "trainer_cpu_s": cpu1 - cpu0}
+
+        out = [await phase("baseline", None)]
+        out.append(await phase("control", SybilFlood(swarm, boot, tid, make_batch,
+                                                     lambda: version[0]), dry=True))
+        flood = SybilFlood(swarm, boot, tid, make_batch, lambda: version[0], connections=4,
+                           interval_s=4.0 / args.rate)
+        out.append(await phase("flood", flood))
+        flood_end = time.monotonic()
+        out.append(await phase("after", None))
+        base = out[0]["honest_per_s"]
+        # recovery: first 10-s window after the flood with honest acceptance >= 80% of base
+        after = [s for name, s in samples if name == "after"]
+        recovery = None
+        for i, s in enumerate(after):
+            j = next((k for k in range(i, len(after)) if after[k][0] - s[0] >= 10.0), None)
+            if j is None:
+                break
+            rate = (after[j][1] - s[1]) / (after[j][0] - s[0])
+            if rate >= 0.8 * base:
+                recovery = s[0] - flood_end
+                break
+        return {"phases": out, "flood": {"sent": flood.sent, "carriers": flood.carriers,
+                                         "cut": flood.cut,
+                                         "attacker_ms": flood.cpu_per_batch * 1e3},
+                "recovery_s": recovery, "trainer_rss_mib": _rss(trainer.proc.pid)}
+    finally:
+        if peer is not None:
+            peer.stop()
+        trainer.stop()
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user + system) of process `pid` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _rss(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def report(res: dict, load: str, args) -> str:
+    from benchmarks.results import table
+
+    base = res["phases"][0]
+    rows = []
+    for p in res["phases"]:
+        rows.append([p["phase"], f"{p['seconds']:.0f}", f"{p['honest_per_s']:.2f}",
+                     f"{p['honest_per_s'] / base['honest_per_s']:.0%}"
+                     if base["honest_per_s"] else "-",
+                     f"{p['versions_per_s']:.3f}", p["probation_batches"],
+                     f"{p['probation_s']:.1f}", f"{p['trainer_cpu_s']:.1f}"])
+    f = res["flood"]
+    fl = next(p for p in res["phases"] if p["phase"] == "flood")
+    trainer_ms = fl["probation_s"] / max(1, fl["probation_batches"]) * 1e3
+    text = [(f"Load average: {load} (2 shared cores). Tiny model; trainer `peer_batches_per_step"
+            f" = 1`; honest peer: 4 tasks x 4 completions x 8 tokens, 2 rounds per version. "
+            f"Flood: at most {args.rate} bogus batches/s over 4 connections, a fresh key per "
+            "batch.\n"),
+            table(["phase", "seconds", "honest completions accepted / s", "of baseline",
+                   "trainer versions / s", "flood batches verified", ("verification s spent "
+                   "on them"), "trainer CPU s"], rows),
+            "",
+            (f"- flood: {f['sent']} bogus batches sent over {f['carriers']} carriers ({f['cut']}"
+            f" cut); {fl['probation_batches']} reached the model checks "
+            f"({fl['probation_batches'] / max(1, f['sent']):.1%}), the rest expired in the "
+            "probation queue or were dropped at the door."),
+            (f"- cost per bogus batch: attacker {f['attacker_ms']:.1f} ms CPU (a key, a batch, "
+            f"two signatures); trainer {trainer_ms:.0f} ms of verification for each one it "
+            f"verified, {fl['probation_s'] / max(1, f['sent']) * 1e3:.1f} ms per batch sent."),
+            "- recovery: honest acceptance back at >= 80% of the baseline (10-s window) "
+            + (f"{res['recovery_s']:.1f} s after the flood stopped"
+               if res["recovery_s"] is not None else "not within the after phase"),
+            f"- trainer RSS at the end: {res['trainer_rss_mib']:.0f} MiB"]
+    return "\n".join(text)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--phase-s", type=float, default=60.0)
+    ap.add_argument("--rate", type=float, default=50.0)
+    ap.add_argument("--workdir", default="/tmp/verifier-flood")
+    ap.add_argument("--no-record", action="store_true")
+    args = ap.parse_args()
+    load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    res = asyncio.run(run(args))
+    load += " -> " + " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    text = report(res, load, args)
+    print(text)
+    print(json.dumps(res, indent=1))
+    if not args.no_record:
+        from benchmarks.results import record
+
+        record("verifier-flood", text)
+
+
+if __name__ == "__main__":
+    main()

@@ -93,8 +93,13 @@ class TrainerRole(Role):
         self.tasks = TaskSource.of(cfg.tasks, cfg.node.swarm_id)
         self.intake = self.build_intake()
         self.p2p.set_peer_filter(lambda peer: not self.intake.is_banned(peer))
+        # peers with verified history here (out of probation): the bulk plane's reserve of
+        # known peers, and the gossip layer's priority where it takes one
+        bulk = getattr(self.p2p, "bulk", None)
+        if bulk is not None:
+            bulk.add_known(self.intake.established)
         share = getattr(self.p2p, "set_established_peers", None)
-        if share is not None:  # the gossip layer's priority for peers with verified history
+        if share is not None:
             share(self.intake.established)
         if self.own is None:
             own = OwnCheckpoints.create(self.trainer, self.p2p, cfg, self.data_dir / "broadcast",

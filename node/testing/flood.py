@@ -19,7 +19,6 @@ from collections.abc import Callable
 
 from libp2p.peer.id import ID
 from libp2p.pubsub.pb import rpc_pb2
-from libp2p.pubsub.pubsub import PUBSUB_SIGNING_PREFIX
 from libp2p.utils.varint import encode_uvarint
 
 from ...protocol.messages import RolloutBatch
@@ -29,6 +28,7 @@ from ..p2p import P2PNode
 log = logging.getLogger(__name__)
 
 MESHSUB = "/meshsub/1.1.0"
+SIGNING_PREFIX = b"libp2p-pubsub:"  # what a pubsub message signature covers first (libp2p spec)
 MakeBatch = Callable[[str, int], RolloutBatch]  # (sender, policy version) -> bogus batch
 
 
@@ -39,8 +39,7 @@ def gossip_frame(topic: str, data: bytes, origin: Identity, seqno: int) -> bytes
     msg = rpc_pb2.Message(data=data, topicIDs=[topic],
                           from_id=ID.from_pubkey(pair.public_key).to_bytes(),
                           seqno=seqno.to_bytes(8, "big"))
-    msg.signature = pair.private_key.sign(PUBSUB_SIGNING_PREFIX.encode()
-                                          + msg.SerializeToString())
+    msg.signature = pair.private_key.sign(SIGNING_PREFIX + msg.SerializeToString())
     msg.key = pair.public_key.serialize()
     rpc = rpc_pb2.RPC()
     rpc.publish.append(msg)

@@ -14,9 +14,11 @@ PEERS_PROTOCOL = "/swarm-node/peers/1.0.0"  # peer exchange (Hello in, peer list
 SHARD_TOKEN_PROTOCOL = "/swarm-node/shard-token/1.0.0"
 # A token (and port) for the TCP payload plane that carries announced gossip payloads.
 PAYLOAD_TOKEN_PROTOCOL = "/swarm-node/payload-token/1.0.0"
+# Request: empty; response: the trainers the answering node follows (a trainer: itself).
+FOLLOWS_PROTOCOL = "/swarm-node/follows/1.0.0"
 
 STREAM_PROTOCOLS = (FETCH_PROTOCOL, SHARD_PROTOCOL, MANIFEST_PROTOCOL, PEERS_PROTOCOL,
-                    SHARD_TOKEN_PROTOCOL, PAYLOAD_TOKEN_PROTOCOL)
+                    SHARD_TOKEN_PROTOCOL, PAYLOAD_TOKEN_PROTOCOL, FOLLOWS_PROTOCOL)
 
 TOPIC_KINDS = ("rollouts", "checkpoints", "verdicts", "adverts")
 

@@ -205,7 +205,7 @@ async def test_sybil_adverts_cost_bounded_connections_and_bytes(tmp_path, procs)
             flooder.cancel()
         assert read_dir(Path(done["path"])) == read_dir(ckpt)
         s = await stats(f)
-        assert s["adverts"].get("adverts_not_admitted", 0) > 0
+        assert s["counters"].get("adverts_not_admitted", 0) > 0
         cfg = BroadcastSection()
         # at most max_sources_per_host unproven sources per endpoint host, each used for
         # at most per_source_downloads shards before its first corrupt one drops it

@@ -119,7 +119,8 @@ class Adverts:
         last_all = loop.time()
         while True:
             try:
-                await asyncio.wait_for(self._wake.wait(), self.cfg.readvertise_s)
+                async with asyncio.timeout(self.cfg.readvertise_s):
+                    await self._wake.wait()
             except TimeoutError:
                 pass
             self._wake.clear()

@@ -7,6 +7,11 @@ retried elsewhere. Shards already verified on disk (after a restart) are never f
 again. When every shard verified, the store assembles the checkpoint (and, for manifests
 that name a whole-concatenation hash, checks it).
 
+Endgame: a transfer held by a source on trial (sources.py) is taken back (and the source
+dropped) when a worker has nothing else to do and the trial has run longer than a
+known-good source takes for a shard (`_patience`): advertisers that take a request and never
+answer cannot hold the last shards until their timeout.
+
 Workers wait for an event (a transfer ended, sources changed) or for the moment the next
 source leaves its cooldown, never in a fixed poll, and a worker looks for its next shard
 in time that grows with the transfers in flight, not with the number of shards (a
@@ -21,6 +26,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from ...protocol.messages import ShardRequest
@@ -34,6 +40,17 @@ from .store import InOrderHash, ShardStore, VersionEntry
 from .wire import ShardTransport, fetch_into
 
 log = logging.getLogger(__name__)
+MIN_PATIENCE_S = 1.0  # a trial transfer is never taken back sooner
+
+
+@dataclass(eq=False)
+class _Flight:
+    """One shard transfer in progress."""
+
+    peer: str
+    started: float
+    task: asyncio.Task | None = None
+    preempted: bool = False
 
 
 class Downloader:
@@ -50,6 +67,7 @@ class Downloader:
         self.disk = disk or DiskWatch("checkpoint download", store.root)
         self.space = space or SpaceReservations(store.root)
         self.in_flight: set[int] = set()
+        self.flights: dict[int, _Flight] = {}
         self.tried: dict[int, set[str]] = {}  # sources that failed a shard (this round)
         self.metrics: Counter[str] = Counter()
         self.last_progress = time.monotonic()
@@ -138,9 +156,14 @@ class Downloader:
         ready = self.book.next_ready()
         if ready is not None:
             wake = min(wake, ready)
+        trials = [f.started for f in self.flights.values()
+                  if not f.preempted and not self.book.sources[f.peer].good]
+        if trials:
+            wake = min(wake, min(trials) + self._patience())
         self.changed.clear()
         try:
-            await asyncio.wait_for(self.changed.wait(), max(0.01, wake - now))
+            async with asyncio.timeout(max(0.01, wake - now)):
+                await self.changed.wait()
         except TimeoutError:
             pass
 
@@ -155,24 +178,61 @@ class Downloader:
                         f"no shard verified for {self.cfg.stall_timeout_s:.0f}s; "
                         f"{self.entry.missing_count()} missing; sources "
                         f"{self.book.summary()}", reason="stalled")
-                await self._idle()
+                if not self._preempt_trial():
+                    await self._idle()
                 continue
             shard, peer = job
             self.in_flight.add(shard)
             self.book.started(peer)
+            flight = self.flights[shard] = _Flight(peer, time.monotonic())
+            flight.task = asyncio.create_task(self._fetch(shard, peer))
             try:
-                await self._fetch(shard, peer)
+                await flight.task
             except DiskFull as e:
                 # Not the source's fault: pause this worker until the shard fits again.
                 self.metrics["disk_full"] += 1
                 self.disk.hit(e)
+            except asyncio.CancelledError:
+                if not flight.preempted or asyncio.current_task().cancelling():
+                    raise
+                self.metrics["fail_preempted"] += 1
+                self.book.failure(peer, "preempted", shard)  # on trial: dropped
+                self.tried.setdefault(shard, set()).add(peer)
             finally:
+                self.flights.pop(shard, None)
                 self.in_flight.discard(shard)
                 self.book.finished(peer)
                 self.changed.set()
             if self.disk.paused:
                 await self.disk.wait_for_space(self.entry.shard_len(shard))
                 self.last_progress = time.monotonic()  # a pause is not a stall
+
+    def _patience(self) -> float:
+        """How long a trial transfer may hold a shard another source could serve: three
+        times what the fastest known-good source takes for a shard (the request timeout
+        while none was measured)."""
+        rates = [s.throughput for s in self.book.sources.values()
+                 if s.good and not s.dropped and s.throughput]
+        if not rates:
+            return self.cfg.request_timeout_s
+        return max(MIN_PATIENCE_S, 3 * self.entry.manifest.shard_size / max(rates))
+
+    def _preempt_trial(self) -> bool:
+        """Take back the oldest trial transfer that ran past `_patience` and whose shard a
+        known-good source holds (the worker then waits for it to end)."""
+        now, patience = time.monotonic(), self._patience()
+        for shard, f in sorted(self.flights.items(), key=lambda kv: kv[1].started):
+            s = self.book.sources[f.peer]
+            if f.preempted or s.good or now - f.started < patience:
+                continue
+            if any(o.good and not o.dropped and o.has(shard)
+                   for o in self.book.sources.values()):
+                f.preempted = True
+                f.task.cancel()
+                log.debug("shard %d: taken back from %s (on trial, no answer in %.1fs)",
+                          shard, f.peer, now - f.started)
+                return True
+        return False
 
     async def _fetch(self, shard: int, peer: str) -> None:
         m, cfg = self.entry.manifest, self.cfg

@@ -92,6 +92,7 @@ class Follower:
         self.on_complete: OnComplete | None = None
         self.on_shard: Callable[[tuple[str, int]], None] | None = None  # adverts
         self.on_done: Callable[[tuple[str, int]], None] | None = None  # adverts
+        self.spawn: Callable[..., asyncio.Task] = asyncio.create_task  # the owner's tasks
         self.jobs: dict[str, Job] = {}  # per policy: the version downloading
         self._pulling: dict[str, int] = {}  # per policy: the version whose manifest is asked
         self._backoff: OrderedDict[str, float] = OrderedDict()  # peer -> no pulls until
@@ -272,7 +273,7 @@ class Follower:
                 and rec.version > self.store.current_version(rec.policy_id)
                 and self._may_pull(peer, rec)):
             self._pulling[rec.policy_id] = rec.version
-            task = asyncio.create_task(self._pull(peer, rec.policy_id, rec.version))
+            task = self.spawn(self._pull(peer, rec.policy_id, rec.version))
             task.add_done_callback(lambda _t, p=rec.policy_id: self._pulling.pop(p, None))
 
     def _may_pull(self, peer: str, rec: VersionRecord) -> bool:

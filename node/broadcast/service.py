@@ -66,6 +66,7 @@ class Broadcaster:
         self.follower.on_shard = self.adverts.shard_verified
         self.follower.on_done = self.adverts.mark_dirty
         self.adverts.on_source = self.follower.on_source
+        self.follower.spawn = self._spawn
         self.publisher = Publisher(node, cfg, self.store, self.records, self.adverts,
                                    self.counts, settings)
         self._tasks: set[asyncio.Task] = set()

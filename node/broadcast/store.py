@@ -231,7 +231,12 @@ class InOrderHash:
 
 class ShardWriter:
     """Streams one shard into its place in the partial checkpoint files, hashing as it
-    goes; `commit` marks it verified only if the length and hash match."""
+    goes; `commit` marks it verified only if the length and hash match.
+
+    `write` runs in a receiving thread that may outlive a cancelled transfer; once `abort`
+    returned, no byte of this writer reaches the files (a lock orders the two), so a shard
+    taken back from a slow source and fetched again elsewhere is never overwritten by the
+    first transfer's late bytes."""
 
     def __init__(self, entry: VersionEntry, index: int, whole: InOrderHash | None = None):
         self.entry, self.index, self.whole = entry, index, whole
@@ -239,6 +244,8 @@ class ShardWriter:
         self.expected_len = end - self.start
         self._fds: dict[str, int] = {}
         self._h = blake3.blake3()
+        self._lock = threading.Lock()
+        self._aborted = False
         self.received = 0
 
     def _fd(self, name: str) -> int:
@@ -251,6 +258,12 @@ class ShardWriter:
         return fd
 
     def write(self, data: bytes) -> None:
+        with self._lock:
+            if self._aborted:
+                raise StoreError(f"shard {self.index}: transfer abandoned", reason="aborted")
+            self._write(data)
+
+    def _write(self, data: bytes) -> None:
         if self.received + len(data) > self.expected_len:
             raise StoreError(f"shard {self.index}: more than {self.expected_len} bytes",
                              reason="too_long")
@@ -292,7 +305,9 @@ class ShardWriter:
         return True
 
     def abort(self) -> None:
-        self._close()
+        with self._lock:
+            self._aborted = True
+            self._close()
 
 
 def _hash_into(h, paths: list[Path], chunk: int = 8 * READ_CHUNK) -> None:

@@ -112,6 +112,8 @@ class TrainerRole(Role):
             if self.feed is None:
                 self.feed = own.followed  # same broadcaster: started and closed with `own`
         await self.own.start()
+        if self.feed is not None:  # the broadcaster's counters (served, downloaded) at /metrics
+            self.state.add_counters("broadcast", self.feed.counters)
         await self.p2p.subscribe("rollouts", self._on_rollouts)
         await self.p2p.subscribe("verdicts", self._on_verdict)
         await self.watch_verdicts()

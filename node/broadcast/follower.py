@@ -34,6 +34,10 @@ from .store import ShardStore, VersionEntry
 log = logging.getLogger(__name__)
 
 PULL_BACKOFF_S = 60.0
+PULL_GRACE_S = 1.0
+"""A version first seen in an advert is pulled only if its manifest did not arrive by
+gossip this long after (a trainer advertises a version just before gossiping its
+manifest: pulling at once fetched nearly every manifest twice)."""
 MAX_BACKOFF_PEERS = 4096
 MAX_TOLD = 256  # policies told once that they are not followed
 CHOICE_RETRY_S = (1.0, 30.0)  # asking the bootstrap peers again: first and longest wait
@@ -106,14 +110,12 @@ class Follower:
         except ManifestRejected as e:
             self._rejected(e, from_peer, env.sender)
             return
-        self.counters["manifests_accepted"] += 1
         self.start(accepted)
 
     def accept_bytes(self, data: bytes) -> AcceptedManifest:
         """Check a sealed manifest from elsewhere (a file, a manifest request) and start
         downloading it. Raises ManifestRejected."""
         accepted = self.gate.check_bytes(data)
-        self.counters["manifests_accepted"] += 1
         self.start(accepted)
         return accepted
 
@@ -285,6 +287,10 @@ class Follower:
         return self._backoff.get(peer, 0.0) <= time.monotonic()
 
     async def _pull(self, peer: str, policy_id: str, version: int) -> None:
+        await asyncio.sleep(PULL_GRACE_S)
+        job = self.jobs.get(policy_id)
+        if (job is not None and job.version >= version) or self.store.get(policy_id, version):
+            return  # the gossiped manifest came first
         req = ShardRequest(policy_id=policy_id, version=version, shard=0)
         self.counters["manifest_pulls"] += 1
         try:

@@ -165,6 +165,7 @@ class Follower:
             if current.version >= m.version:
                 return
             current.task.cancel()  # a newer version supersedes an unfinished one
+            self.space.release((m.policy_id, current.version))  # even if it never ran
             self.counters["downloads_superseded"] += 1
         if self.store.current_version(m.policy_id) >= m.version:
             return

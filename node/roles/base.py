@@ -204,7 +204,7 @@ class Role:
             await asyncio.sleep(self.follow_wait_s)
             if _heard_from(feed, trainer()):
                 return
-            problem = _follow_problem(trainer(), self.follow_wait_s)
+            problem = _follow_problem(trainer(), self.follow_wait_s, feed.follow_problem())
             self.state.extra["follow"] = {"trainer": trainer(), "seen": False,
                                           "problem": problem}
             log.warning("%s", problem)
@@ -258,7 +258,9 @@ def _heard_from(feed: CheckpointFeed, trainer: str | None) -> bool:
         d.policy_id == trainer for d in feed.downloads()))
 
 
-def _follow_problem(trainer: str | None, waited_s: float) -> str:
+def _follow_problem(trainer: str | None, waited_s: float, why: str | None = None) -> str:
+    if trainer is None and why:
+        return f"no trainer to follow after {waited_s:.0f}s: {why}. Still waiting"
     if trainer is None:
         return (f"no trainer to follow after {waited_s:.0f}s: no --follow was given and no "
                 "bootstrap peer announced one; pass --follow <trainer peer id>. Still waiting")

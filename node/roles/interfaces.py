@@ -69,6 +69,9 @@ class CheckpointFeed(Protocol):
     def chosen(self) -> str | None:
         """The trainer a follower adopted (configured, kept, or announced); None before."""
 
+    def follow_problem(self) -> str | None:
+        """Why no trainer was adopted (e.g. the bootstrap peers disagree), when known."""
+
     def follows(self, policy_id: str) -> bool: ...
 
     def path(self, policy_id: str, version: int) -> Path | None:
@@ -136,6 +139,10 @@ class BroadcastFeed:
     def chosen(self) -> str | None:
         choice = self.broadcaster.choice
         return choice.chosen if choice is not None else None
+
+    def follow_problem(self) -> str | None:
+        choice = self.broadcaster.choice
+        return choice.problem if choice is not None else None
 
     def follows(self, policy_id: str) -> bool:
         return self.broadcaster.gate.follows(policy_id)

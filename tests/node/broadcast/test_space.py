@@ -47,3 +47,23 @@ async def test_two_trainers_versions_that_fit_only_one_at_a_time(tmp_path, small
     assert s["counters"].get("disk_full_pauses", 0) == 0  # the one taken never stalled
     assert shutil.disk_usage(small_fs).free >= 2**20  # the margin was kept
     filler.unlink()
+
+
+async def test_a_superseded_download_releases_its_reservation(tmp_path, swarm):
+    """A version superseded before its download even ran holds no space afterwards, and a
+    finished download none either (the reservations are what later manifests are checked
+    against)."""
+    ckpt = make_checkpoint(tmp_path / "ckpt", {"model.safetensors": 300_000})
+    tnode, trainer = await swarm("trainer", "trainer")
+    tid = tnode.peer_id
+    _fnode, follower = await swarm("follower", "inference", bootstrap=tnode.listen_addrs)
+    for v in (1, 2):
+        m = await trainer.publish(ckpt, version=v)
+    sealed = [trainer.store.get(tid, v).envelope for v in (1, 2)]
+    follower.gate.follow_policy(tid)  # from now on: nothing started by gossip before
+    follower.accept_bytes(sealed[0])
+    follower.accept_bytes(sealed[1])  # same tick: v1's task never ran
+    assert follower.follower.space.total == m.total_size
+    await follower.done.wait(tid, 2)
+    assert follower.follower.space.total == 0
+    assert follower.counters()["downloads_superseded"] >= 1

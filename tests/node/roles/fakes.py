@@ -43,6 +43,9 @@ class FakeFeed:
     def chosen(self) -> str | None:
         return self._chosen
 
+    def follow_problem(self) -> str | None:
+        return None
+
     def follows(self, policy_id: str) -> bool:
         return policy_id in self.followed
 

@@ -16,6 +16,7 @@ nobody unless configured (no chooser).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -24,12 +25,15 @@ from pathlib import Path
 
 from ...protocol.codec import pack, unpack
 from ...protocol.errors import ProtocolError
+from ...protocol.ids import FOLLOWS_PROTOCOL
 
 log = logging.getLogger(__name__)
 
 FOLLOW_FILE = "follow.json"
 DECIDE_AFTER_S = 30.0
 """Without an answer from every bootstrap peer, decide on the answers so far after this."""
+RETRY_S = (1.0, 30.0)
+"""Asking the bootstrap peers again while undecided: the first and the longest wait."""
 MAX_NAMED = 16
 """Trainers one FOLLOWS_PROTOCOL answer may name."""
 MAX_ANSWER = 4096
@@ -146,6 +150,31 @@ class TrainerChoice:
             os.replace(tmp, self.path)
         except OSError as e:  # the choice still holds for this run; logged, not fatal
             log.warning("could not save the followed trainer to %s: %s", self.path, e)
+
+
+async def ask_bootstrap_peers(choice: TrainerChoice, node, timeout_s: float) -> str | None:
+    """Ask `choice`'s bootstrap peers whom they follow (FOLLOWS_PROTOCOL over `node`), again
+    and again with a growing wait, until a choice is made; returns it (None: nothing to
+    ask)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + DECIDE_AFTER_S
+    wait = RETRY_S[0]
+
+    async def ask(peer: str) -> None:
+        try:
+            data = await node.request(peer, FOLLOWS_PROTOCOL, b"", timeout=timeout_s)
+            choice.answered(peer, decode_follows(data))
+        except Exception as e:  # noqa: BLE001 - unreachable or no answer yet: asked again
+            log.debug("asking bootstrap peer %s whom it follows failed: %r", peer[-8:], e)
+
+    while choice.deciding:
+        await asyncio.gather(*(ask(peer) for peer in sorted(choice.announcers)))
+        if choice.decide(final=loop.time() >= deadline) is not None:
+            break
+        left = deadline - loop.time()
+        await asyncio.sleep(min(wait, left) if left > 0.05 else wait)
+        wait = min(2 * wait, RETRY_S[1])
+    return choice.chosen
 
 
 def trainer_choice(cfg) -> TrainerChoice:

@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...protocol.envelope import Envelope
-from ...protocol.ids import FOLLOWS_PROTOCOL, MANIFEST_PROTOCOL
+from ...protocol.ids import MANIFEST_PROTOCOL
 from ...protocol.messages import CheckpointManifest, ShardRequest
 from ..diskspace import DiskFull, DiskWatch, is_disk_full
 from .downloader import Downloader
 from .errors import DownloadFailed, ManifestRejected, StoreError
-from .follow import DECIDE_AFTER_S, TrainerChoice, decode_follows
+from .follow import TrainerChoice, ask_bootstrap_peers
 from .manifest import AcceptedManifest, ManifestGate
 from .progress import Progress
 from .records import VersionRecord, VersionRecords
@@ -40,7 +40,6 @@ gossip this long after (a trainer advertises a version just before gossiping its
 manifest: pulling at once fetched nearly every manifest twice)."""
 MAX_BACKOFF_PEERS = 4096
 MAX_TOLD = 256  # policies told once that they are not followed
-CHOICE_RETRY_S = (1.0, 30.0)  # asking the bootstrap peers again: first and longest wait
 QUIET = ("not_newer", "settings_mismatch", "no_space")  # said elsewhere, or routine
 DOWNLOAD_COUNTERS = {"bytes_verified": "bytes_downloaded", "shards_ok": "shards_downloaded",
                      "bytes_fetched": "bytes_fetched", "bytes_corrupt": "bytes_corrupt",
@@ -318,33 +317,13 @@ class Follower:
         while len(self._backoff) > MAX_BACKOFF_PEERS:
             self._backoff.popitem(last=False)
 
-    # The trainer choice (follow.py) --------------------------------------------------
-
     async def choose(self) -> None:
-        """Ask the bootstrap peers whom they follow until a choice is made."""
-        choice = self.choice
-        if choice is None:
-            return
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + DECIDE_AFTER_S
-        wait = CHOICE_RETRY_S[0]
-        while choice.deciding:
-            await asyncio.gather(*(self._ask(peer) for peer in sorted(choice.announcers)))
-            chosen = choice.decide(final=loop.time() >= deadline)
+        """Make the trainer choice (follow.py) and follow the trainer chosen."""
+        if self.choice is not None:
+            chosen = await ask_bootstrap_peers(self.choice, self.node,
+                                               self.cfg.request_timeout_s)
             if chosen is not None:  # its versions come with its next adverts
                 self.gate.follow_policy(chosen)
-                return
-            await asyncio.sleep(min(wait, max(0.05, deadline - loop.time()))
-                                if loop.time() < deadline else wait)
-            wait = min(2 * wait, CHOICE_RETRY_S[1])
-
-    async def _ask(self, peer: str) -> None:
-        try:
-            data = await self.node.request(peer, FOLLOWS_PROTOCOL, b"",
-                                           timeout=self.cfg.request_timeout_s)
-            self.choice.answered(peer, decode_follows(data))
-        except Exception as e:  # noqa: BLE001 - unreachable or no answer yet: asked again
-            log.debug("asking bootstrap peer %s whom it follows failed: %r", peer[-8:], e)
 
     # Views ---------------------------------------------------------------------------
 

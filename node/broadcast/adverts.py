@@ -29,11 +29,11 @@ ADVERT_STEPS = 4  # partial holdings are advertised at each quarter of a version
 class Adverts:
     def __init__(self, node, cfg, store: ShardStore, records: VersionRecords,
                  counters: Counter, proven: ProvenPeers, *, follows: Callable[[str], bool],
-                 transport=None):
+                 transport=None, endpoint: Callable[[], str] = str):
         self.node, self.cfg, self.store, self.records = node, cfg, store, records
         self.counters, self.proven, self.follows = counters, proven, follows
         self.transport = transport
-        self.endpoint = ""  # this node's data-plane endpoint, put into its adverts
+        self.endpoint = endpoint  # this node's bulk-plane endpoint ("": none), for adverts
         # the follower: `peer` was admitted as a source of the record's version
         self.on_source: Callable[[VersionRecord, str], None] | None = None
         self._wake = asyncio.Event()
@@ -103,8 +103,8 @@ class Adverts:
 
     async def advertise(self, entry: VersionEntry) -> None:
         advert = entry.advert()
-        if self.endpoint:
-            advert = advert.model_copy(update={"endpoint": self.endpoint})
+        if endpoint := self.endpoint():
+            advert = advert.model_copy(update={"endpoint": endpoint})
         try:
             await self.node.publish("adverts", advert)
             self.counters["adverts_sent"] += 1

@@ -4,8 +4,8 @@ downloads) and advertise (adverts.py), around one store (store.py) whose version
 record each (records.py), dropped with the version.
 
 Gossip: manifests on the `checkpoints` topic (the trainer's own signed envelope), holdings
-on the `adverts` topic (ShardAdvert). Streams: shards on SHARD_PROTOCOL (and the TCP data
-plane); the signed manifest envelope of a version on MANIFEST_PROTOCOL (request/response),
+on the `adverts` topic (ShardAdvert). Streams: shards on SHARD_PROTOCOL (and the node's bulk
+plane, node/p2p/bulk); the signed manifest envelope of a version on MANIFEST_PROTOCOL (request/response),
 so a peer that missed the gossip learns a version from anyone's advert; the trainers this
 node follows on FOLLOWS_PROTOCOL (a newcomer's choice, follow.py). Roles: `trainer`
 publishes; `inference` and `relay` follow (the relay mirrors and serves, keeping
@@ -23,7 +23,6 @@ from ...protocol.errors import ProtocolError
 from ...protocol.ids import FOLLOWS_PROTOCOL, MANIFEST_PROTOCOL, SHARD_PROTOCOL
 from ...protocol.messages import CheckpointManifest, ShardRequest, SwarmSettings
 from .adverts import Adverts
-from .dataplane import SHARD_TOKEN_PROTOCOL, DataPlaneServer, RoutingTransport, TokenIssuer
 from .errors import BroadcastError
 from .follow import TrainerChoice, encode_follows
 from .follower import Completed, Follower, OnComplete
@@ -33,7 +32,7 @@ from .records import VersionRecords
 from .server import ShardServer
 from .sources import ProvenPeers
 from .store import ShardStore
-from .transport import P2PTransport
+from .transport import P2PTransport, RoutingTransport
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +53,10 @@ class Broadcaster:
         self.counts: Counter[str] = Counter()  # for the life of the node (counters())
         self.proven = ProvenPeers()  # peers we verified shards from
         self.server = ShardServer(self.store, cfg)
-        self.transport = transport or RoutingTransport(P2PTransport(node), cfg.tcp_fetch)
-        self._tcp_server = None
+        self.transport = transport or RoutingTransport(P2PTransport(node))
         self.adverts = Adverts(node, cfg, self.store, self.records, self.counts,
-                               self.proven, follows=self._follows, transport=self.transport)
+                               self.proven, follows=self._follows, transport=self.transport,
+                               endpoint=lambda: self.endpoint)
         self.follower = Follower(node, cfg, self.store, self.records, self.counts,
                                  self.proven, self.transport, follow=list(follow or []),
                                  choice=choice, settings_check=settings_check,
@@ -88,8 +87,9 @@ class Broadcaster:
 
     @property
     def endpoint(self) -> str:
-        """Our data-plane endpoint ("" when it is off)."""
-        return self.adverts.endpoint
+        """Our bulk-plane endpoint for adverts ("" if none to name: node/p2p/bulk)."""
+        bulk = getattr(self.node, "bulk", None)
+        return bulk.endpoint if bulk is not None else ""
 
     @property
     def on_complete(self) -> OnComplete | None:
@@ -106,8 +106,10 @@ class Broadcaster:
             self.adverts.mark_dirty(entry.key)
         # shard after shard on one stream while the client keeps sending requests
         self.node.set_stream_handler(SHARD_PROTOCOL, self.server.serve_connection)
-        if self.cfg.tcp_listen not in ("", "off"):
-            await self._start_tcp()
+        bulk = getattr(self.node, "bulk", None)
+        if bulk is not None:  # the node's bulk plane (TLS beside libp2p) serves shards too
+            bulk.register("shard", self.server.serve_connection)
+            bulk.add_known(lambda peer: peer in self.proven or self.gate.follows(peer))
         self.node.set_request_handler(MANIFEST_PROTOCOL, self._serve_manifest)
         self.node.set_request_handler(FOLLOWS_PROTOCOL, self._serve_follows)
         await self.node.subscribe("checkpoints", self.follower.on_manifest)
@@ -117,42 +119,9 @@ class Broadcaster:
             self._spawn(self.follower.choose())
         self.follower.resume()
 
-    async def _start_tcp(self) -> None:
-        """The authenticated TCP data plane (dataplane.py): tokens over libp2p, shards over
-        TCP. "auto" falls back to libp2p streams only, with one line, if it cannot bind."""
-        auto = self.cfg.tcp_listen == "auto"
-        host, port = _auto_listen(self.node.config.node.listen) if auto else \
-            _split_hostport(self.cfg.tcp_listen)
-        issuer = TokenIssuer(self.node.peer_id, self.cfg.tcp_token_ttl_s)
-        # the peer filter libp2p applies (bans, penalties): a token outlives a ban
-        server = DataPlaneServer(issuer, self.server.serve_connection, self.cfg,
-                                 allowed=self.node._allowed)
-        try:
-            bound_host, bound_port = await server.start(host, port)
-        except (OSError, ValueError) as e:
-            if not auto:
-                raise BroadcastError(f"broadcast.tcp_listen {self.cfg.tcp_listen!r}: {e}") from e
-            log.warning("shard data plane off (cannot listen on %s:%d: %s); shards go over "
-                        "libp2p streams only", host, port, e)
-            return
-        self._tcp_server = server
-        self.node.set_request_handler(SHARD_TOKEN_PROTOCOL, self._serve_token(issuer))
-        adv_host = self.cfg.tcp_advertise.rpartition(":")[0] or _public_host(
-            bound_host, self.node.listen_addrs)
-        self.adverts.endpoint = self.cfg.tcp_advertise or f"{adv_host}:{bound_port}"
-        log.info("serving shards on the TCP data plane at %s (authenticated; open this TCP "
-                 "port beside the libp2p one)", self.endpoint)
-
-    def _serve_token(self, issuer):
-        async def serve(peer: str, body: bytes) -> bytes:
-            return issuer.issue(peer)  # the peer id libp2p's Noise handshake authenticated
-        return serve
-
     async def close(self) -> None:
-        if self._tcp_server is not None:
-            self._tcp_server.close()
         if isinstance(self.transport, RoutingTransport):
-            self.transport.close()  # idle data-plane connections
+            self.transport.close()  # idle bulk-plane connections and pooled streams
         await self.follower.close()
         tasks = [*self._tasks, *(j.task for j in self.follower.jobs.values())]
         for task in tasks:
@@ -216,29 +185,3 @@ class Broadcaster:
         if self.role == "trainer":
             return encode_follows([self.node.peer_id])
         return encode_follows(sorted(self.gate.follow))
-
-
-def _split_hostport(value: str) -> tuple[str, int]:
-    host, _, port = value.rpartition(":")
-    return host or "0.0.0.0", int(port)
-
-
-def _auto_listen(listen: list[str]) -> tuple[str, int]:
-    """Host and port of the data plane beside the first /ip4 libp2p listen address."""
-    for addr in listen:
-        parts = addr.split("/")
-        if len(parts) >= 5 and parts[1] == "ip4" and parts[3] == "tcp" and parts[4].isdigit():
-            port = int(parts[4])
-            return parts[2], port + 1 if port else 0
-    return "0.0.0.0", 0
-
-
-def _public_host(bound: str, listen_addrs: list[str]) -> str:
-    """What peers dial: the bound IP, or for a wildcard bind the node's first announced IP."""
-    if bound not in ("0.0.0.0", "::"):
-        return bound
-    for addr in listen_addrs:
-        parts = addr.split("/")
-        if len(parts) > 2 and parts[1] == "ip4" and parts[2] != "0.0.0.0":
-            return parts[2]
-    return "127.0.0.1"

@@ -2,7 +2,7 @@
 of benchmarks/wan.py.
 
 Each node runs on one lab host with its own folder (node.toml, node.log, data/), listens on
-its host's lab address (port 4001, so the data planes take 4002/4003 as on a real machine),
+its host's lab address (port 4001, so the bulk plane takes 4002 as on a real machine),
 and is driven only the way an operator drives it: its config file, `swarm-node join`, its
 node.json and its admin endpoint. The admin endpoint listens on 127.0.0.1 of the node's own
 namespace, so `status()` reads it from a thread inside that namespace.
@@ -240,7 +240,8 @@ def accepted_from(trainer: LabNode, node: LabNode) -> int:
 # Log lines that show a peer could not be reached (today's behaviour behind NAT), counted per
 # node by `log_signals`: what the scenario observed, not an assertion.
 LOG_SIGNALS = {
-    "payload_plane_unusable": "payload plane unusable",
+    # a peer's bulk plane (shards, gossip bodies) could not be used: libp2p streams instead
+    "payload_plane_unusable": "over libp2p streams (bulk plane",
     "request_timed_out": "timed out after",
     "unretrieved_task_error": "Task exception was never retrieved",
     "errors": " ERROR ",

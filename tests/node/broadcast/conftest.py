@@ -139,13 +139,13 @@ async def swarm(tmp_path):
 
     made = []
 
-    async def make(name, role, follow=(), bootstrap=(), identity=None, tcp=False,
+    async def make(name, role, follow=(), bootstrap=(), identity=None, bulk=False,
                    libp2p_only=False, cfg=None, **kw):
         cfg = cfg or node_config()
-        if tcp:
-            cfg.broadcast.tcp_listen = "127.0.0.1:0"
+        if bulk:
+            cfg.bulk.listen = "127.0.0.1:0"
         if libp2p_only:
-            cfg.broadcast.tcp_listen = "off"
+            cfg.bulk.listen = "off"
         node = P2PNode(identity or Identity.generate(), cfg)
         await node.start(bootstrap=list(bootstrap))
         done = Completions()

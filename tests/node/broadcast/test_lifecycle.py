@@ -65,11 +65,11 @@ async def test_a_relay_that_saw_1000_versions_holds_what_it_held_after_10(tmp_pa
     ckpt = make_checkpoint(tmp_path / "ckpt", {"model.safetensors": 4000})  # one shard
     cfg = node_config()
     cfg.broadcast.shard_size = 4096
-    cfg.broadcast.tcp_listen = "off"
+    cfg.bulk.listen = "off"
     tnode, trainer = await swarm("trainer", "trainer", cfg=cfg)
     tid = tnode.peer_id
     rcfg = node_config()
-    rcfg.broadcast.tcp_listen = "off"
+    rcfg.bulk.listen = "off"
     rcfg.broadcast.advert_interval_s = 0.5  # within the gossip limits at this pace
     rnode, relay = await swarm("relay", "relay", follow=[tid], bootstrap=tnode.listen_addrs,
                                cfg=rcfg)

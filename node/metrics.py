@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,6 +152,7 @@ class NodeState:
     gauges: dict[str, float] = field(default_factory=dict)
     steps: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
     downloads: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
+    components: dict[str, Callable[[], Mapping[str, float]]] = field(default_factory=dict)
 
     # updates ----------------------------------------------------------------------------
 
@@ -172,6 +174,12 @@ class NodeState:
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] += n
+
+    def add_counters(self, component: str, read: Callable[[], Mapping[str, float]]) -> None:
+        """A component's own counters (e.g. "broadcast"), read when /status or /metrics is
+        rendered: `swarm_node_<component>_total{name=...}` at /metrics, and
+        `components.<component>` in /status."""
+        self.components[component] = read
 
     def observe(self, name: str, value: float) -> None:
         """One observation of a histogram in HISTOGRAMS (seconds, bytes, ...)."""
@@ -274,6 +282,7 @@ class NodeState:
             "steps": list(self.steps),
             "downloads": list(self.downloads),
             "histograms": {k: h.summary() for k, h in self.histograms.items()},
+            "components": {name: dict(read()) for name, read in self.components.items()},
             **({"extra": self.extra} if self.extra else {}),
         }
 
@@ -328,6 +337,9 @@ class _StateCollector:
             yield ck
 
         yield from _extra_families(st)
+        for component, read in st.components.items():
+            yield _counter_by(_metric_name(component), f"Counters of the node's {component}, "
+                              "by name.", "name", read())
 
         metrics = getattr(st.p2p, "metrics", None)
         counters = dict(getattr(metrics, "counters", {}) or {})

@@ -324,6 +324,15 @@ class Intake:
 
     # what others may ask ------------------------------------------------------------------
 
+    def counters(self) -> dict[str, float]:
+        """Monotonic counters for /metrics (`swarm_node_intake_total{name=...}`): batches
+        dropped unverified by reason, verified by tier, already accepted, alarms by test;
+        verification seconds by tier."""
+        out: dict[str, float] = {f"dropped_{k}": v for k, v in self.queue.dropped.items()}
+        out.update({f"batches_{k}": v for k, v in self.batches.items()})
+        out.update({f"verify_seconds_{k}": round(v, 3) for k, v in self.seconds.items()})
+        return out
+
     def established(self, peer: str) -> bool:
         """Verified history here (reputation.py): served first, budgets as a rate."""
         return self.reputation.established(peer)

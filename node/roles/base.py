@@ -10,7 +10,6 @@ import asyncio
 import json
 import logging
 import os
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 from ...verifier.reasons import REASONS as REASON_TEXT
 from ...verifier.verdicts import SUMMARY_REASON, parse_summary
 from ..errors import NodeError
-from .interfaces import CheckpointFeed
+from .interfaces import CheckpointFeed, VerifiedCheckpoint
 
 log = logging.getLogger("swarm_node")
 
@@ -126,8 +125,11 @@ class Role:
         """Load what the role needs and subscribe to its topics."""
 
     def track_downloads(self, feed: CheckpointFeed, interval_s: float = 1.0) -> None:
-        """Mirror the feed's download in progress into `/status`, every `interval_s`."""
+        """Mirror the feed's download in progress into `/status` (every `interval_s`), each
+        finished download into its record and counters, and the feed's counters into
+        `/metrics`."""
         tracker = DownloadTracker(self.state, feed)
+        self.state.add_counters("broadcast", feed.counters)
 
         async def loop():
             while True:
@@ -143,7 +145,7 @@ class Role:
             await asyncio.sleep(self.follow_wait_s)
             if _heard_from(feed, trainer()):
                 return
-            problem = _follow_problem(trainer(), self.follow_wait_s)
+            problem = _follow_problem(trainer(), self.follow_wait_s, feed.follow_problem())
             self.state.extra["follow"] = {"trainer": trainer(), "seen": False,
                                           "problem": problem}
             log.warning("%s", problem)
@@ -197,7 +199,9 @@ def _heard_from(feed: CheckpointFeed, trainer: str | None) -> bool:
         d.policy_id == trainer for d in feed.downloads()))
 
 
-def _follow_problem(trainer: str | None, waited_s: float) -> str:
+def _follow_problem(trainer: str | None, waited_s: float, why: str | None = None) -> str:
+    if trainer is None and why:
+        return f"no trainer to follow after {waited_s:.0f}s: {why}. Still waiting"
     if trainer is None:
         return (f"no trainer to follow after {waited_s:.0f}s: no --follow was given and no "
                 "bootstrap peer announced one; pass --follow <trainer peer id>. Still waiting")
@@ -208,27 +212,22 @@ def _follow_problem(trainer: str | None, waited_s: float) -> str:
 
 class DownloadTracker:
     """A checkpoint feed's downloads as seen by `/status`: the progress of the one in
-    flight, and a download record (size, seconds) per version once it is verified here."""
+    flight (read every tick), and a download record (bytes fetched, seconds) per version
+    the feed hands over (an event: a download that starts and ends between two ticks is
+    counted too)."""
 
     def __init__(self, state, feed: CheckpointFeed):
         self.state, self.feed = state, feed
-        self.started: dict[tuple[str, int], tuple[float, int]] = {}
-        self.last: tuple[str, int] | None = None  # the download shown in /status
+        feed.listen(self.handed_over)
 
     def tick(self) -> None:
-        downloads = self.feed.downloads()
-        for d in downloads:
+        for d in self.feed.downloads():
             self.state.set_checkpoint_progress(d.version, d.shards_have, d.shards_total,
                                                d.bytes_done, d.bytes_total)
-            self.started.setdefault((d.policy_id, d.version), (time.monotonic(), d.bytes_total))
-            self.last = (d.policy_id, d.version)
-        for key in [k for k in self.started if self.feed.path(*k) is not None]:
-            t0, size = self.started.pop(key)
-            self.state.record_download(key[1], key[0], size, time.monotonic() - t0)
-        cp = self.state.checkpoint_progress
-        if (cp and not cp["complete"] and not downloads and self.last is not None
-                and self.feed.path(*self.last) is not None):
-            # it finished between two ticks: show it complete
-            self.state.set_checkpoint_progress(cp["version"], cp["shards_total"],
-                                               cp["shards_total"], cp["bytes_total"],
-                                               cp["bytes_total"])
+
+    def handed_over(self, ckpt: VerifiedCheckpoint) -> None:
+        if ckpt.downloaded > 0:
+            self.state.record_download(ckpt.version, ckpt.policy_id, ckpt.downloaded,
+                                       ckpt.seconds)
+        self.state.set_checkpoint_progress(ckpt.version, ckpt.shards, ckpt.shards, ckpt.size,
+                                           ckpt.size)

@@ -110,6 +110,8 @@ class TrainerRole(Role):
             if self.feed is None:
                 self.feed = own.followed  # same broadcaster: started and closed with `own`
         await self.own.start()
+        if self.feed is not None:  # the broadcaster's counters (served, downloaded) at /metrics
+            self.state.add_counters("broadcast", self.feed.counters)
         await self.p2p.subscribe("rollouts", self.intake.offer)
         await self.p2p.subscribe("verdicts", self.intake.hint)
         await self.watch_verdicts()
@@ -117,6 +119,7 @@ class TrainerRole(Role):
         self.state.policy_version = self.trainer.version
         self.state.extra["disk"] = self.disk.status()
         self.state.extra["intake"] = self.intake.view  # queue, verification time by tier
+        self.state.add_counters("intake", self.intake.counters)  # the same at /metrics
         self.state.banned = self.intake.banned()
         await self._publish_version()
 

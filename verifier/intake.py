@@ -22,7 +22,8 @@ New identities are free, so budgets bind work, not keys. Senders are split in tw
   batches served while established work waits, and together at most
   `probation_time_share` of the worker's time (`TimeShare`: a bucket of verification
   seconds that refills with wall time, `probation_burst_s` deep; idle time, when the
-  trainer only waits for peers, is lent to them). Each probation sender starts with a
+  trainer only waits for peers, is lent to them one batch at a time, and counted apart:
+  `lent`). Each probation sender starts with a
   credit of `probation_tokens` verified tokens that does not grow with time, only with
   accepted work (`credit_per_accepted` per accepted, model-checked token); a sender past
   its budget is answered `over_budget` (no penalty, not verified). Its batch's groups are
@@ -134,8 +135,8 @@ class Budget:
 
 class TimeShare:
     """A bucket of verification seconds for probation senders: refills at `share` seconds
-    per second of wall time up to `burst_s`; work spends it and may overdraw it (down to
-    -burst_s) when it was lent idle time."""
+    per second of wall time up to `burst_s`; work spends it (a batch in flight may overdraw
+    it, down to -burst_s)."""
 
     def __init__(self, share: float, burst_s: float,
                  clock: Callable[[], float] = time.monotonic):
@@ -297,7 +298,8 @@ class Intake:
         self.verified_batches = 0  # batches with accepted rollouts (the caller resets it)
         self._told_banned: OrderedDict[str, float] = OrderedDict()
         # what /status shows (extra.intake; the same dict, updated in place)
-        self.seconds = {"established": 0.0, "probation": 0.0}  # verification time by tier
+        # verification time by tier (probation_lent: idle time lent beyond the share)
+        self.seconds = {"established": 0.0, "probation": 0.0, "probation_lent": 0.0}
         self.batches: Counter = Counter()  # verified, by tier; alarms; already accepted
         self.view: dict = {}
         self._update_view()
@@ -397,21 +399,26 @@ class Intake:
     async def drain(self, stop: asyncio.Event | None = None, idle: bool = False) -> int:
         """Verify queued batches, established senders first, for at most `drain_max_s`
         (a flood must not stop training) or until `stop`. `idle`: the trainer has nothing
-        else to do, so probation senders may use the time beyond their share. Returns the
-        batches verified."""
+        else to do until a batch arrives, so ONE batch is verified, and a probation sender's
+        may use time beyond their share (counted as lent): the caller looks again after
+        each. Returns the batches verified."""
         deadline = self.clock() + self.limits.drain_max_s
         done = 0
         while self.clock() < deadline and not (stop is not None and stop.is_set()):
+            lent = idle and not self.share.ready()
             nxt = self._next(idle)
             if nxt is None:
                 break
             sender, (batch, origin) = nxt
-            await self._one(sender, batch, origin)
+            await self._one(sender, batch, origin, lent)
             done += 1
             self._update_view()
+            if idle:
+                break
         return done
 
-    async def _one(self, sender: str, batch: RolloutBatch, origin: str) -> None:
+    async def _one(self, sender: str, batch: RolloutBatch, origin: str,
+                   lent: bool = False) -> None:
         n = len(batch.completions)
         if self.reputation.is_banned(sender):
             self.state.reject(sender, "banned", n)
@@ -430,10 +437,11 @@ class Intake:
                 self.disk, self.ports.work, verifier.verify, batch, sender,
                 lambda ids: self.reputation.should_verify_group(sender, ids), not established)
             spent = self.clock() - t0
-            tier = "established" if established else "probation"
-            if not established:
+            tier = "established" if established else "probation_lent" if lent \
+                else "probation"
+            if tier == "probation":
                 self.share.spend(spent)
-            self.seconds[tier] += spent
+            self.seconds[tier] = self.seconds.get(tier, 0.0) + spent
             self.batches[tier] += 1
             self.state.observe("verify_batch_seconds", spent)
         if all(r.reason in NOT_JUDGED for r in results):  # this very batch, accepted before

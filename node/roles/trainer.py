@@ -94,11 +94,11 @@ class TrainerRole(Role):
         self.intake = self.build_intake()
         self.p2p.set_peer_filter(lambda peer: not self.intake.is_banned(peer))
         # peers with verified history here (out of probation): the bulk plane's reserve of
-        # known peers, and the gossip layer's priority where it takes one
+        # known peers, and the gossip admission's priority (P2PNode.set_established)
         bulk = getattr(self.p2p, "bulk", None)
         if bulk is not None:
             bulk.add_known(self.intake.established)
-        share = getattr(self.p2p, "set_established_peers", None)
+        share = getattr(self.p2p, "set_established", None)
         if share is not None:
             share(self.intake.established)
         if self.own is None:

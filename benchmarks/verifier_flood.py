@@ -1,6 +1,6 @@
 """A sybil flood on a trainer's verification (issue #30 item 4), measured end to end.
 
-    .venv/bin/python benchmarks/verifier_flood.py [--phase-s 60] [--rate 50] [--no-record]
+    .venv/bin/python benchmarks/verifier_flood.py [--phase-s 40] [--rounds 3] [--rate 50]
 
 Real `swarm-node join` processes on loopback (tiny model): a trainer and an honest inference
 peer (established before the flood), and in this process the flood (node/testing/flood.py):
@@ -12,6 +12,7 @@ of `--phase-s` seconds each:
   control    the attacker does all its work (keys, batches, signatures) but sends nothing:
              what its CPU alone takes from the 2 shared cores;
   flood      the same, sent;
+(alternated `--rounds` times: other tenants' load drifts), then
   after      nothing again (recovery).
 
 Per phase: honest completions accepted per second and trainer versions per second (from
@@ -196,15 +197,19 @@ async def run(args) -> dict:
                     "probation_batches": verified, "built": built,
                     "trainer_cpu_s": cpu1 - cpu0}
 
-        out = [await phase("baseline", None)]
-        out.append(await phase("control", SybilFlood(swarm, boot, tid, make_batch,
-                                                     lambda: version[0]), dry=True))
-        flood = SybilFlood(swarm, boot, tid, make_batch, lambda: version[0], connections=4,
-                           interval_s=4.0 / args.rate)
-        out.append(await phase("flood", flood))
+        # alternated rounds (the machine is shared: other tenants' load drifts), then after
+        out, floods = [], []
+        for r in range(args.rounds):
+            out.append(await phase(f"baseline {r + 1}", None))
+            out.append(await phase(f"control {r + 1}", SybilFlood(
+                swarm, boot, tid, make_batch, lambda: version[0]), dry=True))
+            flood = SybilFlood(swarm, boot, tid, make_batch, lambda: version[0],
+                               connections=4, interval_s=4.0 / args.rate)
+            floods.append(flood)
+            out.append(await phase(f"flood {r + 1}", flood))
         flood_end = time.monotonic()
         out.append(await phase("after", None))
-        base = out[0]["honest_per_s"]
+        base = out[-4]["honest_per_s"]  # the last round's baseline
         # recovery: first 10-s window after the flood with honest acceptance >= 80% of base
         after = [s for name, s in samples if name == "after"]
         recovery = None
@@ -216,10 +221,12 @@ async def run(args) -> dict:
             if rate >= 0.8 * base:
                 recovery = s[0] - flood_end
                 break
-        return {"phases": out, "flood": {"sent": flood.sent, "carriers": flood.carriers,
-                                         "cut": flood.cut,
-                                         "attacker_ms": flood.cpu_per_batch * 1e3},
-                "recovery_s": recovery, "trainer_rss_mib": _rss(trainer.proc.pid)}
+        sent = sum(f.sent for f in floods)
+        return {"phases": out, "flood": {
+            "sent": sent, "carriers": sum(f.carriers for f in floods),
+            "cut": sum(f.cut for f in floods),
+            "attacker_ms": sum(f.cpu_s for f in floods) / max(1, sent) * 1e3},
+            "recovery_s": recovery, "trainer_rss_mib": _rss(trainer.proc.pid)}
     finally:
         if peer is not None:
             peer.stop()
@@ -243,35 +250,64 @@ def _rss(pid: int) -> float:
 
 
 def report(res: dict, load: str, args) -> str:
+    import statistics
+
     from benchmarks.results import table
 
-    base = res["phases"][0]
+    phases = res["phases"]
     rows = []
-    for p in res["phases"]:
+    for p in phases:
+        per_cpu = p["honest_per_s"] * p["seconds"] / max(p["trainer_cpu_s"], 1e-9)
         rows.append([p["phase"], f"{p['seconds']:.0f}", f"{p['honest_per_s']:.2f}",
-                     f"{p['honest_per_s'] / base['honest_per_s']:.0%}"
-                     if base["honest_per_s"] else "-",
-                     f"{p['versions_per_s']:.3f}", p["probation_batches"],
-                     f"{p['probation_s']:.1f}", f"{p['trainer_cpu_s']:.1f}"])
+                     f"{p['versions_per_s']:.3f}", f"{p['trainer_cpu_s']:.1f}",
+                     f"{per_cpu:.0f}", p["probation_batches"], f"{p['probation_s']:.1f}"])
+
+    def ratio(kind: str, key) -> list[float]:
+        out = []
+        for i in range(0, len(phases) - 1, 3):
+            b, x = phases[i], phases[i + {"control": 1, "flood": 2}[kind]]
+            if key(b) > 0:
+                out.append(key(x) / key(b))
+        return out
+
+    def per_cpu(p):
+        return p["honest_per_s"] * p["seconds"] / max(p["trainer_cpu_s"], 1e-9)
+
     f = res["flood"]
-    fl = next(p for p in res["phases"] if p["phase"] == "flood")
-    trainer_ms = fl["probation_s"] / max(1, fl["probation_batches"]) * 1e3
-    text = [(f"Load average: {load} (2 shared cores). Tiny model; trainer `peer_batches_per_step"
-            f" = 1`; honest peer: 4 tasks x 4 completions x 8 tokens, 2 rounds per version. "
-            f"Flood: at most {args.rate} bogus batches/s over 4 connections, a fresh key per "
-            "batch.\n"),
-            table(["phase", "seconds", "honest completions accepted / s", "of baseline",
-                   "trainer versions / s", "flood batches verified", ("verification s spent "
-                   "on them"), "trainer CPU s"], rows),
+    fl = [p for p in phases if p["phase"].startswith("flood")]
+    verified = sum(p["probation_batches"] for p in fl)
+    spent = sum(p["probation_s"] for p in fl)
+    seconds = sum(p["seconds"] for p in fl)
+    med = {k: statistics.median(ratio(*k)) for k in
+           [("control", lambda p: p["honest_per_s"]), ("flood", lambda p: p["honest_per_s"]),
+            ("flood", per_cpu)]}
+    vals = list(med.values())
+    text = [(f"Load average: {load} (2 shared cores, other tenants' jobs running). Tiny model; "
+             "trainer `peer_batches_per_step = 1`; honest peer: 4 tasks x 4 completions x 8 "
+             f"tokens, 2 rounds per version. Flood: at most {args.rate:.0f} bogus batches/s "
+             f"over 4 connections, a fresh key per batch. {args.rounds} alternated rounds of "
+             f"baseline / control (the attacker's CPU work, nothing sent) / flood, "
+             f"{args.phase_s:.0f} s each, then `after`.\n"),
+            table(["phase", "seconds", "honest completions accepted / s",
+                   "trainer versions / s", "trainer CPU s",
+                   "honest completions per trainer CPU-s", "flood batches verified",
+                   "verification s spent on them"], rows),
             "",
-            (f"- flood: {f['sent']} bogus batches sent over {f['carriers']} carriers ({f['cut']}"
-            f" cut); {fl['probation_batches']} reached the model checks "
-            f"({fl['probation_batches'] / max(1, f['sent']):.1%}), the rest expired in the "
-            "probation queue or were dropped at the door."),
-            (f"- cost per bogus batch: attacker {f['attacker_ms']:.1f} ms CPU (a key, a batch, "
-            f"two signatures); trainer {trainer_ms:.0f} ms of verification for each one it "
-            f"verified, {fl['probation_s'] / max(1, f['sent']) * 1e3:.1f} ms per batch sent."),
-            "- recovery: honest acceptance back at >= 80% of the baseline (10-s window) "
+            (f"- honest acceptance against the same round's baseline (median of "
+            f"{args.rounds}): control {vals[0]:.0%}, **flood {vals[1]:.0%}**; honest "
+            f"completions per trainer CPU-second under the flood: {vals[2]:.0%} of the "
+            "baseline's (what the flood takes of the trainer's own CPU, whatever the other "
+            "tenants do)."),
+            (f"- flood: {f['sent']} bogus batches sent over {f['carriers']} carriers "
+             f"({f['cut']} cut); {verified} reached the model checks "
+             f"({verified / max(1, f['sent']):.1%}), in {spent:.1f} s of the flood phases' "
+             f"{seconds:.0f} s ({spent / max(seconds, 1e-9):.0%}); the rest expired in the "
+             "probation queue."),
+            (f"- cost per bogus batch: attacker {f['attacker_ms']:.1f} ms CPU (a key, a "
+             f"batch, two signatures); trainer {spent / max(1, verified) * 1e3:.0f} ms of "
+             f"verification for each one it verified, {spent / max(1, f['sent']) * 1e3:.1f} "
+             "ms per batch sent."),
+            "- recovery: honest acceptance back at >= 80% of the last baseline (10-s window) "
             + (f"{res['recovery_s']:.1f} s after the flood stopped"
                if res["recovery_s"] is not None else "not within the after phase"),
             f"- trainer RSS at the end: {res['trainer_rss_mib']:.0f} MiB"]
@@ -280,7 +316,8 @@ def report(res: dict, load: str, args) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--phase-s", type=float, default=60.0)
+    ap.add_argument("--phase-s", type=float, default=40.0)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rate", type=float, default=50.0)
     ap.add_argument("--workdir", default="/tmp/verifier-flood")
     ap.add_argument("--no-record", action="store_true")

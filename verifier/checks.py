@@ -254,10 +254,11 @@ class RolloutVerifier:
         in_batch: set[bytes] = set()
         seeds: set[int] = set()
         max_prompt = max(c.prompt_ids.shape[0] for c in batch.completions)
+        tasks: dict[bytes, tuple] = {}
         for i, c in enumerate(batch.completions):
             try:
                 cheap[i] = self._static_checks(batch, c, sender, ids[i], in_batch, seeds,
-                                               max_prompt, limits)
+                                               max_prompt, limits, tasks)
             except _Reject as r:
                 results[i] = RolloutResult(i, ids[i], False, r.reason, r.detail)
             in_batch.add(ids[i])
@@ -352,20 +353,31 @@ class RolloutVerifier:
                 self._assigned_cache.popitem(last=False)
         return self._assigned_cache[key]
 
-    def _seed_index(self, c: Completion, sender: str, version: int) -> int | None:
-        """j such that c.seed == completion_seed(task, sender, version, j), j < 256."""
-        key = (ref_bytes(c.task), sender, version)
-        if key not in self._seed_cache:
-            self._seed_cache[key] = {completion_seed(c.task, sender, version, j): j
-                                     for j in range(self.settings.max_completions_per_task)}
+    def _seed_index(self, c: Completion, rb: bytes, sender: str, version: int) -> int | None:
+        """j such that c.seed == completion_seed(task, sender, version, j), j < 256. The
+        seeds are derived lazily, the group's own (j < completions_per_task) first: an
+        honest sender (or a fresh key's bogus batch) costs C hashes per task, not 256."""
+        key = (rb, sender, version)
+        entry = self._seed_cache.get(key)
+        if entry is None:
+            entry = self._seed_cache[key] = [{}, 0]  # seed -> j, next j to derive
             while len(self._seed_cache) > 4096:
                 self._seed_cache.popitem(last=False)
-        return self._seed_cache[key].get(c.seed)
+        found = entry[0]
+        limit = self.settings.max_completions_per_task
+        first = self.rules.completions_per_task if self.rules is not None else 8
+        while c.seed not in found and entry[1] < limit:
+            upto = min(limit, first if entry[1] < first else limit)
+            for j in range(entry[1], upto):
+                found[completion_seed(c.task, sender, version, j)] = j
+            entry[1] = upto
+        return found.get(c.seed)
 
     def _static_checks(self, batch, c: Completion, sender, rid, in_batch, seeds, max_prompt,
-                       limits) -> tuple:
+                       limits, tasks: dict) -> tuple:
         """Everything that needs no forward pass, cheapest first. Returns (task, seed index,
-        decoded text, recomputed reward)."""
+        decoded text, recomputed reward). `tasks`: this batch's regenerated tasks and their
+        prompts by task reference (a group's completions share them)."""
         max_context, hidden_size = limits
         p, t = c.prompt_ids.shape[0], c.completion_ids.shape[0]
         if p == 0 or t == 0:
@@ -384,11 +396,12 @@ class RolloutVerifier:
             raise _Reject("bad_shape", "token id outside the vocabulary")
         if rid in in_batch or self.seen.seen(rid):
             raise _Reject("duplicate", "rollout seen before")
-        if ref_bytes(c.task) not in self._assigned(sender, batch.round):
+        rb = ref_bytes(c.task)
+        if rb not in self._assigned(sender, batch.round):
             raise _Reject("config_task_mix", f"{c.task.dataset}#{c.task.index} is not among "
                                              f"the tasks drawn for round {batch.round} "
                                              "(check tasks.mix and tasks.tasks_per_round)")
-        j = self._seed_index(c, sender, batch.policy_version)
+        j = self._seed_index(c, rb, sender, batch.policy_version)
         if c.seed in seeds or j is None:
             raise _Reject("seed_mismatch", f"seed {c.seed} not derived for this sender/task")
         if self.rules is not None and j >= self.rules.completions_per_task:
@@ -396,11 +409,14 @@ class RolloutVerifier:
                                                f"{self.rules.completions_per_task}")
         seeds.add(c.seed)
         self._finish_checks(batch, c, ids.tolist(), max_prompt, max_context)
-        try:
-            task = get_task(c.task, self.format_reward, self.style)
-        except (NodeError, ValueError, KeyError) as e:
-            raise _Reject("bad_task", str(e)[:200]) from None
-        if format_prompt(self.tokenizer, task) != prompt.tolist():
+        if rb not in tasks:
+            try:
+                task = get_task(c.task, self.format_reward, self.style)
+            except (NodeError, ValueError, KeyError) as e:
+                raise _Reject("bad_task", str(e)[:200]) from None
+            tasks[rb] = (task, format_prompt(self.tokenizer, task))
+        task, formatted = tasks[rb]
+        if formatted != prompt.tolist():
             raise _Reject("prompt_mismatch", "prompt is not the task's formatted prompt")
         # The text and reward the trainer uses come from the token ids, never from the sender.
         text = self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)

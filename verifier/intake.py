@@ -71,7 +71,7 @@ class IntakeLimits:
     max_probation: int = 16  # queued batches of probation senders, in total
     probation_share: float = 0.2  # of the batches served while established work waits
     probation_time_share: float = 0.1  # of the worker's wall time, all probation senders
-    probation_burst_s: float = 5.0  # verification seconds they may spend at once
+    probation_burst_s: float = 2.0  # verification seconds they may spend at once
     window_s: float = 60.0  # budget window of established senders
     established_tokens: int = 200_000  # completion tokens verified per sender per window
     probation_tokens: int = 8_192  # a new sender's credit (does not grow with time)

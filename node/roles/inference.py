@@ -18,7 +18,7 @@ from ...protocol.messages import RolloutBatch
 from ...verifier.proof import build_proofs
 from ...verifier.rules import batch_rules
 from ..broadcast.follow import trainer_choice
-from ..diskspace import until_written
+from ..diskspace import DiskWatch, until_written
 from ..sampler import make_sampler
 from ..sampler.factory import sampling_params
 from ..sampler.rounds import sample_round, to_batch
@@ -58,6 +58,8 @@ class InferenceRole(Role):
         self.pending: tuple[int, object] | None = None  # (version, checkpoint dir)
         self.new_version = asyncio.Event()
         self.round = int(self.load_json(ROUND_FILE, {"next_round": 0})["next_round"])
+        # a round is sampled only when its counter can be persisted: a full disk pauses it
+        self.disk = DiskWatch("sampling", self.data_dir)
 
     async def start(self) -> None:
         self.tasks = TaskSource.of(self.cfg.tasks, self.cfg.node.swarm_id)
@@ -74,8 +76,10 @@ class InferenceRole(Role):
                 settings_check=self.settings.check)
         self.feed.listen(self._on_checkpoint)
         self.policy_id = self.feed.chosen()
+        self.state.policy_id = self.policy_id or ""
         await self.feed.start()
         self.state.extra["disk"] = self.feed.disk.status()
+        self.state.extra["sampling_disk"] = self.disk.status()
         self.track_downloads(self.feed)
         # says so if the trainer never appears (chosen: announced by the bootstrap peer)
         self.watch_followed(self.feed, lambda: self.policy_id or self.feed.chosen())
@@ -101,6 +105,7 @@ class InferenceRole(Role):
         await self.work(self.sampler.load_weights, ckpt_dir, version)
         self.state.observe("checkpoint_load_seconds", time.monotonic() - t0)
         self.state.policy_version = version
+        self.state.policy_id = self.policy_id or ""
         log.info("hot-loaded policy version %d in %.2fs", version, time.monotonic() - t0)
 
     async def _adopt_settings(self, ckpt_dir) -> None:
@@ -129,6 +134,7 @@ class InferenceRole(Role):
                 await wait_any(stop, self.new_version, timeout=NO_TRAINER_POLL_S)
                 self.new_version.clear()
                 continue
+            self.state.policy_id = self.policy_id
             round_ = self._next_round()
             if round_ is None:
                 # This version's rounds are used up (BatchRules: rounds are bound to the
@@ -136,13 +142,17 @@ class InferenceRole(Role):
                 self.new_version.clear()
                 await wait_any(stop, self.new_version, timeout=self.cfg.sampler.version_wait_s)
                 continue
+            # disk full: sampling pauses before the round (one line), resumes with space
+            if not await self.disk.wait_for_space(0, stop):
+                break
             t0 = time.monotonic()
             batch = await self.work_oom_safe(self.sample_round, round_, sampler=self.sampler)
             self.state.observe("sample_round_seconds", time.monotonic() - t0)
             self.round = round_ + 1
-            # disk full: sampling pauses here (the round is persisted before publishing)
-            await until_written(self.feed.disk, self.work, self.save_json, ROUND_FILE,
-                                {"next_round": self.round})
+            # the round is persisted before publishing (a write that fails for space pauses
+            # here; a stop meanwhile drops this batch unsent: WaitStopped)
+            await until_written(self.disk, self.work, self.save_json, ROUND_FILE,
+                                {"next_round": self.round}, stop=stop)
             if self.pending is not None and (
                     self.pending[0] - batch.policy_version > self.cfg.trainer.max_staleness):
                 # A much newer policy arrived while sampling: verifiers would reject this

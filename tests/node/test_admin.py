@@ -87,7 +87,7 @@ async def test_status_json(tmp_path):
         assert doc["accepted_by_peer"]["12D3KooWCheat"]["rejected"] == 4
         assert doc["checkpoint_progress"] == {
             "version": 3, "shards_done": 2, "shards_total": 5, "bytes_done": 8192,
-            "bytes_total": 20480, "complete": False}
+            "bytes_total": 20480, "complete": False, "rate_bytes_s": None, "eta_s": None}
         # Live: a later change shows in the next request.
         state.policy_version = 4
         state.accept("12D3KooWB")
@@ -169,8 +169,9 @@ async def test_config_port_and_port_in_use(tmp_path):
 
 
 @pytest.mark.parametrize("request_bytes,code", [
-    (b"GET /nope HTTP/1.1\r\nHost: x\r\n\r\n", b"404"),
-    (b"POST /status HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n", b"405"),
+    (b"GET /nope HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", b"404"),
+    (b"POST /status HTTP/1.1\r\nHost: localhost:1\r\nContent-Length: 0\r\n\r\n", b"405"),
+    (b"GET /status HTTP/1.1\r\n\r\n", b"400"),  # HTTP/1.1 without Host
     (b"GARBAGE\r\n\r\n", b"400"),
     (b"GET /status\r\n\r\n", b"400"),
     (b"GET /status HTTP/1.1\r\nX: " + b"a" * 10_000 + b"\r\n\r\n", b"431"),
@@ -312,3 +313,29 @@ async def test_dashboard_page_and_versions_in_status(tmp_path):
     assert doc["verdicts_about_me"]["rejected"] == {"config_task_mix": 4}
     assert 'swarm_node_train_step_seconds_bucket{le="0.5"} 1.0' in metrics
     assert 'swarm_node_own_rollouts_rejected_total{reason="config_task_mix"} 4.0' in metrics
+
+
+@pytest.mark.parametrize("host,code", [
+    ("127.0.0.1", b"200"), ("localhost", b"200"), ("LOCALHOST:4010", b"200"),
+    ("127.0.0.1:8080", b"200"), ("[::1]:4010", b"200"),
+    ("attacker.example", b"403"), ("attacker.example:4010", b"403"),
+    ("127.0.0.1.attacker.example", b"403"), ("localhost.attacker.example:80", b"403"),
+    ("127.0.0.2", b"403"), ("localhost:80:80", b"403"), ("[::1]x", b"403"),
+])
+async def test_only_loopback_host_headers_are_answered(host, code):
+    # DNS rebinding: a page from attacker.example, its name re-pointed at 127.0.0.1, sends
+    # its own name as Host. Only loopback names are answered; the rest is counted.
+    state = NodeState("12D3KooWx", "relay", "s")
+    async with AdminServer(state, port=0) as server:
+        for path in (b"/status", b"/metrics", b"/dashboard"):
+            reply = await raw(server.port, b"GET " + path + b" HTTP/1.1\r\nHost: "
+                              + host.encode() + b"\r\n\r\n")
+            assert reply.split(b" ")[1] == code, (host, path)
+            if code == b"403":
+                assert b"peer_id" not in reply and b"12D3KooWx" not in reply
+        refused = 3 if code == b"403" else 0
+        assert server.refused_hosts == refused and state.counters["admin_host_refused"] == refused
+        # two Host headers: refused whatever they say
+        reply = await raw(server.port, b"GET /status HTTP/1.1\r\nHost: localhost\r\n"
+                          b"Host: attacker.example\r\n\r\n")
+        assert reply.split(b" ")[1] == b"403"

@@ -147,7 +147,8 @@ class InferenceRole(Role):
                 break
             t0 = time.monotonic()
             batch = await self.work_oom_safe(self.sample_round, round_, sampler=self.sampler)
-            self.state.observe("sample_round_seconds", time.monotonic() - t0)
+            seconds = time.monotonic() - t0
+            self.state.observe("sample_round_seconds", seconds)
             self.round = round_ + 1
             # the round is persisted before publishing (a write that fails for space pauses
             # here; a stop meanwhile drops this batch unsent: WaitStopped)
@@ -170,8 +171,10 @@ class InferenceRole(Role):
             self.state.rollouts_sent += len(batch.completions)
             rewards = [c.claimed_reward for c in batch.completions]
             self.state.reward = sum(rewards) / len(rewards)
+            tokens = sum(int(c.completion_ids.shape[0]) for c in batch.completions)
             self.state.record_step(batch.policy_version, self.state.reward, round=batch.round,
-                                   accuracy=sum(r >= 1.0 for r in rewards) / len(rewards))
+                                   accuracy=sum(r >= 1.0 for r in rewards) / len(rewards),
+                                   tokens_per_s=round(tokens / max(seconds, 1e-6), 1))
             log.info("published round %d: %d completions, policy v%d, mean reward %.3f",
                      batch.round, len(batch.completions), batch.policy_version, self.state.reward)
 

@@ -43,7 +43,7 @@ def test_keygen_then_id(tmp_path):
         == peer_id
 
     again = run("keygen", "--data-dir", str(data), home=tmp_path)
-    assert again.returncode == 2 and "already exists" in again.stderr and "--force" in again.stderr
+    assert again.returncode == 1 and "already exists" in again.stderr and "--force" in again.stderr
     assert run("id", "--data-dir", str(data), home=tmp_path).stdout.strip() == peer_id
 
     forced = run("keygen", "--data-dir", str(data), "--force", home=tmp_path, check=True)
@@ -99,7 +99,7 @@ def test_join_bad_config_is_clear(tmp_path):
     cfg_file = tmp_path / "node.toml"
     cfg_file.write_text("[node]\nrol = 'trainer'\n")
     proc = run("join", "--config", str(cfg_file), "--dry-run", home=tmp_path)
-    assert proc.returncode == 2
+    assert proc.returncode == 1  # a mistake (README: exit codes); 2 is a bad command line
     assert "unknown key `node.rol`" in proc.stderr and "did you mean `role`" in proc.stderr
     assert "Traceback" not in proc.stderr
 

@@ -41,8 +41,8 @@ class TrainerChoice:
         if configured:
             self.chosen = configured[0]
             if saved and saved not in configured:
-                log.warning("following trainer %s as configured (--follow); the earlier "
-                            "choice %s is replaced", configured[0], saved)
+                log.info("following trainer %s as configured (--follow); the earlier "
+                         "choice %s is replaced", configured[0], saved)
             if saved != configured[0]:
                 self._save(configured[0], "configured")
         elif saved:
@@ -63,9 +63,9 @@ class TrainerChoice:
         self.chosen = policy_id
         self._save(policy_id, f"announced by bootstrap peer {announcer}")
         how = "its own policy" if announcer == policy_id else f"the policy of {announcer}"
-        log.warning("following trainer %s (%s, announced by the bootstrap peer); kept in %s "
-                    "across restarts; pass --follow to choose another", policy_id, how,
-                    self.path)
+        log.info("following trainer %s (%s, announced by the bootstrap peer); kept in %s "
+                 "across restarts; pass --follow to choose another", policy_id, how,
+                 self.path)
         return True
 
     def _load(self) -> str | None:

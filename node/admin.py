@@ -364,7 +364,9 @@ def _contribution_rows(c: dict[str, Any]) -> list[tuple[str, Any]]:
         return [("contribution", (f"{c.get('versions', 0)} versions trained, "
                                  f"{c.get('accepted_from_peers', 0)} rollouts accepted from "
                                  f"{c.get('peers_contributing', 0)} peers, "
-                                 f"{c.get('tokens_trained', 0)} tokens trained"))]
+                                 f"{c.get('tokens_trained', 0)} tokens trained; checkpoints "
+                                 f"served: {c.get('bytes_served', 0) / 2**20:.1f} MiB to "
+                                 f"{c.get('peers_served', 0)} peers"))]
     if c.get("role") == "relay":
         return [("contribution", (f"{c.get('versions_mirrored', 0)} versions mirrored "
                                  f"({c.get('bytes_downloaded', 0) / 2**20:.1f} MiB); served "

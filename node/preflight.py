@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from .config import Config
 
 LOCK_FILE = "node.lock"
+START_WRITE_BYTES = 256 * 1024  # what a start writes besides large files, with room to spare
 PID_FILE = "node.pid"
 MODEL_RECORD = "model.json"
 # Fields of a model's config.json that must agree for its checkpoints to be loadable.
@@ -279,15 +280,22 @@ def record_model(cfg: Config, *, new_model: bool) -> None:
 def prepare_data_dir(cfg: Config) -> Path:
     """Create the data dir (mode 0700); any OSError becomes one line naming the path."""
     path = cfg.data_dir
+    probe = path / f".write-test.{os.getpid()}"
     try:
         path.mkdir(parents=True, exist_ok=True, mode=0o700)
-        probe = path / f".write-test.{os.getpid()}"
-        probe.write_text("")
-        probe.unlink()
+        # the small files a start writes (pid, node.json, admin.port, history) must fit
+        probe.write_bytes(b"\0" * START_WRITE_BYTES)
     except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise NodeError(_disk_full_line(path, e)) from None
         raise NodeError(f"data dir {path} is not usable: {e.strerror or e}"
                         f"{' (' + e.filename + ')' if e.filename else ''}; pick another "
                         "--data-dir") from None
+    finally:
+        try:
+            probe.unlink(missing_ok=True)
+        except OSError:
+            pass  # the path is not a directory: said above
     return path
 
 

@@ -170,12 +170,13 @@ async def _run(cfg: Config, stop: asyncio.Event) -> None:
         interrupts.role = role
         interrupts.waiting_for = "the role's loop to stop"
         host_watch = asyncio.create_task(_stop_if_host_dies(p2p, stop))  # supervised host
-        keeper = asyncio.create_task(_keep_history(state, history))
+        keepers = [asyncio.create_task(_keep_history(state, history)),
+                   asyncio.create_task(_mirror_served(role, state))]
         try:
             await _run_role(role, stop, cfg.node.role)
         finally:
-            keeper.cancel()
-            host_watch.cancel()
+            for task in (*keepers, host_watch):
+                task.cancel()
         if p2p.failure is not None:
             state.phase = "failed"
             raise NodeError(f"the libp2p host died ({p2p.failure}); exiting so that a "
@@ -197,6 +198,22 @@ async def _keep_history(state: NodeState, path: Path) -> None:
     while True:
         await asyncio.sleep(HISTORY_SAVE_S)
         await _save_history(state, path)
+
+
+async def _mirror_served(role, state: NodeState, every_s: float = 2.0) -> None:
+    """Checkpoint bytes this node uploaded, per peer, into the state (a relay's and a
+    trainer's contribution), from the feed's running totals."""
+    feed = getattr(role, "feed", None)
+    served = getattr(feed, "served", None)
+    if served is None:
+        return
+    seen: dict[str, int] = {}
+    while True:
+        for peer, total in served().items():
+            if total > seen.get(peer, 0):
+                state.record_served(peer, total - seen.get(peer, 0))
+                seen[peer] = total
+        await asyncio.sleep(every_s)
 
 
 async def _save_history(state: NodeState, path: Path) -> None:

@@ -99,7 +99,9 @@ def contribution(doc: dict[str, Any]) -> dict[str, Any]:
                                "share": round(n / total, 4) if total else 0.0}
                               for p, n in top[:10] if n > 0],
                 "train_steps": _int(counters.get("train_steps")),
-                "tokens_trained": _int(counters.get("tokens_trained"))}
+                "tokens_trained": _int(counters.get("tokens_trained")),
+                "bytes_served": _int(_dict(doc.get("served")).get("bytes")),
+                "peers_served": _int(_dict(doc.get("served")).get("peers"))}
     if role == "relay":
         served = _dict(doc.get("served"))
         return {"role": "relay", "versions_mirrored": _int(counters.get("versions_mirrored")),

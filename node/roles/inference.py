@@ -135,6 +135,10 @@ class InferenceRole(Role):
                 self.new_version.clear()
                 continue
             self.state.policy_id = self.policy_id
+            # disk full: sampling pauses (one line; the next version could not be downloaded
+            # either) and resumes when space returns
+            if not await self.disk.wait_for_space(0, stop):
+                break
             round_ = self._next_round()
             if round_ is None:
                 # This version's rounds are used up (BatchRules: rounds are bound to the
@@ -142,9 +146,6 @@ class InferenceRole(Role):
                 self.new_version.clear()
                 await wait_any(stop, self.new_version, timeout=self.cfg.sampler.version_wait_s)
                 continue
-            # disk full: sampling pauses before the round (one line), resumes with space
-            if not await self.disk.wait_for_space(0, stop):
-                break
             t0 = time.monotonic()
             batch = await self.work_oom_safe(self.sample_round, round_, sampler=self.sampler)
             seconds = time.monotonic() - t0

@@ -45,7 +45,7 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
 
 from swarm_node.node.config import P2PSection
 
-from benchmarks.results import record, table
+from benchmarks.results import Headline, record, table
 from tests.node.broadcast.procs import BroadcastProc
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -483,6 +483,25 @@ def report(args, rows, notes, results_by_n) -> str:
             f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}.")
 
 
+def headline(args, by_n) -> list[Headline]:
+    """The rows of RESULTS.md's headline table a 256 MiB run rewrites."""
+    if args.mib != 256:
+        return []
+    rows = []
+    four, eight = by_n.get(4, {}), by_n.get(8, {})
+    d4 = four.get(DEFAULT, {}).get("t_all")
+    s4 = four.get("shardcast", {}).get("t_all")
+    d8 = eight.get(DEFAULT, {}).get("t_all")
+    median = " (medians)" if args.repeat > 1 else ""
+    if d4 and s4:
+        rows.append(Headline("broadcast: 256 MiB to 4 clients vs shardcast", "<= 0.25x",
+                             f"{d4:.1f} s = {d4 / s4:.2f}x{median}", f"shardcast {s4:.1f} s"))
+    if d4 and d8:
+        rows.append(Headline("broadcast: 8 clients vs our 4", "<= 2x",
+                             f"{d8:.1f} s = {d8 / d4:.2f}x{median}", f"our 4 clients {d4:.1f} s"))
+    return rows
+
+
 async def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mib", type=int, default=256)
@@ -525,7 +544,7 @@ async def run_all(args) -> int:
             body = report(args, rows, notes, by_n)
             print(body, flush=True)
             if not args.no_record:
-                record("broadcast", body)
+                record("broadcast", body, headline=headline(args, by_n))
 
         for n in args.clients:
             results = by_n[n] = {}

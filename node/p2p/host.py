@@ -29,37 +29,17 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from ...protocol.ids import FETCH_PROTOCOL
 from ...protocol.messages import WireModel
+from . import patches
+from .admission import Admission
 from .bridge import TrioBridge
 from .discovery import Discovery
 from .errors import BadMultiaddr, DialError, NotRunning, P2PError
-from .gossip import (
-    GossipValidator,
-    build_gossip,
-    coalesce_publish_writes,
-    flood_own_publishes,
-)
-from .guard import (
-    announce_subscriptions_made_during_setup,
-    check_libp2p_version,
-    guard_pubsub,
-    guard_stream_handlers,
-    install_pubsub_fast_paths,
-    install_record_memo,
-    keep_subscriptions_while_connected,
-    leave_dialing_to_discovery,
-    limit_before_spawn,
-    use_fast_validation_cache,
-)
+from .gossip import GossipValidator, build_gossip
 from .metrics import P2PMetrics
 from .penalties import PeerPenalties, TopicRateLimiter
 from .pubsub import GossipService, Handler
 from .requests import RequestHandler, RequestService, StreamHandler
 from .streams import AsyncStream
-from .yamux import (
-    bound_buffers,
-    fit_frames_to_noise,
-    freeze_tuning_env,
-)
 
 log = logging.getLogger(__name__)
 
@@ -242,21 +222,9 @@ class P2PNode:
                         listen_addrs=listen)
         # One attempt per dial: discovery.py retries with its own backoff and reports why.
         host.get_network().retry_config.max_retries = 0
-        leave_dialing_to_discovery(host)
-        check_libp2p_version()
-        install_record_memo()
-        install_pubsub_fast_paths()
-        fit_frames_to_noise()
-        freeze_tuning_env()
-        guard_stream_handlers(host, self._t_stream_fault)  # before pubsub adds its handlers
-        router, pubsub = build_gossip(host, self.cfg, self.metrics)
-        if self.cfg.flood_publish:
-            flood_own_publishes(router, host.get_id())
-        guard_pubsub(pubsub, self._t_stream_fault)
-        coalesce_publish_writes(pubsub, self.metrics)
-        keep_subscriptions_while_connected(pubsub)
-        announce_subscriptions_made_during_setup(pubsub)
-        use_fast_validation_cache(pubsub)
+        patches.install()  # the py-libp2p version gate and the process-wide patches
+        patches.patch_host(host, self._t_stream_fault)  # before pubsub adds its handlers
+        router, pubsub = build_gossip(host, self.cfg, self.metrics, self._t_stream_fault)
         self._validator = GossipValidator(self.peer_id, self.limits, self.metrics,
                                           lambda: self._allowed,
                                           self.config.limits.max_clock_skew_s,
@@ -267,8 +235,8 @@ class P2PNode:
             async with (host.run(listen_addrs=listen), background_trio_service(pubsub),
                         background_trio_service(router)):
                 await pubsub.wait_until_ready()
-                limit_before_spawn(pubsub, host.get_id(), self.rate_limiter, self.penalties,
-                                   self.metrics)
+                patches.patch_running_pubsub(
+                    pubsub, Admission(self.rate_limiter, self.penalties, self.metrics).admit)
                 self.listen_addrs = _dialable(host.get_addrs())
                 self.requests._t_install_all()
                 async with trio.open_nursery() as nursery:
@@ -421,7 +389,7 @@ class _Notifee:
     async def connected(self, network, conn) -> None:
         node = self.node
         peer = conn.muxed_conn.peer_id.to_base58()
-        bound_buffers(conn.muxed_conn, peer, node._t_window_violation)
+        patches.patch_connection(conn.muxed_conn, peer, node._t_window_violation)
         if node.penalties.refused(peer):
             node.metrics.inc("connections_refused")
             node._t_disconnect_soon(peer)

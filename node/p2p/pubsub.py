@@ -21,9 +21,10 @@ from ...protocol.errors import ProtocolError
 from ...protocol.ids import FETCH_PROTOCOL, PAYLOAD_TOKEN_PROTOCOL, topic
 from ...protocol.limits import TOPIC_MESSAGE_TYPES
 from ...protocol.messages import PayloadAnnounce, WireModel
+from . import patches
 from .bodies import PayloadPuller, PayloadServer, PullFailed, TokenIssuer
 from .errors import PublishError, RequestError
-from .gossip import CountingSendChannel, mesh_ready, origin_b58
+from .gossip import mesh_ready, origin_b58
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +85,9 @@ class GossipService:
         pubsub = self.node._pubsub
         pubsub.set_topic_validator(t, self.node._validator.for_kind(kind), False)
         await pubsub.subscribe(t)
-        send, recv = trio.open_memory_channel(self.cfg.subscription_queue)
-        pubsub.subscribed_topics_send[t] = CountingSendChannel(send, self.metrics)
+        recv = patches.patch_subscription_channel(
+            pubsub, t, self.cfg.subscription_queue,
+            lambda: self.metrics.inc("drop_subscription_full"))
         self.node._nursery.start_soon(self._t_read_topic, kind, recv)
 
     async def _t_read_topic(self, kind: str, recv) -> None:

@@ -115,9 +115,12 @@ def peer_argv(line: str, root: Path, model: Path, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory, tiny_model_dir):
-    """A trainer that keeps training (local sampling) and verifying its peers' batches."""
+    """A trainer that keeps training (local sampling) and verifying its peers' batches, a
+    step when a peer's batch arrives or every few seconds (a pace closer to a real
+    trainer's than back-to-back tiny steps, and lighter on a shared machine)."""
     root = tmp_path_factory.mktemp("views-trainer")
-    node = Node(root, trainer_config(root, tiny_model_dir)).start()
+    node = Node(root, trainer_config(root, tiny_model_dir, peer_batches_per_step=1,
+                                     peer_wait_s=4.0)).start()
     try:
         node.wait_joined()
         yield node
@@ -226,7 +229,18 @@ def test_join_line_full_disk_and_history(swarm, tiny_model_dir, small_disk, tmp_
         peer.wait(lambda: "disk space back: sampling resumed" in peer.text(), "resumed")
         peer.wait(lambda: peer.status()["rollouts_sent"] > sent, "sampling again")
 
+        # a restart keeps the dashboard's history (curves, counts), saved at the stop
+        assert peer.stop() == 0
+        saved = json.loads((small_disk / "data" / "history.json").read_text())
+        peer.start()
+        peer.wait(lambda: "history restored" in peer.text(), "history restored")
+        doc = peer.wait(lambda: peer.status() or None, "/status after the restart")
+        assert len(doc["steps"]) >= len(saved["steps"]) >= 2
+        assert doc["rollouts_sent"] >= saved["rollouts_sent"] > 0
+        assert doc["contribution"]["accepted"] >= saved["own_verdicts"]["accepted"] > 0
+
         # full again: Ctrl-C still stops it at once (a write waiting for space gives up)
+        peer.wait(lambda: peer.status().get("phase") == "running", "running again")
         fill(small_disk / "filler")
         peer.wait(lambda: "disk_paused:sampling_disk" in _codes(peer.status()), "paused again")
         assert peer.stop() == 0 and peer.text().rstrip().endswith("stopped")
@@ -239,16 +253,6 @@ def test_join_line_full_disk_and_history(swarm, tiny_model_dir, small_disk, tmp_
         lines = [ln for ln in restart.stderr.splitlines() if ln.strip()]
         assert restart.returncode == 1 and len(lines) == 1, restart.stderr
         assert "the disk is full" in lines[0] and str(small_disk / "data") in lines[0]
-
-        # space again: the restarted node's dashboard keeps its history (curves, counts)
-        saved = json.loads((small_disk / "data" / "history.json").read_text())
-        (small_disk / "filler").unlink()
-        peer.start()
-        peer.wait(lambda: "history restored" in peer.text(), "history restored")
-        doc = peer.wait(lambda: peer.status() or None, "/status after the restart")
-        assert len(doc["steps"]) >= len(saved["steps"]) >= 2
-        assert doc["rollouts_sent"] >= saved["rollouts_sent"] > 0
-        assert doc["contribution"]["accepted"] >= saved["own_verdicts"]["accepted"] > 0
     finally:
         peer.stop()
 

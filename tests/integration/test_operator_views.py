@@ -381,6 +381,9 @@ async def test_every_stuck_state_is_a_banner_in_chromium(tmp_path):
     state.extra["reachability"] = {"status": "unreachable", "detail": "no peer could dial "
                                    "/ip4/203.0.113.7/tcp/4001", "fix": "open TCP 4001"}
     state.set_problem("custom", "Something else", "detail", "what to do")
+    state.checkpoint_progress = {"version": 8, "shards_done": 3, "shards_total": 10,
+                                 "bytes_done": 30 * 2**20, "bytes_total": 100 * 2**20,
+                                 "complete": False, "rate_bytes_s": 2 * 2**20, "eta_s": 35.0}
     expected = ["banned", "settings_refused", "nothing_to_follow", "disk_paused:disk",
                 "unreachable", "custom"]
     async with AdminServer(state, port=0) as server:
@@ -389,6 +392,10 @@ async def test_every_stuck_state_is_a_banner_in_chromium(tmp_path):
         for text in ("open TCP 4001", "no peer could dial", "sampler.temperature",
                      "what to do", "reputation -12.0"):
             assert text in dom, text
+        # a download in flight: a progress bar, its rate and the time left
+        assert element_text(dom, "download-now") == ("v8: 3/10 shards, 30.0 MiB of 100.0 MiB, "
+                                                     "2.0 MiB/s, ETA 35 s")
+        assert 'style="width: 30%;"' in dom.split('id="download-bar"')[1][:80]
         state.extra.clear()
         state.own_verdicts.banned_by.clear()
         state.clear_problem("custom")

@@ -553,10 +553,12 @@ def _metric_name(name: str) -> str:
 HISTORY_FILE = "history.json"
 
 
-def save_history(state: NodeState, path: Path) -> None:
-    """Write `state.history()` atomically to `path` (OSError to the caller)."""
+def save_history(state: NodeState | dict, path: Path) -> None:
+    """Write `state.history()` (or a document it returned) atomically to `path` (OSError to
+    the caller). Take the document in the thread that updates the state."""
+    doc = state if isinstance(state, dict) else state.history()
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(state.history(), separators=(",", ":"), default=str))
+    tmp.write_text(json.dumps(doc, separators=(",", ":"), default=str))
     os.replace(tmp, path)
 
 

@@ -219,8 +219,8 @@ async def _mirror_served(role, state: NodeState, every_s: float = 2.0) -> None:
 async def _save_history(state: NodeState, path: Path) -> None:
     """The dashboard's history is not worth a failure: a write that fails (a full disk) is
     counted and tried again at the next interval."""
-    try:
-        await asyncio.to_thread(save_history, state, path)
+    try:  # the document is taken here, in the loop that updates the state
+        await asyncio.to_thread(save_history, state.history(), path)
     except OSError as e:
         state.count("history_save_failed")
         log.debug("history not saved to %s: %s", path, e)

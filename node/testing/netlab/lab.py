@@ -293,10 +293,25 @@ class Lab:
         self._groups = []
         self._stage_call({"op": "heal"})
 
+    def link_bytes(self, site: str) -> dict[str, int]:
+        """Bytes (IP packets, headers included) a site sent ("tx") to and received ("rx")
+        from the internet so far, counted on its access link (eth0)."""
+        site = self.topology.site_of(site)
+
+        def read():
+            with IPRoute() as ipr:
+                link = ipr.get_links(ipr.link_lookup(ifname=nat.WAN)[0])[0]
+                stats = link.get_attr("IFLA_STATS64")
+                return {"tx": stats["tx_bytes"], "rx": stats["rx_bytes"]}
+
+        return nsutil.in_netns(self.ns(site), read)
+
     def stage_stats(self) -> dict:
-        """The delay stage's counters: packets, bytes, lost (configured loss), partitioned,
-        max_held, late_2ms/late_10ms (packets released that much after their due time: the
-        stage fell behind), tun_drops (dropped before the stage read them), cpu_s."""
+        """The delay stage's counters: reads (packets read from the TUN, GSO packets
+        whole), packets (wire packets: a GSO packet counts as its segments), bytes, lost (by the configured loss, in wire packets), split (GSO packets
+        cut to drop single segments), partitioned, max_held, late_2ms/late_10ms (released that
+        long after their due time: the stage fell behind), tun_drops (dropped before the stage
+        read them), cpu_s."""
         return self._stage_call({"op": "stats"})["stats"]
 
     # --- processes -----------------------------------------------------------------------

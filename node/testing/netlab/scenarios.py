@@ -9,7 +9,9 @@ loaded, who is connected to whom, and log lines that show a peer could not be re
 
 from __future__ import annotations
 
+import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import NetlabError
@@ -86,3 +88,64 @@ def run_pair(lab: Lab, workdir: Path, model_dir: Path, versions: int = 2,
         obs["exit_codes"] = swarm.stop_all()
         obs["log_signals"] = {n.name: log_signals(n) for n in swarm.nodes.values()}
     return obs
+
+
+# `wan`: the issue's full-size swarm ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class WanPlan:
+    """Who runs where in a `wan_plan` topology. `peers` are the inference hosts started at
+    once; `spare` hosts stay idle until churn starts new peers on them."""
+
+    topology: Topology
+    trainer: str
+    relays: tuple[str, ...]
+    peers: tuple[str, ...]
+    spare: tuple[str, ...]
+
+    def nat_of(self, host: str) -> str:
+        home = self.topology.home_of(host)
+        return home.nat if home else "public"
+
+
+def wan_plan(nodes: int, seed: int = 0, relays: int = 2, spare: int = 0,
+             public_share: float = 1 / 3, symmetric_share: float = 0.5,
+             trainer_mbit: float = 1000.0, leg_loss: float = LEG_LOSS) -> WanPlan:
+    """`nodes` nodes: a public trainer (5 ms leg, `trainer_mbit` both ways), `relays` public
+    relays (100-200 Mbit/s), and inference peers, `public_share` of them public (50-100 Mbit/s
+    up), the rest each behind its own home NAT (`symmetric_share` symmetric, the rest cone;
+    10-50 Mbit/s up, 50-200 down). Legs are 5-50 ms one way, so paths are 20-200 ms RTT;
+    `leg_loss` per leg (~2x per path). `spare` more peer hosts for churn. Seeded."""
+    rng = random.Random(seed)
+    n_peers = nodes - 1 - relays
+    if n_peers < 1:
+        raise NetlabError(f"a wan plan of {nodes} nodes with {relays} relays has no peers")
+
+    def leg() -> float:
+        return round(rng.uniform(5.0, 50.0), 1)
+
+    hosts = [Host("trainer", Link(latency_ms=5.0, loss=leg_loss, up_mbit=trainer_mbit,
+                                  down_mbit=trainer_mbit))]
+    hosts += [Host(f"relay{i}", Link(latency_ms=leg(), loss=leg_loss,
+                                     up_mbit=rng.choice((100, 200)), down_mbit=200))
+              for i in range(1, relays + 1)]
+    homes, names = [], []
+    total = n_peers + spare
+    n_public = round(total * public_share)
+    n_sym = round((total - n_public) * symmetric_share)
+    for i in range(1, total + 1):
+        name = f"p{i}"
+        names.append(name)
+        if i <= n_public:
+            hosts.append(Host(name, Link(latency_ms=leg(), loss=leg_loss,
+                                         up_mbit=rng.choice((50, 100)), down_mbit=200)))
+            continue
+        nat = "symmetric" if i <= n_public + n_sym else "cone"
+        homes.append(Home(f"h{i}", nat, Link(latency_ms=leg(), loss=leg_loss,
+                                             up_mbit=rng.choice((10, 20, 30, 50)),
+                                             down_mbit=rng.choice((50, 100, 200))), [name]))
+    # spare hosts are spread over the kinds too: take every k-th name as spare
+    spare_names = names[::max(1, total // spare)][:spare] if spare else []
+    peers = tuple(n for n in names if n not in spare_names)
+    return WanPlan(Topology(hosts=hosts, homes=homes), "trainer",
+                   tuple(f"relay{i}" for i in range(1, relays + 1)), peers, tuple(spare_names))

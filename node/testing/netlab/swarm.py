@@ -2,7 +2,7 @@
 of benchmarks/wan.py.
 
 Each node runs on one lab host with its own folder (node.toml, node.log, data/), listens on
-its host's lab address (port 4001, so the data planes take 4002/4003 as on a real machine),
+its host's lab address (port 4001, so the bulk plane takes 4002 as on a real machine),
 and is driven only the way an operator drives it: its config file, `swarm-node join`, its
 node.json and its admin endpoint. The admin endpoint listens on 127.0.0.1 of the node's own
 namespace, so `status()` reads it from a thread inside that namespace.
@@ -23,6 +23,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
@@ -33,6 +34,7 @@ from .lab import Lab
 
 P2P_PORT = 4001
 START_TIMEOUT_S = 180.0
+POLL_THREADS = 8
 
 # The demo's small swarm (node/demo.py): toy task, two new tokens, a trainer that waits for
 # one verified peer batch per step. Sections here are merged with the caller's, key by key.
@@ -167,11 +169,13 @@ class LabSwarm:
         return node.status
 
     def poll(self, *nodes: LabNode) -> None:
-        """Refresh the status of these nodes (default: all running); a node that exited
-        unexpectedly raises with its log."""
-        for node in nodes or self.running():
+        """Refresh the status of these nodes (default: all running), a few at a time; a node
+        that exited unexpectedly raises with its log."""
+        nodes = nodes or tuple(self.running())
+        for node in nodes:
             self._check_alive(node)
-            self.read_status(node)
+        with ThreadPoolExecutor(max_workers=POLL_THREADS) as pool:
+            list(pool.map(self.read_status, nodes))
 
     def running(self) -> list[LabNode]:
         return [n for n in self.nodes.values() if n.proc is not None and n.exit_code is None]
@@ -236,7 +240,8 @@ def accepted_from(trainer: LabNode, node: LabNode) -> int:
 # Log lines that show a peer could not be reached (today's behaviour behind NAT), counted per
 # node by `log_signals`: what the scenario observed, not an assertion.
 LOG_SIGNALS = {
-    "payload_plane_unusable": "payload plane unusable",
+    # a peer's bulk plane (shards, gossip bodies) could not be used: libp2p streams instead
+    "payload_plane_unusable": "over libp2p streams (bulk plane",
     "request_timed_out": "timed out after",
     "unretrieved_task_error": "Task exception was never retrieved",
     "errors": " ERROR ",

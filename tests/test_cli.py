@@ -154,7 +154,8 @@ def test_doctor_reports_hardware_fit_and_problems(tmp_path, tiny_model_dir):
     proc = run("doctor", "--model", str(tiny_model_dir), home=tmp_path)
     out = proc.stdout
     assert "cpu:" in out and "RAM" in out and "torch " in out
-    assert "parameters on cpu" in out and "sampling batch <=" in out
+    assert "parameters (estimated from" in out and ") on cpu (" in out
+    assert "sampling batch <=" in out and "recommended on cpu: model" in out
     assert "float32" in out and "bfloat16" in out and "<- configured" in out
     bad = run("doctor", "--model", str(tiny_model_dir), "--set", "model.device=cuda",
               home=tmp_path)

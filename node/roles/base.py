@@ -26,9 +26,10 @@ log = logging.getLogger("swarm_node")
 SUMMARY_REASON = "batch_summary"
 """Verdict reason of a trainer's per-batch summary to the batch's sender (NODE_SPEC §5)."""
 BAN_NOTICE_INTERVAL_S = 60.0
-FOLLOW_WAIT_S = 120.0
+FOLLOW_WAIT_PERIODS = 12
 """A followed trainer re-advertises its checkpoints every broadcast.readvertise_s (10 s): with
-nothing of it here nor downloading after this long, the operator is told (once)."""
+nothing of it here nor downloading after this many periods (120 s), the operator is told
+(once)."""
 FOLLOW_POLL_S = 1.0
 
 
@@ -66,7 +67,6 @@ def _knob(field: str) -> str:
 
 class Role:
     name = "role"
-    follow_wait_s = FOLLOW_WAIT_S
 
     def __init__(self, cfg, identity, p2p, state):
         self.cfg = cfg
@@ -74,6 +74,7 @@ class Role:
         self.p2p = p2p
         self.state = state
         self.data_dir: Path = cfg.data_dir
+        self.follow_wait_s = FOLLOW_WAIT_PERIODS * cfg.broadcast.readvertise_s
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-work")
 
     async def work(self, fn, *args, **kwargs):
@@ -125,11 +126,15 @@ class Role:
 
     async def _on_own_verdict(self, env, from_peer: str) -> None:
         v = env.message
-        if v.subject != self.identity.peer_id:
-            return
         mine = self.state.own_verdicts
+        if v.subject != self.identity.peer_id:
+            if v.reason == SUMMARY_REASON and env.sender != self.identity.peer_id:
+                # every peer's summary: the trainer's accepted total, of which mine is a share
+                mine.swarm_summary(env.sender, parse_summary(v.detail)["accepted"])
+            return
         if v.reason == SUMMARY_REASON:
             counts = parse_summary(v.detail)
+            mine.swarm_summary(env.sender, counts["accepted"])
             if counts["accepted"]:
                 mine.add(env.sender, True, "accepted", counts["accepted"], "", v.policy_version)
             for reason, n in counts["reasons"].items():
@@ -199,12 +204,18 @@ class Role:
     def watch_followed(self, feed: CheckpointFeed, trainer: Callable[[], str | None]) -> None:
         """After `follow_wait_s` with no checkpoint of `trainer()` here nor downloading, say
         so once in the log and in /status (`follow`), and again when it appears. The node
-        keeps running: the trainer may start later."""
+        keeps running: the trainer may start later. A node with neither --follow nor
+        --bootstrap can learn no trainer: /status says so at once."""
+        if trainer() is None and not self.cfg.node.bootstrap:
+            self.state.extra["follow"] = {"trainer": None, "seen": False,
+                                          "problem": _follow_problem(None, 0.0, False)}
+
         async def watch():
             await asyncio.sleep(self.follow_wait_s)
             if _heard_from(feed, trainer()):
                 return
-            problem = _follow_problem(trainer(), self.follow_wait_s, feed.follow_problem())
+            problem = _follow_problem(trainer(), self.follow_wait_s, feed.follow_problem(),
+                                      bool(self.cfg.node.bootstrap))
             self.state.extra["follow"] = {"trainer": trainer(), "seen": False,
                                           "problem": problem}
             log.warning("%s", problem)
@@ -258,12 +269,17 @@ def _heard_from(feed: CheckpointFeed, trainer: str | None) -> bool:
         d.policy_id == trainer for d in feed.downloads()))
 
 
-def _follow_problem(trainer: str | None, waited_s: float, why: str | None = None) -> str:
+def _follow_problem(trainer: str | None, waited_s: float, why: str | None = None,
+                    bootstrap: bool = True) -> str:
     if trainer is None and why:
         return f"no trainer to follow after {waited_s:.0f}s: {why}. Still waiting"
+    if trainer is None and not bootstrap:
+        return ("no trainer to follow: no --follow and no --bootstrap were given; restart "
+                "with the line the trainer printed ('others join with: ...'), which has both")
     if trainer is None:
         return (f"no trainer to follow after {waited_s:.0f}s: no --follow was given and no "
-                "bootstrap peer announced one; pass --follow <trainer peer id>. Still waiting")
+                "bootstrap peer announced one (is it in another swarm? check --swarm); pass "
+                "--follow <trainer peer id>. Still waiting")
     return (f"no checkpoint of the followed trainer {trainer} after {waited_s:.0f}s: check "
             "that this is the trainer's peer id (its log says 'joined swarm ... peer id'), "
             "that it is running and that this node's bootstrap peers reach it. Still waiting")

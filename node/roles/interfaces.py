@@ -153,6 +153,10 @@ class BroadcastFeed:
     def latest_version(self, policy_id: str) -> int:
         return self.broadcaster.store.current_version(policy_id)
 
+    def served(self) -> dict[str, int]:
+        """Checkpoint bytes uploaded to each peer since start (whole answers)."""
+        return dict(self.broadcaster.server.served_to)
+
     def downloads(self) -> list[DownloadStatus]:
         out = []
         for job in list(self.broadcaster.follower.jobs.values()):

@@ -379,8 +379,11 @@ class TrainerRole(Role):
             self.state.record_step(stats.version, None if math.isnan(reward) else reward,
                                    loss=stats.loss, tokens_per_s=stats.tokens_per_s,
                                    step_seconds=stats.seconds)
-            log.info("train step -> v%d: %d local + %d external groups, %d tokens, "
-                     "reward %.3f, loss %.4f, %.1f tok/s", stats.version, stats.groups_local,
+            # "of this policy": sampled here or by peers following it (SAPO's "local"
+            # items); "of other policies": the followed trainers' (SAPO's "external")
+            log.info("train step -> v%d: %d groups of this policy + %d of other policies, "
+                     "%d tokens, reward %.3f, loss %.4f, %.1f tok/s", stats.version,
+                     stats.groups_local,
                      stats.groups_external, stats.tokens, reward, stats.loss,
                      stats.tokens_per_s)
             if stats.checkpoint:

@@ -19,6 +19,7 @@ from pathlib import Path
 from ...protocol.messages import Verdict
 from ...verifier.reasons import REASONS as REASON_TEXT
 from ..errors import NodeError
+from ..runtime import BatchLimit
 from .interfaces import CheckpointFeed, VerifiedCheckpoint
 
 log = logging.getLogger("swarm_node")
@@ -61,10 +62,6 @@ def _reasons_text(reasons: dict) -> str:
     return ", ".join(f"{n} {r}: {REASON_TEXT.get(r, r)}" for r, n in reasons.items())
 
 
-def _knob(field: str) -> str:
-    return {"max_batch": "sampler.max_batch"}.get(field, f"trainer.{field}")
-
-
 class Role:
     name = "role"
 
@@ -86,17 +83,19 @@ class Role:
         finally:
             self.current_work = None
 
-    async def work_oom_safe(self, fn, *args, sampler=None, holder=None, field: str = "",
+    async def work_oom_safe(self, fn, *args, limit: BatchLimit | None = None, sampler=None,
                             on_oom=None):
         """`work(fn, *args)`, retried with half the batch after an out-of-memory error.
 
-        The batch knob is `sampler.max_batch`, or `holder.<field>` (e.g. the trainer's
-        micro_batch_size). `on_oom()` undoes what the failed call left half done (run in
-        the worker thread). At 1 there is nothing smaller to try: one-line NodeError."""
+        `limit` is the batch size `fn` reads once per call (a trainer's micro-batch limit),
+        or `sampler`'s (its `batch`). `on_oom()` undoes what the failed call left half done
+        (run in the worker thread). The limit is halved here, between two calls; at 1 (or
+        with no limit to halve) there is nothing smaller to try: one-line NodeError."""
         # oom.py imports torch; a relay (which never calls this) must not load it.
         from .oom import is_oom, release_cached  # noqa: PLC0415
 
-        holder, field = (sampler, "max_batch") if sampler is not None else (holder, field)
+        if limit is None and sampler is not None:
+            limit = getattr(sampler, "batch", None)
         while True:
             try:
                 return await self.work(fn, *args)
@@ -106,17 +105,18 @@ class Role:
                 release_cached()
                 if on_oom is not None:
                     await self.work(on_oom)
-                size = getattr(holder, field)
                 self.state.count("out_of_memory")
+                size = limit.value if limit is not None else 1
+                knob = limit.name if limit is not None else "the batch size"
                 if size <= 1:
-                    raise NodeError(f"out of memory in {fn.__name__} even with {field} = 1: "
+                    raise NodeError(f"out of memory in {fn.__name__} even with {knob} = 1: "
                                     "use a smaller model, --set model.dtype=bfloat16, or a "
                                     "larger device (`swarm-node doctor` shows what fits)"
                                     ) from None
-                setattr(holder, field, max(1, size // 2))
+                smaller = limit.halve()
                 log.warning("out of memory in %s with %s = %d; retrying with %d (hint: set "
                             "--set %s=%d, `swarm-node doctor` shows what fits)",
-                            fn.__name__, field, size, size // 2, _knob(field), size // 2)
+                            fn.__name__, knob, size, smaller, knob, smaller)
 
     # Verdicts about this node's rollouts (issue 14: peers must see why they are rejected)
 

@@ -31,7 +31,7 @@ from .interfaces import (
     RolloutSink,
     VerifiedCheckpoint,
 )
-from .settings import SettingsFollower
+from .settings import EffectiveSettings, SettingsFollower
 
 log = logging.getLogger("swarm_node")
 
@@ -63,8 +63,9 @@ class InferenceRole(Role):
 
     async def start(self) -> None:
         self.tasks = TaskSource.of(self.cfg.tasks, self.cfg.node.swarm_id)
-        self._task_mix = (dict(self.cfg.tasks.mix), dict(self.cfg.tasks.params))
         self.settings = SettingsFollower(self.cfg)  # the trainer's settings, adopted or refused
+        # the settings of the loaded checkpoint: swapped with it, handed to every round
+        self.effective = self.settings.local
         self.state.extra["settings"] = self.settings.view
         self.sampler = await self.work(make_sampler, self.cfg, peer_id=self.identity.peer_id)
         self.tokenizer = self.sampler.tokenizer
@@ -101,23 +102,23 @@ class InferenceRole(Role):
         version, ckpt_dir = self.pending
         self.pending = None
         t0 = time.monotonic()
-        await self._adopt_settings(ckpt_dir)
+        effective = self.settings.effective_for(self.policy_id, version)
+        await self._adopt_settings(effective, ckpt_dir)
         await self.work(self.sampler.load_weights, ckpt_dir, version)
+        self.effective = effective  # the next round samples with this checkpoint's settings
         self.state.observe("checkpoint_load_seconds", time.monotonic() - t0)
         self.state.policy_version = version
         self.state.policy_id = self.policy_id or ""
         log.info("hot-loaded policy version %d in %.2fs", version, time.monotonic() - t0)
 
-    async def _adopt_settings(self, ckpt_dir) -> None:
-        """Apply the swarm settings adopted from the trainer's manifest (settings.py): a new
-        task mix, and a new base model, loaded from the checkpoint directory itself."""
-        if self._task_mix != (self.cfg.tasks.mix, self.cfg.tasks.params):
-            self.tasks = TaskSource.of(self.cfg.tasks, self.cfg.node.swarm_id)
-            self._task_mix = (dict(self.cfg.tasks.mix), dict(self.cfg.tasks.params))
-        if self.settings.model_changed:
-            self.settings.model_changed = False
-            cfg = self.cfg.model_copy(deep=True)
-            cfg.model.name = str(ckpt_dir)
+    async def _adopt_settings(self, effective: EffectiveSettings, ckpt_dir) -> None:
+        """What a checkpoint's settings (settings.py) change beyond the round's parameters:
+        the task mix, and the base model, loaded from the checkpoint directory itself."""
+        now, new = self.effective.config.tasks, effective.config.tasks
+        if (now.mix, now.params) != (new.mix, new.params):
+            self.tasks = TaskSource.of(new, self.cfg.node.swarm_id)
+        if effective.model_id != self.effective.model_id:
+            cfg = effective.config.with_overrides({"model.name": str(ckpt_dir)})
             self.sampler = await self.work(make_sampler, cfg, peer_id=self.identity.peer_id)
             self.tokenizer = self.sampler.tokenizer
             log.info("model adopted from the trainer's checkpoint %s", ckpt_dir)
@@ -139,7 +140,8 @@ class InferenceRole(Role):
             # either) and resumes when space returns
             if not await self.disk.wait_for_space(0, stop):
                 break
-            round_ = self._next_round()
+            effective = self.effective  # one snapshot for the whole round
+            round_ = self._next_round(effective)
             if round_ is None:
                 # This version's rounds are used up (BatchRules: rounds are bound to the
                 # version, verifiers accept no others); wait for the next version.
@@ -147,7 +149,8 @@ class InferenceRole(Role):
                 await wait_any(stop, self.new_version, timeout=self.cfg.sampler.version_wait_s)
                 continue
             t0 = time.monotonic()
-            batch = await self.work_oom_safe(self.sample_round, round_, sampler=self.sampler)
+            batch = await self.work_oom_safe(self.sample_round, round_, effective,
+                                             sampler=self.sampler)
             seconds = time.monotonic() - t0
             self.state.observe("sample_round_seconds", seconds)
             self.round = round_ + 1
@@ -179,24 +182,27 @@ class InferenceRole(Role):
             log.info("published round %d: %d completions, policy v%d, mean reward %.3f",
                      batch.round, len(batch.completions), batch.policy_version, self.state.reward)
 
-    def _next_round(self) -> int | None:
+    def _next_round(self, effective: EffectiveSettings) -> int | None:
         """The next unused round of the current version's window, or None when used up."""
-        window = batch_rules(self.cfg).round_window(self.sampler.version)
+        window = batch_rules(effective.config).round_window(self.sampler.version)
         round_ = max(self.round, window.start)
         return round_ if round_ in window else None
 
-    def sample_round(self, round_: int) -> RolloutBatch:
-        """Draw this round's tasks, sample, prove, and build the batch (worker thread)."""
-        scfg, tcfg = self.cfg.sampler, self.cfg.tasks
+    def sample_round(self, round_: int, effective: EffectiveSettings | None = None
+                     ) -> RolloutBatch:
+        """Draw this round's tasks, sample, prove, and build the batch (worker thread), with
+        the settings of the checkpoint being sampled (`effective`; default: the current)."""
+        cfg = (effective or self.effective).config
+        scfg, tcfg = cfg.sampler, cfg.tasks
         fmt, style = tcfg.format_reward, PromptStyle.of(tcfg)
-        params = sampling_params(self.cfg)  # the one builder: every sampler field, top_k too
+        params = sampling_params(cfg)  # the one builder: every sampler field, top_k too
         samples = sample_round(self.sampler, self.tokenizer, self.tasks, self.identity.peer_id,
                                round_, tcfg.tasks_per_round, scfg.completions_per_task, params,
                                style=style)
         batch = to_batch(samples, self.cfg.node.swarm_id, self.policy_id, round_, params,
                          score=lambda ref, text: get_task(ref, fmt, style).score(text))
         proofs = build_proofs([s.hidden for s in samples])
-        batch = batch.model_copy(update={"dtype": self.cfg.model.dtype, "completions": [
+        batch = batch.model_copy(update={"dtype": cfg.model.dtype, "completions": [
             c.model_copy(update={"proof": p}) for c, p in zip(batch.completions, proofs)]})
         if self.outgoing is not None:
             batch = self.outgoing(batch)

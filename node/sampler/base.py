@@ -11,6 +11,7 @@ import torch
 
 from ...protocol.messages import SamplingParams, TaskRef
 from ..errors import NodeError
+from ..runtime import BatchLimit
 from .seeded import completion_seed
 
 Prompt = tuple[TaskRef, list[int]]
@@ -41,6 +42,9 @@ class Sampler(ABC):
 
     version: int = 0
     peer_id: str = ""
+    batch: BatchLimit | None = None
+    """Sequences decoded at once, where the backend batches itself (HF); an out-of-memory
+    retry halves it. None: the engine sizes its own batches (vLLM)."""
 
     @abstractmethod
     def generate(self, prompts: list[Prompt], n: int, params: SamplingParams,

@@ -42,6 +42,7 @@ from ..sampler.stops import context_limit
 from ..tasks import PromptStyle, TaskSource
 from ..trainer.distributed import attach_ranks
 from ..trainer.group import attach_group
+from ..trainer.hooks import StepHooks
 from ..trainer.trainer import Trainer
 from .base import Role, wait_any
 from .interfaces import CheckpointFeed, CheckpointPublisher, OwnCheckpoints, Verifier
@@ -91,11 +92,8 @@ class TrainerRole(Role):
         name = cfg.model.name
         model_dir = ensure_builtin(name) if name.startswith("builtin:") else name
         self.trainer = await self.work(Trainer, cfg, model_dir, self.data_dir,
-                                       policy_id=self.identity.peer_id)
-        # Scale-out (SCALE-OUT): a trainer group (trainer.group) and the other ranks of this
-        # trainer (join --procs N); both no-ops when not configured.
-        self.group = await self.work(attach_group, self.trainer, cfg, self.data_dir)
-        await self.work(attach_ranks, self.trainer)
+                                       policy_id=self.identity.peer_id,
+                                       scale_out=self._scale_out)
         self.sampler = HFSampler(self.trainer.model, self.trainer.tokenizer,
                                  peer_id=self.identity.peer_id, version=self.trainer.version,
                                  max_context=cfg.model.max_context,
@@ -125,6 +123,13 @@ class TrainerRole(Role):
         self.state.extra["disk"] = self.disk.status()
         self.state.banned = self.reputation.banned()
         await self._publish_version()
+
+    def _scale_out(self, trainer: Trainer) -> StepHooks:
+        """Scale-out (SCALE-OUT), the trainer's hooks: a trainer group (trainer.group) and
+        the other ranks of this trainer (join --procs N); both none when not configured."""
+        self.group = attach_group(trainer, self.cfg, self.data_dir)
+        return StepHooks(grad_sync=attach_ranks(trainer),
+                         after_step=self.group.after_step if self.group is not None else None)
 
     async def _publish_version(self) -> None:
         """Announce the current checkpoint (what leaves the node, and how many versions are
@@ -353,7 +358,7 @@ class TrainerRole(Role):
             await self._drain()
             if self.cfg.trainer.sample_locally:
                 await until_written(self.disk, self.work_oom_safe, self.sample_local, self.round,
-                                    sampler=self.sampler)
+                                    limit=self.sampler.batch)
                 self.round += 1
                 await until_written(self.disk, self.work, self.save_json, "round.json",
                                     {"next_round": self.round})
@@ -361,7 +366,7 @@ class TrainerRole(Role):
             await self._wait_for_peers(stop)
             self.peer_batches = 0
             stats = await until_written(self.disk, self.work_oom_safe, self.trainer.step,
-                                        holder=self.trainer.cfg, field="micro_batch_size",
+                                        limit=self.trainer.micro_batch,
                                         on_oom=self._unclaim_failed_step)
             self.state.observe("train_step_seconds", stats.seconds)
             self.state.banned = self.reputation.banned()  # bans also expire

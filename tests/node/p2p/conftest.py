@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from swarm_node.node.config import Config
+from swarm_node.node.config import Config, load_config
 from swarm_node.node.identity import Identity
 from swarm_node.protocol.messages import (
     Completion,
@@ -45,19 +45,22 @@ def one_completion_batch(policy_id: str, completion_ids: np.ndarray, logprobs: n
                         policy_version=0, sampling=SamplingParams(), completions=[comp])
 
 
+def rejects_by_sender(metrics, sender: str) -> dict[str, int]:
+    """Gossip rejects charged to `sender`, by reason (P2PMetrics.rejects)."""
+    return {reason: n for (s, reason), n in list(metrics.rejects.items()) if s == sender}
+
+
+def drops(metrics) -> int:
+    """Messages dropped for a full queue or size, all `drop_*` counters together."""
+    return sum(n for k, n in list(metrics.counters.items()) if k.startswith("drop_"))
+
+
 def p2p_config(**p2p) -> Config:
-    cfg = Config()
-    cfg.node.listen = ["/ip4/127.0.0.1/tcp/0"]
-    cfg.p2p.discovery_interval_s = 0.5
-    cfg.p2p.bootstrap_timeout_s = 5
-    cfg.p2p.dial_timeout_s = 3
-    cfg.p2p.mesh_wait_s = 5
+    overrides = {"node.listen": ["/ip4/127.0.0.1/tcp/0"], "p2p.discovery_interval_s": 0.5,
+                 "p2p.bootstrap_timeout_s": 5, "p2p.dial_timeout_s": 3, "p2p.mesh_wait_s": 5}
     for k, v in p2p.items():  # p2p.<k>, or bulk.<rest> for bulk_<rest>
-        if k.startswith("bulk_"):
-            setattr(cfg.bulk, k.removeprefix("bulk_"), v)
-        else:
-            setattr(cfg.p2p, k, v)
-    return cfg
+        overrides[f"bulk.{k.removeprefix('bulk_')}" if k.startswith("bulk_") else f"p2p.{k}"] = v
+    return load_config(None, overrides)
 
 
 @pytest.fixture

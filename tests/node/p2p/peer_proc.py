@@ -18,7 +18,7 @@ import threading
 
 
 async def main() -> int:
-    from swarm_node.node.config import Config
+    from swarm_node.node.config import load_config
     from swarm_node.node.identity import Identity
     from swarm_node.node.p2p import P2PNode
 
@@ -27,10 +27,9 @@ async def main() -> int:
     ap.add_argument("--bootstrap", action="append", default=[])
     ap.add_argument("--discovery-interval", type=float, default=0.5)
     args = ap.parse_args()
-    cfg = Config()
-    cfg.node.listen = ["/ip4/127.0.0.1/tcp/0"]
-    cfg.p2p.discovery_interval_s = args.discovery_interval
-    cfg.p2p.bootstrap_timeout_s = 10
+    cfg = load_config(None, {"node.listen": ["/ip4/127.0.0.1/tcp/0"],
+                             "p2p.discovery_interval_s": args.discovery_interval,
+                             "p2p.bootstrap_timeout_s": 10})
     ident = Identity.load_or_create(args.key) if args.key else Identity.generate()
     node = P2PNode(ident, cfg)
 

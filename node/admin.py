@@ -58,7 +58,6 @@ class AdminServer:
             cfg.data_dir / PORT_FILE if cfg is not None else None)
         self.port: int | None = None
         self.requests = 0
-        self.refused_hosts = 0  # requests answered 403 for their Host header
         self._server: asyncio.base_events.Server | None = None
 
     async def start(self) -> None:
@@ -109,7 +108,8 @@ class AdminServer:
                 "Cache-Control: no-store\r\nConnection: close\r\n\r\n")
         try:
             writer.write(head.encode() + body)
-            await asyncio.wait_for(writer.drain(), READ_TIMEOUT_S)
+            async with asyncio.timeout(READ_TIMEOUT_S):
+                await writer.drain()
         except (TimeoutError, OSError):
             pass
         finally:
@@ -117,7 +117,8 @@ class AdminServer:
 
     async def _respond(self, reader: asyncio.StreamReader) -> tuple[int, str, bytes]:
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT_S)
+            async with asyncio.timeout(READ_TIMEOUT_S):
+                head = await reader.readuntil(b"\r\n\r\n")
         except TimeoutError:
             return 408, "text/plain", b"request timeout\n"
         except asyncio.LimitOverrunError:
@@ -133,7 +134,6 @@ class AdminServer:
             return 400, "text/plain", b"missing Host header\n"
         bad = [h for h in hosts if not local_host(h)]
         if bad or len(hosts) > 1:
-            self.refused_hosts += 1
             self.state.count("admin_host_refused")
             log.warning("admin endpoint: refused a request for Host %r (only 127.0.0.1 and "
                         "localhost are answered: a DNS-rebinding defence)", (bad or hosts)[0])

@@ -189,11 +189,6 @@ class Progress:
             print(progress_line(nodes, elapsed), flush=True)
 
 
-def _rejected(st: dict) -> int:
-    rej = st.get("rollouts_rejected", 0)
-    return sum(rej.values()) if isinstance(rej, dict) else int(rej or 0)
-
-
 def waiting_for(nodes: list[DemoNode]) -> str:
     """What the swarm waits for before the first reward is known (the first minute)."""
     trainer = nodes[0].last_status

@@ -18,7 +18,7 @@ from ...protocol.errors import ProtocolError
 from ...protocol.messages import ShardRequest, ShardResponseHeader
 from .errors import BroadcastError
 from .store import ShardStore
-from .wire import ByteStream, read_frame, write_frame
+from .wire import CLOSE_TIMEOUT_S, ByteStream, read_frame, write_frame
 
 log = logging.getLogger(__name__)
 
@@ -68,28 +68,22 @@ class ShardServer:
         self.served_to: Counter[str] = Counter()  # bytes of whole answers, per peer (bounded)
         self.zero_copy = True  # TCP uploads with sendfile(2) when not paced
 
-    async def handle(self, peer: str, stream: ByteStream) -> None:
-        """One request on one stream (a `set_stream_handler` handler)."""
-        await self._serve(peer, stream, keep=False)
-
     async def serve_connection(self, peer: str, stream: ByteStream) -> None:
-        """Requests one after another on one authenticated data-plane connection, until the
+        """Requests one after another on one stream or bulk-plane connection, until the
         client closes it, an answer is not a complete shard, or no request comes within
         `request_timeout_s` (profiled: a TCP connection, hello and accept per 4 MiB shard
         were a visible share of every peer's event-loop CPU)."""
-        await self._serve(peer, stream, keep=True)
-
-    async def _serve(self, peer: str, stream: ByteStream, keep: bool) -> None:
         try:
             served = await self._handle(peer, stream)
-            while keep and served:
+            while served:
                 served = await self._handle(peer, stream, idle_ok=True)
         except Exception as e:  # noqa: BLE001 - a broken peer stream must not kill the node
             self.metrics["aborted"] += 1
             log.debug("shard upload to %s aborted: %r", peer, e)
         finally:
             try:
-                await asyncio.wait_for(stream.close(), 2.0)
+                async with asyncio.timeout(CLOSE_TIMEOUT_S):
+                    await stream.close()
             except Exception as e:  # noqa: BLE001 - already broken
                 log.debug("closing the stream to %s failed: %r", peer, e)
 
@@ -125,7 +119,8 @@ class ShardServer:
         request). `idle_ok`: a reused connection that ends or idles before a request is
         closed quietly, not answered `bad_request`."""
         try:
-            raw = await asyncio.wait_for(read_frame(stream), self.cfg.request_timeout_s)
+            async with asyncio.timeout(self.cfg.request_timeout_s):
+                raw = await read_frame(stream)
         except (TimeoutError, asyncio.IncompleteReadError) as e:
             if idle_ok and (isinstance(e, TimeoutError) or not e.partial):
                 return False

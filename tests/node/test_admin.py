@@ -334,7 +334,7 @@ async def test_only_loopback_host_headers_are_answered(host, code):
             if code == b"403":
                 assert b"peer_id" not in reply and b"12D3KooWx" not in reply
         refused = 3 if code == b"403" else 0
-        assert server.refused_hosts == refused and state.counters["admin_host_refused"] == refused
+        assert state.counters["admin_host_refused"] == refused
         # two Host headers: refused whatever they say
         reply = await raw(server.port, b"GET /status HTTP/1.1\r\nHost: localhost\r\n"
                           b"Host: attacker.example\r\n\r\n")

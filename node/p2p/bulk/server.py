@@ -218,7 +218,8 @@ class BulkServer:
             handler = self.handlers.get(kind)
             status = NO_HANDLER if handler is None else self._admit(peer, pending.ip)
             if status != ACCEPTED:
-                await asyncio.wait_for(conn.write(status), self.cfg.handshake_timeout_s)
+                async with asyncio.timeout(self.cfg.handshake_timeout_s):
+                    await conn.write(status)
                 return
             await self._run(conn, peer, pending.ip, kind, handler)
         except asyncio.CancelledError:
@@ -239,7 +240,8 @@ class BulkServer:
         conn.peer, conn.kind = peer, kind
         conn.check = lambda: self._still_allowed(peer)
         try:
-            await asyncio.wait_for(conn.write(ACCEPTED), self.cfg.handshake_timeout_s)
+            async with asyncio.timeout(self.cfg.handshake_timeout_s):
+                await conn.write(ACCEPTED)
             await handler(peer, conn)
         finally:
             if rec in self.conns:

@@ -35,12 +35,6 @@ class P2PMetrics:
     def __getitem__(self, name: str) -> int:
         return self.counters.get(name, 0)
 
-    def rejects_by_sender(self, sender: str) -> dict[str, int]:
-        return {reason: n for (s, reason), n in list(self.rejects.items()) if s == sender}
-
-    def drops(self) -> int:
-        return sum(n for k, n in list(self.counters.items()) if k.startswith("drop_"))
-
     def snapshot(self) -> dict:
         return {
             "counters": dict(self.counters),

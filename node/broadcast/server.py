@@ -68,14 +68,22 @@ class ShardServer:
         self.served_to: Counter[str] = Counter()  # bytes of whole answers, per peer (bounded)
         self.zero_copy = True  # TCP uploads with sendfile(2) when not paced
 
+    async def handle(self, peer: str, stream: ByteStream) -> None:
+        """One request on one stream, then close it (how a node before stream reuse served;
+        the tests' stand-in for one)."""
+        await self._serve(peer, stream, keep=False)
+
     async def serve_connection(self, peer: str, stream: ByteStream) -> None:
         """Requests one after another on one stream or bulk-plane connection, until the
         client closes it, an answer is not a complete shard, or no request comes within
         `request_timeout_s` (profiled: a TCP connection, hello and accept per 4 MiB shard
         were a visible share of every peer's event-loop CPU)."""
+        await self._serve(peer, stream, keep=True)
+
+    async def _serve(self, peer: str, stream: ByteStream, keep: bool) -> None:
         try:
             served = await self._handle(peer, stream)
-            while served:
+            while keep and served:
                 served = await self._handle(peer, stream, idle_ok=True)
         except Exception as e:  # noqa: BLE001 - a broken peer stream must not kill the node
             self.metrics["aborted"] += 1

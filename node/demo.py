@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -50,6 +52,7 @@ class DemoNode:
     proc: subprocess.Popen | None = None
     info: dict = field(default_factory=dict)
     last_status: dict = field(default_factory=dict)
+    notices: socket.socket | None = None  # where the node says how far its start got
 
     @property
     def log_path(self) -> Path:
@@ -102,7 +105,13 @@ def start_node(node: DemoNode, cfg: dict) -> None:
     node.dir.mkdir(parents=True, exist_ok=True)
     path = node.dir / "node.toml"
     path.write_text(dump_toml(cfg))
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    # the node's start notices (runner.notify_supervisor), on a socket of our own
+    if node.notices is not None:  # a restarted node: a fresh socket
+        node.notices.close()
+    node.notices = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    name = f"swarm-demo-{os.getpid()}-{id(node):x}-{node.name}"
+    node.notices.bind("\0" + name)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", NOTIFY_SOCKET="@" + name)
     with open(node.log_path, "ab") as log:
         node.proc = subprocess.Popen(
             [sys.executable, "-m", "swarm_node.cli.main", "join", "--config", str(path)],
@@ -110,20 +119,37 @@ def start_node(node: DemoNode, cfg: dict) -> None:
 
 
 def wait_info(node: DemoNode, timeout: float = START_TIMEOUT_S) -> dict:
-    """Wait until the node wrote node.json (listening, admin up)."""
-    path = node.dir / "data" / "node.json"
+    """Wait until the node wrote node.json (listening, admin up): its first start notice,
+    or its exit, wakes this wait."""
+    if node.proc is None or node.notices is None:
+        raise NodeError(f"demo node {node.name} was not started (start_node)")
+    exited = _exit_handle(node.proc)
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if node.proc is not None and node.proc.poll() is not None:
-            raise NodeError(f"demo node {node.name} exited with code {node.proc.returncode}; "
-                            f"its log:\n{tail(node.log_path)}")
-        try:
-            node.info = json.loads(path.read_text())
-            return node.info
-        except (OSError, ValueError):
-            time.sleep(0.2)
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            # without a pidfd (not Linux) the exit is noticed at most a second late
+            ready, _, _ = select.select([node.notices, *([exited] if exited else [])], [], [],
+                                        left if exited is not None else min(left, 1.0))
+            if node.proc.poll() is not None:
+                raise NodeError(f"demo node {node.name} exited with code "
+                                f"{node.proc.returncode}; its log:\n{tail(node.log_path)}")
+            if node.notices in ready:
+                node.notices.recv(4096)
+                node.info = json.loads((node.dir / "data" / "node.json").read_text())
+                return node.info
+    finally:
+        if exited is not None:
+            os.close(exited)
     raise NodeError(f"demo node {node.name} did not start within {timeout:.0f}s; its log:\n"
                     f"{tail(node.log_path)}")
+
+
+def _exit_handle(proc: subprocess.Popen) -> int | None:
+    """A descriptor readable once `proc` exits (Linux pidfd), or None."""
+    try:
+        return os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):
+        return None
 
 
 def tail(path: Path, lines: int = 20) -> str:
@@ -160,6 +186,10 @@ def stop_nodes(nodes: list[DemoNode], grace: float = 30.0) -> dict[str, int]:
         except subprocess.TimeoutExpired:
             node.proc.kill()
             node.proc.wait()
+    for node in nodes:
+        if node.notices is not None:
+            node.notices.close()
+            node.notices = None
     return {n.name: n.proc.returncode for n in nodes if n.proc is not None}
 
 
@@ -368,7 +398,7 @@ def watch(nodes: list[DemoNode], rounds: int, time_limit_s: float,
                 if elapsed > time_limit_s:
                     print(f"time limit of {time_limit_s:.0f}s reached", flush=True)
                     return False
-                time.sleep(1.0)
+                time.sleep(1.0)  # the display's pace: /status of other processes, read
     except KeyboardInterrupt:
         print(f"\ninterrupted at trainer v{trainer.last_status.get('policy_version', 0)}",
               flush=True)

@@ -5,8 +5,10 @@ renders it as JSON and the Prometheus exporter reads the same numbers.
 
 Used by the roles (keep these names): `policy_id`, `policy_version`, `reward`,
 `reward_history`, `rollouts_sent`, `accept(peer)`, `reject(peer, reason, n=1)`,
-`count(name, n=1)`, `banned`, `versions_published`, `buffer_counters`, `p2p` (the P2PNode,
-for connected peers and transport counters), `extra` (free-form role details),
+`count(name, n=1)`, `banned`, `versions_published`, `buffer_counters`,
+`attach_transport(p2p)` (the P2PNode: connected peers, health, transport counters),
+`metrics` (the one registry of every component's counters: `MetricsRegistry`),
+`extra` (free-form role details),
 `set_checkpoint_progress(...)`, `record_served(peer, nbytes)` (checkpoint bytes this node
 uploaded to a peer: a relay's contribution), `set_problem(code, title, detail, fix)` /
 `clear_problem(code)` (a stuck state the dashboard and `swarm-node status` show as a banner
@@ -17,21 +19,25 @@ curves, downloads, per-peer counts, verdicts about this node and the event count
 a restart, bounded like the live state, so a restarted node's dashboard does not start
 empty.
 
-`registry` is this node's own Prometheus `CollectorRegistry` (never the global one, so
-several nodes in one process do not collide); its collector reads the state at scrape time,
-so nothing is counted twice.
+`metrics` is the one place every component's counters reach /metrics and /status: the
+component that owns a counter registers it once, typed (`counters` or `gauges`, a family name,
+its help text, the label of its keys and a reader called at scrape time: nothing is copied,
+nothing probed). `registry` is this node's own Prometheus `CollectorRegistry` (never the
+global one, so several nodes in one process do not collide); its collector renders the state
+and every registered family at scrape time, so nothing is counted twice.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Protocol
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
@@ -48,6 +54,15 @@ MAX_REASONS = 64
 """Distinct reject reasons exported as Prometheus labels; more are summed under `other`."""
 
 
+log = logging.getLogger(__name__)
+
+BUILTIN_FAMILIES = frozenset({
+    "uptime_seconds", "connected_peers", "policy_version", "reward", "banned_peers",
+    "rollouts_sent", "rollouts_accepted", "rollouts_rejected", "versions_published", "events",
+    "buffer", "checkpoint_progress", "own_rollouts_accepted", "own_rollouts_rejected",
+    "banned_by"})
+"""Families the state renders itself (a component cannot register these names)."""
+
 HISTORY = 500
 """Points kept for the dashboard's curves and download table."""
 RATE_WINDOW_S = 3600.0
@@ -62,6 +77,82 @@ HISTOGRAMS = {
     "checkpoint_load_seconds": DEFAULT_BUCKETS,
 }
 """Histograms exported at /metrics as swarm_node_<name> (seconds unless named otherwise)."""
+
+
+Read = Callable[[], Mapping[str, float]]
+
+
+@dataclass(frozen=True)
+class Family:
+    """One registered metric family: `swarm_node_<name>` (counters: `..._total`), one sample
+    per key of `read()`, labelled `label`. A `component` family is also in /status
+    `components.<component>`."""
+
+    name: str
+    doc: str
+    kind: Literal["counter", "gauge"]
+    read: Read
+    label: str = "name"
+    component: str = ""
+
+
+class MetricsRegistry:
+    """Every component's counters and gauges, registered by the component's owner."""
+
+    def __init__(self) -> None:
+        self._families: dict[str, Family] = {}
+        self._before_read: list[Callable[[], None]] = []
+
+    def counters(self, name: str, doc: str, read: Read, *, label: str = "name",
+                 component: str = "") -> None:
+        """`swarm_node_<name>_total{<label>=key}` = read()[key]: counts that only grow."""
+        self._add(Family(_metric_name(name), doc, "counter", read, label, component))
+
+    def gauges(self, name: str, doc: str, read: Read, *, label: str = "name") -> None:
+        """`swarm_node_<name>{<label>=key}` = read()[key]: values that go up and down."""
+        self._add(Family(_metric_name(name), doc, "gauge", read, label))
+
+    def _add(self, family: Family) -> None:
+        if family.name in BUILTIN_FAMILIES:
+            raise ValueError(f"metric family {family.name!r} is the node state's own")
+        self._families[family.name] = family  # registered again (a restarted part): replaced
+
+    def before_read(self, refresh: Callable[[], None]) -> None:
+        """Call `refresh()` before every /status, /metrics and history read (e.g. to take a
+        download's progress or a server's running totals): values are taken when asked for,
+        not copied on a timer."""
+        self._before_read.append(refresh)
+
+    def refresh(self) -> None:
+        for refresh in self._before_read:
+            try:
+                refresh()
+            except Exception:  # a read never fails on a closing part
+                log.debug("metrics refresh %r failed", refresh, exc_info=True)
+
+    def families(self) -> list[Family]:
+        return list(self._families.values())
+
+    def components(self) -> dict[str, dict[str, float]]:
+        return {f.component: dict(_read(f)) for f in self._families.values() if f.component}
+
+
+def _read(family: Family) -> Mapping[str, float]:
+    try:
+        return family.read()
+    except Exception:  # a scrape never fails on a closing part
+        log.debug("metric family %s unreadable", family.name, exc_info=True)
+        return {}
+
+
+class Transport(Protocol):
+    """What the state reads of the p2p host (node/p2p P2PNode): typed, never probed."""
+
+    metrics: Any  # P2PMetrics: `.counters` {name: n}, gossip rejects as `rejected.<reason>`
+
+    def connected_peers(self) -> list[str]: ...
+
+    def health(self) -> dict[str, Any]: ...
 
 
 class Histogram:
@@ -193,7 +284,7 @@ class NodeState:
     role: str
     swarm_id: str
     started: float = field(default_factory=time.time)
-    p2p: Any = None
+    p2p: Transport | None = None  # set by attach_transport
     phase: str = "starting"  # starting -> running (role started) -> stopping
     policy_id: str = ""
     policy_version: int = 0
@@ -215,7 +306,7 @@ class NodeState:
     gauges: dict[str, float] = field(default_factory=dict)
     steps: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
     downloads: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
-    components: dict[str, Callable[[], Mapping[str, float]]] = field(default_factory=dict)
+    metrics: MetricsRegistry = field(default_factory=MetricsRegistry)
     join_line: Any = None  # () -> the line others paste to join through this node
     problems: dict[str, dict[str, str]] = field(default_factory=dict)
     served: Counter = field(default_factory=Counter)  # checkpoint bytes uploaded, per peer
@@ -246,7 +337,22 @@ class NodeState:
         """A component's own counters (e.g. "broadcast"), read when /status or /metrics is
         rendered: `swarm_node_<component>_total{name=...}` at /metrics, and
         `components.<component>` in /status."""
-        self.components[component] = read
+        self.metrics.counters(component, f"Counters of the node's {component}, by name.",
+                              read, component=component)
+
+    def attach_transport(self, p2p: Transport) -> None:
+        """The p2p host: its peers and health in /status, its counters at /metrics
+        (`swarm_node_p2p_events_total{name}`, gossip rejects as
+        `swarm_node_p2p_rejected_total{reason}`)."""
+        self.p2p = p2p
+
+        def counters(rejects: bool) -> dict[str, int]:
+            return {k.removeprefix("rejected."): n for k, n in list(p2p.metrics.counters.items())
+                    if k.startswith("rejected.") == rejects}
+        self.metrics.counters("p2p_events", "Transport counters by name.",
+                              lambda: counters(False))
+        self.metrics.counters("p2p_rejected", "Gossip messages rejected, by reason code.",
+                              lambda: counters(True), label="reason")
 
     def observe(self, name: str, value: float) -> None:
         """One observation of a histogram in HISTOGRAMS (seconds, bytes, ...)."""
@@ -354,15 +460,24 @@ class NodeState:
         except Exception:  # noqa: BLE001 - a status read never fails on a closing host
             return []
 
+    def health(self) -> dict[str, Any] | None:
+        if self.p2p is None:
+            return None
+        try:
+            return self.p2p.health()
+        except Exception:  # noqa: BLE001 - a status read never fails on a closing host
+            return None
+
     def status(self) -> dict[str, Any]:
         """The JSON document served at GET /status."""
+        self.metrics.refresh()
         return {
             "peer_id": self.peer_id,
             "role": self.role,
             "swarm_id": self.swarm_id,
             "phase": self.phase,
             "uptime_s": round(time.time() - self.started, 1),
-            "p2p": self.p2p.health() if hasattr(self.p2p, "health") else None,
+            "p2p": self.health(),
             "connected_peers": len(peers := self.connected_peers()),
             "peers": peers,
             "policy_id": self.policy_id,
@@ -389,7 +504,7 @@ class NodeState:
             "steps": list(self.steps),
             "downloads": list(self.downloads),
             "histograms": {k: h.summary() for k, h in self.histograms.items()},
-            "components": {name: dict(read()) for name, read in self.components.items()},
+            "components": self.metrics.components(),
             "join_command": self.join_command,
             "problems": dict(self.problems),
             "served": {"bytes": sum(self.served.values()), "peers": len(self.served)},
@@ -400,6 +515,7 @@ class NodeState:
 
     def history(self) -> dict[str, Any]:
         """What a restart keeps (see the module docstring); JSON-ready and bounded."""
+        self.metrics.refresh()
         return {
             "version": 1, "saved": round(time.time(), 1),
             "steps": list(self.steps), "downloads": list(self.downloads),
@@ -442,6 +558,7 @@ class _StateCollector:
 
     def collect(self):
         st = self.state
+        st.metrics.refresh()
 
         def gauge(name, doc, value, labels=None):
             g = GaugeMetricFamily(f"swarm_node_{name}", doc, labels=list(labels or {}))
@@ -484,19 +601,16 @@ class _StateCollector:
             yield ck
 
         yield from _extra_families(st)
-        for component, read in st.components.items():
-            yield _counter_by(_metric_name(component), f"Counters of the node's {component}, "
-                              "by name.", "name", read())
-
-        metrics = getattr(st.p2p, "metrics", None)
-        counters = dict(getattr(metrics, "counters", {}) or {})
-        if counters:
-            rejects = {k.split(".", 1)[1]: n for k, n in counters.items()
-                       if k.startswith("rejected.")}
-            plain = {k: n for k, n in counters.items() if not k.startswith("rejected.")}
-            yield _counter_by("p2p_events", "Transport counters by name.", "name", plain)
-            yield _counter_by("p2p_rejected", "Gossip messages rejected, by reason code.",
-                              "reason", rejects)
+        for family in st.metrics.families():
+            values = _capped({k: v for k, v in dict(_read(family)).items() if _is_number(v)})
+            if family.kind == "counter":
+                yield _counter_by(family.name, family.doc, family.label, values)
+            else:
+                g = GaugeMetricFamily(f"swarm_node_{family.name}", family.doc,
+                                      labels=[family.label])
+                for key, v in values.items():
+                    g.add_metric([str(key)], float(v))
+                yield g
 
 
 def _is_number(value) -> bool:

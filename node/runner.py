@@ -1,10 +1,14 @@
 """`swarm-node join`: one process, one role, until SIGINT/SIGTERM.
 
 Start-up order: logging, checks (config, data-dir lock, ports), identity, p2p host (listen,
-bootstrap), admin endpoint, role (loads the model), and only then "joined swarm". Every
-failure before that point is one line naming what failed (a NodeError). Shutdown order is
-the reverse; the role finishes or persists its in-flight work first. A second Ctrl-C exits
-at once.
+bootstrap), admin endpoint, role (loads the model), and only then "joined swarm" (and, under
+a supervisor that asks for it, the readiness notice: `notify_supervisor`). Every failure before
+that point is one line naming what failed (a NodeError). Shutdown order is the reverse; the
+role finishes or persists its in-flight work first. A second Ctrl-C exits at once.
+
+The runner's background tasks (the host watch, the history writer) belong to one
+TaskOwner; the counters of the p2p host, the bulk plane and the role's parts are registered
+in the state's one metrics registry.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import logging
 import os
 import shlex
 import signal
+import socket
 from pathlib import Path
 
 from ..protocol import PROTOCOL_VERSION
@@ -25,17 +30,20 @@ from .diskspace import configure as configure_disk
 from .doctor import runtime_summary
 from .errors import NodeError
 from .identity import Identity
+from .lifecycle import TaskOwner
 from .logs import route_library_logs, setup_logging
 from .metrics import HISTORY_FILE, NodeState, load_history, save_history
 from .p2p import P2PError, P2PNode
 from .preflight import check_config, check_ports, claim_data_dir, record_model
 from .roles import make_role
+from .roles.interfaces import BroadcastFeed
 from .version import software_version
 
 log = logging.getLogger("swarm_node")
 
 NODE_INFO_FILE = "node.json"
 HISTORY_SAVE_S = 30.0  # the dashboard's history is written this often (and at stop)
+NOTIFY_SOCKET = "NOTIFY_SOCKET"  # set by a supervisor that wants the readiness notice
 
 
 def run_node(cfg: Config, *, new_model: bool = False) -> None:
@@ -142,7 +150,9 @@ async def _run(cfg: Config, stop: asyncio.Event) -> None:
     except (P2PError, NodeError) as e:
         await p2p.close()
         raise NodeError(str(e)) from None
-    state.p2p = p2p
+    state.attach_transport(p2p)
+    state.metrics.counters("bulk", "Bulk-plane connections this node opened, by kind, and "
+                           "the bytes and reads of their bodies.", p2p.bulk.counters)
     role = make_role(cfg, identity, p2p, state)
     admin = None
     if cfg.admin.enabled:
@@ -161,6 +171,7 @@ async def _run(cfg: Config, stop: asyncio.Event) -> None:
             "listen_addrs": p2p.listen_addrs,
             "admin_port": admin.port if admin is not None else None,
         })
+        notify_supervisor("STATUS=listening; loading the role")  # node.json is written
         interrupts.waiting_for = "the model to load"
         await role.start()
         route_library_logs()  # libraries imported by the role may have added handlers
@@ -169,14 +180,15 @@ async def _run(cfg: Config, stop: asyncio.Event) -> None:
         state.phase = "running"
         interrupts.role = role
         interrupts.waiting_for = "the role's loop to stop"
-        host_watch = asyncio.create_task(_stop_if_host_dies(p2p, stop))  # supervised host
-        keepers = [asyncio.create_task(_keep_history(state, history)),
-                   asyncio.create_task(_mirror_served(role, state))]
+        notify_supervisor("READY=1\nSTATUS=joined the swarm")
+        _mirror_served(role, state)
+        tasks = TaskOwner("runner", on_failure=lambda name, e: state.count("task_failed"))
+        tasks.spawn(_stop_if_host_dies(p2p, stop), "host watch")  # supervised host
+        tasks.spawn(_keep_history(state, history), "history")
         try:
             await _run_role(role, stop, cfg.node.role)
         finally:
-            for task in (*keepers, host_watch):
-                task.cancel()
+            await tasks.close()
         if p2p.failure is not None:
             state.phase = "failed"
             raise NodeError(f"the libp2p host died ({p2p.failure}); exiting so that a "
@@ -195,25 +207,42 @@ async def _run(cfg: Config, stop: asyncio.Event) -> None:
 
 
 async def _keep_history(state: NodeState, path: Path) -> None:
-    while True:
+    while True:  # a pace, not a poll: the history is written every HISTORY_SAVE_S
         await asyncio.sleep(HISTORY_SAVE_S)
         await _save_history(state, path)
 
 
-async def _mirror_served(role, state: NodeState, every_s: float = 2.0) -> None:
+def _mirror_served(role, state: NodeState) -> None:
     """Checkpoint bytes this node uploaded, per peer, into the state (a relay's and a
-    trainer's contribution), from the feed's running totals."""
+    trainer's contribution), from the feed's running totals, whenever the state is read."""
     feed = getattr(role, "feed", None)
-    served = getattr(feed, "served", None)
-    if served is None:
+    if not isinstance(feed, BroadcastFeed):  # a feed without uploads (a test's)
         return
     seen: dict[str, int] = {}
-    while True:
-        for peer, total in served().items():
+
+    def mirror() -> None:
+        for peer, total in feed.served().items():
             if total > seen.get(peer, 0):
                 state.record_served(peer, total - seen.get(peer, 0))
                 seen[peer] = total
-        await asyncio.sleep(every_s)
+    state.metrics.before_read(mirror)
+
+
+def notify_supervisor(message: str) -> None:
+    """Tell a supervisor that waits for it (systemd `Type=notify`, the demo) how far the
+    start got, in the sd_notify protocol on the datagram socket named by $NOTIFY_SOCKET (a
+    path, or `@name` in the abstract namespace): `STATUS=listening...` once node.json is
+    written, `READY=1` once joined. Nothing when it is not set; a failure is logged."""
+    where = os.environ.get(NOTIFY_SOCKET)
+    if not where:
+        return
+    address = "\0" + where[1:] if where.startswith("@") else where
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.sendto(message.encode(), address)
+    except OSError as e:
+        log.warning("could not tell the supervisor that the node is ready (%s=%s): %s",
+                    NOTIFY_SOCKET, where, e)
 
 
 async def _save_history(state: NodeState, path: Path) -> None:

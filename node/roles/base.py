@@ -1,7 +1,10 @@
-"""What every role shares: config, identity, p2p host, state, and one worker thread.
+"""What every role shares: config, identity, p2p host, state, one worker thread, and one
+owner of its background tasks.
 
 CPU-heavy work (generation, verification, training, hashing) runs in the role's single
 worker thread, so it never blocks the event loop and never races on the model's weights.
+Background tasks (the follow watch) belong to `self.background` (node/lifecycle.py): a
+failure is logged and counted (`task_failed`), and `close()` cancels and awaits them.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 from ...protocol.messages import Verdict
 from ...verifier.reasons import REASONS as REASON_TEXT
 from ..errors import NodeError
+from ..lifecycle import TaskOwner
 from ..runtime import BatchLimit
 from .interfaces import CheckpointFeed, VerifiedCheckpoint
 
@@ -31,7 +35,6 @@ FOLLOW_WAIT_PERIODS = 12
 """A followed trainer re-advertises its checkpoints every broadcast.readvertise_s (10 s): with
 nothing of it here nor downloading after this many periods (120 s), the operator is told
 (once)."""
-FOLLOW_POLL_S = 1.0
 
 
 def summary_detail(accepted: int, reasons: Counter, round_: int) -> str:
@@ -73,6 +76,8 @@ class Role:
         self.data_dir: Path = cfg.data_dir
         self.follow_wait_s = FOLLOW_WAIT_PERIODS * cfg.broadcast.readvertise_s
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-work")
+        self.background = TaskOwner(self.name,
+                                    on_failure=lambda name, e: state.count("task_failed"))
 
     async def work(self, fn, *args, **kwargs):
         """Run `fn` in the role's worker thread (its name is what Ctrl-C says it waits for)."""
@@ -188,18 +193,19 @@ class Role:
     async def start(self) -> None:
         """Load what the role needs and subscribe to its topics."""
 
-    def track_downloads(self, feed: CheckpointFeed, interval_s: float = 1.0) -> None:
-        """Mirror the feed's download in progress into `/status` (every `interval_s`), each
-        finished download into its record and counters, and the feed's counters into
+    def track_downloads(self, feed: CheckpointFeed) -> None:
+        """The feed's download in progress in `/status` (taken whenever the state is read),
+        each finished download in its record and counters, and the feed's counters at
         `/metrics`."""
         tracker = DownloadTracker(self.state, feed)
+        self.state.metrics.before_read(tracker.tick)
         self.state.add_counters("broadcast", feed.counters)
 
-        async def loop():
-            while True:
-                tracker.tick()
-                await asyncio.sleep(interval_s)
-        self._tracker = asyncio.create_task(loop(), name=f"{self.name}-progress")
+    def count_sampling(self, sampler: Callable[[], object]) -> None:
+        """The sampler's seconds by phase at `/metrics` (`swarm_node_sampler_seconds_total`;
+        `sampler()`: the one in use, which a role may replace)."""
+        self.state.metrics.counters("sampler_seconds", "Seconds spent sampling, by phase.",
+                                    lambda: sampler().time_spent(), label="phase")
 
     def watch_followed(self, feed: CheckpointFeed, trainer: Callable[[], str | None]) -> None:
         """After `follow_wait_s` with no checkpoint of `trainer()` here nor downloading, say
@@ -210,29 +216,30 @@ class Role:
             self.state.extra["follow"] = {"trainer": None, "seen": False,
                                           "problem": _follow_problem(None, 0.0, False)}
 
+        def heard() -> bool:
+            return _heard_from(feed, trainer())
+
         async def watch():
-            await asyncio.sleep(self.follow_wait_s)
-            if _heard_from(feed, trainer()):
+            # woken by the feed (a download starts or ends, a trainer is chosen); the
+            # deadline is when the operator is told
+            if await feed.changed.wait_for(heard, timeout=self.follow_wait_s):
                 return
             problem = _follow_problem(trainer(), self.follow_wait_s, feed.follow_problem(),
                                       bool(self.cfg.node.bootstrap))
             self.state.extra["follow"] = {"trainer": trainer(), "seen": False,
                                           "problem": problem}
             log.warning("%s", problem)
-            while not _heard_from(feed, trainer()):
-                await asyncio.sleep(FOLLOW_POLL_S)
+            await feed.changed.wait_for(heard)
             self.state.extra["follow"] = {"trainer": trainer(), "seen": True}
             log.info("the followed trainer %s appeared: its checkpoint is downloading or here",
                      trainer())
-        self._follow_watch = asyncio.create_task(watch(), name=f"{self.name}-follow")
+        self.background.spawn(watch(), "follow watch")
 
     async def run(self, stop: asyncio.Event) -> None:
         await stop.wait()
 
     async def close(self) -> None:
-        for task in (getattr(self, "_tracker", None), getattr(self, "_follow_watch", None)):
-            if task is not None:
-                task.cancel()
+        await self.background.close()
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     # Small persistent counters (survive restarts) -------------------------------------
@@ -253,8 +260,9 @@ class Role:
         os.replace(tmp, path)
 
 
-async def wait_any(stop: asyncio.Event, event: asyncio.Event, timeout: float) -> bool:
-    """Wait for `event` or `stop` up to `timeout`; True if `event` fired."""
+async def wait_any(stop: asyncio.Event, event: asyncio.Event, timeout: float | None) -> bool:
+    """Wait for `event` or `stop` (up to `timeout`, None: no limit); True if `event`
+    fired."""
     waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(event.wait())]
     try:
         await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)

@@ -36,7 +36,6 @@ from .settings import EffectiveSettings, SettingsFollower
 log = logging.getLogger("swarm_node")
 
 ROUND_FILE = "round.json"
-NO_TRAINER_POLL_S = 5.0  # with no trainer to follow yet, look again this often
 
 
 class InferenceRole(Role):
@@ -82,6 +81,7 @@ class InferenceRole(Role):
         self.state.extra["disk"] = self.feed.disk.status()
         self.state.extra["sampling_disk"] = self.disk.status()
         self.track_downloads(self.feed)
+        self.count_sampling(lambda: self.sampler)
         # says so if the trainer never appears (chosen: announced by the bootstrap peer)
         self.watch_followed(self.feed, lambda: self.policy_id or self.feed.chosen())
         await self.watch_verdicts()
@@ -131,8 +131,9 @@ class InferenceRole(Role):
         while not stop.is_set():
             await self._maybe_reload()
             if self.policy_id is None:
-                # Nobody to follow yet: wait for the bootstrap peer's announcement.
-                await wait_any(stop, self.new_version, timeout=NO_TRAINER_POLL_S)
+                # Nobody to follow yet: the chosen trainer's first checkpoint sets it
+                # (_on_checkpoint) and wakes this wait.
+                await wait_any(stop, self.new_version, timeout=None)
                 self.new_version.clear()
                 continue
             self.state.policy_id = self.policy_id

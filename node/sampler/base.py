@@ -58,6 +58,11 @@ class Sampler(ABC):
         """Swap in new weights (a checkpoint directory / safetensors file, or a state dict);
         sets `.version` to `version` (default: current + 1)."""
 
+    def time_spent(self) -> dict[str, float]:
+        """Cumulative seconds by phase since start, for /metrics (none: the backend keeps
+        no timings)."""
+        return {}
+
     def close(self) -> None:
         """Release engine resources (no-op for in-process backends)."""
 

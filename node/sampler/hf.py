@@ -62,6 +62,11 @@ class HFSampler(Sampler):
     def max_batch(self) -> int:
         return self.batch.value
 
+    def time_spent(self) -> dict[str, float]:
+        """`generate` (whole calls), `pick` (token choice, noise included), `noise` (computed
+        up front), `capture` (hidden states), in seconds."""
+        return {k.removesuffix("_s"): v for k, v in self.timings.items()}
+
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device

@@ -29,7 +29,6 @@ from ..broadcast.errors import ManifestRejected
 from ..broadcast.follow import TrainerChoice, bootstrap_peer_ids
 from ..broadcast.server import RateLimiter
 from ..broadcast.service import Broadcaster, Completed
-from ..broadcast.transport import RX_STATS
 from ..config import load_config
 from ..diskspace import configure as configure_disk
 from ..identity import Identity
@@ -142,7 +141,7 @@ async def main(argv: list[str] | None = None) -> int:
         m = done.manifest
         emit(event="complete", policy=m.policy_id, version=m.version, path=str(done.path),
              t=time.time(), metrics=done.metrics, times=done.times, sources=done.sources,
-             streams=dict(getattr(bc.transport, "opened", {})), rx=dict(RX_STATS),
+             streams=dict(bc.transport.opened), rx=node.bulk.client.rx.as_dict(),
              peak_rss_mib=peak_rss_mib(), cpu_s=cpu_seconds(), cpu_threads=thread_cpu(),
              p2p=dict(node.metrics.counters))
 

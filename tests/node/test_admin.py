@@ -25,7 +25,7 @@ PEER = "12D3KooWPeerOfThisNode"
 
 
 class FakeP2P:
-    """Stands in for P2PNode's two read-only views the state uses (logic test only)."""
+    """Stands in for the views of P2PNode the state reads (metrics.Transport; logic test)."""
 
     def __init__(self, peers):
         self.peers = peers
@@ -34,10 +34,13 @@ class FakeP2P:
     def connected_peers(self):
         return self.peers
 
+    def health(self):
+        return {"ok": True}
+
 
 def make_state() -> NodeState:
     st = NodeState(peer_id=PEER, role="trainer", swarm_id="demo")
-    st.p2p = FakeP2P(["12D3KooWA", "12D3KooWB"])
+    st.attach_transport(FakeP2P(["12D3KooWA", "12D3KooWB"]))
     st.policy_id = PEER
     st.policy_version = 3
     st.reward = 0.625
@@ -203,10 +206,15 @@ async def test_state_error_is_a_500_not_a_crash():
     state = NodeState("12D3KooWx", "relay", "s")
 
     class Broken:
+        metrics = None  # its counters break too
+
         def connected_peers(self):
             raise RuntimeError("host closing")
 
-    state.p2p = Broken()  # status() tolerates it
+        def health(self):
+            raise RuntimeError("host closing")
+
+    state.attach_transport(Broken())  # status() tolerates it
     async with AdminServer(state, port=0) as server:
         assert json.loads((await aget(server.port, "/status"))[2])["peers"] == []
         state.status = lambda: 1 / 0  # a bug in a role's state: the endpoint survives

@@ -199,7 +199,7 @@ async def test_a_followed_trainer_that_never_appears_is_named_once_in_log_and_st
             await until(lambda: "follow" in role.state.extra, "the follow problem in /status")
             follow = dict(role.state.extra["follow"])
             # it appears later: a download of its checkpoint in flight is enough
-            feed.in_flight.append(DownloadStatus(TRAINER, 1, 0, 4, 0, 4096))
+            feed.start_download(DownloadStatus(TRAINER, 1, 0, 4, 0, 4096))
             await until(lambda: role.state.extra["follow"]["seen"], "the trainer seen")
     finally:
         await role.close()

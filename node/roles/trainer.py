@@ -98,6 +98,7 @@ class TrainerRole(Role):
                                  peer_id=self.identity.peer_id, version=self.trainer.version,
                                  max_context=cfg.model.max_context,
                                  max_batch=cfg.sampler.max_batch)
+        self.count_sampling(lambda: self.sampler)
         self.tasks = TaskSource.of(cfg.tasks, cfg.node.swarm_id)
         self.reputation = Reputation.from_config(cfg.verifier, self.data_dir / "reputation.json")
         self.p2p.set_peer_filter(lambda peer: not self.reputation.is_banned(peer))

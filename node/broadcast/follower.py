@@ -183,11 +183,15 @@ class Follower:
         self.changed.fire()
 
     def resume(self) -> None:
-        """Resume the unfinished downloads of followed policies found on disk."""
+        """Resume the unfinished downloads of followed policies found on disk (their swarm
+        settings checked again: the check binds them to the version, and this node's
+        settings may have changed since)."""
+        check = self.gate.settings_check
         for entry in list(self.store.entries.values()):
             m = entry.manifest
             if (not entry.complete and self.gate.follows(m.policy_id)
-                    and m.version > self.store.current_version(m.policy_id)):
+                    and m.version > self.store.current_version(m.policy_id)
+                    and (check is None or check(m.settings, m.policy_id, m.version) is None)):
                 self.start(AcceptedManifest(m, entry.envelope, m.policy_id))
 
     async def _open_entry(self, accepted: AcceptedManifest) -> VersionEntry:

@@ -119,17 +119,23 @@ class SettingsFollower:
         return dict(self.view["adopted"])
 
     def effective_for(self, trainer: str | None, version: int) -> EffectiveSettings:
-        """The settings of an accepted checkpoint (this node's own when its manifest carried
-        none or was never checked here)."""
-        return self._by_version.get((trainer or "", version), self.local)
+        """The settings of an accepted checkpoint; for a version not checked in this run,
+        those of the trainer's newest accepted one; else (none accepted, or its manifests
+        carry no settings) this node's own."""
+        exact = self._by_version.get((trainer or "", version))
+        if exact is not None:
+            return exact
+        theirs = [s for (t, _), s in self._by_version.items() if t == (trainer or "")]
+        return theirs[-1] if theirs else self.local
 
     def _explicit(self, section: str, field: str) -> bool:
         return field in getattr(self.cfg, section).model_fields_set
 
     def check(self, settings: SwarmSettings | None, trainer: str = "",
               version: int = -1) -> str | None:
-        if settings is None:
-            return None  # the trainer announces nothing: local settings apply
+        if settings is None:  # the trainer announces nothing: local settings apply
+            self._remember(trainer, version, self.local)
+            return None
         if settings.protocol_version != PROTOCOL_VERSION:
             return self._refuse(trainer, [(f"protocol version {settings.protocol_version} "
                                           f"(this node speaks {PROTOCOL_VERSION})")])
@@ -162,9 +168,7 @@ class SettingsFollower:
         if diffs:
             return self._refuse(trainer, diffs)
         self.refused = self.view["refused"] = None
-        self._by_version[(trainer, version)] = effective
-        while len(self._by_version) > self.KEEP:
-            self._by_version.popitem(last=False)
+        self._remember(trainer, version, effective)
         self.view["adopted"] = dict(adopt)
         if adopt and adopt != self._adopted_logged:  # once per distinct adoption
             self._adopted_logged = dict(adopt)
@@ -172,6 +176,12 @@ class SettingsFollower:
                      ", ".join(f"{ADOPTABLE[k][0]}.{ADOPTABLE[k][1]} = {v!r}"
                                for k, v in adopt.items()))
         return None
+
+    def _remember(self, trainer: str, version: int, effective: EffectiveSettings) -> None:
+        self._by_version[(trainer, version)] = effective
+        self._by_version.move_to_end((trainer, version))
+        while len(self._by_version) > self.KEEP:
+            self._by_version.popitem(last=False)
 
     def _refuse(self, trainer: str, diffs: list[str]) -> str:
         line = (f"refusing the policy of trainer {trainer[-8:] or '?'}: its swarm settings "

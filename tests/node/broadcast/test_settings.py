@@ -31,7 +31,8 @@ def test_defaults_are_adopted_into_the_checkpoints_settings_not_the_config():
     assert eff.model_id == "builtin:smollm2-135m" and f.adopted["model_id"] == eff.model_id
     assert eff.config.model.name == "builtin:tiny"  # the model comes from the checkpoint itself
     assert cfg == Config()  # the node's config is untouched
-    assert f.effective_for("T", 2) is f.local  # a version not checked here: own settings
+    # a version not checked in this run (found on disk): the trainer's newest accepted
+    assert f.effective_for("T", 7) is eff and f.effective_for("other", 1) is f.local
     assert f.check(trainer_settings(tasks_per_round=8), "T", 2) is None  # stable
     assert f.effective_for("T", 2) == eff
     # a trainer going back to this node's values: nothing adopted for that version

@@ -71,6 +71,7 @@ class P2PNode:
         self.requests = RequestService(self)  # request/response seam
         self.penalties = PeerPenalties(self._cut)
         self.admission = Admission(self.penalties, self.metrics, self_id=self.peer_id)
+        self.validation_queue = ValidationQueue(self.admission)  # received, not yet validated
         self.failure: str | None = None
         self._failed = asyncio.Event()
         self._nursery: trio.Nursery | None = None  # ours, inside the libp2p thread
@@ -242,7 +243,7 @@ class P2PNode:
                         background_trio_service(router)):
                 await pubsub.wait_until_ready()
                 patches.patch_running_pubsub(pubsub, self.admission.admit,
-                                             ValidationQueue(self.admission))
+                                             self.validation_queue)
                 self.listen_addrs = _dialable(host.get_addrs())
                 self.requests._t_install_all()
                 async with trio.open_nursery() as nursery:

@@ -83,7 +83,7 @@ class PeerProcess:
 
     def __init__(self, *args: str):
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self._log = tempfile.TemporaryFile("w+")
+        self._log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - read after stop(); GC closes
         self.proc = subprocess.Popen([sys.executable, str(PEER_PROC), *args],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._log, text=True, env=env)

@@ -21,12 +21,13 @@ Before verification (admit), in order:
    peers). Each origin reported for bad work takes NEW_ORIGIN_CHARGE more tokens from the
    connection that introduced it;
 5. a per-topic budget for the whole node (`GLOBAL_RATES`, messages/s) with max-min fair
-   shares across (connection, origin) flows: while the node receives less than the budget
-   everything passes; above it, a flow is admitted only while its own rate is below the fair
-   share (budget / active flows), so a flood spread over many identities gets at most its
-   flows' shares and light honest flows pass whole (`gossip_over_budget`). Origins the
-   `established(peer)` callable names (peers with verified history, from the verifier)
-   skip the fair share.
+   shares: while the node receives less than the budget everything passes; above it, a
+   message is admitted if its connection's subnet (/24, /48) is below the subnet share
+   (budget / active subnets), or else if its (connection, origin) flow is below the flow
+   share (the subnet share / the subnet's active flows). Many identities behind one subnet get
+   that subnet's share, a flood spread over many flows their flows' shares, and light honest
+   flows pass whole (`over_budget`); what honest flows leave unused, the flood may use. Origins the `established(peer)` callable names (peers
+   with verified history, from the verifier) skip the fair shares.
 
 After verification (accept): per-origin token bucket (across connections) at the topic's
 per-origin rate; over it the message is rejected and the origin charged (`rate_limited`,
@@ -64,6 +65,9 @@ NEW_ORIGIN_CHARGE = 4.0
 then reported for bad work (so 10 reported sybils cost it ~20 s of introductions)."""
 KNOWN_ORIGINS = 16384
 LOG_EVERY_S = 10.0
+MAX_CONNECTIONS_PER_SUBNET = 64
+"""Peers connected from one subnet (/24, /48) at once; peers with verified history
+(`established`) are admitted beyond it (a reserve for known peers)."""
 QUEUE_BYTES = 64 * 1024 * 1024
 QUEUE_MESSAGES = 4096
 """Received messages admitted and waiting for validation (all flows): bytes, messages."""
@@ -81,9 +85,12 @@ def topic_kind(topic: str) -> str:
 
 
 class FairShare:
-    """Max-min fair admission against a global rate, per key (a flow). Rates are estimated
-    over a sliding window of two WINDOW_S buckets; memory is bounded by `max_keys` per
-    window (keys past it share one overflow flow)."""
+    """Max-min fair admission against a global rate, in two levels: groups (subnets), then
+    keys (flows) within a group. Over the rate, a message passes if its group is below the
+    group share (rate / active groups), or else if its key is below the key share (the group
+    share / the group's active keys); under the rate, everything passes (work-conserving: a
+    flood gets what honest flows leave). Rates are estimated over a sliding window of two WINDOW_S
+    buckets; memory is bounded by `max_keys` keys per window (past it keys share one)."""
 
     WINDOW_S = 1.0
 
@@ -93,46 +100,93 @@ class FairShare:
         self.clock = clock
         self.max_keys = max_keys
         self._window = -1
-        self._cur: dict[object, int] = {}
-        self._prev: dict[object, int] = {}
+        self._cur: dict[tuple, int] = {}  # (group, key) -> messages this window
+        self._prev: dict[tuple, int] = {}
+        self._cur_group: dict[object, int] = {}
+        self._prev_group: dict[object, int] = {}
+        self._prev_keys: dict[object, int] = {}  # group -> keys seen in the last window
+        self._new_keys: dict[object, int] = {}  # group -> keys new in this window
+        self._new_groups = 0
         self._cur_total = 0
         self._prev_total = 0
-        self._new_in_cur = 0  # keys in _cur that are not in _prev
 
     def _roll(self, now: float) -> float:
         window = int(now // self.WINDOW_S)
         if window != self._window:
             if window == self._window + 1:
-                self._prev, self._prev_total = self._cur, self._cur_total
+                self._prev, self._prev_group = self._cur, self._cur_group
+                self._prev_total = self._cur_total
             else:
-                self._prev, self._prev_total = {}, 0
-            self._cur, self._cur_total, self._new_in_cur = {}, 0, 0
+                self._prev, self._prev_group, self._prev_total = {}, {}, 0
+            self._prev_keys = {}
+            for group, _ in self._prev:
+                self._prev_keys[group] = self._prev_keys.get(group, 0) + 1
+            self._cur, self._cur_group, self._cur_total = {}, {}, 0
+            self._new_keys, self._new_groups = {}, 0
             self._window = window
         return now / self.WINDOW_S - window  # fraction of the current window elapsed
 
     def _estimate(self, cur: int, prev: int, frac: float) -> float:
         return (cur + prev * (1.0 - frac)) / self.WINDOW_S
 
-    def active(self) -> int:
-        return len(self._prev) + self._new_in_cur
+    def _slot(self, key: object, group: object) -> tuple:
+        slot = (group, key)
+        if slot not in self._cur and len(self._cur) >= self.max_keys:
+            return ("<overflow>", "<overflow>")
+        return slot
 
-    def allow(self, key: object) -> bool:
+    def active(self) -> int:
+        """Groups active in the window."""
+        return len(self._prev_group) + self._new_groups
+
+    def check(self, key: object, group: object = "") -> bool:
+        """Within the budget, or below both fair shares (nothing recorded)."""
         frac = self._roll(self.clock())
-        total = self._estimate(self._cur_total, self._prev_total, frac)
-        if key not in self._cur and len(self._cur) >= self.max_keys:
-            key = "<overflow>"
-        if total >= self.rate:
-            mine = self._estimate(self._cur.get(key, 0), self._prev.get(key, 0), frac)
-            share = self.rate / max(1, self.active() + (key not in self._cur
-                                                        and key not in self._prev))
-            if mine >= share:
-                return False
-        if key not in self._cur:
-            self._new_in_cur += key not in self._prev
-            self._cur[key] = 0
-        self._cur[key] += 1
+        if self._estimate(self._cur_total, self._prev_total, frac) < self.rate:
+            return True
+        slot = self._slot(key, group)
+        group = slot[0]
+        new_group = group not in self._cur_group and group not in self._prev_group
+        group_share = self.rate / max(1, self.active() + new_group)
+        if self._estimate(self._cur_group.get(group, 0), self._prev_group.get(group, 0),
+                          frac) < group_share:
+            return True  # a group under its share passes whole
+        new_key = slot not in self._cur and slot not in self._prev
+        keys = self._prev_keys.get(group, 0) + self._new_keys.get(group, 0) + new_key
+        mine = self._estimate(self._cur.get(slot, 0), self._prev.get(slot, 0), frac)
+        return mine < group_share / max(1, keys)
+
+    def record(self, key: object, group: object = "") -> None:
+        """One message of `key` (in `group`) admitted."""
+        self._roll(self.clock())
+        slot = self._slot(key, group)
+        group = slot[0]
+        if slot not in self._cur:
+            if slot not in self._prev:
+                self._new_keys[group] = self._new_keys.get(group, 0) + 1
+            self._cur[slot] = 0
+        if group not in self._cur_group:
+            self._new_groups += group not in self._prev_group
+            self._cur_group[group] = 0
+        self._cur[slot] += 1
+        self._cur_group[group] += 1
         self._cur_total += 1
+
+    def allow(self, key: object, group: object = "") -> bool:
+        if not self.check(key, group):
+            return False
+        self.record(key, group)
         return True
+
+
+def subnet_of(ip: str | None) -> str:
+    """The /24 of an IPv4 address, the /48 of an IPv6 one ("?" if unknown): one operator's
+    machines usually share it, so fair shares and connection caps bind per subnet."""
+    if not ip:
+        return "?"
+    if ":" in ip:
+        return ":".join(ip.split(":")[:3]) + "::/48"
+    return ".".join(ip.split(".")[:3]) + ".0/24"
 
 
 class _Throttled:
@@ -177,7 +231,10 @@ class Admission:
         self._flows = TokenBuckets(clock=clock, max_buckets=65536)  # (conn, origin, kind)
         self._origins = TokenBuckets(clock=clock, max_buckets=16384)  # (origin, kind)
         self._introduce = TokenBuckets(clock=clock, max_buckets=16384)  # conn
-        self._fair: dict[str, FairShare] = {}
+        self._fair: dict[str, FairShare] = {}  # per topic kind: subnets, then flows
+        self._subnet: OrderedDict[str, str] = OrderedDict()  # connection -> subnet
+        self._by_subnet: dict[str, set[str]] = {}  # subnet -> connected peers
+        self.max_per_subnet = MAX_CONNECTIONS_PER_SUBNET
         self._known: OrderedDict[str, None] = OrderedDict()
         self._introduced_by: OrderedDict[str, str] = OrderedDict()  # new origin -> conn
         self._log = _Throttled(clock)
@@ -222,9 +279,36 @@ class Admission:
         if fair is None:
             fair = self._fair[kind] = FairShare(self.global_rates.get(kind, OTHER_GLOBAL_RATE),
                                                 clock=self.clock)
-        if not fair.allow((conn, origin)):
+        if not fair.allow((conn, origin), self._subnet.get(conn, "?")):
             return self.drop(origin, conn, "over_budget")
         return True
+
+    def connected(self, conn: str, ip: str | None) -> bool:
+        """A connection to peer `conn` from `ip` opened: False if its subnet already holds
+        MAX_CONNECTIONS_PER_SUBNET other peers and `conn` has no verified history (then the
+        caller closes it). Fair shares are per subnet, too."""
+        subnet = subnet_of(ip)
+        with self._lock:
+            peers = self._by_subnet.setdefault(subnet, set())
+            if not self.is_priority(conn):  # known peers use the reserve: never counted
+                if conn not in peers and len(peers) >= self.max_per_subnet:
+                    return False
+                peers.add(conn)
+            self._subnet[conn] = subnet
+            self._subnet.move_to_end(conn)
+            while len(self._subnet) > KNOWN_ORIGINS:
+                self._subnet.popitem(last=False)
+        return True
+
+    def disconnected(self, conn: str) -> None:
+        """The last connection to peer `conn` closed."""
+        with self._lock:
+            subnet = self._subnet.get(conn)
+            peers = self._by_subnet.get(subnet)
+            if peers is not None:
+                peers.discard(conn)
+                if not peers:
+                    del self._by_subnet[subnet]
 
     def is_priority(self, origin: str) -> bool:
         fn = self.established

@@ -401,9 +401,16 @@ class _Notifee:
             node.metrics.inc("connections_refused")
             node._t_disconnect_soon(peer)
             return
+        if not node.admission.connected(peer, _remote_ip(conn.muxed_conn)):
+            node.metrics.inc("connections_refused_subnet")
+            node._t_disconnect_soon(peer)
+            return
         node._t_peers_changed()
 
     async def disconnected(self, network, conn) -> None:
+        peer = conn.muxed_conn.peer_id
+        if not network.connections.get(peer):
+            self.node.admission.disconnected(peer.to_base58())
         self.node._t_peers_changed()
 
     async def listen(self, network, multiaddr) -> None:
@@ -411,6 +418,14 @@ class _Notifee:
 
     async def listen_close(self, network, multiaddr) -> None:
         pass
+
+
+def _remote_ip(muxed_conn) -> str | None:
+    try:
+        addr = muxed_conn.get_remote_address()
+    except Exception:  # noqa: BLE001 - no address: the "?" subnet
+        return None
+    return str(addr[0]) if addr else None
 
 
 def _parse_maddr(addr: str, *, need_peer: bool) -> multiaddr.Multiaddr:

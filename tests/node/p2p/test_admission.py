@@ -150,3 +150,44 @@ def test_the_validation_queue_serves_flows_in_turn_and_drops_from_the_longest():
     order = trio.run(drain)
     assert order == [flooder.to_base58()[-4:], honest.to_base58()[-4:]] * 3  # in turn
     assert queue.peak_messages == 40
+
+
+def test_many_identities_behind_one_subnet_get_that_subnets_share():
+    clock = Clock()
+    adm, _, _ = admission(clock, global_rates={"verdicts": 100.0})
+    flood = [peer() for _ in range(20)]
+    honest = [peer() for _ in range(3)]
+    for i, p in enumerate(flood):
+        adm.connected(p.to_base58(), f"10.0.0.{i + 1}")  # one /24
+    for i, p in enumerate(honest):
+        adm.connected(p.to_base58(), f"192.168.{i}.7")  # three others
+    for p in flood + honest:
+        adm.accept(p.to_base58(), "verdicts")
+    got = {p: 0 for p in flood + honest}
+    for step in range(500):  # 5 s: each flood identity at 50/s, each honest peer at 20/s
+        clock.t += 0.01
+        for p in flood:
+            if step % 2 == 0 and adm.admit(p, msg(p), False):
+                got[p] += 1
+        if step % 5 == 0:
+            for p in honest:
+                got[p] += adm.admit(p, msg(p), False)
+    assert all(got[p] >= 0.8 * 100 for p in honest)  # each honest peer keeps >= 80% ...
+    # ... from the start, while the 20 identities (5,000 messages offered) get what the
+    # honest peers leave of the 100/s budget (~40%), not 20/23 of it
+    assert sum(got[p] for p in flood) <= 5 * 100 * 0.7
+
+
+def test_a_subnet_holds_a_bounded_number_of_peers_with_a_reserve_for_known_ones():
+    clock = Clock()
+    adm, _, _ = admission(clock)
+    adm.max_per_subnet = 3
+    known = Identity.generate().peer_id
+    adm.set_established(lambda p: p == known)
+    peers = [Identity.generate().peer_id for _ in range(5)]
+    assert [adm.connected(p, "127.0.0.1") for p in peers] == [True] * 3 + [False] * 2
+    assert adm.connected(known, "127.0.0.1")  # the reserve
+    assert adm.connected(peers[0], "127.0.0.1")  # a second connection of a peer in
+    assert adm.connected(peers[3], "10.1.1.1")  # another subnet
+    adm.disconnected(peers[1])
+    assert adm.connected(peers[4], "127.0.0.1")

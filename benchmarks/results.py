@@ -1,8 +1,10 @@
-"""Writes a benchmark's figures into its own section of benchmarks/RESULTS.md.
+"""Writes a benchmark's figures into benchmarks/RESULTS.md.
 
-Each benchmark owns one section, delimited by HTML comments, and replaces only that
-section, so benchmarks can be rerun independently. Every section records the command, the
-machine, the date and the figures.
+RESULTS.md opens with one table of headline figures, then holds one section per benchmark,
+delimited by HTML comments. A rerun replaces its own section (only the newest run is kept;
+git keeps the older ones) and rewrites its own rows of the headline table, so benchmarks can
+be rerun independently and the first screen always shows the current figures. Every
+section records the command, the machine, the date and the figures.
 """
 
 from __future__ import annotations
@@ -10,13 +12,36 @@ from __future__ import annotations
 import fcntl
 import os
 import platform
+import re
 import shlex
 import sys
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
-HEADER = "# Benchmark results\n\nEach section is rewritten by the script named in it.\n"
+HEADER = ("# Benchmark results\n\nOne section per benchmark, each holding its newest run; "
+          "a rerun replaces its section and its rows of the headline table "
+          "(benchmarks/results.py).\n")
+HEADLINE_START, HEADLINE_END = "<!-- begin headline -->", "<!-- end headline -->"
+HEADLINE_COLUMNS = ["figure", "goal", "current", "baseline", "date", "load", "section"]
+HEADLINE_TABLE = ("## Headline figures\n\n" + HEADLINE_START + "\n| "
+                  + " | ".join(HEADLINE_COLUMNS) + " |\n|" + "---|" * len(HEADLINE_COLUMNS)
+                  + "\n" + HEADLINE_END)
+# a dated copy of a section ("gossip (session 6)", "broadcast (quiet rerun)") is what this
+# module exists to prevent: a rerun replaces the section of what it measures
+DATED_COPY = re.compile(r"\bsession\s*\d+|\brerun\b", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Headline:
+    """One row of the headline table; `figure` names the row (a rerun replaces it)."""
+
+    figure: str
+    goal: str
+    current: str
+    baseline: str = "-"
+    load: str = ""  # default: the 1-minute load average when recorded
 
 
 def machine() -> str:
@@ -43,27 +68,72 @@ def machine() -> str:
     return f"{os.cpu_count()} cores ({cpu}), {mem:.0f} GiB RAM{gpu}, Python {platform.python_version()}"
 
 
-def record(section: str, body: str, command: str | None = None) -> None:
-    """Replace section `section` of RESULTS.md with `body` (markdown) plus provenance."""
+def anchor(section: str) -> str:
+    """The link target GitHub gives the heading `## section`."""
+    return "#" + re.sub(r"[^\w\- ]", "", section.strip().lower()).replace(" ", "-")
+
+
+def load_now() -> str:
+    return f"{os.getloadavg()[0]:.1f}"
+
+
+def record(section: str, body: str, command: str | None = None,
+           headline: tuple[Headline, ...] | list[Headline] = (),
+           path: Path = RESULTS) -> None:
+    """Replace section `section` of RESULTS.md with `body` (markdown) plus provenance, and
+    its rows of the headline table with `headline`."""
+    if DATED_COPY.search(section):
+        raise ValueError(f"section {section!r} names a run, not a benchmark: a rerun replaces "
+                         "its section (git keeps the old one)")
     command = command or "python " + " ".join(shlex.quote(a) for a in sys.argv)
-    now = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    now = datetime.now(UTC)
     start, end = f"<!-- begin {section} -->", f"<!-- end {section} -->"
     block = (f"{start}\n## {section}\n\n- command: `{command}`\n- machine: {machine()}\n"
-             f"- date: {now}\n\n{body.strip()}\n{end}")
-    RESULTS.touch(exist_ok=True)
-    with open(RESULTS, "r+") as f:
+             f"- date: {now:%Y-%m-%d %H:%M} UTC, load (1 min) {load_now()}\n\n"
+             f"{body.strip()}\n{end}")
+    path.touch(exist_ok=True)
+    with open(path, "r+") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
-        text = f.read() or HEADER
-        if start in text and end in text:
-            before, rest = text.split(start, 1)
-            after = rest.split(end, 1)[1]
-            text = before + block + after
-        else:
-            text = text.rstrip() + "\n\n" + block + "\n"
+        text = replace_section(f.read() or HEADER, start, end, block)
+        for h in headline:
+            text = replace_headline(text, h, section, f"{now:%Y-%m-%d}")
         f.seek(0)
         f.truncate()
         f.write(text)
-    print(f"recorded section '{section}' in {RESULTS}")
+    print(f"recorded section '{section}' in {path}")
+
+
+def replace_section(text: str, start: str, end: str, block: str) -> str:
+    if start in text and end in text:
+        before, rest = text.split(start, 1)
+        return before + block + rest.split(end, 1)[1]
+    return text.rstrip() + "\n\n" + block + "\n"
+
+
+def replace_headline(text: str, h: Headline, section: str, date: str) -> str:
+    """Rewrite the headline row named `h.figure` (or add it at the end of the table)."""
+    if HEADLINE_START not in text:
+        head, sep, rest = text.partition("\n<!-- begin ")
+        text = head.rstrip() + "\n\n" + HEADLINE_TABLE + "\n" + (sep + rest if sep else "")
+    before, rest = text.split(HEADLINE_START, 1)
+    rows, after = rest.split(HEADLINE_END, 1)
+    cells = [h.figure, h.goal, h.current, h.baseline, date, h.load or load_now(),
+             f"[{section}]({anchor(section)})"]
+    row = "| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |"
+    lines = rows.strip("\n").splitlines()
+    key = cells[0].replace("|", "\\|")
+    for i, line in enumerate(lines):
+        if _first_cell(line) == key:
+            lines[i] = row
+            break
+    else:
+        lines.append(row)
+    return before + HEADLINE_START + "\n" + "\n".join(lines) + "\n" + HEADLINE_END + after
+
+
+def _first_cell(line: str) -> str:
+    m = re.match(r"^\|\s*((?:[^|\\]|\\.)*?)\s*\|", line)
+    return m.group(1) if m else ""
 
 
 def table(headers: list[str], rows: list[list[object]]) -> str:

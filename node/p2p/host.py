@@ -27,11 +27,12 @@ from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service import background_trio_service
 
-from ...protocol.ids import FETCH_PROTOCOL
+from ...protocol.ids import BULK_PROTOCOL, FETCH_PROTOCOL
 from ...protocol.messages import WireModel
 from . import patches
 from .admission import Admission, ValidationQueue
 from .bridge import TrioBridge
+from .bulk import BulkPlane
 from .discovery import Discovery
 from .errors import BadMultiaddr, DialError, NotRunning, P2PError
 from .gossip import GossipValidator, build_gossip
@@ -67,6 +68,9 @@ class P2PNode:
         self._connected: set[str] = set()
         self._dialing: dict = {}  # peer ID -> trio.Event set when our dial to it ends
         self._tasks: set[asyncio.Task] = set()
+        # shards and gossip bodies over TLS beside libp2p (bulk/); started in start()
+        self.bulk = BulkPlane(identity, config.bulk, self.metrics, allowed=self._allowed,
+                              request=self.request, peer_ip=self.peer_ip)
         self.gossip = GossipService(self)  # pubsub seam
         self.requests = RequestService(self)  # request/response seam
         self.penalties = PeerPenalties(self._cut)
@@ -98,7 +102,13 @@ class P2PNode:
             raise P2PError(f"cannot start the libp2p host on {', '.join(map(str, listen))}: "
                            f"{_flatten(e)}", reason="listen_failed") from e
         await self.set_request_handler(FETCH_PROTOCOL, self.gossip.serve_payload)
-        await self.gossip.start_payload_plane()
+        try:
+            await self.bulk.start(self.config.node.listen)
+        except BaseException:
+            await self.close()
+            raise
+        await self.set_request_handler(BULK_PROTOCOL, self.bulk.serve_query)
+        self.gossip.start_bodies()
         await self.gossip.subscribe_pending()
         self.discovery = Discovery(self)
         await self.discovery.install()
@@ -121,7 +131,7 @@ class P2PNode:
             task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.gossip.close_payload_plane()
+        await self.bulk.close()
         await self._bridge.stop()
 
     async def __aenter__(self) -> Self:
@@ -314,6 +324,19 @@ class P2PNode:
 
     async def disconnect(self, peer_id: str) -> None:
         await self._bridge.call(self._host.disconnect, ID.from_base58(peer_id))
+
+    def peer_ip(self, peer: str) -> str | None:
+        """The IP of a live libp2p connection to `peer` (a snapshot read from asyncio)."""
+        if self._host is None:
+            return None
+        try:
+            for conn in list(self._host.get_network().get_connections(ID.from_base58(peer))):
+                addr = conn.muxed_conn.get_remote_address()
+                if addr:
+                    return str(addr[0])
+        except Exception as e:  # noqa: BLE001 - no address: the libp2p path is used
+            log.debug("no remote address for %s: %s", peer, e)
+        return None
 
     def set_peer_filter(self, fn: Callable[[str], bool] | None) -> None:
         """`fn(peer_id) -> bool`: False drops that peer's gossip (at the validator, counted

@@ -169,6 +169,9 @@ class P2PNode:
                 "stream_faults": c.get("stream_faults", 0),
                 "rate_limited": c.get("rejected.rate_limited", 0),
                 "window_violations": c.get("window_violations", 0),
+                "over_budget": c.get("rejected.over_budget", 0),
+                "validation_queue": len(self.validation_queue),
+                "validation_queue_peak_bytes": self.validation_queue.peak_bytes,
                 **self.penalties.snapshot()}
 
     # Penalties ------------------------------------------------------------------------

@@ -64,7 +64,7 @@ async def main() -> int:
     node.set_stream_handler("/test/sink/1.0.0", sink, max_inbound=1 << 30)
     node.set_request_handler("/test/stats/1.0.0", stats)
     await node.start(bootstrap=args.bootstrap)
-    for kind in ["verdicts", *args.topic]:
+    for kind in dict.fromkeys(["verdicts", *args.topic]):
         await node.subscribe(kind, on_status)
     print(json.dumps({"peer_id": node.peer_id, "addrs": node.listen_addrs}), flush=True)
     await asyncio.to_thread(sys.stdin.read)  # until the test closes our stdin

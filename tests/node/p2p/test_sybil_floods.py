@@ -1,7 +1,8 @@
 """Floods from many identities, each under its per-origin limit, against real libp2p hosts
-on 127.0.0.1 (issue 30 items 1 and 2): the honest relay that carries the flood is never cut,
-honest messages keep arriving during and after it, the work left behind is bounded, and a
-newcomer can still connect once the identities came and went."""
+on 127.0.0.1 (issue 30 items 1 and 2): the honest relay that carries the flood is never cut
+(nor by a peer that joins mid-flood and gets the relay's catch-up burst), honest messages
+keep arriving during and after it, the work left behind is bounded, and a newcomer can
+still connect once the identities came and went."""
 
 from __future__ import annotations
 
@@ -57,8 +58,12 @@ async def test_a_relay_carrying_a_many_identity_flood_is_never_cut(make_node, ki
     loop = asyncio.get_running_loop()
     start = loop.time()
     sent_honest = 0
+    joiner = None
     for j, (sybil, frame) in enumerate(frames):  # identities x rate messages/s in all
         await streams[sybil.peer_id].write(frame)
+        if j == len(frames) // 3:  # a peer joins mid-flood: the relay's catch-up burst
+            joiner = await make_node(bootstrap=relay.listen_addrs, discovery=False)
+            await joiner.subscribe(kind, lambda env, origin: asyncio.sleep(0))
         if j % (identities * 2) == 0:  # the honest origin: one message per ~0.2 s
             await honest.publish(kind, _message(kind, honest.peer_id, 10_000 + sent_honest))
             sent_honest += 1
@@ -73,6 +78,7 @@ async def test_a_relay_carrying_a_many_identity_flood_is_never_cut(make_node, ki
     assert relay.peer_id in victim.connected_peers()
     assert victim.penalties.cuts == 0 and relay.penalties.cuts == 0
     assert relay.peer_id not in victim.health()["refused"]
+    assert joiner.penalties.cuts == 0 and relay.peer_id in joiner.connected_peers()
     flooded = sum(n for origin, n in got.items() if origin != honest.peer_id)
     assert flooded > 0  # the flood was real (each identity under its own limit)
     queue = victim.validation_queue

@@ -12,8 +12,7 @@ Before verification (admit), in order:
 3. per (connection, claimed origin) token bucket at the topic's per-origin rate: a relay
    forwarding an honest origin stays within it; an attacker that forges an honest origin's
    `from` only drains its own connection's bucket for that origin. Over it the message is
-   dropped and counted against the origin (`rate_limited`); the connection is charged only
-   when it is that origin (it sent its own messages too fast);
+   dropped and counted against the origin (`rate_limited`), nobody penalised;
 4. a claimed origin never accepted here before (a *new* origin) takes a token from its
    connection's new-origin bucket: a connection that keeps introducing fresh identities is
    throttled to NEW_ORIGINS_PER_S (`new_origin_throttled`), never cut, and origins already
@@ -24,15 +23,21 @@ Before verification (admit), in order:
    shares: while the node receives less than the budget everything passes; above it, a
    message is admitted if its connection's subnet (/24, /48) is below the subnet share
    (budget / active subnets), or else if its (connection, origin) flow is below the flow
-   share (the subnet share / the subnet's active flows). Many identities behind one subnet get
-   that subnet's share, a flood spread over many flows their flows' shares, and light honest
-   flows pass whole (`over_budget`); what honest flows leave unused, the flood may use. Origins the `established(peer)` callable names (peers
-   with verified history, from the verifier) skip the fair shares.
+   share (the subnet share / the subnet's active flows). Many identities behind one subnet
+   get that subnet's share, a flood spread over many flows their flows' shares, and light
+   honest flows pass whole (`over_budget`); what honest flows leave unused, the flood may
+   use. Origins the `established(peer)` callable names (peers with verified history, from
+   the verifier) skip the fair shares.
 
 After verification (accept): per-origin token bucket (across connections) at the topic's
-per-origin rate; over it the message is rejected and the origin charged (`rate_limited`,
-1 point per message: an origin that keeps flooding is refused for a backoff, which bans its
-gossip everywhere here; when it is a direct connection the connection is cut).
+per-origin rate; over it the message is rejected and counted against the origin
+(`rate_limited`).
+
+Rate alone never costs penalty points: every drop above is cheap (before any signature
+check) or bounded (by the rates), and an honest trainer or relay publishing in bursts (back
+to back steps, a joiner's catch-up, a restart) must never be cut by its own followers.
+Penalties are for what only a faulty or hostile peer sends (penalties.POINTS) and for bad
+work the layers above report against an origin.
 """
 
 from __future__ import annotations
@@ -265,7 +270,7 @@ class Admission:
             return False
         rate = self.rates.get(kind, OTHER_TOPIC_RATE)
         if not self._flows.take((conn, origin, kind), rate):
-            return self.drop(origin, conn, "rate_limited", charge_conn=conn == origin)
+            return self.drop(origin, conn, "rate_limited")
         if origin not in self._known and origin != conn:
             if not self._introduce.take(conn, _NEW_ORIGINS):
                 return self.drop(origin, conn, "new_origin_throttled")
@@ -319,19 +324,17 @@ class Admission:
         except Exception:  # noqa: BLE001 - a failing signal gives no priority, never a drop
             return False
 
-    def drop(self, origin: str, conn: str, reason: str, charge_conn: bool = False) -> bool:
+    def drop(self, origin: str, conn: str, reason: str) -> bool:
         """Count (against the origin) and log a dropped message; False."""
         self.metrics.reject(origin, reason)
         self._log.note(origin, reason, conn)
-        if charge_conn:
-            self.penalties.penalise(conn, reason)
         return False
 
     # After verification -------------------------------------------------------------------
 
     def accept(self, origin: str, kind: str) -> bool:
         """The topic validator, once the origin is proven: its per-origin rate. False: the
-        message is rejected and the origin charged (never the forwarder)."""
+        message is rejected, counted against the origin (no penalty, never the forwarder)."""
         with self._lock:
             ok = self._origins.take((origin, kind), self.rates.get(kind, OTHER_TOPIC_RATE))
             if ok:
@@ -342,7 +345,6 @@ class Admission:
         if not ok:
             self.metrics.reject(origin, "rate_limited")
             self._log.note(origin, "rate_limited", origin)
-            self.penalties.penalise(origin, "rate_limited")
         return ok
 
     def reported(self, origin: str, n: int = 1) -> str | None:

@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 POINTS: dict[str, float] = {
     "stream_fault": 60.0,  # bytes that made a stream handler raise: two within a minute cut
     "window_violation": 100.0,  # ignored the yamux receive window: cut at once
-    "rate_limited": 1.0,  # per message above the topic's budget
+    # Rate alone costs nothing (admission.py drops what is over it): an honest trainer's
+    # bursts (back to back steps, a joiner's catch-up) must never get it cut.
     "malformed": 5.0, "bad_schema": 5.0, "bad_signature": 5.0, "bad_peer_id": 5.0,
     "sender_mismatch": 5.0, "too_large": 5.0, "unknown_type": 5.0, "unknown_version": 1.0,
     # A replay is not charged: an honest duplicate that outlived pubsub's seen-cache (slow

@@ -133,7 +133,10 @@ async def test_peer_ignoring_the_yamux_window_is_cut_with_memory_bounded(make_no
 
 
 @pytest.mark.slow
-async def test_gossip_flood_is_cut_before_validation_honest_traffic_flows(make_node):
+async def test_a_gossip_flood_is_dropped_before_validation_and_nobody_is_cut(make_node):
+    """A peer publishing its own messages far over its rate (a flooder, or an honest trainer
+    stepping back to back) has the excess dropped before any signature check; it is never
+    cut for rate alone, and other peers' traffic flows."""
     victim = PeerProcess()
     try:
         info = await victim.ready()
@@ -151,26 +154,23 @@ async def test_gossip_flood_is_cut_before_validation_honest_traffic_flows(make_n
 
         async def flood() -> None:
             for frame in frames:
-                try:
-                    await stream.write(frame)
-                except Exception:  # noqa: BLE001 - cut by the victim
-                    return
+                await stream.write(frame)
 
         flooding = asyncio.create_task(flood())
         for i in range(20):
             await honest.publish("verdicts", verdict(100_000 + i))
         await asyncio.wait_for(flooding, 60)
         await wait_delivered(honest, info["peer_id"], honest.peer_id, 20)
-        await wait_until(lambda: info["peer_id"] not in attacker.connected_peers(), 30,
-                         what="the flooder to be cut")
+        stats = await victim_stats(honest, info["peer_id"])
+        assert info["peer_id"] in attacker.connected_peers()  # not cut
     finally:
         report = await victim.stop()
     delivered = report["by_origin"]
     assert delivered.get(honest.peer_id) == 20, delivered
-    # Only the burst (500) plus the refill (50/s until the cut) got through, not the flood.
+    # Only the burst (500) plus the refill (50/s) got through, not the flood.
     assert delivered.get(attacker.peer_id, 0) <= n_flood // 4, delivered
     assert report["counters"].get("rejected.rate_limited", 0) >= 100
-    assert report["health"]["cuts"] == 1
+    assert report["health"]["cuts"] == 0 and stats["health"]["cuts"] == 0
 
 
 async def test_reported_misbehaviour_cuts_and_refuses_the_peer(make_node):

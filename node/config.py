@@ -220,8 +220,10 @@ class BroadcastSection(Section):
     """Largest shard size accepted in a peer's manifest (also the largest request served)."""
     max_checkpoint_bytes: int = Field(256 * 1024**3, ge=4096)
     """Largest checkpoint accepted in a peer's manifest (it must also fit the free disk)."""
-    max_shards: int = Field(1 << 17, ge=1, le=1 << 20)
-    """Most shards accepted in a peer's manifest."""
+    max_shards: int = Field(1 << 14, ge=1, le=1 << 20)
+    """Most shards accepted in a peer's manifest (refused `too_many_shards` before anything
+    else is looked at; 16384 x the default 4 MiB shards = 64 GiB). A trainer whose
+    checkpoint needs more raises `shard_size` instead."""
     max_unproven_sources: int = Field(8, ge=0)
     """Per version: advertisers we never verified a shard from that are used as sources
     (peers that delivered verified shards before, and the trainer, are not capped)."""

@@ -194,10 +194,32 @@ def _rejected(st: dict) -> int:
     return sum(rej.values()) if isinstance(rej, dict) else int(rej or 0)
 
 
+def waiting_for(nodes: list[DemoNode]) -> str:
+    """What the swarm waits for before the first reward is known (the first minute)."""
+    trainer = nodes[0].last_status
+    if trainer.get("reward") is not None:
+        return ""
+    peers = [n for n in nodes[1:] if n.role == "inference"]
+    if not trainer or trainer.get("phase") != "running":
+        return "waiting for the trainer to load the model"
+    loading = [n.name for n in peers if n.last_status.get("phase") != "running"]
+    if loading:
+        return f"waiting for {', '.join(loading)} to load the model"
+    fresh = [n.name for n in peers if not n.last_status.get("policy_id")]
+    if fresh:
+        return f"waiting for {', '.join(fresh)} to download the trainer's v0"
+    if not any(n.last_status.get("rollouts_sent") for n in peers):
+        return "waiting for the inference peers' first rollouts"
+    if not trainer.get("rollouts_accepted"):
+        return "the trainer verifies the first rollouts (proof, logprobs, reward, ...)"
+    return "waiting for the first training step"
+
+
 def progress_line(nodes: list[DemoNode], elapsed: float) -> str:
     trainer = nodes[0].last_status
+    wait = waiting_for(nodes)
     head = (f"[{elapsed:5.0f}s] trainer v{trainer.get('policy_version', '?')} "
-            f"reward {_fmt(trainer.get('reward'))}")
+            + (wait if wait else f"reward {_fmt(trainer.get('reward'))}"))
     parts = [head]
     for node in nodes[1:]:
         st = node.last_status
@@ -213,9 +235,10 @@ def progress_line(nodes: list[DemoNode], elapsed: float) -> str:
 def render_table(nodes: list[DemoNode], elapsed: float):
     trainer = nodes[0].last_status
     by_peer = trainer.get("accepted_by_peer", {})
+    wait = waiting_for(nodes)
     table = Table(title=f"swarm-node demo, {elapsed:.0f}s: trainer policy "
-                        f"v{trainer.get('policy_version', '?')}, reward "
-                        f"{_fmt(trainer.get('reward'))}")
+                        f"v{trainer.get('policy_version', '?')}, "
+                        + (wait if wait else f"reward {_fmt(trainer.get('reward'))}"))
     for col in ("node", "role", "policy", "sent", "accepted", "rejected", "peers", "note"):
         table.add_column(col)
     for node in nodes:
@@ -265,6 +288,7 @@ def summary(nodes: list[DemoNode], require_rise: bool = True) -> tuple[str, bool
     if cheater is not None:
         lines.append(f"dishonest peer: {'BANNED' if banned else 'not banned'}, "
                      f"{cheater_accepted} of its rollouts accepted")
+        lines.extend(cheater_story(cheater, by_peer.get(cheater_id, {}), banned))
     rose = start is not None and last is not None and last > start
     lines.append(f"reward rose: {'yes' if rose else 'no'}")
     caught = cheater is None or (banned and cheater_accepted == 0)
@@ -272,11 +296,31 @@ def summary(nodes: list[DemoNode], require_rise: bool = True) -> tuple[str, bool
     return "\n".join(lines), ok
 
 
+def cheater_story(cheater: DemoNode, seen: dict, banned: bool) -> list[str]:
+    """Why the cheater's numbers do not add up: what the trainer verified, what it refused
+    unverified once the ban was in place, and what never reached it."""
+    sent = int(cheater.last_status.get("rollouts_sent", 0) or 0)
+    reasons = dict(seen.get("reasons") or {})
+    dropped = reasons.pop("banned", 0)
+    accepted = int(seen.get("accepted", 0) or 0)
+    checked = accepted + sum(reasons.values())
+    out = [(f"  it sent {sent} rollouts; the trainer verified {checked}: {accepted} accepted, "
+            f"{sum(reasons.values())} rejected {reasons or ''}")]
+    if banned:
+        out.append(f"  then banned it: {dropped} more arrived and were refused unverified "
+                   f"(reason 'banned'), and the other {max(0, sent - checked - dropped)} "
+                   "were dropped at the gossip layer before the trainer saw them (a banned "
+                   "peer's messages are not even validated)")
+    return out
+
+
 def demo_model(model: str, work: Path) -> Path:
     """The demo's model folder: the tiny model built into the workdir, or SmolLM2 from the
     builtin cache (converted once)."""
     if model not in MODELS:
         raise NodeError(f"demo --model must be one of {', '.join(MODELS)}")
+    # a library progress bar ("Writing model shards") is not demo output
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if model == "smollm2":
         return ensure_builtin(BUILTIN_SMOLLM2)
     model_dir = work / "model"
@@ -307,6 +351,35 @@ def held_out_report(model_dir: Path, trainer: DemoNode) -> list[str]:
     return lines
 
 
+def watch(nodes: list[DemoNode], rounds: int, time_limit_s: float,
+          cheat: DemoNode | None, t0: float) -> bool:
+    """Poll every node until the trainer reached `rounds` versions and the cheater is banned
+    (or the time limit). Returns True if Ctrl-C ended it."""
+    trainer = nodes[0]
+    try:
+        with Progress() as progress:
+            while True:
+                for node in nodes:
+                    fetch_status(node)
+                    if node.proc is not None and node.proc.poll() is not None:
+                        raise NodeError(f"demo node {node.name} exited (code "
+                                        f"{node.proc.returncode}); its log:\n{tail(node.log_path)}")
+                elapsed = time.monotonic() - t0
+                progress.update(nodes, elapsed)
+                st = trainer.last_status
+                banned = cheat is None or cheat.info.get("peer_id") in st.get("banned", [])
+                if st.get("policy_version", 0) >= rounds and banned:
+                    return False
+                if elapsed > time_limit_s:
+                    print(f"time limit of {time_limit_s:.0f}s reached", flush=True)
+                    return False
+                time.sleep(1.0)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted at trainer v{trainer.last_status.get('policy_version', 0)}",
+              flush=True)
+        return True
+
+
 def run_demo(rounds: int = 0, inference_peers: int = 2, workdir: Path | None = None,
              time_limit_s: float | None = None, model: str = "tiny",
              cheater: bool = True) -> int:
@@ -329,6 +402,7 @@ def run_demo(rounds: int = 0, inference_peers: int = 2, workdir: Path | None = N
     cheat = DemoNode("cheater", "inference", work / "cheater", dishonest="tamper_tokens")
     nodes = [trainer, relay, *honest] + ([cheat] if cheater else [])
     t0 = time.monotonic()
+    interrupted = False
     try:
         start_node(trainer, configure(node_config(trainer, model_dir, [], [], swarm_id)))
         info = wait_info(trainer)
@@ -341,27 +415,26 @@ def run_demo(rounds: int = 0, inference_peers: int = 2, workdir: Path | None = N
             wait_info(node)
         print(f"{len(nodes)} nodes up after {time.monotonic() - t0:.0f}s; training for "
               f"{rounds} policy versions")
-        with Progress() as progress:
-            while True:
-                for node in nodes:
-                    fetch_status(node)
-                    if node.proc is not None and node.proc.poll() is not None:
-                        raise NodeError(f"demo node {node.name} exited (code "
-                                        f"{node.proc.returncode}); its log:\n{tail(node.log_path)}")
-                elapsed = time.monotonic() - t0
-                progress.update(nodes, elapsed)
-                st = trainer.last_status
-                banned = not cheater or cheat.info.get("peer_id") in st.get("banned", [])
-                if st.get("policy_version", 0) >= rounds and banned:
-                    break
-                if elapsed > time_limit_s:
-                    print(f"time limit of {time_limit_s:.0f}s reached", flush=True)
-                    break
-                time.sleep(1.0)
+        interrupted = watch(nodes, rounds, time_limit_s, cheat if cheater else None, t0)
+    except KeyboardInterrupt:
+        interrupted = True
+        print("\ninterrupted while starting the nodes", flush=True)
     finally:
-        stop_nodes(nodes)
+        running = [n for n in nodes if n.proc is not None and n.proc.poll() is None]
+        if running:
+            print(f"stopping {len(running)} nodes (a clean shutdown each, up to 30 s; Ctrl-C "
+                  "again kills them now) ...", flush=True)
+        try:
+            stop_nodes(nodes)
+        except KeyboardInterrupt:
+            stop_nodes(nodes, grace=0.0)
+            print("killed the nodes", flush=True)
     text, ok = summary(nodes, require_rise=model != "smollm2")  # few rounds: no promise
+    if interrupted:
+        text += f"\n(interrupted after {time.monotonic() - t0:.0f}s: a partial run; workdir {work})"
     print(text)
+    if interrupted:
+        return 130
     if model == "smollm2":
         print("\n".join(held_out_report(model_dir, trainer)))
     return 0 if ok else 1

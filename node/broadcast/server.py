@@ -54,6 +54,9 @@ async def _abort(stream: ByteStream) -> None:
         await stream.reset()
 
 
+MAX_SERVED_PEERS = 4096  # peers counted one by one in `served_to`
+
+
 class ShardServer:
     def __init__(self, store: ShardStore, cfg):
         self.store = store
@@ -62,6 +65,7 @@ class ShardServer:
         self.active_total = 0
         self.limiter = RateLimiter(cfg.upload_rate_mib_s * 2**20)
         self.metrics: Counter[str] = Counter()
+        self.served_to: Counter[str] = Counter()  # bytes of whole answers, per peer (bounded)
         self.zero_copy = True  # TCP uploads with sendfile(2) when not paced
 
     async def handle(self, peer: str, stream: ByteStream) -> None:
@@ -158,7 +162,12 @@ class ShardServer:
         self.active[peer] += 1
         self.active_total += 1
         try:
-            return await self._upload(stream, entry, req, length)
+            done = await self._upload(stream, entry, req, length)
+            if done:
+                if peer not in self.served_to and len(self.served_to) >= MAX_SERVED_PEERS:
+                    peer = "(other)"
+                self.served_to[peer] += length
+            return done
         except TimeoutError:
             self.metrics["upload_stalled"] += 1
             log.info("cut a shard upload to %s: the client did not take it", peer)

@@ -19,16 +19,17 @@ from pathlib import Path
 from ...protocol.messages import Verdict
 from ...verifier.reasons import REASONS as REASON_TEXT
 from ..errors import NodeError
-from .interfaces import CheckpointFeed
+from .interfaces import CheckpointFeed, VerifiedCheckpoint
 
 log = logging.getLogger("swarm_node")
 
 SUMMARY_REASON = "batch_summary"
 """Verdict reason of a trainer's per-batch summary to the batch's sender (NODE_SPEC §5)."""
 BAN_NOTICE_INTERVAL_S = 60.0
-FOLLOW_WAIT_S = 120.0
+FOLLOW_WAIT_PERIODS = 12
 """A followed trainer re-advertises its checkpoints every broadcast.readvertise_s (10 s): with
-nothing of it here nor downloading after this long, the operator is told (once)."""
+nothing of it here nor downloading after this many periods (120 s), the operator is told
+(once)."""
 FOLLOW_POLL_S = 1.0
 
 
@@ -66,7 +67,6 @@ def _knob(field: str) -> str:
 
 class Role:
     name = "role"
-    follow_wait_s = FOLLOW_WAIT_S
 
     def __init__(self, cfg, identity, p2p, state):
         self.cfg = cfg
@@ -74,6 +74,7 @@ class Role:
         self.p2p = p2p
         self.state = state
         self.data_dir: Path = cfg.data_dir
+        self.follow_wait_s = FOLLOW_WAIT_PERIODS * cfg.broadcast.readvertise_s
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-work")
 
     async def work(self, fn, *args, **kwargs):
@@ -125,11 +126,15 @@ class Role:
 
     async def _on_own_verdict(self, env, from_peer: str) -> None:
         v = env.message
-        if v.subject != self.identity.peer_id:
-            return
         mine = self.state.own_verdicts
+        if v.subject != self.identity.peer_id:
+            if v.reason == SUMMARY_REASON and env.sender != self.identity.peer_id:
+                # every peer's summary: the trainer's accepted total, of which mine is a share
+                mine.swarm_summary(env.sender, parse_summary(v.detail)["accepted"])
+            return
         if v.reason == SUMMARY_REASON:
             counts = parse_summary(v.detail)
+            mine.swarm_summary(env.sender, counts["accepted"])
             if counts["accepted"]:
                 mine.add(env.sender, True, "accepted", counts["accepted"], "", v.policy_version)
             for reason, n in counts["reasons"].items():
@@ -184,8 +189,11 @@ class Role:
         """Load what the role needs and subscribe to its topics."""
 
     def track_downloads(self, feed: CheckpointFeed, interval_s: float = 1.0) -> None:
-        """Mirror the feed's download in progress into `/status`, every `interval_s`."""
+        """Mirror the feed's download in progress into `/status` (every `interval_s`), each
+        finished download into its record and counters, and the feed's counters into
+        `/metrics`."""
         tracker = DownloadTracker(self.state, feed)
+        self.state.add_counters("broadcast", feed.counters)
 
         async def loop():
             while True:
@@ -196,12 +204,18 @@ class Role:
     def watch_followed(self, feed: CheckpointFeed, trainer: Callable[[], str | None]) -> None:
         """After `follow_wait_s` with no checkpoint of `trainer()` here nor downloading, say
         so once in the log and in /status (`follow`), and again when it appears. The node
-        keeps running: the trainer may start later."""
+        keeps running: the trainer may start later. A node with neither --follow nor
+        --bootstrap can learn no trainer: /status says so at once."""
+        if trainer() is None and not self.cfg.node.bootstrap:
+            self.state.extra["follow"] = {"trainer": None, "seen": False,
+                                          "problem": _follow_problem(None, 0.0, False)}
+
         async def watch():
             await asyncio.sleep(self.follow_wait_s)
             if _heard_from(feed, trainer()):
                 return
-            problem = _follow_problem(trainer(), self.follow_wait_s)
+            problem = _follow_problem(trainer(), self.follow_wait_s, feed.follow_problem(),
+                                      bool(self.cfg.node.bootstrap))
             self.state.extra["follow"] = {"trainer": trainer(), "seen": False,
                                           "problem": problem}
             log.warning("%s", problem)
@@ -255,10 +269,17 @@ def _heard_from(feed: CheckpointFeed, trainer: str | None) -> bool:
         d.policy_id == trainer for d in feed.downloads()))
 
 
-def _follow_problem(trainer: str | None, waited_s: float) -> str:
+def _follow_problem(trainer: str | None, waited_s: float, why: str | None = None,
+                    bootstrap: bool = True) -> str:
+    if trainer is None and why:
+        return f"no trainer to follow after {waited_s:.0f}s: {why}. Still waiting"
+    if trainer is None and not bootstrap:
+        return ("no trainer to follow: no --follow and no --bootstrap were given; restart "
+                "with the line the trainer printed ('others join with: ...'), which has both")
     if trainer is None:
         return (f"no trainer to follow after {waited_s:.0f}s: no --follow was given and no "
-                "bootstrap peer announced one; pass --follow <trainer peer id>. Still waiting")
+                "bootstrap peer announced one (is it in another swarm? check --swarm); pass "
+                "--follow <trainer peer id>. Still waiting")
     return (f"no checkpoint of the followed trainer {trainer} after {waited_s:.0f}s: check "
             "that this is the trainer's peer id (its log says 'joined swarm ... peer id'), "
             "that it is running and that this node's bootstrap peers reach it. Still waiting")
@@ -266,27 +287,22 @@ def _follow_problem(trainer: str | None, waited_s: float) -> str:
 
 class DownloadTracker:
     """A checkpoint feed's downloads as seen by `/status`: the progress of the one in
-    flight, and a download record (size, seconds) per version once it is verified here."""
+    flight (read every tick), and a download record (bytes fetched, seconds) per version
+    the feed hands over (an event: a download that starts and ends between two ticks is
+    counted too)."""
 
     def __init__(self, state, feed: CheckpointFeed):
         self.state, self.feed = state, feed
-        self.started: dict[tuple[str, int], tuple[float, int]] = {}
-        self.last: tuple[str, int] | None = None  # the download shown in /status
+        feed.listen(self.handed_over)
 
     def tick(self) -> None:
-        downloads = self.feed.downloads()
-        for d in downloads:
+        for d in self.feed.downloads():
             self.state.set_checkpoint_progress(d.version, d.shards_have, d.shards_total,
                                                d.bytes_done, d.bytes_total)
-            self.started.setdefault((d.policy_id, d.version), (time.monotonic(), d.bytes_total))
-            self.last = (d.policy_id, d.version)
-        for key in [k for k in self.started if self.feed.path(*k) is not None]:
-            t0, size = self.started.pop(key)
-            self.state.record_download(key[1], key[0], size, time.monotonic() - t0)
-        cp = self.state.checkpoint_progress
-        if (cp and not cp["complete"] and not downloads and self.last is not None
-                and self.feed.path(*self.last) is not None):
-            # it finished between two ticks: show it complete
-            self.state.set_checkpoint_progress(cp["version"], cp["shards_total"],
-                                               cp["shards_total"], cp["bytes_total"],
-                                               cp["bytes_total"])
+
+    def handed_over(self, ckpt: VerifiedCheckpoint) -> None:
+        if ckpt.downloaded > 0:
+            self.state.record_download(ckpt.version, ckpt.policy_id, ckpt.downloaded,
+                                       ckpt.seconds)
+        self.state.set_checkpoint_progress(ckpt.version, ckpt.shards, ckpt.shards, ckpt.size,
+                                           ckpt.size)

@@ -18,7 +18,7 @@ from ...protocol.messages import RolloutBatch
 from ...verifier.proof import build_proofs
 from ...verifier.rules import batch_rules
 from ..broadcast.follow import trainer_choice
-from ..diskspace import until_written
+from ..diskspace import DiskWatch, until_written
 from ..sampler import make_sampler
 from ..sampler.factory import sampling_params
 from ..sampler.rounds import sample_round, to_batch
@@ -58,6 +58,8 @@ class InferenceRole(Role):
         self.pending: tuple[int, object] | None = None  # (version, checkpoint dir)
         self.new_version = asyncio.Event()
         self.round = int(self.load_json(ROUND_FILE, {"next_round": 0})["next_round"])
+        # a round is sampled only when its counter can be persisted: a full disk pauses it
+        self.disk = DiskWatch("sampling", self.data_dir)
 
     async def start(self) -> None:
         self.tasks = TaskSource.of(self.cfg.tasks, self.cfg.node.swarm_id)
@@ -74,8 +76,10 @@ class InferenceRole(Role):
                 settings_check=self.settings.check)
         self.feed.listen(self._on_checkpoint)
         self.policy_id = self.feed.chosen()
+        self.state.policy_id = self.policy_id or ""
         await self.feed.start()
         self.state.extra["disk"] = self.feed.disk.status()
+        self.state.extra["sampling_disk"] = self.disk.status()
         self.track_downloads(self.feed)
         # says so if the trainer never appears (chosen: announced by the bootstrap peer)
         self.watch_followed(self.feed, lambda: self.policy_id or self.feed.chosen())
@@ -101,6 +105,7 @@ class InferenceRole(Role):
         await self.work(self.sampler.load_weights, ckpt_dir, version)
         self.state.observe("checkpoint_load_seconds", time.monotonic() - t0)
         self.state.policy_version = version
+        self.state.policy_id = self.policy_id or ""
         log.info("hot-loaded policy version %d in %.2fs", version, time.monotonic() - t0)
 
     async def _adopt_settings(self, ckpt_dir) -> None:
@@ -129,6 +134,11 @@ class InferenceRole(Role):
                 await wait_any(stop, self.new_version, timeout=NO_TRAINER_POLL_S)
                 self.new_version.clear()
                 continue
+            self.state.policy_id = self.policy_id
+            # disk full: sampling pauses (one line; the next version could not be downloaded
+            # either) and resumes when space returns
+            if not await self.disk.wait_for_space(0, stop):
+                break
             round_ = self._next_round()
             if round_ is None:
                 # This version's rounds are used up (BatchRules: rounds are bound to the
@@ -138,11 +148,13 @@ class InferenceRole(Role):
                 continue
             t0 = time.monotonic()
             batch = await self.work_oom_safe(self.sample_round, round_, sampler=self.sampler)
-            self.state.observe("sample_round_seconds", time.monotonic() - t0)
+            seconds = time.monotonic() - t0
+            self.state.observe("sample_round_seconds", seconds)
             self.round = round_ + 1
-            # disk full: sampling pauses here (the round is persisted before publishing)
-            await until_written(self.feed.disk, self.work, self.save_json, ROUND_FILE,
-                                {"next_round": self.round})
+            # the round is persisted before publishing (a write that fails for space pauses
+            # here; a stop meanwhile drops this batch unsent: WaitStopped)
+            await until_written(self.disk, self.work, self.save_json, ROUND_FILE,
+                                {"next_round": self.round}, stop=stop)
             if self.pending is not None and (
                     self.pending[0] - batch.policy_version > self.cfg.trainer.max_staleness):
                 # A much newer policy arrived while sampling: verifiers would reject this
@@ -160,8 +172,10 @@ class InferenceRole(Role):
             self.state.rollouts_sent += len(batch.completions)
             rewards = [c.claimed_reward for c in batch.completions]
             self.state.reward = sum(rewards) / len(rewards)
+            tokens = sum(int(c.completion_ids.shape[0]) for c in batch.completions)
             self.state.record_step(batch.policy_version, self.state.reward, round=batch.round,
-                                   accuracy=sum(r >= 1.0 for r in rewards) / len(rewards))
+                                   accuracy=sum(r >= 1.0 for r in rewards) / len(rewards),
+                                   tokens_per_s=round(tokens / max(seconds, 1e-6), 1))
             log.info("published round %d: %d completions, policy v%d, mean reward %.3f",
                      batch.round, len(batch.completions), batch.policy_version, self.state.reward)
 

@@ -113,9 +113,9 @@ class SettingsFollower:
                 setattr(getattr(self.cfg, section), field, value)
             self.adopted[name] = value
         if adopt:
-            log.warning("adopted the swarm settings of trainer %s: %s", trainer[-8:] or "?",
-                        ", ".join(f"{ADOPTABLE[k][0]}.{ADOPTABLE[k][1]} = {v!r}"
-                                  for k, v in adopt.items()))
+            log.info("adopted the swarm settings of trainer %s: %s", trainer[-8:] or "?",
+                     ", ".join(f"{ADOPTABLE[k][0]}.{ADOPTABLE[k][1]} = {v!r}"
+                               for k, v in adopt.items()))
         return None
 
     def _refuse(self, trainer: str, diffs: list[str]) -> str:

@@ -115,6 +115,8 @@ class TrainerRole(Role):
             if self.feed is None:
                 self.feed = own.followed  # same broadcaster: started and closed with `own`
         await self.own.start()
+        if self.feed is not None:  # the broadcaster's counters (served, downloaded) at /metrics
+            self.state.add_counters("broadcast", self.feed.counters)
         await self.p2p.subscribe("rollouts", self._on_rollouts)
         await self.p2p.subscribe("verdicts", self._on_verdict)
         await self.watch_verdicts()
@@ -377,8 +379,11 @@ class TrainerRole(Role):
             self.state.record_step(stats.version, None if math.isnan(reward) else reward,
                                    loss=stats.loss, tokens_per_s=stats.tokens_per_s,
                                    step_seconds=stats.seconds)
-            log.info("train step -> v%d: %d local + %d external groups, %d tokens, "
-                     "reward %.3f, loss %.4f, %.1f tok/s", stats.version, stats.groups_local,
+            # "of this policy": sampled here or by peers following it (SAPO's "local"
+            # items); "of other policies": the followed trainers' (SAPO's "external")
+            log.info("train step -> v%d: %d groups of this policy + %d of other policies, "
+                     "%d tokens, reward %.3f, loss %.4f, %.1f tok/s", stats.version,
+                     stats.groups_local,
                      stats.groups_external, stats.tokens, reward, stats.loss,
                      stats.tokens_per_s)
             if stats.checkpoint:

@@ -25,11 +25,10 @@ import threading
 import time
 from pathlib import Path
 
-from ...protocol.messages import CheckpointManifest
 from ..broadcast.errors import ManifestRejected
 from ..broadcast.follow import TrainerChoice, bootstrap_peer_ids
 from ..broadcast.server import RateLimiter
-from ..broadcast.service import Broadcaster
+from ..broadcast.service import Broadcaster, Completed
 from ..broadcast.transport import RX_STATS
 from ..config import Config
 from ..diskspace import configure as configure_disk
@@ -147,12 +146,10 @@ async def main(argv: list[str] | None = None) -> int:
     node = P2PNode(ident, cfg)
     t_start = time.time()
 
-    def on_complete(m: CheckpointManifest, path: Path) -> None:
-        d = bc.finished.get((m.policy_id, m.version))
-        emit(event="complete", policy=m.policy_id, version=m.version, path=str(path),
-             t=time.time(), metrics=dict(d.metrics) if d else {},
-             times=dict(d.times) if d else {},
-             sources=bc.books[(m.policy_id, m.version)].summary(),
+    def on_complete(done: Completed) -> None:
+        m = done.manifest
+        emit(event="complete", policy=m.policy_id, version=m.version, path=str(done.path),
+             t=time.time(), metrics=done.metrics, times=done.times, sources=done.sources,
              streams=dict(getattr(bc.transport, "opened", {})), rx=dict(RX_STATS),
              peak_rss_mib=peak_rss_mib(), cpu_s=cpu_seconds(), cpu_threads=thread_cpu(),
              p2p=dict(node.metrics.counters))
@@ -198,10 +195,11 @@ async def main(argv: list[str] | None = None) -> int:
                            if k.startswith("bulk_")},
                      endpoint=bc.endpoint,
                      rejected=dict(bc.gate.rejected), peak_rss_mib=peak_rss_mib(),
-                     downloads={p: dict(d.metrics) for p, (_, _, d) in bc.downloads.items()},
+                     downloads={p: dict(j.downloader.metrics)
+                                for p, j in bc.follower.jobs.items() if j.downloader},
                      disk=bc.disk.status(), follow=sorted(bc.gate.follow),
                      held=[list(k) for k, e in bc.store.entries.items() if e.complete],
-                     adverts=dict(bc.advert_metrics), cpu_s=cpu_seconds(),
+                     counters=bc.counters(), cpu_s=cpu_seconds(),
                      cpu_threads=thread_cpu(), p2p=dict(node.metrics.counters),
                      peers=node.connected_peers())
     finally:

@@ -92,7 +92,7 @@ async def test_corrupt_source_costs_one_shard_and_is_dropped(tmp_path, trainer, 
     book.add("evil", None)
     d = Downloader(store, entry, t, book, cfg)
     # let the client hit shard 2 from "evil" first: the only source until it misbehaves
-    d.order = [2] + [i for i in d.order if i != 2]
+    d.pending = [2] + [i for i in d.pending if i != 2]
     cfg.parallel_downloads = 1
     task = asyncio.create_task(d.run())
     while not book.sources["evil"].dropped:

@@ -33,13 +33,18 @@ class FakeFeed:
         self._chosen = policy_id
         self.followed.add(policy_id)
 
-    def deliver(self, policy_id: str, version: int, path: Path, size: int = 1) -> None:
+    def deliver(self, policy_id: str, version: int, path: Path, size: int = 1,
+                downloaded: int = 0, shards: int = 1) -> None:
         self.paths[(policy_id, version)] = Path(path)
         for on_checkpoint in self.listeners:
-            on_checkpoint(VerifiedCheckpoint(policy_id, version, Path(path), size))
+            on_checkpoint(VerifiedCheckpoint(policy_id, version, Path(path), size, downloaded,
+                                             0.5, shards))
 
     def chosen(self) -> str | None:
         return self._chosen
+
+    def follow_problem(self) -> str | None:
+        return None
 
     def follows(self, policy_id: str) -> bool:
         return policy_id in self.followed
@@ -52,6 +57,9 @@ class FakeFeed:
 
     def downloads(self) -> list[DownloadStatus]:
         return list(self.in_flight)
+
+    def counters(self) -> dict[str, int]:
+        return {"downloads_completed": len(self.paths)}
 
     async def start(self) -> None:
         self.started = True

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -81,19 +82,26 @@ async def make_node():
 
 
 class PeerProcess:
-    """A peer_proc.py subprocess; `stop()` closes its stdin and returns its final report."""
+    """A peer_proc.py subprocess; `stop()` closes its stdin and returns its final report.
+    Its log (stderr) goes to a temporary file, never to an unread pipe: a full pipe blocks
+    the process at its next log line (its libp2p thread included)."""
 
     def __init__(self, *args: str):
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self._log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - read after stop(); GC closes
         self.proc = subprocess.Popen([sys.executable, str(PEER_PROC), *args],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env=env)
+                                     stderr=self._log, text=True, env=env)
         self.info: dict = {}
+
+    def stderr_tail(self, n: int = 3000) -> str:
+        self._log.seek(0)
+        return self._log.read()[-n:]
 
     async def ready(self, timeout: float = 60) -> dict:
         line = await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.readline), timeout)
         if not line:
-            raise RuntimeError(f"peer process died: {self.proc.stderr.read()[-3000:]}")
+            raise RuntimeError(f"peer process died: {self.stderr_tail()}")
         self.info = json.loads(line)
         return self.info
 

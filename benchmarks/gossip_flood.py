@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import numpy as np
-from swarm_node.node.config import Config
+from swarm_node.node.config import Config, load_config
 from swarm_node.node.identity import Identity
 from swarm_node.node.logs import setup_logging
 from swarm_node.node.p2p import P2PNode
@@ -52,11 +52,8 @@ PEER_PROC = ROOT / "tests" / "node" / "p2p" / "peer_proc.py"
 
 
 def config() -> Config:
-    cfg = Config()
-    cfg.node.listen = ["/ip4/127.0.0.1/tcp/0"]
-    cfg.p2p.discovery_interval_s = 0.5
-    cfg.p2p.bootstrap_timeout_s = 10
-    return cfg
+    return load_config(None, {"node.listen": ["/ip4/127.0.0.1/tcp/0"],
+                              "p2p.discovery_interval_s": 0.5, "p2p.bootstrap_timeout_s": 10})
 
 
 def message(kind: str, origin: str, i: int):

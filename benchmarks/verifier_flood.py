@@ -142,8 +142,9 @@ async def run(args) -> dict:
             return time.monotonic(), acc, st.get("policy_version", 0), intake
 
         trainer.wait(lambda: sample()[1] >= 64, 300, "honest peer established")
-        swarm = Config.model_validate({"tasks": tcfg["tasks"], "sampler": tcfg["sampler"]})
-        swarm.node.swarm_id, swarm.node.listen = SWARM, ["/ip4/127.0.0.1/tcp/0"]
+        swarm = Config.model_validate({"tasks": tcfg["tasks"], "sampler": tcfg["sampler"],
+                                       "node": {"swarm_id": SWARM,
+                                                "listen": ["/ip4/127.0.0.1/tcp/0"]}})
         model, tokenizer = load_model(model_dir)
         source = TaskSource(swarm.tasks.mix, SWARM)
         rules, params = batch_rules(swarm), sampling_params(swarm)

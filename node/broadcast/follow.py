@@ -172,6 +172,7 @@ async def ask_bootstrap_peers(choice: TrainerChoice, node, timeout_s: float) -> 
         if choice.decide(final=loop.time() >= deadline) is not None:
             break
         left = deadline - loop.time()
+        # a retry backoff, not a poll: the answers are asked for again, nothing signals them
         await asyncio.sleep(min(wait, left) if left > 0.05 else wait)
         wait = min(2 * wait, RETRY_S[1])
     return choice.chosen

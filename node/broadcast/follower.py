@@ -21,6 +21,7 @@ from ...protocol.envelope import Envelope
 from ...protocol.ids import MANIFEST_PROTOCOL
 from ...protocol.messages import CheckpointManifest, ShardRequest
 from ..diskspace import DiskFull, DiskWatch, is_disk_full
+from ..lifecycle import Changed, TaskOwner
 from .downloader import Downloader
 from .errors import DownloadFailed, ManifestRejected, StoreError
 from .follow import TrainerChoice, ask_bootstrap_peers
@@ -37,7 +38,8 @@ PULL_BACKOFF_S = 60.0
 PULL_GRACE_S = 1.0
 """A version first seen in an advert is pulled only if its manifest did not arrive by
 gossip this long after (a trainer advertises a version just before gossiping its
-manifest: pulling at once fetched nearly every manifest twice)."""
+manifest: pulling at once fetched nearly every manifest twice). The wait ends as soon as
+the manifest arrives (`Follower.changed`)."""
 MAX_BACKOFF_PEERS = 4096
 MAX_TOLD = 256  # policies told once that they are not followed
 QUIET = ("not_newer", "settings_mismatch", "no_space")  # said elsewhere, or routine
@@ -76,13 +78,19 @@ class Job:
 
 
 class Follower:
+    """`tasks`: the owner of the downloads and manifest pulls (the broadcaster's).
+    `changed` fires whenever what it holds or fetches changes: a download starts or ends, a
+    trainer is chosen (waiters: the manifest-pull grace, the roles' follow watch)."""
+
     def __init__(self, node, cfg, store: ShardStore, records: VersionRecords,
-                 counters: Counter, proven: ProvenPeers, transport, *,
+                 counters: Counter, proven: ProvenPeers, transport, *, tasks: TaskOwner,
                  follow: list[str], choice: TrainerChoice | None = None,
                  settings_check: Callable[..., str | None] | None = None,
                  interactive: bool | None = None):
         self.node, self.cfg, self.store, self.records = node, cfg, store, records
         self.counters, self.proven, self.transport = counters, proven, transport
+        self.tasks = tasks
+        self.changed = Changed()
         self.choice = choice  # followers without --follow: the one explicit trainer choice
         if choice is not None and choice.chosen:
             follow = [*follow, choice.chosen]
@@ -95,7 +103,6 @@ class Follower:
         self.on_complete: OnComplete | None = None
         self.on_shard: Callable[[tuple[str, int]], None] | None = None  # adverts
         self.on_done: Callable[[tuple[str, int]], None] | None = None  # adverts
-        self.spawn: Callable[..., asyncio.Task] = asyncio.create_task  # the owner's tasks
         self.jobs: dict[str, Job] = {}  # per policy: the version downloading
         self._pulling: dict[str, int] = {}  # per policy: the version whose manifest is asked
         self._backoff: OrderedDict[str, float] = OrderedDict()  # peer -> no pulls until
@@ -171,14 +178,20 @@ class Follower:
         entry = self.store.get(*key)
         self.space.reserve(key, m.total_size - (entry.verified_bytes() if entry else 0))
         self.counters["downloads_started"] += 1
-        self.jobs[m.policy_id] = Job(m.version, asyncio.create_task(self._download(accepted)))
+        self.jobs[m.policy_id] = Job(m.version, self.tasks.spawn(
+            self._download(accepted), f"download {m.policy_id[-8:]} v{m.version}"))
+        self.changed.fire()
 
     def resume(self) -> None:
-        """Resume the unfinished downloads of followed policies found on disk."""
+        """Resume the unfinished downloads of followed policies found on disk (their swarm
+        settings checked again: the check binds them to the version, and this node's
+        settings may have changed since)."""
+        check = self.gate.settings_check
         for entry in list(self.store.entries.values()):
             m = entry.manifest
             if (not entry.complete and self.gate.follows(m.policy_id)
-                    and m.version > self.store.current_version(m.policy_id)):
+                    and m.version > self.store.current_version(m.policy_id)
+                    and (check is None or check(m.settings, m.policy_id, m.version) is None)):
                 self.start(AcceptedManifest(m, entry.envelope, m.policy_id))
 
     async def _open_entry(self, accepted: AcceptedManifest) -> VersionEntry:
@@ -234,6 +247,7 @@ class Follower:
                 rec.book = None
             if self.jobs.get(m.policy_id) is job:
                 del self.jobs[m.policy_id]
+            self.changed.fire()
         self.counters["downloads_completed"] += 1
         await asyncio.to_thread(self.store.prune, m.policy_id)
         self.records.settle(m.policy_id)
@@ -249,6 +263,7 @@ class Follower:
                               m.version)
         if self.on_done is not None:
             self.on_done(key)
+        self.changed.fire()  # handed over: held here now
 
     def _fold(self, d: Downloader) -> None:
         """Add a finished (or abandoned) download's metrics to the node's counters."""
@@ -275,7 +290,8 @@ class Follower:
                 and rec.version > self.store.current_version(rec.policy_id)
                 and self._may_pull(peer, rec)):
             self._pulling[rec.policy_id] = rec.version
-            task = self.spawn(self._pull(peer, rec.policy_id, rec.version))
+            task = self.tasks.spawn(self._pull(peer, rec.policy_id, rec.version),
+                                    f"manifest pull {rec.policy_id[-8:]} v{rec.version}")
             task.add_done_callback(lambda _t, p=rec.policy_id: self._pulling.pop(p, None))
 
     def _may_pull(self, peer: str, rec: VersionRecord) -> bool:
@@ -287,9 +303,11 @@ class Follower:
         return self._backoff.get(peer, 0.0) <= time.monotonic()
 
     async def _pull(self, peer: str, policy_id: str, version: int) -> None:
-        await asyncio.sleep(PULL_GRACE_S)
-        job = self.jobs.get(policy_id)
-        if (job is not None and job.version >= version) or self.store.get(policy_id, version):
+        def arrived() -> bool:
+            job = self.jobs.get(policy_id)
+            return (job is not None and job.version >= version) or bool(
+                self.store.get(policy_id, version))
+        if await self.changed.wait_for(arrived, timeout=PULL_GRACE_S):
             return  # the gossiped manifest came first
         req = ShardRequest(policy_id=policy_id, version=version, shard=0)
         self.counters["manifest_pulls"] += 1
@@ -324,12 +342,10 @@ class Follower:
                                                self.cfg.request_timeout_s)
             if chosen is not None:  # its versions come with its next adverts
                 self.gate.follow_policy(chosen)
+                self.changed.fire()
 
     # Views ---------------------------------------------------------------------------
 
-    async def close(self) -> None:
-        for job in list(self.jobs.values()):
-            job.task.cancel()
 
 
 def _download_counters(d: Downloader) -> Counter:

@@ -214,7 +214,7 @@ class ManifestGate:
                        "max_checkpoint_bytes": max_checkpoint_bytes, "max_shards": max_shards}
         self.current_version = current_version
         self.space_check = space_check
-        self.settings_check = settings_check  # (settings, trainer) -> refusal line or None
+        self.settings_check = settings_check  # (settings, trainer, version) -> refusal or None
         self.rejected: dict[str, int] = {}
 
     @classmethod
@@ -273,7 +273,7 @@ class ManifestGate:
         if problem:
             raise self._reject(*problem)
         if self.settings_check is not None:
-            refusal = self.settings_check(m.settings, env.sender)
+            refusal = self.settings_check(m.settings, env.sender, m.version)
             if refusal:
                 raise self._reject("settings_mismatch", refusal)
         if self.space_check is not None:

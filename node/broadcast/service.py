@@ -22,6 +22,7 @@ from pathlib import Path
 from ...protocol.errors import ProtocolError
 from ...protocol.ids import FOLLOWS_PROTOCOL, MANIFEST_PROTOCOL, SHARD_PROTOCOL
 from ...protocol.messages import CheckpointManifest, ShardRequest, SwarmSettings
+from ..lifecycle import TaskOwner
 from .adverts import Adverts
 from .errors import BroadcastError
 from .follow import TrainerChoice, encode_follows
@@ -51,6 +52,8 @@ class Broadcaster:
         self.store = ShardStore(store_root, keep_versions=keep)
         self.records = VersionRecords(self.store)
         self.counts: Counter[str] = Counter()  # for the life of the node (counters())
+        # every background task: adverts, downloads, pulls, the trainer choice
+        self.tasks = TaskOwner("broadcast", on_failure=self._task_failed)
         self.proven = ProvenPeers()  # peers we verified shards from
         self.server = ShardServer(self.store, cfg)
         self.transport = transport or RoutingTransport(P2PTransport(node))
@@ -58,17 +61,19 @@ class Broadcaster:
                                self.proven, follows=self._follows, transport=self.transport,
                                endpoint=lambda: self.endpoint)
         self.follower = Follower(node, cfg, self.store, self.records, self.counts,
-                                 self.proven, self.transport, follow=list(follow or []),
+                                 self.proven, self.transport, tasks=self.tasks,
+                                 follow=list(follow or []),
                                  choice=choice, settings_check=settings_check,
                                  interactive=interactive)
         self.follower.on_complete = on_complete
         self.follower.on_shard = self.adverts.shard_verified
         self.follower.on_done = self.adverts.mark_dirty
         self.adverts.on_source = self.follower.on_source
-        self.follower.spawn = self._spawn
         self.publisher = Publisher(node, cfg, self.store, self.records, self.adverts,
                                    self.counts, settings)
-        self._tasks: set[asyncio.Task] = set()
+
+    def _task_failed(self, name: str, error: BaseException) -> None:
+        self.counts["task_failures"] += 1
 
     def _follows(self, policy_id: str) -> bool:
         return self.follower.gate.follows(policy_id)
@@ -114,29 +119,17 @@ class Broadcaster:
         self.node.set_request_handler(FOLLOWS_PROTOCOL, self._serve_follows)
         await self.node.subscribe("checkpoints", self.follower.on_manifest)
         await self.node.subscribe("adverts", self.adverts.on_advert)
-        self._spawn(self.adverts.run())
+        self.tasks.spawn(self.adverts.run(), "adverts")
         if self.choice is not None and self.choice.deciding:
-            self._spawn(self.follower.choose())
+            self.tasks.spawn(self.follower.choose(), "trainer choice")
         self.follower.resume()
 
     async def close(self) -> None:
         if isinstance(self.transport, RoutingTransport):
             self.transport.close()  # idle bulk-plane connections and pooled streams
-        await self.follower.close()
-        tasks = [*self._tasks, *(j.task for j in self.follower.jobs.values())]
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            _, stuck = await asyncio.wait(tasks, timeout=CLOSE_TIMEOUT_S)
-            if stuck:
-                log.warning("%d broadcast tasks did not stop within %.0fs", len(stuck),
-                            CLOSE_TIMEOUT_S)
-
-    def _spawn(self, coro) -> asyncio.Task:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+        await self.tasks.close(CLOSE_TIMEOUT_S)  # downloads, pulls, adverts, the choice
+        if isinstance(self.transport, RoutingTransport):  # the closes of pooled streams
+            await self.transport.tasks.close(CLOSE_TIMEOUT_S, cancel=False)
 
     # What the node does ---------------------------------------------------------------
 
@@ -165,6 +158,9 @@ class Broadcaster:
             out[f"manifests_rejected_{reason}"] += n
         for name, n in self.server.metrics.items():
             out[f"served_{name}"] += n
+        if isinstance(self.transport, RoutingTransport):  # shard streams by path, reuse
+            for path, n in self.transport.opened.items():
+                out[f"streams_{path}"] += n
         return dict(out)
 
     # Served to peers ------------------------------------------------------------------

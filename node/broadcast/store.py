@@ -19,6 +19,7 @@ from those that still verify. Only verified bytes are ever served.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -272,7 +273,7 @@ class ShardWriter:
         view = memoryview(data)
         for name, offset, length in self.entry.file_spans(pos, pos + len(data)):
             try:
-                os.pwrite(self._fd(name), view[:length], offset)
+                _pwrite_all(self._fd(name), view[:length], offset)
             except OSError as e:
                 if is_disk_full(e):  # the download pauses; the source is not at fault
                     raise as_disk_full(e, self.entry.partial_dir, length) from e
@@ -308,6 +309,17 @@ class ShardWriter:
         with self._lock:
             self._aborted = True
             self._close()
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """All of `data` at `offset`, or OSError. `pwrite` may write less than asked without an
+    error (a nearly full disk takes what fits): ignoring that left holes in shards whose
+    hash had been checked on the received bytes, and a corrupt checkpoint was handed over."""
+    while data:
+        n = os.pwrite(fd, data, offset)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, "no progress writing a shard")
+        data, offset = data[n:], offset + n
 
 
 def _hash_into(h, paths: list[Path], chunk: int = 8 * READ_CHUNK) -> None:

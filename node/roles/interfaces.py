@@ -26,6 +26,7 @@ from ...protocol.messages import RolloutBatch
 from ...verifier.rules import retention
 from ..broadcast.service import Broadcaster, Completed
 from ..diskspace import DiskWatch
+from ..lifecycle import Changed
 
 if TYPE_CHECKING:  # for annotations only: verifier.checks loads torch, which a relay never needs
     from ...verifier.checks import RolloutResult, SpotCheck
@@ -61,6 +62,7 @@ OnCheckpoint = Callable[[VerifiedCheckpoint], None]
 
 class CheckpointFeed(Protocol):
     disk: DiskWatch  # where the feed writes; a paused disk also pauses the role's own writes
+    changed: Changed  # fires when a download starts or ends, or a trainer is chosen
 
     def listen(self, on_checkpoint: OnCheckpoint) -> None:
         """Call `on_checkpoint` for each verified checkpoint, once, in version order per
@@ -118,6 +120,7 @@ class BroadcastFeed:
     def __init__(self, broadcaster: Broadcaster):
         self.broadcaster = broadcaster
         self.disk = broadcaster.disk
+        self.changed = broadcaster.follower.changed
         self._listeners: list[OnCheckpoint] = []
         broadcaster.on_complete = self._handed_over
 
@@ -152,6 +155,10 @@ class BroadcastFeed:
 
     def latest_version(self, policy_id: str) -> int:
         return self.broadcaster.store.current_version(policy_id)
+
+    def served(self) -> dict[str, int]:
+        """Checkpoint bytes uploaded to each peer since start (whole answers)."""
+        return dict(self.broadcaster.server.served_to)
 
     def downloads(self) -> list[DownloadStatus]:
         out = []

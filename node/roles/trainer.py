@@ -39,6 +39,7 @@ from ..sampler.stops import context_limit
 from ..tasks import PromptStyle, TaskSource
 from ..trainer.distributed import attach_ranks
 from ..trainer.group import attach_group
+from ..trainer.hooks import StepHooks
 from ..trainer.trainer import Trainer
 from .base import Role
 from .interfaces import CheckpointFeed, CheckpointPublisher, OwnCheckpoints, Verifier
@@ -67,7 +68,6 @@ class TrainerRole(Role):
         self.trainer = None
         self.sampler = None
         self.tasks = None
-        self.resumed = False  # this data dir already held the trainer (a restart)
         self.disk = DiskWatch("training writes (buffer, checkpoints)", self.data_dir)
         self.verifiers: dict[str, object] = {}
         self._models: OrderedDict[tuple[str, int], object] = OrderedDict()
@@ -80,16 +80,13 @@ class TrainerRole(Role):
         name = cfg.model.name
         model_dir = ensure_builtin(name) if name.startswith("builtin:") else name
         self.trainer = await self.work(Trainer, cfg, model_dir, self.data_dir,
-                                       policy_id=self.identity.peer_id)
-        self.resumed = self.trainer.resumed
-        # Scale-out (SCALE-OUT): a trainer group (trainer.group) and the other ranks of this
-        # trainer (join --procs N); both no-ops when not configured.
-        self.group = await self.work(attach_group, self.trainer, cfg, self.data_dir)
-        await self.work(attach_ranks, self.trainer)
+                                       policy_id=self.identity.peer_id,
+                                       scale_out=self._scale_out)
         self.sampler = HFSampler(self.trainer.model, self.trainer.tokenizer,
                                  peer_id=self.identity.peer_id, version=self.trainer.version,
                                  max_context=cfg.model.max_context,
                                  max_batch=cfg.sampler.max_batch)
+        self.count_sampling(lambda: self.sampler)
         self.tasks = TaskSource.of(cfg.tasks, cfg.node.swarm_id)
         self.intake = self.build_intake()
         self.p2p.set_peer_filter(lambda peer: not self.intake.is_banned(peer))
@@ -131,6 +128,13 @@ class TrainerRole(Role):
                                   limits=limits, publish=self._publish_verdict,
                                   work=self.work, disk=self.disk, trusted=self._followed,
                                   report=getattr(self.p2p, "report_misbehaviour", None))
+
+    def _scale_out(self, trainer: Trainer) -> StepHooks:
+        """Scale-out (SCALE-OUT), the trainer's hooks: a trainer group (trainer.group) and
+        the other ranks of this trainer (join --procs N); both none when not configured."""
+        self.group = attach_group(trainer, self.cfg, self.data_dir)
+        return StepHooks(grad_sync=attach_ranks(trainer),
+                         after_step=self.group.after_step if self.group is not None else None)
 
     async def _publish_version(self) -> None:
         """Announce the current checkpoint (what leaves the node, and how many versions are
@@ -249,7 +253,7 @@ class TrainerRole(Role):
             await self.intake.drain(stop)
             if self.cfg.trainer.sample_locally and not stop.is_set():
                 await until_written(self.disk, self.work_oom_safe, self.sample_local, self.round,
-                                    sampler=self.sampler)
+                                    limit=self.sampler.batch)
                 self.round += 1
                 await until_written(self.disk, self.work, self.save_json, "round.json",
                                     {"next_round": self.round})
@@ -259,7 +263,7 @@ class TrainerRole(Role):
             if stop.is_set():
                 return  # a stop takes no new work: no step starts after it
             stats = await until_written(self.disk, self.work_oom_safe, self.trainer.step,
-                                        holder=self.trainer.cfg, field="micro_batch_size",
+                                        limit=self.trainer.micro_batch,
                                         on_oom=self.trainer.undo_failed_step)
             self.state.observe("train_step_seconds", stats.seconds)
             self.state.banned = self.intake.banned()  # bans also expire
@@ -278,8 +282,11 @@ class TrainerRole(Role):
             self.state.record_step(stats.version, None if math.isnan(reward) else reward,
                                    loss=stats.loss, tokens_per_s=stats.tokens_per_s,
                                    step_seconds=stats.seconds)
-            log.info("train step -> v%d: %d local + %d external groups, %d tokens, "
-                     "reward %.3f, loss %.4f, %.1f tok/s", stats.version, stats.groups_local,
+            # "of this policy": sampled here or by peers following it (SAPO's "local"
+            # items); "of other policies": the followed trainers' (SAPO's "external")
+            log.info("train step -> v%d: %d groups of this policy + %d of other policies, "
+                     "%d tokens, reward %.3f, loss %.4f, %.1f tok/s", stats.version,
+                     stats.groups_local,
                      stats.groups_external, stats.tokens, reward, stats.loss,
                      stats.tokens_per_s)
             if stats.checkpoint and not stop.is_set():

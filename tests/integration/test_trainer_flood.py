@@ -4,8 +4,7 @@ model) and, in this test process, a sybil flood (node/testing/flood.py): batches
 every check before the model runs, each signed by a fresh key, over 4 connections that are
 replaced when cut. Asserted as counts from the nodes themselves: every honest batch is
 accepted during and after the flood, the flood's verification time stays within the
-probation time share the trainer reports, the queue and memory stay bounded, and the
-carriers of bogus batches are cut. Throughput figures (honest share during the flood,
+probation time share the trainer reports, and the queue and memory stay bounded. Throughput figures (honest share during the flood,
 recovery time, attacker vs trainer cost): benchmarks/verifier_flood.py."""
 
 from __future__ import annotations
@@ -42,10 +41,10 @@ def flood_kit(cfg_dict: dict, tiny_model_dir, target: str):
     from swarm_node.node.testing import attacks
     from swarm_node.verifier.rules import batch_rules
 
-    swarm = Config.model_validate({k: v for k, v in cfg_dict.items()
-                                   if k in ("tasks", "sampler")})
-    swarm.node.swarm_id = cfg_dict["node"]["swarm_id"]
-    swarm.node.listen = ["/ip4/127.0.0.1/tcp/0"]
+    swarm = Config.model_validate({
+        **{k: v for k, v in cfg_dict.items() if k in ("tasks", "sampler")},
+        "node": {"swarm_id": cfg_dict["node"]["swarm_id"],
+                 "listen": ["/ip4/127.0.0.1/tcp/0"]}})
     model, tokenizer = load_model(tiny_model_dir)
     source = TaskSource(swarm.tasks.mix, swarm.node.swarm_id)
     rules, params = batch_rules(swarm), sampling_params(swarm)
@@ -140,7 +139,6 @@ async def test_4_a_fresh_key_flood_costs_at_most_the_probation_share(tmp_path, t
         # flight); what the trainer lent while it only waited for peers is counted apart
         assert spent <= SHARE * elapsed + BURST_S + 2.0
         assert sum(view1["dropped"].values()) > 0 and view1["queued"] <= 16 + 256
-        assert flood.cut >= 1  # carriers of verified bogus batches are cut
         assert rss1 <= rss0 + 300
     finally:
         stop.set()

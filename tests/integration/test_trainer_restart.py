@@ -2,7 +2,7 @@
 processes on loopback (tiny model): a trainer, an honest inference peer following it, and
 in this test process a third libp2p peer that records the inference peer's gossip.
 
-After the trainer restarts on its data dir it resumes the swarm (no "started a new swarm"),
+After the trainer restarts on its data dir it resumes the swarm ("resumed swarm"),
 the third party replays the peer's already-accepted messages to it, and the peer's rounds,
 before and after, are never rejected, counted or held against it: no reject in the peer's
 own `verdicts_about_me`, none in the trainer's counts, none in its persisted reputation. A
@@ -76,9 +76,8 @@ async def recorder(swarm_id: str, bootstrap: str):
     from swarm_node.node.identity import Identity
     from swarm_node.node.p2p import P2PNode
 
-    cfg = Config()
-    cfg.node.listen = ["/ip4/127.0.0.1/tcp/0"]
-    cfg.node.swarm_id = swarm_id
+    cfg = Config.model_validate({"node": {"listen": ["/ip4/127.0.0.1/tcp/0"],
+                                          "swarm_id": swarm_id}})
     node = P2PNode(Identity.generate(), cfg)
     await node.start(bootstrap=[bootstrap], discovery=True)
     node.kept = []
@@ -158,7 +157,7 @@ async def test_6_a_restarted_trainer_treats_honest_rounds_as_before(tmp_path, ti
             return text if "joined swarm" in text else ""
 
         second_run = await until(second, 120, "the restarted trainer", trainer)
-        assert "resumed the swarm" in second_run and "started a new swarm" not in second_run
+        assert "resumed swarm" in second_run and "started swarm" not in second_run
         await observer.connect(boot)
         await replay(observer, tid, kept)
         await until(lambda: trainer.status().get("counters", {}).get(

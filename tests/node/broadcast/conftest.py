@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from swarm_node.node.broadcast.manifest import SHARD_LIST, AcceptedManifest, build_manifest
-from swarm_node.node.config import BroadcastSection, Config
+from swarm_node.node.config import BroadcastSection, Config, load_config
 from swarm_node.node.identity import Identity
 
 from .procs import BroadcastProc
@@ -115,19 +115,15 @@ async def wait_mesh(node, kind: str, n: int, timeout: float = 30) -> None:
     await until(lambda: len(node.topic_peers(kind)) >= n, timeout, f"{n} peers on {kind}")
 
 
-def node_config() -> Config:
-    cfg = Config()
-    cfg.node.listen = ["/ip4/127.0.0.1/tcp/0"]
-    cfg.p2p.discovery_interval_s = 0.5
-    cfg.p2p.bootstrap_timeout_s = 5
-    cfg.p2p.dial_timeout_s = 3
-    cfg.p2p.mesh_wait_s = 3
-    cfg.broadcast.shard_size = 64 * 1024
-    cfg.broadcast.min_shard_size = 4096
-    cfg.broadcast.chunk_size = 32 * 1024
-    cfg.broadcast.advert_interval_s = 0.1
-    cfg.broadcast.readvertise_s = 0.5
-    return cfg
+def node_config(**overrides) -> Config:
+    """A test node's config; `overrides` with `__` for the dot (`bulk__listen="off"`)."""
+    return load_config(None, {
+        "node.listen": ["/ip4/127.0.0.1/tcp/0"], "p2p.discovery_interval_s": 0.5,
+        "p2p.bootstrap_timeout_s": 5, "p2p.dial_timeout_s": 3, "p2p.mesh_wait_s": 3,
+        "broadcast.shard_size": 64 * 1024, "broadcast.min_shard_size": 4096,
+        "broadcast.chunk_size": 32 * 1024, "broadcast.advert_interval_s": 0.1,
+        "broadcast.readvertise_s": 0.5,
+        **{k.replace("__", "."): v for k, v in overrides.items()}})
 
 
 @pytest.fixture
@@ -143,9 +139,9 @@ async def swarm(tmp_path):
                    libp2p_only=False, cfg=None, **kw):
         cfg = cfg or node_config()
         if bulk:
-            cfg.bulk.listen = "127.0.0.1:0"
+            cfg = cfg.with_overrides({"bulk.listen": "127.0.0.1:0"})
         if libp2p_only:
-            cfg.bulk.listen = "off"
+            cfg = cfg.with_overrides({"bulk.listen": "off"})
         node = P2PNode(identity or Identity.generate(), cfg)
         await node.start(bootstrap=list(bootstrap))
         done = Completions()

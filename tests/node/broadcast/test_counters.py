@@ -24,8 +24,7 @@ async def test_a_relay_counts_every_version_it_mirrored(tmp_path, swarm, caplog)
     ckpt = make_checkpoint(tmp_path / "ckpt", {"model.safetensors": 150_000})  # 3 shards
     tnode, trainer = await swarm("trainer", "trainer")
     tid = tnode.peer_id
-    cfg = node_config()
-    cfg.node.role, cfg.node.follow, cfg.node.data_dir = "relay", [tid], tmp_path / "relay"
+    cfg = node_config(node__role="relay", node__follow=[tid], node__data_dir=tmp_path / "relay")
     ident = Identity.generate()
     p2p = P2PNode(ident, cfg)
     await p2p.start(bootstrap=tnode.listen_addrs)

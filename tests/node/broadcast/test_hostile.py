@@ -14,7 +14,7 @@ import pytest
 from swarm_node.node.broadcast.follow import FOLLOW_FILE
 from swarm_node.node.broadcast.manifest import build_manifest
 from swarm_node.node.broadcast.store import QUARANTINE_DIR, ShardStore
-from swarm_node.node.config import BroadcastSection, Config
+from swarm_node.node.config import BroadcastSection, load_config
 from swarm_node.node.identity import Identity
 from swarm_node.protocol.messages import CheckpointManifest, FileEntry, ShardAdvert
 
@@ -179,9 +179,8 @@ async def test_sybil_adverts_cost_bounded_connections_and_bytes(tmp_path, procs)
     sybils = []
     try:
         for _ in range(6):  # each a real libp2p host with its own key (sender = origin)
-            cfg = Config()
-            cfg.node.listen = ["/ip4/127.0.0.1/tcp/0"]
-            cfg.p2p.mesh_wait_s = 5
+            cfg = load_config(None, {"node.listen": ["/ip4/127.0.0.1/tcp/0"],
+                                     "p2p.mesh_wait_s": 5})
             node = P2PNode(Identity.generate(), cfg)
             await node.start(bootstrap=trainer.addrs)
             await node.subscribe("adverts", lambda env, peer: None)

@@ -69,14 +69,11 @@ def traced_since_start() -> int:
 @pytest.mark.slow
 async def test_a_relay_that_saw_1000_versions_holds_what_it_held_after_10(tmp_path, swarm):
     ckpt = make_checkpoint(tmp_path / "ckpt", {"model.safetensors": 4000})  # one shard
-    cfg = node_config()
-    cfg.broadcast.shard_size = 4096
-    cfg.bulk.listen = "off"
+    cfg = node_config(broadcast__shard_size=4096, bulk__listen="off")
     tnode, trainer = await swarm("trainer", "trainer", cfg=cfg)
     tid = tnode.peer_id
-    rcfg = node_config()
-    rcfg.bulk.listen = "off"
-    rcfg.broadcast.advert_interval_s = 0.5  # within the gossip limits at this pace
+    # advert pace within the gossip limits at this pace
+    rcfg = node_config(bulk__listen="off", broadcast__advert_interval_s=0.5)
     rnode, relay = await swarm("relay", "relay", follow=[tid], bootstrap=tnode.listen_addrs,
                                cfg=rcfg)
     advertisers = [Identity.generate() for _ in range(3)]

@@ -43,8 +43,7 @@ async def test_an_older_nodes_whole_file_manifest_still_downloads(tmp_path, swar
     it (test_store: a wrong one fails the version)."""
     ckpt = make_checkpoint(tmp_path / "ckpt", {"model.safetensors": 700_000, "config.json": 900})
     tnode, trainer = await swarm("trainer", "trainer")
-    trainer.cfg.hash_algo = "blake3"
-    m = await trainer.publish(ckpt, version=1)
+    m = await trainer.publish(ckpt, version=1, hash_algo="blake3")
     assert m.hash_algo == "blake3" and m.checkpoint_hash != m.shard_list_hash()
     _fnode, follower = await swarm("follower", "inference", follow=[tnode.peer_id],
                                    bootstrap=tnode.listen_addrs)
@@ -54,7 +53,6 @@ async def test_an_older_nodes_whole_file_manifest_still_downloads(tmp_path, swar
     assert metrics["whole_hash_live_bytes"] + metrics["whole_hash_read_back_bytes"] \
         == m.total_size and metrics["whole_hash_redone"] == 0
     # the default: no whole-file pass at all
-    trainer.cfg.hash_algo = "blake3-shard-list"
     m2 = await trainer.publish(ckpt, version=2)
     done2 = await follower.done.wait(tnode.peer_id, 2)
     assert m2.checkpoint_hash == m2.shard_list_hash()

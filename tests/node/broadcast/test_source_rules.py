@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 
 from swarm_node.node.broadcast.server import RateLimiter
-from swarm_node.node.config import Config
+from swarm_node.node.config import load_config
 from swarm_node.node.identity import Identity
 from swarm_node.protocol.ids import SHARD_PROTOCOL
 from swarm_node.protocol.messages import ShardAdvert
@@ -49,9 +49,7 @@ async def _until_closed(stream) -> None:
 async def advertiser(bootstrap: list[str]):
     from swarm_node.node.p2p import P2PNode
 
-    cfg = Config()
-    cfg.node.listen = ["/ip4/127.0.0.1/tcp/0"]
-    cfg.p2p.mesh_wait_s = 3
+    cfg = load_config(None, {"node.listen": ["/ip4/127.0.0.1/tcp/0"], "p2p.mesh_wait_s": 3})
     node = P2PNode(Identity.generate(), cfg)
     await node.start(bootstrap=bootstrap)
     await node.subscribe("adverts", _ignore)
@@ -66,10 +64,9 @@ async def test_stalling_and_departed_advertisers_do_not_stall_the_download(tmp_p
     ckpt = make_checkpoint(tmp_path / "ckpt", {"model.safetensors": 1_000_000})  # 16 shards
     tnode, trainer = await swarm("trainer", "trainer")
     tid = tnode.peer_id
-    cfg = node_config()
     # a staller would hold a transfer for a minute: the download must not wait for that
-    cfg.broadcast.request_timeout_s = cfg.broadcast.chunk_timeout_s = 60
-    cfg.broadcast.parallel_downloads = 4  # two trial slots
+    cfg = node_config(broadcast__request_timeout_s=60, broadcast__chunk_timeout_s=60,
+                      broadcast__parallel_downloads=4)  # two trial slots
     fnode, follower = await swarm("follower", "inference", follow=[tid],
                                   bootstrap=tnode.listen_addrs, cfg=cfg)
     release = asyncio.Event()
@@ -118,9 +115,7 @@ async def test_a_source_on_trial_that_times_out_is_not_asked_again(tmp_path, swa
     ckpt = make_checkpoint(tmp_path / "ckpt", {"model.safetensors": 600_000})
     tnode, trainer = await swarm("trainer", "trainer")
     tid = tnode.peer_id
-    cfg = node_config()
-    cfg.broadcast.request_timeout_s = 1.0
-    cfg.broadcast.parallel_downloads = 2
+    cfg = node_config(broadcast__request_timeout_s=1.0, broadcast__parallel_downloads=2)
     fnode, follower = await swarm("follower", "inference", follow=[tid],
                                   bootstrap=tnode.listen_addrs, cfg=cfg)
     release = asyncio.Event()

@@ -20,6 +20,7 @@ import sys
 from safetensors.torch import save_file
 from swarm_node.node.config import Config
 from swarm_node.node.trainer.group import attach_group
+from swarm_node.node.trainer.hooks import StepHooks
 from swarm_node.node.trainer.trainer import Trainer
 
 from .helpers import mixed_group
@@ -43,10 +44,13 @@ def main() -> None:
                     "group_every": 1, "group_key_path": s["key_path"],
                     "group_peers": s["peers"], "group_listen": ["/ip4/127.0.0.1/tcp/0"],
                     "group_timeout_s": s["timeout_s"]}})
-    trainer = Trainer(cfg, s["model_dir"], s["data_dir"], policy_id=s["group"])
+    made = []  # the group, joined below; the trainer's after-step hook is fixed at its build
+    trainer = Trainer(cfg, s["model_dir"], s["data_dir"], policy_id=s["group"],
+                      scale_out=lambda _t: StepHooks(after_step=lambda t: made[0].after_step(t)))
     for i in range(s["first_task"], s["first_task"] + 8):  # each member: its own tasks
         trainer.add_local(mixed_group(trainer.tokenizer, i, g=4))
     group = attach_group(trainer, cfg, cfg.data_dir)
+    made.append(group)
     average = group.average
 
     def announced(version):

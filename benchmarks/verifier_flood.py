@@ -103,7 +103,7 @@ def configs(root: Path, model_dir: Path) -> tuple[dict, dict]:
                         "listen": ["/ip4/127.0.0.1/tcp/0"]},
                "model": {"name": str(model_dir)}, "admin": {"port": free_port()},
                **shared, "trainer": {"local_items": 4, "external_items": 0,
-                                     "peer_batches_per_step": 1, "peer_wait_s": 5.0}}
+                                     "peer_batches_per_step": 2, "peer_wait_s": 5.0}}
     peer = {"node": {"role": "inference", "swarm_id": SWARM, "data_dir": str(root / "p"),
                      "listen": ["/ip4/127.0.0.1/tcp/0"]},
             "model": {"name": str(model_dir)}, "admin": {"port": free_port()},
@@ -284,7 +284,8 @@ def report(res: dict, load: str, args) -> str:
             ("flood", per_cpu)]}
     vals = list(med.values())
     text = [(f"Load average: {load} (2 shared cores, other tenants' jobs running). Tiny model; "
-             "trainer `peer_batches_per_step = 1`; honest peer: 4 tasks x 4 completions x 8 "
+             "trainer `peer_batches_per_step = 2` (under 2 versions/s: the checkpoints topic's "
+             "per-origin rate at followers); honest peer: 4 tasks x 4 completions x 8 "
              f"tokens, 2 rounds per version. Flood: at most {args.rate:.0f} bogus batches/s "
              f"over 4 connections, a fresh key per batch. {args.rounds} alternated rounds of "
              f"baseline / control (the attacker's CPU work, nothing sent) / flood, "

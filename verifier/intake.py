@@ -263,7 +263,7 @@ class _Ports:
     """What the intake does to the world, as callables the host provides."""
 
     publish: Callable[[Verdict], Awaitable[None]]  # a verdict onto the `verdicts` topic
-    report: Callable[[str, int, str], object] | None  # (connection peer, offences, why)
+    report: Callable[[str, int, str], object] | None  # (gossip origin, offences, why)
     work: Callable[..., Awaitable]  # run fn(*args) in the worker thread that owns the model
 
 
@@ -353,8 +353,8 @@ class Intake:
     # incoming (event loop) ----------------------------------------------------------------
 
     async def offer(self, env, origin: str) -> None:
-        """A `RolloutBatch` envelope from the gossip layer; `origin` is the connection peer
-        it came from (charged for bogus probation batches)."""
+        """A `RolloutBatch` envelope from the gossip layer; `origin` is its gossip origin (the
+        envelope's signer), whom the transport charges for a bogus probation batch."""
         sender = env.sender
         if self.reputation.is_banned(sender):
             self.state.reject(sender, "banned", len(env.message.completions))
@@ -514,7 +514,7 @@ class Intake:
                  f" (first: {first_reject.reason})" if first_reject else "")
         cheat = any(not r.accept and r.reason not in HONEST_MISTAKES for r in results)
         if cheat and not established and self.ports.report is not None and origin:
-            # Sybil economics: the connection that carries fresh-key bogus batches pays.
+            # the signer pays; the transport throttles whoever keeps introducing such keys
             self.ports.report(origin, self.limits.bogus_report, "bogus_batch")
         banned = self.reputation.is_banned(sender)
         if banned and sender not in self.state.banned:

@@ -10,9 +10,9 @@ relay serves one corrupted shard.
 shardcast runs under its own venv (.venv-shardcast: `pip install shardcast==0.3.2 blake3`)
 through benchmarks/shardcast_peer.py, bound to 127.0.0.1, middle-node poll interval 1 s
 (its default is 30 s), default 50 MB shards; clients start (and poll) before the publish.
-Ours: default config (4 MiB shards; shards over the authenticated TCP data plane, the
-default), and once with `broadcast.tcp_listen = "off"` (libp2p streams: Noise + Yamux
-through the trio bridge, the NAT fallback); clients bootstrap through the relay; any peer that verified a shard may serve it,
+Ours: default config (4 MiB shards; shards over the bulk plane: TLS 1.3 beside libp2p,
+authenticated by peer ids, the default), and once with `bulk.listen = "off"` (libp2p
+streams: Noise + Yamux through the trio bridge, the NAT fallback); clients bootstrap through the relay; any peer that verified a shard may serve it,
 so the notes show where the clients' bytes came from. The corrupted-shard case makes the
 relay flip one byte of the first shard it serves (and of every later copy of that shard).
 Peak RSS is VmHWM of each client process.
@@ -22,7 +22,7 @@ Peak RSS is VmHWM of each client process.
 on this VM a run's time depends on how much warm memory the guest holds (see the page-cache
 probe), and alternating gives both systems the same share of it. Each default-path swarm
 also takes a second version of the same size once the first is verified everywhere (the
-steady state of a training run: peers connected, mesh built, tokens issued), reported
+steady state of a training run: peers connected, mesh built, bulk connections open), reported
 beside the first (`--skip-next` leaves it out); shardcast is run for one version only.
 """
 
@@ -78,16 +78,16 @@ def make_checkpoint(path: Path, mib: int) -> Path:
 
 
 async def run_ours(work: Path, ckpt: Path, n_clients: int, corrupt: str = "",
-                   tcp: bool = False, next_ckpt: Path | None = None,
+                   bulk: bool = False, next_ckpt: Path | None = None,
                    hash_algo: str = "") -> dict:
     """One swarm: publish `ckpt` as version 1 and time it until every client verified it;
     then, with `next_ckpt`, publish that as version 2 into the same (now formed) swarm and
     time it too ("t_next"): the steady state of a training run, where every version after
-    the first finds the peers connected, the mesh built and the data-plane tokens issued.
+    the first finds the peers connected, the mesh built and bulk connections pooled.
     `hash_algo` "blake3": version 1's manifest names a whole-concatenation hash, as older
     nodes published (for an A/B of the shard-list hash); "": the node's default."""
     procs: list[BroadcastProc] = []
-    extra = [] if tcp else ["--tcp-listen", "off"]  # the data plane is the default
+    extra = [] if bulk else ["--bulk-listen", "off"]  # the bulk plane is the default
     # the node's default peer-exchange interval (the test harness's own default is 1 s, to
     # join fast; each exchange is a request per connected peer)
     extra += ["--discovery-interval", str(P2PSection().discovery_interval_s)]
@@ -202,10 +202,10 @@ def kernel_split(ours: dict) -> str:
     on this VM a receiver's kernel time is mostly the copy into new page-cache pages, whose
     first touch costs ~2-3 CPU-s per GiB once the guest's warm free memory is used up."""
     per = ours["cpu_threads"]
-    rx = sorted(c.get("shard-rx", 0.0) for c in per)
+    rx = sorted(c.get("bulk-rx", 0.0) for c in per)
     if not rx or not rx[-1]:
         return ""
-    sys_ = sorted(c.get("shard-rx:sys", 0.0) for c in per)
+    sys_ = sorted(c.get("bulk-rx:sys", 0.0) for c in per)
     calls = sum(r.get("calls", 0) for r in ours.get("rx", []))
     per_call = sum(r.get("bytes", 0) for r in ours.get("rx", [])) / calls / 1024 if calls else 0
     return (f" Shard receivers: {rx[len(rx) // 2]:.2f} CPU-s per client, of which kernel "
@@ -335,7 +335,7 @@ def fmt_rss(values: list[float]) -> str:
 HEADERS = ["system", "publish -> all clients verified (s)", "aggregate MiB/s",
            "peak RSS per client (MiB)", "client RSS at start (MiB)",
            "one corrupted shard at the relay"]
-DEFAULT = "ours (default: TCP data plane)"
+DEFAULT = "ours (default: bulk plane, TLS)"
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -349,27 +349,27 @@ def times(values: list) -> str:
     return ", ".join(f"{v:.2f}" if v else "failed" for v in values)
 
 
-def label_of(tcp: bool) -> str:
-    return DEFAULT if tcp else "ours (libp2p streams only)"
+def label_of(bulk: bool) -> str:
+    return DEFAULT if bulk else "ours (libp2p streams only)"
 
 
-async def run_ours_once(tmp, ckpt, n, tcp, i, next_ckpt=None) -> dict:
-    label = label_of(tcp)
-    ours = await run_ours(tmp / f"ours-{n}-{tcp}-{i}", ckpt, n, tcp=tcp, next_ckpt=next_ckpt)
+async def run_ours_once(tmp, ckpt, n, bulk, i, next_ckpt=None) -> dict:
+    label = label_of(bulk)
+    ours = await run_ours(tmp / f"ours-{n}-{bulk}-{i}", ckpt, n, bulk=bulk, next_ckpt=next_ckpt)
     print(label, n, json.dumps(ours), flush=True)
     return ours
 
 
-async def bench_ours(tmp, ckpt, n, tcp, corrupt_run, rows, notes, results,
+async def bench_ours(tmp, ckpt, n, bulk, corrupt_run, rows, notes, results,
                      runs: list[dict] | None = None) -> None:
     """Table row and notes of our system (`runs`: the default's repeated runs, else one run
     here); the corrupted-shard case runs once."""
-    label = label_of(tcp)
-    runs = runs or [await run_ours_once(tmp, ckpt, n, tcp, 0)]
+    label = label_of(bulk)
+    runs = runs or [await run_ours_once(tmp, ckpt, n, bulk, 0)]
     ours = results[label] = median_run(runs)
-    corrupt_cell = "not run (slow; see the TCP row)"
+    corrupt_cell = "not run (slow; see the bulk-plane row)"
     if corrupt_run:
-        bad = await run_ours(tmp / f"ours-bad-{n}-{tcp}", ckpt, n, corrupt="first", tcp=tcp)
+        bad = await run_ours(tmp / f"ours-bad-{n}-{bulk}", ckpt, n, corrupt="first", bulk=bulk)
         print(label, "corrupt", n, json.dumps(bad), flush=True)
         corrupt_cell = (f"{bad['corrupt_bytes'] / MiB:.1f} MiB of bad shards re-fetched "
                         f"({bad['corrupt']} bad shards caught; {bad['refetched'] / MiB:.1f} MiB "

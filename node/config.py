@@ -12,7 +12,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..protocol.limits import DEFAULT_MAX_BYTES, Limits
 from .errors import ConfigError
@@ -255,29 +255,12 @@ class BroadcastSection(Section):
     """Every holding is re-advertised this often (late joiners learn sources and versions)."""
     relay_keep_versions: int = Field(2, ge=1)
     """Versions a relay keeps per trainer."""
-    tcp_listen: str = "auto"
-    """The shard data plane: authenticated plain TCP (a token from a libp2p request, bound
-    to the peer id), advertised in ShardAdvert.endpoint. "host:port" (port 0: any);
-    "auto": the IP of the first libp2p listen address, its port + 1 (4002 beside 4001; 0
-    if that is 0), and libp2p streams only if that port cannot be bound; "off": libp2p
-    streams only. Integrity does not depend on it (every shard is hash-checked against
-    the signed manifest); it trades libp2p's encryption of checkpoint bytes for speed."""
-    tcp_advertise: str = ""
-    """The "host:port" others dial for tcp_listen (empty: the bound address)."""
-    tcp_fetch: bool = True
-    """Fetch from a source over the TCP data plane when its advert names an endpoint."""
-    tcp_auth_timeout_s: float = Field(5.0, gt=0)
-    """A data-plane connection that does not authenticate within this is closed."""
-    tcp_max_pending: int = Field(64, ge=1)
-    """Data-plane connections allowed to be unauthenticated at once (more are closed)."""
-    tcp_token_ttl_s: float = Field(600.0, gt=0)
-    """Lifetime of a data-plane token."""
 
 
 class P2PSection(Section):
     inline_payload_max: int = Field(16 * 1024, ge=1024)
     """Sealed messages up to this size travel inside gossip messages; larger ones are
-    announced (PayloadAnnounce) and pulled once per peer (over the payload plane)."""
+    announced (PayloadAnnounce) and pulled once per peer (over the bulk plane)."""
     bootstrap_timeout_s: float = Field(30.0, gt=0)
     """How long to keep trying the bootstrap peers before giving up."""
     target_peers: int = Field(8, ge=1)
@@ -326,24 +309,70 @@ class P2PSection(Section):
     """Announced large payloads kept for peers to pull (oldest evicted first)."""
     payload_fetch_parallel: int = Field(4, ge=1)
     """Announced payloads pulled at once."""
-    payload_tcp_listen: str = "auto"
-    """The payload plane: announced gossip payloads served over authenticated plain TCP (a
-    token from a libp2p request, bound to the peer id; every body is hash-checked against
-    the signed announce). "host:port" (port 0: any); "auto": the IP of the first libp2p
-    listen address, its port + 2 (4003 beside 4001; 0 if that is 0), none if that port
-    cannot be bound; "off": pulls over libp2p only."""
-    payload_tcp_conns_per_peer: int = Field(2, ge=1)
-    """Payload-plane connections per peer pair (each carries one pull at a time)."""
-    payload_tcp_max_pending: int = Field(64, ge=1)
-    """Payload-plane connections allowed to be unauthenticated at once (more are closed)."""
-    payload_tcp_auth_timeout_s: float = Field(5.0, gt=0)
-    """A payload-plane connection that does not authenticate within this is closed."""
-    payload_tcp_idle_s: float = Field(120.0, gt=0)
-    """An idle payload-plane connection is closed after this."""
-    payload_token_ttl_s: float = Field(600.0, gt=0)
-    """Lifetime of a payload-plane token."""
+    payload_pulls_per_peer: int = Field(2, ge=1)
+    """Announced payloads pulled at once from one peer (each on a bulk-plane connection)."""
     payload_pull_timeout_s: float = Field(10.0, gt=0)
     """Longest one pull of an announced payload from one source may take."""
+
+
+class BulkSection(Section):
+    """The bulk plane: one TLS 1.3 port beside libp2p that carries checkpoint shards and
+    announced gossip bodies, authenticated by the node's identity both ways."""
+
+    listen: str = "auto"
+    """Where it listens: "auto" (the IP of the first libp2p listen address, its port + 1,
+    e.g. 4002 beside 4001; 0 if that is 0; libp2p streams only if it cannot bind),
+    "host:port" (port 0: any), or "off" (libp2p streams only)."""
+    advertise: str = ""
+    """The "host:port" others dial (a port forward, ...). Empty: the bound address, or for a
+    wildcard bind the IP peers reach this node at over libp2p."""
+    fetch: bool = True
+    """Use peers' bulk planes (else libp2p streams only, for shards and bodies)."""
+    handshake_timeout_s: float = Field(5.0, gt=0)
+    """TLS handshake and hello of a new connection must complete within this."""
+    max_pending: int = Field(64, ge=1)
+    """Connections in their handshake at once (more push out the oldest)."""
+    pending_per_ip: int = Field(16, ge=1)
+    """Connections in their handshake at once from one address (more push out its oldest)."""
+    max_conns: int = Field(256, ge=1)
+    """Authenticated connections held at once, all peers together."""
+    conns_per_peer: int = Field(8, ge=1)
+    """Authenticated connections of one peer id at once (more are answered busy)."""
+    conns_per_ip: int = Field(64, ge=1)
+    """Authenticated connections of peers that are not known, per address."""
+    known_reserve: int = Field(64, ge=0)
+    """Of `max_conns`, places only known peers (verified history, followed trainers, relays
+    that served us) may take."""
+    idle_s: float = Field(120.0, gt=0)
+    """A gossip-body connection idle this long is closed (shard connections: after
+    broadcast.request_timeout_s)."""
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, value: str) -> str:
+        if value not in ("auto", "off") and _hostport(value) is None:
+            raise ValueError(f'must be "auto", "off" or "host:port", not {value!r}')
+        return value
+
+    @field_validator("advertise")
+    @classmethod
+    def _advertise(cls, value: str) -> str:
+        if value and not (_hostport(value) or ("", 0))[1]:
+            raise ValueError(f'must be "host:port" (or empty), not {value!r}')
+        return value
+
+    @model_validator(mode="after")
+    def _reserve(self) -> BulkSection:
+        if self.known_reserve >= self.max_conns:
+            raise ValueError("bulk.known_reserve must be below bulk.max_conns")
+        return self
+
+
+def _hostport(value: str) -> tuple[str, int] | None:
+    host, _, port = value.rpartition(":")
+    if not host.strip("[]") or not port.isdigit() or int(port) > 65535:
+        return None
+    return host.strip("[]"), int(port)
 
 
 class LimitsSection(Section):
@@ -377,6 +406,7 @@ class Config(Section):
     verifier: VerifierSection = VerifierSection()
     broadcast: BroadcastSection = BroadcastSection()
     p2p: P2PSection = P2PSection()
+    bulk: BulkSection = BulkSection()
     limits: LimitsSection = LimitsSection()
     admin: AdminSection = AdminSection()
 
@@ -403,8 +433,31 @@ def _describe(err: dict[str, Any], source: str, overridden: set[str]) -> str:
     return f"{source}: `{key}` = {value!r}: {err['msg']}"
 
 
+# Keys that moved: an old config names its new place instead of a guess.
+RENAMED = {
+    **{f"broadcast.tcp_{k}": f"bulk.{v}" for k, v in (
+        ("listen", "listen"), ("advertise", "advertise"), ("fetch", "fetch"),
+        ("auth_timeout_s", "handshake_timeout_s"), ("max_pending", "max_pending"))},
+    **{f"p2p.payload_tcp_{k}": f"bulk.{v}" for k, v in (
+        ("listen", "listen"), ("auth_timeout_s", "handshake_timeout_s"),
+        ("max_pending", "max_pending"), ("idle_s", "idle_s"))},
+    "p2p.payload_tcp_conns_per_peer": "p2p.payload_pulls_per_peer",
+}
+REMOVED = {  # no new place: why
+    "broadcast.tcp_token_ttl_s": "the bulk plane authenticates peers by their identity; "
+                                 "there are no tokens",
+    "p2p.payload_token_ttl_s": "the bulk plane authenticates peers by their identity; "
+                               "there are no tokens",
+}
+
+
 def _suggest(loc: list[str]) -> str:
-    """' (did you mean `x`?)' for a misspelt key, or the list of valid keys."""
+    """' (did you mean `x`?)' for a misspelt or moved key, or the list of valid keys."""
+    dotted = ".".join(loc)
+    if dotted in RENAMED:
+        return f" (it moved: did you mean `{RENAMED[dotted]}`?)"
+    if dotted in REMOVED:
+        return f" (removed: {REMOVED[dotted]})"
     model: Any = Config
     for part in loc[:-1]:
         field = model.model_fields.get(part)

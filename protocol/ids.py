@@ -10,13 +10,12 @@ SHARD_PROTOCOL = "/swarm-node/shard/1.0.0"  # checkpoint shard download
 # envelope bytes, re-checked by the asker.
 MANIFEST_PROTOCOL = "/swarm-node/manifest/1.0.0"
 PEERS_PROTOCOL = "/swarm-node/peers/1.0.0"  # peer exchange (Hello in, peer list out)
-# A token for the TCP shard data plane, issued over libp2p (Noise-authenticated).
-SHARD_TOKEN_PROTOCOL = "/swarm-node/shard-token/1.0.0"
-# A token (and port) for the TCP payload plane that carries announced gossip payloads.
-PAYLOAD_TOKEN_PROTOCOL = "/swarm-node/payload-token/1.0.0"
+# Where the bulk plane (TLS beside libp2p: shards, gossip bodies) listens: empty request,
+# answer msgpack [host, port] (host "": the IP of this libp2p connection) or [] for none.
+BULK_PROTOCOL = "/swarm-node/bulk/1.0.0"
 
 STREAM_PROTOCOLS = (FETCH_PROTOCOL, SHARD_PROTOCOL, MANIFEST_PROTOCOL, PEERS_PROTOCOL,
-                    SHARD_TOKEN_PROTOCOL, PAYLOAD_TOKEN_PROTOCOL)
+                    BULK_PROTOCOL)
 
 TOPIC_KINDS = ("rollouts", "checkpoints", "verdicts", "adverts")
 

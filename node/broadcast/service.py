@@ -22,7 +22,6 @@ from ...protocol.errors import ProtocolError
 from ...protocol.ids import MANIFEST_PROTOCOL, SHARD_PROTOCOL
 from ...protocol.messages import CheckpointManifest, ShardAdvert, ShardRequest, SwarmSettings
 from ..diskspace import DiskFull, DiskWatch, ensure_free, is_disk_full
-from .dataplane import SHARD_TOKEN_PROTOCOL, DataPlaneServer, RoutingTransport, TokenIssuer
 from .downloader import Downloader
 from .errors import BroadcastError, DownloadFailed, ManifestRejected, StoreError
 from .follow import TrainerChoice
@@ -31,7 +30,7 @@ from .progress import Progress
 from .server import ShardServer
 from .sources import SourceBook
 from .store import ShardStore, VersionEntry, advert_shards
-from .transport import P2PTransport
+from .transport import P2PTransport, RoutingTransport
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +61,7 @@ class Broadcaster:
         self.disk = DiskWatch("checkpoint downloads", self.store.root)
         self.proven: OrderedDict[str, None] = OrderedDict()  # peers we verified shards from
         self.server = ShardServer(self.store, cfg)
-        self.transport = transport or RoutingTransport(P2PTransport(node), cfg.tcp_fetch)
-        self.endpoint = ""  # our data-plane endpoint, if it is up
-        self._tcp_server = None
+        self.transport = transport or RoutingTransport(P2PTransport(node))
         self.on_complete = on_complete
         self.interactive = interactive
         self.books: dict[tuple[str, int], SourceBook] = {}
@@ -92,8 +89,10 @@ class Broadcaster:
             self._dirty.add(entry.key)
         # shard after shard on one stream while the client keeps sending requests
         self.node.set_stream_handler(SHARD_PROTOCOL, self.server.serve_connection)
-        if self.cfg.tcp_listen not in ("", "off"):
-            await self._start_tcp()
+        bulk = getattr(self.node, "bulk", None)
+        if bulk is not None:  # the node's bulk plane (TLS beside libp2p) serves shards too
+            bulk.register("shard", self.server.serve_connection)
+            bulk.add_known(lambda peer: peer in self.proven or self.gate.follows(peer))
         self.node.set_request_handler(MANIFEST_PROTOCOL, self._serve_manifest)
         await self.node.subscribe("checkpoints", self._on_manifest)
         await self.node.subscribe("adverts", self._on_advert)
@@ -106,42 +105,15 @@ class Broadcaster:
                 self._start_download(AcceptedManifest(entry.manifest, entry.envelope,
                                                       entry.manifest.policy_id))
 
-    async def _start_tcp(self) -> None:
-        """The authenticated TCP data plane (dataplane.py): tokens over libp2p, shards over
-        TCP. "auto" falls back to libp2p streams only, with one line, if it cannot bind."""
-        auto = self.cfg.tcp_listen == "auto"
-        host, port = _auto_listen(self.node.config.node.listen) if auto else \
-            _split_hostport(self.cfg.tcp_listen)
-        issuer = TokenIssuer(self.node.peer_id, self.cfg.tcp_token_ttl_s)
-        # the peer filter libp2p applies (bans, penalties): a token outlives a ban
-        server = DataPlaneServer(issuer, self.server.serve_connection, self.cfg,
-                                 allowed=self.node._allowed)
-        try:
-            bound_host, bound_port = await server.start(host, port)
-        except (OSError, ValueError) as e:
-            if not auto:
-                raise BroadcastError(f"broadcast.tcp_listen {self.cfg.tcp_listen!r}: {e}") from e
-            log.warning("shard data plane off (cannot listen on %s:%d: %s); shards go over "
-                        "libp2p streams only", host, port, e)
-            return
-        self._tcp_server = server
-        self.node.set_request_handler(SHARD_TOKEN_PROTOCOL, self._serve_token(issuer))
-        adv_host = self.cfg.tcp_advertise.rpartition(":")[0] or _public_host(
-            bound_host, self.node.listen_addrs)
-        self.endpoint = self.cfg.tcp_advertise or f"{adv_host}:{bound_port}"
-        log.info("serving shards on the TCP data plane at %s (authenticated; open this TCP "
-                 "port beside the libp2p one)", self.endpoint)
-
-    def _serve_token(self, issuer):
-        async def serve(peer: str, body: bytes) -> bytes:
-            return issuer.issue(peer)  # the peer id libp2p's Noise handshake authenticated
-        return serve
+    @property
+    def endpoint(self) -> str:
+        """Our bulk-plane endpoint for adverts ("" if none to name: node/p2p/bulk)."""
+        bulk = getattr(self.node, "bulk", None)
+        return bulk.endpoint if bulk is not None else ""
 
     async def close(self) -> None:
-        if self._tcp_server is not None:
-            self._tcp_server.close()
         if isinstance(self.transport, RoutingTransport):
-            self.transport.close()  # idle data-plane connections
+            self.transport.close()  # idle bulk-plane connections and pooled streams
         tasks = [*self._tasks, *(t for _, t in self._jobs.values())]
         for task in tasks:
             task.cancel()
@@ -470,29 +442,3 @@ class Broadcaster:
                 if entry is not None and (entry.complete or entry.have):
                     await self._advertise(entry)
             await asyncio.sleep(self.cfg.advert_interval_s)
-
-
-def _split_hostport(value: str) -> tuple[str, int]:
-    host, _, port = value.rpartition(":")
-    return host or "0.0.0.0", int(port)
-
-
-def _auto_listen(listen: list[str]) -> tuple[str, int]:
-    """Host and port of the data plane beside the first /ip4 libp2p listen address."""
-    for addr in listen:
-        parts = addr.split("/")
-        if len(parts) >= 5 and parts[1] == "ip4" and parts[3] == "tcp" and parts[4].isdigit():
-            port = int(parts[4])
-            return parts[2], port + 1 if port else 0
-    return "0.0.0.0", 0
-
-
-def _public_host(bound: str, listen_addrs: list[str]) -> str:
-    """What peers dial: the bound IP, or for a wildcard bind the node's first announced IP."""
-    if bound not in ("0.0.0.0", "::"):
-        return bound
-    for addr in listen_addrs:
-        parts = addr.split("/")
-        if len(parts) > 2 and parts[1] == "ip4" and parts[2] != "0.0.0.0":
-            return parts[2]
-    return "127.0.0.1"

@@ -1,20 +1,23 @@
-"""Stream transports for the shard protocol: libp2p (the node), TCP and in-memory (tests,
-benchmarks). Integrity never depends on the transport: every shard is hash-checked."""
+"""Stream transports for the shard protocol: the node's (`RoutingTransport`: the bulk plane
+or libp2p streams, per source), plain TCP and in-memory (tests, benchmarks of the protocol
+itself). Integrity never depends on the transport: every shard is hash-checked."""
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import socket
-import threading
+import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 
 from ...protocol.ids import SHARD_PROTOCOL
+from ..p2p.bulk import RX_STATS, BulkBusy, BulkConn, BulkError, BulkUnavailable, IdlePool
 from ..p2p.errors import P2PError
 from .errors import ShardFetchError
+
+log = logging.getLogger(__name__)
+__all__ = ["RX_STATS", "MemoryTransport", "P2PTransport", "PooledStream", "RoutingTransport",
+           "TcpStream", "TcpTransport", "serve_tcp"]
 
 Handler = Callable[[str, object], Awaitable[None]]
 
@@ -51,165 +54,13 @@ class TcpStream:
             pass
 
 
-# Shard bodies leave the event loop: one blocking thread per transfer receives, hashes and
-# writes (GIL released in recv_into, BLAKE3 and pwrite), so the loop keeps serving.
-def _name_native_thread(name: bytes = b"shard-rx") -> None:
-    """Give the OS thread a name (top -H, perf and /proc show it; Python 3.11 does not)."""
-    try:
-        ctypes.CDLL(None).prctl(15, name)  # PR_SET_NAME; Linux only, harmless elsewhere
-    except (OSError, AttributeError):
-        pass
-
-
-_RX_POOL = ThreadPoolExecutor(max_workers=32, thread_name_prefix="shard-rx",
-                              initializer=_name_native_thread)
-# Per process: recv calls and body bytes of the receiving threads (benchmark notes: bytes
-# per call tells small reads under contention from a costly kernel copy; measured at 8
-# clients: ~780 KiB per call, so the receivers' kernel time is not syscall count).
-RX_STATS: Counter[str] = Counter()
-_RX_STATS_LOCK = threading.Lock()
-
-
-class DirectTcpStream:
-    """A client-side TCP stream on a raw socket: control frames through the event loop
-    (`sock_recv_into` reads exactly what is asked, so nothing of the body is buffered
-    here), and the body through `receive_into`, one thread per transfer: `recv_into` a
-    reused buffer, then `sink(view)` (hash + pwrite), no per-chunk hop to the loop and no
-    copies beyond the kernel's (profiled: StreamReader buffering and a thread hop per chunk
-    were most of a client's CPU on the data plane)."""
-
-    def __init__(self, sock: socket.socket):
-        self.sock = sock
-        self.loop = asyncio.get_running_loop()
-        self._body: asyncio.Future | None = None
-        self._closed = False
-        # set by a pool (RoutingTransport): after `reusable()`, close() hands the
-        # connection back for the next request instead of closing it
-        self.release: Callable[[DirectTcpStream], None] | None = None
-        self._reusable = False
-        self.idle_since = 0.0
-
-    def reusable(self) -> None:
-        """The last response was read completely: the connection may carry another."""
-        self._reusable = self.release is not None
-
-    def alive(self) -> bool:
-        """Still open with nothing unread (a peek without blocking): a server that closed
-        an idle connection, or one that serves one request per connection, reads as dead."""
-        try:
-            self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            return True
-        except OSError:
-            return False
-        return False  # end of stream, or bytes nobody asked for
-
-    @classmethod
-    async def connect(cls, host: str, port: int) -> DirectTcpStream:
-        loop = asyncio.get_running_loop()
-        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        family, kind, proto, _, addr = infos[0]
-        sock = socket.socket(family, kind, proto)
-        sock.setblocking(False)
-        try:
-            await loop.sock_connect(sock, addr)
-        except BaseException:
-            sock.close()
-            raise
-        return cls(sock)
-
-    async def read(self, n: int) -> bytes:
-        return await self.loop.sock_recv(self.sock, n)
-
-    async def readexactly(self, n: int) -> bytes:
-        buf = bytearray(n)
-        view, got = memoryview(buf), 0
-        while got < n:
-            k = await self.loop.sock_recv_into(self.sock, view[got:])
-            if not k:
-                raise asyncio.IncompleteReadError(bytes(buf[:got]), n)
-            got += k
-        return bytes(buf)
-
-    async def write(self, data: bytes) -> None:
-        await self.loop.sock_sendall(self.sock, data)
-
-    async def receive_into(self, n: int, sink: Callable[[memoryview], None],
-                           chunk_timeout: float, chunk_size: int) -> None:
-        """Receive exactly `n` body bytes into `sink` (blocking; called in the receiving
-        thread). A network failure raises ShardFetchError (timeout: nothing arrived for
-        `chunk_timeout`; short_read); what `sink` raises passes through. If the caller is
-        cancelled the socket is shut down, which ends the thread's transfer at once."""
-        self._body = self.loop.run_in_executor(_RX_POOL, self._receive, n, sink,
-                                               chunk_timeout, chunk_size)
-        try:
-            await asyncio.shield(self._body)
-        except asyncio.CancelledError:
-            self._shutdown()
-            # the thread ends with a short read nobody awaits: not an error to log
-            self._body.add_done_callback(lambda f: f.cancelled() or f.exception())
-            raise
-
-    def _receive(self, n: int, sink, chunk_timeout: float, chunk_size: int) -> None:
-        self.sock.settimeout(chunk_timeout)
-        view = memoryview(bytearray(min(chunk_size, n)))
-        left, calls = n, 0
-        while left > 0:
-            calls += 1
-            try:
-                k = self.sock.recv_into(view, min(len(view), left))
-            except TimeoutError as e:
-                raise ShardFetchError(f"stalled with {left} bytes left", reason="timeout") from e
-            except OSError as e:
-                raise ShardFetchError(f"{e!r} with {left} bytes left", reason="short_read") from e
-            if not k:
-                raise ShardFetchError(f"stream ended with {left} bytes left",
-                                      reason="short_read")
-            sink(view[:k])
-            left -= k
-        with _RX_STATS_LOCK:
-            RX_STATS["calls"] += calls
-            RX_STATS["bytes"] += n
-
-    def discard(self) -> None:
-        """Close an idle connection (no transfer running) at once."""
-        self._closed = True
-        self.sock.close()
-
-    def _shutdown(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-
-    async def close(self) -> None:
-        if self._closed:
-            return
-        if self._reusable and self._body is not None and self._body.done() \
-                and self._body.exception() is None:
-            self._reusable = False
-            self._body = None
-            self.sock.setblocking(False)  # the receiving thread set a timeout
-            self.idle_since = time.monotonic()
-            self.release(self)
-            return
-        self._closed = True
-        body = self._body
-        if body is not None and not body.done():
-            # the receiving thread still uses the socket: end it first, close after
-            self._shutdown()
-            body.add_done_callback(lambda _: self.sock.close())
-            return
-        self.sock.close()
-
-
 class TcpTransport:
     """Peers are "host:port" strings (the peer's shard server), unauthenticated: tests and
     benchmarks of the shard protocol itself."""
 
-    async def open(self, peer: str) -> DirectTcpStream:
+    async def open(self, peer: str) -> TcpStream:
         host, _, port = peer.rpartition(":")
-        return await DirectTcpStream.connect(host, int(port))
+        return TcpStream(*await asyncio.open_connection(host, int(port), limit=1 << 20))
 
 
 async def serve_tcp(handler: Handler, host: str = "127.0.0.1", port: int = 0):
@@ -306,7 +157,7 @@ _CLOSING: set[asyncio.Task] = set()  # closes of discarded pooled streams, kept 
 
 class PooledStream:
     """A libp2p shard stream that may carry the next shard request once a response was read
-    completely (`reusable()`), like the data plane's connections: servers keep a stream for
+    completely (`reusable()`), like the bulk plane's connections: servers keep a stream for
     another request. Profiled (libp2p only, py-spy): opening a stream per 4 MiB shard
     (yamux SYN, multistream-select round trip, window updates) was ~15% of the origin's
     py-libp2p thread. `reused` is set when the pool hands it out again: a server that ended
@@ -371,3 +222,125 @@ class P2PTransport:
 
     def serve(self, handler: Handler) -> None:
         self.node.set_stream_handler(SHARD_PROTOCOL, handler)
+
+
+# The node's transport: the bulk plane, else libp2p ----------------------------------------
+
+
+class BulkShardStream:
+    """A bulk-plane connection as a shard stream: its failures are ShardFetchError (timeout,
+    short_read), and a TLS integrity failure (bytes changed on the path) leaves the source
+    to libp2p streams for a while: never the source's fault, never charged as corrupt."""
+
+    def __init__(self, conn: BulkConn, on_tls_error: Callable[[BulkError], None]):
+        self.conn, self.on_tls_error = conn, on_tls_error
+        self.reused = conn.reused
+
+    def _failed(self, e: BulkError) -> ShardFetchError:
+        if e.reason == "tls_error":
+            self.on_tls_error(e)
+        return ShardFetchError(str(e), reason="timeout" if e.reason == "timeout"
+                               else "short_read")
+
+    async def read(self, n: int) -> bytes:
+        try:
+            return await self.conn.read(n)
+        except BulkError as e:
+            raise self._failed(e) from e
+
+    async def readexactly(self, n: int) -> bytes:
+        try:
+            return await self.conn.readexactly(n)
+        except BulkError as e:
+            raise self._failed(e) from e
+
+    async def write(self, data: bytes) -> None:
+        try:
+            await self.conn.write(data)
+        except BulkError as e:
+            raise self._failed(e) from e
+
+    async def receive_into(self, n: int, sink: Callable[[memoryview], None],
+                           chunk_timeout: float, chunk_size: int) -> None:
+        """The body in one worker thread (BulkConn.receive_into); what `sink` raises
+        passes through."""
+        try:
+            await self.conn.receive_into(n, sink, chunk_timeout, chunk_size)
+        except BulkError as e:
+            raise self._failed(e) from e
+
+    def reusable(self) -> None:
+        self.conn.reusable()
+
+    async def close(self) -> None:
+        await self.conn.close()
+
+
+class RoutingTransport:
+    """Per source: its bulk plane (node/p2p/bulk: TLS, the source's peer id checked) when
+    it has one we can reach and `bulk.fetch` is on, else libp2p streams; a source whose
+    plane is unusable (none, unreachable, another identity at its address, refused us) is
+    left to libp2p for 60 s. The source is always named by its peer ID, so throughput,
+    failures and penalties go to the peer that signed the advert. One log line per source
+    and path (the bulk client's)."""
+
+    KIND = "shard"
+    # Idle connections and streams kept per source for the next shard request (a server
+    # closes an idle one after request_timeout_s, 10 s by default: reuse well before that)
+    POOL_PER_PEER = 4
+    POOL_IDLE_S = 5.0
+
+    def __init__(self, p2p, bulk=None):
+        self.p2p = p2p
+        plane = bulk if bulk is not None else getattr(getattr(p2p, "node", None), "bulk",
+                                                      None)
+        self.bulk = plane.client if plane is not None else None
+        if self.bulk is not None:
+            self.bulk.add_kind(self.KIND, "shards", self.POOL_PER_PEER, self.POOL_IDLE_S)
+        self.opened = Counter({"bulk": 0, "bulk_reused": 0, "libp2p": 0, "libp2p_reused": 0})
+        # libp2p shard streams: no liveness peek; kept for less than POOL_IDLE_S, half the
+        # servers' default idle bound, and a dead one is retried (wire._open_request)
+        self.idle_p2p: IdlePool[PooledStream] = IdlePool(self.POOL_PER_PEER, self.POOL_IDLE_S)
+
+    def set_endpoint(self, peer: str, endpoint: str) -> None:
+        """The bulk endpoint a source advertised (signed)."""
+        if self.bulk is not None:
+            self.bulk.set_endpoint(peer, endpoint)
+
+    def forget_idle(self, peer: str) -> None:
+        """A pooled stream to `peer` was found dead: the other idle ones likely are too."""
+        self.idle_p2p.drop(peer)
+        if self.bulk is not None:
+            self.bulk.forget_idle(peer, self.KIND)
+
+    def close(self) -> None:
+        """Close every idle connection and pooled stream."""
+        self.idle_p2p.drop_all()
+        if self.bulk is not None:
+            self.bulk.kinds[self.KIND].pool.drop_all()
+
+    async def open(self, peer: str, fresh: bool = False):
+        """A stream to `peer`'s shard server: a pooled idle one, or (`fresh`, or none idle)
+        a new one."""
+        bulk = self.bulk
+        if bulk is not None and bulk.usable(peer, self.KIND):
+            try:
+                conn = await bulk.open(peer, self.KIND, fresh=fresh)
+            except BulkBusy:
+                self.opened["bulk_busy"] += 1  # this request over libp2p, nothing marked
+            except BulkUnavailable:
+                pass  # marked down and said by the client
+            else:
+                self.opened["bulk_reused" if conn.reused else "bulk"] += 1
+                return BulkShardStream(conn, lambda e: bulk.mark_down(
+                    peer, self.KIND, f"TLS integrity failure: {e}"))
+        elif bulk is not None:
+            bulk.say(peer, self.KIND, "libp2p streams", "bulk plane down for 60 s"
+                     if bulk.cfg.fetch else "bulk.fetch is off")
+        stream = None if fresh else self.idle_p2p.take(peer)
+        if stream is not None:
+            stream.reused = True
+            self.opened["libp2p_reused"] += 1
+            return stream
+        self.opened["libp2p"] += 1
+        return PooledStream(await self.p2p.open(peer), lambda s: self.idle_p2p.put(peer, s))

@@ -5,7 +5,7 @@
                       then, if ok, exactly `length` raw bytes.
 
 After a complete shard the server waits up to `request_timeout_s` for another request on the
-same stream (libp2p) or connection (data plane); after an error answer it closes. A client
+same stream (libp2p) or connection (bulk plane); after an error answer it closes. A client
 may send its next request once it read the whole response, or close.
 
 Error codes in the header: bad_request, bad_range, unknown_shard, busy, internal.
@@ -167,7 +167,7 @@ async def fetch_into(transport: ShardTransport, peer: str, request: ShardRequest
                      sink: Callable[[memoryview | bytes], None], *, expected_len: int,
                      request_timeout: float, chunk_timeout: float, chunk_size: int) -> None:
     """`fetch`, but the bytes go to `sink` (blocking: hashing and writing), always off the
-    event loop: a stream with `receive_into` (the TCP data plane) runs the whole body in
+    event loop: a stream with `receive_into` (the bulk plane) runs the whole body in
     one thread; others hop to a thread per chunk. Failures as in `fetch`; what `sink`
     raises passes through."""
     stream = await _open_request(transport, peer, request, expected_len, request_timeout)

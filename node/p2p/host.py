@@ -27,39 +27,20 @@ from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service import background_trio_service
 
-from ...protocol.ids import FETCH_PROTOCOL
+from ...protocol.ids import BULK_PROTOCOL, FETCH_PROTOCOL
 from ...protocol.messages import WireModel
+from . import patches
+from .admission import Admission
 from .bridge import TrioBridge
+from .bulk import BulkPlane
 from .discovery import Discovery
 from .errors import BadMultiaddr, DialError, NotRunning, P2PError
-from .gossip import (
-    GossipValidator,
-    build_gossip,
-    coalesce_publish_writes,
-    flood_own_publishes,
-)
-from .guard import (
-    announce_subscriptions_made_during_setup,
-    check_libp2p_version,
-    guard_pubsub,
-    guard_stream_handlers,
-    install_pubsub_fast_paths,
-    install_record_memo,
-    keep_subscriptions_while_connected,
-    leave_dialing_to_discovery,
-    limit_before_spawn,
-    use_fast_validation_cache,
-)
+from .gossip import GossipValidator, build_gossip
 from .metrics import P2PMetrics
 from .penalties import PeerPenalties, TopicRateLimiter
 from .pubsub import GossipService, Handler
 from .requests import RequestHandler, RequestService, StreamHandler
 from .streams import AsyncStream
-from .yamux import (
-    bound_buffers,
-    fit_frames_to_noise,
-    freeze_tuning_env,
-)
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +68,9 @@ class P2PNode:
         self._connected: set[str] = set()
         self._dialing: dict = {}  # peer ID -> trio.Event set when our dial to it ends
         self._tasks: set[asyncio.Task] = set()
+        # shards and gossip bodies over TLS beside libp2p (bulk/); started in start()
+        self.bulk = BulkPlane(identity, config.bulk, self.metrics, allowed=self._allowed,
+                              request=self.request, peer_ip=self.peer_ip)
         self.gossip = GossipService(self)  # pubsub seam
         self.requests = RequestService(self)  # request/response seam
         self.penalties = PeerPenalties(self._cut)
@@ -117,7 +101,13 @@ class P2PNode:
             raise P2PError(f"cannot start the libp2p host on {', '.join(map(str, listen))}: "
                            f"{_flatten(e)}", reason="listen_failed") from e
         await self.set_request_handler(FETCH_PROTOCOL, self.gossip.serve_payload)
-        await self.gossip.start_payload_plane()
+        try:
+            await self.bulk.start(self.config.node.listen)
+        except BaseException:
+            await self.close()
+            raise
+        await self.set_request_handler(BULK_PROTOCOL, self.bulk.serve_query)
+        self.gossip.start_bodies()
         await self.gossip.subscribe_pending()
         self.discovery = Discovery(self)
         await self.discovery.install()
@@ -140,7 +130,7 @@ class P2PNode:
             task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.gossip.close_payload_plane()
+        await self.bulk.close()
         await self._bridge.stop()
 
     async def __aenter__(self) -> Self:
@@ -242,21 +232,9 @@ class P2PNode:
                         listen_addrs=listen)
         # One attempt per dial: discovery.py retries with its own backoff and reports why.
         host.get_network().retry_config.max_retries = 0
-        leave_dialing_to_discovery(host)
-        check_libp2p_version()
-        install_record_memo()
-        install_pubsub_fast_paths()
-        fit_frames_to_noise()
-        freeze_tuning_env()
-        guard_stream_handlers(host, self._t_stream_fault)  # before pubsub adds its handlers
-        router, pubsub = build_gossip(host, self.cfg, self.metrics)
-        if self.cfg.flood_publish:
-            flood_own_publishes(router, host.get_id())
-        guard_pubsub(pubsub, self._t_stream_fault)
-        coalesce_publish_writes(pubsub, self.metrics)
-        keep_subscriptions_while_connected(pubsub)
-        announce_subscriptions_made_during_setup(pubsub)
-        use_fast_validation_cache(pubsub)
+        patches.install()  # the py-libp2p version gate and the process-wide patches
+        patches.patch_host(host, self._t_stream_fault)  # before pubsub adds its handlers
+        router, pubsub = build_gossip(host, self.cfg, self.metrics, self._t_stream_fault)
         self._validator = GossipValidator(self.peer_id, self.limits, self.metrics,
                                           lambda: self._allowed,
                                           self.config.limits.max_clock_skew_s,
@@ -267,8 +245,8 @@ class P2PNode:
             async with (host.run(listen_addrs=listen), background_trio_service(pubsub),
                         background_trio_service(router)):
                 await pubsub.wait_until_ready()
-                limit_before_spawn(pubsub, host.get_id(), self.rate_limiter, self.penalties,
-                                   self.metrics)
+                patches.patch_running_pubsub(
+                    pubsub, Admission(self.rate_limiter, self.penalties, self.metrics).admit)
                 self.listen_addrs = _dialable(host.get_addrs())
                 self.requests._t_install_all()
                 async with trio.open_nursery() as nursery:
@@ -339,6 +317,19 @@ class P2PNode:
 
     async def disconnect(self, peer_id: str) -> None:
         await self._bridge.call(self._host.disconnect, ID.from_base58(peer_id))
+
+    def peer_ip(self, peer: str) -> str | None:
+        """The IP of a live libp2p connection to `peer` (a snapshot read from asyncio)."""
+        if self._host is None:
+            return None
+        try:
+            for conn in list(self._host.get_network().get_connections(ID.from_base58(peer))):
+                addr = conn.muxed_conn.get_remote_address()
+                if addr:
+                    return str(addr[0])
+        except Exception as e:  # noqa: BLE001 - no address: the libp2p path is used
+            log.debug("no remote address for %s: %s", peer, e)
+        return None
 
     def set_peer_filter(self, fn: Callable[[str], bool] | None) -> None:
         """`fn(peer_id) -> bool`: False drops that peer's gossip (at the validator, counted
@@ -421,7 +412,7 @@ class _Notifee:
     async def connected(self, network, conn) -> None:
         node = self.node
         peer = conn.muxed_conn.peer_id.to_base58()
-        bound_buffers(conn.muxed_conn, peer, node._t_window_violation)
+        patches.patch_connection(conn.muxed_conn, peer, node._t_window_violation)
         if node.penalties.refused(peer):
             node.metrics.inc("connections_refused")
             node._t_disconnect_soon(peer)

@@ -12,8 +12,9 @@ class P2PMetrics:
     Counter names (NODE_SPEC.md lists them): published, publish_waits, publish_no_peers,
     publish_no_mesh, received, delivered, own_skipped, rejected, drop_outbound_queue_full,
     drop_outbound_oversized, drop_subscription_full, drop_handler_queue_full, handler_errors,
-    payload_announced, payload_fetched, payload_fetch_failed, payload_pulled_tcp,
-    payload_pulled_libp2p, payload_pull_misses, payload_tcp_* (the payload plane, bodies.py),
+    payload_announced, payload_fetched, payload_fetch_failed, payload_pulled_bulk,
+    payload_pulled_libp2p, payload_pull_misses, payload_bulk_* (bodies.py),
+    bulk_* (the bulk plane: node/p2p/bulk),
     gossip_copies_in, gossip_duplicates, requests_sent, requests_failed,
     requests_served, requests_busy, requests_too_large, streams_refused, dials, dial_failures,
     stream_faults, window_violations, peers_cut, connections_refused (hostile peers).

@@ -1,6 +1,6 @@
 """Gossip over py-libp2p's GossipSub (the pubsub seam of P2PNode): subscriptions and
 in-order delivery, publishing with mesh and capacity waits, and large payloads announced
-and pulled once per peer (over the TCP payload plane of bodies.py, else FETCH_PROTOCOL).
+and pulled once per peer (over the bulk plane, bodies.py, else FETCH_PROTOCOL).
 Methods named `_t_*` run in the libp2p (trio) thread."""
 
 from __future__ import annotations
@@ -14,16 +14,17 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import trio
-from libp2p.peer.id import ID
 
 from ...protocol.envelope import Envelope, open_envelope, seal
 from ...protocol.errors import ProtocolError
-from ...protocol.ids import FETCH_PROTOCOL, PAYLOAD_TOKEN_PROTOCOL, topic
+from ...protocol.ids import FETCH_PROTOCOL, topic
 from ...protocol.limits import TOPIC_MESSAGE_TYPES
 from ...protocol.messages import PayloadAnnounce, WireModel
-from .bodies import PayloadPuller, PayloadServer, PullFailed, TokenIssuer
+from . import patches
+from .bodies import KIND as BODY_KIND
+from .bodies import BodyPuller, BodyServer, PullFailed
 from .errors import PublishError, RequestError
-from .gossip import CountingSendChannel, mesh_ready, origin_b58
+from .gossip import mesh_ready, origin_b58
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +53,8 @@ class GossipService:
         self._pull_slots = PullSlots(node.cfg.payload_fetch_parallel)
         self._outbox: deque[tuple[str, Envelope, str]] = deque()  # libp2p thread -> asyncio
         self._flush_pending = False
-        self._issuer: TokenIssuer | None = None  # the TCP payload plane (bodies.py)
-        self._server: PayloadServer | None = None
-        self._puller: PayloadPuller | None = None
+        self._server: BodyServer | None = None  # bodies over the bulk plane (bodies.py)
+        self._puller: BodyPuller | None = None
 
     async def subscribe_pending(self) -> None:
         """At start: subscribe in the libp2p thread to the kinds subscribed before it."""
@@ -84,8 +84,9 @@ class GossipService:
         pubsub = self.node._pubsub
         pubsub.set_topic_validator(t, self.node._validator.for_kind(kind), False)
         await pubsub.subscribe(t)
-        send, recv = trio.open_memory_channel(self.cfg.subscription_queue)
-        pubsub.subscribed_topics_send[t] = CountingSendChannel(send, self.metrics)
+        recv = patches.patch_subscription_channel(
+            pubsub, t, self.cfg.subscription_queue,
+            lambda: self.metrics.inc("drop_subscription_full"))
         self.node._nursery.start_soon(self._t_read_topic, kind, recv)
 
     async def _t_read_topic(self, kind: str, recv) -> None:
@@ -247,73 +248,26 @@ class GossipService:
             raise LookupError("payload not held here")
         return data
 
-    async def start_payload_plane(self) -> None:
-        """At start: the token handler, the TCP payload server (unless
-        `p2p.payload_tcp_listen` is off or its port cannot be bound) and the puller."""
-        self._issuer = TokenIssuer(self.node.peer_id, self.cfg.payload_token_ttl_s)
-        self._puller = PayloadPuller(self.node.peer_id, self._request_token, self._peer_ip,
-                                     self.cfg, self.metrics)
-        await self.node.set_request_handler(PAYLOAD_TOKEN_PROTOCOL, self.serve_token)
-        try:
-            where = payload_listen_address(self.cfg.payload_tcp_listen,
-                                           self.node.config.node.listen)
-        except ValueError as e:
-            log.error("%s: announced payloads are served over libp2p only", e)
-            where = None
-        if where is None:
-            log.info("payload plane off: announced payloads are served over libp2p only")
-            return
-        server = PayloadServer(self._issuer, self._payloads.get, self.node._allowed, self.cfg,
-                               self.metrics)
-        try:
-            port = await server.start(*where)
-        except OSError as e:
-            log.warning("payload plane cannot listen on %s:%d (%s): announced payloads are "
-                        "served over libp2p only", where[0], where[1], e)
-            return
-        self._server = server
-        log.info("payload plane (announced gossip payloads) on TCP %s:%d", where[0], port)
+    def start_bodies(self) -> None:
+        """At start: serve and pull bodies over the node's bulk plane (kind "body"); the
+        announcers that served us have its reserve of connections."""
+        bulk, cfg = self.node.bulk, self.node.config.bulk
+        self._server = BodyServer(self._payloads.get, cfg.idle_s,
+                                  self.cfg.payload_pull_timeout_s, self.metrics)
+        bulk.register(BODY_KIND, self._server.serve)
+        bulk.client.add_kind(BODY_KIND, "gossip bodies", self.cfg.payload_pulls_per_peer,
+                             cfg.idle_s / 2)
+        bulk.add_known(self._pull_slots.proven)
+        self._puller = BodyPuller(bulk.client, self.cfg, self.metrics)
 
     def peers_connected(self, peers: set[str]) -> None:
-        """New libp2p connections: get their payload-plane tokens and connections now
-        (PayloadPuller.warm), not on the path of their first announced payload."""
+        """New libp2p connections: open one bulk-plane connection to each now
+        (BodyPuller.warm), not on the path of their first announced payload."""
         if self._puller is None:
             return
         for peer in peers:
             if self._puller.usable(peer):
                 self.node._spawn(self._puller.warm(peer))
-
-    async def close_payload_plane(self) -> None:
-        if self._puller is not None:
-            self._puller.close()
-        if self._server is not None:
-            await self._server.close()
-            self._server = None
-
-    async def serve_token(self, peer: str, body: bytes) -> bytes:
-        """PAYLOAD_TOKEN_PROTOCOL: a token bound to `peer` and our plane's port."""
-        if self._server is None:
-            raise LookupError("no payload plane here")
-        return self._issuer.issue(peer, self._server.port)
-
-    async def _request_token(self, peer: str) -> bytes:
-        return await self.node.request(peer, PAYLOAD_TOKEN_PROTOCOL, b"",
-                                       timeout=self.cfg.payload_pull_timeout_s,
-                                       max_response=128)
-
-    def _peer_ip(self, peer: str) -> str | None:
-        """The IP of a live libp2p connection to `peer` (a snapshot read from asyncio)."""
-        host = self.node._host
-        if host is None:
-            return None
-        try:
-            for conn in list(host.get_network().get_connections(ID.from_base58(peer))):
-                addr = conn.muxed_conn.get_remote_address()
-                if addr:
-                    return str(addr[0])
-        except Exception as e:  # noqa: BLE001 - no address: the libp2p path is used
-            log.debug("no remote address for %s: %s", peer, e)
-        return None
 
     async def _pull_announced(self, kind: str, env: Envelope, origin: str) -> None:
         ann: PayloadAnnounce = env.message
@@ -374,7 +328,7 @@ class GossipService:
         return None
 
     async def _pull_from(self, source: str, ann: PayloadAnnounce) -> bytes:
-        """Over the TCP payload plane when the source has one, else over libp2p."""
+        """Over the bulk plane when the source has one, else over libp2p."""
         puller = self._puller
         if puller is not None and puller.usable(source):
             try:
@@ -383,8 +337,10 @@ class GossipService:
                 if e.reason != "unavailable":
                     raise
             else:
-                self.metrics.inc("payload_pulled_tcp")
+                self.metrics.inc("payload_pulled_bulk")
                 return data
+        elif puller is not None:
+            puller.say_libp2p(source)
         try:
             data = await self.node.request(source, FETCH_PROTOCOL, ann.content_hash,
                                            timeout=self.cfg.payload_pull_timeout_s,
@@ -488,21 +444,3 @@ class PullSlots:
             entry.users -= 1
             if entry.users == 0:
                 del self._announcers[announcer]
-
-
-def payload_listen_address(setting: str, libp2p_listen: list[str]) -> tuple[str, int] | None:
-    """(host, port) to bind the payload plane on, or None (off, or nothing to derive from)."""
-    if setting == "off":
-        return None
-    if setting != "auto":
-        host, _, port = setting.rpartition(":")
-        if not host or not port.isdigit() or int(port) > 65535:
-            raise ValueError(f"p2p.payload_tcp_listen must be \"auto\", \"off\" or "
-                             f"\"host:port\", not {setting!r}")
-        return host.strip("[]"), int(port)
-    for addr in libp2p_listen:
-        parts = addr.split("/")
-        if len(parts) >= 5 and parts[1] in ("ip4", "ip6") and parts[3] == "tcp":
-            port = int(parts[4])
-            return parts[2], port + 2 if port else 0
-    return None

@@ -103,6 +103,9 @@ class TrainerRole(Role):
         self.tasks = TaskSource.of(cfg.tasks, cfg.node.swarm_id)
         self.reputation = Reputation.from_config(cfg.verifier, self.data_dir / "reputation.json")
         self.p2p.set_peer_filter(lambda peer: not self.reputation.is_banned(peer))
+        bulk = getattr(self.p2p, "bulk", None)  # peers out of probation: the plane's reserve
+        if bulk is not None:
+            bulk.add_known(self.reputation.established)
         if self.own is None:
             own = OwnCheckpoints.create(self.trainer, self.p2p, cfg, self.data_dir / "broadcast",
                                         follow=[p for p in cfg.node.follow

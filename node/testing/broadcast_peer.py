@@ -44,7 +44,8 @@ def emit(**obj) -> None:
 
 def thread_cpu() -> dict[str, float]:
     """CPU seconds per thread kind of this process (libp2p's trio thread, the asyncio loop,
-    shard receivers, other workers): where a peer's CPU goes, for the benchmark notes."""
+    bulk-plane receivers and senders (TLS), other workers): where a peer's CPU goes, for
+    the benchmark notes."""
     names = {t.native_id: t.name for t in threading.enumerate()}
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
@@ -55,7 +56,7 @@ def thread_cpu() -> dict[str, float]:
             continue
         name = names.get(int(task.name), "other")
         kind = ("libp2p" if name.startswith("p2p") else "asyncio" if name == "MainThread"
-                else "shard-rx" if name.startswith("shard-rx") else "workers")
+                else name[:7] if name.startswith(("bulk-rx", "bulk-tx")) else "workers")
         out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick
         out[kind + ":sys"] = out.get(kind + ":sys", 0.0) + int(fields[12]) / tick
         out[kind + ":nvcsw"] = out.get(kind + ":nvcsw", 0.0) + _switches(task)
@@ -111,10 +112,10 @@ async def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--advert-interval", type=float)
     ap.add_argument("--discovery-interval", type=float, default=1.0,
                     help="p2p.discovery_interval_s (tests: 1 s to join fast; node default 5 s)")
-    ap.add_argument("--tcp-listen", default="auto",
-                    help='shard data plane: "auto" (default), "host:port" or "off"')
-    ap.add_argument("--tcp-advertise", default="", help="endpoint put into adverts")
-    ap.add_argument("--tcp-auth-timeout", type=float, default=5.0)
+    ap.add_argument("--bulk-listen", default="auto",
+                    help='bulk plane (bulk.listen): "auto" (default), "host:port" or "off"')
+    ap.add_argument("--bulk-advertise", default="", help="bulk.advertise: endpoint in adverts")
+    ap.add_argument("--bulk-handshake-timeout", type=float, default=5.0)
     ap.add_argument("--corrupt-shards", default="")
     ap.add_argument("--min-free-mib", type=int, default=256,
                     help="free disk space every large write leaves (node.min_free_disk_mib)")
@@ -133,9 +134,9 @@ async def main(argv: list[str] | None = None) -> int:
         cfg.broadcast.shard_size = args.shard_size
     if args.parallel:
         cfg.broadcast.parallel_downloads = args.parallel
-    cfg.broadcast.tcp_listen = args.tcp_listen
-    cfg.broadcast.tcp_advertise = args.tcp_advertise
-    cfg.broadcast.tcp_auth_timeout_s = args.tcp_auth_timeout
+    cfg.bulk.listen = args.bulk_listen
+    cfg.bulk.advertise = args.bulk_advertise
+    cfg.bulk.handshake_timeout_s = args.bulk_handshake_timeout
     if args.advert_interval:
         cfg.broadcast.advert_interval_s = args.advert_interval
     if args.readvertise:
@@ -167,6 +168,7 @@ async def main(argv: list[str] | None = None) -> int:
     await node.start(bootstrap=args.bootstrap)
     await bc.start()
     emit(event="ready", peer_id=node.peer_id, addrs=node.listen_addrs, t=time.time(),
+         bulk=list(node.bulk.bound) if node.bulk.bound else None,
          startup_s=time.time() - t_start, peak_rss_mib=peak_rss_mib(), cpu_s=cpu_seconds(),
          cpu_threads=thread_cpu(), p2p=dict(node.metrics.counters))
     try:
@@ -192,8 +194,9 @@ async def main(argv: list[str] | None = None) -> int:
                 emit(event="rate", mib_s=float(rest[0]))
             elif cmd == "stats":
                 emit(event="stats", server=dict(bc.server.metrics),
-                 dataplane=dict(bc._tcp_server.metrics) if bc._tcp_server else {},
-                 endpoint=bc.endpoint,
+                     bulk={k: v for k, v in node.metrics.counters.items()
+                           if k.startswith("bulk_")},
+                     endpoint=bc.endpoint,
                      rejected=dict(bc.gate.rejected), peak_rss_mib=peak_rss_mib(),
                      downloads={p: dict(d.metrics) for p, (_, _, d) in bc.downloads.items()},
                      disk=bc.disk.status(), follow=sorted(bc.gate.follow),

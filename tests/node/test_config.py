@@ -217,3 +217,26 @@ def test_admin_port_is_fixed_by_default():
     from swarm_node.node.config import DEFAULT_ADMIN_PORT
 
     assert Config().admin.port == DEFAULT_ADMIN_PORT != 0
+
+
+@pytest.mark.parametrize("section, key, says", [
+    ("broadcast", "tcp_listen", "did you mean `bulk.listen`"),
+    ("broadcast", "tcp_auth_timeout_s", "did you mean `bulk.handshake_timeout_s`"),
+    ("p2p", "payload_tcp_listen", "did you mean `bulk.listen`"),
+    ("p2p", "payload_tcp_conns_per_peer", "did you mean `p2p.payload_pulls_per_peer`"),
+    ("p2p", "payload_token_ttl_s", "there are no tokens"),
+])
+def test_the_old_side_plane_keys_name_the_bulk_plane(section, key, says):
+    with pytest.raises(ConfigError, match=f"unknown key `{section}.{key}`.*{says}"):
+        build_config({section: {key: "off" if "listen" in key else 1}})
+
+
+@pytest.mark.parametrize("bulk, message", [
+    ({"listen": "4002"}, '`bulk.listen` = .*"host:port"'),
+    ({"advertise": "example.org:0"}, "`bulk.advertise` = "),
+    ({"known_reserve": 256}, "known_reserve must be below"),
+])
+def test_bulk_settings_are_checked(bulk, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config({"bulk": bulk})
+    assert build_config({"bulk": {"listen": "[::1]:0", "advertise": "h.example:4102"}})

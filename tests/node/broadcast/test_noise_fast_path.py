@@ -1,4 +1,4 @@
-"""The Noise fast paths of the libp2p stream path (node/p2p/yamux.py): messages written in
+"""The Noise fast paths of the libp2p stream path (node/p2p/patches/noise_io.py): messages written in
 one socket write, read back in any chunking, over a real Noise session (the `noise` library
 py-libp2p uses, NN handshake in memory). End-to-end over real hosts: tests/node/p2p and the
 libp2p cases of test_faults/test_service."""
@@ -13,7 +13,9 @@ from libp2p.io.exceptions import IncompleteReadError
 from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH, NoiseTransportReadWriter
 from noise.connection import NoiseConnection
 from noise.exceptions import NoiseInvalidMessage
-from swarm_node.node.p2p import yamux
+from swarm_node.node.p2p import patches
+from swarm_node.node.p2p.patches import noise_io
+from swarm_node.node.p2p.patches.registry import original
 
 MSG_LIMIT = 65535
 
@@ -57,7 +59,7 @@ def noise_pair() -> tuple[NoiseConnection, NoiseConnection]:
 
 def session(chunks: list[int] | None = None):
     """(writer, reader, wire): both ends of one Noise session over one in-memory wire."""
-    yamux.install_bulk_fast_paths()
+    patches.install()
     a, b = noise_pair()
     wire = Wire(chunks)
     return NoiseTransportReadWriter(wire, a), NoiseTransportReadWriter(wire, b), wire
@@ -155,7 +157,7 @@ def test_session_reads_of_any_size_return_exactly_the_bytes_in_order(reads):
         data = bytes(i % 253 for i in range(sum(reads)))
         await writer.write_msg(data)
         s = PlainSession(reader)
-        got = [await yamux._session_read(s, n) for n in reads]
+        got = [await noise_io._session_read(s, n) for n in reads]
         assert [len(g) for g in got] == reads
         assert b"".join(got) == data
 
@@ -176,14 +178,15 @@ def test_sealed_messages_read_back_with_the_noise_librarys_own_calls(sizes):
             await writer.write_msg(kinds[i % 3](m))
         got = bytearray()
         while len(got) < sum(sizes):  # py-libp2p's read_msg: one Noise message per call
-            got += await yamux._ORIG_READ_MSG(reader)
+            got += await original(NoiseTransportReadWriter, "read_msg")(reader)
         assert bytes(got) == b"".join(sent)
         assert all(n <= MSG_LIMIT for n in message_sizes(wire))
 
         writer, reader, wire = session()
         for m in sent:
             for start in range(0, max(len(m), 1), MAX_PLAINTEXT_LENGTH):
-                await yamux._ORIG_WRITE_MSG(writer, m[start:start + MAX_PLAINTEXT_LENGTH])
+                await original(NoiseTransportReadWriter, "write_msg")(
+                    writer, m[start:start + MAX_PLAINTEXT_LENGTH])
         assert await read_all(reader, sum(sizes)) == b"".join(sent)
 
     trio.run(main)

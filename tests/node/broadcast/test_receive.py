@@ -1,36 +1,57 @@
-"""The data plane's receiving side (DirectTcpStream: one thread per shard body) against a
-real TCP server that misbehaves, and the one-token-request-per-peer rule."""
+"""The receiving side of a shard body against a real server that misbehaves, over plain TCP
+(the protocol itself) and over the bulk plane (TLS; one receiving thread per body), and the
+one-endpoint-query-per-peer rule of the bulk client."""
 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
-from swarm_node.node.broadcast.dataplane import RoutingTransport, TokenIssuer
 from swarm_node.node.broadcast.errors import ShardFetchError
-from swarm_node.node.broadcast.transport import TcpTransport
+from swarm_node.node.broadcast.transport import RoutingTransport, TcpTransport
 from swarm_node.node.broadcast.wire import FRAME_HEADER, fetch_into
+from swarm_node.node.config import BulkSection
+from swarm_node.node.identity import Identity
+from swarm_node.node.p2p.bulk import BulkClient, BulkServer
+from swarm_node.node.p2p.bulk.cert import server_context
+from swarm_node.node.p2p.metrics import P2PMetrics
 from swarm_node.protocol.messages import ShardRequest, ShardResponseHeader
 
 BODY = 256 * 1024
 REQ = ShardRequest(policy_id="P", version=1, shard=0)
+SERVER, ME = Identity.generate(), Identity.generate()
 
 
-async def bad_server(behaviour: str, release: asyncio.Event):
-    """Answers any request with a header for BODY bytes, sends half, then: "stall" (keeps the
-    connection open until `release`) or "close". Returns (server, endpoint)."""
-    async def on_conn(reader, writer):
-        (n,) = FRAME_HEADER.unpack(await reader.readexactly(FRAME_HEADER.size))
-        await reader.readexactly(n)
-        header = ShardResponseHeader(ok=True, length=BODY).encode()
-        writer.write(FRAME_HEADER.pack(len(header)) + header + b"\x07" * (BODY // 2))
-        await writer.drain()
-        if behaviour == "stall":
-            await release.wait()
-        writer.close()
+async def answer_half(stream, behaviour: str, release: asyncio.Event) -> None:
+    """Answer a request with a header for BODY bytes, send half, then "stall" (until
+    `release`) or "close"."""
+    (n,) = FRAME_HEADER.unpack(await stream.readexactly(FRAME_HEADER.size))
+    await stream.readexactly(n)
+    header = ShardResponseHeader(ok=True, length=BODY).encode()
+    await stream.write(FRAME_HEADER.pack(len(header)) + header + b"\x07" * (BODY // 2))
+    if behaviour == "stall":
+        await release.wait()
 
-    server = await asyncio.start_server(on_conn, "127.0.0.1", 0)
-    return server, f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+async def bad_server(path: str, behaviour: str, release: asyncio.Event):
+    """(transport, peer, close) of a server that answers as `answer_half` does."""
+    if path == "tcp":
+        async def on_conn(reader, writer):
+            from swarm_node.node.broadcast.transport import TcpStream
+            await answer_half(TcpStream(reader, writer), behaviour, release)
+            writer.close()
+
+        server = await asyncio.start_server(on_conn, "127.0.0.1", 0)
+        endpoint = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        return TcpTransport(), endpoint, server.close
+    plane = BulkServer(SERVER.peer_id, server_context(SERVER), BulkSection(), P2PMetrics())
+    plane.register("shard", lambda peer, conn: answer_half(conn, behaviour, release))
+    _, port = await plane.start("127.0.0.1", 0)
+    rt = RoutingTransport(None, bulk=SimpleNamespace(
+        client=BulkClient(ME, BulkSection(), query=None)))
+    rt.set_endpoint(SERVER.peer_id, f"127.0.0.1:{port}")
+    return rt, SERVER.peer_id, plane.close
 
 
 class Sink:
@@ -41,69 +62,73 @@ class Sink:
         self.got += len(view)
 
 
+@pytest.mark.parametrize("path", ["tcp", "bulk"])
 @pytest.mark.parametrize("behaviour, reason", [("stall", "timeout"), ("close", "short_read")])
-async def test_a_broken_body_is_a_fetch_error_with_the_bytes_so_far(behaviour, reason):
+async def test_a_broken_body_is_a_fetch_error_with_the_bytes_so_far(path, behaviour, reason):
     release = asyncio.Event()
-    server, endpoint = await bad_server(behaviour, release)
+    transport, peer, close = await bad_server(path, behaviour, release)
     sink = Sink()
     try:
         with pytest.raises(ShardFetchError) as e:
-            await fetch_into(TcpTransport(), endpoint, REQ, sink, expected_len=BODY,
+            await fetch_into(transport, peer, REQ, sink, expected_len=BODY,
                              request_timeout=5, chunk_timeout=0.5, chunk_size=64 * 1024)
         assert e.value.reason == reason
         assert sink.got == BODY // 2
     finally:
         release.set()
-        server.close()
+        result = close()
+        if asyncio.iscoroutine(result):
+            await result
 
 
 async def test_cancelling_a_transfer_ends_its_thread_and_closes_the_socket():
     release = asyncio.Event()
-    server, endpoint = await bad_server("stall", release)
-    stream = await TcpTransport().open(endpoint)
+    rt, peer, close = await bad_server("bulk", "stall", release)
+    stream = await rt.open(peer)
+    conn = stream.conn
     try:
         await stream.write(FRAME_HEADER.pack(len(REQ.encode())) + REQ.encode())
         (n,) = FRAME_HEADER.unpack(await stream.readexactly(FRAME_HEADER.size))
         await stream.readexactly(n)
         task = asyncio.create_task(stream.receive_into(BODY, Sink(), 60.0, 64 * 1024))
-        while stream._body is None:
-            await asyncio.sleep(0.01)
+        async with asyncio.timeout(10):
+            while conn._op is None:
+                await asyncio.sleep(0.01)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         await stream.close()
         # the receiving thread ends long before its 60 s chunk timeout, then the socket closes
         async with asyncio.timeout(10):
-            while stream.sock.fileno() != -1:
+            while conn.sock.fileno() != -1:
                 await asyncio.sleep(0.01)
-        assert stream._body.done()
+        assert conn._op.done()
     finally:
         release.set()
-        server.close()
+        await close()
 
 
-class CountingNode:
-    """Stands in for the libp2p node's request (the token exchange is what is counted)."""
+async def test_transfers_starting_together_share_one_endpoint_query():
+    plane = BulkServer(SERVER.peer_id, server_context(SERVER), BulkSection(), P2PMetrics())
+    plane.register("shard", lambda peer, conn: conn.read(1))
+    _, port = await plane.start("127.0.0.1", 0)
+    asked = []
 
-    def __init__(self):
-        self.peer_id = "client"
-        self.issuer = TokenIssuer("server", ttl_s=60)
-        self.requests = 0
-
-    async def request(self, peer, protocol, body, timeout, max_response):
-        self.requests += 1
+    async def query(peer):
+        asked.append(peer)
         await asyncio.sleep(0.05)  # the answer takes a round trip
-        return self.issuer.issue(self.peer_id)
+        return "127.0.0.1", port
 
-
-class FakeP2P:
-    def __init__(self):
-        self.node = CountingNode()
-
-
-async def test_transfers_starting_together_share_one_token_request():
-    t = RoutingTransport(FakeP2P())
-    tokens = await asyncio.gather(*(t._token("server") for _ in range(8)))
-    assert len(set(tokens)) == 1 and t.p2p.node.requests == 1
-    await t._token("server")  # cached
-    assert t.p2p.node.requests == 1
+    client = BulkClient(ME, BulkSection(), query)
+    client.add_kind("shard", "shards", 8, 5.0)
+    conns = []
+    try:
+        conns = await asyncio.gather(*(client.open(SERVER.peer_id, "shard") for _ in range(4)))
+        assert len({id(c) for c in conns}) == 4 and asked == [SERVER.peer_id]
+        conns.append(await client.open(SERVER.peer_id, "shard", fresh=True))  # cached
+        assert asked == [SERVER.peer_id]
+    finally:
+        for c in conns:
+            c.abort()
+        client.close()
+        await plane.close()

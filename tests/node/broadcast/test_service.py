@@ -34,13 +34,13 @@ async def swarm(tmp_path):
 
     made = []
 
-    async def make(name, role, follow=(), bootstrap=(), identity=None, tcp=False,
+    async def make(name, role, follow=(), bootstrap=(), identity=None, bulk=False,
                    libp2p_only=False, **kw):
         cfg = node_config()
-        if tcp:
-            cfg.broadcast.tcp_listen = "127.0.0.1:0"
+        if bulk:
+            cfg.bulk.listen = "127.0.0.1:0"
         if libp2p_only:
-            cfg.broadcast.tcp_listen = "off"
+            cfg.bulk.listen = "off"
         node = P2PNode(identity or Identity.generate(), cfg)
         await node.start(bootstrap=list(bootstrap))
         bc = Broadcaster(node, cfg.broadcast, tmp_path / name, follow=list(follow), role=role,
@@ -107,18 +107,21 @@ async def test_an_older_nodes_whole_file_manifest_still_downloads(tmp_path, swar
     assert "whole_hash_live_bytes" not in follower.finished[(tnode.peer_id, 2)].metrics
 
 
-async def test_late_joiner_learns_version_from_adverts_and_uses_tcp(tmp_path, swarm):
+async def test_late_joiner_learns_version_from_adverts_and_uses_the_bulk_plane(tmp_path,
+                                                                               swarm):
     ckpt = make_checkpoint(tmp_path / "ckpt", {"model.safetensors": 500_000})
-    tnode, trainer = await swarm("trainer", "trainer", tcp=True)
+    tnode, trainer = await swarm("trainer", "trainer", bulk=True)
     assert trainer.endpoint.startswith("127.0.0.1:")
     m = await trainer.publish(ckpt, version=1)  # nobody listening yet
     _fnode, late = await swarm("late", "inference", follow=[tnode.peer_id],
-                              bootstrap=tnode.listen_addrs, tcp=True)
+                              bootstrap=tnode.listen_addrs, bulk=True)
     path = await late.wait_complete(tnode.peer_id, 1, timeout=60)
     assert read_dir(path) == read_dir(ckpt)
-    assert late.transport.endpoints[tnode.peer_id] == trainer.endpoint
+    host, _, port = trainer.endpoint.rpartition(":")
+    assert late.transport.bulk.endpoints[tnode.peer_id] == (host, int(port))
+    assert late.transport.opened["bulk"] > 0
     assert late.finished[(tnode.peer_id, 1)].metrics["bytes_fetched"] == m.total_size
-    # the late joiner now serves it too, over TCP, advertised under its own peer ID
+    # the late joiner now serves it too, on its bulk plane, advertised under its peer ID
     assert late.endpoint and late.store.current_version(tnode.peer_id) == 1
 
 
@@ -133,7 +136,7 @@ async def test_libp2p_shard_streams_carry_several_requests(tmp_path, swarm):
     path = await late.wait_complete(tnode.peer_id, 1, timeout=60)
     assert read_dir(path) == read_dir(ckpt)
     opened = late.transport.opened
-    assert opened["tcp"] == 0 and opened["libp2p_reused"] > 0
+    assert opened["bulk"] == 0 and opened["libp2p_reused"] > 0
     assert opened["libp2p"] <= late.cfg.parallel_downloads < m.num_shards
     assert opened["libp2p"] + opened["libp2p_reused"] >= m.num_shards
     assert trainer.server.metrics["shards_sent"] == m.num_shards

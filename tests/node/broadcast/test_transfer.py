@@ -243,51 +243,54 @@ async def wait_for(condition, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.02)
 
 
-async def test_data_plane_connections_carry_several_requests(tmp_path, trainer, ckpt, cfg):
-    """One authenticated connection serves shard after shard (no new connection, hello
-    and accept per shard); an idle one is closed quietly by the server after
+async def test_bulk_plane_connections_carry_several_requests(tmp_path, trainer, ckpt, cfg):
+    """One authenticated bulk connection serves shard after shard (no new connection,
+    handshake and hello per shard); an idle one is closed quietly by the server after
     request_timeout_s, and the client notices and opens a fresh one; a server that
     answers one request per connection still works with a reusing client."""
-    import time
     from types import SimpleNamespace
 
-    from swarm_node.node.broadcast.dataplane import DataPlaneServer, RoutingTransport, TokenIssuer
+    from swarm_node.node.broadcast.transport import RoutingTransport
+    from swarm_node.node.config import BulkSection
+    from swarm_node.node.p2p.bulk import BulkClient, BulkServer
+    from swarm_node.node.p2p.bulk.cert import server_context
+    from swarm_node.node.p2p.metrics import P2PMetrics
 
     acc, server = serving(tmp_path, "srv", trainer, ckpt, cfg)
-    issuer = TokenIssuer("srv", ttl_s=600)
-    me = Identity.generate().peer_id
-    server_cfg = cfg.model_copy(update={"request_timeout_s": 0.3})  # idle bound, for the test
+    srv, me = Identity.generate(), Identity.generate()
+    server.cfg = cfg.model_copy(update={"request_timeout_s": 0.3})  # idle bound, for the test
     for handler, name in ((server.serve_connection, "keep"), (server.handle, "one")):
-        plane = DataPlaneServer(issuer, handler, server_cfg)
+        metrics = P2PMetrics()
+        plane = BulkServer(srv.peer_id, server_context(srv), BulkSection(), metrics)
+        plane.register("shard", handler)
         _, port = await plane.start("127.0.0.1", 0)
+        rt = RoutingTransport(None, bulk=SimpleNamespace(
+            client=BulkClient(me, BulkSection(), query=None)))
         try:
-            # the token request over libp2p is not what this test is about (test_dataplane)
-            rt = RoutingTransport(SimpleNamespace(node=SimpleNamespace(peer_id=me)))
-            rt.set_endpoint("srv", f"127.0.0.1:{port}")
-            rt.tokens["srv"] = (issuer.issue(me), time.time() + 600)
+            rt.set_endpoint(srv.peer_id, f"127.0.0.1:{port}")
             store, entry, book = client(tmp_path, acc, cfg, name=f"client-{name}")
-            book.add("srv", None)
+            book.add(srv.peer_id, None)
             path = await Downloader(store, entry, rt, book, cfg).run()
             assert read_dir(path) == read_dir(ckpt)
             n = acc.manifest.num_shards
             assert rt.opened["libp2p"] == 0
-            assert plane.metrics["authenticated"] == rt.opened["tcp"]
+            assert metrics["bulk_authenticated"] == rt.opened["bulk"]
             if name == "one":
                 continue
-            assert rt.opened["tcp"] <= cfg.parallel_downloads < n
-            assert rt.opened["tcp"] + rt.opened["tcp_reused"] == n
-            # idle past the server's bound: closed without a byte, seen as dead at reuse
-            pooled = list(rt.idle["srv"])
+            assert rt.opened["bulk"] <= cfg.parallel_downloads < n
+            assert rt.opened["bulk"] + rt.opened["bulk_reused"] == n
+            # idle past the server's bound: closed, seen as dead at reuse
+            pooled = list(rt.bulk.kinds["shard"].pool[srv.peer_id])
             assert pooled
             await wait_for(lambda p=pooled: not any(s.alive() for s in p))
-            before = rt.opened["tcp"]
-            got = await fetch_all(rt, "srv", ShardRequest(policy_id=trainer.peer_id, version=1,
-                                                          shard=0), cfg, entry.shard_len(0))
+            before = rt.opened["bulk"]
+            got = await fetch_all(rt, srv.peer_id, ShardRequest(
+                policy_id=trainer.peer_id, version=1, shard=0), cfg, entry.shard_len(0))
             assert got == b"".join(store.read_shard(entry, 0))
-            assert rt.opened["tcp"] == before + 1
+            assert rt.opened["bulk"] == before + 1
         finally:
             rt.close()
-            plane.close()
+            await plane.close()
 
 
 async def test_pooled_libp2p_streams_against_both_kinds_of_server(tmp_path, trainer, ckpt, cfg):
@@ -297,13 +300,13 @@ async def test_pooled_libp2p_streams_against_both_kinds_of_server(tmp_path, trai
     source nothing."""
     from types import SimpleNamespace
 
-    from swarm_node.node.broadcast.dataplane import RoutingTransport
+    from swarm_node.node.broadcast.transport import RoutingTransport
 
     acc, server = serving(tmp_path, "srv", trainer, ckpt, cfg)
     for handler, name in ((server.serve_connection, "keep"), (server.handle, "one")):
         t = MemoryTransport()
         t.register("srv", handler)
-        rt = RoutingTransport(SimpleNamespace(open=t.open), use_tcp=False)
+        rt = RoutingTransport(SimpleNamespace(open=t.open))  # no bulk plane
         store, entry, book = client(tmp_path, acc, cfg, name=f"client-{name}")
         book.add("srv", None)
         path = await Downloader(store, entry, rt, book, cfg).run()

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 from swarm_node.node.config import Config
 from swarm_node.node.identity import Identity
-from swarm_node.node.p2p.tokens import CHALLENGE_LEN
 from swarm_node.protocol.messages import (
     Completion,
     RolloutBatch,
@@ -53,8 +52,11 @@ def p2p_config(**p2p) -> Config:
     cfg.p2p.bootstrap_timeout_s = 5
     cfg.p2p.dial_timeout_s = 3
     cfg.p2p.mesh_wait_s = 5
-    for k, v in p2p.items():
-        setattr(cfg.p2p, k, v)
+    for k, v in p2p.items():  # p2p.<k>, or bulk.<rest> for bulk_<rest>
+        if k.startswith("bulk_"):
+            setattr(cfg.bulk, k.removeprefix("bulk_"), v)
+        else:
+            setattr(cfg.p2p, k, v)
     return cfg
 
 
@@ -115,20 +117,9 @@ async def wait_until(pred, timeout: float = 20, interval: float = 0.05, what: st
 
 
 async def drop_warm_connection(puller, server) -> None:
-    """Wait for `puller`'s warm-up towards `server` (PayloadPuller.warm, at connect time),
-    then close the connection it pooled: for tests that change how `server` answers, so
-    that the next pull opens a connection the changed server handles."""
-    await wait_until(lambda: puller.metrics["payload_tcp_warmed"]
-                     + puller.metrics["payload_tcp_warm_failed"] >= 1, 10, what="the warm-up")
-    src = puller.gossip._puller.sources[server.peer_id]
-    for conn in src.idle:
-        conn.close()
-    src.idle.clear()
-
-
-def challenge_of(s) -> bytes:
-    """A TCP plane's first bytes on a new (blocking) socket: its challenge."""
-    challenge = b""
-    while len(challenge) < CHALLENGE_LEN and (part := s.recv(CHALLENGE_LEN - len(challenge))):
-        challenge += part
-    return challenge
+    """Wait for `puller`'s warm-up towards `server` (BodyPuller.warm, at connect time),
+    then close the bulk connection it pooled: for tests that change how `server` answers,
+    so that the next pull opens a connection the changed server handles."""
+    await wait_until(lambda: puller.metrics["payload_bulk_warmed"]
+                     + puller.metrics["payload_bulk_warm_failed"] >= 1, 10, what="the warm-up")
+    puller.bulk.client.forget_idle(server.peer_id, "body")

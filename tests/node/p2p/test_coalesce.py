@@ -8,14 +8,13 @@ import asyncio
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.rpc_queue import RpcQueue
 from swarm_node.node.config import P2PSection
-from swarm_node.node.p2p.gossip import (
+from swarm_node.node.p2p.gossip import max_queued_bytes, max_rpc_size
+from swarm_node.node.p2p.metrics import P2PMetrics
+from swarm_node.node.p2p.patches.send_queues import (
     MERGED_RPC_MAX,
     TunedQueues,
-    max_queued_bytes,
-    max_rpc_size,
     merge_queued_publishes,
 )
-from swarm_node.node.p2p.metrics import P2PMetrics
 
 from .conftest import verdict, wait_until
 

@@ -1,4 +1,4 @@
-"""The pubsub fast paths of guard.py as units: the buffered RPC reader over untrusted bytes,
+"""The pubsub fast paths of node/p2p/patches as units: the buffered RPC reader over untrusted bytes,
 the O(1) validation cache, the signed-record memo. (The real path runs in every gossip test.)"""
 
 from __future__ import annotations
@@ -8,7 +8,9 @@ from libp2p.exceptions import ParseError
 from libp2p.io.exceptions import IncompleteReadError, MessageTooLarge
 from libp2p.pubsub.pubsub import ValidationResult
 from libp2p.utils.varint import encode_varint_prefixed
-from swarm_node.node.p2p.guard import ValidationCache, _memo_outgoing, read_rpc
+from swarm_node.node.p2p.patches.records import _memo_outgoing
+from swarm_node.node.p2p.patches.rpc_reader import read_rpc
+from swarm_node.node.p2p.patches.validation_cache import ValidationCache
 
 
 class ChunkedStream:

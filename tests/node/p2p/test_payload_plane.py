@@ -1,21 +1,18 @@
-"""The payload plane (node/p2p/bodies.py): announced gossip payloads pulled over
-authenticated TCP, checked against the signed announce, with fallbacks and penalties.
-Real libp2p hosts on loopback; bad servers are real nodes whose serving is altered."""
+"""Announced gossip bodies over the bulk plane (node/p2p/bodies.py): pulled over TLS,
+checked against the signed announce, with fallbacks and penalties. Real libp2p hosts on
+loopback; bad servers are real nodes whose serving is altered."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import socket
-import struct
 
 import numpy as np
 import pytest
-from swarm_node.node.p2p.bodies import TokenIssuer
-from swarm_node.node.p2p.tokens import hello_frame
+from swarm_node.node.p2p.bodies import KIND as BODY
 from swarm_node.protocol.messages import PayloadAnnounce, RolloutBatch
 
-from .conftest import challenge_of, drop_warm_connection, one_completion_batch, wait_until
+from .conftest import drop_warm_connection, one_completion_batch, wait_until
 
 KIND = "rollouts"
 
@@ -49,7 +46,7 @@ def announce_of(node, message) -> tuple[bytes, PayloadAnnounce, bytes]:
     return body, ann, node.identity.seal(ann)
 
 
-async def test_large_payload_pulled_over_tcp_small_stays_inline(make_node):
+async def test_large_payload_pulled_over_the_bulk_plane_small_stays_inline(make_node):
     a, b, got = await pair(make_node)
     large, small = batch(b.peer_id, 8192, 1), batch(b.peer_id, 100, 2)  # ~64 KiB, ~1 KiB
     await b.publish(KIND, large)  # above the 16 KiB inline default: announced
@@ -57,39 +54,48 @@ async def test_large_payload_pulled_over_tcp_small_stays_inline(make_node):
     await wait_until(lambda: len(got) == 2, 30, what="both batches")
     assert {env.message.round: env.message for _, env in got} == {1: large, 2: small}
     assert b.metrics["payload_announced"] == 1
-    assert a.metrics["payload_pulled_tcp"] == 1 and a.metrics["payload_pulled_libp2p"] == 0
-    assert b.metrics["payload_tcp_served"] == 1
+    assert a.metrics["payload_pulled_bulk"] == 1 and a.metrics["payload_pulled_libp2p"] == 0
+    assert b.metrics["payload_bulk_served"] == 1
     assert a.metrics["rejected"] == 0
 
 
-async def test_a_new_connection_warms_the_plane_so_the_first_pull_needs_no_token(make_node):
+async def test_a_new_connection_warms_the_plane_so_the_first_pull_needs_no_query(make_node):
     a, b, got = await pair(make_node)
-    # each side got the other's token and one authenticated connection when they connected
-    await wait_until(lambda: a.metrics["payload_tcp_warmed"] == 1
-                     and b.metrics["payload_tcp_warmed"] == 1, 10, what="the warm-ups")
+    # each side asked the other's endpoint and opened one connection when they connected
+    await wait_until(lambda: a.metrics["payload_bulk_warmed"] == 1
+                     and b.metrics["payload_bulk_warmed"] == 1, 10, what="the warm-ups")
     asked = []
-    request_token = a.gossip._puller.request_token
+    query = a.bulk.client.query
 
     async def counted(peer):
         asked.append(peer)
-        return await request_token(peer)
+        return await query(peer)
 
-    a.gossip._puller.request_token = counted
+    a.bulk.client.query = counted
     await b.publish(KIND, batch(b.peer_id, 8192, 1))  # announced
     await wait_until(lambda: len(got) == 1, 30, what="the batch")
-    assert a.metrics["payload_pulled_tcp"] == 1 and asked == []
-    assert b.metrics["payload_tcp_served"] == 1
+    assert a.metrics["payload_pulled_bulk"] == 1 and asked == []
+    assert a.bulk.client.opened[f"{BODY}_reused"] == 1  # on the warmed connection
+    assert b.metrics["payload_bulk_served"] == 1
 
 
 async def test_a_failed_warm_up_marks_nothing_down(make_node):
-    a = await make_node(payload_tcp_listen="off")  # no plane: its token request fails
+    a = await make_node(bulk_listen="off")  # no plane: its endpoint query answers none
     b = await make_node(bootstrap=a.listen_addrs)
-    await wait_until(lambda: b.metrics["payload_tcp_warm_failed"] == 1, 10,
+    await wait_until(lambda: b.metrics["payload_bulk_warm_failed"] == 1, 10,
                      what="b's failed warm-up")
-    assert b.metrics["payload_tcp_warmed"] == 0
+    assert b.metrics["payload_bulk_warmed"] == 0
     assert b.gossip._puller.usable(a.peer_id)  # the first pull decides, not the warm-up
     # b serves a plane: a warmed to it
-    await wait_until(lambda: a.metrics["payload_tcp_warmed"] == 1, 10, what="a's warm-up")
+    await wait_until(lambda: a.metrics["payload_bulk_warmed"] == 1, 10, what="a's warm-up")
+
+
+async def test_a_warm_up_to_an_endpoint_that_does_not_answer_marks_it_down(make_node):
+    a = await make_node()
+    b = await make_node(bootstrap=a.listen_addrs, bulk_advertise="127.0.0.1:9")  # nobody
+    await wait_until(lambda: a.metrics["payload_bulk_warm_failed"] == 1, 10,
+                     what="a's failed warm-up")
+    assert not a.gossip._puller.usable(b.peer_id)  # the first pull goes over libp2p at once
 
 
 async def test_body_that_does_not_match_its_announce_is_rejected(make_node):
@@ -111,24 +117,27 @@ async def test_announcer_that_never_serves_is_counted_and_penalised(make_node):
     await b.publish_raw(KIND, sealed_ann)  # announced, never stored
     await wait_until(lambda: a.metrics["payload_fetch_failed"] == 1, 30, what="the failed pull")
     assert a.metrics["rejected.unserved_announce"] == 1
-    assert b.metrics["payload_tcp_not_held"] == 1  # asked over TCP, answered "not held"
+    assert b.metrics["payload_bulk_not_held"] == 1  # asked over the plane: "not held"
     assert a.penalties.score(b.peer_id) > 0
     assert got == []
 
 
-async def test_pull_falls_back_to_another_holder_over_libp2p(make_node):
+async def test_pull_falls_back_to_another_holder_over_libp2p(make_node, caplog):
     a = await make_node()  # the announcer: holds nothing
-    c = await make_node(bootstrap=a.listen_addrs, payload_tcp_listen="off")  # holds it
+    c = await make_node(bootstrap=a.listen_addrs, bulk_listen="off")  # holds it
     b = await make_node(bootstrap=a.listen_addrs)
     await wait_until(lambda: {a.peer_id, c.peer_id} <= set(b.connected_peers()), 30,
                      what="b connected to a and c")
     body, ann, _ = announce_of(a, batch(a.peer_id, 8192, 1))
     c.gossip._store_payload(ann.content_hash, body)
-    data = await b.gossip.fetch_payload(ann, a.peer_id, sources=[a.peer_id, c.peer_id])
+    with caplog.at_level("INFO", logger="swarm_node.node.p2p.bulk.client"):
+        data = await b.gossip.fetch_payload(ann, a.peer_id, sources=[a.peer_id, c.peer_id])
     assert data == body
-    assert b.metrics["rejected.unserved_announce"] == 1  # a over TCP: not held
-    assert b.metrics["payload_pulled_libp2p"] == 1  # c has no TCP plane: libp2p
+    assert b.metrics["rejected.unserved_announce"] == 1  # a over the plane: not held
+    assert b.metrics["payload_pulled_libp2p"] == 1  # c has no plane: libp2p
     assert not b.gossip._puller.usable(c.peer_id)
+    said = [r.message for r in caplog.records if c.peer_id[-8:] in r.message]
+    assert len(said) == 1 and "over libp2p streams" in said[0]  # one line for that source
 
 
 async def test_oversized_and_slow_answers_are_bounded(make_node):
@@ -140,54 +149,15 @@ async def test_oversized_and_slow_answers_are_bounded(make_node):
     a.gossip._server.lookup = lambda digest: body + b"x" * 1000  # longer than announced
     assert await b.gossip.fetch_payload(ann, a.peer_id, sources=[a.peer_id]) is None
     assert b.metrics["rejected.too_large"] == 1
-    assert b.metrics["payload_pulled_tcp"] == 0
+    assert b.metrics["payload_pulled_bulk"] == 0
 
-    async def stall(peer, reader, writer):  # authenticates, then never answers
+    async def stall(peer, conn):  # authenticated, then never answers
         await asyncio.sleep(3600)
 
-    a.gossip._server._serve = stall
+    a.bulk.register(BODY, stall)
     assert await b.gossip.fetch_payload(ann, a.peer_id, sources=[a.peer_id]) is None
     assert b.metrics["rejected.unserved_announce"] == 1  # the timeout, counted
     assert b.penalties.score(a.peer_id) > 0
-
-
-async def test_plane_refuses_unauthenticated_connections(make_node):
-    a = await make_node(payload_tcp_auth_timeout_s=0.5)
-    port = a.gossip._server.port
-    other = TokenIssuer(a.peer_id, 60)  # right format, wrong secret
-    stolen = a.gossip._issuer.issue("12D3KooWSomeoneElse", port)  # bound to another peer
-
-    def hello(client: str, token: bytes):  # the hello for the connection's challenge
-        from swarm_node.protocol.codec import unpack
-
-        expiry, mac, _ = unpack(token, max_size=128)
-        return lambda challenge: hello_frame(client, expiry, mac, challenge)
-
-    def try_once(data) -> bytes:
-        """What the plane sends after its challenge, for `data` (or `data(challenge)`)."""
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-            challenge = challenge_of(s)
-            s.sendall(data(challenge) if callable(data) else data)
-            s.sendall(b"\x00" * 32)  # a pull request, which must never be answered
-            try:
-                return s.recv(100)
-            except ConnectionResetError:
-                return b""
-
-    # a valid hello for one connection, as someone on the path would see it
-    good = hello("12D3KooWMe", a.gossip._issuer.issue("12D3KooWMe", port))
-    seen = []
-    assert (await asyncio.to_thread(try_once, lambda c: seen.append(good(c)) or seen[-1]))[:1] \
-        == b"\x01"  # accepted (then "not held")
-    attempts = [b"GET / HTTP/1.0\r\n\r\n" * 4, struct.pack(">I", 1 << 30),
-                hello("12D3KooWMe", other.issue("12D3KooWMe", port)),
-                hello("12D3KooWMe", stolen), b"",  # an empty hello
-                seen[0]]  # that hello replayed on a new connection (new challenge)
-    for data in attempts:
-        assert await asyncio.to_thread(try_once, data) == b""
-    await wait_until(lambda: a.metrics["payload_tcp_unauthenticated"] == len(attempts), 10,
-                     what="every refusal counted")
-    assert a.metrics["payload_tcp_served"] == 0 and a.metrics["payload_tcp_not_held"] == 1
 
 
 async def test_pull_survives_a_pooled_connection_the_server_closed(make_node):
@@ -198,19 +168,66 @@ async def test_pull_survives_a_pooled_connection_the_server_closed(make_node):
         body, ann, _ = announce_of(a, batch(a.peer_id, 8192, round_))
         a.gossip._store_payload(ann.content_hash, body)
         assert await b.gossip.fetch_payload(ann, a.peer_id, sources=[a.peer_id]) == body
-        for writer in list(a.gossip._server._conns):  # as its idle timeout would
-            writer.transport.abort()
-    assert b.metrics["payload_pulled_tcp"] == 2  # the second on a fresh connection
+        for rec in list(a.bulk.server.conns):  # as its idle timeout would
+            rec.task.cancel()
+    assert b.metrics["payload_pulled_bulk"] == 2  # the second on a fresh connection
     assert b.metrics["rejected"] == 0 and b.penalties.score(a.peer_id) == 0
 
 
-def test_payload_listen_address_settings():
-    from swarm_node.node.p2p.pubsub import payload_listen_address
+async def test_bodies_changed_on_the_path_cost_the_source_nothing(make_node):
+    """An on-path attacker flips a bit of the body: TLS refuses the record, the pull goes
+    over libp2p for that source, and the honest source is not charged."""
+    from swarm_node.node.testing.onpath import Proxy
 
-    assert payload_listen_address("auto", ["/ip4/0.0.0.0/tcp/4001"]) == ("0.0.0.0", 4003)
-    assert payload_listen_address("auto", ["/ip4/127.0.0.1/tcp/0"]) == ("127.0.0.1", 0)
-    assert payload_listen_address("off", ["/ip4/0.0.0.0/tcp/4001"]) is None
-    assert payload_listen_address("10.0.0.2:9000", []) == ("10.0.0.2", 9000)
+    a = await make_node()
+    b = await make_node(bootstrap=a.listen_addrs)
+    await wait_until(lambda: a.peer_id in b.connected_peers(), 30, what="the connection")
+    await drop_warm_connection(b, a)
+    proxy = Proxy(a.bulk.bound[1], flip_after=4000)  # inside the answer of the first pull
+    b.bulk.client.set_endpoint(a.peer_id, f"127.0.0.1:{await proxy.start()}")
+    body, ann, _ = announce_of(a, batch(a.peer_id, 8192, 1))
+    a.gossip._store_payload(ann.content_hash, body)
+    try:
+        assert await b.gossip.fetch_payload(ann, a.peer_id, sources=[a.peer_id]) == body
+    finally:
+        proxy.close()
+    assert proxy.flipped == 1
+    assert b.metrics["payload_pulled_libp2p"] == 1 and b.metrics["payload_pulled_bulk"] == 0
+    assert b.metrics["rejected"] == 0 and b.penalties.score(a.peer_id) == 0
+    assert not b.gossip._puller.usable(a.peer_id)  # libp2p for this source for a while
+
+
+def test_bulk_listen_address_settings():
+    from swarm_node.node.p2p.bulk import listen_address
+
+    assert listen_address("auto", ["/ip4/0.0.0.0/tcp/4001"]) == ("0.0.0.0", 4002)
+    assert listen_address("auto", ["/ip6/::/tcp/4001"]) == ("::", 4002)
+    assert listen_address("auto", ["/ip4/127.0.0.1/tcp/0"]) == ("127.0.0.1", 0)
+    assert listen_address("off", ["/ip4/0.0.0.0/tcp/4001"]) is None
+    assert listen_address("10.0.0.2:9000", []) == ("10.0.0.2", 9000)
+    assert listen_address("[::1]:9000", []) == ("::1", 9000)
     for bad in ("9000", "host:", "host:port", "host:70000"):
-        with pytest.raises(ValueError, match="payload_tcp_listen"):
-            payload_listen_address(bad, [])
+        with pytest.raises(ValueError, match="bulk.listen"):
+            listen_address(bad, [])
+
+
+async def test_a_node_behind_nat_offers_no_plane_but_dials_out(make_node):
+    """A node that is not publicly reachable (P2PNode.reachability: the hook says no)
+    advertises no endpoint and answers the endpoint query with none, so its peers pull from
+    it over libp2p streams; it still pulls from public peers over their bulk planes."""
+    public = await make_node()
+    natted = await make_node(bootstrap=public.listen_addrs)
+    natted.bulk.reachable = lambda: False
+    await wait_until(lambda: public.peer_id in natted.connected_peers(), 30,
+                     what="the connection")
+    assert natted.bulk.endpoint == "" and natted.bulk.server is not None
+    for source, puller in ((natted, public), (public, natted)):
+        await drop_warm_connection(puller, source)
+        puller.bulk.client._resolved.clear()  # forget what the warm-ups learnt
+        body, ann, _ = announce_of(source, batch(source.peer_id, 8192, 1))
+        source.gossip._store_payload(ann.content_hash, body)
+        assert await puller.gossip.fetch_payload(ann, source.peer_id,
+                                                 sources=[source.peer_id]) == body
+    assert public.metrics["payload_pulled_libp2p"] == 1  # from the NAT'd node
+    assert natted.metrics["payload_pulled_bulk"] == 1  # out to the public one
+    assert public.metrics["rejected"] == natted.metrics["rejected"] == 0

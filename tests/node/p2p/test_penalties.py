@@ -3,7 +3,6 @@ behaviour against real hosts is in test_hostile.py)."""
 
 from __future__ import annotations
 
-from swarm_node.node.p2p.guard import check_libp2p_version
 from swarm_node.node.p2p.penalties import HALF_LIFE_S, PeerPenalties, TopicRateLimiter
 from swarm_node.protocol.limits import TopicRate
 
@@ -41,9 +40,3 @@ def test_rate_limiter_burst_then_refill_per_peer_and_topic():
     clock.t += 0.1  # one token back
     assert lim.allow("a", t) and not lim.allow("a", t)
     assert [lim.allow("a", "/other/topic") for _ in range(21)].count(False) == 1  # default
-
-
-def test_version_pin_warns_on_another_libp2p(caplog):
-    assert check_libp2p_version() is True
-    assert check_libp2p_version("0.9.0") is False
-    assert "written for 0.8.1" in caplog.text

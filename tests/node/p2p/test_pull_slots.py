@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+from swarm_node.node.p2p.bodies import KIND as BODY
 from swarm_node.node.p2p.pubsub import PullSlots
 
 from .conftest import drop_warm_connection, wait_until
@@ -30,11 +31,11 @@ async def test_a_stalling_announcer_does_not_delay_an_honest_announcers_body(mak
                      what="the mesh")
     asked = []
 
-    async def stall(peer, reader, writer):  # takes requests, never answers
-        asked.append(await reader.readexactly(32))
-        await reader.read()
+    async def stall(peer, conn):  # takes requests, never answers
+        asked.append(await conn.readexactly(32))
+        await conn.read(1)  # until the puller gives up
 
-    a.gossip._server._serve = stall
+    a.bulk.register(BODY, stall)
     await drop_warm_connection(b, a)  # b's pulls from a on connections the stall handles
     stalled = 6
     for round_ in range(1, stalled + 1):
@@ -112,14 +113,14 @@ async def test_stalling_identities_hold_only_the_unproven_half_of_the_slots(make
     assert slots.proven(c.peer_id)
     asked = []  # b's requests (c and the other staller pull the announced bodies too)
 
-    async def stall(peer, reader, writer):  # takes requests, never answers
-        digest = await reader.readexactly(32)
+    async def stall(peer, conn):  # takes requests, never answers
+        digest = await conn.readexactly(32)
         if peer == b.peer_id:
             asked.append(digest)
-        await reader.read()
+        await conn.read(1)  # until the puller gives up
 
     for s in stallers:
-        s.gossip._server._serve = stall
+        s.bulk.register(BODY, stall)
         await drop_warm_connection(b, s)
         for round_ in range(1, 4):
             _, _, sealed_ann = announce_of(s, batch(s.peer_id, 8192, round_))

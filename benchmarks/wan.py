@@ -1,0 +1,938 @@
+"""The simulated internet at full size (issue #27): real processes in network namespaces,
+20-200 ms RTT, ~1% loss per path, home uplinks of 10-50 Mbit/s, NATs cone and symmetric.
+
+    sudo .venv/bin/python benchmarks/wan.py                       # every section, 30 nodes
+    sudo .venv/bin/python benchmarks/wan.py --sections stage pair --no-record
+    sudo .venv/bin/python benchmarks/wan.py --sections swarm --nodes 8 --churn-minutes 1
+
+Sections (each writes its own part of RESULTS.md, "wan: <section>"):
+- stage: what the lab itself sustains: the delay stage's packets/s and CPU per packet (UDP
+  at rising rates), one bulk TCP flow through it, packets released late.
+- pair: public trainer + relay, two inference peers behind two home NATs, for each NAT
+  combination: when each NAT'd peer's rollouts are accepted, versions hot-loaded, whether the
+  two NAT'd peers are connected, and what the logs say about unreachable peers.
+- swarm: `--nodes` real `swarm-node join` nodes (netlab.scenarios.wan_plan: a public trainer,
+  2 public relays, a third of the peers public, the rest each behind its own home NAT, half
+  symmetric): time from each peer's start to its first accepted rollout (goal: 60 s), per-
+  node connections, RSS, CPU; then churn (every minute a fifth of the peers leave, half
+  SIGKILL, half SIGTERM, and as many fresh ones join) and a partition that heals.
+- gossip: `--nodes` gossip workers (our P2PNode, one per host, benchmarks/gossip.py's
+  batches): rounds fully delivered and their p95, against the slowest path's RTT plus
+  the batch's transfer time on the slowest uplink.
+- broadcast: one `--mib` checkpoint from the trainer to every other node (broadcast_peer
+  processes: 2 relays + followers), time until every copy is verified against the bandwidth
+  lower bound max(S/u_origin, S/d_min, N S/(u_origin + sum u_i)), the trainer's egress in
+  checkpoint sizes (bytes counted on its access link), and shardcast 0.3.2 in the same
+  network (origin on the trainer, middles on the relays; needs .venv-shardcast, see
+  benchmarks/broadcast.py).
+- scaling: swarm (steady state only) and gossip at each of `--scaling` node counts.
+
+Needs root (CI and these machines run as root). Memory: a `swarm-node join` process with the
+tiny model holds a few hundred MiB (the swarm section prints each node's RSS): 24 GiB holds
+~40-50 of them; gossip workers and broadcast peers are lighter. All traffic between sites
+crosses one user-space delay stage (one core; the stage section says how much it carries).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import os
+import queue
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from swarm_node.node.testing.netlab import Host, Lab, Link, Topology, probe
+from swarm_node.node.testing.netlab.scenarios import WanPlan, pair_topology, run_pair, wan_plan
+from swarm_node.node.testing.netlab.swarm import LabNode, LabSwarm, accepted_from, log_signals
+
+from benchmarks.results import Headline, record, table
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARDCAST_PY = ROOT / ".venv-shardcast" / "bin" / "python"
+SHARDCAST_PEER = ROOT / "benchmarks" / "shardcast_peer.py"
+PROBE = [sys.executable, probe.__file__]
+MiB = 2**20
+SECTIONS = ("stage", "pair", "swarm", "gossip", "broadcast", "scaling")
+
+
+def load_avg() -> str:
+    return "/".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))]
+
+
+# Processes that speak JSON lines ----------------------------------------------------------
+
+class LabProc:
+    """A process in a lab host that prints one JSON object per line (events) and may read
+    commands on stdin: gossip workers, broadcast peers, shardcast peers, probes."""
+
+    def __init__(self, lab: Lab, host: str, argv: list[str], log: Path):
+        self.host = host
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self.log = log
+        self._err = open(log, "w")  # noqa: SIM115 - closed in stop()
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        self.proc = lab.popen(host, argv, env=env, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=self._err, text=True)
+        self.events: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                try:
+                    self.events.put(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+        self.events.put({"event": "eof"})
+
+    def event(self, kind: str, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                ev = self.events.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"{self.host}: no {kind!r} event in {timeout:.0f}s; "
+                                   f"log: {self.tail()}") from None
+            if ev.get("event") == kind or (kind == "any" and ev.get("event") != "eof"):
+                return ev
+            if ev.get("event") == "eof":
+                raise RuntimeError(f"{self.host}: exited before {kind!r}; log: {self.tail()}")
+
+    def send(self, line: str) -> None:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def tail(self, n: int = 1500) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.send("quit")
+                self.proc.stdin.close()
+                self.proc.wait(15)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self._err.close()
+
+
+# stage ------------------------------------------------------------------------------------
+
+def section_stage(args, work: Path) -> tuple[str, dict]:
+    topo = Topology(hosts=[Host("a", Link(latency_ms=5)), Host("b", Link(latency_ms=5))])
+    rows, out = [], {"udp": [], "tcp": {}}
+    with Lab(topo, prefix="wanb") as lab:
+        for rate in args.stage_rates:
+            s0 = lab.stage_stats()
+            n = int(rate * 2)
+            sink = LabProc(lab, "b", [*PROBE, "udp-sink", "0", "1"], work / "stage" / "sink")
+            port = sink.event("any", 30)["listening"]
+            lab.run("a", [*PROBE, "udp-send", lab.addr("b"), str(port), str(n), str(rate)],
+                    timeout=120, check=True)
+            got = sink.event("any", 60)["received"]
+            sink.stop()
+            s1 = lab.stage_stats()
+            pk = s1["packets"] - s0["packets"]
+            cpu_us = (s1["cpu_s"] - s0["cpu_s"]) / max(pk, 1) * 1e6
+            late = (s1["late_2ms"] - s0["late_2ms"]) / max(pk, 1)
+            drops = s1["tun_drops"] - s0["tun_drops"]
+            out["udp"].append({"rate": rate, "sent": n, "received": got, "cpu_us": cpu_us,
+                               "late_2ms": late, "tun_drops": drops})
+            rows.append([f"UDP {rate}/s", f"{got}/{n}", f"{cpu_us:.1f}", f"{late:.1%}", drops])
+        s0 = lab.stage_stats()
+        size = args.stage_tcp_mib * MiB
+        sink = LabProc(lab, "b", [*PROBE, "sink", "0"], work / "stage" / "tcp")
+        port = sink.event("any", 30)["listening"]
+        lab.run("a", [*PROBE, "send", lab.addr("b"), str(port), str(size)], timeout=300,
+                check=True)
+        got = sink.event("any", 120)
+        sink.stop()
+        s1 = lab.stage_stats()
+        reads = s1["reads"] - s0["reads"]
+        mbit = got["after_first"] * 8 / got["span_s"] / 1e6
+        out["tcp"] = {"mbit_s": mbit, "reads": reads, "bytes_per_read":
+                      (s1["bytes"] - s0["bytes"]) / max(reads, 1),
+                      "cpu_us": (s1["cpu_s"] - s0["cpu_s"]) / max(reads, 1) * 1e6}
+        rows.append([(f"TCP bulk {args.stage_tcp_mib} MiB: {mbit:.0f} Mbit/s, "
+                     f"{out['tcp']['bytes_per_read'] / 1024:.0f} KiB per GSO packet read"), "-",
+                     f"{out['tcp']['cpu_us']:.1f} per GSO packet", "-",
+                     s1["tun_drops"] - s0["tun_drops"]])
+    lossy = []
+    for loss in args.stage_losses:  # one TCP flow over 80 ms RTT, loss on one leg
+        topo = Topology(hosts=[Host("a", Link(latency_ms=20, loss=loss)),
+                               Host("b", Link(latency_ms=20))])
+        with Lab(topo, prefix="wanb") as lab:
+            sink = LabProc(lab, "b", [*PROBE, "sink", "0"], work / "stage" / f"loss{loss}")
+            port = sink.event("any", 30)["listening"]
+            lab.run("a", [*PROBE, "send", lab.addr("b"), str(port), str(20 * MiB)],
+                    timeout=600, check=True)
+            got = sink.event("any", 120)
+            sink.stop()
+            st = lab.stage_stats()
+        mbit = got["after_first"] * 8 / got["span_s"] / 1e6
+        out.setdefault("tcp_loss", []).append({"loss": loss, "mbit_s": mbit, **st})
+        lossy.append([f"{loss:.1%}", f"{mbit:.1f}", f"{st['lost']}/{st['packets']}",
+                      st["split"]])
+    body = (f"Load before: {args.load_before}. Two public hosts, 10 ms RTT, no loss, no "
+            "shaping: everything crosses the delay stage (one Python process, one core).\n\n"
+            + table(["traffic", "delivered", "stage CPU us/packet", "released >2 ms late",
+                     "dropped before the stage"], rows)
+            + "\n\nOne TCP flow (Linux default congestion control), 20 MiB over 80 ms RTT "
+            "with random loss on the sender's leg (per wire segment, data and ACKs):\n\n"
+            + table(["loss", "Mbit/s", "segments lost/seen", "GSO packets split"], lossy))
+    return body, out
+
+
+# pair -------------------------------------------------------------------------------------
+
+def section_pair(args, work: Path, model_dir: Path) -> tuple[str, dict]:
+    rows, out = [], {}
+    for nat_a, nat_b in args.pair_nats:
+        with Lab(pair_topology(nat_a, nat_b), prefix="wanb") as lab:
+            obs = run_pair(lab, work / f"pair-{nat_a}-{nat_b}", model_dir,
+                           versions=args.pair_versions, timeout=args.pair_timeout)
+        out[f"{nat_a}/{nat_b}"] = obs
+        direct = "peer2" in obs["connected"].get("peer1", [])
+        sig = {k: sum(s.get(k, 0) for s in obs["log_signals"].values())
+               for k in ("payload_plane_unusable", "request_timed_out", "unretrieved_task_error")}
+        rows.append([f"{nat_a} / {nat_b}", obs["started_s"], obs["goal_s"] or "missed",
+                     " / ".join(str(obs["first_accepted_s"].get(p, "never"))
+                                for p in ("peer1", "peer2")),
+                     " / ".join(f"{obs[p]['accepted']} of {obs[p]['rollouts_sent']}"
+                                for p in ("peer1", "peer2")),
+                     " / ".join(str(obs[p]["policy_version"]) for p in ("peer1", "peer2")),
+                     obs["trainer_version"], "yes" if direct else "no",
+                     ", ".join(f"{k} {v}" for k, v in sig.items())])
+    body = (f"Load before: {args.load_before}. Trainer (5 ms leg), relay (10 ms), peer1 in "
+            "home1 (15 ms, 20/100 Mbit/s), peer2 in home2 (25 ms, 10/50 Mbit/s); 0.5% loss "
+            f"per leg. Goal: trainer at v{args.pair_versions}, both peers accepted and on "
+            f"v{args.pair_versions}. Times in s from the trainer's start.\n\n"
+            + table(["NAT peer1 / peer2", "all started", "goal reached", "first accepted",
+                     "accepted of sent", "peer versions", "trainer version",
+                     "peer1-peer2 connected", "log lines (all nodes)"], rows))
+    return body, out
+
+
+# swarm (real nodes) -------------------------------------------------------------------------
+
+def proc_usage(node: LabNode) -> dict:
+    """RSS (MiB) and CPU seconds of a node's process tree."""
+    import psutil
+
+    try:
+        root = psutil.Process(node.proc.pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return {"rss_mib": float("nan"), "cpu_s": float("nan")}
+    rss = cpu = 0.0
+    for p in procs:
+        try:
+            rss += p.memory_info().rss / MiB
+            t = p.cpu_times()
+            cpu += t.user + t.system
+        except psutil.Error:
+            pass
+    return {"rss_mib": rss, "cpu_s": cpu}
+
+
+class SwarmRun:
+    """The real-node scenario on a wan_plan: start, contribute, steady state, churn,
+    partition. Each phase adds to `self.out`."""
+
+    def __init__(self, args, lab: Lab, plan: WanPlan, work: Path, model_dir: Path):
+        self.args, self.lab, self.plan = args, lab, plan
+        self.swarm = LabSwarm(lab, work, model_dir)
+        self.started: dict[str, float] = {}  # node name -> monotonic start
+        self.first_accepted: dict[str, float] = {}  # node name -> s after its start
+        self.generation = 0
+        self.out: dict = {"nodes": len(plan.peers) + 1 + len(plan.relays)}
+
+    def start_peer(self, host: str) -> LabNode:
+        self.generation += 1
+        name = f"{host}g{self.generation}"
+        node = self.swarm.start(name, host, "inference",
+                                bootstrap=[self.trainer, *self.relays], follow=[self.trainer])
+        self.started[name] = time.monotonic()
+        return node
+
+    def peers(self) -> list[LabNode]:
+        return [n for n in self.swarm.running() if n.role == "inference"]
+
+    def track(self) -> None:
+        now = time.monotonic()
+        for n in self.peers():
+            if n.name not in self.first_accepted and accepted_from(self.trainer, n):
+                self.first_accepted[n.name] = round(now - self.started[n.name], 1)
+
+    def run(self, steady_only: bool = False) -> dict:
+        try:
+            self.boot()
+            self.steady()
+            if not steady_only and self.args.churn_minutes:
+                self.churn()
+            if not steady_only and self.args.partition_s:
+                self.partition()
+            self.finish()
+        finally:
+            self.out["exit_codes"] = self.swarm.stop_all()
+            self.out["log_signals"] = {
+                k: sum(log_signals(n).get(k, 0) for n in self.swarm.nodes.values())
+                for k in ("payload_plane_unusable", "request_timed_out",
+                          "unretrieved_task_error", "errors")}
+        return self.out
+
+    def boot(self) -> None:
+        sw, plan = self.swarm, self.plan
+        t0 = time.monotonic()
+        self.trainer = sw.start("trainer", plan.trainer, "trainer")
+        self.started["trainer"] = t0
+        sw.wait_started(self.trainer)
+        self.relays = [sw.start(r, r, "relay", bootstrap=[self.trainer], follow=[self.trainer])
+                       for r in plan.relays]
+        sw.wait_started(*self.relays)
+        peers = [self.start_peer(h) for h in plan.peers]
+        sw.wait_started(*peers, timeout=120 + 10 * len(peers))
+        self.out["all_started_s"] = round(time.monotonic() - t0, 1)
+
+        def all_contributed():
+            self.track()
+            return len(self.first_accepted) == len(peers)
+
+        try:
+            sw.wait_until(all_contributed, self.args.contribute_timeout, "every peer accepted",
+                          every=2.0)
+        except Exception as e:  # noqa: BLE001 - a missed goal is a figure
+            self.out["contribute_missed"] = str(e).splitlines()[0]
+        by_nat: dict[str, list] = {}
+        for n in peers:
+            by_nat.setdefault(self.plan.nat_of(n.host), []).append(
+                self.first_accepted.get(n.name))
+        self.out["first_accepted_s"] = by_nat
+
+    def steady(self) -> None:
+        sw = self.swarm
+        nodes = sw.running()
+        u0 = {n.name: proc_usage(n) for n in nodes}
+        t0 = time.monotonic()
+        v0 = self.trainer.status.get("policy_version", 0)
+        time.sleep(self.args.steady_s)
+        sw.poll()
+        dt = time.monotonic() - t0
+        usage = {}
+        for n in nodes:
+            u = proc_usage(n)
+            kind = n.role if n.role != "inference" else self.plan.nat_of(n.host)
+            usage.setdefault(kind, []).append({
+                "connections": n.status.get("connected_peers", 0), "rss_mib": u["rss_mib"],
+                "cpu_per_s": (u["cpu_s"] - u0[n.name]["cpu_s"]) / dt})
+        self.out["steady"] = {"seconds": round(dt, 1), "usage": usage,
+                              "versions": self.trainer.status.get("policy_version", 0) - v0,
+                              "connected_pairs": self.connected_pairs()}
+
+    def connected_pairs(self) -> dict:
+        """How many inference pairs of each NAT combination hold a direct connection."""
+        peers = self.peers()
+        out: dict[str, list[int]] = {}
+        for a, b in itertools.combinations(peers, 2):
+            kinds = "/".join(sorted((self.plan.nat_of(a.host), self.plan.nat_of(b.host))))
+            linked = b.peer_id in a.status.get("peers", []) or a.peer_id in b.status.get(
+                "peers", [])
+            cell = out.setdefault(kinds, [0, 0])
+            cell[0] += int(linked)
+            cell[1] += 1
+        return out
+
+    def churn(self) -> None:
+        sw, rng = self.swarm, random.Random(self.args.seed)
+        free = list(self.plan.spare)
+        minutes = []
+        for minute in range(self.args.churn_minutes):
+            t0 = time.monotonic()
+            v0 = self.trainer.status.get("policy_version", 0)
+            peers = self.peers()
+            k = max(1, len(peers) // 5)
+            leaving = rng.sample(peers, k)
+            for i, n in enumerate(leaving):
+                sw.stop(n, kill=i % 2 == 0)
+            joined = [self.start_peer(free.pop(0)) for _ in range(min(k, len(free)))]
+            free += [n.host for n in leaving]
+            while time.monotonic() - t0 < 60:
+                time.sleep(2.0)
+                sw.poll()
+                self.track()
+            downloads = [d["seconds"] for n in self.peers() for d in n.status.get("downloads", [])
+                         if d.get("t", 0) >= time.time() - 60]
+            minutes.append({"minute": minute + 1, "left": k, "joined": len(joined),
+                            "trainer_versions": self.trainer.status.get("policy_version", 0) - v0,
+                            "joined_contributing": sum(n.name in self.first_accepted
+                                                       for n in joined),
+                            "download_p95_s": pct(downloads, 95), "downloads": len(downloads)})
+        self.out["churn"] = minutes
+
+    def partition(self) -> None:
+        sw = self.swarm
+        peers = self.peers()
+        half_a = [self.trainer.host, self.relays[0].host, *[n.host for n in peers[::2]]]
+        half_b = [r.host for r in self.relays[1:]] + [n.host for n in peers[1::2]]
+        sent0 = {n.name: n.status.get("rollouts_sent", 0) for n in peers}
+        v0 = self.trainer.status.get("policy_version", 0)
+        self.lab.partition(half_a, half_b)
+        time.sleep(self.args.partition_s)
+        sw.poll()
+        side = {n.name: ("a" if n.host in half_a else "b") for n in peers}
+        sent = {s: sum(n.status.get("rollouts_sent", 0) - sent0[n.name] for n in peers
+                       if side[n.name] == s) for s in ("a", "b")}
+        v_heal = self.trainer.status.get("policy_version", 0)
+        self.lab.heal()
+        t0 = time.monotonic()
+        tid = self.trainer.peer_id
+
+        def converged():
+            return all(n.status.get("policy_id") == tid
+                       and n.status.get("policy_version", 0) >= v_heal for n in self.peers())
+
+        try:
+            converge = round(sw.wait_until(converged, self.args.converge_timeout,
+                                           "one lineage after the heal", every=2.0), 1)
+        except Exception:  # noqa: BLE001 - not converging is a figure
+            converge = None
+        self.out["partition"] = {"seconds": self.args.partition_s,
+                                 "trainer_versions_during": v_heal - v0,
+                                 "rollouts_sent_during": sent,
+                                 "converged_after_heal_s": converge,
+                                 "since_heal_s": round(time.monotonic() - t0, 1)}
+
+    def finish(self) -> None:
+        self.swarm.poll()
+        hist = self.trainer.status.get("reward_history", [])
+        rewards = [r for _, r in hist]
+        self.out["trainer"] = {
+            "version": self.trainer.status.get("policy_version", 0),
+            "reward_first3": statistics.fmean(rewards[:3]) if rewards else None,
+            "reward_last3": statistics.fmean(rewards[-3:]) if rewards else None,
+            "versions_recorded": len(hist),
+            "rollouts_accepted": self.trainer.status.get("rollouts_accepted", 0)}
+        self.out["stage"] = self.lab.stage_stats()
+
+
+def swarm_figures(args, n: int, work: Path, model_dir: Path, steady_only: bool) -> dict:
+    plan = wan_plan(n, seed=args.seed, spare=0 if steady_only else max(1, (n - 3) // 5),
+                    trainer_mbit=args.trainer_mbit)
+    with Lab(plan.topology, prefix="wanb", seed=args.seed) as lab:
+        return SwarmRun(args, lab, plan, work / f"swarm{n}", model_dir).run(steady_only)
+
+
+def usage_rows(out: dict) -> list[list]:
+    rows = []
+    for kind, items in sorted(out["steady"]["usage"].items()):
+        rows.append([kind, len(items), statistics.fmean(i["connections"] for i in items),
+                     statistics.fmean(i["rss_mib"] for i in items),
+                     statistics.fmean(i["cpu_per_s"] for i in items)])
+    return rows
+
+
+def section_swarm(args, work: Path, model_dir: Path) -> tuple[str, dict]:
+    out = swarm_figures(args, args.nodes, work, model_dir, steady_only=False)
+    contrib = [[k, len(v), sum(x is not None for x in v),
+                pct([x for x in v if x is not None], 50),
+                max((x for x in v if x is not None), default=float("nan"))]
+               for k, v in sorted(out["first_accepted_s"].items())]
+    lines = [(f"Load before: {args.load_before}. {out['nodes']} nodes (wan_plan seed "
+             f"{args.seed}), all started after {out.get('all_started_s')} s."),
+             "", "Time from a peer's start to its first accepted rollout (goal <= 60 s):", "",
+             table(["peers", "n", "contributed", "p50 s", "max s"], contrib), "",
+             (f"Steady state ({out['steady']['seconds']} s, trainer +"
+             f"{out['steady']['versions']} versions), mean per node:"), "",
+             table(["kind", "n", "connections", "RSS MiB", "CPU s/s"], usage_rows(out)), "",
+             "Inference pairs directly connected: " + ", ".join(
+                 f"{k} {c}/{t}" for k, (c, t) in sorted(out["steady"]["connected_pairs"].items()))]
+    if "churn" in out:
+        lines += ["", "Churn (every minute a fifth leave, half SIGKILL, and as many join):", "",
+                  table(["minute", "left", "joined", "joined contributing", "trainer +versions",
+                         "downloads", "download p95 s"],
+                        [[m["minute"], m["left"], m["joined"], m["joined_contributing"],
+                          m["trainer_versions"], m["downloads"], m["download_p95_s"]]
+                         for m in out["churn"]])]
+    if "partition" in out:
+        p = out["partition"]
+        lines += ["", (f"Partition for {p['seconds']} s (trainer + relay1 + half the peers | "
+                  f"relay2 + the other half): trainer +{p['trainer_versions_during']} versions; "
+                  f"rollouts sent during it: {p['rollouts_sent_during']}; after the heal every "
+                  f"peer on the trainer's lineage in {p['converged_after_heal_s']} s.")]
+    t = out["trainer"]
+    lines += ["", (f"Trainer: v{t['version']}, reward first 3 versions {t['reward_first3']}, "
+              f"last 3 {t['reward_last3']}; rollouts accepted {t['rollouts_accepted']}. Log "
+              f"lines: {out['log_signals']}. Delay stage: {out['stage']}.")]
+    return "\n".join(lines), out
+
+
+# gossip (P2PNode workers) -------------------------------------------------------------------
+
+def gossip_worker(args) -> None:
+    """One gossip peer (in a lab host): our P2PNode, one batch per round, arrivals recorded.
+    Prints ready / meshed / done; reads {"start": t} and a final line on stdin."""
+    import asyncio
+
+    asyncio.run(_gossip_worker(args))
+
+
+async def _gossip_worker(args) -> None:
+    import asyncio
+
+    from swarm_node.node.config import Config
+    from swarm_node.node.identity import Identity
+    from swarm_node.node.p2p import P2PNode
+
+    from benchmarks.gossip import make_batch
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = Config()
+    cfg.node.swarm_id = "bench"
+    cfg.node.listen = [args.listen]
+    node = P2PNode(Identity.generate(), cfg)
+    records = []
+
+    async def on_batch(env, peer):
+        records.append([peer, env.message.round, time.time(), env.ts_ms / 1000,
+                        len(env.payload)])
+
+    def emit(**obj):
+        print(json.dumps(obj), flush=True)
+
+    await node.start(bootstrap=args.bootstrap)
+    await node.subscribe("rollouts", on_batch)
+    emit(event="ready", peer_id=node.peer_id, addrs=node.listen_addrs)
+    n_others = args.peers - 1
+    deadline = time.monotonic() + args.mesh_wait
+    # behind a NAT not every peer can be reached: wait for the mesh, not for everyone
+    while time.monotonic() < deadline and not (
+            len(node.mesh_peers("rollouts")) >= min(n_others, cfg.p2p.mesh_degree_low)
+            and len(node.topic_peers("rollouts")) >= min(n_others, cfg.p2p.target_peers)):
+        await asyncio.sleep(0.1)
+    batches = [make_batch(node.peer_id, r, args.batch_kib * 1024) for r in range(args.rounds)]
+    emit(event="meshed", topic_peers=len(node.topic_peers("rollouts")),
+         mesh_peers=len(node.mesh_peers("rollouts")))
+    start = json.loads(await asyncio.to_thread(sys.stdin.readline))["start"]
+    for r in range(args.rounds):
+        delay = start + r * args.interval - time.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        await node.publish("rollouts", batches[r])
+    expected = n_others * args.rounds
+    end = time.time() + args.drain
+    while len(records) < expected and time.time() < end:
+        await asyncio.sleep(0.1)
+    emit(event="done", peer_id=node.peer_id, records=records,
+         metrics=node.metrics.snapshot()["counters"])
+    await asyncio.to_thread(sys.stdin.readline)
+    await node.close()
+
+
+def gossip_figures(args, n: int, work: Path) -> dict:
+    from benchmarks.gossip import summarize_libp2p
+
+    plan = wan_plan(n, seed=args.seed, trainer_mbit=args.trainer_mbit)
+    hosts = [plan.trainer, *plan.relays, *plan.peers]
+    topo = plan.topology
+    worker = [sys.executable, str(Path(__file__).resolve()), "--worker", "gossip",
+              "--peers", str(n), "--rounds", str(args.rounds), "--interval",
+              str(args.interval), "--batch-kib", str(args.batch_kib), "--drain",
+              str(args.drain), "--mesh-wait", str(args.mesh_wait)]
+    procs: list[LabProc] = []
+    with Lab(topo, prefix="wanb", seed=args.seed) as lab:
+        try:
+            first = LabProc(lab, hosts[0], [*worker, "--listen",
+                                            f"/ip4/{lab.addr(hosts[0])}/tcp/4001"],
+                            work / "gossip" / f"{hosts[0]}.log")
+            procs.append(first)
+            boot = first.event("ready", 120)["addrs"][:1]
+            for h in hosts[1:]:
+                procs.append(LabProc(lab, h, [*worker, "--listen",
+                                              f"/ip4/{lab.addr(h)}/tcp/4001",
+                                              "--bootstrap", boot[0]],
+                                     work / "gossip" / f"{h}.log"))
+            for p in procs[1:]:
+                p.event("ready", 120 + 5 * n)
+            meshed = [p.event("meshed", args.mesh_wait + 60) for p in procs]
+            start = time.time() + 2.0
+            for p in procs:
+                p.send(json.dumps({"start": start}))
+            results = [p.event("done", args.rounds * args.interval + args.drain + 120)
+                       for p in procs]
+            for r in results:
+                r["start"] = start
+            summary = summarize_libp2p(results, args)
+            summary["stage"] = lab.stage_stats()
+        finally:
+            for p in procs:
+                p.stop()
+    rtts = [topo.path_rtt_ms(a, b) for a, b in itertools.combinations(hosts, 2)]
+    slow_up = min(topo.link_of(topo.site_of(h)).up_mbit or 1e6 for h in hosts)
+    transfer = args.batch_kib * 1024 * 8 / (slow_up * 1e6)
+    summary["bound_s"] = max(rtts) / 1000 + transfer
+    summary["topic_peers"] = statistics.fmean(m["topic_peers"] for m in meshed)
+    summary["nodes"] = n
+    return summary
+
+
+def gossip_row(s: dict) -> list:
+    return [s["nodes"], f"{s['rounds_complete']}/{s.get('rounds', '?')}",
+            f"{s['ratio']:.3f}", s["round_p95"], s["lat_p95"], s["bound_s"],
+            s["round_p95"] / s["bound_s"] if s["bound_s"] else float("nan"),
+            s["topic_peers"], s["pull_failed"], s["drops"]]
+
+
+GOSSIP_HEAD = ["nodes", "rounds all-delivered", "delivery ratio", "round p95 s",
+               "message p95 s", "bound s (max RTT + transfer)", "p95 / bound (goal <= 2)",
+               "topic peers (mean)", "pulls failed", "drops"]
+
+
+def section_gossip(args, work: Path) -> tuple[str, dict]:
+    s = gossip_figures(args, args.nodes, work)
+    s["rounds"] = args.rounds
+    body = (f"Load before: {args.load_before}. {args.rounds} rounds every {args.interval} s, "
+            f"{args.batch_kib} KiB per peer per round; workers bootstrap through the trainer's "
+            "host; NAT'd workers wait up to --mesh-wait for a mesh.\n\n"
+            + table(GOSSIP_HEAD, [gossip_row(s)]) + f"\n\nDelay stage: {s['stage']}.")
+    return body, s
+
+
+# broadcast -----------------------------------------------------------------------------------
+
+def make_checkpoint(path: Path, mib: int) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    with open(path / "model.safetensors", "wb") as f:
+        f.writelines(os.urandom(MiB) for _ in range(mib))
+    (path / "config.json").write_text(json.dumps({"architectures": ["Bench"], "mib": mib}))
+    return path
+
+
+def lower_bound_s(topo: Topology, origin: str, receivers: list[str], size: int) -> float:
+    """The P2P distribution bound: max(S/u_origin, S/d_min, N S/(u_origin + sum u_i))."""
+    def up(h):
+        return topo.link_of(topo.site_of(h)).up_mbit * 1e6 / 8
+
+    def down(h):
+        return topo.link_of(topo.site_of(h)).down_mbit * 1e6 / 8
+
+    u_s = up(origin)
+    return max(size / u_s, size / min(down(h) for h in receivers),
+               len(receivers) * size / (u_s + sum(up(h) for h in receivers)))
+
+
+def ours_broadcast(lab: Lab, plan: WanPlan, ckpt: Path, work: Path) -> dict:
+    peer = [sys.executable, "-m", "swarm_node.node.testing.broadcast_peer",
+            "--discovery-interval", "5"]
+    procs: list[LabProc] = []
+
+    def start(host: str, role: str, *extra: str) -> LabProc:
+        p = LabProc(lab, host, [*peer, "--role", role, "--data-dir", str(work / host),
+                                "--listen", f"/ip4/{lab.addr(host)}/tcp/4001", *extra],
+                    work / f"{host}.log")
+        procs.append(p)
+        return p
+
+    try:
+        origin = start(plan.trainer, "trainer")
+        o = origin.event("ready", 120)
+        relays = [start(r, "relay", "--follow", o["peer_id"], "--bootstrap", o["addrs"][0])
+                  for r in plan.relays]
+        boots = [x for r in relays for x in ("--bootstrap", r.event("ready", 120)["addrs"][0])]
+        followers = [start(h, "inference", "--follow", o["peer_id"], *boots)
+                     for h in plan.peers]
+        for f in followers:
+            f.event("ready", 120 + 5 * len(followers))
+        time.sleep(5)  # gossip mesh
+        tx0 = lab.link_bytes(plan.trainer)["tx"]
+        t_cmd = time.time()
+        origin.send(f"publish {ckpt} 1")
+        pub = origin.event("published", 600)
+        done = [f.event("complete", 1800) for f in [*relays, *followers]]
+        t_all = max(d["t"] for d in done) - t_cmd
+        return {"t_all": t_all, "t_after_publish": max(d["t"] for d in done) - pub["t"],
+                "egress": lab.link_bytes(plan.trainer)["tx"] - tx0, "ok": len(done),
+                "expected": len(done)}
+    finally:
+        for p in procs:
+            p.stop()
+
+
+SHARDCAST_WRAPPER = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("shardcast_peer", sys.argv[1])
+peer = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(peer)
+def bind_lab():
+    from shardcast import server
+    class LabServer(server.ShardcastServer):
+        def __init__(self, address, directory, shutdown_event=None):
+            super().__init__(("0.0.0.0", 0), directory, shutdown_event)
+    server.ShardcastServer = LabServer
+peer.patch_bind = bind_lab  # inside a lab host 0.0.0.0 is that host's lab address only
+sys.argv = sys.argv[1:]
+sys.exit(peer.main())
+"""
+
+
+def shardcast_broadcast(lab: Lab, plan: WanPlan, blob: Path, work: Path) -> dict:
+    base = [str(SHARDCAST_PY), "-c", SHARDCAST_WRAPPER, str(SHARDCAST_PEER)]
+    procs: list[LabProc] = []
+
+    def start(host: str, *args: str) -> LabProc:
+        p = LabProc(lab, host, [*base, *args], work / f"{host}.log")
+        procs.append(p)
+        return p
+
+    def url(host: str, ev: dict) -> str:  # the peer prints 127.0.0.1: use its lab address
+        return f"http://{lab.addr(host)}:{ev['url'].rsplit(':', 1)[1]}"
+
+    try:
+        origin = start(plan.trainer, "origin", str(work / "origin"), str(blob))
+        o_url = url(plan.trainer, origin.event("ready", 120))
+        # one at a time: shardcast's downloaders probe each server through one shared file
+        # (/tmp/dummy.bin) and race on it when started together
+        m_urls = [url(r, start(r, "middle", str(work / r), o_url).event("ready", 120))
+                  for r in plan.relays]
+        clients = []
+        for i, h in enumerate(plan.peers):
+            c = start(h, "client", str(work / h), m_urls[i % len(m_urls)])
+            c.event("ready", 120)
+            clients.append(c)
+        tx0 = lab.link_bytes(plan.trainer)["tx"]
+        t_cmd = time.time()
+        origin.send("go")
+        origin.event("published", 600)
+        done = []
+        for c in clients:
+            try:
+                done.append(c.event("any", max(1.0, t_cmd + 1800 - time.time())))
+            except (TimeoutError, RuntimeError):
+                done.append({"event": "stuck"})
+        ok = [d for d in done if d.get("event") == "complete"]
+        # the middles (relays) hold a copy too but report nothing: clients are counted
+        return {"t_all": (max(d["t"] for d in ok) - t_cmd) if len(ok) == len(done) else None,
+                "egress": lab.link_bytes(plan.trainer)["tx"] - tx0, "ok": len(ok),
+                "expected": len(done)}
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def section_broadcast(args, work: Path) -> tuple[str, dict]:
+    plan = wan_plan(args.nodes, seed=args.seed, trainer_mbit=args.trainer_mbit)
+    ckpt = make_checkpoint(work / "ckpt", args.mib)
+    size = (ckpt / "model.safetensors").stat().st_size
+    receivers = [*plan.relays, *plan.peers]
+    bound = lower_bound_s(plan.topology, plan.trainer, receivers, size)
+    out = {"bound_s": bound, "size": size}
+    with Lab(plan.topology, prefix="wanb", seed=args.seed) as lab:
+        out["ours"] = ours_broadcast(lab, plan, ckpt, work / "ours")
+    if SHARDCAST_PY.exists() and not args.skip_shardcast:
+        with Lab(plan.topology, prefix="wanb", seed=args.seed) as lab:
+            out["shardcast"] = shardcast_broadcast(lab, plan, ckpt / "model.safetensors",
+                                                   work / "shardcast")
+    rows = []
+    for name in ("ours", "shardcast"):
+        r = out.get(name)
+        if r is None:
+            rows.append([name, "not run (no .venv-shardcast)", "-", "-", "-"])
+            continue
+        t = r["t_all"]
+        rows.append([name, f"{r['ok']}/{r['expected']}", t if t is not None else "incomplete",
+                     t / bound if t else "-", r["egress"] / size])
+    body = (f"Load before: {args.load_before}. {args.mib} MiB from the trainer "
+            f"({args.trainer_mbit:.0f} Mbit/s) to {len(receivers)} receivers ({len(plan.relays)} "
+            f"relays + {len(plan.peers)} followers, {len(plan.topology.homes)} behind NATs); "
+            f"bandwidth lower bound {bound:.1f} s. Time from the publish command until every "
+            "receiver verified its copy (shardcast: every client; its middles on the relays report "
+            "nothing); egress counted on the trainer's access link.\n\n"
+            + table(["system", "copies verified", "time s", "x lower bound (goal <= 1.5)",
+                     "trainer egress / checkpoint (goal <= 2)"], rows))
+    return body, out
+
+
+# scaling --------------------------------------------------------------------------------------
+
+def section_scaling(args, work: Path, model_dir: Path) -> tuple[str, dict]:
+    out, rows, grows = {}, [], []
+    for n in args.scaling:
+        sw = swarm_figures(args, n, work / f"scale{n}", model_dir, steady_only=True)
+        g = gossip_figures(args, n, work / f"scale{n}")
+        g["rounds"] = args.rounds
+        out[n] = {"swarm": sw, "gossip": g}
+        for row in usage_rows(sw):
+            rows.append([n, *row])
+        grows.append(gossip_row(g))
+    body = (f"Load before: {args.load_before}. The swarm section's steady state and the gossip "
+            f"section at {', '.join(map(str, args.scaling))} nodes. Per-node figures should stay "
+            "flat as N grows.\n\n"
+            + table(["N", "kind", "n", "connections", "RSS MiB", "CPU s/s"], rows) + "\n\n"
+            + table(GOSSIP_HEAD, grows))
+    return body, out
+
+
+# headline rows ----------------------------------------------------------------------------------
+
+def headlines(name: str, out: dict, args) -> list[Headline]:
+    """The section's rows of RESULTS.md's headline table (issue #27's goals)."""
+    if name == "pair":
+        accepted = sum(o[p]["accepted"] > 0 for o in out.values() for p in ("peer1", "peer2"))
+        firsts = [t for o in out.values() for t in o["first_accepted_s"].values()]
+        direct = sum("peer2" in o["connected"].get("peer1", []) for o in out.values())
+        return [Headline("wan: NAT'd pair (public trainer + relay), every NAT combination",
+                         "both contribute and hot-load; cone pair direct, others relayed",
+                         f"{accepted}/{2 * len(out)} peers accepted (first at "
+                         f"{min(firsts, default=0):.0f}-{max(firsts, default=0):.0f} s after "
+                         f"the trainer's start); NAT'd peers connected to each other in "
+                         f"{direct}/{len(out)} ({', '.join(out)})")]
+    if name == "swarm":
+        natted = [t for k, v in out["first_accepted_s"].items() if k != "public" for t in v]
+        ok = [t for t in natted if t is not None and t <= 60]
+        pairs = out["steady"]["connected_pairs"]
+        cone = pairs.get("cone/cone", [0, 0])
+        return [Headline(f"wan: NAT'd peers' first accepted rollout ({out['nodes']} nodes)",
+                         "every one within 60 s of its start",
+                         f"{len(ok)}/{len(natted)} within 60 s (max "
+                         f"{max((t for t in natted if t is not None), default=float('nan')):.0f}"
+                         " s)"),
+                Headline(f"wan: cone-NAT pairs directly connected ({out['nodes']} nodes)",
+                         ">= 95%", f"{cone[0]}/{cone[1]}")]
+    if name == "gossip":
+        return [Headline(f"wan: gossip rounds, p95 / (slowest RTT + transfer) "
+                         f"({out['nodes']} nodes)", "100% rounds; <= 2x",
+                         f"{out['rounds_complete']}/{out['rounds']} rounds; "
+                         f"{out['round_p95'] / out['bound_s']:.1f}x "
+                         f"({out['round_p95']:.2f} s vs {out['bound_s']:.2f} s)")]
+    if name == "broadcast":
+        ours, sc = out["ours"], out.get("shardcast")
+        t = ours["t_all"]
+        return [Headline(f"wan: broadcast {args.mib} MiB to {ours['expected']} receivers",
+                         "<= 1.5x the bandwidth bound; trainer egress <= 2x; ahead of "
+                         "shardcast",
+                         f"{t / out['bound_s']:.1f}x ({t:.0f} s, bound {out['bound_s']:.0f} s)"
+                         f"; egress {ours['egress'] / out['size']:.1f}x",
+                         f"shardcast {sc['t_all']:.0f} s, egress "
+                         f"{sc['egress'] / out['size']:.1f}x" if sc and sc["t_all"]
+                         else "shardcast not run or incomplete")]
+    if name == "scaling":
+        per_n = []
+        for n, o in out.items():
+            items = [i for v in o["swarm"]["steady"]["usage"].values() for i in v]
+            per_n.append(f"N={n}: {statistics.fmean(i['connections'] for i in items):.1f} "
+                         f"conns, {statistics.fmean(i['rss_mib'] for i in items):.0f} MiB, "
+                         f"{statistics.fmean(i['cpu_per_s'] for i in items):.2f} CPU")
+        return [Headline("wan: per-node connections, RSS, CPU as N grows", "flat",
+                         "; ".join(per_n))]
+    return []
+
+
+# main -------------------------------------------------------------------------------------------
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    ap.add_argument("--nodes", type=int, default=30)
+    ap.add_argument("--scaling", type=int, nargs="+", default=[10, 20, 40])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--trainer-mbit", type=float, default=1000.0)
+    ap.add_argument("--workdir", type=Path)
+    ap.add_argument("--no-record", action="store_true")
+    ap.add_argument("--json", type=Path, help="also write every figure here")
+    # stage
+    ap.add_argument("--stage-rates", type=int, nargs="+", default=[5000, 20000, 40000])
+    ap.add_argument("--stage-tcp-mib", type=int, default=200)
+    ap.add_argument("--stage-losses", type=float, nargs="+", default=[0.0, 0.005, 0.01])
+    # pair
+    ap.add_argument("--pair-nats", nargs="+", type=lambda s: tuple(s.split("/")),
+                    default=[("cone", "cone"), ("cone", "symmetric"),
+                             ("symmetric", "symmetric")])
+    ap.add_argument("--pair-versions", type=int, default=3)
+    ap.add_argument("--pair-timeout", type=float, default=300.0)
+    # swarm
+    ap.add_argument("--contribute-timeout", type=float, default=300.0)
+    ap.add_argument("--steady-s", type=float, default=60.0)
+    ap.add_argument("--churn-minutes", type=int, default=3)
+    ap.add_argument("--partition-s", type=float, default=60.0)
+    ap.add_argument("--converge-timeout", type=float, default=300.0)
+    # gossip
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--interval", type=float, default=1.0)
+    ap.add_argument("--batch-kib", type=int, default=64)
+    ap.add_argument("--drain", type=float, default=30.0)
+    ap.add_argument("--mesh-wait", type=float, default=60.0)
+    # broadcast
+    ap.add_argument("--mib", type=int, default=256)
+    ap.add_argument("--skip-shardcast", action="store_true")
+    # the gossip worker (run by the benchmark inside lab hosts)
+    ap.add_argument("--worker", choices=["gossip"])
+    ap.add_argument("--listen")
+    ap.add_argument("--bootstrap", action="append", default=[])
+    ap.add_argument("--peers", type=int)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if args.worker == "gossip":
+        gossip_worker(args)
+        return 0
+    from swarm_node.node.testing.netlab import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        print(f"benchmarks/wan.py: {reason}", file=sys.stderr)
+        return 2
+    args.load_before = load_avg()
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="wan-bench-"))
+    print(f"workdir {work} (logs of every process); load {args.load_before}", flush=True)
+    model_dir = work / "model"
+    if {"pair", "swarm", "scaling"} & set(args.sections):
+        from swarm_node.node.models import build_tiny_model
+
+        if not (model_dir / "config.json").exists():
+            build_tiny_model(model_dir, seed=0)
+    runs = {"stage": lambda: section_stage(args, work),
+            "pair": lambda: section_pair(args, work, model_dir),
+            "swarm": lambda: section_swarm(args, work, model_dir),
+            "gossip": lambda: section_gossip(args, work),
+            "broadcast": lambda: section_broadcast(args, work),
+            "scaling": lambda: section_scaling(args, work, model_dir)}
+    figures = {}
+    for name in args.sections:
+        t0 = time.monotonic()
+        body, figures[name] = runs[name]()
+        body += f"\n\nSection wall time {time.monotonic() - t0:.0f} s; load after {load_avg()}."
+        print(f"\n## wan: {name}\n\n{body}\n", flush=True)
+        if not args.no_record:
+            record(f"wan: {name}", body, headline=headlines(name, figures[name], args))
+        if args.json:
+            args.json.write_text(json.dumps(figures, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""Scenarios of issue #27 on the simulated internet, shared by tests/netlab and
+benchmarks/wan.py. Each returns plain observations (a dict); the caller decides what must hold.
+
+`pair`: a public trainer, a public relay, two inference peers behind two home NATs (their
+types given), 20-100 ms RTT and ~1% loss per path. Observed (times from the trainer's start):
+whether and when each NAT'd peer's rollouts are accepted, which policy versions each peer
+loaded, who is connected to whom, and log lines that show a peer could not be reached.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import NetlabError
+from .lab import Lab
+from .swarm import LabSwarm, accepted_from, log_signals
+from .topology import Home, Host, Link, NatType, Topology
+
+# one-way latency per leg; a path's RTT is 2 x the sum of its two legs: trainer-relay 30 ms,
+# trainer-home1 40, trainer-home2 60, relay-home2 70, home1-home2 80. Loss 0.5% per leg:
+# ~1% per path.
+LEG_LOSS = 0.005
+
+
+def pair_topology(nat_a: NatType = "cone", nat_b: NatType = "cone") -> Topology:
+    return Topology(
+        hosts=[Host("trainer", Link(latency_ms=5, loss=LEG_LOSS)),
+               Host("relay", Link(latency_ms=10, loss=LEG_LOSS))],
+        homes=[Home("home1", nat_a, Link(latency_ms=15, loss=LEG_LOSS, up_mbit=20,
+                                         down_mbit=100), ["peer1"]),
+               Home("home2", nat_b, Link(latency_ms=25, loss=LEG_LOSS, up_mbit=10,
+                                         down_mbit=50), ["peer2"])])
+
+
+def run_pair(lab: Lab, workdir: Path, model_dir: Path, versions: int = 2,
+             timeout: float = 300.0, settings: dict | None = None) -> dict:
+    """Start the four nodes and watch until the trainer reached `versions` and both NAT'd
+    peers had rollouts accepted and loaded that version, or `timeout`. Never raises for a
+    scenario goal missed: the observations say what happened."""
+    obs: dict = {"topology": {"nat": [h.nat for h in lab.topology.homes]}}
+    with LabSwarm(lab, workdir, model_dir, settings=settings) as swarm:
+        t0 = time.monotonic()
+        trainer = swarm.start("trainer", "trainer", "trainer")
+        swarm.wait_started(trainer)
+        relay = swarm.start("relay", "relay", "relay", bootstrap=[trainer], follow=[trainer])
+        peers = [swarm.start(f"peer{i}", f"peer{i}", "inference", bootstrap=[trainer],
+                             follow=[trainer]) for i in (1, 2)]
+        swarm.wait_started(relay, *peers)
+        obs["started_s"] = round(time.monotonic() - t0, 1)
+        first_accepted: dict[str, float] = {}
+        versions_seen: dict[str, set[int]] = {p.name: set() for p in peers}
+
+        def goal() -> bool:
+            now = round(time.monotonic() - t0, 1)
+            for p in peers:
+                if accepted_from(trainer, p) and p.name not in first_accepted:
+                    first_accepted[p.name] = now
+                versions_seen[p.name].add(p.status.get("policy_version", 0))
+            return (trainer.status.get("policy_version", 0) >= versions
+                    and len(first_accepted) == len(peers)
+                    and all(p.status.get("policy_version", 0) >= versions for p in peers))
+
+        try:
+            swarm.wait_until(goal, timeout, "pair goal")
+            obs["goal_s"] = round(time.monotonic() - t0, 1)
+        except NetlabError as e:  # a missed goal is an observation, not an error
+            obs["goal_s"] = None
+            obs["missed"] = str(e).splitlines()[0]
+        ids = {n.peer_id: n.name for n in swarm.nodes.values()}
+        obs["trainer_version"] = trainer.status.get("policy_version", 0)
+        obs["first_accepted_s"] = first_accepted
+        for p in peers:
+            by_trainer = trainer.status.get("accepted_by_peer", {}).get(p.peer_id, {})
+            obs[p.name] = {
+                "accepted": accepted_from(trainer, p),
+                "rejected": by_trainer.get("rejected", 0),
+                "reasons": by_trainer.get("reasons", {}),
+                "rollouts_sent": p.status.get("rollouts_sent", 0),
+                "policy_version": p.status.get("policy_version", 0),
+                "versions_seen": sorted(versions_seen[p.name]),
+            }
+        obs["connected"] = {n.name: sorted(ids.get(x, x[-6:]) for x in n.status.get("peers", []))
+                            for n in swarm.nodes.values()}
+        obs["stage"] = lab.stage_stats()
+        obs["exit_codes"] = swarm.stop_all()
+        obs["log_signals"] = {n.name: log_signals(n) for n in swarm.nodes.values()}
+    return obs
+
+
+# `wan`: the issue's full-size swarm ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class WanPlan:
+    """Who runs where in a `wan_plan` topology. `peers` are the inference hosts started at
+    once; `spare` hosts stay idle until churn starts new peers on them."""
+
+    topology: Topology
+    trainer: str
+    relays: tuple[str, ...]
+    peers: tuple[str, ...]
+    spare: tuple[str, ...]
+
+    def nat_of(self, host: str) -> str:
+        home = self.topology.home_of(host)
+        return home.nat if home else "public"
+
+
+def wan_plan(nodes: int, seed: int = 0, relays: int = 2, spare: int = 0,
+             public_share: float = 1 / 3, symmetric_share: float = 0.5,
+             trainer_mbit: float = 1000.0, leg_loss: float = LEG_LOSS) -> WanPlan:
+    """`nodes` nodes: a public trainer (5 ms leg, `trainer_mbit` both ways), `relays` public
+    relays (100-200 Mbit/s), and inference peers, `public_share` of them public (50-100 Mbit/s
+    up), the rest each behind its own home NAT (`symmetric_share` symmetric, the rest cone;
+    10-50 Mbit/s up, 50-200 down). Legs are 5-50 ms one way, so paths are 20-200 ms RTT;
+    `leg_loss` per leg (~2x per path). `spare` more peer hosts for churn. Seeded."""
+    rng = random.Random(seed)
+    n_peers = nodes - 1 - relays
+    if n_peers < 1:
+        raise NetlabError(f"a wan plan of {nodes} nodes with {relays} relays has no peers")
+
+    def leg() -> float:
+        return round(rng.uniform(5.0, 50.0), 1)
+
+    hosts = [Host("trainer", Link(latency_ms=5.0, loss=leg_loss, up_mbit=trainer_mbit,
+                                  down_mbit=trainer_mbit))]
+    hosts += [Host(f"relay{i}", Link(latency_ms=leg(), loss=leg_loss,
+                                     up_mbit=rng.choice((100, 200)), down_mbit=200))
+              for i in range(1, relays + 1)]
+    homes, names = [], []
+    total = n_peers + spare
+    n_public = round(total * public_share)
+    n_sym = round((total - n_public) * symmetric_share)
+    for i in range(1, total + 1):
+        name = f"p{i}"
+        names.append(name)
+        if i <= n_public:
+            hosts.append(Host(name, Link(latency_ms=leg(), loss=leg_loss,
+                                         up_mbit=rng.choice((50, 100)), down_mbit=200)))
+            continue
+        nat = "symmetric" if i <= n_public + n_sym else "cone"
+        homes.append(Home(f"h{i}", nat, Link(latency_ms=leg(), loss=leg_loss,
+                                             up_mbit=rng.choice((10, 20, 30, 50)),
+                                             down_mbit=rng.choice((50, 100, 200))), [name]))
+    # spare hosts are spread over the kinds too: take every k-th name as spare
+    spare_names = names[::max(1, total // spare)][:spare] if spare else []
+    peers = tuple(n for n in names if n not in spare_names)
+    return WanPlan(Topology(hosts=hosts, homes=homes), "trainer",
+                   tuple(f"relay{i}" for i in range(1, relays + 1)), peers, tuple(spare_names))

@@ -1,0 +1,116 @@
+"""The per-host and per-connection patches (node/p2p/patches: handlers, autodial,
+yamux_buffers) against plain py-libp2p hosts on loopback: py-libp2p alone still shows each
+problem (the patch is still needed), and the patched object behaves."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import trio
+from libp2p.network.auto_connector import AutoConnector
+from swarm_node.node.p2p.patches import autodial, handlers, yamux_buffers
+from swarm_node.node.p2p.patches.registry import original
+
+from .rawhost import connect, raw_host, running, until
+
+_YAMUX_DATA = struct.Struct("!BBHII")  # version, type 0 = DATA, flags, stream id, length
+
+
+async def _bad_handler(stream) -> None:
+    await stream.read(1)  # (raising before the protocol is confirmed fails the opener)
+    raise ValueError("boom")
+
+
+def test_needed_stream_handler_guard():
+    async def main(guard: bool) -> list:
+        a, b = raw_host(), raw_host()
+        faults: list = []
+        async with running(a, b):
+            if guard:
+                handlers.patch_stream_handlers(a, lambda *fault: faults.append(fault))
+            a.set_stream_handler("/bad/1", _bad_handler)
+            await connect(b, a)
+            for _ in range(2):
+                stream = await b.new_stream(a.get_id(), ["/bad/1"])
+                await stream.write(b"x")
+                n = len(faults)
+                await until(lambda n=n: len(faults) > n, what="the fault")
+        return faults
+
+    with pytest.raises(BaseExceptionGroup) as ended:  # py-libp2p: the host's run() ends
+        trio.run(main, False)
+    assert ended.value.subgroup(ValueError) is not None
+    faults = trio.run(main, True)  # guarded: counted, and the host serves the next stream
+    assert [(p, type(e)) for _, p, e in faults] == [("/bad/1", ValueError)] * 2
+
+
+def test_needed_no_auto_connect():
+    async def main() -> bool:
+        a, b = raw_host(), raw_host()
+        async with running(a, b):
+            # b is only known (as discovery learns peers), not dialled by us
+            a.get_peerstore().add_addrs(b.get_id(), b.get_addrs(), 3600)
+            await original(AutoConnector, "maybe_connect")(a.get_network().auto_connector)
+            await until(lambda: bool(a.get_network().connections.get(b.get_id())),
+                        what="py-libp2p's own dial")
+            autodial.patch_auto_connector(a)
+            return a.get_network().auto_connector.maybe_connect is autodial._no_auto_connect
+
+    assert trio.run(main)  # py-libp2p dials a known peer beside discovery.py
+
+
+def _buffered(host, peer) -> int:
+    conns = host.get_network().connections.get(peer)
+    conn = conns[0] if isinstance(conns, list) else conns
+    return sum(len(b) for b in conn.muxed_conn.stream_buffers.values())
+
+
+async def _push_past_window(a, b, total: int, chunk: int = 64 * 1024) -> None:
+    """b writes `total` bytes to a stream a never reads, as raw frames ignoring the window."""
+    stream = await b.new_stream(a.get_id(), ["/sink/1"])
+    ys = stream.muxed_stream
+    frame = _YAMUX_DATA.pack(0, 0, 0, ys.stream_id, chunk) + bytes(chunk)
+    for _ in range(total // chunk):
+        try:
+            await ys.conn._write_frame(frame)
+        except Exception:  # noqa: BLE001 - the patched receiver cuts the connection
+            return
+
+
+def test_needed_yamux_receive_window_enforced():
+    window = 256 * 1024  # what yamux grants a new stream
+
+    async def main(bound: bool) -> tuple[int, list]:
+        a, b = raw_host(), raw_host()
+        violations: list = []
+        hold = trio.Event()
+
+        async def sink(stream) -> None:  # never reads
+            await hold.wait()
+
+        async with running(a, b):
+            a.set_stream_handler("/sink/1", sink)
+            await connect(b, a)
+            await until(lambda: a.get_network().connections.get(b.get_id()), what="conn")
+            if bound:
+                conns = a.get_network().connections[b.get_id()]
+                conn = conns[0] if isinstance(conns, list) else conns
+                bounded = yamux_buffers.BoundedBuffers({}, "b", lambda p, n:
+                                                       violations.append(n),
+                                                       max_stream=2 * window,
+                                                       max_conn=4 * window)
+                conn.muxed_conn.stream_buffers = bounded
+            await _push_past_window(a, b, 8 * window)
+            if bound:
+                await until(lambda: violations, what="the violation")
+            else:
+                await until(lambda: _buffered(a, b.get_id()) >= 8 * window, what="buffering")
+            held = _buffered(a, b.get_id())
+            hold.set()
+            return held, violations
+
+    held, _ = trio.run(main, False)
+    assert held >= 8 * window  # py-libp2p buffers 8x the window it granted
+    held, violations = trio.run(main, True)
+    assert violations and held <= 2 * window

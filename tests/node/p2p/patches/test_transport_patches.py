@@ -1,0 +1,215 @@
+"""The process-wide yamux and Noise patches (node/p2p/patches: yamux_window, yamux_frames,
+noise_io): py-libp2p's own code, restored for the test, still shows each problem (the patch
+is still needed); the installed replacement does not."""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+
+import libp2p.security.secure_session as secure_session_mod
+import libp2p.stream_muxer.yamux.yamux as yamux_mod
+import trio
+from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH, NoiseTransportReadWriter
+from libp2p.security.secure_session import SecureSession
+from swarm_node.node.p2p import patches
+from swarm_node.node.p2p.patches.registry import original
+
+from .rawhost import Wire, connect, noise_session_pair, raw_host, running, until
+
+
+def _window_updates(monkeypatch, upstream: bool, reads: int = 20, size: int = 1024) -> int:
+    """WINDOW_UPDATE frames sent while a stream reads `reads` small messages."""
+    patches.install()
+    stream_cls = yamux_mod.YamuxStream
+    if upstream:
+        monkeypatch.setattr(stream_cls, "_auto_tune_and_send_window_update",
+                            original(stream_cls, "_auto_tune_and_send_window_update"))
+    sent = []
+    inner = stream_cls.send_window_update
+
+    async def counted(self, increment: int, skip_lock: bool = False) -> None:
+        sent.append(increment)
+        await inner(self, increment, skip_lock)
+
+    monkeypatch.setattr(stream_cls, "send_window_update", counted)
+
+    async def main() -> int:
+        a, b = raw_host(), raw_host()
+        got: list[int] = []
+
+        async def reader(stream) -> None:
+            while len(got) < reads:
+                got.append(len(await stream.read(size)))
+
+        async with running(a, b):
+            a.set_stream_handler("/read/1", reader)
+            await connect(b, a)
+            stream = await b.new_stream(a.get_id(), ["/read/1"])
+            for _ in range(reads):
+                await stream.write(b"m" * size)
+                n = len(got)
+                await until(lambda n=n: len(got) > n, what="the read")
+        return len(sent)
+
+    return trio.run(main)
+
+
+def test_needed_yamux_window_update_batching(monkeypatch):
+    assert _window_updates(monkeypatch, upstream=True) >= 10  # py-libp2p: one per read
+    monkeypatch.undo()
+    assert _window_updates(monkeypatch, upstream=False) == 0  # 20 KiB of a 256 KiB window
+
+
+def test_needed_yamux_env_read_once(monkeypatch):
+    patches.install()
+    calls = []
+    getenv = os.getenv
+    monkeypatch.setattr(yamux_mod.os, "getenv", lambda *a: calls.append(a) or getenv(*a))
+    upstream = original(yamux_mod, "_py_yamux_env")
+    upstream("SWARM_TEST_KNOB")
+    upstream("SWARM_TEST_KNOB")
+    assert len(calls) == 2  # py-libp2p: the environment on every call
+    yamux_mod._py_yamux_env("SWARM_TEST_KNOB")
+    yamux_mod._py_yamux_env("SWARM_TEST_KNOB")
+    assert len(calls) == 3  # memoised: once
+
+
+def test_needed_yamux_frames_fit_noise():
+    patches.install()
+    upstream = original(yamux_mod, "MAX_MESSAGE_SIZE")  # a frame, header included
+    assert upstream > MAX_PLAINTEXT_LENGTH  # a full frame is two Noise messages ...
+    assert upstream - MAX_PLAINTEXT_LENGTH == 17  # ... the second one of 17 bytes
+    assert yamux_mod.MAX_MESSAGE_SIZE % MAX_PLAINTEXT_LENGTH == 0  # ours: whole messages
+
+
+class OneRead:
+    def __init__(self, data: bytes):
+        self.data = data
+
+    async def read(self, n: int) -> bytes:
+        out, self.data = self.data[:n], self.data[n:]
+        return out
+
+
+def test_needed_yamux_read_exactly_one_copy():
+    patches.install()
+    body = os.urandom(70_000)
+
+    async def main(read_exactly) -> bytes:
+        return await read_exactly(OneRead(body), len(body))
+
+    upstream = trio.run(main, original(yamux_mod, "read_exactly"))
+    assert upstream == body and upstream is not body  # py-libp2p copies it (twice)
+    assert trio.run(main, yamux_mod.read_exactly) is body
+
+
+class _Frames:
+    """Enough of a Yamux connection for `_write_frame`."""
+
+    is_initiator_value = True
+
+    def __init__(self):
+        self._write_lock = trio.Lock()
+        self.written: list[bytes] = []
+        self.secured_conn = self
+
+    async def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+
+def test_needed_yamux_write_frame_quiet(monkeypatch):
+    patches.install()
+    monkeypatch.setattr(yamux_mod.logger, "level", logging.INFO)
+    unpacked = []
+
+    class CountingStruct:
+        def __getattr__(self, name):
+            return getattr(struct, name)
+
+        def unpack(self, fmt, data):
+            unpacked.append(fmt)
+            return struct.unpack(fmt, data)
+
+    monkeypatch.setattr(yamux_mod, "struct", CountingStruct())
+    frame = struct.pack(yamux_mod.YAMUX_HEADER_FORMAT, 0, 0, 0, 1, 3) + b"abc"
+    conn = _Frames()
+    trio.run(original(yamux_mod.Yamux, "_write_frame"), conn, frame)
+    assert len(unpacked) == 1  # py-libp2p decodes the header for a debug line not logged
+    trio.run(yamux_mod.Yamux._write_frame, conn, frame)
+    assert len(unpacked) == 1 and conn.written == [frame, frame]
+
+
+def test_needed_noise_batched_io():
+    patches.install()
+    three = os.urandom(3 * MAX_PLAINTEXT_LENGTH)
+
+    async def main() -> tuple[int, int, int]:
+        wire = Wire()
+        writer, reader = noise_session_pair(wire)
+        await original(NoiseTransportReadWriter, "write_msg")(writer, three)
+        upstream_writes = wire.writes
+        first = await original(NoiseTransportReadWriter, "read_msg")(reader)
+        upstream_reads = wire.reads
+        assert first == three[:MAX_PLAINTEXT_LENGTH]  # one message per call
+        wire = Wire()
+        writer, reader = noise_session_pair(wire)
+        await writer.write_msg(three)
+        ours = wire.writes
+        assert await reader.read_msg() == three and wire.reads == 1
+        return upstream_writes, upstream_reads, ours
+
+    upstream_writes, upstream_reads, ours = trio.run(main)
+    assert upstream_writes == 3 and upstream_reads >= 2  # a socket call per length and body
+    assert ours == 1
+
+
+class _Messages:
+    """An encrypted-message reader that returns the given plaintexts (py-libp2p's interface)."""
+
+    def __init__(self, messages: list[bytes]):
+        self.messages = list(messages)
+
+    async def read_msg(self) -> bytes:
+        return self.messages.pop(0) if self.messages else b""
+
+
+def test_needed_noise_session_read_one_copy(monkeypatch):
+    patches.install()
+    copied = []
+
+    class CountingBytearray(bytearray):
+        def __init__(self, *args):
+            super().__init__(*args)
+            copied.append(len(self))
+
+        def extend(self, data) -> None:
+            copied.append(len(data))
+            super().extend(data)
+
+    monkeypatch.setattr(secure_session_mod, "bytearray", CountingBytearray, raising=False)
+    messages = [os.urandom(40_000) for _ in range(3)]
+    session = SecureSession.__new__(SecureSession)
+    session.conn = _Messages(messages)
+    session._reset_internal_buffer()
+
+    async def main() -> bytes:
+        return await original(SecureSession, "read")(session, 100_000)
+
+    assert trio.run(main) == b"".join(messages)[:100_000]
+    # py-libp2p assembles every read in a bytearray (then copies it out again as bytes)
+    assert sum(copied) >= 100_000
+
+    async def ours() -> bytes:
+        wire = Wire()
+        writer, reader = noise_session_pair(wire)
+        for m in messages:
+            await writer.write_msg(m)
+        ours_session = SecureSession.__new__(SecureSession)
+        ours_session.conn = reader
+        ours_session._reset_internal_buffer()
+        copied.clear()
+        return await ours_session.read(100_000)
+
+    assert trio.run(ours) == b"".join(messages)[:100_000] and sum(copied) == 0

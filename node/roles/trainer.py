@@ -42,6 +42,7 @@ from ..sampler.stops import context_limit
 from ..tasks import PromptStyle, TaskSource
 from ..trainer.distributed import attach_ranks
 from ..trainer.group import attach_group
+from ..trainer.hooks import StepHooks
 from ..trainer.trainer import Trainer
 from .base import Role, wait_any
 from .interfaces import CheckpointFeed, CheckpointPublisher, OwnCheckpoints, Verifier
@@ -91,15 +92,13 @@ class TrainerRole(Role):
         name = cfg.model.name
         model_dir = ensure_builtin(name) if name.startswith("builtin:") else name
         self.trainer = await self.work(Trainer, cfg, model_dir, self.data_dir,
-                                       policy_id=self.identity.peer_id)
-        # Scale-out (SCALE-OUT): a trainer group (trainer.group) and the other ranks of this
-        # trainer (join --procs N); both no-ops when not configured.
-        self.group = await self.work(attach_group, self.trainer, cfg, self.data_dir)
-        await self.work(attach_ranks, self.trainer)
+                                       policy_id=self.identity.peer_id,
+                                       scale_out=self._scale_out)
         self.sampler = HFSampler(self.trainer.model, self.trainer.tokenizer,
                                  peer_id=self.identity.peer_id, version=self.trainer.version,
                                  max_context=cfg.model.max_context,
                                  max_batch=cfg.sampler.max_batch)
+        self.count_sampling(lambda: self.sampler)
         self.tasks = TaskSource.of(cfg.tasks, cfg.node.swarm_id)
         self.reputation = Reputation.from_config(cfg.verifier, self.data_dir / "reputation.json")
         self.p2p.set_peer_filter(lambda peer: not self.reputation.is_banned(peer))
@@ -115,6 +114,8 @@ class TrainerRole(Role):
             if self.feed is None:
                 self.feed = own.followed  # same broadcaster: started and closed with `own`
         await self.own.start()
+        if self.feed is not None:  # the broadcaster's counters (served, downloaded) at /metrics
+            self.state.add_counters("broadcast", self.feed.counters)
         await self.p2p.subscribe("rollouts", self._on_rollouts)
         await self.p2p.subscribe("verdicts", self._on_verdict)
         await self.watch_verdicts()
@@ -123,6 +124,13 @@ class TrainerRole(Role):
         self.state.extra["disk"] = self.disk.status()
         self.state.banned = self.reputation.banned()
         await self._publish_version()
+
+    def _scale_out(self, trainer: Trainer) -> StepHooks:
+        """Scale-out (SCALE-OUT), the trainer's hooks: a trainer group (trainer.group) and
+        the other ranks of this trainer (join --procs N); both none when not configured."""
+        self.group = attach_group(trainer, self.cfg, self.data_dir)
+        return StepHooks(grad_sync=attach_ranks(trainer),
+                         after_step=self.group.after_step if self.group is not None else None)
 
     async def _publish_version(self) -> None:
         """Announce the current checkpoint (what leaves the node, and how many versions are
@@ -351,7 +359,7 @@ class TrainerRole(Role):
             await self._drain()
             if self.cfg.trainer.sample_locally:
                 await until_written(self.disk, self.work_oom_safe, self.sample_local, self.round,
-                                    sampler=self.sampler)
+                                    limit=self.sampler.batch)
                 self.round += 1
                 await until_written(self.disk, self.work, self.save_json, "round.json",
                                     {"next_round": self.round})
@@ -359,7 +367,7 @@ class TrainerRole(Role):
             await self._wait_for_peers(stop)
             self.peer_batches = 0
             stats = await until_written(self.disk, self.work_oom_safe, self.trainer.step,
-                                        holder=self.trainer.cfg, field="micro_batch_size",
+                                        limit=self.trainer.micro_batch,
                                         on_oom=self._unclaim_failed_step)
             self.state.observe("train_step_seconds", stats.seconds)
             self.state.banned = self.reputation.banned()  # bans also expire
@@ -377,8 +385,11 @@ class TrainerRole(Role):
             self.state.record_step(stats.version, None if math.isnan(reward) else reward,
                                    loss=stats.loss, tokens_per_s=stats.tokens_per_s,
                                    step_seconds=stats.seconds)
-            log.info("train step -> v%d: %d local + %d external groups, %d tokens, "
-                     "reward %.3f, loss %.4f, %.1f tok/s", stats.version, stats.groups_local,
+            # "of this policy": sampled here or by peers following it (SAPO's "local"
+            # items); "of other policies": the followed trainers' (SAPO's "external")
+            log.info("train step -> v%d: %d groups of this policy + %d of other policies, "
+                     "%d tokens, reward %.3f, loss %.4f, %.1f tok/s", stats.version,
+                     stats.groups_local,
                      stats.groups_external, stats.tokens, reward, stats.loss,
                      stats.tokens_per_s)
             if stats.checkpoint:

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from ..errors import NodeError
 from ..models import ensure_builtin
 from .buffer import RolloutGroup
+from .hooks import StepHooks
 from .trainer import StepStats, Trainer
 
 log = logging.getLogger(__name__)
@@ -212,8 +213,9 @@ def decode_batch(data: bytes) -> list[RolloutGroup]:
 # rank 0 ---------------------------------------------------------------------------------
 
 def attach_ranks(trainer) -> RankSync | None:
-    """Rank 0: wait until every other rank has built its trainer from our latest checkpoint,
-    then route the trainer's updates through them. No-op outside torchrun (one process)."""
+    """Rank 0: wait until every other rank has built its trainer from our latest checkpoint;
+    returns the `grad_sync` hook that routes the trainer's updates through them (hooks.py).
+    None outside torchrun (one process)."""
     global _active
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None
@@ -221,7 +223,6 @@ def attach_ranks(trainer) -> RankSync | None:
     sync.send(CMD_READY)
     sync.barrier()
     sync.send_params(trainer.model)  # e.g. a trainer group's state loaded after the checkpoint
-    trainer.grad_sync = sync
     _active = sync
     log.info("trainer rank 0 of %d: the other ranks are ready", sync.world)
     return sync
@@ -251,8 +252,8 @@ def run_worker(cfg) -> None:
     device = None
     if torch.cuda.is_available():
         device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
-    trainer = Trainer(cfg, model_dir_of(cfg), cfg.data_dir, device=device)
-    trainer.grad_sync = sync
+    trainer = Trainer(cfg, model_dir_of(cfg), cfg.data_dir, device=device,
+                      scale_out=lambda _trainer: StepHooks(grad_sync=sync))
     sync.barrier()
     log.info("trainer rank %d of %d ready at version %d", sync.rank, sync.world, trainer.version)
     try:
@@ -336,10 +337,10 @@ def run_offline(cfg, steps: int, idle_s: float = 30.0) -> None:
     """No node: train on the buffer until version `steps`, waiting for groups when it is
     empty (another process may add them: a write to the buffer wakes the wait; `idle_s` only
     bounds it). Prints one JSON line per step (tests, benchmarks)."""
-    trainer = Trainer(cfg, model_dir_of(cfg), cfg.data_dir)
+    trainer = Trainer(cfg, model_dir_of(cfg), cfg.data_dir,
+                      scale_out=lambda t: StepHooks(grad_sync=attach_ranks(t)))
     watch = BufferWatch(trainer.buffer.path.parent)
     try:
-        attach_ranks(trainer)
         while trainer.version < steps:
             watch.drain()  # a write after this point wakes the wait below
             stats = trainer.step()

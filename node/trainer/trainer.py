@@ -24,6 +24,7 @@ import random
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -33,11 +34,13 @@ from ...protocol.messages import RolloutBatch
 from ..config import Config
 from ..errors import NodeError
 from ..models import load_model
+from ..runtime import BatchLimit
 from ..tasks import PromptStyle
 from .buffer import RolloutBuffer, RolloutGroup
 from .checkpoint import Checkpoint, CheckpointStore, rng_from_json, rng_to_json
 from .data import TrainRow, groups_from_samples, groups_from_verified_batch, rows_of
 from .grpo import LossConfig, has_signal, policy_loss
+from .hooks import NO_HOOKS, StepHooks
 from .logprobs import completion_logprobs, fast_head_supported, pack, plain_logprobs
 from .mixing import Rescorer, select_groups, texts_of
 
@@ -90,7 +93,8 @@ class _Counters:
 
 class Trainer:
     def __init__(self, config: Config, model_dir, data_dir, *, policy_id: str = "",
-                 device: str | None = None):
+                 device: str | None = None,
+                 scale_out: Callable[[Trainer], StepHooks] | None = None):
         self.config = config
         self.cfg = config.trainer
         self.policy_id = policy_id
@@ -125,12 +129,9 @@ class Trainer:
                                  style=PromptStyle.of(config.tasks))
         self._counters = _Counters()
         self._counters_lock = threading.Lock()  # add_* may run on other threads than step()
-        # Scale-out seams, None for a plain trainer. grad_sync (trainer/distributed.py):
-        # .shard(batch) -> this rank's groups, .after_backward(model) before clipping,
-        # .finish(stats). after_step(trainer) (trainer/group.py): after each trained step,
-        # before its checkpoint (parameter averaging).
-        self.grad_sync = None
-        self.after_step = None
+        # completions per forward/backward pass; an out-of-memory retry halves it
+        self.micro_batch = BatchLimit("trainer.micro_batch_size", self.cfg.micro_batch_size)
+        self._hooks = NO_HOOKS  # scale-out seams (hooks.py), set once below
         if latest is not None:
             state = self.store.restore(latest, self.optimizer, self.scheduler)
             self.version = latest.version
@@ -144,6 +145,22 @@ class Trainer:
         self._last_checkpoint: Checkpoint = latest
         log.info("trainer at version %d (%s); buffer: %d released, %d returned, %d pending",
                  self.version, latest.path, released, returned, self.buffer.count())
+        if scale_out is not None:
+            try:
+                self._hooks = scale_out(self)
+            except BaseException:
+                self.close()
+                raise
+
+    @property
+    def grad_sync(self):
+        """The other ranks of this trainer (hooks.py), or None."""
+        return self._hooks.grad_sync
+
+    @property
+    def after_step(self):
+        """Run after each trained step, before its checkpoint (hooks.py), or None."""
+        return self._hooks.after_step
 
     # intake -------------------------------------------------------------------------------
 
@@ -261,7 +278,7 @@ class Trainer:
         """Rows without behaviour logprobs (external text, unchecked rollouts) get them from
         the current policy, once, before the first update of the step."""
         missing = [i for i, r in enumerate(rows) if r.behaviour_logprobs is None]
-        mb = self.cfg.micro_batch_size
+        mb = self.micro_batch.value
         for start in range(0, len(missing), mb):
             idx = missing[start:start + mb]
             logp, _ = self._logprobs(self.model, [rows[i] for i in idx])
@@ -275,7 +292,7 @@ class Trainer:
         length together (less padding), `micro_batch_size` rows at a time."""
         order = sorted(rows, key=lambda r: (len(r.prompt_ids), r.prompt_ids,
                                             len(r.completion_ids)))
-        mb = self.cfg.micro_batch_size
+        mb = self.micro_batch.value
         return [order[i:i + mb] for i in range(0, len(order), mb)]
 
     def _micro_step(self, chunk: list[TrainRow], total_tokens: int, agg) -> None:

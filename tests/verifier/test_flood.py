@@ -19,7 +19,7 @@ import types
 
 import pytest
 import torch
-from swarm_node.node.config import Config
+from swarm_node.node.config import Config, load_config
 from swarm_node.node.identity import Identity
 from swarm_node.node.testing import attacks
 from swarm_node.protocol.messages import SamplingParams
@@ -32,19 +32,12 @@ FLOOD_BATCHES = SYBILS * PER_SYBIL
 
 
 def config(tmp_path) -> Config:
-    cfg = Config()
-    cfg.node.listen = ["/ip4/127.0.0.1/tcp/0"]
-    cfg.node.data_dir = str(tmp_path / "trainer")
-    cfg.p2p.discovery_interval_s = 0.5
-    cfg.p2p.bootstrap_timeout_s = 5
-    cfg.p2p.mesh_wait_s = 5
-    cfg.tasks.mix = {"toy/digit_successor": 1.0}
-    cfg.tasks.tasks_per_round = 2
-    cfg.sampler.completions_per_task = 2
-    cfg.sampler.max_new_tokens = 8
-    cfg.sampler.batches_per_version = 8
-    cfg.sampler.temperature, cfg.sampler.top_p = 1.0, 1.0
-    return cfg
+    return load_config(None, {
+        "node.listen": ["/ip4/127.0.0.1/tcp/0"], "node.data_dir": str(tmp_path / "trainer"),
+        "p2p.discovery_interval_s": 0.5, "p2p.bootstrap_timeout_s": 5, "p2p.mesh_wait_s": 5,
+        "tasks.mix": {"toy/digit_successor": 1.0}, "tasks.tasks_per_round": 2,
+        "sampler.completions_per_task": 2, "sampler.max_new_tokens": 8,
+        "sampler.batches_per_version": 8, "sampler.temperature": 1.0, "sampler.top_p": 1.0})
 
 
 async def wait_until(pred, timeout: float, what: str):

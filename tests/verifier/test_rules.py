@@ -94,10 +94,9 @@ def test_4_retention_covers_max_staleness():
     from swarm_node.node.config import Config
     from swarm_node.verifier.rules import retention
 
-    cfg = Config()
-    cfg.trainer.max_staleness, cfg.trainer.keep_checkpoints = 4, 3
+    cfg = Config.model_validate({"trainer": {"max_staleness": 4, "keep_checkpoints": 3}})
     assert retention(cfg, cfg.trainer.keep_checkpoints) == 5
-    cfg.trainer.keep_checkpoints = 9
+    cfg = cfg.with_overrides({"trainer.keep_checkpoints": 9})
     assert retention(cfg, cfg.trainer.keep_checkpoints) == 9
 
 
@@ -325,8 +324,7 @@ async def test_10_role_intake_trust_only_from_checks_and_verdicts_for_config(tmp
             self.reports.append((peer, reason))
             return False
 
-    cfg = Config()
-    cfg.node.data_dir = str(tmp_path)
+    cfg = Config.model_validate({"node": {"data_dir": str(tmp_path)}})
     ident, p2p = Identity.generate(), P2P()
     role = TrainerRole(cfg, ident, p2p, NodeState(ident.peer_id, "trainer", "default"))
     role.reputation = Reputation(None)

@@ -24,6 +24,7 @@ import sys
 from safetensors.torch import save_file
 from swarm_node.node.config import Config
 from swarm_node.node.trainer.group import attach_group
+from swarm_node.node.trainer.hooks import StepHooks
 from swarm_node.node.trainer.trainer import Trainer
 
 from .helpers import mixed_group
@@ -49,7 +50,9 @@ def main() -> None:
                         "group_peers": peers, "group_listen": ["/ip4/127.0.0.1/tcp/0"],
                         "group_timeout_s": s["timeout_s"]}})
 
-    trainer = Trainer(config([]), s["model_dir"], s["data_dir"], policy_id=s["group"])
+    made = []  # the group, joined below; the trainer's after-step hook is fixed at its build
+    trainer = Trainer(config([]), s["model_dir"], s["data_dir"], policy_id=s["group"],
+                      scale_out=lambda _t: StepHooks(after_step=lambda t: made[0].after_step(t)))
     for i in range(s["first_task"], s["first_task"] + 8):  # each member: its own tasks
         trainer.add_local(mixed_group(trainer.tokenizer, i, g=4))
     say(event="started")
@@ -59,6 +62,7 @@ def main() -> None:
         return
     cfg = config(json.loads(peers))
     group = attach_group(trainer, cfg, cfg.data_dir)
+    made.append(group)
     average = group.average
 
     def announced(version):

@@ -26,9 +26,11 @@ claimed by lost steps (buffer.py), so nothing accepted is lost.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
+import select
 import sys
 import time
 from datetime import timedelta
@@ -287,21 +289,69 @@ def launch(cfg, procs: int, config_path: Path) -> None:
     os.execv(sys.executable, argv)
 
 
-def run_offline(cfg, steps: int, poll_s: float = 0.2) -> None:
+class BufferWatch:
+    """Wakes a trainer that waits for another process to write its buffer: Linux inotify on
+    the buffer's directory (SQLite in WAL mode appends every commit to `buffer.sqlite-wal`).
+    Where inotify is unavailable, `wait` returns after at most POLL_S (the caller polls)."""
+
+    # IN_MODIFY | IN_CLOSE_WRITE | IN_MOVED_TO | IN_CREATE
+    EVENTS = 0x002 | 0x008 | 0x080 | 0x100
+    POLL_S = 0.2
+
+    def __init__(self, directory: Path):
+        self.fd = -1
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        except (OSError, AttributeError):  # no libc inotify (not Linux)
+            return
+        if fd >= 0 and libc.inotify_add_watch(fd, os.fsencode(directory), self.EVENTS) >= 0:
+            self.fd = fd
+        elif fd >= 0:
+            os.close(fd)
+
+    def drain(self) -> None:
+        """Forget the writes seen so far (call it before looking at the buffer)."""
+        if self.fd >= 0:
+            try:
+                while os.read(self.fd, 1 << 16):
+                    pass
+            except BlockingIOError:
+                pass
+
+    def wait(self, timeout: float) -> bool:
+        """Until the directory is written to (True) or `timeout` s pass (False)."""
+        if self.fd < 0:
+            time.sleep(min(timeout, self.POLL_S))
+            return False
+        ready, _, _ = select.select([self.fd], [], [], timeout)
+        return bool(ready)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def run_offline(cfg, steps: int, idle_s: float = 30.0) -> None:
     """No node: train on the buffer until version `steps`, waiting for groups when it is
-    empty (another process may add them). Prints one JSON line per step (tests, benchmarks)."""
+    empty (another process may add them: a write to the buffer wakes the wait; `idle_s` only
+    bounds it). Prints one JSON line per step (tests, benchmarks)."""
     trainer = Trainer(cfg, model_dir_of(cfg), cfg.data_dir,
                       scale_out=lambda t: StepHooks(grad_sync=attach_ranks(t)))
+    watch = BufferWatch(trainer.buffer.path.parent)
     try:
         while trainer.version < steps:
+            watch.drain()  # a write after this point wakes the wait below
             stats = trainer.step()
             if not stats.trained:
-                time.sleep(poll_s)  # nothing buffered yet
+                watch.wait(idle_s)  # nothing buffered yet
                 continue
             print(json.dumps({k: stats.as_dict()[k] for k in
                               ("version", "tokens", "completions", "loss", "grad_norm",
                                "seconds", "tokens_per_s")}), flush=True)
     finally:
+        watch.close()
         stop_ranks()
         trainer.close()
 

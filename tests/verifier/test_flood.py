@@ -25,6 +25,8 @@ from swarm_node.node.testing import attacks
 from swarm_node.protocol.messages import SamplingParams
 from swarm_node.verifier.rules import batch_rules
 
+from ..waiting import async_wait_until
+
 HONEST_BATCHES = 4
 SYBILS = 5
 PER_SYBIL = 8  # = batches_per_version: every round of version 0
@@ -38,15 +40,6 @@ def config(tmp_path) -> Config:
         "tasks.mix": {"toy/digit_successor": 1.0}, "tasks.tasks_per_round": 2,
         "sampler.completions_per_task": 2, "sampler.max_new_tokens": 8,
         "sampler.batches_per_version": 8, "sampler.temperature": 1.0, "sampler.top_p": 1.0})
-
-
-async def wait_until(pred, timeout: float, what: str):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not pred():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 async def started(cfg, identity=None, bootstrap=None):
@@ -128,7 +121,7 @@ async def test_honest_batches_accepted_during_a_fresh_key_flood(tmp_path, tiny_m
                     for k in range(PER_SYBIL)]
 
         flood = {s.peer_id: flood_batches(s) for s in sybils}
-        await wait_until(lambda: all(trainer_id.peer_id in n.topic_peers("rollouts")
+        await async_wait_until(lambda: all(trainer_id.peer_id in n.topic_peers("rollouts")
                                      for n in [honest_node, *sybils]), 30,
                          "every sender to see the trainer's subscription")
 
@@ -150,12 +143,11 @@ async def test_honest_batches_accepted_during_a_fresh_key_flood(tmp_path, tiny_m
 
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 120
-        while not honest_done():
+        stop = asyncio.Event()
+        while not honest_done():  # verify as batches arrive (the intake's arrival event)
             assert loop.time() < deadline, f"honest batches verified: {order.count(honest_id)}"
-            if len(role.intake.queue):
-                await role.intake.drain()
-            else:
-                await asyncio.sleep(0.05)
+            await role.intake.wait(stop, deadline - loop.time())
+            await role.intake.drain()
         counts = role.state.by_peer[honest_id]
         assert counts.accepted == HONEST_BATCHES * 4 and not counts.rejected
         last_honest = max(i for i, s in enumerate(order) if s == honest_id)
@@ -164,7 +156,7 @@ async def test_honest_batches_accepted_during_a_fresh_key_flood(tmp_path, tiny_m
         assert flood_before <= 2, order
         assert len(role.intake.queue) <= role.intake.queue.limits.max_probation
         # the flood did arrive; what was not verified was dropped from the probation queue
-        await wait_until(lambda: len(role.arrivals) >= FLOOD_BATCHES + HONEST_BATCHES, 30,
+        await async_wait_until(lambda: len(role.arrivals) >= FLOOD_BATCHES + HONEST_BATCHES, 30,
                          "the flood to arrive")
         await role.intake.drain()  # what is left: every flood batch verified fails ...
         flood_ids = {s for s in order if s != honest_id}

@@ -17,6 +17,7 @@ from swarm_node.verifier.reputation import Reputation
 from swarm_node.verifier.sequential import PeerMonitor, SequentialSettings
 
 from ..protocol.examples import completion
+from ..waiting import async_wait_until
 
 OWN = "12D3KooWtrainerOwnPolicy"
 HONEST = "12D3KooWestablishedHonest"
@@ -301,10 +302,9 @@ async def test_13_a_full_disk_pauses_the_intake_and_loses_nothing(tmp_path, kit,
                              policy_id=OWN)
     await intake.offer(SimpleNamespace(sender="12D3KooWpeer", message=b), "c")
     drain = asyncio.create_task(intake.drain())
-    for _ in range(600):
-        if intake.disk.pauses >= 2:  # hit, retried once space looked free, hit again
-            break
-        await asyncio.sleep(0.05)
+    # hit, retried once space looked free, hit again (no event says so: the watch's count)
+    await async_wait_until(lambda: intake.disk.pauses >= 2 or drain.done(), 30,
+                           "the intake to pause twice on the full store")
     assert intake.disk.pauses >= 2 and not drain.done()  # paused: not crashed, not dropped
     assert "full" in intake.disk.detail
     assert intake.sink.stored == [] and seen.counts() == filled

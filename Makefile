@@ -33,8 +33,13 @@ demo: setup
 demo-smollm2: setup
 	$(VENV)/bin/swarm-node demo --model smollm2
 
+# The suite in TEST_WORKERS pytest-xdist processes (2: one per core of the 2-core machine it
+# is sized for; `make test TEST_WORKERS=auto` uses every core). Workers take the slow tests
+# first, two at a time (tests/conftest.py). `pytest -q` alone runs it in one process.
+TEST_WORKERS ?= 2
+
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --maxschedchunk 2
 
 # The vLLM sampler's test (tests/node/test_sampler_vllm.py, marker `vllm`) against the HF
 # sampler and the verifier, on the tiny model and on SmolLM2-135M-Instruct (converted once

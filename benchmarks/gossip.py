@@ -75,25 +75,21 @@ def make_batch(policy_id: str, round_: int, nbytes: int):
                         sampling=SamplingParams(), completions=[comp])
 
 
-def apply_overrides(cfg, items: list[str]) -> None:
-    """`--p2p FIELD=VALUE` items onto cfg.p2p (the value parsed as the field's type)."""
-    for item in items:
-        key, value = item.split("=", 1)
-        field_type = type(getattr(cfg.p2p, key))
-        setattr(cfg.p2p, key, value.lower() in ("1", "true", "yes") if field_type is bool
-                else field_type(value))
+def bench_config(args, **overrides):
+    """The benchmark node's config: `--p2p FIELD=VALUE` items onto p2p (each value read as a
+    TOML value, validated like the config file), plus `overrides` (dotted keys)."""
+    from swarm_node.node.config import load_config, parse_set
+
+    items = {f"p2p.{k}": v for k, v in parse_set(args.p2p).items()}
+    return load_config(None, {"node.swarm_id": "bench",
+                              "node.listen": ["/ip4/127.0.0.1/tcp/0"], **overrides, **items})
 
 
 async def libp2p_worker(args) -> None:
-    from swarm_node.node.config import Config
     from swarm_node.node.identity import Identity
     from swarm_node.node.p2p import P2PNode
 
-    cfg = Config()
-    cfg.node.swarm_id = "bench"
-    cfg.node.listen = ["/ip4/127.0.0.1/tcp/0"]
-    cfg.p2p.discovery_interval_s = 1.0
-    apply_overrides(cfg, args.p2p)
+    cfg = bench_config(args, **{"p2p.discovery_interval_s": 1.0})
     node = P2PNode(Identity.generate(), cfg)
     records = []
 
@@ -173,16 +169,11 @@ async def hivemind_worker_async(args) -> None:
 async def cpu_micro(args) -> dict:
     """One hop in one process: node A publishes N batches (paced) to node B; the process CPU
     time (both nodes: seal, publish, send, receive, validate, deliver) per message."""
-    from swarm_node.node.config import Config
     from swarm_node.node.identity import Identity
     from swarm_node.node.p2p import P2PNode
 
     def config():
-        cfg = Config()
-        cfg.node.swarm_id = "bench"
-        cfg.node.listen = ["/ip4/127.0.0.1/tcp/0"]
-        apply_overrides(cfg, args.p2p)
-        return cfg
+        return bench_config(args)
 
     a = P2PNode(Identity.generate(), config())
     await a.start(bootstrap=[], discovery=False)

@@ -502,7 +502,7 @@ def gossip_worker(args) -> None:
 async def _gossip_worker(args) -> None:
     import asyncio
 
-    from swarm_node.node.config import Config
+    from swarm_node.node.config import load_config
     from swarm_node.node.identity import Identity
     from swarm_node.node.p2p import P2PNode
 
@@ -510,9 +510,7 @@ async def _gossip_worker(args) -> None:
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    cfg = Config()
-    cfg.node.swarm_id = "bench"
-    cfg.node.listen = [args.listen]
+    cfg = load_config(None, {"node.swarm_id": "bench", "node.listen": [args.listen]})
     node = P2PNode(Identity.generate(), cfg)
     records = []
 

@@ -2,6 +2,11 @@
 
 Heavy modules (torch, transformers, libp2p, vllm) are imported inside the commands, so
 `swarm-node --help` answers fast.
+
+Exit codes (README "Operating a node"): 0 success; 1 a mistake or failure, said in one line
+(a bad config value or key, a failed check, a node that cannot start or stops on an error);
+2 a command line the parser rejects (an unknown flag or command, a missing argument); 130
+interrupted (a second Ctrl-C).
 """
 
 from __future__ import annotations
@@ -36,9 +41,10 @@ ListenOpt = typer.Option(None, "--listen", help="Multiaddr to listen on.")
 FollowOpt = typer.Option(None, "--follow", help="Peer ID of a trainer to follow.")
 WorkdirOpt = typer.Option(None, "--workdir", help="Where the demo keeps files.")
 ModelDirArg = typer.Argument(..., help="Folder to write the model and tokenizer to.")
+EXIT_ERROR = 1  # a mistake or a failure, said in one line (click's usage errors are 2)
 
 
-def _fail(message: str, code: int = 2, json_line: bool = False) -> None:
+def _fail(message: str, code: int = EXIT_ERROR, json_line: bool = False) -> None:
     message = _one_line(message)
     if json_line:  # `--log-json`: the last line is a JSON object like every other
         typer.echo(json.dumps({"ts": round(time.time(), 3), "level": "ERROR",
@@ -139,18 +145,26 @@ def join(
     data_dir: Path | None = DataDirOpt,
     bootstrap: list[str] | None = BootstrapOpt,
     listen: list[str] | None = ListenOpt,
-    swarm: str | None = typer.Option(None, "--swarm", help="Swarm id."),
+    swarm: str | None = typer.Option(None, "--swarm",
+                                     help="Swarm id (the trainer's join line names it)."),
     follow: list[str] | None = FollowOpt,
-    model: str | None = typer.Option(None, "--model", help="HF model id or local dir."),
-    admin_port: int | None = typer.Option(None, "--admin-port"),
-    log_json: bool | None = typer.Option(None, "--log-json/--log-text"),
+    model: str | None = typer.Option(None, "--model",
+                                     help="HF model id, local dir, or builtin:smollm2-135m."),
+    admin_port: int | None = typer.Option(
+        None, "--admin-port", help="Port of the admin endpoint (dashboard, /status, "
+        "/metrics) on 127.0.0.1; 0 picks a free one (default 4010)."),
+    log_json: bool | None = typer.Option(
+        None, "--log-json/--log-text", help="Log one JSON object per line (for a log "
+        "collector) or plain text lines (default)."),
     sets: list[str] | None = SetOpt,
     new_model: bool = typer.Option(False, "--new-model",
                                    help="The data dir holds another model's checkpoints: "
                                         "move them aside and start this model afresh."),
     dry_run: bool = typer.Option(False, "--dry-run",
-                                 help="Check the config (addresses, peer ids, tasks, device, "
-                                      "model, checkpoints), print it resolved, and exit."),
+                                 help="Run every start-up check (addresses, peer ids, tasks, "
+                                      "device, model, checkpoints, free ports, the data-dir "
+                                      "lock) without starting or changing anything; print "
+                                      "the resolved config and exit."),
     procs: int | None = typer.Option(
         None, "--procs", help="Trainer: N ranks of this trainer (torchrun); rank 0 is the node."),
 ) -> None:
@@ -165,10 +179,12 @@ def join(
 
     as_json = cfg.node.log_json
     if dry_run:
-        from ..node.preflight import check_config
+        from ..node.preflight import check_config, check_data_dir, check_ports
 
         try:
             notes = check_config(cfg, new_model=new_model)
+            check_data_dir(cfg)
+            check_ports(cfg)
         except NodeError as e:
             _fail(str(e), 1, as_json)
         typer.echo(cfg.to_toml())
@@ -197,12 +213,20 @@ def doctor(
     config: Path | None = ConfigOpt,
     model: str | None = typer.Option(None, "--model", help="HF model id or local dir."),
     sets: list[str] | None = SetOpt,
+    load: bool = typer.Option(False, "--load",
+                              help="Also load the model's weights (slow; builds a builtin "
+                                   "model on first use) and count its parameters exactly."),
 ) -> None:
-    """Print the hardware, what fits (model, dtype, batch sizes by memory) and any problem."""
+    """Print the hardware, what fits on each device (model, dtype, batch sizes), any problem.
+
+    Answers in seconds from the model's config.json alone; --load is the full check."""
     from ..node.doctor import doctor_report
 
     cfg = _load(config, {"model.name": model}, sets)
-    lines, problems = doctor_report(cfg)
+    try:
+        lines, problems = doctor_report(cfg, load=load)
+    except NodeError as e:
+        _fail(str(e))
     for line in lines:
         typer.echo(line)
     for p in problems:
@@ -259,7 +283,7 @@ def status(
 @app.command("make-tiny-model")
 def make_tiny_model(
     directory: Path = ModelDirArg,
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random initial weights."),
 ) -> None:
     """Build the built-in tiny model (Qwen2 architecture, local tokenizer) into DIRECTORY."""
     from ..node.models import build_tiny_model
@@ -290,6 +314,30 @@ def model_prepare(
     except NodeError as e:
         _fail(str(e), 1)
     typer.echo(str(path))
+
+
+group_app = typer.Typer(help="Trainer groups (several trainers averaging one model).",
+                        no_args_is_help=True)
+app.add_typer(group_app, name="group")
+
+
+@group_app.command("keygen")
+def group_keygen(
+    path: Path = typer.Argument(Path("group.key"),
+                                help="Key file to write (mode 0600); copy it into every "
+                                     "member's data dir."),
+) -> None:
+    """Create a trainer group's shared key (README "Scaling a trainer out")."""
+    from ..node.trainer.group import write_group_key
+
+    try:
+        write_group_key(path)
+    except FileExistsError:
+        _fail(f"{path} already exists (a group keeps its key; delete the file to make a new "
+              "one, then copy it to every member again)")
+    except OSError as e:
+        _fail(f"cannot write group key {path}: {e.strerror or e}")
+    typer.echo(f"wrote {path} (mode 0600): copy it into each member's data dir as group.key")
 
 
 def main() -> None:

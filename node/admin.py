@@ -1,8 +1,11 @@
 """The admin endpoint: GET /status (JSON) and GET /metrics (Prometheus), on 127.0.0.1 only.
 
 A deliberately tiny HTTP/1.1 server on asyncio streams (one request per connection, bounded
-request size, a read timeout), so a running node needs no web framework. `print_status` is
-the client behind `swarm-node status`.
+request size, a read timeout), so a running node needs no web framework. It answers only
+requests whose `Host` names 127.0.0.1 or localhost (any port: an ssh tunnel may map
+another): a web page the operator opens elsewhere could otherwise point its own domain at
+127.0.0.1 (DNS rebinding) and read `/status`; those get 403 and are counted. `print_status`
+is the client behind `swarm-node status`.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .dashboard import page
+from .dashboard.views import alerts, contribution
 from .errors import NodeError
 
 if TYPE_CHECKING:
@@ -35,9 +39,12 @@ MAX_REQUEST_BYTES = 8192
 READ_TIMEOUT_S = 5.0
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-            408: "Request Timeout", 431: "Request Header Fields Too Large",
-            500: "Internal Server Error"}
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "[::1]")
+"""`Host` header names the endpoint answers (with or without a port)."""
+
+_REASONS = {200: "OK", 400: "Bad Request", 403: "Forbidden", 404: "Not Found",
+            405: "Method Not Allowed", 408: "Request Timeout",
+            431: "Request Header Fields Too Large", 500: "Internal Server Error"}
 
 
 class AdminServer:
@@ -101,7 +108,8 @@ class AdminServer:
                 "Cache-Control: no-store\r\nConnection: close\r\n\r\n")
         try:
             writer.write(head.encode() + body)
-            await asyncio.wait_for(writer.drain(), READ_TIMEOUT_S)
+            async with asyncio.timeout(READ_TIMEOUT_S):
+                await writer.drain()
         except (TimeoutError, OSError):
             pass
         finally:
@@ -109,7 +117,8 @@ class AdminServer:
 
     async def _respond(self, reader: asyncio.StreamReader) -> tuple[int, str, bytes]:
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT_S)
+            async with asyncio.timeout(READ_TIMEOUT_S):
+                head = await reader.readuntil(b"\r\n\r\n")
         except TimeoutError:
             return 408, "text/plain", b"request timeout\n"
         except asyncio.LimitOverrunError:
@@ -120,6 +129,16 @@ class AdminServer:
         if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
             return 400, "text/plain", b"bad request line\n"
         method, target = parts[0], parts[1].split(b"?", 1)[0]
+        hosts = _header_values(head, b"host")
+        if not hosts and parts[2] != b"HTTP/1.0":
+            return 400, "text/plain", b"missing Host header\n"
+        bad = [h for h in hosts if not local_host(h)]
+        if bad or len(hosts) > 1:
+            self.state.count("admin_host_refused")
+            log.warning("admin endpoint: refused a request for Host %r (only 127.0.0.1 and "
+                        "localhost are answered: a DNS-rebinding defence)", (bad or hosts)[0])
+            return 403, "text/plain", (b"forbidden: this endpoint answers only Host "
+                                       b"127.0.0.1 or localhost\n")
         if target not in (b"/status", b"/metrics", b"/", b"/dashboard"):
             return 404, "text/plain", b"not found: try /status, /metrics or /dashboard\n"
         if method != b"GET":
@@ -127,10 +146,40 @@ class AdminServer:
         if target in (b"/", b"/dashboard"):
             return 200, "text/html; charset=utf-8", page()
         if target == b"/status":
-            body = json.dumps(self.state.status(), default=str).encode()
+            body = json.dumps(status_document(self.state), default=str).encode()
             return 200, "application/json", body
 
         return 200, PROMETHEUS_CONTENT_TYPE, generate_latest(self.state.registry)
+
+
+def status_document(state: NodeState) -> dict[str, Any]:
+    """GET /status: the node's state, its stuck states and its contribution."""
+    doc = state.status()
+    doc["alerts"] = alerts(doc)
+    doc["contribution"] = contribution(doc)
+    return doc
+
+
+def _header_values(head: bytes, name: bytes) -> list[str]:
+    out = []
+    for line in head.split(b"\r\n")[1:]:
+        key, sep, value = line.partition(b":")
+        if sep and key.strip().lower() == name:
+            out.append(value.strip().decode("latin-1"))
+    return out
+
+
+def local_host(value: str) -> bool:
+    """Whether a `Host` header value names this machine's loopback (port optional)."""
+    host = value.strip().lower()
+    if host.startswith("["):
+        name, _, rest = host.partition("]")
+        host, port = name + "]", rest.removeprefix(":")
+        if rest and not rest.startswith(":"):
+            return False
+    else:
+        host, _, port = host.partition(":")
+    return host in LOCAL_HOSTS and (port == "" or (port.isdigit() and len(port) <= 5))
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -211,45 +260,80 @@ def print_status(cfg: Config, port: int | None = None, as_json: bool = False) ->
 
 
 def render_tables(doc: dict[str, Any]) -> list:
-    """The status document as rich tables: overview, rejects by reason, per-peer counts."""
-    overview = Table(title=f"swarm-node {doc.get('role', '?')}", show_header=False)
+    """The status document as rich tables, for its role: what needs attention (each stuck
+    state and its fix), an overview, what this node contributes, and the per-peer and
+    per-reason counts a trainer keeps."""
+    problems = doc["alerts"] if isinstance(doc.get("alerts"), list) else alerts(doc)
+    contrib = doc["contribution"] if isinstance(doc.get("contribution"), dict) \
+        else contribution(doc)
+    tables = []
+    if problems:
+        t = Table(title="NEEDS ATTENTION", title_style="bold red", show_lines=True)
+        t.add_column("", style="bold")
+        t.add_column("what")
+        t.add_column("fix")
+        for a in problems:
+            style = "red" if a.get("level") == "error" else "yellow"
+            what = a.get("title", "") + (f"\n{a['detail']}" if a.get("detail") else "")
+            t.add_row(f"[{style}]{a.get('level', '').upper()}[/{style}]", what,
+                      a.get("fix", ""))
+        tables.append(t)
+
+    role = doc.get("role", "?")
+    overview = Table(title=f"swarm-node {role}", show_header=False)
     overview.add_column("", style="bold")
     overview.add_column("")
     reward = doc.get("reward")
-    rows = [
+    rows: list[tuple[str, Any]] = [
         ("peer id", doc.get("peer_id")),
         ("swarm", doc.get("swarm_id")),
-        ("uptime", f"{doc.get('uptime_s', 0):.0f} s"),
+        ("state", f"{doc.get('phase', '?')}, up {_duration(doc.get('uptime_s', 0))}"),
         ("connected peers", doc.get("connected_peers", len(doc.get("peers") or []))),
-        ("policy", f"{doc.get('policy_id') or '-'} v{doc.get('policy_version')}"),
-        ("reward", "-" if reward is None else f"{reward:.3f}"),
-        ("rollouts sent", doc.get("rollouts_sent", 0)),
-        ("rollouts accepted", doc.get("rollouts_accepted", 0)),
-        ("rollouts rejected", sum((doc.get("rollouts_rejected") or {}).values())),
-        ("versions published", doc.get("versions_published", 0)),
-        ("banned peers", len(doc.get("banned") or [])),
-        ("version", (f"{doc.get('software_version') or '?'} (protocol "
-                    f"{doc.get('protocol_version', '?')})")),
+        ("policy", _policy(doc)),
     ]
+    if role == "trainer":
+        rows += [
+            ("reward", "-" if reward is None else f"{reward:.3f}"),
+            ("rollouts accepted", doc.get("rollouts_accepted", 0)),
+            ("rollouts rejected", sum((doc.get("rollouts_rejected") or {}).values())),
+            ("versions published", doc.get("versions_published", 0)),
+            ("banned peers", len(doc.get("banned") or [])),
+        ]
+    elif role == "inference":
+        rows += [
+            ("reward (my rounds)", "-" if reward is None else f"{reward:.3f}"),
+            ("rollouts sent", doc.get("rollouts_sent", 0)),
+        ]
+    rows += _contribution_rows(contrib)
+    ck = doc.get("checkpoint_progress") or {}
+    if ck:
+        rows.append(("checkpoint", _progress(ck)))
+    if doc.get("join_command"):
+        rows.append(("others join with", doc["join_command"]))
+    rows.append(("version", (f"{doc.get('software_version') or '?'} (protocol "
+                             f"{doc.get('protocol_version', '?')})")))
     rt = doc.get("runtime") or {}
     if rt:
         rows.append(("runtime", (f"{rt.get('device')} {rt.get('dtype')} sampler "
                                 f"{rt.get('backend')}, {rt.get('memory')}")))
     mine = doc.get("verdicts_about_me") or {}
-    if mine.get("by_trainer"):
-        rejected = mine.get("rejected") or {}
-        rows.append(("my rollouts (trainers' verdicts)",
-                     f"accepted {mine.get('accepted', 0)}, rejected {sum(rejected.values())}"
-                     + (f" {dict(rejected)}" if rejected else "")))
     if mine.get("banned_by"):
         rows.append(("BANNED by", ", ".join(p[-8:] for p in mine["banned_by"])))
-    ck = doc.get("checkpoint_progress") or {}
-    if ck:
-        rows.append(("checkpoint", (f"v{ck.get('version')}: {ck.get('shards_done')}/"
-                                    f"{ck.get('shards_total')} shards")))
     for key, value in rows:
         overview.add_row(key, str(value))
-    tables = [overview]
+    tables.append(overview)
+
+    if role == "inference" and contrib.get("trainers"):
+        t = Table(title="my rollouts, as the trainers judged them")
+        for col in ("trainer", "accepted", "rejected", "share of its accepted", "reasons"):
+            t.add_column(col, justify="right" if col in ("accepted", "rejected") else "left")
+        reasons = {p: r.get("reasons") or {} for p, r in (mine.get("by_trainer") or {}).items()}
+        for tr in contrib["trainers"]:
+            share = "-" if tr.get("share") is None else f"{100 * tr['share']:.1f}%"
+            why = " ".join(f"{r}:{n}" for r, n in reasons.get(tr["trainer"], {}).items())
+            t.add_row(str(tr["trainer"]), str(tr["accepted"]), str(tr["rejected"]), share,
+                      why or "-")
+        tables.append(t)
 
     rejected = doc.get("rollouts_rejected") or {}
     if rejected:
@@ -273,3 +357,51 @@ def render_tables(doc: dict[str, Any]) -> list:
                       "yes" if peer in banned else "")
         tables.append(t)
     return tables
+
+
+def _contribution_rows(c: dict[str, Any]) -> list[tuple[str, Any]]:
+    if c.get("role") == "trainer":
+        return [("contribution", (f"{c.get('versions', 0)} versions trained, "
+                                 f"{c.get('accepted_from_peers', 0)} rollouts accepted from "
+                                 f"{c.get('peers_contributing', 0)} peers, "
+                                 f"{c.get('tokens_trained', 0)} tokens trained; checkpoints "
+                                 f"served: {c.get('bytes_served', 0) / 2**20:.1f} MiB to "
+                                 f"{c.get('peers_served', 0)} peers"))]
+    if c.get("role") == "relay":
+        return [("contribution", (f"{c.get('versions_mirrored', 0)} versions mirrored "
+                                 f"({c.get('bytes_downloaded', 0) / 2**20:.1f} MiB); served "
+                                 f"{c.get('bytes_served', 0) / 2**20:.1f} MiB to "
+                                 f"{c.get('peers_served', 0)} peers"))]
+    rate = c.get("per_hour")
+    shares = [t for t in c.get("trainers") or [] if t.get("share") is not None]
+    share = ", ".join(f"{100 * t['share']:.1f}% of ...{t['trainer'][-8:]}'s accepted"
+                      for t in shares)
+    return [("accepted by trainers", f"{c.get('accepted', 0)}, rejected {c.get('rejected', 0)}"
+             + (f"; {share}" if share else "")),
+            ("accepted per hour", "-" if rate is None else f"{rate:.0f}")]
+
+
+def _policy(doc: dict[str, Any]) -> str:
+    pid, version = doc.get("policy_id") or "", doc.get("policy_version", 0)
+    if not pid:
+        return f"none yet (v{version})" if version else "none yet"
+    return f"{pid[-8:] if len(pid) > 16 else pid} v{version}"
+
+
+def _progress(ck: dict[str, Any]) -> str:
+    text = (f"v{ck.get('version')}: {ck.get('shards_done')}/{ck.get('shards_total')} shards, "
+            f"{ck.get('bytes_done', 0) / 2**20:.1f}/{ck.get('bytes_total', 0) / 2**20:.1f} MiB")
+    if ck.get("complete"):
+        return text + " (complete)"
+    if ck.get("eta_s") is not None:
+        text += f", {ck.get('rate_bytes_s', 0) / 2**20:.1f} MiB/s, ETA {_duration(ck['eta_s'])}"
+    return text
+
+
+def _duration(seconds) -> str:
+    s = int(seconds or 0)
+    if s < 120:
+        return f"{s} s"
+    if s < 7200:
+        return f"{s // 60} min"
+    return f"{s // 3600} h {s % 3600 // 60} min"

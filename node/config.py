@@ -2,6 +2,12 @@
 
 Every field has a docstring (shown by `swarm-node join --dry-run` as the resolved value) and
 a default that works for a local node. Errors name the key, the value and what was expected.
+
+A loaded `Config` is read-only, containers included: assigning a field raises ConfigError,
+`cfg.node.listen.append(...)` a TypeError. What changes while a node runs is runtime state
+with its own owner (node/runtime.py: the batch limits an out-of-memory retry halves; the
+swarm settings a follower adopts, node/roles/settings.py). A changed copy is a new, validated
+Config: `cfg.with_overrides({"node.role": "trainer"})`.
 """
 
 from __future__ import annotations
@@ -9,6 +15,7 @@ from __future__ import annotations
 import difflib
 import json
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,9 +25,78 @@ from ..protocol.limits import DEFAULT_MAX_BYTES, Limits
 from .errors import ConfigError
 
 
+class ReadOnlyList(list):
+    """A config list: reads like a list, refuses every change (the config is read-only)."""
+
+    def _read_only(self, *args, **kwargs):
+        raise TypeError("the configuration is read-only: build a changed copy with "
+                        "Config.with_overrides({...})")
+
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _read_only
+    append = extend = insert = pop = remove = clear = sort = reverse = _read_only
+
+    def __reduce__(self):
+        return type(self), (list(self),)
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+class ReadOnlyDict(dict):
+    """A config table: reads like a dict, refuses every change."""
+
+    _read_only = ReadOnlyList._read_only
+    __setitem__ = __delitem__ = __ior__ = _read_only
+    clear = pop = popitem = setdefault = update = _read_only
+
+    def __reduce__(self):
+        return type(self), (dict(self),)
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+def _read_only(value):
+    if isinstance(value, dict):
+        return ReadOnlyDict({k: _read_only(v) for k, v in value.items()})
+    if isinstance(value, list | tuple):
+        return ReadOnlyList(_read_only(v) for v in value)
+    return value
+
+
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True,
-                              use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    def model_post_init(self, context: Any) -> None:
+        self._seal()
+
+    def _seal(self) -> None:
+        for name, value in self.__dict__.items():
+            if isinstance(value, list | dict):
+                self.__dict__[name] = _read_only(value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        section = type(self).__name__.removesuffix("Section").lower()
+        key = name if section == "config" else f"{section}.{name}"
+        raise ConfigError(f"the configuration is read-only once loaded: `{key}` cannot be "
+                          "set (runtime state lives in node/runtime.py; a changed copy: "
+                          f"cfg.with_overrides({{{key!r}: ...}}))")
+
+    def __delattr__(self, name: str) -> None:
+        self.__setattr__(name, None)
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False):
+        """pydantic's copy, sealed like a validated section (`update` is NOT validated:
+        prefer Config.with_overrides)."""
+        copy = super().model_copy(update=update, deep=deep)
+        copy._seal()
+        return copy
 
 
 class NodeSection(Section):
@@ -220,8 +296,10 @@ class BroadcastSection(Section):
     """Largest shard size accepted in a peer's manifest (also the largest request served)."""
     max_checkpoint_bytes: int = Field(256 * 1024**3, ge=4096)
     """Largest checkpoint accepted in a peer's manifest (it must also fit the free disk)."""
-    max_shards: int = Field(1 << 17, ge=1, le=1 << 20)
-    """Most shards accepted in a peer's manifest."""
+    max_shards: int = Field(1 << 14, ge=1, le=1 << 20)
+    """Most shards accepted in a peer's manifest (refused `too_many_shards` before anything
+    else is looked at; 16384 x the default 4 MiB shards = 64 GiB). A trainer whose
+    checkpoint needs more raises `shard_size` instead."""
     max_unproven_sources: int = Field(8, ge=0)
     """Per version: advertisers we never verified a shard from that are used as sources
     (peers that delivered verified shards before, and the trainer, are not capped)."""
@@ -473,6 +551,13 @@ class Config(Section):
     def to_toml(self) -> str:
         return dump_toml(self.model_dump(mode="json"))
 
+    def with_overrides(self, overrides: Mapping[str, Any], source: str = "override") -> Config:
+        """A new, validated Config: this one with dotted-key overrides ("node.role":
+        "trainer"). What was set explicitly stays explicit (swarm settings, settings.py)."""
+        data = self.model_dump(exclude_unset=True)
+        _apply_overrides(data, overrides, source)
+        return build_config(data, source)
+
 
 def _describe(err: dict[str, Any], source: str, overridden: set[str]) -> str:
     loc = [str(p) for p in err["loc"]]
@@ -549,8 +634,13 @@ def load_config(path: Path | None = None, overrides: dict[str, Any] | None = Non
             raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
         except OSError as e:
             raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    return build_config(data, source, _apply_overrides(data, overrides or {}, source))
+
+
+def _apply_overrides(data: dict[str, Any], overrides: Mapping[str, Any], source: str) -> set[str]:
+    """Set each dotted key of `overrides` in `data` (None: left as is); the keys set."""
     overridden = set()
-    for dotted, value in (overrides or {}).items():
+    for dotted, value in overrides.items():
         if value is None:
             continue
         overridden.add(dotted)
@@ -561,7 +651,7 @@ def load_config(path: Path | None = None, overrides: dict[str, Any] | None = Non
             if not isinstance(node, dict):
                 raise ConfigError(f"{source}: `{part}` must be a table, got {node!r}")
         node[leaf] = value
-    return build_config(data, source, overridden)
+    return overridden
 
 
 def parse_set(items: list[str]) -> dict[str, Any]:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -50,6 +52,7 @@ class DemoNode:
     proc: subprocess.Popen | None = None
     info: dict = field(default_factory=dict)
     last_status: dict = field(default_factory=dict)
+    notices: socket.socket | None = None  # where the node says how far its start got
 
     @property
     def log_path(self) -> Path:
@@ -102,7 +105,13 @@ def start_node(node: DemoNode, cfg: dict) -> None:
     node.dir.mkdir(parents=True, exist_ok=True)
     path = node.dir / "node.toml"
     path.write_text(dump_toml(cfg))
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    # the node's start notices (runner.notify_supervisor), on a socket of our own
+    if node.notices is not None:  # a restarted node: a fresh socket
+        node.notices.close()
+    node.notices = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    name = f"swarm-demo-{os.getpid()}-{id(node):x}-{node.name}"
+    node.notices.bind("\0" + name)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", NOTIFY_SOCKET="@" + name)
     with open(node.log_path, "ab") as log:
         node.proc = subprocess.Popen(
             [sys.executable, "-m", "swarm_node.cli.main", "join", "--config", str(path)],
@@ -110,20 +119,37 @@ def start_node(node: DemoNode, cfg: dict) -> None:
 
 
 def wait_info(node: DemoNode, timeout: float = START_TIMEOUT_S) -> dict:
-    """Wait until the node wrote node.json (listening, admin up)."""
-    path = node.dir / "data" / "node.json"
+    """Wait until the node wrote node.json (listening, admin up): its first start notice,
+    or its exit, wakes this wait."""
+    if node.proc is None or node.notices is None:
+        raise NodeError(f"demo node {node.name} was not started (start_node)")
+    exited = _exit_handle(node.proc)
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if node.proc is not None and node.proc.poll() is not None:
-            raise NodeError(f"demo node {node.name} exited with code {node.proc.returncode}; "
-                            f"its log:\n{tail(node.log_path)}")
-        try:
-            node.info = json.loads(path.read_text())
-            return node.info
-        except (OSError, ValueError):
-            time.sleep(0.2)
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            # without a pidfd (not Linux) the exit is noticed at most a second late
+            ready, _, _ = select.select([node.notices, *([exited] if exited else [])], [], [],
+                                        left if exited is not None else min(left, 1.0))
+            if node.proc.poll() is not None:
+                raise NodeError(f"demo node {node.name} exited with code "
+                                f"{node.proc.returncode}; its log:\n{tail(node.log_path)}")
+            if node.notices in ready:
+                node.notices.recv(4096)
+                node.info = json.loads((node.dir / "data" / "node.json").read_text())
+                return node.info
+    finally:
+        if exited is not None:
+            os.close(exited)
     raise NodeError(f"demo node {node.name} did not start within {timeout:.0f}s; its log:\n"
                     f"{tail(node.log_path)}")
+
+
+def _exit_handle(proc: subprocess.Popen) -> int | None:
+    """A descriptor readable once `proc` exits (Linux pidfd), or None."""
+    try:
+        return os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):
+        return None
 
 
 def tail(path: Path, lines: int = 20) -> str:
@@ -160,6 +186,10 @@ def stop_nodes(nodes: list[DemoNode], grace: float = 30.0) -> dict[str, int]:
         except subprocess.TimeoutExpired:
             node.proc.kill()
             node.proc.wait()
+    for node in nodes:
+        if node.notices is not None:
+            node.notices.close()
+            node.notices = None
     return {n.name: n.proc.returncode for n in nodes if n.proc is not None}
 
 
@@ -189,15 +219,32 @@ class Progress:
             print(progress_line(nodes, elapsed), flush=True)
 
 
-def _rejected(st: dict) -> int:
-    rej = st.get("rollouts_rejected", 0)
-    return sum(rej.values()) if isinstance(rej, dict) else int(rej or 0)
+def waiting_for(nodes: list[DemoNode]) -> str:
+    """What the swarm waits for before the first reward is known (the first minute)."""
+    trainer = nodes[0].last_status
+    if trainer.get("reward") is not None:
+        return ""
+    peers = [n for n in nodes[1:] if n.role == "inference"]
+    if not trainer or trainer.get("phase") != "running":
+        return "waiting for the trainer to load the model"
+    loading = [n.name for n in peers if n.last_status.get("phase") != "running"]
+    if loading:
+        return f"waiting for {', '.join(loading)} to load the model"
+    fresh = [n.name for n in peers if not n.last_status.get("policy_id")]
+    if fresh:
+        return f"waiting for {', '.join(fresh)} to download the trainer's v0"
+    if not any(n.last_status.get("rollouts_sent") for n in peers):
+        return "waiting for the inference peers' first rollouts"
+    if not trainer.get("rollouts_accepted"):
+        return "the trainer verifies the first rollouts (proof, logprobs, reward, ...)"
+    return "waiting for the first training step"
 
 
 def progress_line(nodes: list[DemoNode], elapsed: float) -> str:
     trainer = nodes[0].last_status
+    wait = waiting_for(nodes)
     head = (f"[{elapsed:5.0f}s] trainer v{trainer.get('policy_version', '?')} "
-            f"reward {_fmt(trainer.get('reward'))}")
+            + (wait if wait else f"reward {_fmt(trainer.get('reward'))}"))
     parts = [head]
     for node in nodes[1:]:
         st = node.last_status
@@ -213,9 +260,10 @@ def progress_line(nodes: list[DemoNode], elapsed: float) -> str:
 def render_table(nodes: list[DemoNode], elapsed: float):
     trainer = nodes[0].last_status
     by_peer = trainer.get("accepted_by_peer", {})
+    wait = waiting_for(nodes)
     table = Table(title=f"swarm-node demo, {elapsed:.0f}s: trainer policy "
-                        f"v{trainer.get('policy_version', '?')}, reward "
-                        f"{_fmt(trainer.get('reward'))}")
+                        f"v{trainer.get('policy_version', '?')}, "
+                        + (wait if wait else f"reward {_fmt(trainer.get('reward'))}"))
     for col in ("node", "role", "policy", "sent", "accepted", "rejected", "peers", "note"):
         table.add_column(col)
     for node in nodes:
@@ -265,6 +313,7 @@ def summary(nodes: list[DemoNode], require_rise: bool = True) -> tuple[str, bool
     if cheater is not None:
         lines.append(f"dishonest peer: {'BANNED' if banned else 'not banned'}, "
                      f"{cheater_accepted} of its rollouts accepted")
+        lines.extend(cheater_story(cheater, by_peer.get(cheater_id, {}), banned))
     rose = start is not None and last is not None and last > start
     lines.append(f"reward rose: {'yes' if rose else 'no'}")
     caught = cheater is None or (banned and cheater_accepted == 0)
@@ -272,11 +321,31 @@ def summary(nodes: list[DemoNode], require_rise: bool = True) -> tuple[str, bool
     return "\n".join(lines), ok
 
 
+def cheater_story(cheater: DemoNode, seen: dict, banned: bool) -> list[str]:
+    """Why the cheater's numbers do not add up: what the trainer verified, what it refused
+    unverified once the ban was in place, and what never reached it."""
+    sent = int(cheater.last_status.get("rollouts_sent", 0) or 0)
+    reasons = dict(seen.get("reasons") or {})
+    dropped = reasons.pop("banned", 0)
+    accepted = int(seen.get("accepted", 0) or 0)
+    checked = accepted + sum(reasons.values())
+    out = [(f"  it sent {sent} rollouts; the trainer verified {checked}: {accepted} accepted, "
+            f"{sum(reasons.values())} rejected {reasons or ''}")]
+    if banned:
+        out.append(f"  then banned it: {dropped} more arrived and were refused unverified "
+                   f"(reason 'banned'), and the other {max(0, sent - checked - dropped)} "
+                   "were dropped at the gossip layer before the trainer saw them (a banned "
+                   "peer's messages are not even validated)")
+    return out
+
+
 def demo_model(model: str, work: Path) -> Path:
     """The demo's model folder: the tiny model built into the workdir, or SmolLM2 from the
     builtin cache (converted once)."""
     if model not in MODELS:
         raise NodeError(f"demo --model must be one of {', '.join(MODELS)}")
+    # a library progress bar ("Writing model shards") is not demo output
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if model == "smollm2":
         return ensure_builtin(BUILTIN_SMOLLM2)
     model_dir = work / "model"
@@ -307,6 +376,35 @@ def held_out_report(model_dir: Path, trainer: DemoNode) -> list[str]:
     return lines
 
 
+def watch(nodes: list[DemoNode], rounds: int, time_limit_s: float,
+          cheat: DemoNode | None, t0: float) -> bool:
+    """Poll every node until the trainer reached `rounds` versions and the cheater is banned
+    (or the time limit). Returns True if Ctrl-C ended it."""
+    trainer = nodes[0]
+    try:
+        with Progress() as progress:
+            while True:
+                for node in nodes:
+                    fetch_status(node)
+                    if node.proc is not None and node.proc.poll() is not None:
+                        raise NodeError(f"demo node {node.name} exited (code "
+                                        f"{node.proc.returncode}); its log:\n{tail(node.log_path)}")
+                elapsed = time.monotonic() - t0
+                progress.update(nodes, elapsed)
+                st = trainer.last_status
+                banned = cheat is None or cheat.info.get("peer_id") in st.get("banned", [])
+                if st.get("policy_version", 0) >= rounds and banned:
+                    return False
+                if elapsed > time_limit_s:
+                    print(f"time limit of {time_limit_s:.0f}s reached", flush=True)
+                    return False
+                time.sleep(1.0)  # the display's pace: /status of other processes, read
+    except KeyboardInterrupt:
+        print(f"\ninterrupted at trainer v{trainer.last_status.get('policy_version', 0)}",
+              flush=True)
+        return True
+
+
 def run_demo(rounds: int = 0, inference_peers: int = 2, workdir: Path | None = None,
              time_limit_s: float | None = None, model: str = "tiny",
              cheater: bool = True) -> int:
@@ -329,6 +427,7 @@ def run_demo(rounds: int = 0, inference_peers: int = 2, workdir: Path | None = N
     cheat = DemoNode("cheater", "inference", work / "cheater", dishonest="tamper_tokens")
     nodes = [trainer, relay, *honest] + ([cheat] if cheater else [])
     t0 = time.monotonic()
+    interrupted = False
     try:
         start_node(trainer, configure(node_config(trainer, model_dir, [], [], swarm_id)))
         info = wait_info(trainer)
@@ -341,27 +440,26 @@ def run_demo(rounds: int = 0, inference_peers: int = 2, workdir: Path | None = N
             wait_info(node)
         print(f"{len(nodes)} nodes up after {time.monotonic() - t0:.0f}s; training for "
               f"{rounds} policy versions")
-        with Progress() as progress:
-            while True:
-                for node in nodes:
-                    fetch_status(node)
-                    if node.proc is not None and node.proc.poll() is not None:
-                        raise NodeError(f"demo node {node.name} exited (code "
-                                        f"{node.proc.returncode}); its log:\n{tail(node.log_path)}")
-                elapsed = time.monotonic() - t0
-                progress.update(nodes, elapsed)
-                st = trainer.last_status
-                banned = not cheater or cheat.info.get("peer_id") in st.get("banned", [])
-                if st.get("policy_version", 0) >= rounds and banned:
-                    break
-                if elapsed > time_limit_s:
-                    print(f"time limit of {time_limit_s:.0f}s reached", flush=True)
-                    break
-                time.sleep(1.0)
+        interrupted = watch(nodes, rounds, time_limit_s, cheat if cheater else None, t0)
+    except KeyboardInterrupt:
+        interrupted = True
+        print("\ninterrupted while starting the nodes", flush=True)
     finally:
-        stop_nodes(nodes)
+        running = [n for n in nodes if n.proc is not None and n.proc.poll() is None]
+        if running:
+            print(f"stopping {len(running)} nodes (a clean shutdown each, up to 30 s; Ctrl-C "
+                  "again kills them now) ...", flush=True)
+        try:
+            stop_nodes(nodes)
+        except KeyboardInterrupt:
+            stop_nodes(nodes, grace=0.0)
+            print("killed the nodes", flush=True)
     text, ok = summary(nodes, require_rise=model != "smollm2")  # few rounds: no promise
+    if interrupted:
+        text += f"\n(interrupted after {time.monotonic() - t0:.0f}s: a partial run; workdir {work})"
     print(text)
+    if interrupted:
+        return 130
     if model == "smollm2":
         print("\n".join(held_out_report(model_dir, trainer)))
     return 0 if ok else 1

@@ -7,7 +7,9 @@ and the work that writes pauses (`DiskWatch.wait_for_space`) until space returns
 node keeps serving. `DiskWatch.status()` is what /status shows (`extra.disk`).
 
 The margin (bytes that must stay free after a write) is set once at start from
-`node.min_free_disk_mib` (`configure`); writers that have no config at hand use it.
+`node.min_free_disk_mib` (`configure`); writers that have no config at hand use it. So is the
+node's stop signal: a write waiting for space (`until_written`) gives up when the node is
+asked to stop (`WaitStopped`), so a full disk never holds a Ctrl-C.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ log = logging.getLogger(__name__)
 
 DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 _margin = 256 * 2**20  # set by configure(); bytes that must stay free after a write
+_stop: asyncio.Event | None = None  # set by configure(); the node's stop signal
 
 
 class DiskFull(NodeError):
@@ -38,10 +41,19 @@ class DiskFull(NodeError):
         self.path, self.need, self.free = str(path), need, free
 
 
-def configure(min_free_bytes: int) -> None:
-    """Set the margin every check keeps free (from `node.min_free_disk_mib`)."""
-    global _margin
+class WaitStopped(NodeError):
+    """The node was asked to stop while a write waited for disk space: the write did not
+    happen (the caller's work item is abandoned, as at any stop)."""
+
+    reason = "stopped"
+
+
+def configure(min_free_bytes: int, stop: asyncio.Event | None = None) -> None:
+    """Set the margin every check keeps free (from `node.min_free_disk_mib`) and the node's
+    stop signal, which ends every `until_written` wait."""
+    global _margin, _stop
     _margin = max(0, int(min_free_bytes))
+    _stop = stop
 
 
 def margin() -> int:
@@ -99,8 +111,10 @@ class DiskWatch:
         self._update()
 
     def _update(self) -> None:
-        self.view.update(paused=self.paused, detail=self.detail, pauses=self.pauses,
-                         path=str(self.path))
+        self.view.update(name=self.name, paused=self.paused, detail=self.detail,
+                         pauses=self.pauses, path=str(self.path),
+                         since=round(self.since, 1) if self.paused else None,
+                         min_free_bytes=_margin)
 
     def hit(self, e: BaseException) -> None:
         """Record a disk-full failure (pauses the writer; logs once per pause)."""
@@ -120,7 +134,8 @@ class DiskWatch:
         self._update()
 
     async def wait_for_space(self, need: int, stop: asyncio.Event | None = None) -> bool:
-        """Wait until `need` bytes fit (polling); False if `stop` was set first."""
+        """Wait until `need` bytes fit (polling); False if `stop` was set first (at once,
+        not at the next poll)."""
         while True:
             try:
                 ensure_free(self.path, need)
@@ -129,9 +144,15 @@ class DiskWatch:
             else:
                 self.resumed()
                 return True
-            if stop is not None and stop.is_set():
+            if stop is None:
+                await asyncio.sleep(self.poll_s)
+                continue
+            if stop.is_set():
                 return False
-            await asyncio.sleep(self.poll_s)
+            try:
+                await asyncio.wait_for(stop.wait(), self.poll_s)
+            except TimeoutError:
+                pass
 
     def status(self) -> dict:
         """A live view for /status: `paused` (writes waiting for space), `detail`."""
@@ -142,11 +163,14 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-async def until_written(watch: DiskWatch, call, *args, need: int = 0, **kwargs):
+async def until_written(watch: DiskWatch, call, *args, need: int = 0,
+                        stop: asyncio.Event | None = None, **kwargs):
     """`await call(*args, **kwargs)`, and while it fails because the disk is full: pause
     (logged once, shown in /status through `watch`), wait for space, and try again. For
     writes that must not be lost (buffer, checkpoint, counters): the caller's work pauses,
-    the node stays up."""
+    the node stays up. Raises WaitStopped when `stop` (default: the node's, `configure`) is
+    set while it waits: the write did not happen."""
+    stop = stop if stop is not None else _stop
     while True:
         try:
             result = await call(*args, **kwargs)
@@ -154,8 +178,24 @@ async def until_written(watch: DiskWatch, call, *args, need: int = 0, **kwargs):
             if not is_disk_full(e):
                 raise
             watch.hit(e)
-            await asyncio.sleep(watch.poll_s)
-            await watch.wait_for_space(need)
+            if stop is None:
+                await asyncio.sleep(watch.poll_s)
+                await watch.wait_for_space(need)
+            elif not await _pause(watch, need, stop):
+                raise WaitStopped(f"stopped while {watch.name} waited for disk space "
+                                  f"({watch.detail})") from None
             continue
         watch.resumed()
         return result
+
+
+async def _pause(watch: DiskWatch, need: int, stop: asyncio.Event) -> bool:
+    """One poll interval, then wait for space; False as soon as `stop` is set."""
+    if stop.is_set():
+        return False
+    try:
+        await asyncio.wait_for(stop.wait(), watch.poll_s)
+        return False
+    except TimeoutError:
+        pass
+    return await watch.wait_for_space(need, stop)

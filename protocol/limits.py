@@ -53,16 +53,16 @@ ANNOUNCE_TYPE = "payload_announce"
 
 @dataclass(frozen=True)
 class TopicRate:
-    """Token bucket for one (forwarding peer, topic): `per_s` refill, `burst` capacity."""
+    """A token bucket's rate: `per_s` refill, `burst` capacity."""
 
     per_s: float
     burst: float
 
 
-# Inbound gossip per forwarding peer and topic, applied BEFORE signature checks and
-# decoding. A forwarder relays every origin's messages, so these are sized for a whole
-# swarm's honest traffic through one peer (a batch or a verdict takes each producer
-# seconds), and kept below what one node can validate so that a flood is cut, not queued.
+# Inbound gossip per origin and topic (NODE_SPEC 3.2): per (connection, origin) before any
+# signature check or decode, and per origin across connections once the signatures proved
+# it. Charged to the origin, never to a relay. Sized for one busy honest producer (the
+# trainer publishes a verdict per batch it verifies).
 DEFAULT_TOPIC_RATES: dict[str, TopicRate] = {
     "rollouts": TopicRate(per_s=50.0, burst=500.0),
     "checkpoints": TopicRate(per_s=2.0, burst=20.0),

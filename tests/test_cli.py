@@ -43,7 +43,7 @@ def test_keygen_then_id(tmp_path):
         == peer_id
 
     again = run("keygen", "--data-dir", str(data), home=tmp_path)
-    assert again.returncode == 2 and "already exists" in again.stderr and "--force" in again.stderr
+    assert again.returncode == 1 and "already exists" in again.stderr and "--force" in again.stderr
     assert run("id", "--data-dir", str(data), home=tmp_path).stdout.strip() == peer_id
 
     forced = run("keygen", "--data-dir", str(data), "--force", home=tmp_path, check=True)
@@ -99,7 +99,7 @@ def test_join_bad_config_is_clear(tmp_path):
     cfg_file = tmp_path / "node.toml"
     cfg_file.write_text("[node]\nrol = 'trainer'\n")
     proc = run("join", "--config", str(cfg_file), "--dry-run", home=tmp_path)
-    assert proc.returncode == 2
+    assert proc.returncode == 1  # a mistake (README: exit codes); 2 is a bad command line
     assert "unknown key `node.rol`" in proc.stderr and "did you mean `role`" in proc.stderr
     assert "Traceback" not in proc.stderr
 
@@ -154,7 +154,8 @@ def test_doctor_reports_hardware_fit_and_problems(tmp_path, tiny_model_dir):
     proc = run("doctor", "--model", str(tiny_model_dir), home=tmp_path)
     out = proc.stdout
     assert "cpu:" in out and "RAM" in out and "torch " in out
-    assert "parameters on cpu" in out and "sampling batch <=" in out
+    assert "parameters (estimated from" in out and ") on cpu (" in out
+    assert "sampling batch <=" in out and "recommended on cpu: model" in out
     assert "float32" in out and "bfloat16" in out and "<- configured" in out
     bad = run("doctor", "--model", str(tiny_model_dir), "--set", "model.device=cuda",
               home=tmp_path)
@@ -169,3 +170,136 @@ def test_set_flag_reaches_the_resolved_config(tmp_path):
     assert resolved["model"]["dtype"] == "bfloat16"
     assert resolved["sampler"]["max_batch"] == 8
     assert "# config ok" in proc.stdout
+
+
+def test_dry_run_names_a_taken_port_a_taken_admin_port_and_a_locked_data_dir(tmp_path):
+    import socket
+    import textwrap
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        data = ["--data-dir", str(tmp_path / "d")]
+        proc = run("join", "--dry-run", *data, "--listen", f"/ip4/127.0.0.1/tcp/{port}",
+                   home=tmp_path)
+        assert proc.returncode == 1 and f"/ip4/127.0.0.1/tcp/{port}" in proc.stderr
+        assert "in use" in proc.stderr and "# config ok" not in proc.stdout
+        proc = run("join", "--dry-run", *data, "--listen", "/ip4/127.0.0.1/tcp/0",
+                   "--admin-port", str(port), home=tmp_path)
+        assert proc.returncode == 1 and f"admin port 127.0.0.1:{port} is taken" in proc.stderr
+    assert not (tmp_path / "d").exists()  # nothing created
+
+    # a data dir held by another process (the lock a running node holds)
+    (tmp_path / "d").mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        from filelock import FileLock
+        lock = FileLock({str(tmp_path / 'd' / 'node.lock')!r}, timeout=0)
+        lock.acquire()
+        open({str(tmp_path / 'd' / 'node.pid')!r}, "w").write("4242\\n")
+        print("held", flush=True)
+        sys.stdin.read()
+        """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        proc = run("join", "--dry-run", "--data-dir", str(tmp_path / "d"), "--listen",
+                   "/ip4/127.0.0.1/tcp/0", "--admin-port", "0", home=tmp_path)
+        assert proc.returncode == 1 and "in use by another swarm-node (pid 4242)" in proc.stderr
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    ok = run("join", "--dry-run", "--data-dir", str(tmp_path / "d"), "--listen",
+             "/ip4/127.0.0.1/tcp/0", "--admin-port", "0", home=tmp_path)
+    assert ok.returncode == 0 and "# config ok" in ok.stdout  # released: free again
+
+
+def test_example_config_passes_dry_run_with_its_placeholders_marked(tmp_path):
+    example = Path(__file__).parents[1] / "node.example.toml"
+    text = example.read_text()
+    # every placeholder is a commented-out line that says what to put there
+    for line in text.splitlines():
+        if "<" in line.split("#", 1)[0]:
+            pytest.fail(f"an active line holds a placeholder: {line}")
+    assert "REPLACE" in text and "bootstrap" not in tomllib.loads(text)["node"]
+    # the ports may be taken by something else on a shared machine: the rest must pass
+    proc = run("join", "--config", str(example), "--dry-run", "--data-dir",
+               str(tmp_path / "d"), "--listen", "/ip4/127.0.0.1/tcp/0", "--admin-port", "0",
+               home=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "# config ok" in proc.stdout
+
+
+def test_unknown_role_exits_1_with_one_line(tmp_path):
+    proc = run("join", "--role", "miner", "--dry-run", home=tmp_path)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 1 and len(lines) == 1 and "node.role" in lines[0]
+    usage = run("join", "--no-such-flag", home=tmp_path)
+    assert usage.returncode == 2  # the command line itself: the parser's usage error
+
+
+def test_every_option_has_help_text():
+    import typer
+    from swarm_node.cli.main import app
+
+    missing = []
+
+    def walk(cmd, path):
+        for param in cmd.params:
+            if not getattr(param, "help", None):
+                missing.append(f"{path} {param.opts[0] if param.opts else param.name}")
+        for name, sub in getattr(cmd, "commands", {}).items():
+            walk(sub, f"{path} {name}")
+
+    walk(typer.main.get_command(app), "swarm-node")
+    assert missing == []
+
+
+def test_group_keygen_writes_a_private_key_once(tmp_path):
+    key = tmp_path / "group.key"
+    proc = run("group", "keygen", str(key), home=tmp_path, check=True)
+    assert "wrote" in proc.stdout and stat.S_IMODE(key.stat().st_mode) == 0o600
+    assert len(bytes.fromhex(key.read_text().strip())) == 32  # what read_group_key takes
+    again = run("group", "keygen", str(key), home=tmp_path)
+    assert again.returncode == 1 and "already exists" in again.stderr
+
+
+def test_doctor_reads_no_weights_and_estimates_parameters_exactly(tmp_path, tiny_model_dir):
+    code = PROBE.format(args=["doctor", "--model", str(tiny_model_dir)],
+                        heavy=("transformers", "safetensors"))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "HOME": str(tmp_path)}, timeout=120, check=False)
+    assert "recommended on cpu: model" in proc.stdout and "dtype float32" in proc.stdout
+    assert "estimated from" in proc.stdout and "Writing model shards" not in proc.stderr
+    assert json.loads(proc.stdout.rsplit("HEAVY=", 1)[1]) == []  # no weights, no transformers
+
+    from swarm_node.node.config import load_config
+    from swarm_node.node.doctor import model_plan
+    from swarm_node.node.models import load_model
+
+    model, _ = load_model(str(tiny_model_dir))
+    exact = sum(p.numel() for p in model.parameters())
+    for name in (str(tiny_model_dir), "builtin:tiny"):  # its config.json; the definition
+        assert model_plan(load_config(None, {"model.name": name}))["params"] == exact, name
+
+
+def test_doctor_recommends_per_device():
+    from swarm_node.node.doctor import KNOWN_MODELS, plan_from_config, recommend
+
+    gib = 2**30
+    assert "model builtin:smollm2-135m, dtype float32" in recommend("cpu", 16 * gib, 1024,
+                                                                     "inference", False, None)
+    assert "Qwen/Qwen2.5-7B-Instruct, dtype bfloat16" in recommend(
+        "cuda:0", 75 * gib, 2048, "inference", True, None)
+    # a full AdamW fine-tune of 7.6B parameters needs ~12 bytes each: not in 80% of 75 GiB
+    big = recommend("cuda:0", 75 * gib, 2048, "trainer", True, None)
+    assert "Qwen/Qwen2.5-3B-Instruct, dtype bfloat16" in big and "micro_batch_size=" in big
+    small = recommend("cuda:0", 6 * gib, 2048, "trainer", False,
+                      plan_from_config(KNOWN_MODELS["Qwen/Qwen2.5-0.5B-Instruct"]))
+    assert "dtype float16" in small and "for the configured model" in small
+    assert "nothing" in recommend("cuda:0", gib // 8, 2048, "trainer", True, None)
+    # the table's estimates match the published sizes (SmolLM2 134.5M, Qwen2.5-7B 7.62B)
+    assert round(plan_from_config(KNOWN_MODELS["builtin:smollm2-135m"])["params"] / 1e6, 1) \
+        == 134.5
+    assert round(plan_from_config(KNOWN_MODELS["Qwen/Qwen2.5-7B-Instruct"])["params"] / 1e9,
+                 2) == 7.62

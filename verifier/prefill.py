@@ -74,7 +74,7 @@ def prefill_groups(model, groups, token_budget: int = 8192,
         else:
             p = torch.as_tensor(prompt, dtype=torch.long)[None].to(device)
             out = decoder(input_ids=p, use_cache=True)
-            cache, last = out.past_key_values, out.last_hidden_state[0, -1:]
+            cache, last = _out_cache(out), out.last_hidden_state[0, -1:]
         heads.append((cache, last, len(prompt)))
     fed = [[[int(x) for x in c][:-1] for c in comps] for _, comps in groups]
     mergeable = len(groups) == 1 or all(_layers(h[0]) is not None for h in heads)
@@ -187,6 +187,13 @@ def _cache_kw(decoder) -> str:
         else "past_key_values"
 
 
+def _out_cache(out):
+    """The KV cache of a model output: `cache` in newer transformers (reading the older
+    `past_key_values` there logs a deprecation warning), `past_key_values` before."""
+    cache = out.get("cache")
+    return cache if cache is not None else out.past_key_values
+
+
 class PromptCache:
     """KV caches of recent prompts, per (model object, policy version), so that a prompt
     prefix shared by many tasks (the chat template and a task family's system prompt: 25 to
@@ -224,7 +231,7 @@ class PromptCache:
         else:
             self.misses += 1
         out = decoder(input_ids=ids, **kwargs)
-        cache, last = out.past_key_values, out.last_hidden_state[0, -1:]
+        cache, last = _out_cache(out), out.last_hidden_state[0, -1:]
         key = (id(model), int(version), tuple(prompt))
         self._entries[key] = (weakref.ref(model), cache, last)
         self._entries.move_to_end(key)

@@ -6,6 +6,16 @@ source and the sender is penalised (`SourceBook.corrupt`); a failed or stalled t
 retried elsewhere. Shards already verified on disk (after a restart) are never fetched
 again. When every shard verified, the store assembles the checkpoint (and, for manifests
 that name a whole-concatenation hash, checks it).
+
+Endgame: a transfer held by a source on trial (sources.py) is taken back (and the source
+dropped) when a worker has nothing else to do and the trial has run longer than a
+known-good source takes for a shard (`_patience`): advertisers that take a request and never
+answer cannot hold the last shards until their timeout.
+
+Workers wait for an event (a transfer ended, sources changed) or for the moment the next
+source leaves its cooldown, never in a fixed poll, and a worker looks for its next shard
+in time that grows with the transfers in flight, not with the number of shards (a
+120,000-shard manifest once cost a relay 117 CPU-s in a polling loop over every shard).
 """
 
 from __future__ import annotations
@@ -16,33 +26,48 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from ...protocol.messages import ShardRequest
-from ..diskspace import DiskFull, DiskWatch, ensure_free
+from ..diskspace import DiskFull, DiskWatch
 from .errors import DownloadFailed, ShardFetchError, StoreError
 from .manifest import WHOLE
 from .progress import Progress
 from .sources import SourceBook
+from .space import SpaceReservations
 from .store import InOrderHash, ShardStore, VersionEntry
 from .wire import ShardTransport, fetch_into
 
 log = logging.getLogger(__name__)
-IDLE_POLL_S = 0.05
+MIN_PATIENCE_S = 1.0  # a trial transfer is never taken back sooner
+
+
+@dataclass(eq=False)
+class _Flight:
+    """One shard transfer in progress."""
+
+    peer: str
+    started: float
+    task: asyncio.Task | None = None
+    preempted: bool = False
 
 
 class Downloader:
     def __init__(self, store: ShardStore, entry: VersionEntry, transport: ShardTransport,
                  book: SourceBook, cfg, *, on_shard: Callable[[int], None] | None = None,
                  progress: Progress | None = None, disk: DiskWatch | None = None,
-                 on_verified: Callable[[str], None] | None = None):
+                 on_verified: Callable[[str], None] | None = None,
+                 space: SpaceReservations | None = None):
         self.store, self.entry, self.transport, self.book, self.cfg = (
             store, entry, transport, book, cfg)
         self.on_shard = on_shard
         self.progress = progress
         self.on_verified = on_verified  # a source delivered a verified shard
         self.disk = disk or DiskWatch("checkpoint download", store.root)
+        self.space = space or SpaceReservations(store.root)
         self.in_flight: set[int] = set()
+        self.flights: dict[int, _Flight] = {}
         self.tried: dict[int, set[str]] = {}  # sources that failed a shard (this round)
         self.metrics: Counter[str] = Counter()
         self.last_progress = time.monotonic()
@@ -51,9 +76,10 @@ class Downloader:
         # Different peers start at different shards, so that they can serve each other
         # early. (Tried: starts in the last quarter, so that the in-order whole hash
         # reads back less: no clear gain at 8 clients, and the origin served twice the
-        # shards.)
+        # shards.) Verified shards leave `pending` as the scan meets them.
         start = random.randrange(n)
-        self.order = [(start + i) % n for i in range(n)]
+        self.pending = [i for i in ((start + k) % n for k in range(n)) if i not in entry.have]
+        self._stale = 0  # verified shards still in `pending`
         # the whole-concatenation hash, only for manifests that name one ("blake3"); a
         # "blake3-shard-list" checkpoint_hash was checked against the manifest at the gate
         self.whole = InOrderHash(entry) if entry.manifest.hash_algo == WHOLE else None
@@ -105,20 +131,44 @@ class Downloader:
     # Workers -------------------------------------------------------------------------
 
     def _next_job(self) -> tuple[int, str] | None:
-        for shard in self.order:
+        if not self.book.any_usable():
+            return None
+        if 2 * self._stale > len(self.pending):  # amortised: O(1) per verified shard
+            self.pending = [i for i in self.pending if i not in self.entry.have]
+            self._stale = 0
+        for shard in self.pending:
             if shard in self.in_flight or self.entry.has(shard):
                 continue
-            tried = self.tried.setdefault(shard, set())
-            peer = self.book.pick(shard, tried)
+            tried = self.tried.get(shard)
+            peer = self.book.pick(shard, tried or frozenset())
             if peer is None and tried and self.book.holders(shard, tried) == 0:
-                tried.clear()  # every holder failed it once: let them try again
+                del self.tried[shard]  # every holder failed it once: let them try again
                 peer = self.book.pick(shard)
             if peer is not None:
                 return shard, peer
         return None
 
+    async def _idle(self) -> None:
+        """Wait until a transfer ends, sources change, a source leaves its cooldown, or
+        the stall deadline passes (whichever comes first)."""
+        now = time.monotonic()
+        wake = self.last_progress + self.cfg.stall_timeout_s
+        ready = self.book.next_ready()
+        if ready is not None:
+            wake = min(wake, ready)
+        trials = [f.started for f in self.flights.values()
+                  if not f.preempted and not self.book.sources[f.peer].good]
+        if trials:
+            wake = min(wake, min(trials) + self._patience())
+        self.changed.clear()
+        try:
+            async with asyncio.timeout(max(0.01, wake - now)):
+                await self.changed.wait()
+        except TimeoutError:
+            pass
+
     async def _worker(self) -> None:
-        while self.entry.missing():
+        while self.entry.missing_count():
             job = self._next_job()
             if job is None:
                 if self.disk.paused:
@@ -126,24 +176,30 @@ class Downloader:
                 if time.monotonic() - self.last_progress > self.cfg.stall_timeout_s:
                     raise DownloadFailed(
                         f"no shard verified for {self.cfg.stall_timeout_s:.0f}s; "
-                        f"{len(self.entry.missing())} missing; sources {self.book.summary()}",
-                        reason="stalled")
-                self.changed.clear()
-                try:
-                    await asyncio.wait_for(self.changed.wait(), IDLE_POLL_S)
-                except TimeoutError:
-                    pass
+                        f"{self.entry.missing_count()} missing; sources "
+                        f"{self.book.summary()}", reason="stalled")
+                if not self._preempt_trial():
+                    await self._idle()
                 continue
             shard, peer = job
             self.in_flight.add(shard)
             self.book.started(peer)
+            flight = self.flights[shard] = _Flight(peer, time.monotonic())
+            flight.task = asyncio.create_task(self._fetch(shard, peer))
             try:
-                await self._fetch(shard, peer)
+                await flight.task
             except DiskFull as e:
                 # Not the source's fault: pause this worker until the shard fits again.
                 self.metrics["disk_full"] += 1
                 self.disk.hit(e)
+            except asyncio.CancelledError:
+                if not flight.preempted or asyncio.current_task().cancelling():
+                    raise
+                self.metrics["fail_preempted"] += 1
+                self.book.failure(peer, "preempted", shard)  # on trial: dropped
+                self.tried.setdefault(shard, set()).add(peer)
             finally:
+                self.flights.pop(shard, None)
                 self.in_flight.discard(shard)
                 self.book.finished(peer)
                 self.changed.set()
@@ -151,11 +207,39 @@ class Downloader:
                 await self.disk.wait_for_space(self.entry.shard_len(shard))
                 self.last_progress = time.monotonic()  # a pause is not a stall
 
+    def _patience(self) -> float:
+        """How long a trial transfer may hold a shard another source could serve: three
+        times what the fastest known-good source takes for a shard (the request timeout
+        while none was measured)."""
+        rates = [s.throughput for s in self.book.sources.values()
+                 if s.good and not s.dropped and s.throughput]
+        if not rates:
+            return self.cfg.request_timeout_s
+        return max(MIN_PATIENCE_S, 3 * self.entry.manifest.shard_size / max(rates))
+
+    def _preempt_trial(self) -> bool:
+        """Take back the oldest trial transfer that ran past `_patience` and whose shard a
+        known-good source holds (the worker then waits for it to end)."""
+        now, patience = time.monotonic(), self._patience()
+        for shard, f in sorted(self.flights.items(), key=lambda kv: kv[1].started):
+            s = self.book.sources[f.peer]
+            if f.preempted or s.good or now - f.started < patience:
+                continue
+            if any(o.good and not o.dropped and o.has(shard)
+                   for o in self.book.sources.values()):
+                f.preempted = True
+                f.task.cancel()
+                log.debug("shard %d: taken back from %s (on trial, no answer in %.1fs)",
+                          shard, f.peer, now - f.started)
+                return True
+        return False
+
     async def _fetch(self, shard: int, peer: str) -> None:
         m, cfg = self.entry.manifest, self.cfg
         size = self.entry.shard_len(shard)
         req = ShardRequest(policy_id=m.policy_id, version=m.version, shard=shard)
-        ensure_free(self.entry.path, size)  # DiskFull: the worker pauses, nothing fetched
+        # DiskFull: the worker pauses, nothing fetched; other downloads' reservations kept
+        self.space.check_write(self.entry.key, size)
         writer = self.store.begin_shard(self.entry, shard, self.whole)
         t0 = time.monotonic()
         try:
@@ -190,6 +274,9 @@ class Downloader:
                         shard, peer)
             return
         self.metrics["shards_ok"] += 1
+        self.metrics["bytes_verified"] += size
+        self._stale += 1
+        self.space.written(self.entry.key, size)
         # it verified after the whole hash's frontier passed its start: hash it now
         if self.whole is not None and self.whole.can_follow():
             asyncio.get_running_loop().run_in_executor(None, self.whole.follow)

@@ -1,25 +1,43 @@
 """Which trainer a follower (inference peer, relay) adopts checkpoints from.
 
 A node adopts checkpoints only from trainers it follows. With `node.follow` set, those.
-Without it, the node makes ONE explicit choice: the trainer its bootstrap peer announces
-(the bootstrap peer's own manifest if it is a trainer, or the policy of its first
-`shard_advert` if it is a relay or another follower). The operator picked that bootstrap
-peer, so the choice is anchored in the operator's own configuration, never in whichever key
-gossips first. The choice is logged, written to `<data_dir>/follow.json` and kept across
-restarts; it never changes silently (only a configured `--follow` replaces it, with a log
-line). A trainer follows nobody unless configured (no chooser).
+Without it, the node makes ONE explicit choice, from its bootstrap peers: it asks each of
+them whom it follows (FOLLOWS_PROTOCOL: a trainer names itself, a relay or an inference
+peer the trainers it follows) and follows a trainer only when the bootstrap peers that
+answered agree on exactly one, once all of them answered or `DECIDE_AFTER_S` passed. When
+they name different trainers, it follows none and says so in one line naming the
+candidates and who named them, asking the operator for `--follow`. The operator picked the
+bootstrap peers, so the choice is anchored in the operator's own configuration, never in
+whichever key gossips first, and one bad entry in the list cannot win. The choice is
+logged, written to `<data_dir>/follow.json` and kept across restarts; it never changes
+silently (only a configured `--follow` replaces it, with a log line). A trainer follows
+nobody unless configured (no chooser).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
+import re
 from pathlib import Path
+
+from ...protocol.codec import pack, unpack
+from ...protocol.errors import ProtocolError
+from ...protocol.ids import FOLLOWS_PROTOCOL
 
 log = logging.getLogger(__name__)
 
 FOLLOW_FILE = "follow.json"
+DECIDE_AFTER_S = 30.0
+"""Without an answer from every bootstrap peer, decide on the answers so far after this."""
+RETRY_S = (1.0, 30.0)
+"""Asking the bootstrap peers again while undecided: the first and the longest wait."""
+MAX_NAMED = 16
+"""Trainers one FOLLOWS_PROTOCOL answer may name."""
+MAX_ANSWER = 4096
+PEER_ID = re.compile(r"^[A-Za-z0-9]{1,128}$")  # as a policy directory name (store.py)
 
 
 def bootstrap_peer_ids(bootstrap: list[str]) -> list[str]:
@@ -32,10 +50,29 @@ def bootstrap_peer_ids(bootstrap: list[str]) -> list[str]:
     return out
 
 
+def encode_follows(trainers: list[str]) -> bytes:
+    """A FOLLOWS_PROTOCOL answer: msgpack array of at most MAX_NAMED peer id strings."""
+    return pack(sorted(trainers)[:MAX_NAMED])
+
+
+def decode_follows(data: bytes) -> list[str]:
+    """The trainers a FOLLOWS_PROTOCOL answer names; ValueError for anything else."""
+    try:
+        value = unpack(data, max_size=MAX_ANSWER)
+    except ProtocolError as e:
+        raise ValueError(f"undecodable answer: {e}") from None
+    if (not isinstance(value, list) or len(value) > MAX_NAMED
+            or not all(isinstance(p, str) and PEER_ID.match(p) for p in value)):
+        raise ValueError("not a list of at most 16 peer ids")
+    return value
+
+
 class TrainerChoice:
     def __init__(self, data_dir: Path, configured: list[str], announcers: list[str]):
         self.path = Path(data_dir) / FOLLOW_FILE
         self.announcers = set(announcers)
+        self.answers: dict[str, set[str]] = {}  # bootstrap peer -> trainers it follows
+        self.problem: str | None = None  # why no choice was made (said once), for /status
         saved = self._load()
         self.chosen: str | None = None
         if configured:
@@ -50,23 +87,53 @@ class TrainerChoice:
             log.info("following trainer %s (chosen earlier, kept in %s; pass --follow to "
                      "choose another)", saved, self.path)
         elif self.announcers:
-            log.info("no --follow given: following the trainer that bootstrap peer %s "
-                     "announces", ", ".join(sorted(self.announcers)))
+            log.info("no --follow given: following the trainer that bootstrap peers %s "
+                     "agree on", ", ".join(sorted(self.announcers)))
         else:
             log.warning("no --follow and no --bootstrap: this node follows no trainer")
 
-    def offer(self, announcer: str, policy_id: str) -> bool:
-        """`announcer` (a signed manifest's or advert's sender) names `policy_id`. True if
-        this made the choice (only once, only from a bootstrap peer)."""
-        if self.chosen is not None or announcer not in self.announcers:
-            return False
-        self.chosen = policy_id
-        self._save(policy_id, f"announced by bootstrap peer {announcer}")
-        how = "its own policy" if announcer == policy_id else f"the policy of {announcer}"
-        log.warning("following trainer %s (%s, announced by the bootstrap peer); kept in %s "
-                    "across restarts; pass --follow to choose another", policy_id, how,
-                    self.path)
-        return True
+    @property
+    def deciding(self) -> bool:
+        """No choice yet, and bootstrap peers to ask."""
+        return self.chosen is None and bool(self.announcers)
+
+    def answered(self, peer: str, trainers: list[str]) -> None:
+        """Bootstrap peer `peer` follows `trainers` (an empty answer is no answer)."""
+        if peer in self.announcers:
+            if trainers:
+                self.answers[peer] = set(trainers)
+            else:
+                self.answers.pop(peer, None)
+
+    def decide(self, final: bool = False) -> str | None:
+        """Choose if the answers name exactly one trainer and every bootstrap peer answered
+        (or `final`: the wait is over). Returns the choice (None: none yet)."""
+        if self.chosen is not None:
+            return self.chosen
+        named: dict[str, list[str]] = {}
+        for peer, trainers in sorted(self.answers.items()):
+            for t in trainers:
+                named.setdefault(t, []).append(peer)
+        if len(named) > 1:
+            line = ("bootstrap peers disagree on the trainer to follow: " + "; ".join(
+                f"{t} (named by {', '.join(p[-8:] for p in by)})"
+                for t, by in sorted(named.items())) + ". Following none: pass --follow "
+                "<trainer peer id> to choose")
+            if line != self.problem:
+                self.problem = line
+                log.warning("%s", line)
+            return None
+        if not named or not (final or set(self.answers) == self.announcers):
+            return None
+        (trainer, by), = named.items()
+        self.chosen, self.problem = trainer, None
+        self._save(trainer, f"named by bootstrap peers {', '.join(by)}")
+        how = "itself" if by == [trainer] else "the trainer it follows" if len(by) == 1 \
+            else "the trainer they follow"
+        log.info("following trainer %s (bootstrap peer%s %s named %s); kept in %s across "
+                 "restarts; pass --follow to choose another", trainer,
+                 "s" if len(by) > 1 else "", ", ".join(p[-8:] for p in by), how, self.path)
+        return trainer
 
     def _load(self) -> str | None:
         try:
@@ -83,6 +150,32 @@ class TrainerChoice:
             os.replace(tmp, self.path)
         except OSError as e:  # the choice still holds for this run; logged, not fatal
             log.warning("could not save the followed trainer to %s: %s", self.path, e)
+
+
+async def ask_bootstrap_peers(choice: TrainerChoice, node, timeout_s: float) -> str | None:
+    """Ask `choice`'s bootstrap peers whom they follow (FOLLOWS_PROTOCOL over `node`), again
+    and again with a growing wait, until a choice is made; returns it (None: nothing to
+    ask)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + DECIDE_AFTER_S
+    wait = RETRY_S[0]
+
+    async def ask(peer: str) -> None:
+        try:
+            data = await node.request(peer, FOLLOWS_PROTOCOL, b"", timeout=timeout_s)
+            choice.answered(peer, decode_follows(data))
+        except Exception as e:  # noqa: BLE001 - unreachable or no answer yet: asked again
+            log.debug("asking bootstrap peer %s whom it follows failed: %r", peer[-8:], e)
+
+    while choice.deciding:
+        await asyncio.gather(*(ask(peer) for peer in sorted(choice.announcers)))
+        if choice.decide(final=loop.time() >= deadline) is not None:
+            break
+        left = deadline - loop.time()
+        # a retry backoff, not a poll: the answers are asked for again, nothing signals them
+        await asyncio.sleep(min(wait, left) if left > 0.05 else wait)
+        wait = min(2 * wait, RETRY_S[1])
+    return choice.chosen
 
 
 def trainer_choice(cfg) -> TrainerChoice:

@@ -172,7 +172,11 @@ def layout_problem(m: CheckpointManifest, *, min_shard_size: int, max_shard_size
                    max_checkpoint_bytes: int, max_shards: int) -> tuple[str, str] | None:
     """(reason, detail) if a manifest's layout is outside this node's limits or unsafe to
     write; None if it may be stored. Checked before any byte is written, and again for
-    each stored manifest on start."""
+    each stored manifest on start. The shard count first: it bounds the work of the rest
+    (and of a download)."""
+    if m.num_shards > max_shards:
+        return "too_many_shards", (f"{m.num_shards} shards > broadcast.max_shards "
+                                   f"{max_shards}")
     for f in m.files:
         problem = file_name_problem(f.name)
         if problem:
@@ -180,8 +184,6 @@ def layout_problem(m: CheckpointManifest, *, min_shard_size: int, max_shard_size
     if not min_shard_size <= m.shard_size <= max_shard_size:
         return "bad_layout", (f"shard size {m.shard_size} outside "
                               f"[{min_shard_size}, {max_shard_size}]")
-    if m.num_shards > max_shards:
-        return "bad_layout", f"{m.num_shards} shards > {max_shards}"
     if m.total_size > max_checkpoint_bytes:
         return "too_large", f"{m.total_size} bytes > {max_checkpoint_bytes}"
     if m.parent_version >= m.version:
@@ -204,7 +206,7 @@ class ManifestGate:
 
     def __init__(self, follow: list[str], *, min_shard_size: int, max_shard_size: int,
                  max_checkpoint_bytes: int, current_version: Callable[[str], int],
-                 max_shards: int = 1 << 17,
+                 max_shards: int = 1 << 14,
                  space_check: Callable[[CheckpointManifest], None] | None = None,
                  settings_check: Callable[..., str | None] | None = None):
         self.follow = set(follow)
@@ -212,7 +214,7 @@ class ManifestGate:
                        "max_checkpoint_bytes": max_checkpoint_bytes, "max_shards": max_shards}
         self.current_version = current_version
         self.space_check = space_check
-        self.settings_check = settings_check  # (settings, trainer) -> refusal line or None
+        self.settings_check = settings_check  # (settings, trainer, version) -> refusal or None
         self.rejected: dict[str, int] = {}
 
     @classmethod
@@ -271,7 +273,7 @@ class ManifestGate:
         if problem:
             raise self._reject(*problem)
         if self.settings_check is not None:
-            refusal = self.settings_check(m.settings, env.sender)
+            refusal = self.settings_check(m.settings, env.sender, m.version)
             if refusal:
                 raise self._reject("settings_mismatch", refusal)
         if self.space_check is not None:

@@ -18,7 +18,7 @@ from ...protocol.errors import ProtocolError
 from ...protocol.messages import ShardRequest, ShardResponseHeader
 from .errors import BroadcastError
 from .store import ShardStore
-from .wire import ByteStream, read_frame, write_frame
+from .wire import CLOSE_TIMEOUT_S, ByteStream, read_frame, write_frame
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,9 @@ async def _abort(stream: ByteStream) -> None:
         await stream.reset()
 
 
+MAX_SERVED_PEERS = 4096  # peers counted one by one in `served_to`
+
+
 class ShardServer:
     def __init__(self, store: ShardStore, cfg):
         self.store = store
@@ -62,14 +65,16 @@ class ShardServer:
         self.active_total = 0
         self.limiter = RateLimiter(cfg.upload_rate_mib_s * 2**20)
         self.metrics: Counter[str] = Counter()
+        self.served_to: Counter[str] = Counter()  # bytes of whole answers, per peer (bounded)
         self.zero_copy = True  # TCP uploads with sendfile(2) when not paced
 
     async def handle(self, peer: str, stream: ByteStream) -> None:
-        """One request on one stream (a `set_stream_handler` handler)."""
+        """One request on one stream, then close it (how a node before stream reuse served;
+        the tests' stand-in for one)."""
         await self._serve(peer, stream, keep=False)
 
     async def serve_connection(self, peer: str, stream: ByteStream) -> None:
-        """Requests one after another on one authenticated data-plane connection, until the
+        """Requests one after another on one stream or bulk-plane connection, until the
         client closes it, an answer is not a complete shard, or no request comes within
         `request_timeout_s` (profiled: a TCP connection, hello and accept per 4 MiB shard
         were a visible share of every peer's event-loop CPU)."""
@@ -85,7 +90,8 @@ class ShardServer:
             log.debug("shard upload to %s aborted: %r", peer, e)
         finally:
             try:
-                await asyncio.wait_for(stream.close(), 2.0)
+                async with asyncio.timeout(CLOSE_TIMEOUT_S):
+                    await stream.close()
             except Exception as e:  # noqa: BLE001 - already broken
                 log.debug("closing the stream to %s failed: %r", peer, e)
 
@@ -121,7 +127,8 @@ class ShardServer:
         request). `idle_ok`: a reused connection that ends or idles before a request is
         closed quietly, not answered `bad_request`."""
         try:
-            raw = await asyncio.wait_for(read_frame(stream), self.cfg.request_timeout_s)
+            async with asyncio.timeout(self.cfg.request_timeout_s):
+                raw = await read_frame(stream)
         except (TimeoutError, asyncio.IncompleteReadError) as e:
             if idle_ok and (isinstance(e, TimeoutError) or not e.partial):
                 return False
@@ -158,7 +165,12 @@ class ShardServer:
         self.active[peer] += 1
         self.active_total += 1
         try:
-            return await self._upload(stream, entry, req, length)
+            done = await self._upload(stream, entry, req, length)
+            if done:
+                if peer not in self.served_to and len(self.served_to) >= MAX_SERVED_PEERS:
+                    peer = "(other)"
+                self.served_to[peer] += length
+            return done
         except TimeoutError:
             self.metrics["upload_stalled"] += 1
             log.info("cut a shard upload to %s: the client did not take it", peer)

@@ -3,16 +3,27 @@
 Each source has an EMA of measured throughput (bytes/s over whole shard transfers), a count
 of consecutive failures with an exponential cooldown, a count of corrupt shards, and the
 shards it advertised. A shard goes to the eligible source with the best
-`throughput / (1 + in_flight)`; unmeasured sources are tried first (optimistic estimate) so
-that every source gets measured. The trainer (origin) has weight `ORIGIN_WEIGHT`: a shard
+`throughput / (1 + in_flight)`. The trainer (origin) has weight `ORIGIN_WEIGHT`: a shard
 that a relay or another peer holds is taken from them rather than from the trainer, whose
 uplink serves everyone. A source that sent `max_corrupt` corrupt shards is dropped for the
 rest of the version.
+
+Sources rules (an advertiser is a claim, not a source we can count on):
+- Known-good sources are the trainer and peers that delivered a verified shard to this node
+  before (`ProvenPeers`). Every other advertiser is on trial: one transfer at a time until
+  it delivers a verified shard, and at most `trial_slots` trial transfers at once, so the
+  other transfers always go to a known-good source that holds the shard (the follower never
+  stalls behind unproven advertisers).
+- A source on trial that fails to serve (no header within `request_timeout_s`, no bytes for
+  `chunk_timeout_s`, a broken stream, an error answer) loses its place at once: dropped for
+  the version. A known-good source cools down and is dropped after `MAX_FAILS_IN_A_ROW`
+  failures in a row (a relay that departed), except the trainer, which only cools down.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 EMA_ALPHA = 0.3
@@ -21,6 +32,30 @@ COOLDOWN_BASE_S = 0.2
 COOLDOWN_MAX_S = 5.0
 BUSY_COOLDOWN_S = 0.2
 ORIGIN_WEIGHT = 0.25
+MAX_FAILS_IN_A_ROW = 4
+"""Failures in a row after which a known-good source other than the trainer is dropped."""
+MAX_PROVEN = 4096
+"""Peers remembered as having delivered verified shards."""
+
+
+class ProvenPeers:
+    """Peers that delivered a verified shard to this node (the newest MAX_PROVEN)."""
+
+    def __init__(self, limit: int = MAX_PROVEN):
+        self.limit = limit
+        self._peers: OrderedDict[str, None] = OrderedDict()
+
+    def add(self, peer: str) -> None:
+        self._peers[peer] = None
+        self._peers.move_to_end(peer)
+        while len(self._peers) > self.limit:
+            self._peers.popitem(last=False)
+
+    def __contains__(self, peer: str) -> bool:
+        return peer in self._peers
+
+    def __len__(self) -> int:
+        return len(self._peers)
 
 
 @dataclass
@@ -33,48 +68,83 @@ class SourceStats:
     failures: int = 0
     corrupt: int = 0
     shards_ok: int = 0
-    bytes_ok: int = 0
     cooldown_until: float = 0.0
     dropped: bool = False
-    weight: float = 1.0
+    origin: bool = False
+    proven: bool = False  # delivered verified shards to this node before this version
+
+    @property
+    def good(self) -> bool:
+        """Known-good: the trainer, proven before, or delivered a shard of this version."""
+        return self.origin or self.proven or self.shards_ok > 0
 
     def has(self, shard: int) -> bool:
         return self.holdings is None or shard in self.holdings
 
     def score(self) -> float:
-        return self.weight * (self.throughput or OPTIMISTIC_BPS) / (1 + self.in_flight)
+        weight = ORIGIN_WEIGHT if self.origin else 1.0
+        return weight * (self.throughput or OPTIMISTIC_BPS) / (1 + self.in_flight)
 
 
 class SourceBook:
-    def __init__(self, *, per_source: int, max_corrupt: int, clock=time.monotonic):
+    def __init__(self, *, per_source: int, max_corrupt: int, trial_slots: int = 1,
+                 clock=time.monotonic):
         self.per_source = per_source
         self.max_corrupt = max_corrupt
+        self.trial_slots = trial_slots
         self.clock = clock
         self.sources: dict[str, SourceStats] = {}
+        self.dropped = 0  # sources dropped for this version (failed trial, corrupt, gone)
 
-    def add(self, peer: str, holdings: set[int] | None, *, origin: bool = False) -> None:
+    def add(self, peer: str, holdings: set[int] | None, *, origin: bool = False,
+            proven: bool = False) -> None:
         """Learn (or extend) what `peer` holds; None means the complete version."""
         s = self.sources.get(peer)
         if s is None:
             s = self.sources[peer] = SourceStats(
-                peer, holdings if holdings is None else set(holdings))
-            s.weight = ORIGIN_WEIGHT if origin else 1.0
+                peer, holdings if holdings is None else set(holdings), origin=origin,
+                proven=proven)
         elif s.holdings is not None:
             if holdings is None:
                 s.holdings = None
             else:
                 s.holdings |= holdings
 
+    def _trials(self) -> int:
+        return sum(s.in_flight for s in self.sources.values() if not s.good)
+
+    def _usable(self, s: SourceStats, now: float, exclude, trials_open: bool) -> bool:
+        if s.dropped or s.peer in exclude or s.cooldown_until > now:
+            return False
+        if s.good:
+            return s.in_flight < self.per_source
+        return s.in_flight == 0 and trials_open
+
     def pick(self, shard: int, exclude: set[str] = frozenset()) -> str | None:
+        """The best source for `shard` now, or None. Sources on trial get a transfer only
+        while fewer than `trial_slots` trials run, or when no known-good source (usable
+        or cooling down) holds the shard."""
         now = self.clock()
+        trials_open = self._trials() < self.trial_slots or not any(
+            s.good and not s.dropped and s.has(shard) for s in self.sources.values())
         best, best_score = None, -1.0
         for s in self.sources.values():
-            if (s.dropped or s.peer in exclude or not s.has(shard)
-                    or s.in_flight >= self.per_source or s.cooldown_until > now):
-                continue
-            if s.score() > best_score:
+            if s.has(shard) and self._usable(s, now, exclude, trials_open) \
+                    and s.score() > best_score:
                 best, best_score = s.peer, s.score()
         return best
+
+    def any_usable(self) -> bool:
+        """Whether some source could take a transfer now (cheap: no shard looked at)."""
+        now = self.clock()
+        return any(self._usable(s, now, (), True) for s in self.sources.values())
+
+    def next_ready(self) -> float | None:
+        """When the earliest cooling-down source may be asked again (None: none cools)."""
+        now = self.clock()
+        waits = [s.cooldown_until for s in self.sources.values()
+                 if not s.dropped and s.cooldown_until > now]
+        return min(waits, default=None)
 
     def holders(self, shard: int, exclude: set[str] = frozenset()) -> int:
         """Sources (usable now or later) that hold `shard`."""
@@ -94,7 +164,6 @@ class SourceBook:
             + EMA_ALPHA * rate
         s.fails_in_a_row = 0
         s.shards_ok += 1
-        s.bytes_ok += nbytes
 
     def failure(self, peer: str, reason: str, shard: int | None = None) -> None:
         s = self.sources[peer]
@@ -106,6 +175,9 @@ class SourceBook:
             return
         s.failures += 1
         s.fails_in_a_row += 1
+        if not s.good or (not s.origin and s.fails_in_a_row >= MAX_FAILS_IN_A_ROW):
+            self._drop(s)  # on trial and did not serve, or a known source that is gone
+            return
         if s.throughput is not None:
             s.throughput *= 0.5
         s.cooldown_until = self.clock() + min(COOLDOWN_MAX_S,
@@ -119,7 +191,12 @@ class SourceBook:
         if s.throughput is not None:
             s.throughput *= 0.1
         if s.corrupt >= self.max_corrupt:
+            self._drop(s)
+
+    def _drop(self, s: SourceStats) -> None:
+        if not s.dropped:
             s.dropped = True
+            self.dropped += 1
 
     def summary(self) -> dict[str, dict]:
         return {p: {"throughput_mib_s": round((s.throughput or 0) / 2**20, 1),

@@ -19,12 +19,13 @@ from those that still verify. Only verified bytes are ever served.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
 import shutil
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,8 +54,9 @@ class VersionEntry:
     manifest: CheckpointManifest
     envelope: bytes
     path: Path
-    have: set[int] = field(default_factory=set)
+    have: set[int] = field(default_factory=set)  # verified shards (mark() them)
     complete: bool = False
+    bits: bytearray = field(default_factory=bytearray, repr=False)  # `have` as a bitmap
 
     @property
     def key(self) -> tuple[str, int]:
@@ -83,6 +85,17 @@ class VersionEntry:
             if pos >= end:
                 break
 
+    def mark(self, index: int) -> None:
+        """Shard `index` verified (kept in `have` and in the bitmap, O(1))."""
+        if not self.bits:
+            self.bits = bytearray((self.manifest.num_shards + 7) // 8)
+        self.have.add(index)
+        self.bits[index // 8] |= 1 << (index % 8)
+
+    def clear_shards(self) -> None:
+        self.have.clear()
+        self.bits = bytearray()
+
     def save_bitmap(self) -> None:
         tmp = self.path / (VERIFIED_FILE + ".tmp")
         tmp.write_bytes(self.bitmap())
@@ -95,17 +108,26 @@ class VersionEntry:
     def has(self, index: int) -> bool:
         return self.complete or index in self.have
 
-    def missing(self) -> list[int]:
+    def verified_bytes(self) -> int:
+        """Bytes of the shards verified here (all of them when complete)."""
+        m = self.manifest
         if self.complete:
-            return []
-        return [i for i in range(self.manifest.num_shards) if i not in self.have]
+            return m.total_size
+        last = m.num_shards - 1
+        short = m.shard_size - self.shard_len(last) if last in self.have else 0
+        return len(self.have) * m.shard_size - short
+
+    def missing_count(self) -> int:
+        return 0 if self.complete else self.manifest.num_shards - len(self.have)
 
     def bitmap(self) -> bytes:
-        n = self.manifest.num_shards
-        bits = bytearray((n + 7) // 8)
-        for i in range(n) if self.complete else self.have:
-            bits[i // 8] |= 1 << (i % 8)
-        return bytes(bits)
+        n = (self.manifest.num_shards + 7) // 8
+        if self.complete:
+            full = bytearray(b"\xff" * n)
+            if self.manifest.num_shards % 8:
+                full[-1] = (1 << (self.manifest.num_shards % 8)) - 1
+            return bytes(full)
+        return bytes(self.bits) if self.bits else bytes(n)
 
     def advert(self) -> ShardAdvert:
         return ShardAdvert(policy_id=self.manifest.policy_id, version=self.manifest.version,
@@ -210,7 +232,12 @@ class InOrderHash:
 
 class ShardWriter:
     """Streams one shard into its place in the partial checkpoint files, hashing as it
-    goes; `commit` marks it verified only if the length and hash match."""
+    goes; `commit` marks it verified only if the length and hash match.
+
+    `write` runs in a receiving thread that may outlive a cancelled transfer; once `abort`
+    returned, no byte of this writer reaches the files (a lock orders the two), so a shard
+    taken back from a slow source and fetched again elsewhere is never overwritten by the
+    first transfer's late bytes."""
 
     def __init__(self, entry: VersionEntry, index: int, whole: InOrderHash | None = None):
         self.entry, self.index, self.whole = entry, index, whole
@@ -218,6 +245,8 @@ class ShardWriter:
         self.expected_len = end - self.start
         self._fds: dict[str, int] = {}
         self._h = blake3.blake3()
+        self._lock = threading.Lock()
+        self._aborted = False
         self.received = 0
 
     def _fd(self, name: str) -> int:
@@ -230,6 +259,12 @@ class ShardWriter:
         return fd
 
     def write(self, data: bytes) -> None:
+        with self._lock:
+            if self._aborted:
+                raise StoreError(f"shard {self.index}: transfer abandoned", reason="aborted")
+            self._write(data)
+
+    def _write(self, data: bytes) -> None:
         if self.received + len(data) > self.expected_len:
             raise StoreError(f"shard {self.index}: more than {self.expected_len} bytes",
                              reason="too_long")
@@ -238,7 +273,7 @@ class ShardWriter:
         view = memoryview(data)
         for name, offset, length in self.entry.file_spans(pos, pos + len(data)):
             try:
-                os.pwrite(self._fd(name), view[:length], offset)
+                _pwrite_all(self._fd(name), view[:length], offset)
             except OSError as e:
                 if is_disk_full(e):  # the download pauses; the source is not at fault
                     raise as_disk_full(e, self.entry.partial_dir, length) from e
@@ -262,7 +297,7 @@ class ShardWriter:
             return False
         if not self.entry.partial_dir.is_dir():
             raise StoreError(f"shard {self.index}: version removed meanwhile")
-        self.entry.have.add(self.index)
+        self.entry.mark(self.index)
         try:
             self.entry.save_bitmap()
         except OSError as e:  # disk full: kept in memory, saved with the next shard
@@ -271,7 +306,20 @@ class ShardWriter:
         return True
 
     def abort(self) -> None:
-        self._close()
+        with self._lock:
+            self._aborted = True
+            self._close()
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """All of `data` at `offset`, or OSError. `pwrite` may write less than asked without an
+    error (a nearly full disk takes what fits): ignoring that left holes in shards whose
+    hash had been checked on the received bytes, and a corrupt checkpoint was handed over."""
+    while data:
+        n = os.pwrite(fd, data, offset)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, "no progress writing a shard")
+        data, offset = data[n:], offset + n
 
 
 def _hash_into(h, paths: list[Path], chunk: int = 8 * READ_CHUNK) -> None:
@@ -293,6 +341,9 @@ class ShardStore:
         self.root = Path(root)
         self.keep_versions = keep_versions
         self.entries: dict[tuple[str, int], VersionEntry] = {}
+        # called with the key of each version that leaves the store (pruned, removed,
+        # quarantined): what else is kept per version is dropped with it (records.py)
+        self.on_removed: list[Callable[[tuple[str, int]], None]] = []
         self.root.mkdir(parents=True, exist_ok=True)
 
     # Lookup --------------------------------------------------------------------------
@@ -304,10 +355,6 @@ class ShardStore:
         """Newest complete version of `policy_id`, -1 if none."""
         done = [v for (p, v), e in self.entries.items() if p == policy_id and e.complete]
         return max(done, default=-1)
-
-    def latest_complete(self, policy_id: str) -> VersionEntry | None:
-        v = self.current_version(policy_id)
-        return self.entries.get((policy_id, v)) if v >= 0 else None
 
     def _version_dir(self, policy_id: str, version: int) -> Path:
         if not POLICY_DIR.match(policy_id):
@@ -353,7 +400,8 @@ class ShardStore:
         except OSError as e:
             shutil.rmtree(path, ignore_errors=True)
             log.warning("stored manifest %s deleted (%s; quarantine failed: %s)", path, why, e)
-        self.entries = {k: e for k, e in self.entries.items() if e.path != path}
+        for key in [k for k, e in self.entries.items() if e.path == path]:
+            self._forget(key)
 
     def open_version(self, accepted: AcceptedManifest) -> VersionEntry:
         """The entry for an accepted manifest, created or resumed from disk."""
@@ -408,7 +456,7 @@ class ShardStore:
             for data in iter_range(entry.partial_dir, m.files, start, end):
                 h.update(data)
             if h.digest() == m.shard_hashes[i]:
-                entry.have.add(i)
+                entry.mark(i)
             else:
                 log.warning("shard %d of %s v%d no longer verifies: re-fetching it", i,
                             m.policy_id, m.version)
@@ -435,7 +483,7 @@ class ShardStore:
         entry.complete = True
         shutil.rmtree(entry.partial_dir, ignore_errors=True)
         entry.bitmap_path.unlink(missing_ok=True)
-        entry.have.clear()
+        entry.clear_shards()
         return entry
 
     # Writing, reading, assembling ----------------------------------------------------
@@ -472,8 +520,8 @@ class ShardStore:
         """
         if entry.complete:
             return entry.checkpoint_dir
-        if entry.missing():
-            raise StoreError(f"{len(entry.missing())} shards missing", reason="incomplete")
+        if entry.missing_count():
+            raise StoreError(f"{entry.missing_count()} shards missing", reason="incomplete")
         m = entry.manifest
         if m.hash_algo == SHARD_LIST:  # checked against the shard hashes at the gate
             digest = m.shard_list_hash()
@@ -493,16 +541,22 @@ class ShardStore:
         (entry.path / COMPLETE_FILE).touch()
         entry.complete = True
         entry.bitmap_path.unlink(missing_ok=True)
-        entry.have.clear()
+        entry.clear_shards()
         return entry.checkpoint_dir
 
     # Retention -----------------------------------------------------------------------
 
     def remove(self, entry: VersionEntry) -> None:
-        self.entries.pop(entry.key, None)
+        if entry.key in self.entries:
+            self._forget(entry.key)
         entry.complete = False
-        entry.have.clear()
+        entry.clear_shards()
         shutil.rmtree(entry.path, ignore_errors=True)
+
+    def _forget(self, key: tuple[str, int]) -> None:
+        del self.entries[key]
+        for removed in self.on_removed:
+            removed(key)
 
     def prune(self, policy_id: str, keep: int | None = None) -> list[int]:
         """Keep the newest `keep` complete versions of a policy (and any incomplete version
@@ -520,6 +574,3 @@ class ShardStore:
             self.remove(e)
             dropped.append(e.manifest.version)
         return dropped
-
-    def adverts(self) -> list[ShardAdvert]:
-        return [e.advert() for e in self.entries.values() if e.complete or e.have]

@@ -11,12 +11,13 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 
 from ...protocol.ids import SHARD_PROTOCOL
-from ..p2p.bulk import RX_STATS, BulkBusy, BulkConn, BulkError, BulkUnavailable, IdlePool
+from ..lifecycle import TaskOwner
+from ..p2p.bulk import BulkBusy, BulkConn, BulkError, BulkUnavailable, IdlePool
 from ..p2p.errors import P2PError
 from .errors import ShardFetchError
 
 log = logging.getLogger(__name__)
-__all__ = ["RX_STATS", "MemoryTransport", "P2PTransport", "PooledStream", "RoutingTransport",
+__all__ = ["MemoryTransport", "P2PTransport", "PooledStream", "RoutingTransport",
            "TcpStream", "TcpTransport", "serve_tcp"]
 
 Handler = Callable[[str, object], Awaitable[None]]
@@ -133,7 +134,7 @@ class MemoryTransport:
     def __init__(self, local_peer: str = "client"):
         self.local_peer = local_peer
         self.handlers: dict[str, Handler] = {}
-        self.tasks: set[asyncio.Task] = set()
+        self.tasks = TaskOwner("memory transport")  # the handlers' ends
 
     def register(self, peer: str, handler: Handler) -> None:
         self.handlers[peer] = handler
@@ -143,16 +144,11 @@ class MemoryTransport:
         if handler is None:
             raise ConnectionError(f"no route to {peer}")
         a, b = _Pipe(), _Pipe()
-        task = asyncio.create_task(handler(self.local_peer, MemoryStream(b, a)))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        self.tasks.spawn(handler(self.local_peer, MemoryStream(b, a)), f"serve {peer}")
         return MemoryStream(a, b)
 
 
 # libp2p ----------------------------------------------------------------------------------
-
-
-_CLOSING: set[asyncio.Task] = set()  # closes of discarded pooled streams, kept referenced
 
 
 class PooledStream:
@@ -164,8 +160,9 @@ class PooledStream:
     it meanwhile (one request per stream, or idle past its `request_timeout_s`) shows as a
     short read at the next request, which `wire` then retries once on a fresh stream."""
 
-    def __init__(self, inner, release: Callable[[PooledStream], None]):
+    def __init__(self, inner, release: Callable[[PooledStream], None], closes: TaskOwner):
         self.inner, self.release = inner, release
+        self.closes = closes  # the transport's: where a discarded stream's close runs
         self._reusable = False
         self.reused = False
         self.idle_since = 0.0
@@ -206,9 +203,7 @@ class PooledStream:
 
     def discard(self) -> None:
         """Close an idle pooled stream (from synchronous code, inside the event loop)."""
-        task = asyncio.get_running_loop().create_task(self.inner.close())
-        _CLOSING.add(task)
-        task.add_done_callback(_CLOSING.discard)
+        self.closes.spawn(self.inner.close(), "close pooled stream")
 
 
 class P2PTransport:
@@ -301,6 +296,7 @@ class RoutingTransport:
         # libp2p shard streams: no liveness peek; kept for less than POOL_IDLE_S, half the
         # servers' default idle bound, and a dead one is retried (wire._open_request)
         self.idle_p2p: IdlePool[PooledStream] = IdlePool(self.POOL_PER_PEER, self.POOL_IDLE_S)
+        self.tasks = TaskOwner("shard streams")  # closes of discarded pooled streams
 
     def set_endpoint(self, peer: str, endpoint: str) -> None:
         """The bulk endpoint a source advertised (signed)."""
@@ -343,4 +339,5 @@ class RoutingTransport:
             self.opened["libp2p_reused"] += 1
             return stream
         self.opened["libp2p"] += 1
-        return PooledStream(await self.p2p.open(peer), lambda s: self.idle_p2p.put(peer, s))
+        return PooledStream(await self.p2p.open(peer), lambda s: self.idle_p2p.put(peer, s),
+                            self.tasks)

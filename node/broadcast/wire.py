@@ -27,6 +27,7 @@ from .errors import ShardFetchError
 log = logging.getLogger(__name__)
 FRAME_HEADER = struct.Struct(">I")
 MAX_CONTROL_FRAME = 1024
+CLOSE_TIMEOUT_S = 2.0  # closing a stream: a broken one may never answer
 
 
 class ByteStream(Protocol):
@@ -61,14 +62,16 @@ async def _open(transport: ShardTransport, peer: str, timeout: float,
                 fresh: bool = False) -> ByteStream:
     try:
         opening = transport.open(peer, fresh=True) if fresh else transport.open(peer)
-        return await asyncio.wait_for(opening, timeout)
+        async with asyncio.timeout(timeout):
+            return await opening
     except Exception as e:
         raise ShardFetchError(f"{peer}: cannot open stream: {e!r}", reason="open_failed") from e
 
 
 async def _close(stream: ByteStream, peer: str) -> None:
     try:
-        await asyncio.wait_for(stream.close(), 2.0)
+        async with asyncio.timeout(CLOSE_TIMEOUT_S):
+            await stream.close()
     except Exception as e:  # noqa: BLE001 - closing a broken stream may fail
         log.debug("closing the stream to %s failed: %r", peer, e)
 
@@ -77,8 +80,10 @@ async def _request(stream: ByteStream, peer: str, request: ShardRequest, expecte
                    timeout: float) -> None:
     """Send the request, check the response header announces `expected_len` bytes."""
     try:
-        await asyncio.wait_for(write_frame(stream, request.encode()), timeout)
-        raw = await asyncio.wait_for(read_frame(stream), timeout)
+        async with asyncio.timeout(timeout):
+            await write_frame(stream, request.encode())
+        async with asyncio.timeout(timeout):
+            raw = await read_frame(stream)
         header = ShardResponseHeader.decode(raw, max_size=Limits().max_for("shard_response"))
     except TimeoutError as e:
         raise ShardFetchError(f"{peer}: no response header", reason="timeout") from e
@@ -134,8 +139,8 @@ async def _chunks(stream: ByteStream, peer: str, length: int, chunk_timeout: flo
             # A whole chunk per call: on libp2p each call is one crossing of the trio
             # bridge, and a yamux read returns one frame (profiled: the crossings, not
             # the bytes, bounded the stream path).
-            data = await asyncio.wait_for(stream.readexactly(min(chunk_size, left)),
-                                          chunk_timeout)
+            async with asyncio.timeout(chunk_timeout):
+                data = await stream.readexactly(min(chunk_size, left))
         except TimeoutError as e:
             raise ShardFetchError(f"{peer}: stalled with {left} bytes left",
                                   reason="timeout") from e

@@ -110,7 +110,8 @@ class TrioBridge:
             except trio.RunFinishedError:
                 pass
         try:
-            await asyncio.wait_for(asyncio.shield(self._done), timeout)
+            async with asyncio.timeout(timeout):
+                await asyncio.shield(self._done)
         except TimeoutError:
             log.warning("libp2p thread did not stop within %.0fs", timeout)
         await asyncio.to_thread(self._thread.join, timeout)
@@ -247,7 +248,3 @@ def _set_exception_if_pending(fut: asyncio.Future, error: BaseException) -> None
     if not fut.done():
         fut.set_exception(error)
 
-
-def _cancel_if_pending(fut: asyncio.Future) -> None:
-    if not fut.done():
-        fut.cancel()

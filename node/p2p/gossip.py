@@ -100,21 +100,31 @@ class SharedReplayCache(ReplayCache):
             super().check_and_add(sender, nonce, now)
 
 
+# Rejects that every honest relay's validator makes too, whatever its version or config:
+# a peer that forwards such a message did not validate it, so the forwarder is charged.
+# Any other reject (a size or type another version accepts, a stale clock) is the origin's.
+RELAY_FAULTS = frozenset({"malformed", "bad_schema", "bad_signature", "bad_peer_id",
+                          "sender_mismatch"})
+
+
 class GossipValidator:
     """Topic validator: the peer filter, then `open_envelope` (size, schema, signature,
-    sender = pubsub origin, skew, replay), then the topic <-> type rule. Rejects are
-    counted per forwarding peer and reason and reported to `on_reject(peer, reason)` (the
-    penalties). Accepted envelopes are kept until delivery so they are decoded once."""
+    sender = pubsub origin, skew, replay), then the topic <-> type rule, then the origin's
+    rate (`admission.accept`). Rejects are counted per charged peer and reason and reported
+    to `on_reject(peer, reason)` (the penalties): the forwarder for RELAY_FAULTS, the origin
+    otherwise. Accepted envelopes are kept until delivery so they are decoded once."""
 
     def __init__(self, self_id: str, limits: Limits, metrics: P2PMetrics,
                  peer_filter: Callable[[], Callable[[str], bool] | None],
-                 max_skew_s: float, on_reject: Callable[[str, str], object] | None = None):
+                 max_skew_s: float, on_reject: Callable[[str, str], object] | None = None,
+                 admission=None):
         self.self_id = self_id
         self.limits = limits
         self.metrics = metrics
         self.peer_filter = peer_filter
         self.max_skew_s = max_skew_s
         self.on_reject = on_reject
+        self.admission = admission
         self.replay = SharedReplayCache(window_s=2 * max_skew_s)  # the whole skew window
         self.accepted: OrderedDict[bytes, Envelope] = OrderedDict()
         self.carried_by: OrderedDict[str, str] = OrderedDict()  # origin -> forwarding peer
@@ -123,40 +133,44 @@ class GossipValidator:
     def for_kind(self, kind: str) -> Callable[[ID, object], bool]:
         """The validator of topic `kind`: only its message types pass."""
         allowed = TOPIC_MESSAGE_TYPES.get(kind, frozenset())
-        return lambda forwarder, msg: self.validate(allowed, forwarder, msg)
+        return lambda forwarder, msg: self.validate(allowed, forwarder, msg, kind)
 
-    def _reject(self, fwd: str, reason: str) -> bool:
-        self.metrics.reject(fwd, reason)
+    def _reject(self, fwd: str, origin: str, reason: str) -> bool:
+        charged = fwd if reason in RELAY_FAULTS or fwd == origin else origin
+        self.metrics.reject(charged, reason)
         if self.on_reject is not None:
-            self.on_reject(fwd, reason)
+            self.on_reject(charged, reason)
         return False
 
-    def validate(self, allowed: frozenset[str], forwarder: ID, msg) -> bool:
+    def validate(self, allowed: frozenset[str], forwarder: ID, msg, kind: str = "") -> bool:
         fwd = forwarder.to_base58()
         try:
             origin = origin_b58(msg.from_id)
         except Exception:  # noqa: BLE001 - unparseable origin
-            return self._reject(fwd, "bad_peer_id")
+            return self._reject(fwd, fwd, "bad_peer_id")
         if origin == self.self_id:
             return True  # our own publish, sealed by us
         allow = self.peer_filter()
         if allow is not None and (not allow(fwd) or not allow(origin)):
-            self.metrics.reject(fwd, "banned")
+            self.metrics.reject(origin if allow(fwd) else fwd, "banned")
             return False
         try:
             env = open_envelope(msg.data, limits=self.limits, expected_sender=origin,
                                 replay_cache=self.replay, max_skew_s=self.max_skew_s)
         except ProtocolError as e:
             log.info("rejected gossip from %s (origin %s): %s", fwd, origin, e)
-            return self._reject(fwd, e.reason)
+            return self._reject(fwd, origin, e.reason)
         except Exception as e:  # noqa: BLE001 - a decoder bug must not kill the host
             log.warning("validator error on message from %s: %s: %s", fwd, type(e).__name__, e)
-            return self._reject(fwd, "internal_error")
+            self.metrics.reject(origin, "internal_error")  # our bug: nobody is charged
+            return False
         inner = env.message.inner_type if env.type == ANNOUNCE_TYPE else env.type
         if inner not in allowed:
             log.info("rejected a %s envelope from %s (origin %s) on a topic for %s", inner,
                      fwd, origin, "/".join(sorted(allowed)) or "nothing")
-            return self._reject(fwd, "wrong_topic")
+            return self._reject(fwd, origin, "wrong_topic")
+        if self.admission is not None and not self.admission.accept(origin, kind):
+            return False  # over the origin's rate: counted and charged to the origin
         self.accepted[msg.from_id + msg.seqno] = env
         while len(self.accepted) > self.max_pending:
             self.accepted.popitem(last=False)

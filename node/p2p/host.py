@@ -31,7 +31,7 @@ from libp2p.tools.anyio_service import background_trio_service
 from ...protocol.ids import BULK_PROTOCOL, FETCH_PROTOCOL
 from ...protocol.messages import WireModel
 from . import patches
-from .admission import Admission
+from .admission import Admission, ValidationQueue
 from .bridge import TrioBridge
 from .bulk import BulkPlane
 from .connmgr import ConnectionManager
@@ -41,7 +41,7 @@ from .discovery import Discovery, dial_order
 from .errors import BadMultiaddr, DialError, NotRunning, P2PError
 from .gossip import GossipValidator, build_gossip
 from .metrics import P2PMetrics
-from .penalties import PeerPenalties, TopicRateLimiter
+from .penalties import PeerPenalties
 from .pubsub import GossipService, Handler
 from .reachability import Reachability, ReachabilityTracker, Verdict
 from .relay import RelayService, connection_addr
@@ -81,7 +81,8 @@ class P2PNode:
         self.gossip = GossipService(self)  # pubsub seam
         self.requests = RequestService(self)  # request/response seam
         self.penalties = PeerPenalties(self._cut)
-        self.rate_limiter = TopicRateLimiter()
+        self.admission = Admission(self.penalties, self.metrics, self_id=self.peer_id)
+        self.validation_queue = ValidationQueue(self.admission)  # received, not yet validated
         self.failure: str | None = None
         self._failed = asyncio.Event()
         self._nursery: trio.Nursery | None = None  # ours, inside the libp2p thread
@@ -212,20 +213,28 @@ class P2PNode:
                 "stream_faults": c.get("stream_faults", 0),
                 "rate_limited": c.get("rejected.rate_limited", 0),
                 "window_violations": c.get("window_violations", 0),
+                "over_budget": c.get("rejected.over_budget", 0),
+                "validation_queue": len(self.validation_queue),
+                "validation_queue_peak_bytes": self.validation_queue.peak_bytes,
                 **self.penalties.snapshot()}
 
     # Penalties ------------------------------------------------------------------------
 
     def report_misbehaviour(self, peer_id: str, n: int = 1, reason: str = "bogus_batch") -> bool:
-        """Add `n` offences of `reason` (penalties.POINTS) to the connection that carried
-        them. `peer_id` may be a connected peer, or the origin of gossip (e.g. a fresh sybil
-        key, which is never a connection): then the peer that forwarded that origin's
-        messages to us first is charged. Past the threshold the connection is cut and the
-        peer refused for a backoff. Returns True if this report cut it. Any thread."""
-        target = peer_id
-        if peer_id not in self._connected and self._validator is not None:
-            target = self._validator.carried_by.get(peer_id, peer_id)
-        return self.penalties.penalise(target, reason, n)
+        """Add `n` offences of `reason` (penalties.POINTS) to `peer_id`, the origin of the
+        bad work (its signed key); past the threshold it is refused for a backoff: its gossip
+        is dropped here and, if it is a direct connection, the connection is cut. A peer that
+        only relayed the origin's messages is never charged; the connection that introduced a
+        new origin loses new-origin tokens instead (admission.py), so one that keeps bringing
+        fresh bogus keys is throttled. Returns True if this report cut the origin. Any
+        thread."""
+        self.admission.reported(peer_id, n)
+        return self.penalties.penalise(peer_id, reason, n)
+
+    def set_established(self, fn: Callable[[str], bool] | None) -> None:
+        """`fn(peer_id) -> bool`: True for peers with a verified history; their gossip skips
+        the node's fair-share budget (admission.py). Fast and thread-safe (a set lookup)."""
+        self.admission.set_established(fn)
 
     def _cut(self, peer: str) -> None:
         self.metrics.inc("peers_cut")
@@ -282,7 +291,8 @@ class P2PNode:
         self._validator = GossipValidator(self.peer_id, self.limits, self.metrics,
                                           lambda: self._allowed,
                                           self.config.limits.max_clock_skew_s,
-                                          on_reject=self.penalties.penalise)
+                                          on_reject=self.penalties.penalise,
+                                          admission=self.admission)
         self._host, self._router, self._pubsub = host, router, pubsub
         host.get_network().register_notifee(_Notifee(self))
         services = self.relay.t_services(host)
@@ -296,8 +306,8 @@ class P2PNode:
                     await stack.enter_async_context(background_trio_service(service))
                 self.relay.t_guard_hop(host)
                 await pubsub.wait_until_ready()
-                patches.patch_running_pubsub(
-                    pubsub, Admission(self.rate_limiter, self.penalties, self.metrics).admit)
+                patches.patch_running_pubsub(pubsub, self.admission.admit,
+                                             self.validation_queue)
                 self.listen_addrs = _dialable(host.get_addrs())
                 self.requests._t_install_all()
                 async with trio.open_nursery() as nursery:
@@ -535,9 +545,16 @@ class _Notifee:
             node.metrics.inc("connections_refused")
             node._t_disconnect_soon(peer)
             return
+        if not node.admission.connected(peer, _remote_ip(conn.muxed_conn)):
+            node.metrics.inc("connections_refused_subnet")
+            node._t_disconnect_soon(peer)
+            return
         node._t_peers_changed()
 
     async def disconnected(self, network, conn) -> None:
+        peer = conn.muxed_conn.peer_id
+        if not network.connections.get(peer):
+            self.node.admission.disconnected(peer.to_base58())
         self.node._t_peers_changed()
 
     async def listen(self, network, multiaddr) -> None:
@@ -545,6 +562,14 @@ class _Notifee:
 
     async def listen_close(self, network, multiaddr) -> None:
         pass
+
+
+def _remote_ip(muxed_conn) -> str | None:
+    try:
+        addr = muxed_conn.get_remote_address()
+    except Exception:  # noqa: BLE001 - no address: the "?" subnet
+        return None
+    return str(addr[0]) if addr else None
 
 
 def _parse_maddr(addr: str, *, need_peer: bool) -> multiaddr.Multiaddr:

@@ -15,9 +15,12 @@ class P2PMetrics:
     payload_announced, payload_fetched, payload_fetch_failed, payload_pulled_bulk,
     payload_pulled_libp2p, payload_pull_misses, payload_bulk_* (bodies.py),
     bulk_* (the bulk plane: node/p2p/bulk),
-    gossip_copies_in, gossip_duplicates, requests_sent, requests_failed,
+    gossip_copies_in, gossip_duplicates, gossip_queue_dropped (admission.py), requests_sent,
+    requests_failed,
     requests_served, requests_busy, requests_too_large, streams_refused, dials, dial_failures,
-    stream_faults, window_violations, peers_cut, connections_refused (hostile peers).
+    stream_faults, window_violations, peers_cut, connections_refused,
+    connections_refused_subnet (hostile peers). Rejects are counted per charged peer: the
+    origin of a gossip message, its forwarder only for relay faults (gossip.RELAY_FAULTS).
     """
 
     def __init__(self) -> None:
@@ -34,12 +37,6 @@ class P2PMetrics:
 
     def __getitem__(self, name: str) -> int:
         return self.counters.get(name, 0)
-
-    def rejects_by_sender(self, sender: str) -> dict[str, int]:
-        return {reason: n for (s, reason), n in list(self.rejects.items()) if s == sender}
-
-    def drops(self) -> int:
-        return sum(n for k, n in list(self.counters.items()) if k.startswith("drop_"))
 
     def snapshot(self) -> dict:
         return {

@@ -1,4 +1,4 @@
-"""Per-peer misbehaviour scores, connection cuts with backoff, and inbound rate limits.
+"""Per-peer misbehaviour scores, connection cuts with backoff, and token buckets.
 
 Thread-safe: the libp2p thread (stream faults, rate limits, gossip rejects, yamux window
 violations) and the asyncio side (the verifier's `report_misbehaviour`) both penalise.
@@ -12,7 +12,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from ...protocol.limits import DEFAULT_TOPIC_RATES, OTHER_TOPIC_RATE, TopicRate
+from ...protocol.limits import TopicRate
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 POINTS: dict[str, float] = {
     "stream_fault": 60.0,  # bytes that made a stream handler raise: two within a minute cut
     "window_violation": 100.0,  # ignored the yamux receive window: cut at once
-    "rate_limited": 1.0,  # per message above the topic's budget
+    # Rate alone costs nothing (admission.py drops what is over it): an honest trainer's
+    # bursts (back to back steps, a joiner's catch-up) must never get it cut.
     "malformed": 5.0, "bad_schema": 5.0, "bad_signature": 5.0, "bad_peer_id": 5.0,
     "sender_mismatch": 5.0, "too_large": 5.0, "unknown_type": 5.0, "unknown_version": 1.0,
     # A replay is not charged: an honest duplicate that outlived pubsub's seen-cache (slow
@@ -103,44 +104,40 @@ class PeerPenalties:
         return False
 
 
-class TopicRateLimiter:
-    """Token buckets per (forwarding peer, topic). `rates` maps a topic *kind* (the
-    second-to-last part of /swarm-node/<swarm>/<kind>/1) to its TopicRate; other topics get
-    `default`."""
+class TokenBuckets:
+    """Token buckets keyed by anything hashable, each refilled at the TopicRate passed with
+    it; the least recently used are forgotten past `max_buckets` (a forgotten key starts
+    full again, so the bound costs at most one burst per eviction). Not thread-safe."""
 
-    def __init__(self, rates: dict[str, TopicRate] | None = None, *,
-                 default: TopicRate = OTHER_TOPIC_RATE,
-                 clock: Callable[[], float] = time.monotonic, max_buckets: int = 16384):
-        self.rates = dict(DEFAULT_TOPIC_RATES if rates is None else rates)
-        self.default = default
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic, max_buckets: int = 16384):
         self.clock = clock
         self.max_buckets = max_buckets
-        self._buckets: OrderedDict[tuple[str, str], list[float]] = OrderedDict()
-        self._topic_rate: dict[str, TopicRate] = {}
+        self._buckets: OrderedDict[object, list[float]] = OrderedDict()
 
-    def allow(self, peer: str, topic: str) -> bool:
-        rate = self._rate_for(topic)
+    def _level(self, key: object, rate: TopicRate) -> list[float]:
         now = self.clock()
-        key = (peer, topic)
         bucket = self._buckets.get(key)
         if bucket is None:
             bucket = self._buckets[key] = [rate.burst, now]
-            if len(self._buckets) > self.max_buckets:
+            while len(self._buckets) > self.max_buckets:
                 self._buckets.popitem(last=False)
-        tokens = min(rate.burst, bucket[0] + (now - bucket[1]) * rate.per_s)
-        bucket[1] = now
-        if tokens < 1.0:
-            bucket[0] = tokens
+        else:
+            self._buckets.move_to_end(key)
+            bucket[0] = min(rate.burst, bucket[0] + (now - bucket[1]) * rate.per_s)
+            bucket[1] = now
+        return bucket
+
+    def take(self, key: object, rate: TopicRate) -> bool:
+        """One token from `key`'s bucket; False (nothing taken) if it has less than one."""
+        bucket = self._level(key, rate)
+        if bucket[0] < 1.0:
             return False
-        bucket[0] = tokens - 1.0
+        bucket[0] -= 1.0
         return True
 
-    def _rate_for(self, topic: str) -> TopicRate:
-        rate = self._topic_rate.get(topic)
-        if rate is None:
-            parts = topic.rsplit("/", 2)
-            kind = parts[-2] if len(parts) == 3 else ""
-            rate = self.rates.get(kind, self.default)
-            if len(self._topic_rate) < 1024:  # topics are few; never grow without bound
-                self._topic_rate[topic] = rate
-        return rate
+    def charge(self, key: object, rate: TopicRate, n: float) -> None:
+        """Take `n` tokens whatever the level (it may go negative: refilled at its rate)."""
+        self._level(key, rate)[0] -= n
+
+    def __len__(self) -> int:
+        return len(self._buckets)

@@ -1,7 +1,10 @@
-"""What every role shares: config, identity, p2p host, state, and one worker thread.
+"""What every role shares: config, identity, p2p host, state, one worker thread, and one
+owner of its background tasks.
 
 CPU-heavy work (generation, verification, training, hashing) runs in the role's single
 worker thread, so it never blocks the event loop and never races on the model's weights.
+Background tasks (the follow watch) belong to `self.background` (node/lifecycle.py): a
+failure is logged and counted (`task_failed`), and `close()` cancels and awaits them.
 """
 
 from __future__ import annotations
@@ -10,63 +13,31 @@ import asyncio
 import json
 import logging
 import os
-import time
-from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ...protocol.messages import Verdict
 from ...verifier.reasons import REASONS as REASON_TEXT
+from ...verifier.verdicts import SUMMARY_REASON, parse_summary
 from ..errors import NodeError
-from .interfaces import CheckpointFeed
+from ..lifecycle import TaskOwner
+from ..runtime import BatchLimit
+from .interfaces import CheckpointFeed, VerifiedCheckpoint
 
 log = logging.getLogger("swarm_node")
 
-SUMMARY_REASON = "batch_summary"
-"""Verdict reason of a trainer's per-batch summary to the batch's sender (NODE_SPEC §5)."""
-BAN_NOTICE_INTERVAL_S = 60.0
-FOLLOW_WAIT_S = 120.0
+FOLLOW_WAIT_PERIODS = 12
 """A followed trainer re-advertises its checkpoints every broadcast.readvertise_s (10 s): with
-nothing of it here nor downloading after this long, the operator is told (once)."""
-FOLLOW_POLL_S = 1.0
-
-
-def summary_detail(accepted: int, reasons: Counter, round_: int) -> str:
-    """`accepted=6 rejected=2 round=4 reasons=task_not_assigned:2` (fits Verdict.detail)."""
-    text = ",".join(f"{r}:{n}" for r, n in reasons.most_common(12))
-    return (f"accepted={accepted} rejected={sum(reasons.values())} round={round_} "
-            f"reasons={text}")[:512]
-
-
-def parse_summary(detail: str) -> dict:
-    """Inverse of `summary_detail`; tolerant (a peer's text is untrusted: bad parts skipped)."""
-    out = {"accepted": 0, "round": "?", "reasons": {}}
-    for part in detail.split():
-        key, _, value = part.partition("=")
-        if key == "accepted" and value.isdigit():
-            out["accepted"] = min(int(value), 1 << 20)
-        elif key == "round" and value.isdigit():
-            out["round"] = value
-        elif key == "reasons":
-            for item in value.split(",")[:12]:
-                reason, _, n = item.rpartition(":")
-                if reason and n.isdigit() and len(reason) <= 64:
-                    out["reasons"][reason] = min(int(n), 1 << 20)
-    return out
+nothing of it here nor downloading after this many periods (120 s), the operator is told
+(once)."""
 
 
 def _reasons_text(reasons: dict) -> str:
     return ", ".join(f"{n} {r}: {REASON_TEXT.get(r, r)}" for r, n in reasons.items())
 
 
-def _knob(field: str) -> str:
-    return {"max_batch": "sampler.max_batch"}.get(field, f"trainer.{field}")
-
-
 class Role:
     name = "role"
-    follow_wait_s = FOLLOW_WAIT_S
 
     def __init__(self, cfg, identity, p2p, state):
         self.cfg = cfg
@@ -74,7 +45,10 @@ class Role:
         self.p2p = p2p
         self.state = state
         self.data_dir: Path = cfg.data_dir
+        self.follow_wait_s = FOLLOW_WAIT_PERIODS * cfg.broadcast.readvertise_s
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-work")
+        self.background = TaskOwner(self.name,
+                                    on_failure=lambda name, e: state.count("task_failed"))
 
     async def work(self, fn, *args, **kwargs):
         """Run `fn` in the role's worker thread (its name is what Ctrl-C says it waits for)."""
@@ -85,17 +59,19 @@ class Role:
         finally:
             self.current_work = None
 
-    async def work_oom_safe(self, fn, *args, sampler=None, holder=None, field: str = "",
+    async def work_oom_safe(self, fn, *args, limit: BatchLimit | None = None, sampler=None,
                             on_oom=None):
         """`work(fn, *args)`, retried with half the batch after an out-of-memory error.
 
-        The batch knob is `sampler.max_batch`, or `holder.<field>` (e.g. the trainer's
-        micro_batch_size). `on_oom()` undoes what the failed call left half done (run in
-        the worker thread). At 1 there is nothing smaller to try: one-line NodeError."""
+        `limit` is the batch size `fn` reads once per call (a trainer's micro-batch limit),
+        or `sampler`'s (its `batch`). `on_oom()` undoes what the failed call left half done
+        (run in the worker thread). The limit is halved here, between two calls; at 1 (or
+        with no limit to halve) there is nothing smaller to try: one-line NodeError."""
         # oom.py imports torch; a relay (which never calls this) must not load it.
         from .oom import is_oom, release_cached  # noqa: PLC0415
 
-        holder, field = (sampler, "max_batch") if sampler is not None else (holder, field)
+        if limit is None and sampler is not None:
+            limit = getattr(sampler, "batch", None)
         while True:
             try:
                 return await self.work(fn, *args)
@@ -105,17 +81,18 @@ class Role:
                 release_cached()
                 if on_oom is not None:
                     await self.work(on_oom)
-                size = getattr(holder, field)
                 self.state.count("out_of_memory")
+                size = limit.value if limit is not None else 1
+                knob = limit.name if limit is not None else "the batch size"
                 if size <= 1:
-                    raise NodeError(f"out of memory in {fn.__name__} even with {field} = 1: "
+                    raise NodeError(f"out of memory in {fn.__name__} even with {knob} = 1: "
                                     "use a smaller model, --set model.dtype=bfloat16, or a "
                                     "larger device (`swarm-node doctor` shows what fits)"
                                     ) from None
-                setattr(holder, field, max(1, size // 2))
+                smaller = limit.halve()
                 log.warning("out of memory in %s with %s = %d; retrying with %d (hint: set "
                             "--set %s=%d, `swarm-node doctor` shows what fits)",
-                            fn.__name__, field, size, size // 2, _knob(field), size // 2)
+                            fn.__name__, knob, size, smaller, knob, smaller)
 
     # Verdicts about this node's rollouts (issue 14: peers must see why they are rejected)
 
@@ -125,11 +102,15 @@ class Role:
 
     async def _on_own_verdict(self, env, from_peer: str) -> None:
         v = env.message
-        if v.subject != self.identity.peer_id:
-            return
         mine = self.state.own_verdicts
+        if v.subject != self.identity.peer_id:
+            if v.reason == SUMMARY_REASON and env.sender != self.identity.peer_id:
+                # every peer's summary: the trainer's accepted total, of which mine is a share
+                mine.swarm_summary(env.sender, parse_summary(v.detail)["accepted"])
+            return
         if v.reason == SUMMARY_REASON:
             counts = parse_summary(v.detail)
+            mine.swarm_summary(env.sender, counts["accepted"])
             if counts["accepted"]:
                 mine.add(env.sender, True, "accepted", counts["accepted"], "", v.policy_version)
             for reason, n in counts["reasons"].items():
@@ -150,75 +131,56 @@ class Role:
             log.warning("trainer %s rejected a rollout of mine: %s (%s)", env.sender[-8:],
                         v.reason, v.detail[:200] or REASON_TEXT.get(v.reason, ""))
 
-    async def announce_batch_verdicts(self, batch, sender: str, results) -> None:
-        """Trainer side: one signed summary verdict per verified batch to its sender (how
-        many accepted, rejects by reason), so an honest peer sees what happens to its work."""
-        if not results or sender == self.identity.peer_id:
-            return
-        reasons = Counter(r.reason for r in results if not r.accept)
-        n_ok = sum(1 for r in results if r.accept)
-        detail = summary_detail(n_ok, reasons, batch.round)
-        await self._publish_verdict_msg(results[0].rollout_id, sender, n_ok > 0, SUMMARY_REASON,
-                                        batch.policy_version, detail)
-
-    async def announce_ban(self, sender: str, rollout_id: bytes, detail: str) -> None:
-        """Trainer side: tell a banned peer (at most once a minute per peer)."""
-        now = time.monotonic()
-        told = self.__dict__.setdefault("_told_banned", {})
-        if now - told.get(sender, -1e9) < BAN_NOTICE_INTERVAL_S:
-            return
-        told[sender] = now
-        await self._publish_verdict_msg(rollout_id, sender, False, "banned", 0, detail)
-
-    async def _publish_verdict_msg(self, rollout_id, subject, accept, reason, version,
-                                   detail) -> None:
-        msg = Verdict(rollout_id=rollout_id, subject=subject, accept=accept, reason=reason,
-                      policy_version=version, detail=detail[:512])
-        try:
-            await self.p2p.publish("verdicts", msg)
-        except Exception as e:  # noqa: BLE001 - feedback only; counted
-            self.state.count("verdict_publish_failed")
-            log.debug("verdict to %s not published: %s", subject[-8:], e)
-
     async def start(self) -> None:
         """Load what the role needs and subscribe to its topics."""
 
-    def track_downloads(self, feed: CheckpointFeed, interval_s: float = 1.0) -> None:
-        """Mirror the feed's download in progress into `/status`, every `interval_s`."""
+    def track_downloads(self, feed: CheckpointFeed) -> None:
+        """The feed's download in progress in `/status` (taken whenever the state is read),
+        each finished download in its record and counters, and the feed's counters at
+        `/metrics`."""
         tracker = DownloadTracker(self.state, feed)
+        self.state.metrics.before_read(tracker.tick)
+        self.state.add_counters("broadcast", feed.counters)
 
-        async def loop():
-            while True:
-                tracker.tick()
-                await asyncio.sleep(interval_s)
-        self._tracker = asyncio.create_task(loop(), name=f"{self.name}-progress")
+    def count_sampling(self, sampler: Callable[[], object]) -> None:
+        """The sampler's seconds by phase at `/metrics` (`swarm_node_sampler_seconds_total`;
+        `sampler()`: the one in use, which a role may replace)."""
+        self.state.metrics.counters("sampler_seconds", "Seconds spent sampling, by phase.",
+                                    lambda: sampler().time_spent(), label="phase")
 
     def watch_followed(self, feed: CheckpointFeed, trainer: Callable[[], str | None]) -> None:
         """After `follow_wait_s` with no checkpoint of `trainer()` here nor downloading, say
         so once in the log and in /status (`follow`), and again when it appears. The node
-        keeps running: the trainer may start later."""
+        keeps running: the trainer may start later. A node with neither --follow nor
+        --bootstrap can learn no trainer: /status says so at once."""
+        if trainer() is None and not self.cfg.node.bootstrap:
+            self.state.extra["follow"] = {"trainer": None, "seen": False,
+                                          "problem": _follow_problem(None, 0.0, False)}
+
+        def heard() -> bool:
+            return _heard_from(feed, trainer())
+
         async def watch():
-            await asyncio.sleep(self.follow_wait_s)
-            if _heard_from(feed, trainer()):
+            # woken by the feed (a download starts or ends, a trainer is chosen); the
+            # deadline is when the operator is told
+            if await feed.changed.wait_for(heard, timeout=self.follow_wait_s):
                 return
-            problem = _follow_problem(trainer(), self.follow_wait_s)
+            problem = _follow_problem(trainer(), self.follow_wait_s, feed.follow_problem(),
+                                      bool(self.cfg.node.bootstrap))
             self.state.extra["follow"] = {"trainer": trainer(), "seen": False,
                                           "problem": problem}
             log.warning("%s", problem)
-            while not _heard_from(feed, trainer()):
-                await asyncio.sleep(FOLLOW_POLL_S)
+            await feed.changed.wait_for(heard)
             self.state.extra["follow"] = {"trainer": trainer(), "seen": True}
             log.info("the followed trainer %s appeared: its checkpoint is downloading or here",
                      trainer())
-        self._follow_watch = asyncio.create_task(watch(), name=f"{self.name}-follow")
+        self.background.spawn(watch(), "follow watch")
 
     async def run(self, stop: asyncio.Event) -> None:
         await stop.wait()
 
     async def close(self) -> None:
-        for task in (getattr(self, "_tracker", None), getattr(self, "_follow_watch", None)):
-            if task is not None:
-                task.cancel()
+        await self.background.close()
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     # Small persistent counters (survive restarts) -------------------------------------
@@ -239,8 +201,9 @@ class Role:
         os.replace(tmp, path)
 
 
-async def wait_any(stop: asyncio.Event, event: asyncio.Event, timeout: float) -> bool:
-    """Wait for `event` or `stop` up to `timeout`; True if `event` fired."""
+async def wait_any(stop: asyncio.Event, event: asyncio.Event, timeout: float | None) -> bool:
+    """Wait for `event` or `stop` (up to `timeout`, None: no limit); True if `event`
+    fired."""
     waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(event.wait())]
     try:
         await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
@@ -255,10 +218,17 @@ def _heard_from(feed: CheckpointFeed, trainer: str | None) -> bool:
         d.policy_id == trainer for d in feed.downloads()))
 
 
-def _follow_problem(trainer: str | None, waited_s: float) -> str:
+def _follow_problem(trainer: str | None, waited_s: float, why: str | None = None,
+                    bootstrap: bool = True) -> str:
+    if trainer is None and why:
+        return f"no trainer to follow after {waited_s:.0f}s: {why}. Still waiting"
+    if trainer is None and not bootstrap:
+        return ("no trainer to follow: no --follow and no --bootstrap were given; restart "
+                "with the line the trainer printed ('others join with: ...'), which has both")
     if trainer is None:
         return (f"no trainer to follow after {waited_s:.0f}s: no --follow was given and no "
-                "bootstrap peer announced one; pass --follow <trainer peer id>. Still waiting")
+                "bootstrap peer announced one (is it in another swarm? check --swarm); pass "
+                "--follow <trainer peer id>. Still waiting")
     return (f"no checkpoint of the followed trainer {trainer} after {waited_s:.0f}s: check "
             "that this is the trainer's peer id (its log says 'joined swarm ... peer id'), "
             "that it is running and that this node's bootstrap peers reach it. Still waiting")
@@ -266,27 +236,22 @@ def _follow_problem(trainer: str | None, waited_s: float) -> str:
 
 class DownloadTracker:
     """A checkpoint feed's downloads as seen by `/status`: the progress of the one in
-    flight, and a download record (size, seconds) per version once it is verified here."""
+    flight (read every tick), and a download record (bytes fetched, seconds) per version
+    the feed hands over (an event: a download that starts and ends between two ticks is
+    counted too)."""
 
     def __init__(self, state, feed: CheckpointFeed):
         self.state, self.feed = state, feed
-        self.started: dict[tuple[str, int], tuple[float, int]] = {}
-        self.last: tuple[str, int] | None = None  # the download shown in /status
+        feed.listen(self.handed_over)
 
     def tick(self) -> None:
-        downloads = self.feed.downloads()
-        for d in downloads:
+        for d in self.feed.downloads():
             self.state.set_checkpoint_progress(d.version, d.shards_have, d.shards_total,
                                                d.bytes_done, d.bytes_total)
-            self.started.setdefault((d.policy_id, d.version), (time.monotonic(), d.bytes_total))
-            self.last = (d.policy_id, d.version)
-        for key in [k for k in self.started if self.feed.path(*k) is not None]:
-            t0, size = self.started.pop(key)
-            self.state.record_download(key[1], key[0], size, time.monotonic() - t0)
-        cp = self.state.checkpoint_progress
-        if (cp and not cp["complete"] and not downloads and self.last is not None
-                and self.feed.path(*self.last) is not None):
-            # it finished between two ticks: show it complete
-            self.state.set_checkpoint_progress(cp["version"], cp["shards_total"],
-                                               cp["shards_total"], cp["bytes_total"],
-                                               cp["bytes_total"])
+
+    def handed_over(self, ckpt: VerifiedCheckpoint) -> None:
+        if ckpt.downloaded > 0:
+            self.state.record_download(ckpt.version, ckpt.policy_id, ckpt.downloaded,
+                                       ckpt.seconds)
+        self.state.set_checkpoint_progress(ckpt.version, ckpt.shards, ckpt.shards, ckpt.size,
+                                           ckpt.size)

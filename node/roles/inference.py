@@ -18,7 +18,7 @@ from ...protocol.messages import RolloutBatch
 from ...verifier.proof import build_proofs
 from ...verifier.rules import batch_rules
 from ..broadcast.follow import trainer_choice
-from ..diskspace import until_written
+from ..diskspace import DiskWatch, until_written
 from ..sampler import make_sampler
 from ..sampler.factory import sampling_params
 from ..sampler.rounds import sample_round, to_batch
@@ -31,12 +31,11 @@ from .interfaces import (
     RolloutSink,
     VerifiedCheckpoint,
 )
-from .settings import SettingsFollower
+from .settings import EffectiveSettings, SettingsFollower
 
 log = logging.getLogger("swarm_node")
 
 ROUND_FILE = "round.json"
-NO_TRAINER_POLL_S = 5.0  # with no trainer to follow yet, look again this often
 
 
 class InferenceRole(Role):
@@ -58,11 +57,14 @@ class InferenceRole(Role):
         self.pending: tuple[int, object] | None = None  # (version, checkpoint dir)
         self.new_version = asyncio.Event()
         self.round = int(self.load_json(ROUND_FILE, {"next_round": 0})["next_round"])
+        # a round is sampled only when its counter can be persisted: a full disk pauses it
+        self.disk = DiskWatch("sampling", self.data_dir)
 
     async def start(self) -> None:
         self.tasks = TaskSource.of(self.cfg.tasks, self.cfg.node.swarm_id)
-        self._task_mix = (dict(self.cfg.tasks.mix), dict(self.cfg.tasks.params))
         self.settings = SettingsFollower(self.cfg)  # the trainer's settings, adopted or refused
+        # the settings of the loaded checkpoint: swapped with it, handed to every round
+        self.effective = self.settings.local
         self.state.extra["settings"] = self.settings.view
         self.sampler = await self.work(make_sampler, self.cfg, peer_id=self.identity.peer_id)
         self.tokenizer = self.sampler.tokenizer
@@ -74,9 +76,12 @@ class InferenceRole(Role):
                 settings_check=self.settings.check)
         self.feed.listen(self._on_checkpoint)
         self.policy_id = self.feed.chosen()
+        self.state.policy_id = self.policy_id or ""
         await self.feed.start()
         self.state.extra["disk"] = self.feed.disk.status()
+        self.state.extra["sampling_disk"] = self.disk.status()
         self.track_downloads(self.feed)
+        self.count_sampling(lambda: self.sampler)
         # says so if the trainer never appears (chosen: announced by the bootstrap peer)
         self.watch_followed(self.feed, lambda: self.policy_id or self.feed.chosen())
         await self.watch_verdicts()
@@ -97,22 +102,23 @@ class InferenceRole(Role):
         version, ckpt_dir = self.pending
         self.pending = None
         t0 = time.monotonic()
-        await self._adopt_settings(ckpt_dir)
+        effective = self.settings.effective_for(self.policy_id, version)
+        await self._adopt_settings(effective, ckpt_dir)
         await self.work(self.sampler.load_weights, ckpt_dir, version)
+        self.effective = effective  # the next round samples with this checkpoint's settings
         self.state.observe("checkpoint_load_seconds", time.monotonic() - t0)
         self.state.policy_version = version
+        self.state.policy_id = self.policy_id or ""
         log.info("hot-loaded policy version %d in %.2fs", version, time.monotonic() - t0)
 
-    async def _adopt_settings(self, ckpt_dir) -> None:
-        """Apply the swarm settings adopted from the trainer's manifest (settings.py): a new
-        task mix, and a new base model, loaded from the checkpoint directory itself."""
-        if self._task_mix != (self.cfg.tasks.mix, self.cfg.tasks.params):
-            self.tasks = TaskSource.of(self.cfg.tasks, self.cfg.node.swarm_id)
-            self._task_mix = (dict(self.cfg.tasks.mix), dict(self.cfg.tasks.params))
-        if self.settings.model_changed:
-            self.settings.model_changed = False
-            cfg = self.cfg.model_copy(deep=True)
-            cfg.model.name = str(ckpt_dir)
+    async def _adopt_settings(self, effective: EffectiveSettings, ckpt_dir) -> None:
+        """What a checkpoint's settings (settings.py) change beyond the round's parameters:
+        the task mix, and the base model, loaded from the checkpoint directory itself."""
+        now, new = self.effective.config.tasks, effective.config.tasks
+        if (now.mix, now.params) != (new.mix, new.params):
+            self.tasks = TaskSource.of(new, self.cfg.node.swarm_id)
+        if effective.model_id != self.effective.model_id:
+            cfg = effective.config.with_overrides({"model.name": str(ckpt_dir)})
             self.sampler = await self.work(make_sampler, cfg, peer_id=self.identity.peer_id)
             self.tokenizer = self.sampler.tokenizer
             log.info("model adopted from the trainer's checkpoint %s", ckpt_dir)
@@ -125,11 +131,18 @@ class InferenceRole(Role):
         while not stop.is_set():
             await self._maybe_reload()
             if self.policy_id is None:
-                # Nobody to follow yet: wait for the bootstrap peer's announcement.
-                await wait_any(stop, self.new_version, timeout=NO_TRAINER_POLL_S)
+                # Nobody to follow yet: the chosen trainer's first checkpoint sets it
+                # (_on_checkpoint) and wakes this wait.
+                await wait_any(stop, self.new_version, timeout=None)
                 self.new_version.clear()
                 continue
-            round_ = self._next_round()
+            self.state.policy_id = self.policy_id
+            # disk full: sampling pauses (one line; the next version could not be downloaded
+            # either) and resumes when space returns
+            if not await self.disk.wait_for_space(0, stop):
+                break
+            effective = self.effective  # one snapshot for the whole round
+            round_ = self._next_round(effective)
             if round_ is None:
                 # This version's rounds are used up (BatchRules: rounds are bound to the
                 # version, verifiers accept no others); wait for the next version.
@@ -137,12 +150,15 @@ class InferenceRole(Role):
                 await wait_any(stop, self.new_version, timeout=self.cfg.sampler.version_wait_s)
                 continue
             t0 = time.monotonic()
-            batch = await self.work_oom_safe(self.sample_round, round_, sampler=self.sampler)
-            self.state.observe("sample_round_seconds", time.monotonic() - t0)
+            batch = await self.work_oom_safe(self.sample_round, round_, effective,
+                                             sampler=self.sampler)
+            seconds = time.monotonic() - t0
+            self.state.observe("sample_round_seconds", seconds)
             self.round = round_ + 1
-            # disk full: sampling pauses here (the round is persisted before publishing)
-            await until_written(self.feed.disk, self.work, self.save_json, ROUND_FILE,
-                                {"next_round": self.round})
+            # the round is persisted before publishing (a write that fails for space pauses
+            # here; a stop meanwhile drops this batch unsent: WaitStopped)
+            await until_written(self.disk, self.work, self.save_json, ROUND_FILE,
+                                {"next_round": self.round}, stop=stop)
             if self.pending is not None and (
                     self.pending[0] - batch.policy_version > self.cfg.trainer.max_staleness):
                 # A much newer policy arrived while sampling: verifiers would reject this
@@ -160,29 +176,34 @@ class InferenceRole(Role):
             self.state.rollouts_sent += len(batch.completions)
             rewards = [c.claimed_reward for c in batch.completions]
             self.state.reward = sum(rewards) / len(rewards)
+            tokens = sum(int(c.completion_ids.shape[0]) for c in batch.completions)
             self.state.record_step(batch.policy_version, self.state.reward, round=batch.round,
-                                   accuracy=sum(r >= 1.0 for r in rewards) / len(rewards))
+                                   accuracy=sum(r >= 1.0 for r in rewards) / len(rewards),
+                                   tokens_per_s=round(tokens / max(seconds, 1e-6), 1))
             log.info("published round %d: %d completions, policy v%d, mean reward %.3f",
                      batch.round, len(batch.completions), batch.policy_version, self.state.reward)
 
-    def _next_round(self) -> int | None:
+    def _next_round(self, effective: EffectiveSettings) -> int | None:
         """The next unused round of the current version's window, or None when used up."""
-        window = batch_rules(self.cfg).round_window(self.sampler.version)
+        window = batch_rules(effective.config).round_window(self.sampler.version)
         round_ = max(self.round, window.start)
         return round_ if round_ in window else None
 
-    def sample_round(self, round_: int) -> RolloutBatch:
-        """Draw this round's tasks, sample, prove, and build the batch (worker thread)."""
-        scfg, tcfg = self.cfg.sampler, self.cfg.tasks
+    def sample_round(self, round_: int, effective: EffectiveSettings | None = None
+                     ) -> RolloutBatch:
+        """Draw this round's tasks, sample, prove, and build the batch (worker thread), with
+        the settings of the checkpoint being sampled (`effective`; default: the current)."""
+        cfg = (effective or self.effective).config
+        scfg, tcfg = cfg.sampler, cfg.tasks
         fmt, style = tcfg.format_reward, PromptStyle.of(tcfg)
-        params = sampling_params(self.cfg)  # the one builder: every sampler field, top_k too
+        params = sampling_params(cfg)  # the one builder: every sampler field, top_k too
         samples = sample_round(self.sampler, self.tokenizer, self.tasks, self.identity.peer_id,
                                round_, tcfg.tasks_per_round, scfg.completions_per_task, params,
                                style=style)
         batch = to_batch(samples, self.cfg.node.swarm_id, self.policy_id, round_, params,
                          score=lambda ref, text: get_task(ref, fmt, style).score(text))
         proofs = build_proofs([s.hidden for s in samples])
-        batch = batch.model_copy(update={"dtype": self.cfg.model.dtype, "completions": [
+        batch = batch.model_copy(update={"dtype": cfg.model.dtype, "completions": [
             c.model_copy(update={"proof": p}) for c, p in zip(batch.completions, proofs)]})
         if self.outgoing is not None:
             batch = self.outgoing(batch)

@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING, Protocol
 
 from ...protocol.messages import RolloutBatch
 from ...verifier.rules import retention
-from ..broadcast.service import Broadcaster
+from ..broadcast.service import Broadcaster, Completed
 from ..diskspace import DiskWatch
+from ..lifecycle import Changed
 
 if TYPE_CHECKING:  # for annotations only: verifier.checks loads torch, which a relay never needs
     from ...verifier.checks import RolloutResult, SpotCheck
@@ -39,6 +40,9 @@ class VerifiedCheckpoint:
     version: int
     path: Path
     size: int  # bytes of all shards
+    downloaded: int = 0  # bytes of verified shards fetched from peers for it (0: none)
+    seconds: float = 0.0  # from its accepted manifest to the verified checkpoint
+    shards: int = 0
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,7 @@ OnCheckpoint = Callable[[VerifiedCheckpoint], None]
 
 class CheckpointFeed(Protocol):
     disk: DiskWatch  # where the feed writes; a paused disk also pauses the role's own writes
+    changed: Changed  # fires when a download starts or ends, or a trainer is chosen
 
     def listen(self, on_checkpoint: OnCheckpoint) -> None:
         """Call `on_checkpoint` for each verified checkpoint, once, in version order per
@@ -65,6 +70,9 @@ class CheckpointFeed(Protocol):
 
     def chosen(self) -> str | None:
         """The trainer a follower adopted (configured, kept, or announced); None before."""
+
+    def follow_problem(self) -> str | None:
+        """Why no trainer was adopted (e.g. the bootstrap peers disagree), when known."""
 
     def follows(self, policy_id: str) -> bool: ...
 
@@ -75,6 +83,10 @@ class CheckpointFeed(Protocol):
         """The newest complete version of `policy_id` here (-1 when none)."""
 
     def downloads(self) -> list[DownloadStatus]: ...
+
+    def counters(self) -> dict[str, int]:
+        """What the feed did since start (downloads, bytes, manifests, shards served), by
+        name, for /metrics."""
 
     async def start(self) -> None: ...
 
@@ -108,6 +120,7 @@ class BroadcastFeed:
     def __init__(self, broadcaster: Broadcaster):
         self.broadcaster = broadcaster
         self.disk = broadcaster.disk
+        self.changed = broadcaster.follower.changed
         self._listeners: list[OnCheckpoint] = []
         broadcaster.on_complete = self._handed_over
 
@@ -116,9 +129,10 @@ class BroadcastFeed:
         """`Broadcaster(p2p, cfg, root, **kwargs)` behind the feed interface."""
         return cls(Broadcaster(p2p, cfg, root, **kwargs))
 
-    def _handed_over(self, manifest, path: Path) -> None:
-        ckpt = VerifiedCheckpoint(manifest.policy_id, manifest.version, Path(path),
-                                  manifest.total_size)
+    def _handed_over(self, done: Completed) -> None:
+        m = done.manifest
+        ckpt = VerifiedCheckpoint(m.policy_id, m.version, Path(done.path), m.total_size,
+                                  done.fetched, done.seconds, m.num_shards)
         for on_checkpoint in self._listeners:
             on_checkpoint(ckpt)
 
@@ -129,23 +143,37 @@ class BroadcastFeed:
         choice = self.broadcaster.choice
         return choice.chosen if choice is not None else None
 
+    def follow_problem(self) -> str | None:
+        choice = self.broadcaster.choice
+        return choice.problem if choice is not None else None
+
     def follows(self, policy_id: str) -> bool:
         return self.broadcaster.gate.follows(policy_id)
 
     def path(self, policy_id: str, version: int) -> Path | None:
-        return self.broadcaster.completed.get((policy_id, version))
+        return self.broadcaster.path(policy_id, version)
 
     def latest_version(self, policy_id: str) -> int:
         return self.broadcaster.store.current_version(policy_id)
 
+    def served(self) -> dict[str, int]:
+        """Checkpoint bytes uploaded to each peer since start (whole answers)."""
+        return dict(self.broadcaster.server.served_to)
+
     def downloads(self) -> list[DownloadStatus]:
         out = []
-        for version, _task, d in list(self.broadcaster.downloads.values()):
+        for job in list(self.broadcaster.follower.jobs.values()):
+            d = job.downloader
+            if d is None:
+                continue
             m = d.entry.manifest
             done = d.progress.done if d.progress is not None else 0
-            out.append(DownloadStatus(m.policy_id, version, len(d.entry.have), m.num_shards,
-                                      done, m.total_size))
+            out.append(DownloadStatus(m.policy_id, job.version, len(d.entry.have),
+                                      m.num_shards, done, m.total_size))
         return out
+
+    def counters(self) -> dict[str, int]:
+        return self.broadcaster.counters()
 
     async def start(self) -> None:
         await self.broadcaster.start()

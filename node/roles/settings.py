@@ -9,15 +9,24 @@ prompt name, few-shot examples), group size and sampling parameters. A follower 
   refused with one line naming each difference (`settings_mismatch`).
 The model dtype and context length travel too but are informational: hardware may differ
 and verification tolerates it, so they are never adopted nor refused.
+
+Adopting never changes the node's config (it is read-only): each accepted manifest yields
+an `EffectiveSettings`, the config with the adopted fields applied, bound to that checkpoint;
+the role switches to it when it loads the checkpoint and hands it to every round.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from ...protocol import PROTOCOL_VERSION
 from ...protocol.messages import SamplingParams, SwarmSettings
-from ..errors import NodeError
+from ..config import Config
+from ..errors import ConfigError, NodeError
 from ..tasks import MAX_FEW_SHOT, TaskSource, system_prompt_names
 
 log = logging.getLogger(__name__)
@@ -59,25 +68,74 @@ def _announced(settings: SwarmSettings) -> dict:
     return flat
 
 
-class SettingsFollower:
-    """A follower's side: `check(settings)` adopts what it may and returns the refusal line
-    (None when the policy can be used). `model_changed` tells the role to reload its model
-    from the checkpoint (the checkpoint directory is a complete model directory)."""
+@dataclass(frozen=True)
+class EffectiveSettings:
+    """The settings a follower samples with, as one immutable value: its own (read-only)
+    config with the swarm settings it adopted applied. A role binds one to each checkpoint it
+    loads and hands it to each round (the worker reads nothing else), so a round never sees
+    half an adoption; swapping it is one assignment on the event loop, between rounds."""
 
-    def __init__(self, cfg):
+    config: Config
+    """The node's config with the adopted fields replaced (validated, read-only)."""
+    adopted: Mapping[str, object] = field(default_factory=lambda: MappingProxyType({}))
+    """Announced setting name -> value, for what differs from this node's config."""
+    model_id: str = ""
+    """The base model the policy is used with: the trainer's when adopted (then loaded from
+    the checkpoint directory itself), else this node's `model.name`."""
+
+    @classmethod
+    def local(cls, cfg: Config) -> EffectiveSettings:
+        """No trainer settings (yet): this node's own."""
+        return cls(cfg, MappingProxyType({}), cfg.model.name)
+
+    @classmethod
+    def adopting(cls, cfg: Config, adopt: Mapping[str, object]) -> EffectiveSettings:
+        overrides = {".".join(ADOPTABLE[k]): v for k, v in adopt.items() if k != "model_id"}
+        config = cfg.with_overrides(overrides, "swarm settings") if overrides else cfg
+        return cls(config, MappingProxyType(dict(adopt)),
+                   str(adopt.get("model_id", cfg.model.name)))
+
+
+class SettingsFollower:
+    """A follower's side: `check(settings, trainer, version)` (the manifest gate's hook)
+    decides whether a policy can be used with this node's config and returns the refusal
+    line (None: usable); `effective_for(trainer, version)` is the `EffectiveSettings` of an
+    accepted checkpoint. The node's config is never changed."""
+
+    KEEP = 16  # accepted versions whose settings are remembered (a follower loads the newest)
+
+    def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.adopted: dict[str, object] = {}
+        self.local = EffectiveSettings.local(cfg)
         self.refused: str | None = None
-        self.model_changed = False
+        self._by_version: OrderedDict[tuple[str, int], EffectiveSettings] = OrderedDict()
         self._logged: set[str] = set()
-        self.view: dict = {"adopted": self.adopted, "refused": None}  # live, for /status
+        self._adopted_logged: dict[str, object] = {}
+        self.view: dict = {"adopted": {}, "refused": None}  # for /status
+
+    @property
+    def adopted(self) -> dict[str, object]:
+        """What the newest accepted policy's settings change here (for /status, tests)."""
+        return dict(self.view["adopted"])
+
+    def effective_for(self, trainer: str | None, version: int) -> EffectiveSettings:
+        """The settings of an accepted checkpoint; for a version not checked in this run,
+        those of the trainer's newest accepted one; else (none accepted, or its manifests
+        carry no settings) this node's own."""
+        exact = self._by_version.get((trainer or "", version))
+        if exact is not None:
+            return exact
+        theirs = [s for (t, _), s in self._by_version.items() if t == (trainer or "")]
+        return theirs[-1] if theirs else self.local
 
     def _explicit(self, section: str, field: str) -> bool:
         return field in getattr(self.cfg, section).model_fields_set
 
-    def check(self, settings: SwarmSettings | None, trainer: str = "") -> str | None:
-        if settings is None:
-            return None  # the trainer announces nothing: local settings apply
+    def check(self, settings: SwarmSettings | None, trainer: str = "",
+              version: int = -1) -> str | None:
+        if settings is None:  # the trainer announces nothing: local settings apply
+            self._remember(trainer, version, self.local)
+            return None
         if settings.protocol_version != PROTOCOL_VERSION:
             return self._refuse(trainer, [(f"protocol version {settings.protocol_version} "
                                           f"(this node speaks {PROTOCOL_VERSION})")])
@@ -85,12 +143,12 @@ class SettingsFollower:
         for name, value in _announced(settings).items():
             if name not in ADOPTABLE:
                 continue
-            section, field = ADOPTABLE[name]
-            mine = getattr(getattr(self.cfg, section), field)
-            if mine == value or self.adopted.get(name) == value:
+            section, field_ = ADOPTABLE[name]
+            mine = getattr(getattr(self.cfg, section), field_)
+            if mine == value:
                 continue
-            if self._explicit(section, field) and name not in self.adopted:
-                diffs.append(f"{section}.{field} = {mine!r} here, {value!r} in the swarm")
+            if self._explicit(section, field_):
+                diffs.append(f"{section}.{field_} = {mine!r} here, {value!r} in the swarm")
             else:
                 adopt[name] = value
         if {"task_mix", "task_params"} & set(adopt):
@@ -102,21 +160,28 @@ class SettingsFollower:
             diffs.append(f"tasks.system_prompt {adopt['system_prompt']!r} is unknown here")
         if adopt.get("few_shot", 0) > MAX_FEW_SHOT:
             diffs.append(f"tasks.few_shot {adopt['few_shot']} is over {MAX_FEW_SHOT} here")
+        if not diffs:
+            try:
+                effective = EffectiveSettings.adopting(self.cfg, adopt)
+            except ConfigError as e:  # a value our config cannot hold (out of its range)
+                diffs.append(str(e).removeprefix("invalid configuration: "))
         if diffs:
             return self._refuse(trainer, diffs)
         self.refused = self.view["refused"] = None
-        for name, value in adopt.items():
-            section, field = ADOPTABLE[name]
-            if name == "model_id":
-                self.model_changed = True  # loaded from the checkpoint itself, see role
-            else:
-                setattr(getattr(self.cfg, section), field, value)
-            self.adopted[name] = value
-        if adopt:
-            log.warning("adopted the swarm settings of trainer %s: %s", trainer[-8:] or "?",
-                        ", ".join(f"{ADOPTABLE[k][0]}.{ADOPTABLE[k][1]} = {v!r}"
-                                  for k, v in adopt.items()))
+        self._remember(trainer, version, effective)
+        self.view["adopted"] = dict(adopt)
+        if adopt and adopt != self._adopted_logged:  # once per distinct adoption
+            self._adopted_logged = dict(adopt)
+            log.info("adopted the swarm settings of trainer %s: %s", trainer[-8:] or "?",
+                     ", ".join(f"{ADOPTABLE[k][0]}.{ADOPTABLE[k][1]} = {v!r}"
+                               for k, v in adopt.items()))
         return None
+
+    def _remember(self, trainer: str, version: int, effective: EffectiveSettings) -> None:
+        self._by_version[(trainer, version)] = effective
+        self._by_version.move_to_end((trainer, version))
+        while len(self._by_version) > self.KEEP:
+            self._by_version.popitem(last=False)
 
     def _refuse(self, trainer: str, diffs: list[str]) -> str:
         line = (f"refusing the policy of trainer {trainer[-8:] or '?'}: its swarm settings "

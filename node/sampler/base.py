@@ -11,6 +11,7 @@ import torch
 
 from ...protocol.messages import SamplingParams, TaskRef
 from ..errors import NodeError
+from ..runtime import BatchLimit
 from .seeded import completion_seed
 
 Prompt = tuple[TaskRef, list[int]]
@@ -41,6 +42,9 @@ class Sampler(ABC):
 
     version: int = 0
     peer_id: str = ""
+    batch: BatchLimit | None = None
+    """Sequences decoded at once, where the backend batches itself (HF); an out-of-memory
+    retry halves it. None: the engine sizes its own batches (vLLM)."""
 
     @abstractmethod
     def generate(self, prompts: list[Prompt], n: int, params: SamplingParams,
@@ -53,6 +57,11 @@ class Sampler(ABC):
                      version: int | None = None) -> None:
         """Swap in new weights (a checkpoint directory / safetensors file, or a state dict);
         sets `.version` to `version` (default: current + 1)."""
+
+    def time_spent(self) -> dict[str, float]:
+        """Cumulative seconds by phase since start, for /metrics (none: the backend keeps
+        no timings)."""
+        return {}
 
     def close(self) -> None:
         """Release engine resources (no-op for in-process backends)."""

@@ -18,6 +18,7 @@ import torch
 
 from ...protocol.messages import SamplingParams
 from ..errors import NodeError
+from ..runtime import BatchLimit
 from .base import Prompt, Sample, Sampler, check_seeds, default_seeds
 from .seeded import choose_tokens, gumbel_rows
 
@@ -34,13 +35,16 @@ from .stops import context_limit, model_eos_ids
 
 class HFSampler(Sampler):
     def __init__(self, model, tokenizer, *, peer_id: str = "", max_context: int | None = None,
-                 capture_hidden: bool = True, max_batch: int = 64, version: int = 0):
+                 capture_hidden: bool = True, max_batch: int | BatchLimit = 64,
+                 version: int = 0):
         self.model = model
         self.tokenizer = tokenizer
         self.peer_id = peer_id
         self.version = version
         self.capture_hidden = capture_hidden
-        self.max_batch = max_batch
+        # sequences decoded at once; an out-of-memory retry halves it (roles/base.py)
+        self.batch = max_batch if isinstance(max_batch, BatchLimit) \
+            else BatchLimit("sampler.max_batch", max_batch)
         # shared with the verifier (stops.py): same EOS set, same context limit
         self.max_context = context_limit(model.config, max_context)
         self.eos_ids = set(model_eos_ids(model, tokenizer))
@@ -53,6 +57,15 @@ class HFSampler(Sampler):
         # cumulative seconds: whole generate calls, token choice (noise included), the noise
         # computed up front (small vocabularies), hidden-state capture
         self.timings = {"generate_s": 0.0, "pick_s": 0.0, "noise_s": 0.0, "capture_s": 0.0}
+
+    @property
+    def max_batch(self) -> int:
+        return self.batch.value
+
+    def time_spent(self) -> dict[str, float]:
+        """`generate` (whole calls), `pick` (token choice, noise included), `noise` (computed
+        up front), `capture` (hidden states), in seconds."""
+        return {k.removesuffix("_s"): v for k, v in self.timings.items()}
 
     @property
     def device(self) -> torch.device:
@@ -75,8 +88,9 @@ class HFSampler(Sampler):
         started = time.perf_counter()
         rows = [(i, j) for i in range(len(prompts)) for j in range(n)]
         out: list[list[Sample | None]] = [[None] * n for _ in prompts]
-        for start in range(0, len(rows), self.max_batch):
-            chunk = rows[start:start + self.max_batch]
+        size = self.batch.value  # read once: a retry after OOM halves it between calls
+        for start in range(0, len(rows), size):
+            chunk = rows[start:start + size]
             samples = self._generate_rows([prompts[i] for i, _ in chunk],
                                           [seeds[i][j] for i, j in chunk], params)
             for (i, j), s in zip(chunk, samples):

@@ -77,17 +77,11 @@ def mask_logits(scaled: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return out
 
 
-def choose_token(logits: torch.Tensor, seed: int, position: int,
-                 params: SamplingParams) -> tuple[int, float]:
-    """(token, logprob) for one row of logits [V] at completion position `position`."""
-    tokens, logprobs = choose_tokens(logits.unsqueeze(0), [seed], [position], params)
-    return int(tokens[0]), float(logprobs[0])
-
-
 def choose_tokens(logits: torch.Tensor, seeds: list[int] | torch.Tensor,
                   positions: list[int] | torch.Tensor, params: SamplingParams,
                   noise_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Batched `choose_token`: logits [B, V] -> (tokens int64 [B], logprobs float32 [B]).
+    """The seeded token choice of each row: logits [B, V] -> (tokens int64 [B], logprobs
+    float32 [B]); row i uses `seeds[i]` at completion position `positions[i]`.
 
     `noise_rows` [B, V]: the rows' noise, already computed (e.g. for many steps at once);
     otherwise it is computed here, on the logits' device."""

@@ -25,13 +25,11 @@ import threading
 import time
 from pathlib import Path
 
-from ...protocol.messages import CheckpointManifest
 from ..broadcast.errors import ManifestRejected
 from ..broadcast.follow import TrainerChoice, bootstrap_peer_ids
 from ..broadcast.server import RateLimiter
-from ..broadcast.service import Broadcaster
-from ..broadcast.transport import RX_STATS
-from ..config import Config
+from ..broadcast.service import Broadcaster, Completed
+from ..config import load_config
 from ..diskspace import configure as configure_disk
 from ..identity import Identity
 from ..p2p import P2PNode
@@ -124,36 +122,26 @@ async def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
-    cfg = Config()
-    cfg.node.listen = [args.listen]
-    cfg.node.role = args.role
-    cfg.p2p.discovery_interval_s = args.discovery_interval
-    cfg.p2p.bootstrap_timeout_s = 20
-    cfg.p2p.mesh_wait_s = 3
-    if args.shard_size:
-        cfg.broadcast.shard_size = args.shard_size
-    if args.parallel:
-        cfg.broadcast.parallel_downloads = args.parallel
-    cfg.bulk.listen = args.bulk_listen
-    cfg.bulk.advertise = args.bulk_advertise
-    cfg.bulk.handshake_timeout_s = args.bulk_handshake_timeout
-    if args.advert_interval:
-        cfg.broadcast.advert_interval_s = args.advert_interval
-    if args.readvertise:
-        cfg.broadcast.readvertise_s = args.readvertise
-    if args.chunk_timeout:
-        cfg.broadcast.chunk_timeout_s = args.chunk_timeout
+    overrides = {"node.listen": [args.listen], "node.role": args.role,
+                 "p2p.discovery_interval_s": args.discovery_interval,
+                 "p2p.bootstrap_timeout_s": 20, "p2p.mesh_wait_s": 3,
+                 "broadcast.shard_size": args.shard_size or None,
+                 "broadcast.parallel_downloads": args.parallel or None,
+                 "bulk.listen": args.bulk_listen, "bulk.advertise": args.bulk_advertise,
+                 "bulk.handshake_timeout_s": args.bulk_handshake_timeout,
+                 "broadcast.advert_interval_s": args.advert_interval or None,
+                 "broadcast.readvertise_s": args.readvertise or None,
+                 "broadcast.chunk_timeout_s": args.chunk_timeout or None}
+    cfg = load_config(None, overrides)  # None values: the default
     ident = Identity.load_or_create(args.key) if args.key else Identity.generate()
     node = P2PNode(ident, cfg)
     t_start = time.time()
 
-    def on_complete(m: CheckpointManifest, path: Path) -> None:
-        d = bc.finished.get((m.policy_id, m.version))
-        emit(event="complete", policy=m.policy_id, version=m.version, path=str(path),
-             t=time.time(), metrics=dict(d.metrics) if d else {},
-             times=dict(d.times) if d else {},
-             sources=bc.books[(m.policy_id, m.version)].summary(),
-             streams=dict(getattr(bc.transport, "opened", {})), rx=dict(RX_STATS),
+    def on_complete(done: Completed) -> None:
+        m = done.manifest
+        emit(event="complete", policy=m.policy_id, version=m.version, path=str(done.path),
+             t=time.time(), metrics=done.metrics, times=done.times, sources=done.sources,
+             streams=dict(bc.transport.opened), rx=node.bulk.client.rx.as_dict(),
              peak_rss_mib=peak_rss_mib(), cpu_s=cpu_seconds(), cpu_threads=thread_cpu(),
              p2p=dict(node.metrics.counters))
 
@@ -198,10 +186,11 @@ async def main(argv: list[str] | None = None) -> int:
                            if k.startswith("bulk_")},
                      endpoint=bc.endpoint,
                      rejected=dict(bc.gate.rejected), peak_rss_mib=peak_rss_mib(),
-                     downloads={p: dict(d.metrics) for p, (_, _, d) in bc.downloads.items()},
+                     downloads={p: dict(j.downloader.metrics)
+                                for p, j in bc.follower.jobs.items() if j.downloader},
                      disk=bc.disk.status(), follow=sorted(bc.gate.follow),
                      held=[list(k) for k, e in bc.store.entries.items() if e.complete],
-                     adverts=dict(bc.advert_metrics), cpu_s=cpu_seconds(),
+                     counters=bc.counters(), cpu_s=cpu_seconds(),
                      cpu_threads=thread_cpu(), p2p=dict(node.metrics.counters),
                      peers=node.connected_peers())
     finally:

@@ -26,9 +26,11 @@ claimed by lost steps (buffer.py), so nothing accepted is lost.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
+import select
 import sys
 import time
 from datetime import timedelta
@@ -41,6 +43,7 @@ import torch.distributed as dist
 from ..errors import NodeError
 from ..models import ensure_builtin
 from .buffer import RolloutGroup
+from .hooks import StepHooks
 from .trainer import StepStats, Trainer
 
 log = logging.getLogger(__name__)
@@ -210,8 +213,9 @@ def decode_batch(data: bytes) -> list[RolloutGroup]:
 # rank 0 ---------------------------------------------------------------------------------
 
 def attach_ranks(trainer) -> RankSync | None:
-    """Rank 0: wait until every other rank has built its trainer from our latest checkpoint,
-    then route the trainer's updates through them. No-op outside torchrun (one process)."""
+    """Rank 0: wait until every other rank has built its trainer from our latest checkpoint;
+    returns the `grad_sync` hook that routes the trainer's updates through them (hooks.py).
+    None outside torchrun (one process)."""
     global _active
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None
@@ -219,7 +223,6 @@ def attach_ranks(trainer) -> RankSync | None:
     sync.send(CMD_READY)
     sync.barrier()
     sync.send_params(trainer.model)  # e.g. a trainer group's state loaded after the checkpoint
-    trainer.grad_sync = sync
     _active = sync
     log.info("trainer rank 0 of %d: the other ranks are ready", sync.world)
     return sync
@@ -249,8 +252,8 @@ def run_worker(cfg) -> None:
     device = None
     if torch.cuda.is_available():
         device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
-    trainer = Trainer(cfg, model_dir_of(cfg), cfg.data_dir, device=device)
-    trainer.grad_sync = sync
+    trainer = Trainer(cfg, model_dir_of(cfg), cfg.data_dir, device=device,
+                      scale_out=lambda _trainer: StepHooks(grad_sync=sync))
     sync.barrier()
     log.info("trainer rank %d of %d ready at version %d", sync.rank, sync.world, trainer.version)
     try:
@@ -286,21 +289,69 @@ def launch(cfg, procs: int, config_path: Path) -> None:
     os.execv(sys.executable, argv)
 
 
-def run_offline(cfg, steps: int, poll_s: float = 0.2) -> None:
+class BufferWatch:
+    """Wakes a trainer that waits for another process to write its buffer: Linux inotify on
+    the buffer's directory (SQLite in WAL mode appends every commit to `buffer.sqlite-wal`).
+    Where inotify is unavailable, `wait` returns after at most POLL_S (the caller polls)."""
+
+    # IN_MODIFY | IN_CLOSE_WRITE | IN_MOVED_TO | IN_CREATE
+    EVENTS = 0x002 | 0x008 | 0x080 | 0x100
+    POLL_S = 0.2
+
+    def __init__(self, directory: Path):
+        self.fd = -1
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        except (OSError, AttributeError):  # no libc inotify (not Linux)
+            return
+        if fd >= 0 and libc.inotify_add_watch(fd, os.fsencode(directory), self.EVENTS) >= 0:
+            self.fd = fd
+        elif fd >= 0:
+            os.close(fd)
+
+    def drain(self) -> None:
+        """Forget the writes seen so far (call it before looking at the buffer)."""
+        if self.fd >= 0:
+            try:
+                while os.read(self.fd, 1 << 16):
+                    pass
+            except BlockingIOError:
+                pass
+
+    def wait(self, timeout: float) -> bool:
+        """Until the directory is written to (True) or `timeout` s pass (False)."""
+        if self.fd < 0:
+            time.sleep(min(timeout, self.POLL_S))
+            return False
+        ready, _, _ = select.select([self.fd], [], [], timeout)
+        return bool(ready)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def run_offline(cfg, steps: int, idle_s: float = 30.0) -> None:
     """No node: train on the buffer until version `steps`, waiting for groups when it is
-    empty (another process may add them). Prints one JSON line per step (tests, benchmarks)."""
-    trainer = Trainer(cfg, model_dir_of(cfg), cfg.data_dir)
+    empty (another process may add them: a write to the buffer wakes the wait; `idle_s` only
+    bounds it). Prints one JSON line per step (tests, benchmarks)."""
+    trainer = Trainer(cfg, model_dir_of(cfg), cfg.data_dir,
+                      scale_out=lambda t: StepHooks(grad_sync=attach_ranks(t)))
+    watch = BufferWatch(trainer.buffer.path.parent)
     try:
-        attach_ranks(trainer)
         while trainer.version < steps:
+            watch.drain()  # a write after this point wakes the wait below
             stats = trainer.step()
             if not stats.trained:
-                time.sleep(poll_s)  # nothing buffered yet
+                watch.wait(idle_s)  # nothing buffered yet
                 continue
             print(json.dumps({k: stats.as_dict()[k] for k in
                               ("version", "tokens", "completions", "loss", "grad_norm",
                                "seconds", "tokens_per_s")}), flush=True)
     finally:
+        watch.close()
         stop_ranks()
         trainer.close()
 

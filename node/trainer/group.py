@@ -223,8 +223,9 @@ class TrainerGroup:
 
 
 def attach_group(trainer, cfg, data_dir: Path) -> TrainerGroup | None:
-    """`trainer.group` set: start the group child, load the group's latest averaged state,
-    and average every `group_every` steps. Returns None when no group is configured."""
+    """`trainer.group` set: start the group child and load the group's latest averaged state
+    into `trainer`'s model; its `after_step` (the trainer's hook, hooks.py) averages every
+    `group_every` steps. Returns None when no group is configured."""
     tc = cfg.trainer
     if not tc.group:
         return None
@@ -239,5 +240,4 @@ def attach_group(trainer, cfg, data_dir: Path) -> TrainerGroup | None:
                          initial_peers=list(tc.group_peers), host_maddrs=list(tc.group_listen),
                          state_dir=Path(data_dir) / "trainer" / "group")
     group.load_latest()
-    trainer.after_step = group.after_step
     return group

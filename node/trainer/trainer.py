@@ -2,9 +2,12 @@
 
     trainer = Trainer(config, model_dir, data_dir)
     trainer.add_local(samples)        # own sampler's rollouts (behaviour logprobs kept)
-    trainer.add_external(batch)       # other policies' rollouts (re-tokenised, re-scored)
+    trainer.add_external(batch, sender)  # verified peers' rollouts (re-tokenised, re-scored)
     stats = trainer.step()            # I local + J external groups -> version + 1
     trainer.latest_checkpoint()       # .policy_dir: what the sampler / broadcaster load
+    with trainer.sampling(): ...      # the model in eval mode for this node's own sampler
+    trainer.undo_failed_step()        # after a step that raised (out of memory): groups back
+    trainer.drop_sender(peer)         # a condemned peer's groups no step has used yet
 
 Staleness: a local group sampled by policy version v is dropped (counted `stale`) once
 `trainer.version - v > max_staleness`; an external group is dropped once it has waited more
@@ -24,6 +27,8 @@ import random
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -33,11 +38,13 @@ from ...protocol.messages import RolloutBatch
 from ..config import Config
 from ..errors import NodeError
 from ..models import load_model
+from ..runtime import BatchLimit
 from ..tasks import PromptStyle
 from .buffer import RolloutBuffer, RolloutGroup
 from .checkpoint import Checkpoint, CheckpointStore, rng_from_json, rng_to_json
 from .data import TrainRow, groups_from_samples, groups_from_verified_batch, rows_of
 from .grpo import LossConfig, has_signal, policy_loss
+from .hooks import NO_HOOKS, StepHooks
 from .logprobs import completion_logprobs, fast_head_supported, pack, plain_logprobs
 from .mixing import Rescorer, select_groups, texts_of
 
@@ -90,7 +97,8 @@ class _Counters:
 
 class Trainer:
     def __init__(self, config: Config, model_dir, data_dir, *, policy_id: str = "",
-                 device: str | None = None):
+                 device: str | None = None,
+                 scale_out: Callable[[Trainer], StepHooks] | None = None):
         self.config = config
         self.cfg = config.trainer
         self.policy_id = policy_id
@@ -125,12 +133,9 @@ class Trainer:
                                  style=PromptStyle.of(config.tasks))
         self._counters = _Counters()
         self._counters_lock = threading.Lock()  # add_* may run on other threads than step()
-        # Scale-out seams, None for a plain trainer. grad_sync (trainer/distributed.py):
-        # .shard(batch) -> this rank's groups, .after_backward(model) before clipping,
-        # .finish(stats). after_step(trainer) (trainer/group.py): after each trained step,
-        # before its checkpoint (parameter averaging).
-        self.grad_sync = None
-        self.after_step = None
+        # completions per forward/backward pass; an out-of-memory retry halves it
+        self.micro_batch = BatchLimit("trainer.micro_batch_size", self.cfg.micro_batch_size)
+        self._hooks = NO_HOOKS  # scale-out seams (hooks.py), set once below
         if latest is not None:
             state = self.store.restore(latest, self.optimizer, self.scheduler)
             self.version = latest.version
@@ -144,6 +149,22 @@ class Trainer:
         self._last_checkpoint: Checkpoint = latest
         log.info("trainer at version %d (%s); buffer: %d released, %d returned, %d pending",
                  self.version, latest.path, released, returned, self.buffer.count())
+        if scale_out is not None:
+            try:
+                self._hooks = scale_out(self)
+            except BaseException:
+                self.close()
+                raise
+
+    @property
+    def grad_sync(self):
+        """The other ranks of this trainer (hooks.py), or None."""
+        return self._hooks.grad_sync
+
+    @property
+    def after_step(self):
+        """Run after each trained step, before its checkpoint (hooks.py), or None."""
+        return self._hooks.after_step
 
     # intake -------------------------------------------------------------------------------
 
@@ -158,26 +179,32 @@ class Trainer:
             policy_id=self.policy_id, received_version=self.version,
             temperature=self.temperature))
 
-    def add_external(self, batch_or_samples) -> int:
+    def add_external(self, batch_or_samples, sender: str = "") -> int:
         """Store other policies' rollouts (RolloutBatch or Samples) for SAPO mixing.
 
         Re-tokenised and re-scored here; the sender's reward is ignored. A batch of our own
-        policy (policy_id == ours) counts as local, with its behaviour logprobs.
+        policy (policy_id == ours) counts as local, with its behaviour logprobs. `sender`:
+        the peer whose verified batch this is (`drop_sender` finds its groups by it).
         """
         if (isinstance(batch_or_samples, RolloutBatch) and self.policy_id
                 and batch_or_samples.policy_id == self.policy_id):
-            return self._add_own_batch(batch_or_samples)
-        texts, policy_id, policy_version, temp = texts_of(batch_or_samples)
-        groups, rejected = self.rescorer.groups(texts, policy_id, policy_version,
-                                                self.version, temp or self.temperature)
-        if rejected:
-            self.buffer.bump("rejected_external", rejected)
+            groups = groups_from_verified_batch(
+                batch_or_samples, decode=self._decode, score=self.rescorer.score,
+                received_version=self.version)
+        else:
+            texts, policy_id, policy_version, temp = texts_of(batch_or_samples)
+            groups, rejected = self.rescorer.groups(texts, policy_id, policy_version,
+                                                    self.version, temp or self.temperature)
+            if rejected:
+                self.buffer.bump("rejected_external", rejected)
+        for g in groups:
+            g.sender = sender
         return self._store(groups)
 
-    def _add_own_batch(self, batch: RolloutBatch) -> int:
-        return self._store(groups_from_verified_batch(
-            batch, decode=self._decode, score=self.rescorer.score,
-            received_version=self.version))
+    def drop_sender(self, sender: str) -> int:
+        """Forget `sender`'s verified groups that no step has claimed (a sequential test
+        condemned it after they were stored); returns how many."""
+        return self.buffer.drop_sender(sender)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -203,6 +230,25 @@ class Trainer:
         return len(self.buffer.add(keep))
 
     # training -----------------------------------------------------------------------------
+
+    @contextmanager
+    def sampling(self) -> Iterator[None]:
+        """The model in eval mode while this node's own sampler uses it (it shares the
+        trainer's weights, so it always samples the current version); the training mode
+        it had comes back afterwards."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            yield
+        finally:
+            self.model.train(was_training)
+
+    def undo_failed_step(self) -> int:
+        """After a `step()` that raised (out of memory): its gradients are freed and the
+        groups it claimed are pending again (none lost); returns how many."""
+        self.model.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
+        return self.buffer.unclaim(self.version + 1)
 
     def _drop_stale(self) -> tuple[list[RolloutGroup], list[RolloutGroup], int]:
         local, external, stale = [], [], []
@@ -261,7 +307,7 @@ class Trainer:
         """Rows without behaviour logprobs (external text, unchecked rollouts) get them from
         the current policy, once, before the first update of the step."""
         missing = [i for i, r in enumerate(rows) if r.behaviour_logprobs is None]
-        mb = self.cfg.micro_batch_size
+        mb = self.micro_batch.value
         for start in range(0, len(missing), mb):
             idx = missing[start:start + mb]
             logp, _ = self._logprobs(self.model, [rows[i] for i in idx])
@@ -275,7 +321,7 @@ class Trainer:
         length together (less padding), `micro_batch_size` rows at a time."""
         order = sorted(rows, key=lambda r: (len(r.prompt_ids), r.prompt_ids,
                                             len(r.completion_ids)))
-        mb = self.cfg.micro_batch_size
+        mb = self.micro_batch.value
         return [order[i:i + mb] for i in range(0, len(order), mb)]
 
     def _micro_step(self, chunk: list[TrainRow], total_tokens: int, agg) -> None:

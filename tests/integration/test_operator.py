@@ -286,6 +286,23 @@ def test_metrics_has_training_histograms(trainer):
 
 
 @pytest.mark.slow  # shares one trainer process (~30 s to start)
+def test_metrics_has_every_components_counters(trainer):
+    """One registry: the p2p host, the bulk plane, the broadcaster, the sampler and the
+    trainer's buffer each reach /metrics (node/metrics.py MetricsRegistry)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    fams = {f.name: {tuple(s.labels.values()): s.value for s in f.samples}
+            for f in text_string_to_metric_families(get(trainer.admin_port, "/metrics").decode())}
+    assert fams["swarm_node_p2p_events"][("published",)] > 0
+    assert "swarm_node_p2p_rejected" in fams
+    assert {("rx_calls",), ("rx_bytes",)} <= set(fams["swarm_node_bulk"])
+    assert fams["swarm_node_broadcast"][("versions_published",)] >= MAX_STEPS
+    assert fams["swarm_node_sampler_seconds"][("generate",)] > 0
+    assert "swarm_node_buffer" in fams
+    assert ("task_failed",) not in fams["swarm_node_events"]
+
+
+@pytest.mark.slow  # shares one trainer process (~30 s to start)
 def test_dashboard_renders_in_headless_chromium(trainer, tmp_path):
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:

@@ -72,7 +72,7 @@ async def test_oom_at_batch_one_is_one_clear_error(role_and_sampler):
     fake_allocator_limit(sampler, max_rows=0)
     tasks = TaskSource({"toy/digit_successor": 1.0}, "s")
     params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=2)
-    with pytest.raises(NodeError, match="out of memory .* max_batch = 1.*doctor"):
+    with pytest.raises(NodeError, match="out of memory .* sampler.max_batch = 1.*doctor"):
         await role.work_oom_safe(lambda r: sample_round(sampler, tok, tasks, "12D3KooWtest", r,
                                                         2, 2, params), 0, sampler=sampler)
 
@@ -117,12 +117,12 @@ async def test_oom_in_a_train_step_retries_smaller_without_losing_groups(tmp_pat
             if ids.numel() > 0.3 * first[0] or ids.numel() == first[0]:
                 raise torch.OutOfMemoryError("CUDA out of memory (fake limit)")
         trainer.model.get_decoder().register_forward_pre_hook(limit, with_kwargs=True)
-        stats = await role.work_oom_safe(trainer.step, holder=trainer.cfg,
-                                         field="micro_batch_size",
-                                         on_oom=role._unclaim_failed_step)
+        stats = await role.work_oom_safe(trainer.step, limit=trainer.micro_batch,
+                                         on_oom=trainer.undo_failed_step)
         assert stats.trained and stats.version == 1
         assert stats.groups_local == 4  # the groups of the failed attempts were not lost
-        assert trainer.cfg.micro_batch_size == 4  # 16 -> 8 -> 4
+        assert trainer.micro_batch.value == 4  # 16 -> 8 -> 4
+        assert cfg.trainer.micro_batch_size == 16  # runtime state, not the config
         assert role.state.counters["out_of_memory"] == 2
     finally:
         role._pool.shutdown(wait=True)

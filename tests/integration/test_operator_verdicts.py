@@ -57,6 +57,11 @@ def test_peer_with_another_task_mix_sees_why_in_its_status(tmp_path, tiny_model_
         assert not mine["banned_by"], "an honest misconfiguration must not be banned"
         log = peer.log.read_text()
         assert "config_task_mix" in log and f"trainer {info['peer_id'][-8:]}" in log
+        # its explicit task mix differs from the swarm's: the policy is refused, and the
+        # dashboard and `swarm-node status` say so first, with the fix
+        alerts = wait_for(lambda: [a for a in peer.status().get("alerts", [])
+                                   if a["code"] == "settings_refused"], 60, "the refusal")
+        assert "tasks.mix" in alerts[0]["detail"] and "remove the differing" in alerts[0]["fix"]
         _screenshot_dashboard(peer, tmp_path)
     finally:
         if peer is not None:
@@ -76,6 +81,7 @@ def _screenshot_dashboard(node: Node, tmp_path: Path) -> None:
                          timeout=120, check=False).stdout
     verdicts = dom.split('id="verdicts"')[1].split("</table>")[0]
     assert "config_task_mix" in verdicts
+    assert 'data-codes="settings_refused' in dom and "Policy refused" in dom
     shot = os.environ.get("SWARM_VERDICTS_PNG")
     if shot:
         subprocess.run([*flags, f"--screenshot={shot}", url], capture_output=True, timeout=120, check=False)

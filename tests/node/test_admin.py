@@ -25,7 +25,7 @@ PEER = "12D3KooWPeerOfThisNode"
 
 
 class FakeP2P:
-    """Stands in for P2PNode's two read-only views the state uses (logic test only)."""
+    """Stands in for the views of P2PNode the state reads (metrics.Transport; logic test)."""
 
     def __init__(self, peers):
         self.peers = peers
@@ -34,10 +34,13 @@ class FakeP2P:
     def connected_peers(self):
         return self.peers
 
+    def health(self):
+        return {"ok": True}
+
 
 def make_state() -> NodeState:
     st = NodeState(peer_id=PEER, role="trainer", swarm_id="demo")
-    st.p2p = FakeP2P(["12D3KooWA", "12D3KooWB"])
+    st.attach_transport(FakeP2P(["12D3KooWA", "12D3KooWB"]))
     st.policy_id = PEER
     st.policy_version = 3
     st.reward = 0.625
@@ -87,7 +90,7 @@ async def test_status_json(tmp_path):
         assert doc["accepted_by_peer"]["12D3KooWCheat"]["rejected"] == 4
         assert doc["checkpoint_progress"] == {
             "version": 3, "shards_done": 2, "shards_total": 5, "bytes_done": 8192,
-            "bytes_total": 20480, "complete": False}
+            "bytes_total": 20480, "complete": False, "rate_bytes_s": None, "eta_s": None}
         # Live: a later change shows in the next request.
         state.policy_version = 4
         state.accept("12D3KooWB")
@@ -169,8 +172,9 @@ async def test_config_port_and_port_in_use(tmp_path):
 
 
 @pytest.mark.parametrize("request_bytes,code", [
-    (b"GET /nope HTTP/1.1\r\nHost: x\r\n\r\n", b"404"),
-    (b"POST /status HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n", b"405"),
+    (b"GET /nope HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", b"404"),
+    (b"POST /status HTTP/1.1\r\nHost: localhost:1\r\nContent-Length: 0\r\n\r\n", b"405"),
+    (b"GET /status HTTP/1.1\r\n\r\n", b"400"),  # HTTP/1.1 without Host
     (b"GARBAGE\r\n\r\n", b"400"),
     (b"GET /status\r\n\r\n", b"400"),
     (b"GET /status HTTP/1.1\r\nX: " + b"a" * 10_000 + b"\r\n\r\n", b"431"),
@@ -202,10 +206,15 @@ async def test_state_error_is_a_500_not_a_crash():
     state = NodeState("12D3KooWx", "relay", "s")
 
     class Broken:
+        metrics = None  # its counters break too
+
         def connected_peers(self):
             raise RuntimeError("host closing")
 
-    state.p2p = Broken()  # status() tolerates it
+        def health(self):
+            raise RuntimeError("host closing")
+
+    state.attach_transport(Broken())  # status() tolerates it
     async with AdminServer(state, port=0) as server:
         assert json.loads((await aget(server.port, "/status"))[2])["peers"] == []
         state.status = lambda: 1 / 0  # a bug in a role's state: the endpoint survives
@@ -312,3 +321,155 @@ async def test_dashboard_page_and_versions_in_status(tmp_path):
     assert doc["verdicts_about_me"]["rejected"] == {"config_task_mix": 4}
     assert 'swarm_node_train_step_seconds_bucket{le="0.5"} 1.0' in metrics
     assert 'swarm_node_own_rollouts_rejected_total{reason="config_task_mix"} 4.0' in metrics
+
+
+@pytest.mark.parametrize("host,code", [
+    ("127.0.0.1", b"200"), ("localhost", b"200"), ("LOCALHOST:4010", b"200"),
+    ("127.0.0.1:8080", b"200"), ("[::1]:4010", b"200"),
+    ("attacker.example", b"403"), ("attacker.example:4010", b"403"),
+    ("127.0.0.1.attacker.example", b"403"), ("localhost.attacker.example:80", b"403"),
+    ("127.0.0.2", b"403"), ("localhost:80:80", b"403"), ("[::1]x", b"403"),
+])
+async def test_only_loopback_host_headers_are_answered(host, code):
+    # DNS rebinding: a page from attacker.example, its name re-pointed at 127.0.0.1, sends
+    # its own name as Host. Only loopback names are answered; the rest is counted.
+    state = NodeState("12D3KooWx", "relay", "s")
+    async with AdminServer(state, port=0) as server:
+        for path in (b"/status", b"/metrics", b"/dashboard"):
+            reply = await raw(server.port, b"GET " + path + b" HTTP/1.1\r\nHost: "
+                              + host.encode() + b"\r\n\r\n")
+            assert reply.split(b" ")[1] == code, (host, path)
+            if code == b"403":
+                assert b"peer_id" not in reply and b"12D3KooWx" not in reply
+        refused = 3 if code == b"403" else 0
+        assert state.counters["admin_host_refused"] == refused
+        # two Host headers: refused whatever they say
+        reply = await raw(server.port, b"GET /status HTTP/1.1\r\nHost: localhost\r\n"
+                          b"Host: attacker.example\r\n\r\n")
+        assert reply.split(b" ")[1] == b"403"
+
+
+# alerts, contribution, role-aware tables, history -------------------------------------
+
+
+def test_status_tables_are_role_aware_and_lead_with_what_needs_attention():
+    from rich.console import Console
+    from swarm_node.node.admin import render_tables, status_document
+
+    peer = NodeState("12D3KooWInference", "inference", "demo")
+    peer.policy_id, peer.policy_version, peer.rollouts_sent = "12D3KooWTrainerOfTheSwarm", 43, 96
+    peer.own_verdicts.add("12D3KooWTrainerOfTheSwarm", True, "accepted", 64)
+    peer.own_verdicts.swarm_summary("12D3KooWTrainerOfTheSwarm", 64)
+    peer.own_verdicts.swarm_summary("12D3KooWTrainerOfTheSwarm", 192)  # another peer's
+    peer.extra["settings"] = {"refused": "refusing the policy of trainer heSwarm: its swarm "
+                                         "settings differ: sampler.temperature = 0.5 here"}
+    doc = json.loads(json.dumps(status_document(peer), default=str))
+    assert [a["code"] for a in doc["alerts"]] == ["settings_refused"]
+    assert doc["contribution"]["trainers"][0]["share"] == 0.25  # 64 of the 256 it accepted
+    console = Console(width=160, record=True)
+    for table in render_tables(doc):
+        console.print(table)
+    out = console.export_text()
+    assert out.index("NEEDS ATTENTION") < out.index("swarm-node inference")
+    assert "sampler.temperature = 0.5 here" in out and "remove the differing" in out
+    assert "heSwarm v43" in out  # not "policy -" beside a checkpoint
+    assert "accepted by trainers" in out and "25.0%" in out
+    assert "rollouts accepted" not in out  # the trainer's row ("accepted here") is not shown
+
+    relay = NodeState("12D3KooWRelay", "relay", "demo")
+    relay.count("versions_mirrored", 16)
+    relay.record_served("12D3KooWa", 3 * 2**20)
+    relay.record_served("12D3KooWb", 2**20)
+    console = Console(width=160, record=True)
+    for table in render_tables(status_document(relay)):
+        console.print(table)
+    out = console.export_text()
+    assert "16 versions mirrored" in out and "served 4.0 MiB to 2 peers" in out
+    assert "NEEDS ATTENTION" not in out and "reward" not in out
+
+
+def test_alerts_from_each_stuck_state():
+    from swarm_node.node.dashboard.views import alerts
+
+    def codes(**doc):
+        return [a["code"] for a in alerts(doc)]
+
+    assert codes(role="inference") == []
+    assert codes(p2p={"alive": False, "failure": "trio died"}) == ["host_failed"]
+    assert codes(verdicts_about_me={"banned_by": {"12D3KooWT": {"detail": "x"}}}) == ["banned"]
+    assert codes(verdicts_about_me={"rejected": {"config_task_mix": 8, "proof_length": 1}}) \
+        == ["settings_differ"]
+    assert codes(extra={"follow": {"trainer": "T", "seen": False, "problem": "p"}}) \
+        == ["nothing_to_follow"]
+    assert codes(extra={"follow": {"trainer": "T", "seen": True}}) == []
+    assert codes(extra={"disk": {"paused": True, "path": "/d", "name": "downloads",
+                                 "min_free_bytes": 256 * 2**20}}) == ["disk_paused:disk"]
+    for reach in ("unreachable", {"status": "unreachable", "hint": "open TCP 4001"},
+                  {"state": "Unreachable (no relay)"}):
+        assert codes(reachability=reach) == ["unreachable"]
+        assert codes(p2p={"alive": True, "reachability": reach}) == ["unreachable"]
+    assert codes(reachability={"status": "public"}) == []
+    assert codes(problems={"x": {"title": "t", "level": "error"}}) == ["x"]
+    fix = alerts({"reachability": {"status": "unreachable", "hint": "open TCP 4001"}})[0]["fix"]
+    assert fix == "open TCP 4001"
+
+
+def test_download_progress_has_a_rate_and_an_eta(monkeypatch):
+    from swarm_node.node import metrics
+
+    clock = [100.0]
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: clock[0])
+    st = NodeState("12D3KooWx", "relay", "s")
+    st.set_checkpoint_progress(5, 0, 10, 0, 100 * 2**20)
+    assert st.checkpoint_progress["eta_s"] is None  # no rate yet
+    clock[0] += 4.0
+    st.set_checkpoint_progress(5, 2, 10, 20 * 2**20, 100 * 2**20)
+    assert st.checkpoint_progress["rate_bytes_s"] == 5 * 2**20
+    assert st.checkpoint_progress["eta_s"] == 16.0
+    st.set_checkpoint_progress(6, 0, 10, 0, 100 * 2**20)  # a new version starts over
+    assert st.checkpoint_progress["eta_s"] is None
+
+
+def test_history_round_trip_and_a_bad_file(tmp_path):
+    from swarm_node.node.metrics import HISTORY, load_history, save_history
+
+    st = make_state()
+    for v in range(HISTORY + 20):
+        st.record_step(v, 0.1, loss=0.5, tokens_per_s=100.0)
+    st.reward_history.extend((v, 0.1) for v in range(3))
+    st.record_download(2, "12D3KooWT", 1000, None)
+    st.own_verdicts.add("12D3KooWT", True, "accepted", 8)
+    st.record_served("12D3KooWA", 4096)
+    path = tmp_path / "history.json"
+    save_history(st, path)
+
+    again = NodeState(PEER, "trainer", "demo")
+    assert "history restored" in load_history(again, path)
+    doc = again.status()
+    assert len(doc["steps"]) == HISTORY and doc["steps"][-1]["version"] == HISTORY + 19
+    assert doc["accepted_by_peer"]["12D3KooWCheat"]["reasons"] == {"bad_proof": 3,
+                                                                  "bad_logprobs": 1}
+    assert doc["rollouts_accepted"] == 8 and doc["rollouts_sent"] == 12
+    assert doc["counters"]["train_steps"] == 3 and doc["counters"]["bytes_downloaded"] == 1000
+    assert doc["verdicts_about_me"]["accepted"] == 8 and doc["served"] == {"bytes": 4096,
+                                                                           "peers": 1}
+    assert [list(p) for p in doc["reward_history"]] == [[0, 0.1], [1, 0.1], [2, 0.1]]
+    assert doc["reward"] == 0.1
+    # a history that cannot be used is left aside with a note, never fatal
+    for bad in ("{not json", json.dumps({"version": 99}), json.dumps([1, 2]),
+                json.dumps({"version": 1, "steps": 5, "reward_history": [["x", 1]]})):
+        path.write_text(bad)
+        assert "not used" in load_history(NodeState(PEER, "trainer", "demo"), path)
+    assert load_history(NodeState(PEER, "trainer", "demo"), tmp_path / "none.json") == ""
+
+
+def test_join_command_is_complete():
+    from swarm_node.node.runner import join_command
+
+    cfg = load_config(None, {"node.swarm_id": "my-swarm"})
+    addrs = ["/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWme", "/ip4/203.0.113.7/tcp/4001/p2p/12D3KooWme"]
+    line = join_command(cfg, addrs, "12D3KooWtrainer")
+    assert line == ("swarm-node join --role inference --swarm my-swarm --bootstrap "
+                    "/ip4/203.0.113.7/tcp/4001/p2p/12D3KooWme --follow 12D3KooWtrainer")
+    assert "--follow" not in join_command(cfg, addrs[:1], None)  # a relay that knows no trainer
+    assert join_command(cfg, [], "x") == ""

@@ -167,7 +167,7 @@ def test_dry_run_prints_resolved_config(tmp_path):
 
 def test_dry_run_bad_flag_is_clear_error(tmp_path):
     result = CliRunner().invoke(app, ["join", "--role", "boss", "--dry-run"])
-    assert result.exit_code == 2
+    assert result.exit_code == 1  # a configuration mistake (README: exit codes); 2 is usage
     assert "command line: `node.role` = 'boss'" in result.output
     assert "Traceback" not in result.output
 
@@ -240,3 +240,28 @@ def test_bulk_settings_are_checked(bulk, message):
     with pytest.raises(ConfigError, match=message):
         build_config({"bulk": bulk})
     assert build_config({"bulk": {"listen": "[::1]:0", "advertise": "h.example:4102"}})
+
+
+def test_a_loaded_config_is_read_only_and_changed_only_by_copy(tmp_path):
+    """Nothing mutates configuration after start: fields, lists and tables all refuse;
+    `with_overrides` is a new validated Config that keeps what was set explicitly."""
+    path = tmp_path / "node.toml"
+    path.write_text(NODE_TOML)
+    cfg = load_config(path, {"trainer.micro_batch_size": 8})
+    with pytest.raises(ConfigError, match="read-only.*`trainer.micro_batch_size`"):
+        cfg.trainer.micro_batch_size = 4
+    with pytest.raises(ConfigError, match="read-only"):
+        cfg.node = cfg.node
+    with pytest.raises(TypeError, match="read-only"):
+        cfg.node.bootstrap.append("/ip4/10.0.0.2/tcp/4001")
+    with pytest.raises(TypeError, match="read-only"):
+        cfg.tasks.mix["toy/digit_successor"] = 9.0
+    with pytest.raises(TypeError, match="read-only"):
+        cfg.limits.max_message_bytes.update(rollout_batch=1)
+    assert cfg == load_config(path, {"trainer.micro_batch_size": 8})
+    new = cfg.with_overrides({"sampler.temperature": 0.5})
+    assert (new.sampler.temperature, cfg.sampler.temperature) == (0.5, 0.7)
+    assert new.sampler.model_fields_set == {"completions_per_task", "temperature"}
+    assert new.trainer.micro_batch_size == 8 and new.tasks.mix == cfg.tasks.mix
+    with pytest.raises(ConfigError, match="sampler.temperature"):
+        cfg.with_overrides({"sampler.temperature": -1})

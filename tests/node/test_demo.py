@@ -4,8 +4,15 @@ The whole demo runs as real processes in tests/integration (tiny model)."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import pytest
 from swarm_node.node import demo
 from swarm_node.node.config import Config
 from swarm_node.node.roles.settings import swarm_settings
@@ -43,3 +50,64 @@ def test_summary_without_a_cheater_judges_learning_alone():
     # with a cheater that was never banned, the same swarm fails the demo
     text, ok = demo.summary([*nodes, _node("cheater", "inference", "C", "tamper_tokens")])
     assert not ok and "dishonest peer: not banned" in text
+
+
+def test_waiting_for_names_what_the_first_minute_waits_for():
+    trainer = _node("trainer", "trainer", "T")
+    peers = [_node("inference-1", "inference", "A"), _node("inference-2", "inference", "B")]
+    nodes = [trainer, _node("relay", "relay", "R"), *peers]
+    assert "trainer to load" in demo.waiting_for(nodes)
+    trainer.last_status = {"phase": "running", "reward": None}
+    peers[0].last_status = {"phase": "running", "policy_id": "T"}
+    assert demo.waiting_for(nodes) == "waiting for inference-2 to load the model"
+    peers[1].last_status = {"phase": "running"}
+    assert "inference-2 to download the trainer's v0" in demo.waiting_for(nodes)
+    peers[1].last_status = {"phase": "running", "policy_id": "T", "rollouts_sent": 16}
+    assert "verifies the first rollouts" in demo.waiting_for(nodes)
+    trainer.last_status["rollouts_accepted"] = 16
+    assert demo.waiting_for(nodes) == "waiting for the first training step"
+    trainer.last_status["reward"] = 0.01
+    assert demo.waiting_for(nodes) == ""
+    assert "reward 0.010" in demo.progress_line(nodes, 50.0)
+
+
+def test_the_cheaters_numbers_add_up_in_the_summary():
+    cheater = _node("cheater", "inference", "C", "tamper_tokens")
+    cheater.last_status = {"rollouts_sent": 2432}
+    lines = demo.cheater_story(cheater, {"accepted": 0, "rejected": 128, "reasons": {
+        "proof_index_mismatch": 63, "proof_length": 1, "banned": 64}}, banned=True)
+    text = "\n".join(lines)
+    assert "sent 2432" in text and "verified 64: 0 accepted, 64 rejected" in text
+    assert "64 more arrived and were refused unverified" in text
+    assert "other 2304 were dropped at the gossip layer" in text  # 2432 - 64 - 64
+
+
+@pytest.mark.slow  # three real node processes (~40 s on a busy machine)
+def test_ctrl_c_stops_the_demo_with_a_summary(tmp_path):
+    out = tmp_path / "demo.out"
+    env = {**os.environ, "HOME": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+    with open(out, "wb") as f:
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "swarm-node"), "demo",
+                                 "--inference-peers", "1", "--no-cheater", "--workdir",
+                                 str(tmp_path / "w")], stdout=f, stderr=subprocess.STDOUT,
+                                env=env)
+    try:
+        deadline = time.monotonic() + 300
+        while "nodes up" not in out.read_text():
+            assert proc.poll() is None, out.read_text()
+            assert time.monotonic() < deadline, out.read_text()
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = out.read_text()
+    assert "interrupted at trainer v" in text and "stopping 3 nodes" in text
+    assert "swarm-node demo summary" in text and "(interrupted after" in text
+    assert "Writing model shards" not in text
+    for info in (tmp_path / "w").glob("*/data/node.json"):  # every node process is gone
+        pid = json.loads(info.read_text())["pid"]
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

@@ -1,11 +1,26 @@
-"""Disk-full recognition: OSError errnos and Rust writers that report the OS error in text."""
+"""Disk-full recognition, and waits for space that pause the writer, resume it, and end at
+the node's stop signal (a full disk never holds a Ctrl-C). The filesystem is real: a
+margin larger than the disk makes every check fail, as on a full disk."""
 
 from __future__ import annotations
 
+import asyncio
 import errno
+import logging
 
+import pytest
 from safetensors import SafetensorError
-from swarm_node.node.diskspace import DiskFull, as_disk_full, is_disk_full
+from swarm_node.node import diskspace
+from swarm_node.node.diskspace import (
+    DiskFull,
+    DiskWatch,
+    WaitStopped,
+    as_disk_full,
+    is_disk_full,
+    until_written,
+)
+
+HANG_GUARD_S = 30.0
 
 
 def test_disk_full_recognised_from_oserror_and_safetensors(tmp_path):
@@ -20,3 +35,74 @@ def test_disk_full_recognised_from_oserror_and_safetensors(tmp_path):
     assert not is_disk_full(ValueError("bad"))
     err = as_disk_full(full, tmp_path)
     assert isinstance(err, DiskFull) and "disk full" in str(err)
+
+
+@pytest.fixture
+def full_disk():
+    """Every space check fails: the margin is larger than any disk."""
+    saved = diskspace.margin()
+    diskspace.configure(2**62)
+    yield
+    diskspace.configure(saved)
+
+
+async def test_a_write_waiting_for_space_ends_at_the_stop_signal(tmp_path, full_disk, caplog):
+    stop = asyncio.Event()
+    watch = DiskWatch("sampling", tmp_path, poll_s=0.05)
+    calls = []
+
+    async def write():
+        calls.append(1)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with caplog.at_level(logging.INFO, logger="swarm_node"):
+        waiting = asyncio.create_task(until_written(watch, write, stop=stop))
+        while len(calls) < 1 or not watch.paused:
+            await asyncio.sleep(0.01)
+        stop.set()
+        with pytest.raises(WaitStopped, match="sampling waited for disk space"):
+            await asyncio.wait_for(waiting, HANG_GUARD_S)
+    assert watch.status()["paused"] and watch.status()["name"] == "sampling"
+    paused = [r for r in caplog.records if "disk full: sampling paused" in r.getMessage()]
+    assert len(paused) == 1  # one line per pause, however long it waits
+    assert await watch.wait_for_space(1, stop) is False  # set already: at once
+
+
+async def test_the_nodes_own_stop_ends_a_wait_that_was_given_none(tmp_path, full_disk):
+    stop = asyncio.Event()
+    diskspace.configure(2**62, stop)  # what the runner does at start
+    try:
+        watch = DiskWatch("training writes", tmp_path, poll_s=0.05)
+
+        async def write():
+            raise DiskFull("full")
+
+        waiting = asyncio.create_task(until_written(watch, write))  # no stop passed
+        await asyncio.sleep(0.1)
+        stop.set()
+        with pytest.raises(WaitStopped):
+            await asyncio.wait_for(waiting, HANG_GUARD_S)
+    finally:
+        diskspace.configure(2**62, None)
+
+
+async def test_a_paused_write_resumes_when_space_returns(tmp_path, full_disk, caplog):
+    watch = DiskWatch("sampling", tmp_path, poll_s=0.05)
+    attempts = []
+
+    async def write():
+        attempts.append(1)
+        if diskspace.margin() > 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return "written"
+
+    with caplog.at_level(logging.INFO, logger="swarm_node"):
+        waiting = asyncio.create_task(until_written(watch, write, stop=asyncio.Event()))
+        while not watch.paused:
+            await asyncio.sleep(0.01)
+        diskspace.configure(0)  # space is back
+        assert await asyncio.wait_for(waiting, HANG_GUARD_S) == "written"
+    assert not watch.paused and watch.status()["paused"] is False
+    text = [r.getMessage() for r in caplog.records]
+    assert sum("sampling paused" in t for t in text) == 1
+    assert sum("sampling resumed" in t for t in text) == 1

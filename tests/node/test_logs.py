@@ -102,3 +102,22 @@ def test_library_logs_go_through_our_formatter(capture):
     docs = [json.loads(line) for line in capture.getvalue().splitlines()]
     names = {d["logger"] for d in docs}
     assert {"libp2p.transport.tcp.tcp", "transformers.modeling_utils"} <= names
+
+
+def test_exact_repeats_of_info_lines_are_rate_limited(capture):
+    from swarm_node.node.logs import RateLimit
+
+    now = [0.0]
+    setup_logging("INFO", json_lines=True, stream=capture)
+    logging.getLogger().handlers[0].filters[:] = [RateLimit(clock=lambda: now[0])]
+    log = logging.getLogger("swarm_node.node.broadcast.service")
+    for _ in range(42):  # a full disk: the same refusal at every advert, a minute long
+        log.info("manifest from %s: %s", "2QJidDdw", "manifest rejected (no_space): 0 MiB free")
+    for r in range(5):  # news each time: all shown
+        log.info("published round %d: %d completions", r, 16)
+    now[0] = 61.0
+    log.info("manifest from %s: %s", "2QJidDdw", "manifest rejected (no_space): 0 MiB free")
+    docs = [json.loads(line) for line in capture.getvalue().splitlines()]
+    refusals = [d for d in docs if "no_space" in d["msg"]]
+    assert len(refusals) == 4 and refusals[-1]["suppressed"] == 39
+    assert sum("published round" in d["msg"] for d in docs) == 5

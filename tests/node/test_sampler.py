@@ -8,7 +8,12 @@ import torch
 from swarm_node.node.errors import NodeError
 from swarm_node.node.models import build_tiny_model, load_model
 from swarm_node.node.sampler.hf import HFSampler
-from swarm_node.node.sampler.seeded import choose_token, completion_seed, gumbel_noise, mask_logits
+from swarm_node.node.sampler.seeded import (
+    choose_tokens,
+    completion_seed,
+    gumbel_noise,
+    mask_logits,
+)
 from swarm_node.node.tasks import TaskSource, format_prompt, get_task
 from swarm_node.protocol.messages import SamplingParams, TaskRef
 
@@ -27,6 +32,13 @@ def sampler(loaded):
 def _prompts(tok, mix=None, n=3, round=0):
     src = TaskSource(mix or {"toy/digit_successor": 1.0, "rg/basic_arithmetic": 1.0}, "s")
     return [(ref, format_prompt(tok, get_task(ref))) for ref in src.draw("peer-a", round, n)]
+
+
+def choose_token(logits, seed: int, position: int, params) -> tuple[int, float]:
+    """(token, logprob) for one row of logits [V] at completion position `position`: the
+    sampler's seeded choice, one token at a time (the replay a verifier could do)."""
+    tokens, logprobs = choose_tokens(logits.unsqueeze(0), [seed], [position], params)
+    return int(tokens[0]), float(logprobs[0])
 
 
 def _forward(model, sample):

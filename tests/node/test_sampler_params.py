@@ -9,6 +9,7 @@ import pytest
 from swarm_node.node.config import Config
 from swarm_node.node.models import load_model
 from swarm_node.node.roles.inference import InferenceRole
+from swarm_node.node.roles.settings import EffectiveSettings
 from swarm_node.node.roles.trainer import TrainerRole
 from swarm_node.node.sampler import sampling_params
 from swarm_node.node.sampler.hf import HFSampler
@@ -50,6 +51,7 @@ def test_inference_role_samples_and_publishes_with_the_config(cfg, tiny_model_di
     role.sampler = RecordingSampler(model, tok, peer_id="p")
     role.tasks = TaskSource(cfg.tasks.mix, cfg.node.swarm_id)
     role.identity, role.policy_id = SimpleNamespace(peer_id="p"), "trainer"
+    role.effective = EffectiveSettings.local(cfg)  # no trainer settings adopted
     batch = role.sample_round(0)
     assert role.sampler.seen == SamplingParams(**FIELDS)
     assert batch.sampling == SamplingParams(**FIELDS)

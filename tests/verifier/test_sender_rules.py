@@ -46,8 +46,8 @@ async def test_inference_waits_for_the_next_version_after_its_rounds(
     waits = []
     next_round = role._next_round
 
-    def spy():  # records each time the role finds its version's rounds used up
-        round_ = next_round()
+    def spy(*args):  # records each time the role finds its version's rounds used up
+        round_ = next_round(*args)
         if round_ is None:
             waits.append(len(sink.batches))
         return round_

@@ -2,11 +2,12 @@
 bodies, authenticated by the node's identity both ways (plane.py says how)."""
 
 from .client import BulkClient, parse_endpoint
-from .conn import RX_STATS, BulkConn
+from .conn import BulkConn, RxStats
 from .errors import BulkBusy, BulkError, BulkUnavailable
 from .plane import BulkPlane, listen_address
 from .pool import IdlePool
 from .server import BulkServer
 
-__all__ = ["RX_STATS", "BulkBusy", "BulkClient", "BulkConn", "BulkError", "BulkPlane",
-           "BulkServer", "BulkUnavailable", "IdlePool", "listen_address", "parse_endpoint"]
+__all__ = ["BulkBusy", "BulkClient", "BulkConn", "BulkError", "BulkPlane",
+           "BulkServer", "BulkUnavailable", "IdlePool", "RxStats", "listen_address",
+           "parse_endpoint"]

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from .cert import CertificateError, client_context, peer_id_of
-from .conn import BulkConn
+from .conn import BulkConn, RxStats
 from .errors import BulkBusy, BulkError, BulkUnavailable
 from .hello import ACCEPTED, BUSY, CHALLENGE_LEN, STATUS, hello_frame
 from .pool import IdlePool
@@ -60,7 +60,16 @@ class BulkClient:
         self.down: dict[tuple[str, str], float] = {}
         self._strikes: dict[tuple[str, str], int] = {}  # unusable in a row
         self.paths: dict[tuple[str, str], str] = {}
-        self.opened: Counter[str] = Counter()
+        self.opened: Counter[str] = Counter()  # connections by kind (new, reused, busy...)
+        self.rx = RxStats()  # body reads of our connections
+
+    def counters(self) -> dict[str, int]:
+        """What this client did, by name, for /metrics (`swarm_node_bulk_total`):
+        connections opened per kind (`shards`, `shards_reused`, `shards_busy`, ...) and the
+        body reads of the receiving threads (`rx_calls`, `rx_bytes`)."""
+        out = dict(self.opened)
+        out.update({f"rx_{k}": n for k, n in self.rx.as_dict().items()})
+        return out
 
     def add_kind(self, kind: str, label: str, per_peer: int, max_idle_s: float) -> None:
         """Pool up to `per_peer` idle connections of `kind` per peer, each reused while idle
@@ -229,7 +238,7 @@ class BulkClient:
         except BaseException:
             sock.close()
             raise
-        conn = BulkConn(tls, peer, kind)
+        conn = BulkConn(tls, peer, kind, rx=self.rx)
         try:
             await conn.handshake()
             if peer_id_of(tls.getpeercert(binary_form=True)) != peer:

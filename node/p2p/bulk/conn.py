@@ -18,7 +18,6 @@ import socket
 import ssl
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -44,9 +43,24 @@ _RECV_POOL = ThreadPoolExecutor(max_workers=32, thread_name_prefix="bulk-rx",
                                 initializer=_name_native_thread(b"bulk-rx"))
 _SEND_POOL = ThreadPoolExecutor(max_workers=64, thread_name_prefix="bulk-tx",
                                 initializer=_name_native_thread(b"bulk-tx"))
-# Per process: recv calls and body bytes of the receiving threads (benchmark notes).
-RX_STATS: Counter[str] = Counter()
-_RX_STATS_LOCK = threading.Lock()
+
+
+class RxStats:
+    """recv calls and body bytes of the receiving threads, for the connections of one
+    client (its /metrics counters; the benchmark's bytes-per-call figure)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.calls = 0
+        self.bytes = 0
+
+    def add(self, calls: int, n: int) -> None:
+        with self._lock:
+            self.calls += calls
+            self.bytes += n
+
+    def as_dict(self) -> dict[str, int]:
+        return {"calls": self.calls, "bytes": self.bytes}
 
 
 def _broken(e: BaseException, what: str) -> BulkError:
@@ -62,9 +76,11 @@ class BulkConn:
     """A TLS connection, authenticated both ways (cert.py, hello.py) once handed out.
     `peer` is the other side's peer id, `kind` the request kind it carries."""
 
-    def __init__(self, sock: ssl.SSLSocket, peer: str = "", kind: str = ""):
+    def __init__(self, sock: ssl.SSLSocket, peer: str = "", kind: str = "",
+                 rx: RxStats | None = None):
         self.sock = sock
         self.peer, self.kind = peer, kind
+        self.rx = rx  # where body reads are counted (the client's), if anywhere
         self.loop = asyncio.get_running_loop()
         self.last_used = time.monotonic()
         self._op: asyncio.Future | None = None  # a thread operation in progress or ended
@@ -247,9 +263,8 @@ class BulkConn:
                 got += k
             sink(buf[:got])
             left -= got
-        with _RX_STATS_LOCK:
-            RX_STATS["calls"] += calls
-            RX_STATS["bytes"] += n
+        if self.rx is not None:
+            self.rx.add(calls, n)
 
     # Life ------------------------------------------------------------------------------
 

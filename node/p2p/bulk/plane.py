@@ -80,6 +80,12 @@ class BulkPlane:
         # until that exists, every listening node advertises its plane.
         self.reachable: Callable[[], bool] = lambda: True
 
+    def counters(self) -> dict[str, int]:
+        """This node's side as a client (connections opened per kind, body reads), for
+        /metrics as `swarm_node_bulk_total{name}`; the server's counters are the p2p
+        counters `bulk_*`."""
+        return self.client.counters()
+
     def register(self, kind: str, handler: Handler) -> None:
         """Serve connections of `kind` (see BulkServer.register); before or after start."""
         self.handlers[kind] = handler

@@ -36,6 +36,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from ...lifecycle import TaskOwner
 from ..metrics import P2PMetrics
 from .conn import BulkConn
 from .errors import BulkError
@@ -99,8 +100,9 @@ class BulkServer:
         self.pending: list[_Pending] = []  # oldest first
         self.conns: list[_Authed] = []
         self._sock: socket.socket | None = None
-        self._accepting: asyncio.Task | None = None
-        self._tasks: set[asyncio.Task] = set()
+        # the accept loop and one task per connection (handshake, then its handler)
+        self.tasks = TaskOwner("bulk server",
+                               on_failure=lambda name, e: metrics.inc("bulk_task_failures"))
 
     def register(self, kind: str, handler: Handler) -> None:
         """Serve connections of `kind` with `await handler(peer, conn)`; the connection
@@ -119,17 +121,11 @@ class BulkServer:
             sock.close()
             raise
         self._sock = sock
-        self._accepting = asyncio.get_running_loop().create_task(self._accept_loop())
+        self.tasks.spawn(self._accept_loop(), "accept")
         return sock.getsockname()[:2]
 
     async def close(self) -> None:
-        if self._accepting is not None:
-            self._accepting.cancel()
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        if self._accepting is not None:
-            await asyncio.gather(self._accepting, *tasks, return_exceptions=True)
+        await self.tasks.close()
         if self._sock is not None:
             self._sock.close()
             self._sock = None
@@ -151,7 +147,7 @@ class BulkServer:
             pending = _Pending(address_group(addr[0]))
             self._make_room(pending.ip)
             self.pending.append(pending)
-            pending.task = self._spawn(self._serve(sock, pending))
+            pending.task = self.tasks.spawn(self._serve(sock, pending), "connection")
             # a task cancelled before it ran never reaches its `finally` (evicted in a burst):
             # the socket closes with the task (a no-op once TLS took it over)
             pending.task.add_done_callback(lambda _, s=sock: s.close())
@@ -173,12 +169,6 @@ class BulkServer:
         self.metrics.inc("bulk_pending_evicted")
         if pending.task is not None:
             pending.task.cancel()
-
-    def _spawn(self, coro) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
 
     async def _handshake(self, sock: socket.socket) -> tuple[BulkConn, tuple[str, str] | None]:
         """TLS, then the hello: (connection, (kind, peer) or None if the hello is bad)."""
@@ -218,7 +208,8 @@ class BulkServer:
             handler = self.handlers.get(kind)
             status = NO_HANDLER if handler is None else self._admit(peer, pending.ip)
             if status != ACCEPTED:
-                await asyncio.wait_for(conn.write(status), self.cfg.handshake_timeout_s)
+                async with asyncio.timeout(self.cfg.handshake_timeout_s):
+                    await conn.write(status)
                 return
             await self._run(conn, peer, pending.ip, kind, handler)
         except asyncio.CancelledError:
@@ -239,7 +230,8 @@ class BulkServer:
         conn.peer, conn.kind = peer, kind
         conn.check = lambda: self._still_allowed(peer)
         try:
-            await asyncio.wait_for(conn.write(ACCEPTED), self.cfg.handshake_timeout_s)
+            async with asyncio.timeout(self.cfg.handshake_timeout_s):
+                await conn.write(ACCEPTED)
             await handler(peer, conn)
         finally:
             if rec in self.conns:

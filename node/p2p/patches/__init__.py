@@ -30,6 +30,7 @@ from . import (
     autodial,
     flood_publish,
     handlers,
+    inbound_slots,
     noise_io,
     push_msg,
     records,
@@ -70,9 +71,11 @@ def install() -> None:
 
 
 def patch_host(host, on_fault: FaultHook) -> None:
-    """Stream handlers guarded, the AutoConnector off. Before pubsub adds its handlers."""
+    """Stream handlers guarded, the AutoConnector off, inbound slots released on close.
+    Before the host listens and before pubsub adds its handlers."""
     handlers.patch_stream_handlers(host, on_fault)
     autodial.patch_auto_connector(host)
+    inbound_slots.patch_inbound_slots(host.get_network())
 
 
 @dataclass(frozen=True)
@@ -100,9 +103,10 @@ def patch_pubsub(pubsub, router, *, on_fault: FaultHook, metrics, queues: QueueL
     return tuned
 
 
-def patch_running_pubsub(pubsub, admit: Admit) -> None:
-    """Once the pubsub service runs: `admit(forwarder, msg, duplicate)` before any task."""
-    spawn_gate.patch_spawn(pubsub, admit)
+def patch_running_pubsub(pubsub, admit: Admit, queue=None) -> None:
+    """Once the pubsub service runs: `admit(forwarder, msg, duplicate)` before any task;
+    admitted messages wait in `queue` for a fixed set of validation tasks (spawn_gate)."""
+    spawn_gate.patch_spawn(pubsub, admit, queue)
 
 
 def patch_connection(muxed_conn, peer: str, on_violation: Callable[[str, int], None]) -> bool:

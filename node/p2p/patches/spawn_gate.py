@@ -35,9 +35,14 @@ PATCH = register(Patch(
 ))
 
 
-def patch_spawn(pubsub, admit: Admit) -> None:
+def patch_spawn(pubsub, admit: Admit, queue=None, workers: int = 4) -> None:
     """Gate pubsub's push_msg tasks with `admit(forwarder, msg, duplicate) -> bool`.
-    Call once the pubsub service runs (its manager exists then); our own publishes pass."""
+
+    Without `queue`, an admitted message gets its task at once (py-libp2p's way). With a
+    `queue` (`put(forwarder, msg) -> bool`, `async get() -> (forwarder, msg)`), admitted
+    messages wait there instead, and `workers` long-lived tasks run push_msg on what `get`
+    hands out: the work in flight is bounded by the queue, and the queue decides the order
+    and what to drop. Call once the pubsub service runs; our own publishes pass directly."""
     manager = pubsub.manager
     run_task = manager.run_task
     if getattr(run_task, "_swarm_gate", False):
@@ -49,7 +54,18 @@ def patch_spawn(pubsub, admit: Admit) -> None:
             forwarder, msg = args
             if not admit(forwarder, msg, pubsub._is_msg_seen(msg)):
                 return None
+            if queue is not None:
+                queue.put(forwarder, msg)
+                return None
         return run_task(fn, *args, **kwargs)
+
+    async def worker() -> None:
+        while True:
+            forwarder, msg = await queue.get()
+            await pubsub.push_msg(forwarder, msg)
 
     gated_run_task._swarm_gate = True
     manager.run_task = gated_run_task
+    if queue is not None:
+        for i in range(workers):
+            run_task(worker, daemon=True, name=f"swarm-validate-{i}")

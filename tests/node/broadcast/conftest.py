@@ -3,11 +3,13 @@ and real broadcast peers in subprocesses (`procs`)."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
 
 import pytest
 from swarm_node.node.broadcast.manifest import SHARD_LIST, AcceptedManifest, build_manifest
-from swarm_node.node.config import BroadcastSection
+from swarm_node.node.config import BroadcastSection, Config, load_config
 from swarm_node.node.identity import Identity
 
 from .procs import BroadcastProc
@@ -77,3 +79,80 @@ def procs():
 def boot(*peers: BroadcastProc) -> list[str]:
     """--bootstrap arguments for every listen address of `peers`."""
     return [arg for p in peers for a in p.addrs for arg in ("--bootstrap", a)]
+
+
+class Completions:
+    """What a broadcaster handed over (its `on_complete`), to wait on in tests."""
+
+    def __init__(self):
+        self.got: dict[tuple[str, int], object] = {}
+        self._changed = asyncio.Event()
+
+    def __call__(self, done) -> None:
+        self.got[(done.manifest.policy_id, done.manifest.version)] = done
+        self._changed.set()
+
+    async def wait(self, policy_id: str, version: int, timeout: float = 60):
+        async with asyncio.timeout(timeout):
+            while (policy_id, version) not in self.got:
+                self._changed.clear()
+                await self._changed.wait()
+        return self.got[(policy_id, version)]
+
+
+async def until(pred, timeout: float = 30, what: str = "condition"):
+    """Wait for `pred()` (checked every 20 ms) with a deadline."""
+    deadline = time.monotonic() + timeout
+    while not (got := pred()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+    return got
+
+
+async def wait_mesh(node, kind: str, n: int, timeout: float = 30) -> None:
+    """Until `node` sees `n` peers subscribed to gossip topic `kind`."""
+    await until(lambda: len(node.topic_peers(kind)) >= n, timeout, f"{n} peers on {kind}")
+
+
+def node_config(**overrides) -> Config:
+    """A test node's config; `overrides` with `__` for the dot (`bulk__listen="off"`)."""
+    return load_config(None, {
+        "node.listen": ["/ip4/127.0.0.1/tcp/0"], "p2p.discovery_interval_s": 0.5,
+        "p2p.bootstrap_timeout_s": 5, "p2p.dial_timeout_s": 3, "p2p.mesh_wait_s": 3,
+        "broadcast.shard_size": 64 * 1024, "broadcast.min_shard_size": 4096,
+        "broadcast.chunk_size": 32 * 1024, "broadcast.advert_interval_s": 0.1,
+        "broadcast.readvertise_s": 0.5,
+        **{k.replace("__", "."): v for k, v in overrides.items()}})
+
+
+@pytest.fixture
+async def swarm(tmp_path):
+    """`await swarm(name, role, follow=(), bootstrap=(), ...)`: a real libp2p host on
+    127.0.0.1 and a Broadcaster over it (`bc.done`: its Completions); all closed after."""
+    from swarm_node.node.broadcast.service import Broadcaster
+    from swarm_node.node.p2p import P2PNode
+
+    made = []
+
+    async def make(name, role, follow=(), bootstrap=(), identity=None, bulk=False,
+                   libp2p_only=False, cfg=None, **kw):
+        cfg = cfg or node_config()
+        if bulk:
+            cfg = cfg.with_overrides({"bulk.listen": "127.0.0.1:0"})
+        if libp2p_only:
+            cfg = cfg.with_overrides({"bulk.listen": "off"})
+        node = P2PNode(identity or Identity.generate(), cfg)
+        await node.start(bootstrap=list(bootstrap))
+        done = Completions()
+        bc = Broadcaster(node, cfg.broadcast, tmp_path / name, follow=list(follow), role=role,
+                         interactive=False, on_complete=done, **kw)
+        bc.done = done
+        await bc.start()
+        made.append((node, bc))
+        return node, bc
+
+    yield make
+    for node, bc in reversed(made):
+        await bc.close()
+        await node.close()

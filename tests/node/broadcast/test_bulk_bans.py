@@ -24,8 +24,7 @@ async def server_and_client(tmp_path):
     """A node serving shards on its bulk plane and a client node connected to it."""
     from swarm_node.node.p2p import P2PNode
 
-    cfg = node_config()
-    cfg.bulk.listen = "127.0.0.1:0"
+    cfg = node_config(bulk__listen="127.0.0.1:0")
     server = P2PNode(Identity.generate(), cfg)
     await server.start(bootstrap=[])
     client = P2PNode(Identity.generate(), node_config())

@@ -14,7 +14,7 @@ import pytest
 from swarm_node.node.broadcast.follow import FOLLOW_FILE
 from swarm_node.node.broadcast.manifest import build_manifest
 from swarm_node.node.broadcast.store import QUARANTINE_DIR, ShardStore
-from swarm_node.node.config import BroadcastSection, Config
+from swarm_node.node.config import BroadcastSection, load_config
 from swarm_node.node.identity import Identity
 from swarm_node.protocol.messages import CheckpointManifest, FileEntry, ShardAdvert
 
@@ -98,7 +98,7 @@ async def test_only_the_chosen_trainer_is_followed_and_the_choice_sticks(tmp_pat
     await attacker.ready()
     fkey = tmp_path / "f.pem"
     Identity.generate().save(fkey)
-    # no --follow: the follower picks the trainer its bootstrap peer announces
+    # no --follow: the follower asks its bootstrap peer, which names itself
     f = procs("f", "inference", tmp_path / "f", *boot(trainer), key=fkey, log_level="INFO")
     await f.ready()
     attacker.send(f"publish {evil_ckpt} 1")
@@ -179,9 +179,8 @@ async def test_sybil_adverts_cost_bounded_connections_and_bytes(tmp_path, procs)
     sybils = []
     try:
         for _ in range(6):  # each a real libp2p host with its own key (sender = origin)
-            cfg = Config()
-            cfg.node.listen = ["/ip4/127.0.0.1/tcp/0"]
-            cfg.p2p.mesh_wait_s = 5
+            cfg = load_config(None, {"node.listen": ["/ip4/127.0.0.1/tcp/0"],
+                                     "p2p.mesh_wait_s": 5})
             node = P2PNode(Identity.generate(), cfg)
             await node.start(bootstrap=trainer.addrs)
             await node.subscribe("adverts", lambda env, peer: None)
@@ -205,7 +204,7 @@ async def test_sybil_adverts_cost_bounded_connections_and_bytes(tmp_path, procs)
             flooder.cancel()
         assert read_dir(Path(done["path"])) == read_dir(ckpt)
         s = await stats(f)
-        assert s["adverts"].get("adverts_not_admitted", 0) > 0
+        assert s["counters"].get("adverts_not_admitted", 0) > 0
         cfg = BroadcastSection()
         # at most max_sources_per_host unproven sources per endpoint host, each used for
         # at most per_source_downloads shards before its first corrupt one drops it
@@ -386,3 +385,33 @@ async def test_trainer_on_a_full_disk_pauses_and_resumes(tmp_path, trainer_fs):
         assert "disk full" in demo.tail(node.log_path, 400)
     finally:
         demo.stop_nodes([node])
+
+
+# 30.5: a manifest with more shards than anyone accepts ------------------------------------
+
+
+@pytest.mark.slow
+async def test_a_120k_shard_manifest_is_refused_before_any_work(tmp_path, trainer, procs):
+    """It cost a relay 117 CPU-s; now refused `too_many_shards` at the gate, counted, with
+    nothing written and no download started (a real relay process)."""
+    import os
+
+    from swarm_node.protocol.messages import shard_list_hash
+
+    n, size = 120_000, 64 * 1024
+    hashes = [os.urandom(32) for _ in range(n)]
+    m = CheckpointManifest(policy_id=trainer.peer_id, version=1, hash_algo="blake3-shard-list",
+                           files=[FileEntry(name="model.safetensors", size=n * size)],
+                           total_size=n * size, shard_size=size, shard_hashes=hashes,
+                           checkpoint_hash=shard_list_hash(n * size, size, hashes))
+    (tmp_path / "big.env").write_bytes(trainer.seal(m))
+    r = procs("r", "relay", tmp_path / "r", "--follow", trainer.peer_id)
+    await r.ready()
+    before = (await stats(r))["cpu_s"]
+    r.send(f"offer {tmp_path / 'big.env'}")
+    ev = await r.event("rejected")
+    s = await stats(r)
+    assert ev["reason"] == "too_many_shards" and s["rejected"] == {"too_many_shards": 1}
+    assert s["counters"].get("downloads_started", 0) == 0 and s["held"] == []
+    assert not (tmp_path / "r" / "broadcast" / trainer.peer_id).exists()
+    assert s["cpu_s"] - before < 5  # decoding and the signature (~0.1 CPU-s here), no more

@@ -176,7 +176,32 @@ def test_dot_dot_passes_the_schema_but_not_the_gate(ckpt, trainer):
 
 def test_shard_count_bounded(ckpt, trainer):
     data = publish(trainer, ckpt, 1, 4096).envelope  # ~84 shards
-    assert reject_reason(gate([trainer.peer_id], max_shards=16), data) == "bad_layout"
+    assert reject_reason(gate([trainer.peer_id], max_shards=16), data) == "too_many_shards"
+
+
+def test_a_120k_shard_manifest_is_refused_early_and_cheaply(trainer):
+    """Issue 30.5: a 120,000-shard manifest (what fits the 4 MiB manifest limit) cost a
+    relay 117 CPU-s. The default limit refuses it, counted, before anything is written."""
+    import os
+    import time
+
+    from swarm_node.node.config import BroadcastSection
+    from swarm_node.protocol.messages import shard_list_hash
+
+    n, size = 120_000, 64 * 1024
+    hashes = [os.urandom(32) for _ in range(n)]
+    m = CheckpointManifest(policy_id=trainer.peer_id, version=1, hash_algo="blake3-shard-list",
+                           files=[FileEntry(name="model.safetensors", size=n * size)],
+                           total_size=n * size, shard_size=size, shard_hashes=hashes,
+                           checkpoint_hash=shard_list_hash(n * size, size, hashes))
+    data = trainer.seal(m)
+    space_checked = []
+    g = ManifestGate.from_config([trainer.peer_id], BroadcastSection(), lambda p: -1,
+                                 space_check=space_checked.append)
+    cpu = time.process_time()
+    assert reject_reason(g, data) == "too_many_shards"
+    assert time.process_time() - cpu < 2.0  # decoding + signature: ~0.1 CPU-s here
+    assert g.rejected == {"too_many_shards": 1} and space_checked == []
 
 
 def test_manifest_larger_than_free_disk_rejected(ckpt, trainer, tmp_path):

@@ -8,80 +8,87 @@ import time
 from pathlib import Path
 
 import pytest
-from swarm_node.node.config import Config
+from swarm_node.node.config import Config, load_config
 from swarm_node.node.roles.settings import SettingsFollower, swarm_settings
 
 from .conftest import publish
 
 
 def trainer_settings(**tasks):
-    cfg = Config()
-    cfg.model.name = "builtin:smollm2-135m"
-    cfg.tasks.mix = {"toy/digit_successor": 1.0}
-    cfg.sampler.max_new_tokens = 2
-    for k, v in tasks.items():
-        setattr(cfg.tasks, k, v)
+    cfg = load_config(None, {"model.name": "builtin:smollm2-135m",
+                             "tasks.mix": {"toy/digit_successor": 1.0},
+                             "sampler.max_new_tokens": 2,
+                             **{f"tasks.{k}": v for k, v in tasks.items()}})
     return swarm_settings(cfg)
 
 
-def test_defaults_are_adopted():
+def test_defaults_are_adopted_into_the_checkpoints_settings_not_the_config():
     cfg = Config()
     f = SettingsFollower(cfg)
-    assert f.check(trainer_settings(tasks_per_round=8), "T") is None
-    assert cfg.sampler.max_new_tokens == 2 and cfg.tasks.tasks_per_round == 8
-    assert f.model_changed and f.adopted["model_id"] == "builtin:smollm2-135m"
-    assert cfg.model.name == "builtin:tiny"  # the model comes from the checkpoint itself
-    assert f.check(trainer_settings(tasks_per_round=8), "T") is None  # stable
+    assert f.check(trainer_settings(tasks_per_round=8), "T", 1) is None
+    eff = f.effective_for("T", 1)
+    assert eff.config.sampler.max_new_tokens == 2 and eff.config.tasks.tasks_per_round == 8
+    assert eff.model_id == "builtin:smollm2-135m" and f.adopted["model_id"] == eff.model_id
+    assert eff.config.model.name == "builtin:tiny"  # the model comes from the checkpoint itself
+    assert cfg == Config()  # the node's config is untouched
+    # a version not checked in this run (found on disk): the trainer's newest accepted
+    assert f.effective_for("T", 7) is eff and f.effective_for("other", 1) is f.local
+    assert f.check(trainer_settings(tasks_per_round=8), "T", 2) is None  # stable
+    assert f.effective_for("T", 2) == eff
+    # a trainer going back to this node's values: nothing adopted for that version
+    back = swarm_settings(Config().with_overrides({"model.name": "builtin:tiny"}))
+    assert f.check(back, "T", 3) is None and not f.effective_for("T", 3).adopted
 
 
 def test_explicit_differences_are_refused_naming_each(caplog):
-    cfg = Config()
-    cfg.sampler.max_new_tokens = 5  # set by the operator
-    cfg.tasks.mix = {"toy/digit_successor": 1.0}
+    cfg = load_config(None, {"sampler.max_new_tokens": 5,  # set by the operator
+                             "tasks.mix": {"toy/digit_successor": 1.0}})
     f = SettingsFollower(cfg)
     for _ in range(3):
-        line = f.check(trainer_settings(), "trainer-key")
+        line = f.check(trainer_settings(), "trainer-key", 1)
     assert "sampler.max_new_tokens = 5 here, 2 in the swarm" in line
     assert "tasks.mix" not in line  # equal values are not differences
-    assert cfg.sampler.max_new_tokens == 5 and f.refused == line
+    assert f.refused == line and f.effective_for("trainer-key", 1) is f.local
     assert [r.message for r in caplog.records].count(line) == 1  # one line, not one per try
 
 
-def test_other_protocol_version_and_unknown_tasks_are_refused():
+def test_other_protocol_version_unknown_tasks_and_values_out_of_range_are_refused():
     s = trainer_settings()
     f = SettingsFollower(Config())
     assert "protocol version 99" in f.check(s.model_copy(update={"protocol_version": 99}))
     line = SettingsFollower(Config()).check(
         s.model_copy(update={"task_mix": {"no/such_task": 1.0}}))
     assert line and "no/such_task" in line
+    line = SettingsFollower(Config()).check(s.model_copy(update={"tasks_per_round": 999}))
+    assert line and "tasks.tasks_per_round" in line
 
 
 def test_prompt_style_travels_with_the_policy():
     """Every peer and verifier must build the same prompts: the trainer's tasks.system_prompt
     and tasks.few_shot are adopted, refused when set differently here or unusable here."""
-    cfg = Config()
-    assert SettingsFollower(cfg).check(trainer_settings(system_prompt="direct"), "T") is None
-    assert cfg.tasks.system_prompt == "direct"
-    mine = Config()
-    mine.tasks.system_prompt = "simple"  # set by the operator
+    f = SettingsFollower(Config())
+    assert f.check(trainer_settings(system_prompt="direct"), "T", 1) is None
+    assert f.effective_for("T", 1).config.tasks.system_prompt == "direct"
+    mine = load_config(None, {"tasks.system_prompt": "simple"})  # set by the operator
     line = SettingsFollower(mine).check(trainer_settings(system_prompt="direct"), "T")
     assert "tasks.system_prompt = 'simple' here, 'direct' in the swarm" in line
     odd = trainer_settings().model_copy(update={"system_prompt": "no-such-prompt"})
     assert "no-such-prompt" in SettingsFollower(Config()).check(odd, "T")
-    cfg = Config()
-    assert SettingsFollower(cfg).check(trainer_settings(few_shot=2), "T") is None
-    assert cfg.tasks.few_shot == 2
+    f = SettingsFollower(Config())
+    assert f.check(trainer_settings(few_shot=2), "T", 1) is None
+    assert f.effective_for("T", 1).config.tasks.few_shot == 2
     many = trainer_settings().model_copy(update={"few_shot": 9})
     assert "tasks.few_shot 9" in SettingsFollower(Config()).check(many, "T")
 
 
 def test_generator_params_travel_with_the_policy():
     params = {"rg/basic_arithmetic": {"max_digits": 1}}
-    cfg = Config()
+    f = SettingsFollower(Config())
     s = trainer_settings(mix={"rg/basic_arithmetic": 1.0}, params=params)
     assert s.task_params == params
-    assert SettingsFollower(cfg).check(s, "T") is None
-    assert cfg.tasks.params == params and cfg.tasks.mix == {"rg/basic_arithmetic": 1.0}
+    assert f.check(s, "T", 1) is None
+    tasks = f.effective_for("T", 1).config.tasks
+    assert tasks.params == params and tasks.mix == {"rg/basic_arithmetic": 1.0}
     # params of a dataset that is not in the mix cannot be drawn: refused, naming them
     odd = trainer_settings().model_copy(update={"task_params": params})
     assert "rg/basic_arithmetic" in SettingsFollower(Config()).check(odd, "T")
@@ -92,8 +99,7 @@ def test_gate_refuses_a_policy_with_conflicting_settings(ckpt, trainer):
     from swarm_node.node.broadcast.manifest import ManifestGate, build_manifest
     from swarm_node.node.config import BroadcastSection
 
-    cfg = Config()
-    cfg.sampler.temperature = 0.3
+    cfg = load_config(None, {"sampler.temperature": 0.3})
     gate = ManifestGate.from_config([trainer.peer_id], BroadcastSection(min_shard_size=4096),
                                     lambda p: -1, settings_check=SettingsFollower(cfg).check)
     m = build_manifest(ckpt, policy_id=trainer.peer_id, version=1, shard_size=64 * 1024,

@@ -14,13 +14,13 @@ class Clock:
 def book(**kw):
     clock = Clock()
     return SourceBook(per_source=kw.get("per_source", 2), max_corrupt=kw.get("max_corrupt", 1),
-                      clock=clock), clock
+                      trial_slots=kw.get("trial_slots", 1), clock=clock), clock
 
 
 def test_unmeasured_sources_are_tried_then_the_fastest_wins():
     b, _ = book()
-    b.add("slow", None)
-    b.add("fast", None)
+    b.add("slow", None, proven=True)
+    b.add("fast", None, proven=True)
     b.success("slow", 1_000_000, 1.0)
     assert b.pick(0) == "fast"  # not measured yet: optimistic
     b.success("fast", 10_000_000, 1.0)
@@ -32,8 +32,8 @@ def test_unmeasured_sources_are_tried_then_the_fastest_wins():
 
 def test_holdings_limit_choice():
     b, _ = book()
-    b.add("a", {1, 2})
-    b.add("b", None)
+    b.add("a", {1, 2}, proven=True)
+    b.add("b", None, proven=True)
     b.success("a", 10_000_000, 1.0)
     b.success("b", 1_000, 1.0)
     assert b.pick(1) == "a" and b.pick(5) == "b"
@@ -42,15 +42,66 @@ def test_holdings_limit_choice():
     assert b.holders(7) == 1 and b.holders(7, exclude={"b"}) == 0
 
 
-def test_failure_cools_down_then_recovers():
+def test_a_known_source_cools_down_then_recovers():
     b, clock = book()
-    b.add("a", None)
+    b.add("a", None, proven=True)
     b.failure("a", "timeout")
-    assert b.pick(0) is None
+    assert b.pick(0) is None and b.next_ready() == clock.t + 0.2
     clock.t += 10
     assert b.pick(0) == "a"
     b.failure("a", "busy")  # busy: short pause, not counted as a failure
-    assert b.sources["a"].failures == 1
+    assert b.sources["a"].failures == 1 and not b.sources["a"].dropped
+
+
+def test_an_advertiser_on_trial_that_fails_loses_its_place_at_once():
+    b, clock = book()
+    b.add("trainer", None, origin=True)
+    b.add("staller", None)
+    assert b.pick(0) == "staller"  # unmeasured: tried first, once
+    b.started("staller")
+    b.failure("staller", "timeout")
+    clock.t += 60
+    assert b.sources["staller"].dropped and b.dropped == 1 and b.pick(0) == "trainer"
+
+
+def test_trials_never_take_every_slot_from_the_known_good_sources():
+    b, _ = book(per_source=8, trial_slots=2)
+    b.add("trainer", None, origin=True)
+    for i in range(5):
+        b.add(f"sybil{i}", None)
+    picks = []
+    for shard in range(8):
+        peer = b.pick(shard)
+        b.started(peer)
+        picks.append(peer)
+    # one transfer per advertiser on trial, two trials at once; the rest from the trainer
+    tried = [p for p in picks if p != "trainer"]
+    assert len(tried) == len(set(tried)) == 2 and picks.count("trainer") == 6
+    b.success(tried[0], 1_000_000, 1.0)  # delivered a verified shard: no longer on trial
+    b.finished(tried[0])
+    assert b.sources[tried[0]].good  # up to per_source transfers from now on
+    assert b.pick(9) not in ("trainer", *tried)  # its trial slot went to the next advertiser
+
+
+def test_without_a_known_good_holder_advertisers_are_tried():
+    b, _ = book(trial_slots=1)
+    b.add("trainer", {0}, origin=True)
+    b.add("a", {5})
+    b.add("b", {5})
+    b.started(b.pick(5))
+    assert b.pick(5) is not None  # nobody known-good holds shard 5: no slot reserved
+
+
+def test_a_known_source_that_keeps_failing_is_dropped_but_never_the_trainer():
+    b, clock = book()
+    b.add("relay", None, proven=True)
+    b.add("trainer", None, origin=True)
+    for _ in range(4):
+        b.failure("relay", "open_failed")
+        b.failure("trainer", "open_failed")
+        clock.t += 10
+    assert b.sources["relay"].dropped and not b.sources["trainer"].dropped
+    assert b.pick(0) == "trainer"
 
 
 def test_corrupt_source_is_dropped():

@@ -190,3 +190,24 @@ def test_whole_hash_of_a_failed_shard_is_redone(tmp_path, trainer, ckpt):
     assert unaware.finish() != acc.manifest.checkpoint_hash  # why failed() matters
     path = store.assemble(entry, whole)
     assert read_dir(path) == read_dir(ckpt)
+
+
+def test_short_writes_of_a_nearly_full_disk_leave_no_holes(tmp_path, trainer, ckpt,
+                                                           monkeypatch):
+    """pwrite(2) may write less than asked without an error when the disk is nearly full.
+    A writer that ignored the count verified the received bytes, marked the shard good and
+    handed over a checkpoint with holes (seen under load in the disk-full download test).
+    Here every pwrite takes at most 1,000 bytes: the assembled copy is still identical."""
+    import os
+
+    from swarm_node.node.broadcast import store as store_mod
+
+    real = os.pwrite
+    monkeypatch.setattr(store_mod.os, "pwrite",
+                        lambda fd, data, offset: real(fd, bytes(data[:1000]), offset))
+    src, src_entry, acc = origin_store(tmp_path, trainer, ckpt)
+    store = ShardStore(tmp_path / "client")
+    entry = store.open_version(acc)
+    for i in range(acc.manifest.num_shards):
+        assert copy_shard(src, src_entry, store, entry, i)
+    assert read_dir(store.assemble(entry)) == read_dir(ckpt)

@@ -90,10 +90,10 @@ async def test_corrupt_source_costs_one_shard_and_is_dropped(tmp_path, trainer, 
     t.register("evil", evil.handle)
     store, entry, book = client(tmp_path, acc, cfg)
     book.add("evil", None)
-    d = Downloader(store, entry, t, book, cfg)
-    # let the client hit shard 2 from "evil" first: the only source until it misbehaves
-    d.order = [2] + [i for i in d.order if i != 2]
-    cfg.parallel_downloads = 1
+    # one transfer at a time: the client hits shard 2 from "evil" first, the only source
+    # until it misbehaves
+    d = Downloader(store, entry, t, book, cfg.model_copy(update={"parallel_downloads": 1}))
+    d.pending = [2] + [i for i in d.pending if i != 2]
     task = asyncio.create_task(d.run())
     while not book.sources["evil"].dropped:
         await asyncio.sleep(0.01)
@@ -146,7 +146,7 @@ async def test_resume_fetches_only_missing_shards(tmp_path, trainer, ckpt, cfg):
 
 async def test_no_source_stalls_with_error(tmp_path, trainer, ckpt, cfg):
     acc, _ = serving(tmp_path, "good", trainer, ckpt, cfg)
-    cfg.stall_timeout_s = 0.3
+    cfg = cfg.model_copy(update={"stall_timeout_s": 0.3})
     store, entry, book = client(tmp_path, acc, cfg)
     with pytest.raises(DownloadFailed) as e:
         await Downloader(store, entry, MemoryTransport(), book, cfg).run()
@@ -194,7 +194,7 @@ async def test_server_errors_are_answers_not_hangs(tmp_path, trainer, ckpt, cfg)
 
 
 async def test_silent_client_is_timed_out(tmp_path, trainer, ckpt, cfg):
-    cfg.request_timeout_s = 0.2
+    cfg = cfg.model_copy(update={"request_timeout_s": 0.2})
     _, server = serving(tmp_path, "good", trainer, ckpt, cfg)
     t = MemoryTransport()
     t.register("s", server.handle)
@@ -206,7 +206,7 @@ async def test_silent_client_is_timed_out(tmp_path, trainer, ckpt, cfg):
 
 
 async def test_concurrency_limit_answers_busy(tmp_path, trainer, ckpt, cfg):
-    cfg.max_uploads_per_peer = 1
+    cfg = cfg.model_copy(update={"max_uploads_per_peer": 1})
     acc, server = serving(tmp_path, "good", trainer, ckpt, cfg)
     m = acc.manifest
     t = MemoryTransport()

@@ -5,11 +5,12 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
-from swarm_node.node.config import Config
+from swarm_node.node.config import Config, load_config
 from swarm_node.node.identity import Identity
 from swarm_node.protocol.messages import (
     Completion,
@@ -45,19 +46,22 @@ def one_completion_batch(policy_id: str, completion_ids: np.ndarray, logprobs: n
                         policy_version=0, sampling=SamplingParams(), completions=[comp])
 
 
+def rejects_by_sender(metrics, sender: str) -> dict[str, int]:
+    """Gossip rejects charged to `sender`, by reason (P2PMetrics.rejects)."""
+    return {reason: n for (s, reason), n in list(metrics.rejects.items()) if s == sender}
+
+
+def drops(metrics) -> int:
+    """Messages dropped for a full queue or size, all `drop_*` counters together."""
+    return sum(n for k, n in list(metrics.counters.items()) if k.startswith("drop_"))
+
+
 def p2p_config(**p2p) -> Config:
-    cfg = Config()
-    cfg.node.listen = ["/ip4/127.0.0.1/tcp/0"]
-    cfg.p2p.discovery_interval_s = 0.5
-    cfg.p2p.bootstrap_timeout_s = 5
-    cfg.p2p.dial_timeout_s = 3
-    cfg.p2p.mesh_wait_s = 5
+    overrides = {"node.listen": ["/ip4/127.0.0.1/tcp/0"], "p2p.discovery_interval_s": 0.5,
+                 "p2p.bootstrap_timeout_s": 5, "p2p.dial_timeout_s": 3, "p2p.mesh_wait_s": 5}
     for k, v in p2p.items():  # p2p.<k>, or bulk.<rest> for bulk_<rest>
-        if k.startswith("bulk_"):
-            setattr(cfg.bulk, k.removeprefix("bulk_"), v)
-        else:
-            setattr(cfg.p2p, k, v)
-    return cfg
+        overrides[f"bulk.{k.removeprefix('bulk_')}" if k.startswith("bulk_") else f"p2p.{k}"] = v
+    return load_config(None, overrides)
 
 
 @pytest.fixture
@@ -78,19 +82,26 @@ async def make_node():
 
 
 class PeerProcess:
-    """A peer_proc.py subprocess; `stop()` closes its stdin and returns its final report."""
+    """A peer_proc.py subprocess; `stop()` closes its stdin and returns its final report.
+    Its log (stderr) goes to a temporary file, never to an unread pipe: a full pipe blocks
+    the process at its next log line (its libp2p thread included)."""
 
     def __init__(self, *args: str):
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self._log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - read after stop(); GC closes
         self.proc = subprocess.Popen([sys.executable, str(PEER_PROC), *args],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env=env)
+                                     stderr=self._log, text=True, env=env)
         self.info: dict = {}
+
+    def stderr_tail(self, n: int = 3000) -> str:
+        self._log.seek(0)
+        return self._log.read()[-n:]
 
     async def ready(self, timeout: float = 60) -> dict:
         line = await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.readline), timeout)
         if not line:
-            raise RuntimeError(f"peer process died: {self.proc.stderr.read()[-3000:]}")
+            raise RuntimeError(f"peer process died: {self.stderr_tail()}")
         self.info = json.loads(line)
         return self.info
 

@@ -18,7 +18,7 @@ import sys
 
 
 async def main() -> int:
-    from swarm_node.node.config import Config
+    from swarm_node.node.config import load_config
     from swarm_node.node.identity import Identity
     from swarm_node.node.p2p import P2PError, P2PNode
 
@@ -29,15 +29,12 @@ async def main() -> int:
     ap.add_argument("--fast", action="store_true",
                     help="short liveness and dial timeouts (partition tests)")
     args = ap.parse_args()
-    cfg = Config()
-    cfg.node.listen = [args.listen]
-    cfg.p2p.discovery_interval_s = 0.5
-    cfg.p2p.bootstrap_timeout_s = 30
-    cfg.bulk.listen = "off"
-    cfg.p2p.relay.service = "on" if args.relay else "off"
+    overrides = {"node.listen": [args.listen], "p2p.discovery_interval_s": 0.5,
+                 "p2p.bootstrap_timeout_s": 30, "bulk.listen": "off",
+                 "p2p.relay.service": "on" if args.relay else "off"}
     if args.fast:
-        cfg.p2p.liveness_interval_s = 2.0
-        cfg.p2p.dial_timeout_s = 3.0
+        overrides.update({"p2p.liveness_interval_s": 2.0, "p2p.dial_timeout_s": 3.0})
+    cfg = load_config(None, overrides)
     node = P2PNode(Identity.generate(), cfg)
 
     async def echo(peer: str, body: bytes) -> bytes:

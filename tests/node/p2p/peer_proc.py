@@ -2,8 +2,8 @@
 
 Prints one JSON line {"peer_id", "addrs"} when up; serves /test/echo/1.0.0 (reversed bytes),
 /test/raw-echo/1.0.0 (raw stream echo), /test/sink/1.0.0 (never reads) and
-/test/stats/1.0.0 (JSON: verdicts received per origin, health); subscribes to
-"verdicts" and counts each Verdict it receives. Exits cleanly when stdin closes; then prints
+/test/stats/1.0.0 (JSON: messages received per origin, health); subscribes to
+"verdicts" (and each --topic) and counts each message it receives. Exits cleanly when stdin closes; then prints
 a final JSON report (counts, health, counters, shutdown errors).
 Usage: python peer_proc.py [--key PEM] [--bootstrap MULTIADDR]...
 """
@@ -18,19 +18,23 @@ import threading
 
 
 async def main() -> int:
-    from swarm_node.node.config import Config
+    from swarm_node.node.config import load_config
     from swarm_node.node.identity import Identity
+    from swarm_node.node.logs import setup_logging
     from swarm_node.node.p2p import P2PNode
+
+    setup_logging("INFO")  # as a real node logs (py-libp2p's own records at CRITICAL)
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--key")
     ap.add_argument("--bootstrap", action="append", default=[])
     ap.add_argument("--discovery-interval", type=float, default=0.5)
+    ap.add_argument("--topic", action="append", default=[],
+                    help="also count the messages of this topic kind (verdicts always)")
     args = ap.parse_args()
-    cfg = Config()
-    cfg.node.listen = ["/ip4/127.0.0.1/tcp/0"]
-    cfg.p2p.discovery_interval_s = args.discovery_interval
-    cfg.p2p.bootstrap_timeout_s = 10
+    cfg = load_config(None, {"node.listen": ["/ip4/127.0.0.1/tcp/0"],
+                             "p2p.discovery_interval_s": args.discovery_interval,
+                             "p2p.bootstrap_timeout_s": 10})
     ident = Identity.load_or_create(args.key) if args.key else Identity.generate()
     node = P2PNode(ident, cfg)
 
@@ -45,7 +49,7 @@ async def main() -> int:
     by_origin: dict[str, int] = {}
 
     async def on_status(env, peer):
-        received.append(env.message.policy_version)
+        received.append(getattr(env.message, "policy_version", 0))
         by_origin[peer] = by_origin.get(peer, 0) + 1
 
     async def stats(peer: str, body: bytes) -> bytes:
@@ -59,7 +63,8 @@ async def main() -> int:
     node.set_stream_handler("/test/sink/1.0.0", sink, max_inbound=1 << 30)
     node.set_request_handler("/test/stats/1.0.0", stats)
     await node.start(bootstrap=args.bootstrap)
-    await node.subscribe("verdicts", on_status)
+    for kind in dict.fromkeys(["verdicts", *args.topic]):
+        await node.subscribe(kind, on_status)
     print(json.dumps({"peer_id": node.peer_id, "addrs": node.listen_addrs}), flush=True)
     await asyncio.to_thread(sys.stdin.read)  # until the test closes our stdin
     health = node.health()

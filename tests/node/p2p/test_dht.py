@@ -32,7 +32,7 @@ async def test_dht_finds_public_swarm_peers_and_discovery_uses_them(make_node):
         assert await n.dialback.check() in (True, None)  # loopback: public
     assert not nodes[1].dht.anchors_swarm()  # an inference peer does not announce itself
     for n in nodes[1:]:
-        n.config.node.role = "relay"  # public relays do
+        n.config = n.config.with_overrides({"node.role": "relay"})  # public relays do
         assert n.dht.anchors_swarm()
         await n.dht.provide_swarm()
     peers = dict(await nodes[0].dht.swarm_peers())

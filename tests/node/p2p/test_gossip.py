@@ -14,7 +14,7 @@ from swarm_node.protocol.envelope import seal
 from swarm_node.protocol.errors import ReplayedMessage
 from swarm_node.protocol.messages import RolloutBatch
 
-from .conftest import one_completion_batch, verdict, wait_until
+from .conftest import drops, one_completion_batch, rejects_by_sender, verdict, wait_until
 
 KIND = "verdicts"
 
@@ -87,7 +87,7 @@ async def test_five_hosts_burst_without_loss(make_node):
         assert len(received[x.peer_id]) == len(expected[x.peer_id])  # no duplicates
         assert set(received[x.peer_id]) == expected[x.peer_id]
         # (GossipSub does not keep per-sender order: a message can come over another path)
-        assert x.metrics.drops() == 0 and x.metrics["rejected"] == 0
+        assert drops(x.metrics) == 0 and x.metrics["rejected"] == 0
         assert x.metrics["published"] == per_node + 1
     assert sum(len(v) for v in received.values()) == 5 * 4 * per_node
 
@@ -136,13 +136,13 @@ async def test_invalid_messages_rejected_counted_not_forwarded(make_node):
                      what="attacker's later valid message")
     await wait_until(lambda: len([r for p, r in got[relay.peer_id] if p == honest.peer_id])
                      == 20, 20, what="honest traffic at the relay")
-    rejects = relay.metrics.rejects_by_sender(attacker.peer_id)
+    rejects = rejects_by_sender(relay.metrics, attacker.peer_id)
     assert rejects.get("malformed", 0) == 2, rejects
     assert rejects.get("bad_signature", 0) == 2, rejects  # flipped bit, wrong signer
     assert rejects.get("sender_mismatch", 0) == 1, rejects  # someone else's envelope
     assert rejects.get("too_large", 0) == 1, rejects
     assert rejects.get("replay", 0) == 1, rejects  # the second copy of `good`
-    assert relay.metrics.rejects_by_sender(honest.peer_id) == {}
+    assert rejects_by_sender(relay.metrics, honest.peer_id) == {}
     # Nothing invalid reached honest: it saw the attacker's three valid messages only.
     from_attacker = sorted(r for p, r in got[honest.peer_id] if p == attacker.peer_id)
     assert from_attacker == [1000, 1001, 1006]
@@ -153,7 +153,7 @@ async def test_invalid_messages_rejected_counted_not_forwarded(make_node):
     await attacker.publish(KIND, status(1007))
     await honest.publish(KIND, status(99))
     await wait_until(lambda: (honest.peer_id, 99) in got[relay.peer_id], what="honest after ban")
-    await wait_until(lambda: relay.metrics.rejects_by_sender(attacker.peer_id).get("banned"),
+    await wait_until(lambda: rejects_by_sender(relay.metrics, attacker.peer_id).get("banned"),
                      what="banned count")
     assert (attacker.peer_id, 1007) not in got[relay.peer_id]
 

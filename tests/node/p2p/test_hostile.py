@@ -15,7 +15,7 @@ from swarm_node.node.p2p import DialError, PublishError, RequestError
 from swarm_node.protocol.messages import Hello, ShardAdvert, Status
 
 from .attacks import MESHSUB, push_ignoring_window, rss_mib, signed_rpcs
-from .conftest import PeerProcess, verdict, wait_until
+from .conftest import PeerProcess, rejects_by_sender, verdict, wait_until
 from .test_gossip import rollout_batch
 
 
@@ -60,7 +60,7 @@ async def test_garbage_on_meshsub_does_not_kill_a_real_process(make_node):
         await wait_delivered(honest, info["peer_id"], honest.peer_id, 1)
     finally:
         report = await victim.stop()
-    assert victim.proc.returncode == 0, victim.proc.stderr.read()[-2000:]
+    assert victim.proc.returncode == 0, victim.stderr_tail(2000)
     assert report["by_origin"] == {honest.peer_id: 1}
     health = report["health"]
     assert health["alive"] is True and health["stream_faults"] == 2 and health["cuts"] == 1
@@ -103,7 +103,7 @@ async def test_wrong_message_type_on_a_topic_is_a_counted_reject(make_node):
         await attacker.publish_raw("rollouts", attacker.identity.seal(message))
     await attacker.publish("rollouts", rollout_batch(me, 100, 1))
     await wait_until(lambda: got == ["rollout_batch"], 20, what="the valid batch")
-    assert victim.metrics.rejects_by_sender(me) == {"wrong_topic": 4}
+    assert rejects_by_sender(victim.metrics, me) == {"wrong_topic": 4}
 
 
 @pytest.mark.slow
@@ -132,7 +132,10 @@ async def test_peer_ignoring_the_yamux_window_is_cut_with_memory_bounded(make_no
 
 
 @pytest.mark.slow
-async def test_gossip_flood_is_cut_before_validation_honest_traffic_flows(make_node):
+async def test_a_gossip_flood_is_dropped_before_validation_and_nobody_is_cut(make_node):
+    """A peer publishing its own messages far over its rate (a flooder, or an honest trainer
+    stepping back to back) has the excess dropped before any signature check; it is never
+    cut for rate alone, and other peers' traffic flows."""
     victim = PeerProcess()
     try:
         info = await victim.ready()
@@ -150,26 +153,23 @@ async def test_gossip_flood_is_cut_before_validation_honest_traffic_flows(make_n
 
         async def flood() -> None:
             for frame in frames:
-                try:
-                    await stream.write(frame)
-                except Exception:  # noqa: BLE001 - cut by the victim
-                    return
+                await stream.write(frame)
 
         flooding = asyncio.create_task(flood())
         for i in range(20):
             await honest.publish("verdicts", verdict(100_000 + i))
         await asyncio.wait_for(flooding, 60)
         await wait_delivered(honest, info["peer_id"], honest.peer_id, 20)
-        await wait_until(lambda: info["peer_id"] not in attacker.connected_peers(), 30,
-                         what="the flooder to be cut")
+        stats = await victim_stats(honest, info["peer_id"])
+        assert info["peer_id"] in attacker.connected_peers()  # not cut
     finally:
         report = await victim.stop()
     delivered = report["by_origin"]
     assert delivered.get(honest.peer_id) == 20, delivered
-    # Only the burst (500) plus the refill (50/s until the cut) got through, not the flood.
+    # Only the burst (500) plus the refill (50/s) got through, not the flood.
     assert delivered.get(attacker.peer_id, 0) <= n_flood // 4, delivered
     assert report["counters"].get("rejected.rate_limited", 0) >= 100
-    assert report["health"]["cuts"] == 1
+    assert report["health"]["cuts"] == 0 and stats["health"]["cuts"] == 0
 
 
 async def test_reported_misbehaviour_cuts_and_refuses_the_peer(make_node):
@@ -189,31 +189,41 @@ async def test_reported_misbehaviour_cuts_and_refuses_the_peer(make_node):
     assert peer in victim.health()["refused"]
 
 
-async def test_fresh_key_batches_charge_the_connection_that_carried_them(make_node):
+async def test_fresh_key_batches_throttle_the_connection_that_brought_them(make_node):
+    """Bogus work from fresh keys is charged to each key; the connection that introduced
+    them is not cut (it might be an honest relay) but loses new-origin tokens, so it soon
+    brings no new key at all, while its own messages still flow."""
     victim = await make_node(discovery=False)
     attacker = await make_node(bootstrap=victim.listen_addrs, discovery=False)
-    reports = []
+    reported = []
 
     async def work_layer(env, origin):
         # What the trainer's verifier does with a fresh key's bogus batch: report it.
-        reports.append(victim.report_misbehaviour(origin, 1, "bogus_batch"))
+        reported.append(origin)
+        victim.report_misbehaviour(origin, 1, "bogus_batch")
 
     await victim.subscribe("verdicts", work_layer)
     await wait_until(lambda: attacker.peer_id in victim.connected_peers(), what="connection")
-    sybils = [Identity.generate() for _ in range(15)]
+    sybils = [Identity.generate() for _ in range(40)]
     topic = attacker.topic("verdicts")
-    frames = [frame for i, sybil in enumerate(sybils)
-              for frame in signed_rpcs(attacker, topic, [sybil.seal(verdict(i))], signer=sybil)]
     stream = await attacker.open_stream(victim.peer_id, MESHSUB)
-    for frame in frames:
-        try:
+
+    def handled() -> int:
+        return len(reported) + victim.metrics["rejected.new_origin_throttled"]
+
+    for i, sybil in enumerate(sybils):
+        for frame in signed_rpcs(attacker, topic, [sybil.seal(verdict(i))], signer=sybil):
             await stream.write(frame)
-        except Exception:  # noqa: BLE001 - cut by the victim
-            break
-    await wait_until(lambda: attacker.peer_id not in victim.connected_peers(), what="the cut")
-    assert reports.count(True) == 1 and len(reports) >= 10  # 10 points each, cut at 100
-    assert attacker.peer_id in victim.health()["refused"]
-    assert all(victim.penalties.score(s.peer_id) == 0 for s in sybils)  # keys cost nothing
+        if i % 4 == 3:  # as fast as the victim's verifier reports them
+            await wait_until(lambda n=i - 3: handled() > n, what="the victim to keep up")
+    await wait_until(lambda: handled() == len(sybils), what="every sybil handled")
+    assert victim.metrics["rejected.new_origin_throttled"] >= 20  # most never got in
+    assert all(victim.penalties.score(s) > 0 for s in reported)  # each key pays
+    assert attacker.peer_id in victim.connected_peers() and victim.penalties.cuts == 0
+    own = [attacker.identity.seal(verdict(1000))]  # the carrier's own messages still flow
+    for frame in signed_rpcs(attacker, topic, own):
+        await stream.write(frame)
+    await wait_until(lambda: attacker.peer_id in reported, what="the carrier's own message")
 
 
 async def test_error_replies_close_streams(make_node):

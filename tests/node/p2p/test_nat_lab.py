@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.waiting import wait_until
+
 try:
     from swarm_node.node.testing import netlab
 except ImportError:  # the lab lands with the WAN work package
@@ -44,14 +46,15 @@ class Peer:
         return json.loads(self.proc.stdout.readline())
 
     def wait(self, pred, timeout: float, what: str) -> dict:
-        deadline = time.monotonic() + timeout
-        while True:
-            st = self.cmd("status")
-            if pred(st):
-                return st
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out waiting for {what}: {st}")
-            time.sleep(0.5)
+        """Poll this peer's status (another process: nothing signals) until `pred`."""
+        last: list[dict] = [{}]
+
+        def check() -> bool:
+            last[0] = self.cmd("status")
+            return pred(last[0])
+
+        wait_until(check, timeout, what, interval=0.5, details=lambda: str(last[0]))
+        return last[0]
 
     def stop(self) -> None:
         self.proc.stdin.close()

@@ -3,7 +3,7 @@ behaviour against real hosts is in test_hostile.py)."""
 
 from __future__ import annotations
 
-from swarm_node.node.p2p.penalties import HALF_LIFE_S, PeerPenalties, TopicRateLimiter
+from swarm_node.node.p2p.penalties import HALF_LIFE_S, PeerPenalties, TokenBuckets
 from swarm_node.protocol.limits import TopicRate
 
 
@@ -31,12 +31,18 @@ def test_scores_decay_cut_once_and_back_off_doubling():
     assert not pen.penalise("q", "stale") and pen.score("q") == 0  # never an offence
 
 
-def test_rate_limiter_burst_then_refill_per_peer_and_topic():
+def test_token_buckets_burst_refill_charge_and_bound():
     clock = Clock()
-    lim = TopicRateLimiter({"verdicts": TopicRate(per_s=10, burst=5)}, clock=clock)
-    t = "/swarm-node/s/verdicts/1"
-    assert [lim.allow("a", t) for _ in range(6)] == [True] * 5 + [False]
-    assert lim.allow("b", t)  # another peer has its own bucket
+    buckets = TokenBuckets(clock=clock, max_buckets=2)
+    rate = TopicRate(per_s=10, burst=5)
+    assert [buckets.take("a", rate) for _ in range(6)] == [True] * 5 + [False]
+    assert buckets.take("b", rate)  # another key has its own bucket
     clock.t += 0.1  # one token back
-    assert lim.allow("a", t) and not lim.allow("a", t)
-    assert [lim.allow("a", "/other/topic") for _ in range(21)].count(False) == 1  # default
+    assert buckets.take("a", rate) and not buckets.take("a", rate)
+    buckets.charge("b", rate, 10)  # below zero: refilled at its rate
+    clock.t += 0.5
+    assert not buckets.take("b", rate)
+    clock.t += 0.6
+    assert buckets.take("b", rate)
+    buckets.take("c", rate)  # a third key: the least recently used ("a") is forgotten
+    assert len(buckets) == 2

@@ -53,8 +53,7 @@ async def test_private_when_dial_back_fails(make_node):
     """Listening on 127.0.0.2 while dialling out from 127.0.0.1 is a NAT in miniature: the
     peer sees us at 127.0.0.1, where nothing listens."""
     boot = await make_node()
-    cfg = p2p_config()
-    cfg.node.listen = ["/ip4/127.0.0.2/tcp/0"]
+    cfg = p2p_config().with_overrides({"node.listen": ["/ip4/127.0.0.2/tcp/0"]})
     node = P2PNode(Identity.generate(), cfg)
     seen = []
     node.on_reachability_change(seen.append)

@@ -23,8 +23,7 @@ async def natted():
     nodes = []
 
     async def make(host: int, bootstrap: list[str], *, discovery=True, **p2p):
-        cfg = p2p_config(**p2p)
-        cfg.node.listen = [f"/ip4/127.0.0.{host}/tcp/0"]
+        cfg = p2p_config(**p2p).with_overrides({"node.listen": [f"/ip4/127.0.0.{host}/tcp/0"]})
         node = P2PNode(Identity.generate(), cfg)
         await node.start(bootstrap=bootstrap, discovery=discovery)
         nodes.append(node)
@@ -35,10 +34,8 @@ async def natted():
 
 
 async def start_relay(**relay) -> P2PNode:
-    cfg = p2p_config(hole_punching=False)
-    cfg.p2p.relay.service = "on"
-    for k, v in relay.items():
-        setattr(cfg.p2p.relay, k, v)
+    cfg = p2p_config(hole_punching=False, **{f"relay.{k}": v
+                                              for k, v in {"service": "on", **relay}.items()})
     node = P2PNode(Identity.generate(), cfg)
     await node.start(bootstrap=[])
     return node
@@ -61,7 +58,10 @@ async def test_relayed_connection_carries_gossip_and_requests(natted):
             got.append((env.message.policy_version, origin))
 
         await a.subscribe("verdicts", on_verdict)
-        await b.subscribe("verdicts", lambda env, origin: asyncio.sleep(0))
+        async def ignore(env, origin) -> None:
+            return None
+
+        await b.subscribe("verdicts", ignore)
 
         async def hello(peer: str, body: bytes) -> bytes:
             return b"hello " + body + b" from " + a.peer_id.encode()

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from swarm_node.node.diskspace import DiskWatch
+from swarm_node.node.lifecycle import Changed
 from swarm_node.node.roles.interfaces import DownloadStatus, VerifiedCheckpoint
 from swarm_node.protocol.messages import RolloutBatch
 
@@ -23,6 +24,7 @@ class FakeFeed:
         self.listeners: list[Callable[[VerifiedCheckpoint], None]] = []
         self.paths: dict[tuple[str, int], Path] = {}
         self.in_flight: list[DownloadStatus] = []
+        self.changed = Changed()
         self.started = self.closed = False
 
     def listen(self, on_checkpoint) -> None:
@@ -32,14 +34,28 @@ class FakeFeed:
         """What the broadcaster does when the bootstrap peer announces its trainer."""
         self._chosen = policy_id
         self.followed.add(policy_id)
+        self.changed.fire()
 
-    def deliver(self, policy_id: str, version: int, path: Path, size: int = 1) -> None:
+    def start_download(self, status: DownloadStatus) -> None:
+        """A download of the feed's begins (shown until `deliver`)."""
+        self.in_flight.append(status)
+        self.changed.fire()
+
+    def deliver(self, policy_id: str, version: int, path: Path, size: int = 1,
+                downloaded: int = 0, shards: int = 1) -> None:
         self.paths[(policy_id, version)] = Path(path)
+        self.in_flight = [d for d in self.in_flight
+                          if (d.policy_id, d.version) != (policy_id, version)]
         for on_checkpoint in self.listeners:
-            on_checkpoint(VerifiedCheckpoint(policy_id, version, Path(path), size))
+            on_checkpoint(VerifiedCheckpoint(policy_id, version, Path(path), size, downloaded,
+                                             0.5, shards))
+        self.changed.fire()
 
     def chosen(self) -> str | None:
         return self._chosen
+
+    def follow_problem(self) -> str | None:
+        return None
 
     def follows(self, policy_id: str) -> bool:
         return policy_id in self.followed
@@ -52,6 +68,9 @@ class FakeFeed:
 
     def downloads(self) -> list[DownloadStatus]:
         return list(self.in_flight)
+
+    def counters(self) -> dict[str, int]:
+        return {"downloads_completed": len(self.paths)}
 
     async def start(self) -> None:
         self.started = True

@@ -153,8 +153,8 @@ async def test_a_failed_publish_is_counted_and_the_next_round_goes_out(
 
 async def test_a_batch_made_stale_by_a_much_newer_version_is_not_sent(
         tmp_path, tiny_model_dir, checkpoints):
-    cfg = make_cfg(tiny_model_dir, tmp_path / "data")
-    cfg.trainer.max_staleness = 1
+    cfg = make_cfg(tiny_model_dir, tmp_path / "data").with_overrides(
+        {"trainer.max_staleness": 1})
     feed = FakeFeed(tmp_path, follow=[TRAINER], chosen=TRAINER)
     stop = asyncio.Event()
     sink = RecordingSink(lambda batch, n: stop.set())
@@ -199,7 +199,7 @@ async def test_a_followed_trainer_that_never_appears_is_named_once_in_log_and_st
             await until(lambda: "follow" in role.state.extra, "the follow problem in /status")
             follow = dict(role.state.extra["follow"])
             # it appears later: a download of its checkpoint in flight is enough
-            feed.in_flight.append(DownloadStatus(TRAINER, 1, 0, 4, 0, 4096))
+            feed.start_download(DownloadStatus(TRAINER, 1, 0, 4, 0, 4096))
             await until(lambda: role.state.extra["follow"]["seen"], "the trainer seen")
     finally:
         await role.close()
@@ -210,3 +210,29 @@ async def test_a_followed_trainer_that_never_appears_is_named_once_in_log_and_st
     assert [r.getMessage() for r in told] == [follow["problem"]]  # once, one line
     assert "\n" not in follow["problem"]
     assert any("appeared" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_round_samples_with_the_settings_of_its_checkpoint(
+        tmp_path, tiny_model_dir, checkpoints):
+    """The trainer's settings for v1 (accepted by the manifest gate: `settings.check`) apply
+    from the round that samples v1 on, as one snapshot; the node's config never changes."""
+    from swarm_node.node.roles.settings import swarm_settings
+
+    feed = FakeFeed(tmp_path, follow=[TRAINER], chosen=TRAINER)
+    stop = asyncio.Event()
+    sink = RecordingSink(lambda batch, n: stop.set())
+    cfg = make_cfg(tiny_model_dir, tmp_path / "data")
+    role = await started_role(cfg, feed, sink)
+    theirs = swarm_settings(cfg.with_overrides({"sampler.temperature": 0.5,
+                                                "sampler.top_k": 5}))  # defaults here
+    try:
+        assert role.settings.check(theirs, TRAINER, 1) is None
+        feed.deliver(TRAINER, 1, checkpoints[1])
+        await asyncio.wait_for(role.run(stop), HANG_GUARD_S)
+    finally:
+        await role.close()
+    batch = sink.batches[0]
+    assert batch.policy_version == 1
+    assert (batch.sampling.temperature, batch.sampling.top_k) == (0.5, 5)
+    assert dict(role.effective.adopted) == {"temperature": 0.5, "top_k": 5}
+    assert role.cfg == make_cfg(tiny_model_dir, tmp_path / "data")  # untouched

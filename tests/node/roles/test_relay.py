@@ -36,7 +36,7 @@ async def test_relay_mirrors_what_the_feed_yields(tmp_path):
     assert role.state.counters["versions_mirrored"] == 2 and feed.closed
 
 
-def test_download_tracker_shows_progress_then_records_the_finished_download(tmp_path):
+def test_download_tracker_shows_progress_then_records_each_handed_over_download(tmp_path):
     state, feed = NodeState("12D3KooWme", "relay", "s"), FakeFeed(tmp_path, follow=[TRAINER])
     tracker = DownloadTracker(state, feed)
     feed.in_flight = [DownloadStatus(TRAINER, 3, 1, 4, 250, 1000)]
@@ -45,14 +45,16 @@ def test_download_tracker_shows_progress_then_records_the_finished_download(tmp_
     assert state.checkpoint_progress["shards_done"] == 1
     assert not state.checkpoint_progress["complete"] and list(state.downloads) == []
 
-    feed.in_flight = []  # finished between two ticks
-    feed.paths[(TRAINER, 3)] = tmp_path / "v3"
-    tracker.tick()
+    feed.in_flight = []
+    feed.deliver(TRAINER, 3, tmp_path / "v3", size=1000, downloaded=750, shards=4)
     assert state.checkpoint_progress["complete"]
+    # a version that started and finished between two ticks is recorded too (issue 29.3)
+    feed.deliver(TRAINER, 4, tmp_path / "v4", size=1000, downloaded=1000, shards=4)
+    feed.deliver(TRAINER, 5, tmp_path / "v5", size=1000, downloaded=0)  # all on disk already
+    tracker.tick()
     assert [(d["version"], d["policy_id"], d["bytes"]) for d in state.downloads] == [
-        (3, TRAINER, 1000)]
-    tracker.tick()  # recorded once
-    assert len(state.downloads) == 1
+        (3, TRAINER, 750), (4, TRAINER, 1000)]
+    assert state.counters["bytes_downloaded"] == 1750
 
 
 async def test_a_relay_names_a_followed_trainer_that_never_appears_then_sees_it(

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from types import SimpleNamespace
 
 from swarm_node.node.config import Config
 from swarm_node.node.identity import Identity
 from swarm_node.node.metrics import NodeState
 from swarm_node.node.roles.interfaces import OwnCheckpoints
 from swarm_node.node.roles.trainer import TrainerRole
+from swarm_node.node.runtime import BatchLimit
 from swarm_node.node.trainer.checkpoint import Checkpoint, CheckpointStore
 from swarm_node.node.trainer.trainer import StepStats
 from swarm_node.verifier.reputation import Reputation
@@ -28,7 +28,7 @@ class SteppingTrainer:
 
     def __init__(self, checkpointed: set[int], last_version: int, stop: asyncio.Event):
         self.version = 0
-        self.cfg = SimpleNamespace(micro_batch_size=4)
+        self.micro_batch = BatchLimit("trainer.micro_batch_size", 4)
         self.checkpointed, self.last_version, self.stop = checkpointed, last_version, stop
         self.loop = asyncio.get_running_loop()
 
@@ -42,6 +42,9 @@ class SteppingTrainer:
 
     def counters(self) -> dict[str, int]:
         return {}
+
+    def undo_failed_step(self) -> int:
+        return 0
 
     def close(self) -> None:
         pass
@@ -61,7 +64,8 @@ async def test_each_checkpointed_version_is_published_once_through_the_publisher
     role = TrainerRole(config(tmp_path), ident, FakeP2P(),
                        NodeState(ident.peer_id, "trainer", "unit"),
                        feed=FakeFeed(tmp_path), own=publisher)
-    role.trainer, role.reputation = trainer, Reputation(None)
+    role.trainer = trainer
+    role.intake = role.build_intake(Reputation(None))
     try:
         await asyncio.wait_for(role.run(stop), timeout=60)
     finally:
@@ -92,8 +96,8 @@ class CheckpointedTrainer:
 
 
 def test_the_publisher_keeps_versions_for_the_largest_allowed_lag(tmp_path):
-    cfg = config(tmp_path, max_staleness=5, keep_checkpoints=2)
-    cfg.broadcast.keep_versions = 2
+    cfg = config(tmp_path, max_staleness=5, keep_checkpoints=2).with_overrides(
+        {"broadcast.keep_versions": 2})
     trainer = CheckpointedTrainer(tmp_path / "checkpoints", keep=cfg.trainer.keep_checkpoints)
     own = OwnCheckpoints.create(trainer, FakeP2P(), cfg, tmp_path / "broadcast", follow=[],
                                 settings=None)

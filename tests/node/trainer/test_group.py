@@ -3,7 +3,8 @@
 One scenario (process start-up dominates the cost): A and B average after a step and publish
 identical weights; C joins late and starts from that averaged state; X, with the wrong key,
 gets no state and no round; B is SIGKILLed during a round and A and C carry on, averaging
-between them.
+between them. The four processes start together (each builds its trainer meanwhile) and
+join the group when the scenario says so.
 """
 
 from __future__ import annotations
@@ -29,12 +30,10 @@ WAIT_S = 2 * TIMEOUT_S + 90  # one round, on a busy machine
 
 
 class Member:
-    def __init__(self, name: str, tmp: Path, model_dir: Path, key: Path, peers: list[str],
-                 first_task: int):
+    def __init__(self, name: str, tmp: Path, model_dir: Path, key: Path, first_task: int):
         self.name, self.data = name, tmp / name
         settings = {"data_dir": str(self.data), "model_dir": str(model_dir), "group": "g1",
-                    "key_path": str(key), "peers": peers, "timeout_s": TIMEOUT_S,
-                    "first_task": first_task}
+                    "key_path": str(key), "timeout_s": TIMEOUT_S, "first_task": first_task}
         self.log = open(tmp / f"{name}.log", "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.node.trainer.group_member", json.dumps(settings)],
@@ -66,6 +65,12 @@ class Member:
         self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
 
+    def join(self, peers: list[str]) -> dict:
+        """Join the group (start its hivemind child, load the group's state): the reply."""
+        self.expect("started")
+        self.send(f"join {json.dumps(peers)}")
+        return self.expect("ready")
+
     def weights(self, version: int) -> dict[str, torch.Tensor]:
         ck = self.data / "trainer" / "checkpoints" / f"step-{version:08d}" / "policy"
         return load_file(str(ck / "model.safetensors"))
@@ -84,12 +89,8 @@ class Member:
         self.proc.wait()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.send("quit")
-                self.proc.wait(timeout=30)
-            except (OSError, subprocess.TimeoutExpired):
-                pass
+        """Clean-up: SIGKILL (the scenario asserts nothing about leaving; a clean exit, which
+        waits for hivemind's shutdown, costs seconds per member)."""
         self.kill()
         self.log.close()
 
@@ -117,13 +118,13 @@ def test_group_averages_survives_a_death_and_catches_up_a_late_joiner(tiny_model
     write_group_key(wrong)
     members: list[Member] = []
     try:
-        a = Member("a", tmp_path, tiny_model_dir, key, [], 0)
-        members.append(a)
-        peers = a.expect("ready")["maddrs"]
+        for name, k, first_task in (("a", key, 0), ("b", key, 100), ("c", key, 200),
+                                    ("x", wrong, 300)):
+            members.append(Member(name, tmp_path, tiny_model_dir, k, first_task))
+        a, b, c, x = members
+        peers = a.join([])["maddrs"]
         assert a.events.empty()
-        b = Member("b", tmp_path, tiny_model_dir, key, peers, 100)
-        members.append(b)
-        b.expect("ready")
+        b.join(peers)
 
         # 1. one step each on different data, then one round: identical published weights
         a.send("step")
@@ -136,10 +137,11 @@ def test_group_averages_survives_a_death_and_catches_up_a_late_joiner(tiny_model
         assert any(not torch.equal(averaged[k], a.weights(0)[k]) for k in averaged)
 
         # 2. a late joiner starts from the group's latest averaged state
-        # (and one without the group's key, started beside it, gets nothing)
-        c = Member("c", tmp_path, tiny_model_dir, key, peers, 200)
-        x = Member("x", tmp_path, tiny_model_dir, wrong, peers, 300)
-        members += [c, x]
+        # (and one without the group's key, joining beside it, gets nothing)
+        c.expect("started")
+        x.expect("started")
+        c.send(f"join {json.dumps(peers)}")
+        x.send(f"join {json.dumps(peers)}")
         assert c.expect("ready")["loaded"]["ok"]
         assert_same(c.current(tmp_path / "c.safetensors"), averaged)
         assert not x.expect("ready")["loaded"]["ok"]
@@ -153,7 +155,7 @@ def test_group_averages_survives_a_death_and_catches_up_a_late_joiner(tiny_model
         ra, rc = a.expect("stepped"), c.expect("stepped")
         assert (ra["version"], rc["version"]) == (2, 1)  # C joined one step later
         assert x.expect("stepped")["group"]["ok"] is False
-        x.stop()
+        x.kill()
         # ... and carry on averaging between the two of them
         a.send("step")
         c.send("step")

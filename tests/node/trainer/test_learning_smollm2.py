@@ -3,7 +3,8 @@ toward the rewarded answer of an arithmetic task and away from the wrong one.
 
 Real parts: SmolLM2-135M-Instruct, the reasoning-gym task and its scorer (rewards come from
 the decoded token ids), the trainer with its buffer and the chunked-logprob path. The
-completions are fixed texts rather than samples so the test is deterministic and short.
+completions are fixed texts rather than samples so the test is deterministic and short: one
+step already moves the log-odds by ~3 nats (the bar is 1), so one step is all it takes.
 """
 
 from __future__ import annotations
@@ -21,18 +22,19 @@ from swarm_node.protocol.messages import TaskRef
 REF = TaskRef(dataset="rg/basic_arithmetic", params={"min_terms": 2, "max_terms": 2,
               "min_digits": 1, "max_digits": 1, "operators": "+", "allow_parentheses": False,
               "allow_negation": False}, seed=3, index=0)
-STEPS = 3
 
 
-def _sequence_logprob(trainer, prompt, ids) -> float:
+def _log_odds(trainer, prompt, right, wrong) -> float:
+    """log p(right | prompt) - log p(wrong | prompt): both rows in one forward pass."""
+    rows = [TrainRow(prompt, ids, None, 0.0, 1.0, 0.0) for ids in (right, wrong)]
     with torch.no_grad():
-        batch = pack([TrainRow(prompt, ids, None, 0.0, 1.0, 0.0)],
-                     trainer.tokenizer.pad_token_id, trainer.device)
-        return float(completion_logprobs(trainer.model, batch)[0].sum())
+        batch = pack(rows, trainer.tokenizer.pad_token_id, trainer.device)
+        right_lp, wrong_lp = completion_logprobs(trainer.model, batch)[0].split(batch.lengths)
+    return float(right_lp.sum() - wrong_lp.sum())
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # ~1 min on 2 free cores; many more on a shared machine
+@pytest.mark.timeout(1200)  # ~20 s on 2 free cores; minutes on a shared machine
 def test_grpo_on_smollm2_prefers_the_rewarded_answer(smollm2_dir, tmp_path):
     cfg = Config.model_validate({
         "model": {"device": "cpu"},
@@ -46,18 +48,15 @@ def test_grpo_on_smollm2_prefers_the_rewarded_answer(smollm2_dir, tmp_path):
         right = tok.encode(f"<answer>{task.answer}</answer>", add_special_tokens=False)
         wrong = tok.encode(f"<answer>{wrong_answer}</answer>", add_special_tokens=False)
         right, wrong = right + [tok.eos_token_id], wrong + [tok.eos_token_id]
-        before = _sequence_logprob(trainer, prompt, right) - \
-            _sequence_logprob(trainer, prompt, wrong)
-        for step in range(STEPS):
-            samples = [Sample(task=REF, prompt_ids=prompt, completion_ids=ids,
-                              logprobs=None, finish_reason="eos", seed=j, text="ignored",
-                              hidden=None, policy_version=trainer.version)
-                       for j, ids in enumerate([right, wrong, right, wrong])]
-            assert trainer.add_local(samples) == 1, "the group must carry signal"
-            stats = trainer.step()
-            assert stats.trained and stats.mean_reward == pytest.approx(0.5), step
-        after = _sequence_logprob(trainer, prompt, right) - \
-            _sequence_logprob(trainer, prompt, wrong)
+        before = _log_odds(trainer, prompt, right, wrong)
+        samples = [Sample(task=REF, prompt_ids=prompt, completion_ids=ids,
+                          logprobs=None, finish_reason="eos", seed=j, text="ignored",
+                          hidden=None, policy_version=trainer.version)
+                   for j, ids in enumerate([right, wrong, right, wrong])]
+        assert trainer.add_local(samples) == 1, "the group must carry signal"
+        stats = trainer.step()
+        assert stats.trained and stats.mean_reward == pytest.approx(0.5)
+        after = _log_odds(trainer, prompt, right, wrong)
     finally:
         trainer.close()
     # the log-odds of the right answer over the wrong one grew by a clear margin

@@ -9,7 +9,7 @@ import struct
 import pytest
 import trio
 from libp2p.network.auto_connector import AutoConnector
-from swarm_node.node.p2p.patches import autodial, handlers, yamux_buffers
+from swarm_node.node.p2p.patches import autodial, handlers, inbound_slots, yamux_buffers
 from swarm_node.node.p2p.patches.registry import original
 
 from .rawhost import connect, raw_host, running, until
@@ -114,3 +114,30 @@ def test_needed_yamux_receive_window_enforced():
     assert held >= 8 * window  # py-libp2p buffers 8x the window it granted
     held, violations = trio.run(main, True)
     assert violations and held <= 2 * window
+
+
+def test_needed_inbound_slot_released_on_close():
+    async def main(release: bool) -> list[int]:
+        a = raw_host()
+        if release:
+            inbound_slots.patch_inbound_slots(a.get_network())
+        borrowed = []
+        async with running(a):
+            slots = a.get_network()._inbound_limiter
+            for _ in range(3):
+                b = raw_host()
+                async with running(b):
+                    await connect(b, a)
+                    await until(lambda b=b: a.get_network().connections.get(b.get_id()),
+                                what="the connection")
+                    await b.disconnect(a.get_id())
+                    await until(lambda b=b: not a.get_network().connections.get(b.get_id()),
+                                what="the close")
+                if release:
+                    await until(lambda: slots.borrowed_tokens == 0, what="the slot back")
+                borrowed.append(slots.borrowed_tokens)
+        return borrowed
+
+    # py-libp2p: each closed connection keeps its slot (250 of them, then no newcomer)
+    assert trio.run(main, False) == [1, 2, 3]
+    assert trio.run(main, True) == [0, 0, 0]

@@ -39,11 +39,30 @@ async def _reserve(host, relay, peer_field: bytes | None = None) -> int:
     return status
 
 
+def _counting(cls):
+    """`cls` that counts relay directions that ended (`ended`, a trio.Event per end)."""
+
+    class Counting(cls):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.ended = 0
+            self.one_ended = trio.Event()
+
+        async def _relay_data(self, *args, **kwargs) -> None:
+            try:
+                await super()._relay_data(*args, **kwargs)
+            finally:
+                self.ended += 1
+                self.one_ended.set()
+
+    return Counting
+
+
 async def _with_relay(protocol_cls, n_clients: int, body):
     """A relay R (hop) and `n_clients` hosts connected to it, each with the stop side."""
     hosts = [raw_host() for _ in range(n_clients + 1)]
     async with running(*hosts), AsyncExitStack() as stack:
-        protocols = [protocol_cls(h, limits=LIMITS, allow_hop=(i == 0))
+        protocols = [_counting(protocol_cls)(h, limits=LIMITS, allow_hop=(i == 0))
                      for i, h in enumerate(hosts)]
         for p in protocols:
             await stack.enter_async_context(background_trio_service(p))
@@ -70,7 +89,8 @@ async def _second_circuit_survives_the_first(hosts, protocols) -> bool:
     await to_a.write(b"hi")
     assert await to_a.read(100) == b"hi"  # C's circuit works before B leaves
     await b.disconnect(a.get_id())
-    await trio.sleep(1.0)  # the relay tears B's circuit down
+    with trio.fail_after(10):
+        await protocols[0].one_ended.wait()  # the relay tore B's circuit down
     try:
         with trio.fail_after(5):
             await to_a.write(b"ping")

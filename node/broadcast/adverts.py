@@ -1,0 +1,137 @@
+"""Holdings adverts (`shard_advert` on the `adverts` topic): what this node holds, told to
+others, and who holds what, learnt from others.
+
+Outgoing: a version is advertised as it completes, at each quarter of its shards while it
+downloads, and every held version again every `readvertise_s` for late joiners.
+Incoming: an advert for a followed policy makes its sender a candidate source of that
+version if it is admitted (advert poisoning, below); the follower then learns of the new
+source (and may pull the version's manifest from it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Callable
+
+from ...protocol.envelope import Envelope
+from ...protocol.messages import ShardAdvert
+from .records import VersionRecord, VersionRecords
+from .sources import ProvenPeers
+from .store import ShardStore, VersionEntry, advert_shards
+
+log = logging.getLogger(__name__)
+
+ADVERT_STEPS = 4  # partial holdings are advertised at each quarter of a version
+
+
+class Adverts:
+    def __init__(self, node, cfg, store: ShardStore, records: VersionRecords,
+                 counters: Counter, proven: ProvenPeers, *, follows: Callable[[str], bool],
+                 transport=None, endpoint: Callable[[], str] = str):
+        self.node, self.cfg, self.store, self.records = node, cfg, store, records
+        self.counters, self.proven, self.follows = counters, proven, follows
+        self.transport = transport
+        self.endpoint = endpoint  # this node's bulk-plane endpoint ("": none), for adverts
+        # the follower: `peer` was admitted as a source of the record's version
+        self.on_source: Callable[[VersionRecord, str], None] | None = None
+        self._wake = asyncio.Event()
+
+    # Incoming ------------------------------------------------------------------------
+
+    async def on_advert(self, env: Envelope, from_peer: str) -> None:
+        ad: ShardAdvert = env.message
+        self.counters["adverts_received"] += 1
+        if not self.follows(ad.policy_id):
+            return
+        rec = self.records.track((ad.policy_id, ad.version))
+        if rec is None:
+            return  # older than what is complete here: never fetched
+        if not self._admit(rec, env.sender, ad.endpoint):
+            self.counters["adverts_not_admitted"] += 1
+            return
+        if ad.endpoint and hasattr(self.transport, "set_endpoint"):
+            self.transport.set_endpoint(env.sender, ad.endpoint)
+        entry = self.store.get(*rec.key)
+        n = entry.manifest.num_shards if entry is not None else len(ad.have) * 8
+        rec.remember(env.sender, advert_shards(ad, n))
+        if self.on_source is not None:
+            self.on_source(rec, env.sender)
+
+    def _admit(self, rec: VersionRecord, peer: str, endpoint: str) -> bool:
+        """Whether `peer`'s advert makes it a candidate source of the version. The trainer
+        and peers we verified shards from always; others ("unproven") only up to
+        `max_unproven_sources` per version, ever, and at most `max_sources_per_host` of
+        them per TCP endpoint host (sybil keys cost nothing, so none of this grows with
+        them). An unproven peer becomes proven with its first verified shard."""
+        if peer in rec.holders:
+            return True
+        host = endpoint.rpartition(":")[0] if endpoint else ""
+        if peer != rec.policy_id and peer not in self.proven:
+            same_host = sum(1 for p in rec.unproven if rec.hosts.get(p) == host)
+            if (len(rec.unproven) >= self.cfg.max_unproven_sources
+                    or (host and same_host >= self.cfg.max_sources_per_host)):
+                return False
+            rec.unproven.add(peer)
+        rec.hosts[peer] = host
+        return True
+
+    # Outgoing ------------------------------------------------------------------------
+
+    def shard_verified(self, key: tuple[str, int]) -> None:
+        """Advertise partial holdings in ADVERT_STEPS steps per version, not per shard:
+        each advert costs every peer gossip CPU (profiled: py-libp2p's per-message cost
+        was most of a client's CPU on the data plane; 8 clients, quarters instead of
+        eighths: gossip copies received per client 236 -> 134, libp2p CPU 0.56 -> 0.47 s,
+        peers still served half the bytes), and a step of the version is what makes a peer
+        worth asking. Completion is always advertised."""
+        entry, rec = self.store.get(*key), self.records.get(key)
+        if entry is None or rec is None:
+            return
+        step = max(1, entry.manifest.num_shards // ADVERT_STEPS)
+        if len(entry.have) - rec.advertised >= step:
+            rec.advertised = len(entry.have)
+            self.mark_dirty(key)
+
+    def mark_dirty(self, key: tuple[str, int]) -> None:
+        """Advertise the version at the next round (within `advert_interval_s`)."""
+        rec = self.records.track(key)
+        if rec is not None:
+            rec.dirty = True
+            self._wake.set()
+
+    async def advertise(self, entry: VersionEntry) -> None:
+        advert = entry.advert()
+        if endpoint := self.endpoint():
+            advert = advert.model_copy(update={"endpoint": endpoint})
+        try:
+            await self.node.publish("adverts", advert)
+            self.counters["adverts_sent"] += 1
+        except Exception as e:  # noqa: BLE001 - gossip congestion: the next round retries
+            log.debug("advert failed: %r", e)
+            self.mark_dirty(entry.key)
+
+    async def run(self) -> None:
+        """Advertise dirty versions (at most every `advert_interval_s`) and every held
+        version every `readvertise_s`."""
+        loop = asyncio.get_running_loop()
+        last_all = loop.time()
+        while True:
+            try:
+                async with asyncio.timeout(self.cfg.readvertise_s):
+                    await self._wake.wait()
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            everything = loop.time() - last_all >= self.cfg.readvertise_s
+            if everything:
+                last_all = loop.time()
+            for entry in list(self.store.entries.values()):
+                rec = self.records.get(entry.key)
+                due = everything or (rec is not None and rec.dirty)
+                if rec is not None:
+                    rec.dirty = False
+                if due and (entry.complete or entry.have):
+                    await self.advertise(entry)
+            await asyncio.sleep(self.cfg.advert_interval_s)  # the pace, not a poll

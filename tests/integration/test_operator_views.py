@@ -1,0 +1,404 @@
+"""What an operator sees (issue 29): the join line a trainer prints, a full disk, the
+dashboard and `swarm-node status` in each stuck state, and counters against what the node
+did. Real `swarm-node join` processes on 127.0.0.1 (tiny model), pages in headless Chromium.
+
+One trainer (module fixture) serves every test. The disk test runs one inference peer on a
+small tmpfs it fills and frees (root needed to mount; skipped with one reason otherwise).
+`SWARM_DASHBOARD_DIR=<dir>` keeps the screenshots (the README's come from here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .test_operator import Node, free_port, status, trainer_config, wait_for
+
+BIN = Path(sys.executable).parent / "swarm-node"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+# headless Chromium -------------------------------------------------------------------------
+
+
+def dashboard(port: int, tmp_path: Path, shot: str | None = None) -> str:
+    """The dashboard's DOM after its script rendered /status (and a screenshot, kept under
+    SWARM_DASHBOARD_DIR when that is set)."""
+    if CHROMIUM is None:
+        pytest.skip("chromium is not installed (apt-get install -y chromium)")
+    url = f"http://127.0.0.1:{port}/dashboard"
+    flags = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+             f"--user-data-dir={tmp_path / 'chromium'}", "--virtual-time-budget=6000",
+             "--window-size=1100,1500"]
+    dom = subprocess.run([*flags, "--dump-dom", url], capture_output=True, text=True,
+                         timeout=120, check=False).stdout
+    assert 'data-ready="1"' in dom, dom[:3000]
+    if shot is not None:
+        keep = os.environ.get("SWARM_DASHBOARD_DIR")
+        path = Path(keep) / shot if keep else tmp_path / shot
+        subprocess.run([*flags, f"--screenshot={path}", url], capture_output=True,
+                       timeout=120, check=False)
+        assert path.stat().st_size > 10_000
+    return dom
+
+
+def banners(dom: str) -> list[str]:
+    box = re.search(r'id="alerts"[^>]*data-codes="([^"]*)"', dom)
+    return box.group(1).split() if box and box.group(1) else []
+
+
+def element_text(dom: str, element_id: str) -> str:
+    m = re.search(rf'id="{element_id}"[^>]*>([^<]*)<', dom)
+    assert m, f"no #{element_id} in the page"
+    return m.group(1)
+
+
+# processes -----------------------------------------------------------------------------------
+
+
+class Peer:
+    """`swarm-node join` started from a command line (the trainer's join line plus this
+    machine's own flags), with its log and admin port."""
+
+    def __init__(self, root: Path, argv: list[str]):
+        self.root, self.argv = root, argv
+        self.log = root / "node.log"
+        self.admin_port = int(argv[argv.index("--admin-port") + 1])
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> Peer:
+        self.root.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "HOME": str(self.root), "OMP_NUM_THREADS": "1",
+               "PYTHONUNBUFFERED": "1"}
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen([str(BIN), *self.argv[1:]], stdout=log,
+                                         stderr=subprocess.STDOUT, env=env)
+        return self
+
+    def status(self) -> dict:
+        return status(self.admin_port)
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def wait(self, pred, what: str, timeout: float = 180):
+        return wait_for(pred, timeout, what, self.proc, self.log)
+
+    def stop(self) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            return self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            pytest.fail(f"{self.argv[2:4]} did not stop within 60 s of Ctrl-C")
+
+
+def peer_argv(line: str, root: Path, model: Path, *extra: str) -> list[str]:
+    """The pasted join line, plus what differs per machine: data dir, ports, model files."""
+    return [*shlex.split(line), "--data-dir", str(root / "data"), "--listen",
+            "/ip4/127.0.0.1/tcp/0", "--admin-port", str(free_port()), "--model", str(model),
+            *extra]
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory, tiny_model_dir):
+    """A trainer that keeps training (local sampling) and verifying its peers' batches, a
+    step when a peer's batch arrives or every few seconds (a pace closer to a real
+    trainer's than back-to-back tiny steps, and lighter on a shared machine)."""
+    root = tmp_path_factory.mktemp("views-trainer")
+    node = Node(root, trainer_config(root, tiny_model_dir, peer_batches_per_step=1,
+                                     peer_wait_s=4.0)).start()
+    try:
+        node.wait_joined()
+        yield node
+    finally:
+        node.stop()
+
+
+def join_line(trainer: Node) -> str:
+    m = re.search(r"others join with: (swarm-node join .*?--follow \S+)", trainer.log.read_text())
+    assert m, trainer.log.read_text()[-2000:]
+    return m.group(1)
+
+
+def logged_sum(text: str, pattern: str) -> int:
+    return sum(int(n) for n in re.findall(pattern, text))
+
+
+# the join line, a full disk, history across restarts --------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 48 MiB tmpfs: a filesystem this test can really fill."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs to fill needs root")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(mnt)],
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def fill(path: Path) -> None:
+    """Write zeros to `path` until the filesystem has no byte left."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        for block in (2**20, 4096, 1):
+            try:
+                while True:
+                    os.write(fd, b"\0" * block)
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_join_line_full_disk_and_history(swarm, tiny_model_dir, small_disk, tmp_path):
+    line = join_line(swarm)
+    trainer_id = swarm.status()["peer_id"]
+    # the printed line is complete: swarm id, bootstrap address and the trainer to follow
+    assert f"--swarm {swarm.cfg['node']['swarm_id']} " in line and f"--follow {trainer_id}" in line
+    assert re.search(r"--bootstrap /ip4/127\.0\.0\.1/tcp/\d+/p2p/" + trainer_id, line)
+    argv = peer_argv(line, small_disk, tiny_model_dir, "--set", "node.min_free_disk_mib=8")
+    peer = Peer(tmp_path / "peer", argv).start()
+    try:
+        # pasted as printed, it follows the trainer and its rollouts are accepted
+        peer.wait(lambda: peer.status().get("contribution", {}).get("accepted", 0) > 0,
+                  "rollouts accepted by the trainer")
+        before = peer.status()
+        text = peer.text()
+        after = peer.status()
+        for key, pattern in (("accepted", r"verified my round \d+: (\d+) accepted"),
+                             ("sent", r"published round \d+: (\d+) completions")):
+            # counters against the node's own log lines (read between two reads of /status)
+            assert before["contribution"][key] <= logged_sum(text, pattern) \
+                <= after["contribution"][key], key
+        mine = swarm.status()["accepted_by_peer"][after["peer_id"]]
+        assert mine["accepted"] >= after["contribution"]["accepted"]  # verdicts lag
+        trainer_share = after["contribution"]["trainers"][0]
+        assert trainer_share["trainer"] == trainer_id and 0 < trainer_share["share"] <= 1
+        assert after["policy_id"] == trainer_id  # not "policy -" beside a checkpoint
+        _downloads_match_disk(after, small_disk / "data" / "broadcast" / trainer_id)
+        # the trainer counts what it uploaded: to this peer, at least what it downloaded
+        # (a download superseded by a newer version is served but not recorded)
+        wait_for(lambda: swarm.status()["served"]["bytes"] >= after["counters"][
+            "bytes_downloaded"], 60, "the trainer's served bytes")
+        assert swarm.status()["served"]["peers"] >= 1
+        assert after["alerts"] == [] and f"--follow {trainer_id}" in after["join_command"]
+        dom = dashboard(peer.admin_port, tmp_path, "dashboard-inference.png")
+        assert banners(dom) == [] and int(element_text(dom, "c-accepted")) > 0
+        assert 'data-role="inference"' in dom
+
+        # the disk fills: sampling pauses with one line, the dashboard says so and how
+        fill(small_disk / "filler")
+        peer.wait(lambda: "disk_paused:sampling_disk" in _codes(peer.status()),
+                  "sampling paused in /status")
+        sent = peer.status()["rollouts_sent"]
+        dom = dashboard(peer.admin_port, tmp_path, "dashboard-disk-full.png")
+        assert "disk_paused:sampling_disk" in banners(dom)
+        assert "free space on the disk holding" in dom
+        version = swarm.status()["policy_version"]
+        wait_for(lambda: swarm.status()["policy_version"] >= version + 2, 120,
+                 "two more trainer versions while the peer is paused")
+        assert peer.text().count("disk full: sampling paused") == 1
+        assert peer.status()["rollouts_sent"] == sent  # nothing sampled meanwhile
+
+        # space returns: it resumes by itself
+        (small_disk / "filler").unlink()
+        peer.wait(lambda: "disk space back: sampling resumed" in peer.text(), "resumed")
+        peer.wait(lambda: peer.status()["rollouts_sent"] > sent, "sampling again")
+
+        # a restart keeps the dashboard's history (curves, counts), saved at the stop
+        assert peer.stop() == 0
+        saved = json.loads((small_disk / "data" / "history.json").read_text())
+        peer.start()
+        peer.wait(lambda: "history restored" in peer.text(), "history restored")
+        doc = peer.wait(lambda: peer.status() or None, "/status after the restart")
+        assert len(doc["steps"]) >= len(saved["steps"]) >= 2
+        assert doc["rollouts_sent"] >= saved["rollouts_sent"] > 0
+        assert doc["contribution"]["accepted"] >= saved["own_verdicts"]["accepted"] > 0
+
+        # full again: Ctrl-C still stops it at once (a write waiting for space gives up)
+        peer.wait(lambda: peer.status().get("phase") == "running", "running again")
+        fill(small_disk / "filler")
+        peer.wait(lambda: "disk_paused:sampling_disk" in _codes(peer.status()), "paused again")
+        assert peer.stop() == 0 and peer.text().rstrip().endswith("stopped")
+
+        # a restart on the full disk: one line, no traceback
+        fill(small_disk / "filler")
+        restart = subprocess.run([str(BIN), *argv[1:]], capture_output=True, text=True,
+                                 env={**os.environ, "HOME": str(tmp_path / "peer")},
+                                 timeout=120, check=False)
+        lines = [ln for ln in restart.stderr.splitlines() if ln.strip()]
+        assert restart.returncode == 1 and len(lines) == 1, restart.stderr
+        assert "the disk is full" in lines[0] and str(small_disk / "data") in lines[0]
+    finally:
+        peer.stop()
+
+
+def _codes(doc: dict) -> list[str]:
+    return [a["code"] for a in doc.get("alerts") or []]
+
+
+def _downloads_match_disk(doc: dict, store: Path) -> None:
+    """Each recorded download is one verified version; its bytes are the checkpoint's size
+    on disk (for the versions the store still keeps)."""
+    downloads = doc["downloads"]
+    assert downloads and doc["counters"]["checkpoints_downloaded"] == len(downloads)
+    assert doc["counters"]["bytes_downloaded"] == sum(d["bytes"] for d in downloads)
+    checked = 0
+    for d in downloads:
+        ckpt = store / f"{d['version']:012d}" / "checkpoint"
+        if ckpt.is_dir():
+            on_disk = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
+            assert d["bytes"] == on_disk, d
+            checked += 1
+    assert checked >= 1
+
+
+# banned, the trainer's own view ---------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_banned_peer_is_told_and_the_trainer_counts_it(swarm, tiny_model_dir, tmp_path):
+    argv = peer_argv(join_line(swarm), tmp_path, tiny_model_dir, "--set",
+                     "node.dishonest=tamper_tokens")
+    cheater = Peer(tmp_path / "cheater", argv).start()
+    try:
+        cheater.wait(lambda: "banned" in _codes(cheater.status()), "the ban in /status")
+        doc = cheater.status()
+        ban = next(a for a in doc["alerts"] if a["code"] == "banned")
+        assert ban["level"] == "error" and ban["fix"]
+        dom = dashboard(cheater.admin_port, tmp_path, "dashboard-banned.png")
+        assert banners(dom)[0] == "banned"
+        cli = subprocess.run([str(BIN), "status", "--port", str(cheater.admin_port)],
+                             capture_output=True, text=True, timeout=60, check=False,
+                             env={**os.environ, "COLUMNS": "200", "NO_COLOR": "1"})
+        assert cli.returncode == 0 and "NEEDS ATTENTION" in cli.stdout
+        assert "Banned by trainer" in cli.stdout
+
+        trainer = swarm.status()
+        me = doc["peer_id"]
+        assert me in trainer["banned"] and trainer["accepted_by_peer"][me]["accepted"] == 0
+        assert trainer["contribution"]["role"] == "trainer"
+        assert all(p["peer"] != me for p in trainer["contribution"]["top_peers"])
+        dom = dashboard(swarm.admin_port, tmp_path, "dashboard-trainer.png")
+        assert 'data-role="trainer"' in dom and "banned" in dom.split('id="peers"')[1]
+        assert f"--follow {trainer['peer_id']}" in element_text(dom, "join")
+        assert int(dom.split('id="loss-chart"')[1].split('data-points="')[1].split('"')[0]) >= 1
+    finally:
+        cheater.stop()
+
+
+# relays: counters, and a relay with nothing to follow -----------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_relay_counters_and_a_relay_with_nothing_to_follow(swarm, tmp_path):
+    line = join_line(swarm).replace("--role inference", "--role relay")
+    relay = Peer(tmp_path / "relay", [*shlex.split(line), "--data-dir",
+                                      str(tmp_path / "relay" / "data"), "--listen",
+                                      "/ip4/127.0.0.1/tcp/0", "--admin-port",
+                                      str(free_port())]).start()
+    lonely = Peer(tmp_path / "lonely", ["swarm-node", "join", "--role", "relay",
+                                        "--data-dir", str(tmp_path / "lonely" / "data"),
+                                        "--listen", "/ip4/127.0.0.1/tcp/0",
+                                        "--admin-port", str(free_port())]).start()
+    try:
+        lonely.wait(lambda: "nothing_to_follow" in _codes(lonely.status()),
+                    "the nothing-to-follow banner", timeout=120)
+        dom = dashboard(lonely.admin_port, tmp_path, "dashboard-nothing-to-follow.png")
+        assert banners(dom) == ["nothing_to_follow"] and "--follow" in dom
+
+        trainer_id = swarm.status()["peer_id"]
+        relay.wait(lambda: relay.status().get("counters", {}).get("versions_mirrored", 0) >= 3,
+                   "three versions mirrored")
+        before = relay.status()
+        text = relay.text()
+        after = relay.status()
+        mirrored = len(re.findall(r"mirrored policy \S+ v\d+", text))
+        assert before["counters"]["versions_mirrored"] <= mirrored \
+            <= after["counters"]["versions_mirrored"]
+        assert before["counters"]["checkpoints_downloaded"] <= mirrored \
+            <= after["counters"]["checkpoints_downloaded"]
+        _downloads_match_disk(after, tmp_path / "relay" / "data" / "broadcast" / trainer_id)
+        assert after["policy_id"] == trainer_id
+        c = after["contribution"]
+        assert c["role"] == "relay" and c["versions_mirrored"] >= 3
+        assert c["bytes_downloaded"] == after["counters"]["bytes_downloaded"]
+        # others may bootstrap through the relay with its own complete line
+        assert f"--follow {trainer_id}" in after["join_command"]
+        dom = dashboard(relay.admin_port, tmp_path, "dashboard-relay.png")
+        assert 'data-role="relay"' in dom and banners(dom) == []
+        assert int(element_text(dom, "c-mirrored")) >= 3
+    finally:
+        relay.stop()
+        lonely.stop()
+
+
+# every banner in Chromium (states a test swarm cannot reach yet: the host's reachability) --
+
+
+async def test_every_stuck_state_is_a_banner_in_chromium(tmp_path):
+    from swarm_node.node.admin import AdminServer
+    from swarm_node.node.diskspace import DiskWatch
+    from swarm_node.node.metrics import NodeState
+
+    state = NodeState("12D3KooWInferencePeer0000000000", "inference", "my-swarm")
+    state.phase = "running"
+    state.own_verdicts.add("12D3KooWTrainer000000000000000000", False, "banned", 0,
+                           "reputation -12.0")
+    state.own_verdicts.add("12D3KooWTrainer000000000000000000", False, "config_task_mix", 16)
+    state.extra["settings"] = {"refused": "refusing the policy of trainer 00000000: its "
+                                          "swarm settings differ: sampler.temperature"}
+    state.extra["follow"] = {"trainer": None, "seen": False, "problem": "no trainer to follow"}
+    watch = DiskWatch("checkpoint downloads", tmp_path)
+    watch.hit(OSError(28, "No space left on device"))
+    state.extra["disk"] = watch.status()
+    state.extra["reachability"] = {"status": "unreachable", "detail": "no peer could dial "
+                                   "/ip4/203.0.113.7/tcp/4001", "fix": "open TCP 4001"}
+    state.set_problem("custom", "Something else", "detail", "what to do")
+    state.checkpoint_progress = {"version": 8, "shards_done": 3, "shards_total": 10,
+                                 "bytes_done": 30 * 2**20, "bytes_total": 100 * 2**20,
+                                 "complete": False, "rate_bytes_s": 2 * 2**20, "eta_s": 35.0}
+    expected = ["banned", "settings_refused", "nothing_to_follow", "disk_paused:disk",
+                "unreachable", "custom"]
+    async with AdminServer(state, port=0) as server:
+        dom = await asyncio.to_thread(dashboard, server.port, tmp_path, "dashboard-banners.png")
+        assert banners(dom) == expected  # errors first, each once
+        for text in ("open TCP 4001", "no peer could dial", "sampler.temperature",
+                     "what to do", "reputation -12.0"):
+            assert text in dom, text
+        # a download in flight: a progress bar, its rate and the time left
+        assert element_text(dom, "download-now") == ("v8: 3/10 shards, 30.0 MiB of 100.0 MiB, "
+                                                     "2.0 MiB/s, ETA 35 s")
+        assert 'style="width: 30%;"' in dom.split('id="download-bar"')[1][:80]
+        state.extra.clear()
+        state.own_verdicts.banned_by.clear()
+        state.clear_problem("custom")
+        dom = await asyncio.to_thread(dashboard, server.port, tmp_path)
+        # a configuration difference the trainer rejects for, once nothing else is wrong
+        assert banners(dom) == ["settings_differ"]

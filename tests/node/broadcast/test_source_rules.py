@@ -1,0 +1,143 @@
+"""Issue 30 "Sources", with real libp2p hosts on 127.0.0.1: advertisers that never serve
+(and one that left) do not stall a download while the trainer serves it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from swarm_node.node.broadcast.server import RateLimiter
+from swarm_node.node.config import load_config
+from swarm_node.node.identity import Identity
+from swarm_node.protocol.ids import SHARD_PROTOCOL
+from swarm_node.protocol.messages import ShardAdvert
+
+from .conftest import make_checkpoint, node_config, read_dir, until, wait_mesh
+
+STALLERS = 5
+
+
+class Staller:
+    """A real host that advertises the trainer's version as complete and, asked for a
+    shard, takes the request and never answers (until the test ends)."""
+
+    held = peak = 0  # transfers held by all stallers now / at most at once
+
+    def __init__(self, node, release: asyncio.Event):
+        self.node, self.release, self.requests = node, release, 0
+
+    async def handle(self, peer: str, stream) -> None:
+        self.requests += 1
+        Staller.held += 1
+        Staller.peak = max(Staller.peak, Staller.held)
+        try:  # hold it until the asker gives up (its stream ends) or the test ends
+            reading = asyncio.ensure_future(_until_closed(stream))
+            released = asyncio.ensure_future(self.release.wait())
+            await asyncio.wait([reading, released], return_when=asyncio.FIRST_COMPLETED)
+            for f in (reading, released):
+                f.cancel()
+        finally:
+            Staller.held -= 1
+
+
+async def _until_closed(stream) -> None:
+    with contextlib.suppress(Exception):  # reset by the asker: what we wait for
+        while await stream.read(65536):
+            pass
+
+
+async def advertiser(bootstrap: list[str]):
+    from swarm_node.node.p2p import P2PNode
+
+    cfg = load_config(None, {"node.listen": ["/ip4/127.0.0.1/tcp/0"], "p2p.mesh_wait_s": 3})
+    node = P2PNode(Identity.generate(), cfg)
+    await node.start(bootstrap=bootstrap)
+    await node.subscribe("adverts", _ignore)
+    return node
+
+
+async def _ignore(env, peer) -> None:
+    pass
+
+
+async def test_stalling_and_departed_advertisers_do_not_stall_the_download(tmp_path, swarm):
+    ckpt = make_checkpoint(tmp_path / "ckpt", {"model.safetensors": 1_000_000})  # 16 shards
+    tnode, trainer = await swarm("trainer", "trainer")
+    tid = tnode.peer_id
+    # a staller would hold a transfer for a minute: the download must not wait for that
+    cfg = node_config(broadcast__request_timeout_s=60, broadcast__chunk_timeout_s=60,
+                      broadcast__parallel_downloads=4)  # two trial slots
+    fnode, follower = await swarm("follower", "inference", follow=[tid],
+                                  bootstrap=tnode.listen_addrs, cfg=cfg)
+    release = asyncio.Event()
+    stallers = []
+    Staller.held = Staller.peak = 0
+    try:
+        for _ in range(STALLERS):
+            node = await advertiser(fnode.listen_addrs)
+            s = Staller(node, release)
+            node.set_stream_handler(SHARD_PROTOCOL, s.handle)
+            stallers.append(s)
+        departed = await advertiser(fnode.listen_addrs)
+        ad = ShardAdvert(policy_id=tid, version=1, complete=True)
+        nodes = [s.node for s in stallers] + [departed]
+
+        def admitted() -> int:
+            rec = follower.records.get((tid, 1))
+            return len(rec.holders) if rec is not None else 0
+        while admitted() < len(nodes):  # they advertise before the version is out
+            await asyncio.gather(*(n.publish("adverts", ad) for n in nodes),
+                                 return_exceptions=True)
+            await asyncio.sleep(0.2)
+            assert any(n.running for n in nodes)
+        await departed.close()  # its advert stays behind
+        await wait_mesh(tnode, "checkpoints", 1)
+        m = await trainer.publish(ckpt, version=1)
+        # within the stallers' 60 s: no transfer of theirs timed out to free a slot
+        done = await follower.done.wait(tid, 1, timeout=45)
+        assert read_dir(done.path) == read_dir(ckpt)
+        assert all(s.requests <= 1 for s in stallers)  # one trial each, at most
+        assert Staller.peak <= cfg.broadcast.parallel_downloads // 2  # never every slot
+        # the trials still held at the end were taken back, not waited for
+        assert done.metrics.get("fail_preempted", 0) >= 1 or not Staller.peak
+        assert done.sources[tid]["shards_ok"] == m.num_shards - done.metrics.get(
+            "shards_resumed", 0)
+        assert done.sources[departed.peer_id]["dropped"]  # failed its trial: dropped
+        assert follower.counters()["sources_dropped"] >= 1
+    finally:
+        release.set()
+        await asyncio.gather(*(s.node.close() for s in stallers), return_exceptions=True)
+
+
+async def test_a_source_on_trial_that_times_out_is_not_asked_again(tmp_path, swarm):
+    """The deadline: a staller's transfer that times out drops it for the version at once;
+    the trainer serves the rest."""
+    ckpt = make_checkpoint(tmp_path / "ckpt", {"model.safetensors": 600_000})
+    tnode, trainer = await swarm("trainer", "trainer")
+    tid = tnode.peer_id
+    cfg = node_config(broadcast__request_timeout_s=1.0, broadcast__parallel_downloads=2)
+    fnode, follower = await swarm("follower", "inference", follow=[tid],
+                                  bootstrap=tnode.listen_addrs, cfg=cfg)
+    release = asyncio.Event()
+    node = await advertiser(fnode.listen_addrs)
+    staller = Staller(node, release)
+    node.set_stream_handler(SHARD_PROTOCOL, staller.handle)
+    try:
+        trainer.server.limiter = RateLimiter(128 * 1024)  # ~5 s: the staller comes first
+        await wait_mesh(tnode, "checkpoints", 1)
+        await trainer.publish(ckpt, version=1)
+        await until(lambda: follower.follower.jobs.get(tid) is not None, what="the download")
+        ad = ShardAdvert(policy_id=tid, version=1, complete=True)
+        rec = None
+        while rec is None or node.peer_id not in rec.holders:
+            await node.publish("adverts", ad)
+            await asyncio.sleep(0.2)
+            rec = follower.records.get((tid, 1))
+        done = await follower.done.wait(tid, 1)
+        assert read_dir(done.path) == read_dir(ckpt)
+        assert staller.requests == 1
+        assert done.sources[node.peer_id]["dropped"]
+        assert done.metrics.get("fail_timeout", 0) + done.metrics.get("fail_preempted", 0) == 1
+    finally:
+        release.set()
+        await node.close()

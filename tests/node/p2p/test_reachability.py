@@ -42,7 +42,8 @@ async def test_public_on_loopback(make_node):
     port = node.listen_addrs[0].split("/tcp/")[1].split("/")[0]
     assert snap.public_addrs == (f"/ip4/127.0.0.1/tcp/{port}",)
     assert node.health()["reachability"]["verdict"] == "public"
-    state = NodeState(peer_id=node.peer_id, role="inference", swarm_id="default", p2p=node)
+    state = NodeState(peer_id=node.peer_id, role="inference", swarm_id="default")
+    state.attach_transport(node)
     text = generate_latest(state.registry).decode()
     assert 'swarm_node_reachability{verdict="public"} 1.0' in text
     assert 'swarm_node_reachability{verdict="unreachable"} 0.0' in text

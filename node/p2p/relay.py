@@ -68,7 +68,7 @@ class RelayService:
         self.reservations: dict[str, tuple[str, float]] = {}
         self._refused_until: dict[str, float] = {}
         self._wake = asyncio.Event()
-        self.hole_punch = {"direct": 0, "gave_up": 0}
+        self.hole_punch = {"direct": 0, "failed": 0, "gave_up": 0}
 
     # trio side: services -------------------------------------------------------------------
 
@@ -165,15 +165,16 @@ class RelayService:
                 out.append(pid.to_base58())
         return out
 
-    def _t_hole_punch_stats(self) -> tuple[int, int]:
-        """(peers upgraded to direct, peers whose hole punch attempts ran out)."""
+    def _t_hole_punch_stats(self) -> dict[str, int]:
+        """Peers upgraded to direct; peers with a failed attempt (`failed`, still trying
+        up to MAX_HOLE_PUNCH_ATTEMPTS) and those whose attempts ran out (`gave_up`)."""
         d = self.dcutr
         if d is None:
-            return 0, 0
-        exhausted = sum(1 for p, n in list(d._hole_punch_attempts.items())
-                        if n >= MAX_HOLE_PUNCH_ATTEMPTS and p not in d._in_progress
-                        and p not in d._direct_connections)
-        return len(d._direct_connections), exhausted
+            return {"direct": 0, "failed": 0, "gave_up": 0}
+        done = [(p, n) for p, n in list(d._hole_punch_attempts.items())
+                if p not in d._in_progress and p not in d._direct_connections]
+        return {"direct": len(d._direct_connections), "failed": len(done),
+                "gave_up": sum(1 for _p, n in done if n >= MAX_HOLE_PUNCH_ATTEMPTS)}
 
     # asyncio side: the client ---------------------------------------------------------------
 
@@ -226,9 +227,8 @@ class RelayService:
     async def _round(self) -> None:
         node = self.node
         reach = node.reach.current
-        direct, gave_up = await node._bridge.call(_async, self._t_hole_punch_stats)
-        self.hole_punch = {"direct": direct, "gave_up": gave_up}
-        node.reach.set_direct_peers(direct)
+        self.hole_punch = await node._bridge.call(_async, self._t_hole_punch_stats)
+        node.reach.set_direct_peers(self.hole_punch["direct"])
         want = self.cfg.client and not reach.public and reach.verdict.value != "unknown"
         connected = set(node.connected_peers())
         for relay in [r for r in self.reservations if r not in connected]:

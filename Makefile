@@ -12,7 +12,7 @@ TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.swarm-node-installed
 
-.PHONY: demo demo-smollm2 test test-vllm lint setup clean
+.PHONY: demo demo-smollm2 test test-vllm lint setup clean browser
 
 setup: $(STAMP)
 
@@ -38,8 +38,18 @@ demo-smollm2: setup
 # first, two at a time (tests/conftest.py). `pytest -q` alone runs it in one process.
 TEST_WORKERS ?= 2
 
-test: setup
+test: setup browser
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --maxschedchunk 2
+
+# Headless Chromium (Debian's package) for the dashboard tests. Best effort, once: only as
+# root with apt-get (as in CI), bounded in time; without it those tests skip with one line.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	    echo "installing chromium for the dashboard tests (apt-get)" && \
+	    timeout 900 sh -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	      apt-get install -y -qq chromium' >/dev/null 2>&1; } || \
+	  echo "chromium is not installed: the dashboard tests will skip"
 
 # The vLLM sampler's test (tests/node/test_sampler_vllm.py, marker `vllm`) against the HF
 # sampler and the verifier, on the tiny model and on SmolLM2-135M-Instruct (converted once

@@ -18,6 +18,8 @@ from swarm_node.node.config import BroadcastSection, load_config
 from swarm_node.node.identity import Identity
 from swarm_node.protocol.messages import CheckpointManifest, FileEntry, ShardAdvert
 
+from tests.waiting import async_wait_until
+
 from .conftest import SHARD, boot, make_checkpoint, read_dir
 from .procs import BroadcastProc
 
@@ -32,15 +34,9 @@ async def stats(p: BroadcastProc) -> dict:
 
 
 async def wait_for(pred, timeout: float = 60, what: str = "condition"):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        got = await pred()
-        if got:
-            return got
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.2)
+    """The value of `await pred()` once true: a peer process's stats, asked over its pipe
+    (tests/waiting.py)."""
+    return await async_wait_until(pred, timeout, what, interval=0.2)
 
 
 # 17.4: unsafe names in a stored manifest ------------------------------------------------

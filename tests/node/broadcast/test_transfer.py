@@ -15,6 +15,8 @@ from swarm_node.node.broadcast.wire import fetch, read_frame, write_frame
 from swarm_node.node.identity import Identity
 from swarm_node.protocol.messages import ShardRequest, ShardResponseHeader
 
+from tests.waiting import async_wait_until
+
 from .conftest import publish, read_dir
 
 
@@ -95,8 +97,7 @@ async def test_corrupt_source_costs_one_shard_and_is_dropped(tmp_path, trainer, 
     d = Downloader(store, entry, t, book, cfg.model_copy(update={"parallel_downloads": 1}))
     d.pending = [2] + [i for i in d.pending if i != 2]
     task = asyncio.create_task(d.run())
-    while not book.sources["evil"].dropped:
-        await asyncio.sleep(0.01)
+    await async_wait_until(lambda: book.sources["evil"].dropped, 20, "the corrupt source dropped")
     book.add("good", None)
     d.sources_changed()
     path = await task
@@ -214,8 +215,7 @@ async def test_concurrency_limit_answers_busy(tmp_path, trainer, ckpt, cfg):
     req = ShardRequest(policy_id=m.policy_id, version=m.version, shard=0)
     slow = await t.open("s")  # first upload, not read: backpressure keeps it active
     await write_frame(slow, req.encode())
-    while server.active_total == 0:
-        await asyncio.sleep(0.01)
+    await async_wait_until(lambda: server.active_total, 10, "the first upload")
     with pytest.raises(ShardFetchError) as e:
         await fetch_all(t, "s", req, cfg, m.shard_size)
     assert e.value.reason == "busy"
@@ -234,13 +234,6 @@ async def test_tcp_transport_end_to_end(tmp_path, trainer, ckpt, cfg):
     finally:
         tcp.close()
         await tcp.wait_closed()
-
-
-async def wait_for(condition, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
 
 
 async def test_bulk_plane_connections_carry_several_requests(tmp_path, trainer, ckpt, cfg):
@@ -282,7 +275,8 @@ async def test_bulk_plane_connections_carry_several_requests(tmp_path, trainer, 
             # idle past the server's bound: closed, seen as dead at reuse
             pooled = list(rt.bulk.kinds["shard"].pool[srv.peer_id])
             assert pooled
-            await wait_for(lambda p=pooled: not any(s.alive() for s in p))
+            await async_wait_until(lambda p=pooled: not any(s.alive() for s in p), 10,
+                                   "the server to close its idle connections")
             before = rt.opened["bulk"]
             got = await fetch_all(rt, srv.peer_id, ShardRequest(
                 policy_id=trainer.peer_id, version=1, shard=0), cfg, entry.shard_len(0))

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
+import select
+import socket
+import subprocess
 import time
 from collections.abc import Callable
 from typing import Any
@@ -57,3 +61,45 @@ async def trio_wait_until(pred: Callable[[], Any], timeout: float, what: str, *,
             pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
         await trio.sleep(interval)
     return got
+
+
+class StartNotices:
+    """The start notices of one `swarm-node join` process (runner.notify_supervisor, the
+    sd_notify protocol), on an abstract unix datagram socket of the test's own: start the
+    process with `env()`, then `wait()` returns once it said READY=1 (joined, its role
+    running) and fails at once if it exits first. An event, not a look at its log."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        name = f"swarm-test-{os.getpid()}-{id(self):x}"
+        self.sock.bind("\0" + name)
+        self.address = "@" + name
+        self.said: list[str] = []
+
+    def env(self, base: dict | None = None) -> dict:
+        return {**(os.environ if base is None else base), "NOTIFY_SOCKET": self.address}
+
+    def wait(self, proc: subprocess.Popen, timeout: float, want: str = "READY=1", *,
+             details: Callable[[], str] = str) -> str:
+        """The first notice containing `want` (blocking: from an event loop, run it in a
+        thread)."""
+        exited = os.pidfd_open(proc.pid)  # readable once the process ends
+        deadline = time.monotonic() + timeout
+        try:
+            while (left := deadline - time.monotonic()) > 0:
+                ready, _, _ = select.select([self.sock, exited], [], [], left)
+                if self.sock in ready:
+                    notice = self.sock.recv(4096).decode(errors="replace")
+                    self.said.append(notice)
+                    if want in notice:
+                        return notice
+                elif ready:
+                    pytest.fail(f"the node exited with {proc.wait()} before it said {want} "
+                                f"(it said {self.said})\n{details()}")
+        finally:
+            os.close(exited)
+        pytest.fail(f"timed out after {timeout:.0f} s waiting for the node to say {want} "
+                    f"(it said {self.said})\n{details()}")
+
+    def close(self) -> None:
+        self.sock.close()

@@ -15,7 +15,7 @@ from swarm_node.node.p2p import DialError, PublishError, RequestError
 from swarm_node.node.p2p.discovery import PEERS_PROTOCOL
 from swarm_node.protocol.messages import Hello, ShardAdvert, Status
 
-from tests.waiting import async_wait_until
+from tests.waiting import StartNotices, async_wait_until
 
 from .attacks import MESHSUB, push_ignoring_window, rss_mib, signed_rpcs
 from .conftest import PeerProcess, rejects_by_sender, verdict, wait_until
@@ -284,7 +284,6 @@ def test_node_exits_non_zero_with_one_line_when_its_host_dies(tmp_path):
     import signal
     import subprocess
     import sys
-    import time
     import urllib.request
     from pathlib import Path
 
@@ -292,29 +291,25 @@ def test_node_exits_non_zero_with_one_line_when_its_host_dies(tmp_path):
     cmd = [sys.executable, str(Path(__file__).with_name("crash_proc.py")), "join",
            "--role", "relay", "--data-dir", str(data), "--listen", "/ip4/127.0.0.1/tcp/0",
            "--admin-port", "0"]
-    env = dict(os.environ, HOME=str(tmp_path), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env)
+    notices = StartNotices()
+    env = notices.env(dict(os.environ, HOME=str(tmp_path), PYTHONUNBUFFERED="1"))
+    log = tmp_path / "relay.log"  # a file, never an unread pipe (a full one blocks the node)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
-        deadline = time.monotonic() + 120
-        status = {}
-        while status.get("phase") != "running":
-            assert proc.poll() is None, proc.stderr.read()[-3000:]
-            assert time.monotonic() < deadline, "the relay did not start"
-            try:
-                port = int((data / "admin.port").read_text())
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=5) as r:
-                    status = json.loads(r.read())
-            except (OSError, ValueError):
-                time.sleep(0.2)
-        assert status["p2p"]["alive"] is True
+        notices.wait(proc, 120, details=lambda: log.read_text()[-3000:])  # READY=1: running
+        port = int((data / "admin.port").read_text())
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=5) as r:
+            status = json.loads(r.read())
+        assert status["phase"] == "running" and status["p2p"]["alive"] is True
         proc.send_signal(signal.SIGUSR1)
         rc = proc.wait(60)
     finally:
+        notices.close()
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    err = proc.stderr.read()
+    err = log.read_text()
     assert rc != 0
     died = [line for line in err.splitlines() if "libp2p host died" in line]
     assert died and "injected libp2p thread failure" in died[-1], err[-3000:]

@@ -7,7 +7,6 @@ import asyncio
 import json
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -192,7 +191,7 @@ async def test_sybil_adverts_cost_bounded_connections_and_bytes(tmp_path, procs)
             while True:
                 await asyncio.gather(*(s.publish("adverts", advert) for s in sybils),
                                      return_exceptions=True)
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(0.5)  # the flood's pace (a sybil re-adverts), not a wait
         flooder = asyncio.create_task(flood())
         try:
             done = await f.event("complete", timeout=120)
@@ -362,14 +361,13 @@ async def test_trainer_on_a_full_disk_pauses_and_resumes(tmp_path, trainer_fs):
         demo.wait_info(node)
 
         async def status(pred, what):
-            deadline = time.monotonic() + 180
-            while time.monotonic() < deadline:
-                s = demo.fetch_status(node)
-                if s and pred(s):
-                    return s
+            """The trainer process's /status once `pred` holds (read every 0.25 s)."""
+            async def check():
                 assert node.proc.poll() is None, demo.tail(node.log_path)
-                await asyncio.sleep(0.5)
-            raise AssertionError(f"timed out waiting for {what}: {demo.tail(node.log_path)}")
+                s = await asyncio.to_thread(demo.fetch_status, node)
+                return s if s and pred(s) else None
+            return await async_wait_until(check, 180, what, interval=0.25,
+                                          details=lambda: demo.tail(node.log_path))
         await status(lambda s: s.get("versions_published", 0) >= 2, "two versions")
         filler = fill(trainer_fs, 256 * 1024)
         await status(lambda s: s.get("extra", {}).get("disk", {}).get("paused"), "a pause")

@@ -120,6 +120,10 @@ class PeerProcess:
         return json.loads(lines[-1]) if lines else {}
 
 
+async def ignore(env, peer) -> None:
+    """A gossip handler for a topic a node subscribes to only to be in its mesh."""
+
+
 async def wait_until(pred, timeout: float = 20, interval: float = 0.05, what: str = "condition"):
     """tests/waiting.py's `async_wait_until` with this package's defaults: for py-libp2p
     state (connections, meshes, counters) that nothing signals to the asyncio side."""

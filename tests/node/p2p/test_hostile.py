@@ -18,7 +18,7 @@ from swarm_node.protocol.messages import Hello, ShardAdvert, Status
 from tests.waiting import StartNotices, async_wait_until
 
 from .attacks import MESHSUB, push_ignoring_window, rss_mib, signed_rpcs
-from .conftest import PeerProcess, rejects_by_sender, verdict, wait_until
+from .conftest import PeerProcess, ignore, rejects_by_sender, verdict, wait_until
 from .test_gossip import rollout_batch
 
 
@@ -33,10 +33,6 @@ async def wait_delivered(node, victim: str, origin: str, n: int, timeout: float 
         return (await victim_stats(node, victim))["by_origin"].get(origin, 0) >= n
 
     await async_wait_until(delivered, timeout, f"{n} verdicts from {origin}", interval=0.1)
-
-
-async def ignore(env, peer) -> None:
-    """A handler for a topic a test subscribes to only to join its mesh."""
 
 
 async def mesh_with(node, peer_id: str, kind: str = "verdicts") -> None:

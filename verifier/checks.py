@@ -11,7 +11,9 @@ cheap:       shapes and limits (context = min(config, model)); proof length for 
              verifier's own T and H; vocabulary; duplicates (persisted); the task among the
              first tasks_per_round of the sender's draw; the prompt; the seed index j;
              finish (EOS set of tokenizer + generation_config); text == decode(ids); reward.
-groups:      complete groups (every j < completions_per_task); spot checks per group.
+groups:      complete groups (every j < completions_per_task); spot checks per group;
+             `probe` (senders without history): one random group first, and the rest of
+             the batch only when it passed.
 model:       one prefill of prompt + completion (the prompt once per group; a prefix it
              shares with recent prompts once per model version): activation proof;
              logprobs within `logprob_tol` (the recomputed ones are handed on, never the
@@ -23,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import random
 import struct
 from collections import OrderedDict
 from collections.abc import Callable
@@ -31,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ..node.diskspace import DiskFull
 from ..node.errors import NodeError
 from ..node.sampler.seeded import completion_seed, mask_logits, ref_bytes
 from ..node.sampler.stops import context_limit, eos_token_ids
@@ -39,7 +43,7 @@ from ..protocol import noise
 from ..protocol.messages import BatchRules, Completion, RolloutBatch, SamplingParams, Verdict
 from .prefill import PromptCache, prefill, prefill_group, prefill_groups  # noqa: F401
 from .proof import ProofThresholds, proof_size, verify_proof
-from .seen import SeenStore
+from .seen import SeenStore, batch_digest
 
 log = logging.getLogger(__name__)
 
@@ -169,18 +173,24 @@ class RolloutVerifier:
         self.eos_ids = eos_token_ids(tokenizer, generation_config)
         self._assigned_cache: OrderedDict[tuple[str, int], set[bytes]] = OrderedDict()
         self._seed_cache: OrderedDict[tuple[bytes, str, int], dict[int, int]] = OrderedDict()
+        self._rng = random.Random()  # which group a probe checks first: not the sender's pick
 
     # public ------------------------------------------------------------------------------
 
     def verify(self, batch: RolloutBatch, sender: str,
-               spot_check: SpotCheck | None = None) -> list[RolloutResult]:
+               spot_check: SpotCheck | None = None, probe: bool = False) -> list[RolloutResult]:
         """One result per completion. `spot_check(group_ids)` (optional) decides per task
         group whether its model checks run; a group it skips passes the cheap checks only and
-        is accepted as `unchecked` (no recomputed logprobs). Accepted and unchecked rollout
-        ids are remembered on disk with the round (replays fail, also after a restart)."""
+        is accepted as `unchecked` (no recomputed logprobs). `probe`: model-check one group,
+        drawn at random, before the others; when it fails, the rest of the batch is not
+        checked (`batch_member_rejected`): a bogus batch of a sender without history costs
+        one group's forward pass. Accepted and unchecked rollout ids are remembered on disk
+        with the round and the batch's digest (replays fail, also after a restart; the same
+        batch again is `already_accepted`, not a new choice). A full disk raises DiskFull
+        before anything is remembered: the call can be repeated as it was."""
         ids = [rollout_id(batch, c) for c in batch.completions]
         try:
-            results = self._verify(batch, sender, ids, spot_check)
+            results = self._verify(batch, sender, ids, spot_check, probe)
         except _Reject as r:
             results = [RolloutResult(i, rid, False, r.reason, r.detail)
                        for i, rid in enumerate(ids)]
@@ -188,17 +198,20 @@ class RolloutVerifier:
             log.exception("verifier error on a batch from %s", sender)
             results = [RolloutResult(i, rid, False, "verifier_error", f"{type(e).__name__}: {e}")
                        for i, rid in enumerate(ids)]
-        for r in results:
-            self.counts[r.reason] = self.counts.get(r.reason, 0) + 1
         kept = [r.rollout_id for r in results if r.accept]
         if kept:
-            self.seen.add(kept, batch.policy_version, sender, batch.round)
-        self.seen.prune(self.latest_version() - self.settings.max_policy_lag)
+            self.seen.add(kept, batch.policy_version, sender, batch.round, batch_digest(ids))
+        for r in results:
+            self.counts[r.reason] = self.counts.get(r.reason, 0) + 1
+        try:
+            self.seen.prune(self.latest_version() - self.settings.max_policy_lag)
+        except DiskFull:
+            pass  # what it would delete is rejected as stale anyway; the next call retries
         return results
 
     # batch checks ------------------------------------------------------------------------
 
-    def _batch_checks(self, batch: RolloutBatch, sender: str):
+    def _batch_checks(self, batch: RolloutBatch, sender: str, ids: list[bytes]):
         s = self.settings
         if batch.swarm_id != self.swarm_id:
             raise _Reject("wrong_swarm", f"swarm {batch.swarm_id!r}")
@@ -221,15 +234,19 @@ class RolloutVerifier:
             w = self.rules.round_window(batch.policy_version)
             raise _Reject("round_out_of_range", f"round {batch.round} of v{batch.policy_version}"
                                                 f" must be in [{w.start}, {w.stop})")
-        if self.seen.round_used(sender, batch.round):
+        used = self.seen.round_digest(sender, batch.round)
+        if used is not None:
+            if used == batch_digest(ids):
+                raise _Reject("already_accepted", f"round {batch.round}: this batch was "
+                                                  "accepted before (a re-delivery)")
             raise _Reject("round_reused", f"round {batch.round} already accepted")
         model = self.model_for(batch.policy_version)
         if model is None:
             raise _Reject("unknown_policy", f"no model for version {batch.policy_version}")
         return model
 
-    def _verify(self, batch, sender, ids, spot_check) -> list[RolloutResult]:
-        model = self._batch_checks(batch, sender)
+    def _verify(self, batch, sender, ids, spot_check, probe=False) -> list[RolloutResult]:
+        model = self._batch_checks(batch, sender, ids)
 
         limits = (context_limit(model.config, self.max_context), model.config.hidden_size)
         results: list[RolloutResult | None] = [None] * len(batch.completions)
@@ -237,10 +254,11 @@ class RolloutVerifier:
         in_batch: set[bytes] = set()
         seeds: set[int] = set()
         max_prompt = max(c.prompt_ids.shape[0] for c in batch.completions)
+        tasks: dict[bytes, tuple] = {}
         for i, c in enumerate(batch.completions):
             try:
                 cheap[i] = self._static_checks(batch, c, sender, ids[i], in_batch, seeds,
-                                               max_prompt, limits)
+                                               max_prompt, limits, tasks)
             except _Reject as r:
                 results[i] = RolloutResult(i, ids[i], False, r.reason, r.detail)
             in_batch.add(ids[i])
@@ -254,14 +272,35 @@ class RolloutVerifier:
                                                text=text)
             else:
                 checked.append(members)
-        # one prompt pass per task group; the checked groups' completions then run packed
-        # together behind their prompts' KV caches (prefill.py)
+        if probe and len(checked) > 1:
+            first = checked.pop(self._rng.randrange(len(checked)))
+            self._model_check(model, batch, [first], ids, cheap, results)
+            if not all(results[i].accept for i in first):
+                for members in checked:
+                    self._reject_group(members, results, ids, "batch_member_rejected",
+                                       "another group of this batch failed its checks")
+                checked = []
+        self._model_check(model, batch, checked, ids, cheap, results)
+        for members in groups:  # a group is used whole or not at all
+            if any(not results[i].accept for i in members):
+                for i in members:
+                    if results[i].accept:
+                        results[i] = RolloutResult(i, ids[i], False, "group_member_rejected",
+                                                   "another completion of its group failed")
+        return results  # type: ignore[return-value]
+
+    def _model_check(self, model, batch, groups, ids, cheap, results) -> None:
+        """Model checks of `groups` (lists of completion indices) into `results`: one prompt
+        pass per task group; the groups' completions then run packed together behind their
+        prompts' KV caches (prefill.py)."""
+        if not groups:
+            return
         hidden_groups = prefill_groups(
             model, [(batch.completions[m[0]].prompt_ids.to_numpy(),
                      [batch.completions[i].completion_ids.to_numpy() for i in m])
-                    for m in checked],
+                    for m in groups],
             self.settings.prefill_token_budget, self.prompt_cache, batch.policy_version)
-        members_all = [i for m in checked for i in m]
+        members_all = [i for m in groups for i in m]
         hiddens_all = [h for g in hidden_groups for h in g]
         for i, hidden, logits in zip(members_all, hiddens_all,
                                      self._group_logits(model, hiddens_all)):
@@ -272,13 +311,6 @@ class RolloutVerifier:
                                            text=text, logprobs=logprobs)
             except _Reject as r:
                 results[i] = RolloutResult(i, ids[i], False, r.reason, r.detail)
-        for members in groups:  # a group is used whole or not at all
-            if any(not results[i].accept for i in members):
-                for i in members:
-                    if results[i].accept:
-                        results[i] = RolloutResult(i, ids[i], False, "group_member_rejected",
-                                                   "another completion of its group failed")
-        return results  # type: ignore[return-value]
 
     def _groups(self, batch, results, cheap, ids) -> list[list[int]]:
         """Task groups whose members all passed the cheap checks; with `rules`, a group must
@@ -321,20 +353,31 @@ class RolloutVerifier:
                 self._assigned_cache.popitem(last=False)
         return self._assigned_cache[key]
 
-    def _seed_index(self, c: Completion, sender: str, version: int) -> int | None:
-        """j such that c.seed == completion_seed(task, sender, version, j), j < 256."""
-        key = (ref_bytes(c.task), sender, version)
-        if key not in self._seed_cache:
-            self._seed_cache[key] = {completion_seed(c.task, sender, version, j): j
-                                     for j in range(self.settings.max_completions_per_task)}
+    def _seed_index(self, c: Completion, rb: bytes, sender: str, version: int) -> int | None:
+        """j such that c.seed == completion_seed(task, sender, version, j), j < 256. The
+        seeds are derived lazily, the group's own (j < completions_per_task) first: an
+        honest sender (or a fresh key's bogus batch) costs C hashes per task, not 256."""
+        key = (rb, sender, version)
+        entry = self._seed_cache.get(key)
+        if entry is None:
+            entry = self._seed_cache[key] = [{}, 0]  # seed -> j, next j to derive
             while len(self._seed_cache) > 4096:
                 self._seed_cache.popitem(last=False)
-        return self._seed_cache[key].get(c.seed)
+        found = entry[0]
+        limit = self.settings.max_completions_per_task
+        first = self.rules.completions_per_task if self.rules is not None else 8
+        while c.seed not in found and entry[1] < limit:
+            upto = min(limit, first if entry[1] < first else limit)
+            for j in range(entry[1], upto):
+                found[completion_seed(c.task, sender, version, j)] = j
+            entry[1] = upto
+        return found.get(c.seed)
 
     def _static_checks(self, batch, c: Completion, sender, rid, in_batch, seeds, max_prompt,
-                       limits) -> tuple:
+                       limits, tasks: dict) -> tuple:
         """Everything that needs no forward pass, cheapest first. Returns (task, seed index,
-        decoded text, recomputed reward)."""
+        decoded text, recomputed reward). `tasks`: this batch's regenerated tasks and their
+        prompts by task reference (a group's completions share them)."""
         max_context, hidden_size = limits
         p, t = c.prompt_ids.shape[0], c.completion_ids.shape[0]
         if p == 0 or t == 0:
@@ -353,11 +396,12 @@ class RolloutVerifier:
             raise _Reject("bad_shape", "token id outside the vocabulary")
         if rid in in_batch or self.seen.seen(rid):
             raise _Reject("duplicate", "rollout seen before")
-        if ref_bytes(c.task) not in self._assigned(sender, batch.round):
+        rb = ref_bytes(c.task)
+        if rb not in self._assigned(sender, batch.round):
             raise _Reject("config_task_mix", f"{c.task.dataset}#{c.task.index} is not among "
                                              f"the tasks drawn for round {batch.round} "
                                              "(check tasks.mix and tasks.tasks_per_round)")
-        j = self._seed_index(c, sender, batch.policy_version)
+        j = self._seed_index(c, rb, sender, batch.policy_version)
         if c.seed in seeds or j is None:
             raise _Reject("seed_mismatch", f"seed {c.seed} not derived for this sender/task")
         if self.rules is not None and j >= self.rules.completions_per_task:
@@ -365,11 +409,14 @@ class RolloutVerifier:
                                                f"{self.rules.completions_per_task}")
         seeds.add(c.seed)
         self._finish_checks(batch, c, ids.tolist(), max_prompt, max_context)
-        try:
-            task = get_task(c.task, self.format_reward, self.style)
-        except (NodeError, ValueError, KeyError) as e:
-            raise _Reject("bad_task", str(e)[:200]) from None
-        if format_prompt(self.tokenizer, task) != prompt.tolist():
+        if rb not in tasks:
+            try:
+                task = get_task(c.task, self.format_reward, self.style)
+            except (NodeError, ValueError, KeyError) as e:
+                raise _Reject("bad_task", str(e)[:200]) from None
+            tasks[rb] = (task, format_prompt(self.tokenizer, task))
+        task, formatted = tasks[rb]
+        if formatted != prompt.tolist():
             raise _Reject("prompt_mismatch", "prompt is not the task's formatted prompt")
         # The text and reward the trainer uses come from the token ids, never from the sender.
         text = self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)

@@ -1,29 +1,67 @@
-"""Which batch to verify next: a fair queue across senders, with probation for new keys.
+"""The trainer's intake: rollout batches in, verified groups and verdicts out.
 
-New identities are free, so fairness per key alone would let a flood of fresh keys take
-every verification slot. Senders are split in two tiers (`is_established(sender)`, from the
-reputation: accepted work and a positive score):
+`Intake` owns everything between a batch arriving on the `rollouts` topic and its verified
+completions reaching the trainer's buffer: the verification queue, the budgets, the
+reputation, the per-peer sequential tests (sequential.py), bans, penalties, and the
+verdicts the trainer publishes. The trainer role only wires it (node/roles/trainer.py):
+gossip handlers call `offer` and `hint`, the training loop calls `drain` and `wait`.
 
-- established senders are served round-robin, each with a short queue of its own;
-- probation senders (new or unproven keys) share ONE small queue and at most
-  `probation_share` of the batches served while established work waits; when that queue
-  is full a random queued batch is evicted (so no arrival order wins), and each probation
-  sender may hold at most `per_sender` batches in it.
+Order of consequences, per batch: bans and budgets first (nothing spent on a banned or
+spent sender); then verification (checks.py) in the worker thread; then the sequential
+tests on the batch's checked completions; only a batch they pass is handed to the trainer,
+and an alarm also drops what the condemned senders still have waiting in the trainer's
+buffer. So a batch that sets off an alarm is never trained on.
 
-A flood of bogus batches from fresh keys therefore costs honest established peers at most
-`probation_share` of the verifier's time, and the flood's own batches mostly expire in
-the probation queue unverified. Each sender also has a verification budget in completion
-tokens per window (`Budget`), small on probation: a sender past it is answered
-`over_budget` (no penalty, not verified).
+New identities are free, so budgets bind work, not keys. Senders are split in two tiers
+(`established(peer)`: verified history here, reputation.py):
+
+- established senders are served first, round-robin, each with a short queue of its own,
+  and each verifies at most `established_tokens` completion tokens per `window_s`;
+- probation senders (new or unproven keys) share ONE small queue (a random queued batch is
+  evicted when it is full, so no arrival order wins), get at most `probation_share` of the
+  batches served while established work waits, and together at most
+  `probation_time_share` of the worker's time (`TimeShare`: a bucket of verification
+  seconds that refills with wall time, `probation_burst_s` deep; idle time, when the
+  trainer only waits for peers, is lent to them one batch at a time, and counted apart:
+  `lent`). Each probation sender starts with a
+  credit of `probation_tokens` verified tokens that does not grow with time, only with
+  accepted work (`credit_per_accepted` per accepted, model-checked token); a sender past
+  its budget is answered `over_budget` (no penalty, not verified). Its batch's groups are
+  checked one at a time until one fails (`probe`), so a bogus batch costs one group's
+  forward pass.
+
+A flood of bogus batches from any number of fresh keys therefore costs the trainer at
+most `probation_time_share` of its time (plus what it lends while idle), established
+peers are served first throughout, and the flood's own batches mostly expire in the
+probation queue unverified. `established` is also what the gossip layer may use to give
+peers with verified history priority (a plain callable: peer id -> bool).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import random
 import time
-from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections import Counter, OrderedDict, deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from ..node.diskspace import DiskWatch, until_written
+from ..protocol.messages import RolloutBatch, TensorData, Verdict
+from .checks import RolloutResult, rollout_id
+from .reasons import BATCH_REASONS, HONEST_MISTAKES, NOT_JUDGED, PEER_REASONS
+from .reputation import Reputation
+from .sequential import Alarm, PeerMonitor, SequentialSettings
+from .verdicts import SUMMARY_REASON, summary_detail
+
+log = logging.getLogger("swarm_node")
+
+EstablishedPeers = Callable[[str], bool]
+"""Whether a peer has verified history at this trainer (the gossip layer's priority hint)."""
 
 
 @dataclass(frozen=True)
@@ -32,34 +70,95 @@ class IntakeLimits:
     max_established: int = 256  # queued batches of established senders, in total
     max_probation: int = 16  # queued batches of probation senders, in total
     probation_share: float = 0.2  # of the batches served while established work waits
-    window_s: float = 60.0  # budget window
+    probation_time_share: float = 0.1  # of the worker's wall time, all probation senders
+    probation_burst_s: float = 2.0  # verification seconds they may spend at once
+    window_s: float = 60.0  # budget window of established senders
     established_tokens: int = 200_000  # completion tokens verified per sender per window
-    probation_tokens: int = 8_192  # the same for a probation sender
+    probation_tokens: int = 8_192  # a new sender's credit (does not grow with time)
+    credit_per_accepted: float = 2.0  # credit per accepted, model-checked token
     max_budget_peers: int = 10_000  # senders with a budget record (LRU)
+    drain_max_s: float = 30.0  # longest verification stretch before training gets its turn
+    bogus_report: int = 1  # connection-penalty offences per bogus probation batch
+    ban_notice_s: float = 60.0  # a banned peer is told at most this often
 
 
 class Budget:
-    """Completion tokens verified per sender per window; records are LRU-bounded."""
+    """Completion tokens verified per sender: a rate for established senders (per window),
+    a credit for probation senders that only accepted work refills. LRU-bounded."""
 
     def __init__(self, limits: IntakeLimits, clock: Callable[[], float] = time.monotonic):
         self.limits = limits
         self.clock = clock
         self._used: OrderedDict[str, tuple[float, int]] = OrderedDict()  # start, tokens
+        self._credit: OrderedDict[str, float] = OrderedDict()
+
+    def _touch(self, table: OrderedDict, sender: str, value) -> None:
+        table[sender] = value
+        table.move_to_end(sender)
+        while len(table) > self.limits.max_budget_peers:
+            table.popitem(last=False)
 
     def charge(self, sender: str, tokens: int, established: bool) -> bool:
-        """Spend `tokens` of `sender`'s budget; False (nothing spent) when it would exceed."""
+        """Spend `tokens` of `sender`'s budget; False (nothing spent) when it is spent."""
+        if not established:
+            credit = self._credit.get(sender, float(self.limits.probation_tokens))
+            if credit <= 0:
+                return False
+            self._touch(self._credit, sender, credit - tokens)  # one batch may overdraw
+            return True
         now = self.clock()
         start, used = self._used.get(sender, (now, 0))
         if now - start >= self.limits.window_s:
             start, used = now, 0
-        cap = self.limits.established_tokens if established else self.limits.probation_tokens
-        if used + tokens > cap and used > 0:
+        if used + tokens > self.limits.established_tokens and used > 0:
             return False
-        self._used[sender] = (start, used + tokens)
-        self._used.move_to_end(sender)
-        while len(self._used) > self.limits.max_budget_peers:
-            self._used.popitem(last=False)
+        self._touch(self._used, sender, (start, used + tokens))
         return True
+
+    def refund(self, sender: str, tokens: int, established: bool) -> None:
+        """Give back a charge for work that was not the sender's doing (a re-delivery)."""
+        if not established and sender in self._credit:
+            self._touch(self._credit, sender, self._credit[sender] + tokens)
+        elif established and sender in self._used:
+            start, used = self._used[sender]
+            self._touch(self._used, sender, (start, max(0, used - tokens)))
+
+    def earn(self, sender: str, tokens: int) -> None:
+        """Accepted, model-checked work raises a probation sender's credit."""
+        if sender in self._credit:
+            self._touch(self._credit, sender,
+                        self._credit[sender] + tokens * self.limits.credit_per_accepted)
+
+    def credit(self, sender: str) -> float:
+        return self._credit.get(sender, float(self.limits.probation_tokens))
+
+
+class TimeShare:
+    """A bucket of verification seconds for probation senders: refills at `share` seconds
+    per second of wall time up to `burst_s`; work spends it (a batch in flight may overdraw
+    it, down to -burst_s)."""
+
+    def __init__(self, share: float, burst_s: float,
+                 clock: Callable[[], float] = time.monotonic):
+        self.share, self.burst_s, self.clock = share, burst_s, clock
+        self._level, self._at = burst_s, clock()
+
+    def level(self) -> float:
+        now = self.clock()
+        self._level = min(self.burst_s, self._level + (now - self._at) * self.share)
+        self._at = now
+        return self._level
+
+    def ready(self) -> bool:
+        return self.level() > 0
+
+    def ready_in(self) -> float:
+        """Seconds until `ready()` (0 when ready now)."""
+        level = self.level()
+        return 0.0 if level > 0 else (-level) / self.share + 1e-3 if self.share > 0 else 1e9
+
+    def spend(self, seconds: float) -> None:
+        self._level = max(-self.burst_s, self.level() - seconds)
 
 
 class VerificationQueue:
@@ -73,12 +172,17 @@ class VerificationQueue:
         self._est: OrderedDict[str, deque] = OrderedDict()
         self._est_count = 0
         self._prob: list[tuple[str, object]] = []
+        self._prob_by: Counter = Counter()
         self._served_est = 0
         self._served_prob = 0
         self.dropped: dict[str, int] = {}
 
     def __len__(self) -> int:
         return self._est_count + len(self._prob)
+
+    @property
+    def established_waiting(self) -> int:
+        return self._est_count
 
     def _drop(self, why: str) -> None:
         self.dropped[why] = self.dropped.get(why, 0) + 1
@@ -96,27 +200,37 @@ class VerificationQueue:
             q.append(item)
             self._est_count += 1
             return True
-        if sum(1 for s, _ in self._prob if s == sender) >= lim.per_sender:
+        if self._prob_by[sender] >= lim.per_sender:
             self._drop("probation_sender_full")
             return False
         self._prob.append((sender, item))
+        self._prob_by[sender] += 1
         if len(self._prob) > lim.max_probation:
             victim = self.rng.randrange(len(self._prob))  # random: arrival order wins nothing
+            self._forget(self._prob[victim][0])
             self._prob[victim] = self._prob[-1]
             self._prob.pop()
             self._drop("probation_evicted")
             return victim != len(self._prob)  # False when the new item itself went
         return True
 
-    def get(self) -> tuple[str, object] | None:
-        """The next (sender, item), or None when empty."""
-        take_prob = bool(self._prob) and (
+    def _forget(self, sender: str) -> None:
+        self._prob_by[sender] -= 1
+        if self._prob_by[sender] <= 0:
+            del self._prob_by[sender]
+
+    def get(self, probation_ok: bool = True) -> tuple[str, object] | None:
+        """The next (sender, item), or None when nothing may be served now (probation
+        batches only when `probation_ok`)."""
+        take_prob = probation_ok and bool(self._prob) and (
             not self._est_count
             or self._served_prob < self.limits.probation_share * (self._served_est
                                                                    + self._served_prob + 1))
         if take_prob:
             self._served_prob += 1
-            return self._prob.pop(0)
+            sender, item = self._prob.pop(0)
+            self._forget(sender)
+            return sender, item
         if not self._est_count:
             return None
         sender, q = next(iter(self._est.items()))
@@ -127,3 +241,345 @@ class VerificationQueue:
             self._est[sender] = q  # back of the round
         self._served_est += 1
         return sender, item
+
+
+class Verifier(Protocol):
+    def verify(self, batch: RolloutBatch, sender: str, spot_check=None,
+               probe: bool = False) -> list[RolloutResult]:
+        """One result per completion, in order (worker thread)."""
+
+
+class GroupSink(Protocol):
+    """Where verified work goes (the trainer; its calls run in the worker thread)."""
+
+    def add_external(self, batch: RolloutBatch, sender: str = "") -> int: ...
+
+    def drop_sender(self, sender: str) -> int:
+        """Forget `sender`'s verified groups that no step has used yet; returns how many."""
+
+
+@dataclass
+class _Ports:
+    """What the intake does to the world, as callables the host provides."""
+
+    publish: Callable[[Verdict], Awaitable[None]]  # a verdict onto the `verdicts` topic
+    report: Callable[[str, int, str], object] | None  # (gossip origin, offences, why)
+    work: Callable[..., Awaitable]  # run fn(*args) in the worker thread that owns the model
+
+
+class Intake:
+    """Batches in (`offer`), verified groups to `sink`, verdicts out. One event loop owns
+    it; verification and the sink run in the worker thread through `work`."""
+
+    def __init__(self, own_id: str, reputation: Reputation,
+                 verifier_for: Callable[[str], Verifier | None], sink: GroupSink, state,
+                 *, publish: Callable[[Verdict], Awaitable[None]],
+                 work: Callable[..., Awaitable], disk: DiskWatch,
+                 monitor: PeerMonitor | None = None, limits: IntakeLimits | None = None,
+                 report: Callable[[str, int, str], object] | None = None,
+                 trusted: Callable[[str], bool] = lambda peer: False,
+                 clock: Callable[[], float] = time.monotonic):
+        self.own_id = own_id
+        self.reputation = reputation
+        self.verifier_for = verifier_for  # policy id -> its verifier; None: not verifiable here
+        self.sink = sink
+        self.state = state
+        self.ports = _Ports(publish, report, work)
+        self.disk = disk
+        self.monitor = monitor or PeerMonitor()
+        self.limits = limits or IntakeLimits()
+        self.trusted = trusted  # besides established peers: whose verdicts are hints (trainers)
+        self.clock = clock
+        self.queue = VerificationQueue(self.established, self.limits)
+        self.budget = Budget(self.limits, clock)
+        self.share = TimeShare(self.limits.probation_time_share, self.limits.probation_burst_s,
+                               clock)
+        self.arrived = asyncio.Event()
+        self.verified_batches = 0  # batches with accepted rollouts (the caller resets it)
+        self._told_banned: OrderedDict[str, float] = OrderedDict()
+        # what /status shows (extra.intake; the same dict, updated in place)
+        # verification time by tier (probation_lent: idle time lent beyond the share)
+        self.seconds = {"established": 0.0, "probation": 0.0, "probation_lent": 0.0}
+        self.batches: Counter = Counter()  # verified, by tier; alarms; already accepted
+        self.view: dict = {}
+        self._update_view()
+
+    def _update_view(self) -> None:
+        self.view.update(
+            queued=len(self.queue), established_waiting=self.queue.established_waiting,
+            dropped=dict(self.queue.dropped),
+            verify_seconds={k: round(v, 2) for k, v in self.seconds.items()},
+            batches=dict(self.batches), probation_share_s=round(self.share.level(), 2),
+            pooled_alarms=self.monitor.pooled_alarms)
+
+    @classmethod
+    def for_trainer(cls, cfg, own_id: str, verifier_for: Callable[[str], Verifier | None],
+                    sink: GroupSink, state, *, reputation: Reputation | None = None,
+                    **ports) -> Intake:
+        """A trainer's intake from its node config: the reputation persisted in
+        `<data_dir>/reputation.json` (`[verifier]` settings) and the sequential tests'
+        parameters for `model.dtype`. `ports`: publish, work, disk, report, trusted, limits."""
+        if reputation is None:
+            reputation = Reputation.from_config(cfg.verifier, cfg.data_dir / "reputation.json")
+        monitor = PeerMonitor(SequentialSettings.for_dtype(cfg.model.dtype))
+        return cls(own_id, reputation, verifier_for, sink, state, monitor=monitor, **ports)
+
+    # what others may ask ------------------------------------------------------------------
+
+    def counters(self) -> dict[str, float]:
+        """Monotonic counters for /metrics (`swarm_node_intake_total{name=...}`): batches
+        dropped unverified by reason, verified by tier, already accepted, alarms by test;
+        verification seconds by tier."""
+        out: dict[str, float] = {f"dropped_{k}": v for k, v in self.queue.dropped.items()}
+        out.update({f"batches_{k}": v for k, v in self.batches.items()})
+        out.update({f"verify_seconds_{k}": round(v, 3) for k, v in self.seconds.items()})
+        return out
+
+    def established(self, peer: str) -> bool:
+        """Verified history here (reputation.py): served first, budgets as a rate."""
+        return self.reputation.established(peer)
+
+    def is_banned(self, peer: str) -> bool:
+        return self.reputation.is_banned(peer)
+
+    def banned(self) -> list[str]:
+        """Peers banned now (bans expire)."""
+        return self.reputation.banned()
+
+    def close(self) -> None:
+        """Persist what must survive a restart (the reputation)."""
+        self.reputation.save()
+
+    # incoming (event loop) ----------------------------------------------------------------
+
+    async def offer(self, env, origin: str) -> None:
+        """A `RolloutBatch` envelope from the gossip layer; `origin` is its gossip origin (the
+        envelope's signer), whom the transport charges for a bogus probation batch."""
+        sender = env.sender
+        if self.reputation.is_banned(sender):
+            self.state.reject(sender, "banned", len(env.message.completions))
+            return
+        if not self.queue.put(sender, (env.message, origin)):
+            self.state.count("rollout_queue_full")
+            log.debug("verification queue: dropped a batch from %s (not verified, not "
+                      "accepted)", sender[-8:])
+        self.arrived.set()
+        self._update_view()
+
+    async def hint(self, env, origin: str) -> None:
+        """A `Verdict` from another peer: a hint only, from a peer with verified history
+        here or a trusted one (a followed trainer); see Reputation.hint."""
+        trusted = self.established(env.sender) or self.trusted(env.sender)
+        self.reputation.hint(env.message, env.sender, trusted=trusted)
+
+    # serving ------------------------------------------------------------------------------
+
+    def _next(self, idle: bool) -> tuple[str, object] | None:
+        return self.queue.get(probation_ok=idle or self.share.ready())
+
+    def servable(self, idle: bool = False) -> bool:
+        """Whether `drain` would verify something now."""
+        return bool(self.queue.established_waiting) or (
+            len(self.queue) > 0 and (idle or self.share.ready()))
+
+    async def wait(self, stop: asyncio.Event, timeout: float, idle: bool = False) -> None:
+        """Until something is servable (or a batch arrives), `stop` is set, or `timeout`."""
+        if self.servable(idle):
+            return
+        self.arrived.clear()
+        if len(self.queue):  # probation work waiting for its time share
+            timeout = min(timeout, self.share.ready_in())
+        waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self.arrived.wait())]
+        try:
+            await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waiters:
+                w.cancel()
+
+    async def drain(self, stop: asyncio.Event | None = None, idle: bool = False) -> int:
+        """Verify queued batches, established senders first, for at most `drain_max_s`
+        (a flood must not stop training) or until `stop`. `idle`: the trainer has nothing
+        else to do until a batch arrives, so ONE batch is verified, and a probation sender's
+        may use time beyond their share (counted as lent): the caller looks again after
+        each. Returns the batches verified."""
+        deadline = self.clock() + self.limits.drain_max_s
+        done = 0
+        while self.clock() < deadline and not (stop is not None and stop.is_set()):
+            lent = idle and not self.share.ready()
+            nxt = self._next(idle)
+            if nxt is None:
+                break
+            sender, (batch, origin) = nxt
+            await self._one(sender, batch, origin, lent)
+            done += 1
+            self._update_view()
+            if idle:
+                break
+        return done
+
+    async def _one(self, sender: str, batch: RolloutBatch, origin: str,
+                   lent: bool = False) -> None:
+        n = len(batch.completions)
+        if self.reputation.is_banned(sender):
+            self.state.reject(sender, "banned", n)
+            return
+        verifier = self.verifier_for(batch.policy_id)
+        if verifier is None:  # not this trainer's policy and not one it follows
+            self.state.reject(sender, "unknown_policy", n)
+            return
+        established = self.established(sender)
+        tokens = sum(c.completion_ids.shape[0] for c in batch.completions)
+        if not self.budget.charge(sender, tokens, established):
+            results = _all(batch, "over_budget", "verification budget of this sender is spent")
+        else:
+            t0 = self.clock()
+            results = await until_written(  # disk full: pause, keep the batch
+                self.disk, self.ports.work, verifier.verify, batch, sender,
+                lambda ids: self.reputation.should_verify_group(sender, ids), not established)
+            spent = self.clock() - t0
+            tier = "established" if established else "probation_lent" if lent \
+                else "probation"
+            if tier == "probation":
+                self.share.spend(spent)
+            self.seconds[tier] = self.seconds.get(tier, 0.0) + spent
+            self.batches[tier] += 1
+            self.state.observe("verify_batch_seconds", spent)
+        if all(r.reason in NOT_JUDGED for r in results):  # this very batch, accepted before
+            self.budget.refund(sender, tokens, established)
+            self.batches["already_accepted"] += 1
+            self.state.count("batches_already_accepted")
+            log.debug("round %d from %s again (accepted before): ignored", batch.round,
+                      sender[-8:])
+            return
+        alarm = self.monitor.observe_batch(
+            sender, [r.stats for r in results if r.reason == "ok"], probation=not established)
+        if alarm is not None and sender in alarm.peers:
+            results = _condemned(results, alarm)
+        accepted = [_verified_completion(batch.completions[r.index], r)
+                    for r in results if r.accept]
+        if accepted:
+            await until_written(self.disk, self.ports.work, self.sink.add_external,
+                                batch.model_copy(update={"completions": accepted}), sender)
+            self.budget.earn(sender, sum(batch.completions[r.index].completion_ids.shape[0]
+                                         for r in results if r.reason == "ok"))
+        if alarm is not None:
+            await self._alarmed(alarm, sender, batch, results[0].rollout_id)
+        await self._judge(batch, sender, origin, results, established)
+
+    # consequences -------------------------------------------------------------------------
+
+    async def _alarmed(self, alarm: Alarm, sender: str, batch: RolloutBatch,
+                       rid: bytes) -> None:
+        """Every peer the alarm condemns: banned (no history) or penalised (established),
+        its waiting groups dropped from the trainer's buffer, and told."""
+        self.batches[f"alarm_{alarm.test}"] += 1
+        for peer in alarm.peers:
+            self.reputation.record_alarm(peer, alarm.reason)
+            dropped = await self.ports.work(self.sink.drop_sender, peer)
+            self.state.count(f"sequential_{alarm.reason}")
+            log.warning("peer %s failed the %s test (%s%s); %d of its waiting groups dropped",
+                        peer[-8:], alarm.reason, alarm.test,
+                        f", with {len(alarm.peers) - 1} others" if len(alarm.peers) > 1
+                        else "", dropped)
+            await self._publish(Verdict(rollout_id=rid if peer == sender else bytes(32),
+                                        subject=peer, accept=False,
+                                        reason=alarm.reason, policy_version=batch.policy_version,
+                                        detail=f"sequential test ({alarm.test})"))
+            if peer != sender and self.reputation.is_banned(peer):
+                await self._ban_notice(peer, bytes(32), f"{alarm.reason} ({alarm.test})")
+
+    async def _judge(self, batch, sender, origin, results, established) -> None:
+        """Reputation, metrics, logs, verdicts and connection penalties of one batch."""
+        first_reject = None
+        batch_level = (not any(r.accept for r in results)
+                       and len({r.reason for r in results}) == 1
+                       and results[0].reason in BATCH_REASONS)
+        if batch_level:  # one fault of the batch, not one per completion
+            self.reputation.record(sender, False, results[0].reason)
+        for r in results:
+            # trust only from checks; an alarm was recorded once (record_alarm)
+            if not batch_level and r.reason not in ("unchecked", *PEER_REASONS):
+                self.reputation.record(sender, r.accept, r.reason)
+            if r.accept:
+                self.state.accept(sender)
+            else:
+                self.state.reject(sender, r.reason)
+                if first_reject is None or first_reject.reason in ("group_member_rejected",
+                                                                   "batch_member_rejected"):
+                    first_reject = r  # the verdict names the cause, not the collateral
+        n_ok = sum(r.accept for r in results)
+        self.verified_batches += n_ok > 0
+        log.info("verified round %d from %s: %d accepted, %d rejected%s", batch.round,
+                 sender[-8:], n_ok, len(results) - n_ok,
+                 f" (first: {first_reject.reason})" if first_reject else "")
+        cheat = any(not r.accept and r.reason not in HONEST_MISTAKES for r in results)
+        if cheat and not established and self.ports.report is not None and origin:
+            # the signer pays; the transport throttles whoever keeps introducing such keys
+            self.ports.report(origin, self.limits.bogus_report, "bogus_batch")
+        banned = self.reputation.is_banned(sender)
+        if banned and sender not in self.state.banned:
+            self.state.banned = self.reputation.banned()
+            log.warning("banned peer %s (reputation %.1f)", sender,
+                        self.reputation.score(sender))
+        if first_reject is not None and first_reject.reason not in PEER_REASONS:
+            await self._publish(first_reject.verdict(sender, batch.policy_version))
+        await self._summary(batch, sender, results)
+        if banned:
+            await self._ban_notice(sender, results[0].rollout_id,
+                                   f"reputation {self.reputation.score(sender):.1f}; last "
+                                   f"reject: {first_reject.reason if first_reject else '-'}")
+
+    async def _summary(self, batch, sender: str, results) -> None:
+        """One signed summary verdict per verified batch to its sender (how many accepted,
+        rejects by reason), so an honest peer sees what happens to its work."""
+        if not results or sender == self.own_id:
+            return
+        reasons = Counter(r.reason for r in results if not r.accept)
+        n_ok = sum(1 for r in results if r.accept)
+        await self._publish(Verdict(
+            rollout_id=results[0].rollout_id, subject=sender, accept=n_ok > 0,
+            reason=SUMMARY_REASON, policy_version=batch.policy_version,
+            detail=summary_detail(n_ok, reasons, batch.round)))
+
+    async def _ban_notice(self, peer: str, rollout_id: bytes, detail: str) -> None:
+        """Tell a banned peer, at most once per `ban_notice_s`."""
+        now = self.clock()
+        if now - self._told_banned.get(peer, -1e18) < self.limits.ban_notice_s:
+            return
+        self._told_banned[peer] = now
+        self._told_banned.move_to_end(peer)
+        while len(self._told_banned) > self.limits.max_budget_peers:
+            self._told_banned.popitem(last=False)
+        await self._publish(Verdict(rollout_id=rollout_id, subject=peer, accept=False,
+                                    reason="banned", policy_version=0, detail=detail[:512]))
+
+    async def _publish(self, verdict: Verdict) -> None:
+        try:
+            await self.ports.publish(verdict)
+        except Exception as e:  # noqa: BLE001 - feedback only; counted
+            self.state.count("verdict_publish_failed")
+            log.debug("verdict to %s not published: %s", verdict.subject[-8:], e)
+
+
+def _all(batch: RolloutBatch, reason: str, detail: str) -> list[RolloutResult]:
+    return [RolloutResult(i, rollout_id(batch, c), False, reason, detail)
+            for i, c in enumerate(batch.completions)]
+
+
+def _condemned(results: list[RolloutResult], alarm: Alarm) -> list[RolloutResult]:
+    """The batch's results once a sequential test condemned it: nothing of it is used."""
+    return [RolloutResult(r.index, r.rollout_id, False, alarm.reason,
+                          f"sequential test ({alarm.test})") if r.accept else r
+            for r in results]
+
+
+def _verified_completion(c, result: RolloutResult):
+    """The completion as the trainer may use it: decoded text, recomputed logprobs (NaN for
+    a spot-check-skipped one: recomputed by the trainer), recomputed reward."""
+    n = c.completion_ids.shape[0]
+    logprobs = result.logprobs if result.logprobs is not None \
+        else np.full(n, np.nan, dtype=np.float32)
+    return c.model_copy(update={"text": result.text or "",
+                                "logprobs": TensorData.from_numpy(
+                                    np.asarray(logprobs, dtype=np.float32)),
+                                "claimed_reward": float(result.reward or 0.0)})

@@ -32,7 +32,10 @@ BATCH_REASONS = {
     "config_dtype": "the batch states a prover dtype this verifier does not check in (config; "
                     "no penalty)",
     "round_out_of_range": "the round is outside the policy version's window (config; no penalty)",
-    "round_reused": "the sender already had a batch of this round accepted",
+    "round_reused": "the sender already had another batch of this round accepted",
+    "already_accepted": "this very batch was accepted before (a gossip re-delivery or a "
+                        "replay, e.g. after the verifier restarted): a duplicate, not counted "
+                        "against the sender",
 }
 
 COMPLETION_REASONS = {
@@ -44,6 +47,9 @@ COMPLETION_REASONS = {
     "incomplete_group": "a task group lacks some seed index j < completions_per_task",
     "group_member_rejected": "another completion of the same task group was rejected (a group "
                              "is used whole or not at all; the penalty goes to that one)",
+    "batch_member_rejected": "not checked: the group checked first failed (a sender without "
+                             "verified history gets one group checked before the rest; the "
+                             "penalty goes to that group)",
     "prompt_mismatch": "prompt tokens are not the formatted prompt of the task",
     "seed_mismatch": "the seed is not derived from (task, sender, policy version, index)",
     "duplicate": "the rollout id (content hash) was seen before, or twice in the batch",
@@ -63,8 +69,11 @@ COMPLETION_REASONS = {
 # Per-peer sequential tests across batches (sequential.py): verdicts about a peer, not about
 # one rollout (the rollout that tipped the test is named).
 PEER_REASONS = {
-    "logprob_bias": "the signs of the peer's logprob errors are not a fair coin (CUSUM)",
-    "tie_steering": "the peer takes the runner-up token at near-ties too often (CUSUM)",
+    "logprob_bias": "the peer's claimed logprobs lean one way beyond honest float error "
+                    "(CUSUM across its batches, or one batch of a sender without history, or "
+                    "pooled over such senders)",
+    "tie_steering": "the peer takes the runner-up token at near-ties too often (the same "
+                    "three tests)",
 }
 
 REASONS: dict[str, str] = {**BATCH_REASONS, **COMPLETION_REASONS, **PROOF_REASONS,
@@ -77,4 +86,8 @@ CONFIG_REASONS = {"sampling_params", "config_dtype", "config_task_mix", "config_
 # Reasons an honest peer can produce without cheating.
 HONEST_MISTAKES = CONFIG_REASONS | {"unknown_policy", "stale_policy", "wrong_swarm", "duplicate",
                                     "round_reused", "verifier_error", "over_budget",
-                                    "group_member_rejected"}
+                                    "group_member_rejected", "batch_member_rejected",
+                                    "already_accepted"}
+
+# Not a verdict about the sender at all: nothing recorded, counted or published.
+NOT_JUDGED = {"already_accepted"}

@@ -7,11 +7,20 @@ validator). New peers (fewer than `new_peer_verdicts` verdicts) and low scorers 
 verified; trusted peers are spot-checked at `spot_check_fraction`, picked by a keyed hash of
 the rollout id that the peer cannot predict.
 
-Verdicts received from other peers are hints only: they make the subject "suspect" (every
-rollout verified) for a while, never change its score or ban it, since they are not
-verifiable without the rollout. Suspects live in their own small LRU table (not persisted,
-`max_suspects`), so a flood of verdicts about made-up subjects costs O(1) each and bounded
-memory. The peer table is LRU too (`max_peers`; banned peers are kept while banned).
+A per-peer test's alarm (sequential.py: `logprob_bias`, `tie_steering`) is not one more
+reject: `record_alarm` bans a peer without verified history outright and costs an
+established one `ALARM_PENALTY` (the score cap: banned unless it was at the cap), and the
+intake discards the alarmed batch, so an alarm always costs more than the batch earned.
+
+Verdicts received from other peers are hints only, and only from a peer the caller trusts
+(`hint(..., trusted=...)`: one with verified history here, or a followed trainer): such a
+reject makes the subject "suspect", so every rollout of it is verified (no spot checks)
+for `suspect_seconds`. Nothing else changes: not its score, not its ban, not whether it is
+established (its place in the verification queue). A verdict from anyone else changes
+nothing at all, so a fresh key cannot demote an honest peer. Suspects live in their own
+small LRU table (not persisted, `max_suspects`), so a flood of verdicts about made-up
+subjects costs O(1) each and bounded memory. The peer table is LRU too (`max_peers`;
+banned peers are kept while banned).
 
 State: a JSON snapshot replaced atomically (write temp, fsync, rename) plus an append-only
 journal `<name>.log` of changed records (one JSON line each, fsynced): a ban writes one
@@ -51,11 +60,18 @@ PENALTIES: dict[str, float] = {
     "wrong_swarm": -0.5,
     "duplicate": -1.0,
     "round_reused": -1.0,
+    "already_accepted": 0.0,  # the same batch again: a re-delivery, not the sender's doing
     "verifier_error": 0.0,  # our fault, not the peer's
     "over_budget": 0.0,  # not verified at all
     "group_member_rejected": 0.0,  # collateral of a sibling's reject, which is penalised
+    "batch_member_rejected": 0.0,  # not checked: the batch's probe group failed (penalised)
     **{reason: 0.0 for reason in CONFIG_REASONS},  # honest misconfiguration: never punished
 }
+# A per-peer test's alarm on an established peer: the whole score cap, more than any batch
+# earns (its accepted completions are discarded with it anyway). A peer at the cap falls to
+# 0 (probation again, not banned: an honest false alarm costs it its standing, ~1e-4 per
+# batch); any peer with a shorter history falls below the ban threshold.
+ALARM_PENALTY = -MAX_SCORE
 
 
 @dataclass
@@ -145,6 +161,30 @@ class Reputation:
             self.maybe_save()
         return rec.score
 
+    def record_alarm(self, peer: str, reason: str) -> float:
+        """A per-peer test alarmed on `peer`: a peer without verified history is banned at
+        once; an established one loses ALARM_PENALTY (banned when that takes it below the
+        threshold). Returns the new score."""
+        now = self.clock()
+        established = self.established(peer)
+        rec = self.peers.get(peer)
+        if rec is None:
+            self._make_room()
+            rec = self.peers[peer] = PeerRecord(updated=now)
+        self.peers.move_to_end(peer)
+        rec.score = self._decayed(rec, now) + ALARM_PENALTY
+        if not established:
+            rec.score = min(rec.score, self.ban_threshold - 1.0)
+        rec.updated, rec.last_reason = now, reason
+        rec.rejected += 1
+        self._dirty.add(peer)
+        if rec.score < self.ban_threshold and rec.banned_until <= now:
+            rec.banned_until = now + self.ban_seconds
+            log.warning("banned peer %s for %.0f s (%s alarm, score %.2f)", peer,
+                        self.ban_seconds, reason, rec.score)
+        self.save()
+        return rec.score
+
     def is_banned(self, peer: str) -> bool:
         rec = self.peers.get(peer)
         return rec is not None and rec.banned_until > self.clock()
@@ -162,12 +202,12 @@ class Reputation:
             self.save()
 
     def established(self, peer: str) -> bool:
-        """Out of probation: at least `probation_accepts` accepted rollouts, positive score,
-        not suspect. The verification queue serves established peers first (intake.py)."""
+        """Out of probation: at least `probation_accepts` accepted, model-checked rollouts
+        and a positive score (verified history here; hints from others play no part). The
+        verification queue serves established peers first (intake.py)."""
         rec = self.peers.get(peer)
-        now = self.clock()
         return (rec is not None and rec.accepted >= self.probation_accepts
-                and self._decayed(rec, now) > 0 and not self._suspect(peer, now))
+                and self._decayed(rec, self.clock()) > 0)
 
     def _suspect(self, peer: str, now: float) -> bool:
         until = self.suspects.get(peer)
@@ -200,10 +240,13 @@ class Reputation:
         cannot tell which of its groups will be checked)."""
         return self.should_verify(peer, b"".join(sorted(rollout_ids)))
 
-    def hint(self, verdict, from_peer: str) -> bool:
-        """A `Verdict` published by another peer. Rejects make the subject suspect (always
-        verified) for `suspect_seconds`; nothing else changes. Returns whether it was used."""
-        if verdict.accept or self.is_banned(from_peer) or verdict.subject == from_peer:
+    def hint(self, verdict, from_peer: str, trusted: bool = True) -> bool:
+        """A `Verdict` published by another peer. A reject from a `trusted` peer (the caller
+        decides: verified history here, or a followed trainer) makes the subject suspect:
+        every rollout of it is verified, no spot checks, for `suspect_seconds`. Nothing else
+        changes (score, ban, established). Returns whether it was used."""
+        if (not trusted or verdict.accept or self.is_banned(from_peer)
+                or verdict.subject == from_peer):
             return False
         self.hints += 1
         subject = verdict.subject

@@ -13,14 +13,12 @@ import asyncio
 import json
 import logging
 import os
-import time
-from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ...protocol.messages import Verdict
 from ...verifier.reasons import REASONS as REASON_TEXT
+from ...verifier.verdicts import SUMMARY_REASON, parse_summary
 from ..errors import NodeError
 from ..lifecycle import TaskOwner
 from ..runtime import BatchLimit
@@ -28,37 +26,10 @@ from .interfaces import CheckpointFeed, VerifiedCheckpoint
 
 log = logging.getLogger("swarm_node")
 
-SUMMARY_REASON = "batch_summary"
-"""Verdict reason of a trainer's per-batch summary to the batch's sender (NODE_SPEC §5)."""
-BAN_NOTICE_INTERVAL_S = 60.0
 FOLLOW_WAIT_PERIODS = 12
 """A followed trainer re-advertises its checkpoints every broadcast.readvertise_s (10 s): with
 nothing of it here nor downloading after this many periods (120 s), the operator is told
 (once)."""
-
-
-def summary_detail(accepted: int, reasons: Counter, round_: int) -> str:
-    """`accepted=6 rejected=2 round=4 reasons=task_not_assigned:2` (fits Verdict.detail)."""
-    text = ",".join(f"{r}:{n}" for r, n in reasons.most_common(12))
-    return (f"accepted={accepted} rejected={sum(reasons.values())} round={round_} "
-            f"reasons={text}")[:512]
-
-
-def parse_summary(detail: str) -> dict:
-    """Inverse of `summary_detail`; tolerant (a peer's text is untrusted: bad parts skipped)."""
-    out = {"accepted": 0, "round": "?", "reasons": {}}
-    for part in detail.split():
-        key, _, value = part.partition("=")
-        if key == "accepted" and value.isdigit():
-            out["accepted"] = min(int(value), 1 << 20)
-        elif key == "round" and value.isdigit():
-            out["round"] = value
-        elif key == "reasons":
-            for item in value.split(",")[:12]:
-                reason, _, n = item.rpartition(":")
-                if reason and n.isdigit() and len(reason) <= 64:
-                    out["reasons"][reason] = min(int(n), 1 << 20)
-    return out
 
 
 def _reasons_text(reasons: dict) -> str:
@@ -159,36 +130,6 @@ class Role:
                                 "n": 1, "version": v.policy_version, "detail": v.detail[:200]})
             log.warning("trainer %s rejected a rollout of mine: %s (%s)", env.sender[-8:],
                         v.reason, v.detail[:200] or REASON_TEXT.get(v.reason, ""))
-
-    async def announce_batch_verdicts(self, batch, sender: str, results) -> None:
-        """Trainer side: one signed summary verdict per verified batch to its sender (how
-        many accepted, rejects by reason), so an honest peer sees what happens to its work."""
-        if not results or sender == self.identity.peer_id:
-            return
-        reasons = Counter(r.reason for r in results if not r.accept)
-        n_ok = sum(1 for r in results if r.accept)
-        detail = summary_detail(n_ok, reasons, batch.round)
-        await self._publish_verdict_msg(results[0].rollout_id, sender, n_ok > 0, SUMMARY_REASON,
-                                        batch.policy_version, detail)
-
-    async def announce_ban(self, sender: str, rollout_id: bytes, detail: str) -> None:
-        """Trainer side: tell a banned peer (at most once a minute per peer)."""
-        now = time.monotonic()
-        told = self.__dict__.setdefault("_told_banned", {})
-        if now - told.get(sender, -1e9) < BAN_NOTICE_INTERVAL_S:
-            return
-        told[sender] = now
-        await self._publish_verdict_msg(rollout_id, sender, False, "banned", 0, detail)
-
-    async def _publish_verdict_msg(self, rollout_id, subject, accept, reason, version,
-                                   detail) -> None:
-        msg = Verdict(rollout_id=rollout_id, subject=subject, accept=accept, reason=reason,
-                      policy_version=version, detail=detail[:512])
-        try:
-            await self.p2p.publish("verdicts", msg)
-        except Exception as e:  # noqa: BLE001 - feedback only; counted
-            self.state.count("verdict_publish_failed")
-            log.debug("verdict to %s not published: %s", subject[-8:], e)
 
     async def start(self) -> None:
         """Load what the role needs and subscribe to its topics."""

@@ -255,11 +255,14 @@ def bogus_round(tokenizer, task_source, sender: str, *, round_: int, version: in
 
 @torch.inference_mode()
 def steer_near_ties(batch, model, tokenizer, tie_eps: float, rate: float = 1.0,
-                    rng: random.Random | None = None) -> RolloutBatch:
+                    rng: random.Random | None = None, narrow_rate: float = 0.0,
+                    steered: list | None = None) -> RolloutBatch:
     """Resample every completion with the seeded sampler, but take the runner-up token at
     "wide" near-ties (top-two noisy scores within (tie_eps/4, tie_eps]) with probability
-    `rate`; consistently re-proven. Each completion passes the per-rollout checks at that
-    tie_eps; only the per-peer steering test (sequential.py) can see it."""
+    `rate`, and at narrow ones (within tie_eps/4) with `narrow_rate`; consistently
+    re-proven. Each completion passes the per-rollout checks at that tie_eps; only the
+    per-peer steering tests (sequential.py) can see it. `steered` gets (positions steered,
+    positions) appended per completion."""
     rng = rng or random.Random(0)
     params = batch.sampling
     eos = tokenizer.eos_token_id
@@ -267,15 +270,21 @@ def steer_near_ties(batch, model, tokenizer, tie_eps: float, rate: float = 1.0,
     for c in batch.completions:
         prompt = c.prompt_ids.to_numpy().tolist()
         tokens: list[int] = []
+        n_steered = 0
         for t in range(params.max_new_tokens):
             logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0, -1].float()
             scores = mask_logits(logits / params.temperature, params) + gumbel_noise(
                 c.seed, t, logits.shape[-1])
             top = scores.topk(2)
             margin = float(top.values[0] - top.values[1])
-            pick = 1 if tie_eps / 4 < margin <= tie_eps and rng.random() < rate else 0
+            p = rate if tie_eps / 4 < margin <= tie_eps else narrow_rate \
+                if margin <= tie_eps / 4 else 0.0
+            pick = 1 if p and rng.random() < p else 0
+            n_steered += pick
             tokens.append(int(top.indices[pick]))
             if tokens[-1] == eos:
                 break
+        if steered is not None:
+            steered.append((n_steered, len(tokens)))
         comps.append(_set_tokens(c, tokens, "eos" if tokens[-1] == eos else "length"))
     return reprove(batch.model_copy(update={"completions": comps}), model, tokenizer)

@@ -8,7 +8,9 @@ Life of a group (one task's completions):
              deleted (crash between checkpoint and delete), rows claimed by steps > s
              returned to pending (those steps were lost with the crash).
 So a SIGKILL at any point loses no acknowledged group and trains on none twice. A row's
-`key` is a content hash: the same group delivered twice is stored once.
+`key` is a content hash: the same group delivered twice is stored once. A group verified
+from a peer keeps its sender, so the intake can take back what a later alarm condemns
+(`drop_sender`: its unclaimed groups).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class RolloutGroup:
     policy_version: int = 0     # version that sampled it (local) / the sender's (external)
     received_version: int = 0   # this trainer's version when the group was accepted
     temperature: float = 1.0
+    sender: str = ""            # the peer whose verified batch it came from ("" for own)
     id: int | None = field(default=None, compare=False)
 
     @property
@@ -77,7 +80,7 @@ class RolloutGroup:
             "source": self.source, "task": self.task, "prompt_ids": self.prompt_ids,
             "completions": comps, "policy_id": self.policy_id,
             "policy_version": self.policy_version, "received_version": self.received_version,
-            "temperature": self.temperature,
+            "temperature": self.temperature, "sender": self.sender,
         }, use_bin_type=True)
 
     @classmethod
@@ -88,10 +91,11 @@ class RolloutGroup:
                                   fr, text)
                  for ids, r, lp, fr, text in d["completions"]]
         return cls(d["source"], d["task"], list(d["prompt_ids"]), comps, d["policy_id"],
-                   d["policy_version"], d["received_version"], d["temperature"], id=row_id)
+                   d["policy_version"], d["received_version"], d["temperature"],
+                   str(d.get("sender", "")), id=row_id)
 
     def key(self) -> bytes:
-        """Content hash (ignores received_version and the local reward)."""
+        """Content hash (ignores received_version, the local reward and the sender)."""
         h = hashlib.sha256()
         h.update(msgpack.packb([self.source, self.task, self.policy_id, self.policy_version,
                                 self.prompt_ids,
@@ -112,6 +116,9 @@ class RolloutBuffer:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")  # fsync on every commit
         self._db.executescript(SCHEMA)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(groups)")}
+        if "sender" not in columns:  # a buffer from before senders were kept
+            self._db.execute("ALTER TABLE groups ADD COLUMN sender TEXT NOT NULL DEFAULT ''")
 
     def close(self) -> None:
         with self._lock:
@@ -141,8 +148,9 @@ class RolloutBuffer:
             for g in groups:
                 cur = db.execute(
                     "INSERT OR IGNORE INTO groups(key, source, policy_version, "
-                    "received_version, payload) VALUES (?,?,?,?,?)",
-                    (g.key(), g.source, g.policy_version, g.received_version, g.to_bytes()))
+                    "received_version, payload, sender) VALUES (?,?,?,?,?,?)",
+                    (g.key(), g.source, g.policy_version, g.received_version, g.to_bytes(),
+                     g.sender))
                 if cur.rowcount:
                     g.id = cur.lastrowid
                     ids.append(cur.lastrowid)
@@ -188,6 +196,16 @@ class RolloutBuffer:
             _bump(db, f"dropped_{reason}", n)
         if ids:
             self._tx(run)
+
+    def drop_sender(self, sender: str, reason: str = "condemned") -> int:
+        """Delete `sender`'s unclaimed groups (counted `dropped_<reason>`); returns how many.
+        Groups a step already claimed stay: that step is running or done."""
+        def run(db):
+            n = db.execute("DELETE FROM groups WHERE sender = ? AND claimed_step IS NULL",
+                           (sender,)).rowcount
+            _bump(db, f"dropped_{reason}", n)
+            return n
+        return self._tx(run) if sender else 0
 
     def unclaim(self, step: int) -> int:
         """A step that failed (out of memory): its groups are pending again."""

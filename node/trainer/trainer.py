@@ -2,9 +2,12 @@
 
     trainer = Trainer(config, model_dir, data_dir)
     trainer.add_local(samples)        # own sampler's rollouts (behaviour logprobs kept)
-    trainer.add_external(batch)       # other policies' rollouts (re-tokenised, re-scored)
+    trainer.add_external(batch, sender)  # verified peers' rollouts (re-tokenised, re-scored)
     stats = trainer.step()            # I local + J external groups -> version + 1
     trainer.latest_checkpoint()       # .policy_dir: what the sampler / broadcaster load
+    with trainer.sampling(): ...      # the model in eval mode for this node's own sampler
+    trainer.undo_failed_step()        # after a step that raised (out of memory): groups back
+    trainer.drop_sender(peer)         # a condemned peer's groups no step has used yet
 
 Staleness: a local group sampled by policy version v is dropped (counted `stale`) once
 `trainer.version - v > max_staleness`; an external group is dropped once it has waited more
@@ -24,7 +27,8 @@ import random
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -175,26 +179,32 @@ class Trainer:
             policy_id=self.policy_id, received_version=self.version,
             temperature=self.temperature))
 
-    def add_external(self, batch_or_samples) -> int:
+    def add_external(self, batch_or_samples, sender: str = "") -> int:
         """Store other policies' rollouts (RolloutBatch or Samples) for SAPO mixing.
 
         Re-tokenised and re-scored here; the sender's reward is ignored. A batch of our own
-        policy (policy_id == ours) counts as local, with its behaviour logprobs.
+        policy (policy_id == ours) counts as local, with its behaviour logprobs. `sender`:
+        the peer whose verified batch this is (`drop_sender` finds its groups by it).
         """
         if (isinstance(batch_or_samples, RolloutBatch) and self.policy_id
                 and batch_or_samples.policy_id == self.policy_id):
-            return self._add_own_batch(batch_or_samples)
-        texts, policy_id, policy_version, temp = texts_of(batch_or_samples)
-        groups, rejected = self.rescorer.groups(texts, policy_id, policy_version,
-                                                self.version, temp or self.temperature)
-        if rejected:
-            self.buffer.bump("rejected_external", rejected)
+            groups = groups_from_verified_batch(
+                batch_or_samples, decode=self._decode, score=self.rescorer.score,
+                received_version=self.version)
+        else:
+            texts, policy_id, policy_version, temp = texts_of(batch_or_samples)
+            groups, rejected = self.rescorer.groups(texts, policy_id, policy_version,
+                                                    self.version, temp or self.temperature)
+            if rejected:
+                self.buffer.bump("rejected_external", rejected)
+        for g in groups:
+            g.sender = sender
         return self._store(groups)
 
-    def _add_own_batch(self, batch: RolloutBatch) -> int:
-        return self._store(groups_from_verified_batch(
-            batch, decode=self._decode, score=self.rescorer.score,
-            received_version=self.version))
+    def drop_sender(self, sender: str) -> int:
+        """Forget `sender`'s verified groups that no step has claimed (a sequential test
+        condemned it after they were stored); returns how many."""
+        return self.buffer.drop_sender(sender)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -220,6 +230,25 @@ class Trainer:
         return len(self.buffer.add(keep))
 
     # training -----------------------------------------------------------------------------
+
+    @contextmanager
+    def sampling(self) -> Iterator[None]:
+        """The model in eval mode while this node's own sampler uses it (it shares the
+        trainer's weights, so it always samples the current version); the training mode
+        it had comes back afterwards."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            yield
+        finally:
+            self.model.train(was_training)
+
+    def undo_failed_step(self) -> int:
+        """After a `step()` that raised (out of memory): its gradients are freed and the
+        groups it claimed are pending again (none lost); returns how many."""
+        self.model.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
+        return self.buffer.unclaim(self.version + 1)
 
     def _drop_stale(self) -> tuple[list[RolloutGroup], list[RolloutGroup], int]:
         local, external, stale = [], [], []

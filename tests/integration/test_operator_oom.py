@@ -118,7 +118,7 @@ async def test_oom_in_a_train_step_retries_smaller_without_losing_groups(tmp_pat
                 raise torch.OutOfMemoryError("CUDA out of memory (fake limit)")
         trainer.model.get_decoder().register_forward_pre_hook(limit, with_kwargs=True)
         stats = await role.work_oom_safe(trainer.step, limit=trainer.micro_batch,
-                                         on_oom=role._unclaim_failed_step)
+                                         on_oom=trainer.undo_failed_step)
         assert stats.trained and stats.version == 1
         assert stats.groups_local == 4  # the groups of the failed attempts were not lost
         assert trainer.micro_batch.value == 4  # 16 -> 8 -> 4

@@ -72,7 +72,11 @@ def test_honest_variations_accepted(kit):
 def test_replayed_batch_rejected(kit, honest):
     v = verifier(kit)
     assert reasons(v.verify(honest, SENDER)) == {"ok"}
-    assert reasons(v.verify(honest, SENDER)) == {"round_reused"}
+    # this very batch again: a re-delivery, not a choice (no penalty, not judged)
+    assert reasons(v.verify(honest, SENDER)) == {"already_accepted"}
+    # another batch for the same round: the sender chose among draws
+    part = honest.model_copy(update={"completions": honest.completions[:3]})
+    assert reasons(v.verify(part, SENDER)) == {"round_reused"}
     moved = honest.model_copy(update={"round": honest.round + 1})
     # the same rollouts under another round: tasks no longer assigned, ids already seen
     assert reasons(v.verify(moved, SENDER)) <= {"duplicate", "config_task_mix"}
@@ -246,7 +250,8 @@ def test_broken_model_is_a_counted_reject(kit, honest):
 
 def test_reasons_registry_covers_codes():
     for code in ("token_mismatch", "sampling_shape", "eos_improbable", "proof_bias",
-                 "config_task_mix", "duplicate", "round_reused"):
+                 "config_task_mix", "duplicate", "round_reused", "already_accepted",
+                 "batch_member_rejected"):
         assert code in REASONS
 
 

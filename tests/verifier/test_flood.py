@@ -6,16 +6,16 @@ penalised. Each sybil publishes as its own libp2p peer: the transport rejects (a
 penalises) an envelope whose signer is not the gossip origin (`sender_mismatch`), so a
 fresh envelope key needs a matching libp2p key.
 
-The trainer side is the real TrainerRole intake (`_on_rollouts`, `_drain`,
-`verify_and_store`, the fair queue, the real Trainer on the tiny model); only the checkpoint
-broadcaster, which plays no part in verification of the trainer's own policy, is left out.
+The trainer side is the real TrainerRole wiring of the real intake (verifier/intake.py: the
+fair queue, budgets, the real verifier and the real Trainer on the tiny model); only the
+checkpoint broadcaster, which plays no part in verification of the trainer's own policy, is
+left out.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
-import types
 
 import pytest
 import torch
@@ -24,6 +24,8 @@ from swarm_node.node.identity import Identity
 from swarm_node.node.testing import attacks
 from swarm_node.protocol.messages import SamplingParams
 from swarm_node.verifier.rules import batch_rules
+
+from ..waiting import async_wait_until
 
 HONEST_BATCHES = 4
 SYBILS = 5
@@ -38,15 +40,6 @@ def config(tmp_path) -> Config:
         "tasks.mix": {"toy/digit_successor": 1.0}, "tasks.tasks_per_round": 2,
         "sampler.completions_per_task": 2, "sampler.max_new_tokens": 8,
         "sampler.batches_per_version": 8, "sampler.temperature": 1.0, "sampler.top_p": 1.0})
-
-
-async def wait_until(pred, timeout: float, what: str):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not pred():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 async def started(cfg, identity=None, bootstrap=None):
@@ -69,13 +62,12 @@ async def trainer_role(cfg, tiny_model_dir, p2p, identity):
     role.trainer = await role.work(Trainer, cfg, tiny_model_dir, role.data_dir,
                                    policy_id=identity.peer_id)
     role.tasks = TaskSource(cfg.tasks.mix, cfg.node.swarm_id)
-    role.reputation = Reputation(None)
-    role.broadcaster = types.SimpleNamespace(gate=types.SimpleNamespace(follow=set()))
+    role.intake = role.build_intake(Reputation(None))
     role.arrivals = []
 
     async def on_rollouts(env, from_peer):
         role.arrivals.append(env.sender)
-        await role._on_rollouts(env, from_peer)
+        await role.intake.offer(env, from_peer)
 
     await p2p.subscribe("rollouts", on_rollouts)
     return role
@@ -96,16 +88,20 @@ async def test_honest_batches_accepted_during_a_fresh_key_flood(tmp_path, tiny_m
     try:
         role = await trainer_role(cfg, tiny_model_dir, hub, trainer_id)
         # history: the honest peer's earlier work was accepted (it is out of probation)
-        for _ in range(role.reputation.probation_accepts):
-            role.reputation.record(honest_node.peer_id, True)
+        for _ in range(role.intake.reputation.probation_accepts):
+            role.intake.reputation.record(honest_node.peer_id, True)
         order = []
-        real = role.verify_and_store
+        real_for = role.verifier_for
 
-        def spy(batch, sender):
-            order.append(sender)
-            return real(batch, sender)
+        class Spy:
+            def __init__(self, real):
+                self.real = real
 
-        role.verify_and_store = spy
+            def verify(self, batch, sender, *args):
+                order.append(sender)
+                return self.real.verify(batch, sender, *args)
+
+        role.verifier_for = lambda policy_id: Spy(real_for(policy_id))
 
         model, tokenizer = load_model(tiny_model_dir)
         source = TaskSource(cfg.tasks.mix, cfg.node.swarm_id)
@@ -125,7 +121,7 @@ async def test_honest_batches_accepted_during_a_fresh_key_flood(tmp_path, tiny_m
                     for k in range(PER_SYBIL)]
 
         flood = {s.peer_id: flood_batches(s) for s in sybils}
-        await wait_until(lambda: all(trainer_id.peer_id in n.topic_peers("rollouts")
+        await async_wait_until(lambda: all(trainer_id.peer_id in n.topic_peers("rollouts")
                                      for n in [honest_node, *sybils]), 30,
                          "every sender to see the trainer's subscription")
 
@@ -147,23 +143,22 @@ async def test_honest_batches_accepted_during_a_fresh_key_flood(tmp_path, tiny_m
 
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 120
-        while not honest_done():
+        stop = asyncio.Event()
+        while not honest_done():  # verify as batches arrive (the intake's arrival event)
             assert loop.time() < deadline, f"honest batches verified: {order.count(honest_id)}"
-            if len(role.queue):
-                await role._drain()
-            else:
-                await asyncio.sleep(0.05)
+            await role.intake.wait(stop, deadline - loop.time())
+            await role.intake.drain()
         counts = role.state.by_peer[honest_id]
         assert counts.accepted == HONEST_BATCHES * 4 and not counts.rejected
         last_honest = max(i for i, s in enumerate(order) if s == honest_id)
         flood_before = sum(1 for s in order[:last_honest] if s != honest_id)
         # probation share 0.2: at most about one flood batch per four honest ones
         assert flood_before <= 2, order
-        assert len(role.queue) <= role.queue.limits.max_probation
+        assert len(role.intake.queue) <= role.intake.queue.limits.max_probation
         # the flood did arrive; what was not verified was dropped from the probation queue
-        await wait_until(lambda: len(role.arrivals) >= FLOOD_BATCHES + HONEST_BATCHES, 30,
+        await async_wait_until(lambda: len(role.arrivals) >= FLOOD_BATCHES + HONEST_BATCHES, 30,
                          "the flood to arrive")
-        await role._drain()  # what is left: every flood batch verified fails ...
+        await role.intake.drain()  # what is left: every flood batch verified fails ...
         flood_ids = {s for s in order if s != honest_id}
         assert flood_ids and all(not role.state.by_peer[s].accepted for s in flood_ids)
         # a sybil's first bogus batch bans its key; its queued rest is never verified

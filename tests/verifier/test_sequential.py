@@ -162,3 +162,150 @@ def test_steer_h_sets_the_steering_threshold_alone():
     assert PeerMonitor(two).observe("c", {"wide_ties": 1, "wide_flips": 1}) is None
     outliers = [one.observe("o", {"replay_outliers": 1}) for _ in range(4)]
     assert outliers == [None] * 3 + ["tie_steering"]  # log(0.5 / 0.02) = 3.2 each, h 12
+
+
+# issue 30: many identities (7), narrow ties (8) ----------------------------------------------
+
+
+def _ties(wide: int, wide_flips: int, narrow: int = 0, narrow_flips: int = 0) -> dict:
+    """bf16 stats of one completion with `wide` ties of margin 0.3 and `narrow` of 0.05."""
+    margins = [0.3] * wide + [0.05] * narrow
+    flipped = ([True] * wide_flips + [False] * (wide - wide_flips)
+               + [True] * narrow_flips + [False] * (narrow - narrow_flips))
+    return {"tie_margins": margins, "tie_flipped": flipped}
+
+
+def test_7_one_batch_of_a_sender_without_history_is_judged_alone():
+    """Finding 7: a fresh identity never sends twice, so its CUSUM never builds up: a
+    batch whose own evidence passes batch_h (8 flipped wide ties in bf16: 12.9 > 11) alarms
+    for a sender on probation; the same batch from an established sender stays under its
+    CUSUM threshold (15) and alarms only if it goes on."""
+    s = SequentialSettings.for_dtype("bfloat16")
+    batch = [_ties(1, 1)] * 8
+    alarm = PeerMonitor(s).observe_batch("fresh", batch, probation=True)
+    assert alarm is not None and alarm.test == "batch" and alarm.peers == ("fresh",)
+    est = PeerMonitor(s)
+    assert est.observe_batch("est", batch, probation=False) is None
+    assert est.observe_batch("est", batch, probation=False).test == "peer"
+
+
+def test_7_sybils_each_sending_one_batch_are_caught_together():
+    """Finding 7: three fresh identities each steering every narrow tie of ONE batch: no
+    batch alone passes batch_h, the pooled test over senders on probation does, and it
+    blames exactly the three of them, not the honest newcomer whose batch came between."""
+    s = SequentialSettings.for_dtype("bfloat16")
+    m = PeerMonitor(s)
+    steer = [_ties(0, 0, narrow=2, narrow_flips=2)] * 4  # 8 flipped narrow ties: 5.5
+    honest = [_ties(4, 0, narrow=2, narrow_flips=1)] * 4
+    assert m.observe_batch("sybil-1", steer, probation=True) is None
+    assert m.observe_batch("newcomer", honest[:1], probation=True) is None
+    assert m.observe_batch("sybil-2", steer, probation=True) is None
+    alarm = m.observe_batch("sybil-3", steer, probation=True)
+    assert alarm is not None and alarm.test == "pooled" and alarm.reason == "tie_steering"
+    assert set(alarm.peers) == {"sybil-1", "sybil-2", "sybil-3"}
+    # honest newcomers alone, at the measured honest flip rates, never add up
+    m = PeerMonitor(s)
+    rng = random.Random(1)
+    for k in range(3000):
+        comps = [_ties(6, int(rng.random() < 0.04), narrow=2,
+                       narrow_flips=sum(rng.random() < 0.25 for _ in range(2)))
+                 for _ in range(8)]
+        assert m.observe_batch(f"new-{k}", comps, probation=True) is None
+
+
+def test_8_narrow_ties_are_watched():
+    """Finding 8: steering only narrow ties (which honest bf16 floats reorder about a
+    quarter of the time, measured on SmolLM2) is caught by the narrow-tie CUSUM, which the
+    honest wide ties' downward drift cannot hide; honest flips at the measured rate never
+    alarm."""
+    s = SequentialSettings.for_dtype("bfloat16")
+    assert s.narrow and s.tie_eps == CheckSettings.for_dtype("bfloat16").tie_eps
+    m = PeerMonitor(s)
+    rng = random.Random(0)
+    caught = None
+    for b in range(20):
+        comps = [_ties(6, int(rng.random() < 0.04), narrow=2,
+                       narrow_flips=sum(rng.random() < 0.75 for _ in range(2)))
+                 for _ in range(32)]
+        if m.observe_batch("steerer", comps, probation=False) is not None:
+            caught = b + 1
+            break
+    assert caught is not None and caught <= 3
+    for _ in range(600):
+        comps = [_ties(6, int(rng.random() < 0.04), narrow=2,
+                       narrow_flips=sum(rng.random() < 0.25 for _ in range(2)))
+                 for _ in range(32)]
+        assert m.observe_batch("honest", comps, probation=False) is None
+
+
+def test_8_narrow_tie_steering_through_the_real_intake_in_bf16(tiny_model_dir, tmp_path):
+    """Finding 8 as found: the tiny model in bf16, one established identity taking the
+    runner-up at every narrow tie and a quarter of the wide ones, through the real intake
+    and verifier: every batch passes the per-rollout checks, the narrow-tie CUSUM alarms
+    within 3 batches, the alarmed batch never reaches the trainer; an honest sender beside
+    it raises nothing."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from swarm_node.node.diskspace import DiskWatch
+    from swarm_node.node.metrics import NodeState
+    from swarm_node.node.models import load_model
+    from swarm_node.node.tasks import TaskSource
+    from swarm_node.verifier.intake import Intake
+    from swarm_node.verifier.reputation import Reputation
+
+    torch.set_num_threads(1)
+    model, tokenizer = load_model(tiny_model_dir, dtype="bfloat16")
+    source = TaskSource({"toy/digit_copy": 1.0}, "default")
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=16)
+    settings = CheckSettings.for_dtype("bfloat16")
+    verifier = RolloutVerifier(model, tokenizer, source, swarm_id="default",
+                               latest_version=lambda: 0, dtype="bfloat16")
+    stored = []
+    sink = SimpleNamespace(add_external=lambda b, sender="": stored.append(sender),
+                           drop_sender=lambda sender: 0)
+
+    async def inline(fn, *args):
+        return fn(*args)
+
+    async def publish(v):
+        pass
+
+    rep = Reputation(None)
+    for peer in ("cheat", "honest"):
+        for _ in range(20):
+            rep.record(peer, True)
+    intake = Intake("trainer", rep, lambda policy: verifier, sink,
+                    NodeState("trainer", "trainer", "default"), publish=publish, work=inline,
+                    disk=DiskWatch("test", tmp_path),
+                    monitor=PeerMonitor(SequentialSettings.for_dtype("bfloat16")))
+
+    async def run():
+        steered, alarmed_at = [], None
+        for k in range(4):
+            honest = attacks.sample_batch(model, tokenizer, source, "honest", round_=k,
+                                          version=0, tasks=2, n=4, params=params,
+                                          policy_id="trainer").model_copy(
+                                              update={"dtype": "bfloat16"})
+            base = attacks.sample_batch(model, tokenizer, source, "cheat", round_=k,
+                                        version=0, tasks=2, n=4, params=params,
+                                        policy_id="trainer")
+            cheat = attacks.steer_near_ties(base, model, tokenizer, settings.tie_eps,
+                                            rate=0.25, narrow_rate=1.0, steered=steered,
+                                            rng=random.Random(k)).model_copy(
+                                                update={"dtype": "bfloat16"})
+            for sender, b in (("honest", honest), ("cheat", cheat)):
+                await intake.offer(SimpleNamespace(sender=sender, message=b), "conn")
+            await intake.drain()
+            if intake.state.by_peer["cheat"].reasons.get("tie_steering"):
+                alarmed_at = k + 1
+                break
+        return steered, alarmed_at
+
+    steered, alarmed_at = asyncio.run(run())
+    assert sum(n for n, _ in steered) > 0
+    assert alarmed_at is not None and alarmed_at <= 3
+    assert stored.count("cheat") == alarmed_at - 1  # the alarmed batch was not stored
+    honest = intake.state.by_peer["honest"]
+    assert honest.rejected == 0 and honest.accepted == 8 * alarmed_at
+    assert not intake.state.by_peer["cheat"].reasons.keys() - {"tie_steering"}

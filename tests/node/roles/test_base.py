@@ -1,6 +1,7 @@
-"""What every role shares (node/roles/base.py): the per-batch verdict summary a trainer
-sends and the peer's reading of it, ban notices, and the tolerant parse of a peer's text.
-Verdicts travel through an in-memory loop in place of the gossip topic."""
+"""What every role shares (node/roles/base.py): a peer's reading of the per-batch verdict
+summary a trainer sends (written by verifier/intake.py; its sending and the ban notices are
+tested in tests/verifier/test_intake.py), and the tolerant parse of a peer's text. Verdicts
+travel through an in-memory loop in place of the gossip topic."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from types import SimpleNamespace
 from swarm_node.node.config import Config
 from swarm_node.node.identity import Identity
 from swarm_node.node.metrics import NodeState
-from swarm_node.node.roles.base import Role, parse_summary, summary_detail
-from swarm_node.verifier.checks import RolloutResult
+from swarm_node.node.roles.base import Role
+from swarm_node.protocol.messages import Verdict
+from swarm_node.verifier.verdicts import SUMMARY_REASON, parse_summary, summary_detail
 
 from .fakes import FakeP2P
 
@@ -39,20 +41,17 @@ def role(tmp_path, name, p2p) -> Role:
     return Role(cfg, ident, p2p, NodeState(ident.peer_id, name, "s"))
 
 
-def results(*reasons: str) -> list[RolloutResult]:
-    return [RolloutResult(i, bytes([i]) * 32, r == "ok", r) for i, r in enumerate(reasons)]
-
-
 async def test_a_batch_summary_reaches_its_sender_and_no_one_else(tmp_path):
     loop = VerdictLoop()
     trainer, peer, bystander = (role(tmp_path, n, loop) for n in ("trainer", "peer", "other"))
     loop.sender_id = trainer.identity.peer_id
     await peer.watch_verdicts()
     await bystander.watch_verdicts()
-    batch = SimpleNamespace(round=7, policy_version=3)  # the two fields a summary names
+    summary = Verdict(rollout_id=b"\x01" * 32, subject=peer.identity.peer_id, accept=True,
+                      reason=SUMMARY_REASON, policy_version=3,
+                      detail=summary_detail(2, Counter({"token_mismatch": 1}), 7))
     try:
-        await trainer.announce_batch_verdicts(batch, peer.identity.peer_id,
-                                              results("ok", "ok", "token_mismatch"))
+        await loop.publish("verdicts", summary)
     finally:
         for r in (trainer, peer, bystander):
             await r.close()
@@ -61,21 +60,6 @@ async def test_a_batch_summary_reaches_its_sender_and_no_one_else(tmp_path):
     assert mine.by_trainer[loop.sender_id]["accepted"] == 2
     assert bystander.state.own_verdicts.accepted == 0
     assert not bystander.state.own_verdicts.rejected
-
-
-async def test_a_ban_is_announced_once_per_interval(tmp_path):
-    loop = VerdictLoop()
-    trainer, peer = role(tmp_path, "trainer", loop), role(tmp_path, "peer", loop)
-    loop.sender_id = trainer.identity.peer_id
-    await peer.watch_verdicts()
-    try:
-        for _ in range(3):
-            await trainer.announce_ban(peer.identity.peer_id, b"\x00" * 32, "reputation -6.0")
-    finally:
-        await trainer.close()
-        await peer.close()
-    assert len(loop.published) == 1
-    assert loop.sender_id in peer.state.own_verdicts.banned_by
 
 
 def test_summary_round_trip_and_hostile_text():

@@ -1,8 +1,9 @@
-"""The trainer role's intake (`_on_rollouts`, `_drain`, `verify_and_store`) against fakes: a
-scripted verifier, a fake checkpoint feed, a trainer that records what it is given. What
-the trainer may train on is only what the verifier accepted, in the verifier's own terms
-(decoded text, recomputed logprobs and reward). The real verifier and trainer behind the
-same intake are proven by tests/verifier/test_flood.py and tests/integration."""
+"""The trainer role's wiring of its intake (verifier/intake.py) against fakes: a scripted
+verifier, a fake checkpoint feed, a trainer that records what it is given. What the trainer
+may train on is only what the verifier accepted, in the verifier's own terms (decoded text,
+recomputed logprobs and reward). The real verifier and trainer behind the same intake are
+proven by tests/verifier/test_flood.py, tests/verifier/test_intake.py and
+tests/integration."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ class ScriptedVerifier:
         self.accept, self.reject_as = accept, reject_as
         self.calls: list[tuple[str, int]] = []
 
-    def verify(self, batch, sender, spot_check=None) -> list[RolloutResult]:
+    def verify(self, batch, sender, spot_check=None, probe=False) -> list[RolloutResult]:
         self.calls.append((batch.policy_id, batch.round))
         out = []
         for i, c in enumerate(batch.completions):
@@ -48,8 +49,11 @@ class RecordingTrainer:
         self.version = 0
         self.external: list[RolloutBatch] = []
 
-    def add_external(self, batch: RolloutBatch) -> None:
+    def add_external(self, batch: RolloutBatch, sender: str = "") -> None:
         self.external.append(batch)
+
+    def drop_sender(self, sender: str) -> int:
+        return 0
 
     def close(self) -> None:
         pass
@@ -78,13 +82,13 @@ def new_role(tmp_path, verifier, follow=()):
     role = TrainerRole(cfg, ident, PublishingP2P(), NodeState(ident.peer_id, "trainer", "unit"),
                        feed=feed, verifier_for=lambda policy_id: verifier)
     role.trainer = RecordingTrainer()
-    role.reputation = Reputation(None)
+    role.intake = role.build_intake(Reputation(None))
     return role, feed
 
 
 async def receive(role, b: RolloutBatch, sender: str = SENDER) -> None:
-    await role._on_rollouts(SimpleNamespace(sender=sender, message=b), "conn-peer")
-    await role._drain()
+    await role.intake.offer(SimpleNamespace(sender=sender, message=b), "conn-peer")
+    await role.intake.drain()
 
 
 async def test_only_what_the_verifier_accepted_reaches_the_trainer_in_its_terms(tmp_path):
@@ -125,12 +129,12 @@ async def test_a_banned_sender_is_not_queued_nor_verified(tmp_path):
     verifier = ScriptedVerifier(accept={0, 1})
     role, _feed = new_role(tmp_path, verifier)
     try:
-        while not role.reputation.is_banned(SENDER):
-            role.reputation.record(SENDER, False, "token_mismatch")
+        while not role.intake.reputation.is_banned(SENDER):
+            role.intake.reputation.record(SENDER, False, "token_mismatch")
         await receive(role, batch(role.identity.peer_id))
     finally:
         await role.close()
-    assert len(role.queue) == 0 and verifier.calls == [] and role.trainer.external == []
+    assert len(role.intake.queue) == 0 and verifier.calls == [] and role.trainer.external == []
     assert role.state.by_peer[SENDER].reasons["banned"] == 2
 
 

@@ -43,6 +43,9 @@ class SteppingTrainer:
     def counters(self) -> dict[str, int]:
         return {}
 
+    def undo_failed_step(self) -> int:
+        return 0
+
     def close(self) -> None:
         pass
 
@@ -61,7 +64,8 @@ async def test_each_checkpointed_version_is_published_once_through_the_publisher
     role = TrainerRole(config(tmp_path), ident, FakeP2P(),
                        NodeState(ident.peer_id, "trainer", "unit"),
                        feed=FakeFeed(tmp_path), own=publisher)
-    role.trainer, role.reputation = trainer, Reputation(None)
+    role.trainer = trainer
+    role.intake = role.build_intake(Reputation(None))
     try:
         await asyncio.wait_for(role.run(stop), timeout=60)
     finally:

@@ -1,0 +1,100 @@
+"""A sybil flood on a trainer's verification (issue 30 item 4), for tests and benchmarks.
+
+Each bogus batch passes every check before the model runs (the sender's own tasks, prompts
+and seeds, proof of the exact length, text and reward consistent with its random tokens:
+`attacks.bogus_round`) and is signed by a FRESH key, so no ban of an earlier key stops it.
+The batches travel as raw gossip messages whose origin is that key, carried over
+`connections` libp2p connections; a carrier the target cuts is replaced by a new one with
+a new key of its own. What the flood costs the attacker is measured per batch
+(`cpu_per_batch`: building, sealing and signing, in this thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable
+
+from libp2p.peer.id import ID
+from libp2p.pubsub.pb import rpc_pb2
+from libp2p.utils.varint import encode_uvarint
+
+from ...protocol.messages import RolloutBatch
+from ..identity import Identity
+from ..p2p import P2PNode
+
+log = logging.getLogger(__name__)
+
+MESHSUB = "/meshsub/1.1.0"
+SIGNING_PREFIX = b"libp2p-pubsub:"  # what a pubsub message signature covers first (libp2p spec)
+MakeBatch = Callable[[str, int], RolloutBatch]  # (sender, policy version) -> bogus batch
+
+
+def gossip_frame(topic: str, data: bytes, origin: Identity, seqno: int) -> bytes:
+    """One varint-framed pubsub RPC carrying `data` as a message of `origin` (signed with
+    its libp2p key, as GossipSub requires), ready to write on a /meshsub stream."""
+    pair = origin.to_libp2p_keypair()
+    msg = rpc_pb2.Message(data=data, topicIDs=[topic],
+                          from_id=ID.from_pubkey(pair.public_key).to_bytes(),
+                          seqno=seqno.to_bytes(8, "big"))
+    msg.signature = pair.private_key.sign(SIGNING_PREFIX + msg.SerializeToString())
+    msg.key = pair.public_key.serialize()
+    rpc = rpc_pb2.RPC()
+    rpc.publish.append(msg)
+    body = rpc.SerializeToString()
+    return encode_uvarint(len(body)) + body
+
+
+class SybilFlood:
+    """`run(stop)` floods `target` until `stop` is set. Counters: `sent` batches,
+    `carriers` connections opened, `cut` carriers the target dropped."""
+
+    def __init__(self, cfg, bootstrap: str, target: str, make_batch: MakeBatch,
+                 version: Callable[[], int], connections: int = 4,
+                 interval_s: float = 0.0):
+        self.cfg, self.bootstrap, self.target = cfg, bootstrap, target
+        self.make_batch, self.version = make_batch, version
+        self.connections, self.interval_s = connections, interval_s
+        self.sent = self.carriers = self.cut = 0
+        self.cpu_s = 0.0
+        self._seqno = time.time_ns()
+
+    @property
+    def cpu_per_batch(self) -> float:
+        return self.cpu_s / max(1, self.sent)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await asyncio.gather(*(self._carrier(stop) for _ in range(self.connections)))
+
+    async def _carrier(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            node = P2PNode(Identity.generate(), self.cfg)
+            try:
+                await node.start(bootstrap=[self.bootstrap], discovery=False)
+                self.carriers += 1
+                stream = await node.open_stream(self.target, MESHSUB)
+                await self._send(node, stream, stop)
+            except Exception as e:  # noqa: BLE001 - refused or cut: a new carrier
+                log.debug("flood carrier ended: %s", e)
+            finally:
+                self.cut += not stop.is_set()
+                await node.close()
+            if not stop.is_set():
+                await asyncio.sleep(0.1 + random.random() * 0.1)
+
+    async def _send(self, node: P2PNode, stream, stop: asyncio.Event) -> None:
+        topic = node.topic("rollouts")
+        while not stop.is_set():
+            t0 = time.thread_time()
+            sybil = Identity.generate()
+            batch = self.make_batch(sybil.peer_id, self.version())
+            self._seqno += 1
+            frame = gossip_frame(topic, sybil.seal(batch), sybil, self._seqno)
+            self.cpu_s += time.thread_time() - t0
+            await stream.write(frame)
+            self.sent += 1
+            if self.target not in node.connected_peers():
+                return
+            await asyncio.sleep(self.interval_s)

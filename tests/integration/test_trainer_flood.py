@@ -1,0 +1,152 @@
+"""Verification load from fresh keys does not stop training (issue 30 finding 4): real
+`swarm-node join` processes (a trainer and an established honest inference peer, tiny
+model) and, in this test process, a sybil flood (node/testing/flood.py): batches that pass
+every check before the model runs, each signed by a fresh key, over 4 connections that are
+replaced when cut. Asserted as counts from the nodes themselves: every honest batch is
+accepted during and after the flood, the flood's verification time stays within the
+probation time share the trainer reports, and the queue and memory stay bounded. Throughput figures (honest share during the flood,
+recovery time, attacker vs trainer cost): benchmarks/verifier_flood.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+
+import pytest
+
+from .test_operator import Node, free_port, trainer_config
+from .test_trainer_restart import until
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+SHARE, BURST_S = 0.1, 2.0  # IntakeLimits defaults: probation_time_share, probation_burst_s
+
+
+def rss_mib(pid: int) -> float:
+    from pathlib import Path
+
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def flood_kit(cfg_dict: dict, tiny_model_dir, target: str):
+    """(Config, make_batch) of a flood against the swarm of `cfg_dict`."""
+    from swarm_node.node.config import Config
+    from swarm_node.node.models import load_model
+    from swarm_node.node.sampler.factory import sampling_params
+    from swarm_node.node.tasks import TaskSource
+    from swarm_node.node.testing import attacks
+    from swarm_node.verifier.rules import batch_rules
+
+    swarm = Config.model_validate({
+        **{k: v for k, v in cfg_dict.items() if k in ("tasks", "sampler")},
+        "node": {"swarm_id": cfg_dict["node"]["swarm_id"],
+                 "listen": ["/ip4/127.0.0.1/tcp/0"]}})
+    model, tokenizer = load_model(tiny_model_dir)
+    source = TaskSource(swarm.tasks.mix, swarm.node.swarm_id)
+    rules, params = batch_rules(swarm), sampling_params(swarm)
+    hidden = model.config.hidden_size  # the proof's length depends on it
+    rng = random.Random(0)
+
+    def make_batch(sender: str, version: int):
+        return attacks.bogus_round(tokenizer, source, sender, round_=rules.round_for(version, 0),
+                                   version=version, tasks=rules.tasks_per_round,
+                                   n=rules.completions_per_task, params=params,
+                                   hidden_size=hidden, rng=rng, policy_id=target,
+                                   swarm_id=swarm.node.swarm_id,
+                                   length=params.max_new_tokens)
+    return swarm, make_batch
+
+
+async def test_4_a_fresh_key_flood_costs_at_most_the_probation_share(tmp_path, tiny_model_dir):
+    from swarm_node.node.testing.flood import SybilFlood
+
+    tcfg = trainer_config(tmp_path / "t", tiny_model_dir, peer_batches_per_step=1,
+                          peer_wait_s=5.0)
+    tcfg["sampler"]["max_new_tokens"] = 8
+    trainer = Node(tmp_path / "t", tcfg).start()
+    peer = None
+    stop = asyncio.Event()
+    flooding = None
+    try:
+        trainer.wait_joined()
+        tid = trainer.status()["peer_id"]
+        boot = json.loads((trainer.data / "node.json").read_text())["listen_addrs"][0]
+        peer = Node(tmp_path / "p", {
+            "node": {"role": "inference", "swarm_id": tcfg["node"]["swarm_id"],
+                     "data_dir": str(tmp_path / "p" / "data"),
+                     "listen": ["/ip4/127.0.0.1/tcp/0"], "bootstrap": [boot], "follow": [tid]},
+            "model": {"name": str(tiny_model_dir)}, "admin": {"port": free_port()},
+            "tasks": tcfg["tasks"], "sampler": {**tcfg["sampler"], "version_wait_s": 5.0},
+        }).start()
+        peer.wait_joined()
+        hid = peer.status()["peer_id"]
+
+        def honest() -> dict:
+            return (trainer.status().get("accepted_by_peer") or {}).get(
+                hid, {"accepted": 0, "rejected": 0})
+
+        def intake() -> dict:
+            return (trainer.status().get("extra") or {}).get("intake") or {}
+
+        await until(lambda: honest()["accepted"] >= 32, 300, "the honest peer established",
+                    trainer)
+        swarm, make_batch = flood_kit(tcfg, tiny_model_dir, tid)
+        seen = {"version": trainer.status()["policy_version"], "at": time.monotonic()}
+
+        def version() -> int:  # the trainer's version, read again at most once a second
+            if time.monotonic() - seen["at"] >= 1.0:
+                seen.update(version=trainer.status().get("policy_version", seen["version"]),
+                            at=time.monotonic())
+            return seen["version"]
+
+        flood = SybilFlood(swarm, boot, tid, make_batch, version, connections=4,
+                           interval_s=0.05)
+        rss0, before, view0 = rss_mib(trainer.proc.pid), honest()["accepted"], intake()
+        t0 = trainer.status()["uptime_s"]
+        flooding = asyncio.ensure_future(flood.run(stop))
+        # the flood runs until the honest peer had 4 more batches (64 completions) accepted
+        # and 45 s of the trainer's clock went by (long enough for the share, not the
+        # bucket's depth, to bound what the flood gets)
+        await until(lambda: honest()["accepted"] >= before + 64
+                    and trainer.status().get("uptime_s", 0) >= t0 + 45, 400,
+                    "honest batches accepted during 45 s of flood", trainer)
+        during, view1 = honest()["accepted"] - before, intake()
+        elapsed = trainer.status()["uptime_s"] - t0
+        stop.set()
+        await flooding
+        flooding = None
+        rss1 = rss_mib(trainer.proc.pid)
+        after0 = honest()["accepted"]
+        await until(lambda: honest()["accepted"] >= after0 + 32, 300,
+                    "honest batches accepted after the flood", trainer)
+
+        spent = view1["verify_seconds"]["probation"] - view0["verify_seconds"]["probation"]
+        lent = (view1["verify_seconds"]["probation_lent"]
+                - view0["verify_seconds"]["probation_lent"])
+        verified = view1["batches"].get("probation", 0) - view0["batches"].get("probation", 0)
+        print(f"flood: {flood.sent} bogus batches over {flood.carriers} carriers ({flood.cut} "
+              f"cut), {verified} verified by the trainer in {spent:.1f} s of {elapsed:.0f} s "
+              f"(+ {lent:.1f} s of idle time lent); "
+              f"honest accepted during: {during}; dropped {view1['dropped']}; attacker "
+              f"{flood.cpu_per_batch * 1e3:.1f} ms CPU per batch; trainer RSS {rss0:.0f} -> "
+              f"{rss1:.0f} MiB")
+        assert honest()["rejected"] == 0  # nothing of the honest peer was lost or refused
+        assert verified > 0  # the flood did reach the model checks ...
+        # ... within the probation share: its refill and its depth (plus the batch in
+        # flight); what the trainer lent while it only waited for peers is counted apart
+        assert spent <= SHARE * elapsed + BURST_S + 2.0
+        assert view1["queued"] <= 16 + 256  # bounded (most of the flood is dropped even
+        # before it: the gossip admission throttles whoever keeps bringing new keys)
+        assert rss1 <= rss0 + 300
+    finally:
+        stop.set()
+        if flooding is not None:
+            await flooding
+        if peer is not None:
+            peer.stop()
+        trainer.stop()

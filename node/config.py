@@ -335,6 +335,28 @@ class BroadcastSection(Section):
     """Versions a relay keeps per trainer."""
 
 
+class RelaySection(Section):
+    service: Literal["auto", "on", "off"] = "auto"
+    """Relay for NAT'd peers (Circuit Relay v2 hop): "auto" is on for the relay role and off
+    for the others; a node that turns it on should be publicly reachable."""
+    max_reservations: int = Field(32, ge=1, le=4096)
+    """Relay: NAT'd peers holding a slot here at once (more are refused)."""
+    max_circuits_per_peer: int = Field(16, ge=1, le=1024)
+    """Relay: relayed connections to one reserved peer at once."""
+    circuit_duration_s: int = Field(3600, ge=0)
+    """Relay: longest life of one relayed connection (0: no limit); then it is reset and
+    the peers dial again."""
+    circuit_bytes: int = Field(1 << 30, ge=0)
+    """Relay: most bytes one relayed connection carries, both directions (0: no limit)."""
+    reservation_ttl_s: int = Field(3600, ge=60)
+    """Relay: how long a reservation lasts unless refreshed (clients refresh it earlier)."""
+    client: bool = True
+    """While not publicly reachable, reserve slots on relays so that others can reach this
+    node through them (its /p2p-circuit addresses are advertised)."""
+    reservations: int = Field(2, ge=1, le=8)
+    """How many relays to hold a slot on while not publicly reachable."""
+
+
 class P2PSection(Section):
     inline_payload_max: int = Field(16 * 1024, ge=1024)
     """Sealed messages up to this size travel inside gossip messages; larger ones are
@@ -342,7 +364,17 @@ class P2PSection(Section):
     bootstrap_timeout_s: float = Field(30.0, gt=0)
     """How long to keep trying the bootstrap peers before giving up."""
     target_peers: int = Field(8, ge=1)
-    """Connections to keep open."""
+    """Connections to keep open: discovery dials until this many are."""
+    max_peers: int = Field(32, ge=1)
+    """Most connections kept open: above it the least useful are closed until
+    `target_peers` remain (never the followed trainer, the relays in use, peers holding a
+    relay slot here, or connections younger than `connection_grace_s`)."""
+    connection_grace_s: float = Field(30.0, ge=0)
+    """A new connection is not closed for being one too many before it is this old."""
+    liveness_interval_s: float = Field(15.0, gt=0)
+    """Every connected peer is pinged this often; one that misses two pings in a row (each
+    waited for max(`dial_timeout_s`, this)) is disconnected, so that a silently dead path (a partition, a
+    NAT that forgot the mapping) is redialled instead of waiting out TCP's timeouts."""
     request_timeout_s: float = Field(30.0, gt=0)
     """Per-request timeout on stream protocols."""
     dial_timeout_s: float = Field(10.0, gt=0)
@@ -391,6 +423,26 @@ class P2PSection(Section):
     """Announced payloads pulled at once from one peer (each on a bulk-plane connection)."""
     payload_pull_timeout_s: float = Field(10.0, gt=0)
     """Longest one pull of an announced payload from one source may take."""
+    dialback_peers: int = Field(3, ge=1, le=16)
+    """Reachability check: how many connected peers are asked to dial this node back at
+    its observed IP (it is public when more of them reached it than failed to)."""
+    reachability_interval_s: float = Field(300.0, gt=0)
+    """Seconds between reachability checks once one has an answer."""
+    dht: bool = True
+    """Kad-DHT: find peers of this swarm and the providers of a key (checkpoints) beyond
+    the peers' own peer lists; publicly reachable nodes serve it."""
+    hole_punching: bool = True
+    """Upgrade relayed connections to direct ones by hole punching (DCUtR) where the NATs
+    allow; the relayed connection closes once the direct one works."""
+    relay: RelaySection = RelaySection()
+    """Circuit Relay v2: serving as a relay, and using relays while behind NAT."""
+
+    @model_validator(mode="after")
+    def _bounds(self):
+        if self.max_peers < self.target_peers:
+            raise ValueError(f"max_peers ({self.max_peers}) is below target_peers "
+                             f"({self.target_peers}): raise max_peers or lower target_peers")
+        return self
 
 
 class BulkSection(Section):

@@ -354,6 +354,25 @@ class NodeState:
         self.metrics.counters("p2p_rejected", "Gossip messages rejected, by reason code.",
                               lambda: counters(True), label="reason")
 
+        def health(key: str) -> dict:
+            try:
+                return dict(p2p.health().get(key) or {})
+            except Exception:  # noqa: BLE001 - a read never fails on a closing host
+                return {}
+
+        def reachability() -> dict[str, int]:
+            verdict = health("reachability").get("verdict")
+            return {v: int(v == verdict) for v in REACHABILITY} if verdict else {}
+
+        def connections() -> dict[str, int]:
+            conns = health("connections")
+            return {k: conns[k] for k in ("open", "relayed", "target", "max") if k in conns}
+
+        self.metrics.gauges("reachability", "1 on this node's reachability verdict (see "
+                            "/status p2p.reachability).", reachability, label="verdict")
+        self.metrics.gauges("p2p_connections", "Open libp2p connections (all, relayed) and "
+                            "the bounds.", connections, label="kind")
+
     def observe(self, name: str, value: float) -> None:
         """One observation of a histogram in HISTOGRAMS (seconds, bytes, ...)."""
         hist = self.histograms.get(name)
@@ -611,6 +630,9 @@ class _StateCollector:
                 for key, v in values.items():
                     g.add_metric([str(key)], float(v))
                 yield g
+
+
+REACHABILITY = ("unknown", "public", "relayed", "direct", "unreachable")
 
 
 def _is_number(value) -> bool:

@@ -15,9 +15,11 @@ PEERS_PROTOCOL = "/swarm-node/peers/1.0.0"  # peer exchange (Hello in, peer list
 BULK_PROTOCOL = "/swarm-node/bulk/1.0.0"
 # Request: empty; response: the trainers the answering node follows (a trainer: itself).
 FOLLOWS_PROTOCOL = "/swarm-node/follows/1.0.0"
+# Reachability: "dial me back at my observed IP on these ports" (DialbackRequest/Result).
+DIALBACK_PROTOCOL = "/swarm-node/dialback/1.0.0"
 
 STREAM_PROTOCOLS = (FETCH_PROTOCOL, SHARD_PROTOCOL, MANIFEST_PROTOCOL, PEERS_PROTOCOL,
-                    BULK_PROTOCOL, FOLLOWS_PROTOCOL)
+                    BULK_PROTOCOL, FOLLOWS_PROTOCOL, DIALBACK_PROTOCOL)
 
 TOPIC_KINDS = ("rollouts", "checkpoints", "verdicts", "adverts")
 

@@ -367,6 +367,51 @@ class Hello(WireModel):
     policy_version: Annotated[int, Field(ge=-1, lt=2**63)] = -1
 
 
+class PeerRefusal(WireModel):
+    """The answer to a Hello from another swarm: who we are, so the asker can say at once
+    which `--swarm` its bootstrap peer belongs to. Sent instead of the peer list."""
+
+    TYPE: ClassVar[str] = "peer_refusal"
+
+    reason: Literal["swarm_mismatch"]
+    swarm_id: ShortStr
+
+    @classmethod
+    def example(cls) -> PeerRefusal:
+        return cls(reason="swarm_mismatch", swarm_id="my-swarm")
+
+
+class DialbackRequest(WireModel):
+    """"Dial me back": the asker's TCP listen ports. The answering peer dials only the IP
+    it sees the request come from (never an address named by the asker)."""
+
+    TYPE: ClassVar[str] = "dialback_request"
+
+    ports: Annotated[list[Annotated[int, Field(ge=1, le=65535)]],
+                     Field(min_length=1, max_length=4)]
+
+    @classmethod
+    def example(cls) -> DialbackRequest:
+        return cls(ports=[4001])
+
+
+class DialbackResult(WireModel):
+    """`ok`: a fresh connection to `addr` completed a Noise handshake with the asker's
+    peer id. `observed`: the asker's address as seen by the answering peer."""
+
+    TYPE: ClassVar[str] = "dialback_result"
+
+    ok: bool
+    addr: Annotated[str, Field(max_length=256)] = ""
+    observed: Annotated[str, Field(max_length=256)] = ""
+    reason: ShortStr = ""
+
+    @classmethod
+    def example(cls) -> DialbackResult:
+        return cls(ok=True, addr="/ip4/203.0.113.7/tcp/4001",
+                   observed="/ip4/203.0.113.7/tcp/51000")
+
+
 class Status(WireModel):
     TYPE: ClassVar[str] = "status"
 
@@ -405,7 +450,8 @@ class PayloadAnnounce(WireModel):
 MESSAGE_TYPES: dict[str, type[WireModel]] = {
     cls.TYPE: cls
     for cls in (RolloutBatch, CheckpointManifest, ShardRequest, ShardResponseHeader,
-                ShardAdvert, Hello, Status, Verdict, PayloadAnnounce)
+                ShardAdvert, Hello, Status, Verdict, PayloadAnnounce, PeerRefusal,
+                DialbackRequest, DialbackResult)
 }
 
 

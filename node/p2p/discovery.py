@@ -3,7 +3,10 @@
 Peer exchange protocol PEERS_PROTOCOL (request/response framing of streams.py):
   request:  a Hello message (msgpack, messages.Hello) with the asker's swarm and listen addrs
   response: msgpack array of at most MAX_PEERS_REPLY entries [peer_id, [multiaddr, ...]]
-            (the responder itself first, then the peers it is connected to)
+            (the responder itself first, then the peers it is connected to); or, to an
+            asker of another swarm, a PeerRefusal naming the responder's swarm (the asker
+            logs one ERROR line with the `--swarm` to pass; the responder disconnects it
+            and does not count it as a member)
 Every `p2p.discovery_interval_s` a node asks its connected peers for theirs and dials unknown
 ones until it holds `p2p.target_peers` connections; lost peers are redialled with
 exponential backoff (1 s doubling up to `p2p.reconnect_max_backoff_s`). So a swarm whose
@@ -25,7 +28,7 @@ import time
 from ...protocol.codec import pack, unpack
 from ...protocol.errors import ProtocolError
 from ...protocol.ids import PEERS_PROTOCOL
-from ...protocol.messages import Hello
+from ...protocol.messages import Hello, PeerRefusal
 from .errors import BootstrapError, DialError, P2PError, RequestError
 
 log = logging.getLogger(__name__)
@@ -34,7 +37,11 @@ MAX_PEERS_REPLY = 64
 QUIET_MAX_FACTOR = 8  # a quiet swarm exchanges peers every discovery_interval_s * this
 MAX_ADDRS_PER_PEER = 16
 MAX_ADDR_LEN = 256
+MAX_DIAL_ADDRS = 3  # addresses of one peer tried per redial
+DHT_LOOKUP_INTERVAL_S = 30.0  # at most one DHT lookup of swarm peers per this
 AGENT = "swarm-node/0.1"
+STRAY_GRACE_S = 2.0  # a refused peer of another swarm is disconnected after this
+STRAY_FORGET_S = 600.0  # and not counted as a member (nor redialled) for this long
 
 
 class Discovery:
@@ -46,10 +53,38 @@ class Discovery:
         self._backoff: dict[str, float] = {}
         self._next_try: dict[str, float] = {}
         self._turn = 0  # which connected peer a quiet round asks
+        self.strays: dict[str, float] = {}  # peers of another swarm we refused -> when
+        self.refused_by: dict[str, str] = {}  # peers that refused us -> their swarm id
+        self._dht_looked = -DHT_LOOKUP_INTERVAL_S
+        self._paused: dict[str, float] = {}  # peer -> until: not redialled early (trimmed)
 
     def install(self):
         """Serve PEERS_PROTOCOL; returns an awaitable done once the handler is live."""
         return self.node.set_request_handler(PEERS_PROTOCOL, self._serve_peers)
+
+    def peers_connected(self, new: set[str]) -> None:
+        """New connections. One from a peer we were backing off from means the network
+        came back (a healed partition, a link up again): redial every peer in backoff at
+        the next round instead of at the end of its backoff (up to a minute)."""
+        if not any(p in self._backoff for p in new):
+            return
+        for p in new:
+            self._backoff.pop(p, None)
+            self._next_try.pop(p, None)
+        now = time.monotonic()
+        for p in list(self._backoff):
+            self._backoff[p] = 0.5
+            if self._next_try.get(p, 0) > now and self._paused.get(p, 0) <= now:
+                self._next_try[p] = now
+        self.node.metrics.inc("discovery_backoff_resets")
+
+    def pause(self, peer: str, seconds: float) -> None:
+        """Do not redial `peer` for `seconds` (e.g. the connection manager closed it)."""
+        self._next_try[peer] = max(self._next_try.get(peer, 0.0), time.monotonic() + seconds)
+        self._paused[peer] = time.monotonic() + seconds
+        if len(self._paused) > 4096:  # bounded: drop the expired ones
+            now = time.monotonic()
+            self._paused = {p: t for p, t in self._paused.items() if t > now}
 
     def forget(self, peer: str) -> None:
         """A cut peer: drop its addresses so it is not redialled or handed to others."""
@@ -75,6 +110,8 @@ class Discovery:
                     last[a] = why
             if reached:
                 await self.exchange_all()
+                if all(p in self.refused_by for p in reached):
+                    raise BootstrapError(self._mismatch_line(reached[0]))
                 return reached
             if time.monotonic() + delay >= deadline:
                 break
@@ -100,17 +137,53 @@ class Discovery:
 
     def _hello(self) -> bytes:
         return Hello(swarm_id=self.node.swarm_id, role=self.node.config.node.role, agent=AGENT,
-                     listen_addrs=self.node.listen_addrs[:MAX_ADDRS_PER_PEER]).encode()
+                     listen_addrs=self.node.advertised_addrs()[:MAX_ADDRS_PER_PEER]).encode()
+
+    def _mismatch_line(self, peer: str) -> str:
+        theirs = self.refused_by[peer]
+        addr = next((a for a in self.bootstrap_addrs if a.endswith(f"/p2p/{peer}")), peer)
+        return (f"swarm id mismatch: bootstrap peer {addr} belongs to swarm {theirs!r}, this "
+                f"node to {self.node.swarm_id!r}; pass --swarm {theirs} to join it (or start "
+                "a separate swarm without --bootstrap)")
+
+    def is_stray(self, peer: str) -> bool:
+        """A peer of another swarm that we refused recently (not a member)."""
+        when = self.strays.get(peer)
+        if when is None:
+            return False
+        if time.monotonic() - when > STRAY_FORGET_S:
+            del self.strays[peer]
+            return False
+        return True
+
+    def _refuse_stray(self, peer: str, their_swarm: str) -> bytes:
+        """Answer a Hello of another swarm with our swarm id (ids are not secrets between
+        peers that name the same bootstrap peer), then disconnect it: it is not a member."""
+        if peer not in self.strays:
+            log.info("refused peer %s: it is in swarm %r, this node in %r (it was told)",
+                     peer, their_swarm[:64], self.node.swarm_id)
+        self.strays[peer] = time.monotonic()
+        self.known.pop(peer, None)
+        self.node._spawn(self._drop_stray(peer))
+        return PeerRefusal(reason="swarm_mismatch", swarm_id=self.node.swarm_id).encode()
+
+    async def _drop_stray(self, peer: str) -> None:
+        await asyncio.sleep(STRAY_GRACE_S)  # let the refusal reach it first
+        if self.is_stray(peer):
+            try:
+                await self.node.disconnect(peer)
+            except P2PError as e:
+                log.debug("disconnect of stray %s: %s", peer, e)
 
     async def _serve_peers(self, peer: str, body: bytes) -> bytes:
         hello = Hello.decode(body)  # capped at the `hello` size limit (protocol/limits.py)
         if hello.swarm_id != self.node.swarm_id:
-            # Never name our swarm: the peer list is only for members of the same swarm.
-            raise ValueError(f"not a member of swarm {hello.swarm_id[:64]!r}")
+            return self._refuse_stray(peer, hello.swarm_id)
+        self.strays.pop(peer, None)
         addrs = [a for a in hello.listen_addrs if a.endswith(f"/p2p/{peer}")]
         if addrs:
             self.known[peer] = addrs
-        entries = [[self.node.peer_id, self.node.listen_addrs[:MAX_ADDRS_PER_PEER]]]
+        entries = [[self.node.peer_id, self.node.advertised_addrs()[:MAX_ADDRS_PER_PEER]]]
         others = [p for p in self.node.connected_peers() if p != peer and p in self.known]
         random.shuffle(others)
         for p in others[:MAX_PEERS_REPLY - 1]:
@@ -127,8 +200,12 @@ class Discovery:
         except (RequestError, ProtocolError) as e:
             log.debug("peer exchange with %s failed: %s", peer, e)
             return 0
+        if isinstance(entries, dict):
+            self._refused(peer, entries)
+            return 0
         if not isinstance(entries, list):
             return 0
+        self.refused_by.pop(peer, None)
         learned = 0
         for entry in entries[:MAX_PEERS_REPLY]:
             if (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)
@@ -141,6 +218,18 @@ class Discovery:
                     learned += pid not in self.known
                     self.known[pid] = addrs
         return learned
+
+    def _refused(self, peer: str, wire: dict) -> None:
+        try:
+            refusal = PeerRefusal.from_wire(wire)
+        except ProtocolError as e:
+            log.debug("unreadable peer-exchange answer from %s: %s", peer, e)
+            return
+        first = peer not in self.refused_by
+        self.refused_by[peer] = refusal.swarm_id
+        self.known.pop(peer, None)
+        if first:
+            log.error(self._mismatch_line(peer))
 
     async def exchange_all(self) -> int:
         peers = self.node.connected_peers()
@@ -191,29 +280,72 @@ class Discovery:
         if missing <= 0:
             return 0
         now = time.monotonic()
-        candidates: list[tuple[str, str]] = []
+        candidates: list[tuple[str, list[str]]] = []
         for pid, addrs in self.known.items():
             if (pid not in connected and self._next_try.get(pid, 0) <= now
-                    and not self.node.penalties.refused(pid)):
-                candidates.append((pid, addrs[0]))
+                    and not self.node.penalties.refused(pid) and pid not in self.refused_by):
+                candidates.append((pid, dial_order(addrs)))
         for addr in self.bootstrap_addrs:
             pid = addr.rsplit("/p2p/", 1)[-1]
-            if pid not in connected and pid not in self.known and self._next_try.get(pid, 0) <= now:
-                candidates.append((pid, addr))
+            if (pid not in connected and pid not in self.known and pid not in self.refused_by
+                    and self._next_try.get(pid, 0) <= now):
+                candidates.append((pid, [addr]))
+        if len(candidates) < missing:
+            candidates += await self._from_dht(connected | {pid for pid, _ in candidates})
         random.shuffle(candidates)
         chosen = candidates[:missing]
-        await asyncio.gather(*(self._redial(pid, addr) for pid, addr in chosen))
+        await asyncio.gather(*(self._redial(pid, addrs) for pid, addrs in chosen))
         return len(chosen)
 
-    async def _redial(self, pid: str, addr: str) -> None:
+    async def _from_dht(self, exclude: set[str]) -> list[tuple[str, list[str]]]:
+        """Peers of this swarm from the DHT (its public members), at most once per
+        DHT_LOOKUP_INTERVAL_S: peer exchange ran out of peers to dial."""
+        now = time.monotonic()
+        if now - self._dht_looked < DHT_LOOKUP_INTERVAL_S:
+            return []
+        self._dht_looked = now
         try:
-            await self.node.connect(addr)
+            found = await self.node.dht.swarm_peers()
         except P2PError as e:
-            backoff = min(self._backoff.get(pid, 0.5) * 2, self.cfg.reconnect_max_backoff_s)
-            self._backoff[pid] = backoff
-            self._next_try[pid] = time.monotonic() + backoff
-            log.debug("redial of %s failed (%s); next try in %.0fs", pid, e, backoff)
+            log.debug("DHT lookup of swarm peers failed: %s", e)
+            return []
+        out = []
+        for pid, addrs in found:
+            addrs = [a for a in addrs[:MAX_ADDRS_PER_PEER] if len(a) <= MAX_ADDR_LEN]
+            if pid in exclude or pid == self.node.peer_id or not addrs:
+                continue
+            if pid not in self.known:
+                self.known[pid] = addrs
+                self.node.metrics.inc("dht_peers_found")
+            if (self._next_try.get(pid, 0) <= now and not self.node.penalties.refused(pid)
+                    and pid not in self.refused_by):
+                out.append((pid, dial_order(self.known[pid])))
+        return out
+
+    async def _redial(self, pid: str, addrs: list[str]) -> None:
+        why: P2PError | None = None
+        for addr in addrs[:MAX_DIAL_ADDRS]:
+            try:
+                await self.node.connect(addr)
+            except P2PError as e:
+                why = e
+                continue
+            self._backoff.pop(pid, None)
+            self._next_try.pop(pid, None)
+            await self.exchange(pid)
             return
-        self._backoff.pop(pid, None)
-        self._next_try.pop(pid, None)
-        await self.exchange(pid)
+        backoff = min(self._backoff.get(pid, 0.5) * 2, self.cfg.reconnect_max_backoff_s)
+        self._backoff[pid] = backoff
+        self._next_try[pid] = time.monotonic() + backoff
+        log.debug("redial of %s failed (%s); next try in %.0fs", pid, why, backoff)
+
+
+def dial_order(addrs: list[str]) -> list[str]:
+    """Which of a peer's advertised addresses to try first. A peer that advertises relayed
+    (`/p2p-circuit`) addresses is not publicly reachable: its relays first (hole punching
+    then upgrades the connection where the NATs allow), its own addresses after (they work
+    from its LAN). Otherwise its addresses as advertised."""
+    circuits = [a for a in addrs if "/p2p-circuit" in a]
+    if not circuits:
+        return list(addrs)
+    return circuits + [a for a in addrs if "/p2p-circuit" not in a]

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import socket
 from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
 from typing import Self
 
 import multiaddr
@@ -33,12 +34,17 @@ from . import patches
 from .admission import Admission, ValidationQueue
 from .bridge import TrioBridge
 from .bulk import BulkPlane
-from .discovery import Discovery
+from .connmgr import ConnectionManager
+from .dht import DHTService
+from .dialback import Dialback
+from .discovery import Discovery, dial_order
 from .errors import BadMultiaddr, DialError, NotRunning, P2PError
 from .gossip import GossipValidator, build_gossip
 from .metrics import P2PMetrics
 from .penalties import PeerPenalties
 from .pubsub import GossipService, Handler
+from .reachability import Reachability, ReachabilityTracker, Verdict
+from .relay import RelayService, connection_addr
 from .requests import RequestHandler, RequestService, StreamHandler
 from .streams import AsyncStream
 
@@ -66,6 +72,7 @@ class P2PNode:
         self._validator: GossipValidator | None = None
         self._peer_filter: Callable[[str], bool] | None = None
         self._connected: set[str] = set()
+        self._direct_addr: dict[str, str] = {}  # peer -> remote address of a direct conn
         self._dialing: dict = {}  # peer ID -> trio.Event set when our dial to it ends
         self._tasks: set[asyncio.Task] = set()
         # shards and gossip bodies over TLS beside libp2p (bulk/); started in start()
@@ -81,6 +88,17 @@ class P2PNode:
         self._nursery: trio.Nursery | None = None  # ours, inside the libp2p thread
         self._bridge.on_death = self._on_host_death
         self.discovery = None
+        self.reach = ReachabilityTracker()  # fed by the dial-back check and the relay client
+        self.reach.subscribe(_log_reachability)
+        # A node behind NAT advertises no bulk endpoint (nobody could dial it).
+        self.bulk.reachable = lambda: self.reach.current.verdict in (Verdict.PUBLIC,
+                                                                     Verdict.UNKNOWN)
+        self.dialback = Dialback(self)
+        self.relay = RelayService(self)
+        self.connmgr = ConnectionManager(self)
+        self.dht = DHTService(self)
+        self.reach.subscribe(lambda _snap: self.dht.reachability_changed())
+        self.reach.subscribe(self.relay.reachability_changed)
         self._closing = False
         self._started = False
 
@@ -112,12 +130,18 @@ class P2PNode:
         await self.gossip.subscribe_pending()
         self.discovery = Discovery(self)
         await self.discovery.install()
+        await self.dialback.install()
         addrs = self.config.node.bootstrap if bootstrap is None else bootstrap
+        self._spawn(self.connmgr.run())
+        self._spawn(self.connmgr.run_liveness())
         try:
             if addrs:
                 await self.discovery.bootstrap(addrs)
             if discovery:
                 self._spawn(self.discovery.run())
+                self._spawn(self.dialback.run())
+                self._spawn(self.relay.run())
+                self._spawn(self.dht.run())
         except BaseException:
             await self.close()
             raise
@@ -162,10 +186,30 @@ class P2PNode:
         await self._failed.wait()
         return self.failure or "unknown"
 
+    # Reachability ---------------------------------------------------------------------
+
+    @property
+    def reachability(self) -> Reachability:
+        """Is this node reachable from the internet (reachability.py)? `.public` is True
+        only once a peer dialled us back at an advertised address; `.public_addrs` are
+        those addresses."""
+        return self.reach.current
+
+    def on_reachability_change(self, fn: Callable[[Reachability], None]) -> Callable[[], None]:
+        """Call `fn(snapshot)` on the asyncio loop whenever the verdict or the addresses
+        change; returns a function that unsubscribes."""
+        return self.reach.subscribe(fn)
+
     def health(self) -> dict:
         """For /status: `alive` is False from the moment the libp2p thread ends."""
         c = self.metrics.counters
         return {"alive": self.running and self.failure is None, "failure": self.failure,
+                "reachability": self.reach.current.as_dict(),
+                "relay": self.relay.stats(),
+                "connections": {"open": len(self._connected), "target": self.cfg.target_peers,
+                                "max": self.cfg.max_peers, "relayed": len(self._connected)
+                                - len(self._direct_addr), "trimmed": self.connmgr.trimmed,
+                                "dead": self.connmgr.dead},
                 "stream_faults": c.get("stream_faults", 0),
                 "rate_limited": c.get("rejected.rate_limited", 0),
                 "window_violations": c.get("window_violations", 0),
@@ -251,9 +295,16 @@ class P2PNode:
                                           admission=self.admission)
         self._host, self._router, self._pubsub = host, router, pubsub
         host.get_network().register_notifee(_Notifee(self))
+        services = self.relay.t_services(host)
+        dht = self.dht.t_service(host)
+        if dht is not None:
+            services.append(dht)
         try:
             async with (host.run(listen_addrs=listen), background_trio_service(pubsub),
-                        background_trio_service(router)):
+                        background_trio_service(router), AsyncExitStack() as stack):
+                for service in services:
+                    await stack.enter_async_context(background_trio_service(service))
+                self.relay.t_guard_hop(host)
                 await pubsub.wait_until_ready()
                 patches.patch_running_pubsub(pubsub, self.admission.admit,
                                              self.validation_queue)
@@ -311,6 +362,10 @@ class P2PNode:
         done = self._dialing[info.peer_id] = trio.Event()
         try:
             with trio.fail_after(timeout):
+                if "/p2p-circuit" in str(info.addrs[0]):
+                    full = info.addrs[0].encapsulate(multiaddr.Multiaddr(f"/p2p/{info.peer_id}"))
+                    await self.relay.t_dial_circuit(full, info.peer_id)
+                    return
                 conn = await network.dial_addr(info.addrs[0], info.peer_id)
                 started = getattr(conn, "event_started", None)
                 if started is not None:
@@ -323,10 +378,37 @@ class P2PNode:
                 del self._dialing[info.peer_id]
 
     def connected_peers(self) -> list[str]:
-        return sorted(self._connected)
+        """Connected members of this swarm (a peer of another swarm that was refused is
+        not one, while its connection closes)."""
+        d = self.discovery
+        if d is None or not d.strays:
+            return sorted(self._connected)
+        return sorted(p for p in self._connected if not d.is_stray(p))
 
     async def disconnect(self, peer_id: str) -> None:
         await self._bridge.call(self._host.disconnect, ID.from_base58(peer_id))
+
+    async def provide(self, key: bytes) -> bool:
+        """Announce in the DHT that this node provides `key` (e.g. `dht.dht_key(
+        "checkpoint", ...)`); False if the DHT is off or no peer took the record."""
+        return await self.dht.provide(key)
+
+    async def find_providers(self, key: bytes, count: int = 20) -> list[tuple[str, list[str]]]:
+        """Peers that announced `key`, with the addresses their records carry plus any
+        this node learned otherwise (relayed ones first): [(peer id, [full multiaddr])]."""
+        found = await self.dht.find_providers(key, count)
+        known = self.discovery.known if self.discovery is not None else {}
+        return [(pid, dial_order(list(dict.fromkeys(known.get(pid, []) + addrs))))
+                for pid, addrs in found]
+
+    def protect(self, peer_id: str, tag: str) -> None:
+        """Keep the connection to `peer_id` when trimming to `p2p.max_peers` (e.g. the
+        trainer this node follows), until `unprotect(peer_id, tag)`."""
+        self.connmgr.protect(peer_id, tag)
+
+    def unprotect(self, peer_id: str, tag: str) -> bool:
+        """Drop one protection tag; True if another tag still protects the peer."""
+        return self.connmgr.unprotect(peer_id, tag)
 
     def peer_ip(self, peer: str) -> str | None:
         """The IP of a live libp2p connection to `peer` (a snapshot read from asyncio)."""
@@ -397,14 +479,50 @@ class P2PNode:
     # Connection tracking (called in the trio thread) -----------------------------------
 
     def _t_peers_changed(self) -> None:
-        peers = {p.to_base58() for p in self._host.get_connected_peers()}
-        self._bridge.to_asyncio_nowait(self._set_connected, peers)
+        conns = self._host.get_network().connections
+        self.dht.t_connections_changed(self._nursery, [p for p, cs in conns.items() if cs])
+        peers, direct = set(), {}
+        for pid, cs in list(conns.items()):
+            if not cs:
+                continue
+            p = pid.to_base58()
+            peers.add(p)
+            for c in cs:
+                addr = connection_addr(c)
+                if addr is not None:
+                    direct[p] = addr
+                    break
+        self._bridge.to_asyncio_nowait(self._set_connected, peers, direct)
 
-    def _set_connected(self, peers: set[str]) -> None:
+    def is_relayed(self, peer_id: str) -> bool:
+        """True if every connection to `peer_id` goes through a relay (`/p2p-circuit`)."""
+        return peer_id in self._connected and peer_id not in self._direct_addr
+
+    def direct_addr_of(self, peer_id: str) -> str | None:
+        """The remote address of a direct connection to `peer_id` (None if relayed only)."""
+        return self._direct_addr.get(peer_id)
+
+    def advertised_addrs(self) -> list[str]:
+        """Addresses others should dial us at, full (with /p2p/<us>): our relayed
+        (`/p2p-circuit`) addresses first while we are not public, then the listen ones."""
+        snap = self.reach.current
+        circuits = [] if snap.public else list(snap.relay_addrs)
+        return list(dict.fromkeys(circuits + self.listen_addrs))
+
+    def _set_connected(self, peers: set[str], direct: dict[str, str] | None = None) -> None:
         new = peers - self._connected
         self._connected = peers
+        self._direct_addr = dict(direct or {})
+        self.connmgr.peers_changed(peers)
+        if new and self.discovery is not None:
+            self.discovery.peers_connected(new)
         if new:
             self.gossip.peers_connected(new)
+
+
+def _log_reachability(snap: Reachability) -> None:
+    level = logging.WARNING if snap.verdict is Verdict.UNREACHABLE else logging.INFO
+    log.log(level, "%s", snap.line())
 
 
 class _Notifee:

@@ -23,7 +23,7 @@ from swarm_node.node.p2p.patches.registry import (
     resolve,
 )
 
-from . import test_host_patches, test_pubsub_patches, test_transport_patches
+from . import test_host_patches, test_pubsub_patches, test_relay_patches, test_transport_patches
 
 
 def test_the_pinned_libp2p_is_installed():
@@ -42,7 +42,8 @@ def test_patch_still_applies(name):
 
 
 def test_every_patch_has_a_test_showing_it_is_still_needed():
-    tests = {n for mod in (test_host_patches, test_pubsub_patches, test_transport_patches)
+    tests = {n for mod in (test_host_patches, test_pubsub_patches, test_transport_patches,
+                           test_relay_patches)
              for n in dir(mod) if n.startswith("test_needed_")}
     assert tests == {f"test_needed_{name}" for name in PATCHES}
 

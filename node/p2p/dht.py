@@ -1,0 +1,225 @@
+"""Kad-DHT discovery: peers of this swarm, and who provides a key (a checkpoint version).
+
+py-libp2p 0.8.1's `KadDHT` (protocol `/ipfs/kad/1.0.0`: its `protocol_prefix` argument is
+not used, so the ID cannot be ours; the DHT only ever runs over connections to peers of
+our own swarm, which discovery made). Provider records only; the value store is off.
+
+- Keys are sha2-256 multihashes of a namespaced name: `dht_key("swarm", swarm_id)` is
+  the swarm's rendezvous key, `dht_key("checkpoint", ...)` whatever the broadcast layer
+  names. Publicly reachable trainers and relays provide the swarm key (`anchors_swarm`:
+  long-lived, and few; NAT'd nodes never: a provider record carries listen addresses,
+  which nobody outside the NAT can dial). Everyone else is found through peer exchange,
+  where relayed addresses travel too.
+- The routing table is seeded from every connection (py-libp2p adds a peer only when it
+  opens a DHT stream to us), with the per-subnet cap off (a LAN or loopback swarm shares
+  one /24).
+- A node is a DHT server while it is (or may be) publicly reachable, a client behind NAT.
+- `find_providers` walks the network itself: py-libp2p's returns its local records only
+  whenever it holds any, and a provider always holds its own.
+
+Methods named `_t_*` run in the libp2p (trio) thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+
+import trio
+from libp2p.kad_dht import DHTMode, KadDHT
+from libp2p.kad_dht.common import ALPHA, QUERY_TIMEOUT
+from libp2p.peer.id import ID
+
+from .errors import NotRunning, P2PError
+
+log = logging.getLogger(__name__)
+
+MAX_QUERIED = 20  # peers asked per find_providers walk
+REPROVIDE_S = 3600.0  # a public anchor re-announces its swarm key this often
+ANCHOR_ROLES = ("trainer", "relay")  # the roles that announce the swarm key when public
+SHA2_256 = b"\x12\x20"  # multihash prefix: sha2-256, 32 bytes
+
+
+def dht_key(namespace: str, name: str | bytes) -> bytes:
+    """The DHT key of `name` in `namespace` (a sha2-256 multihash)."""
+    raw = name.encode() if isinstance(name, str) else bytes(name)
+    return SHA2_256 + hashlib.sha256(f"swarm-node/{namespace}/".encode() + raw).digest()
+
+
+class DHTService:
+    """The Kad-DHT of one P2PNode (`p2p.dht`)."""
+
+    def __init__(self, node):
+        self.node = node
+        self.enabled = node.cfg.dht
+        self.dht: KadDHT | None = None
+        self.swarm_key = dht_key("swarm", node.swarm_id)
+        self._wake = asyncio.Event()
+        self._t_seen: set[ID] = set()
+
+    def t_service(self, host) -> KadDHT | None:
+        if not self.enabled:
+            return None
+        self.dht = KadDHT(host, DHTMode.SERVER, enable_values=False, max_peers_per_subnet=0)
+        return self.dht
+
+    def t_connections_changed(self, nursery, connected: list[ID]) -> None:
+        """Called in the libp2p thread on every connection change: seed the routing
+        table with newly connected peers."""
+        if self.dht is None or nursery is None:
+            return
+        new = [p for p in connected if p not in self._t_seen]
+        self._t_seen = set(connected)
+        if new:
+            nursery.start_soon(self._t_add_peers, new)
+
+    async def _t_add_peers(self, peers: list[ID]) -> None:
+        for pid in peers:
+            try:
+                await self.dht.add_peer(pid)
+            except Exception as e:  # noqa: BLE001 - a peer that left meanwhile
+                log.debug("routing table add of %s: %s", pid, e)
+
+    async def _t_set_mode(self, server: bool) -> None:
+        if self.dht is None:
+            return
+        mode = DHTMode.SERVER if server else DHTMode.CLIENT
+        if self.dht.mode != mode:
+            await self.dht.switch_mode(mode)
+            log.info("DHT %s mode (%s)", mode.name.lower(),
+                     "publicly reachable" if server else "behind NAT")
+
+    def reachability_changed(self) -> None:
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Follow the reachability verdict: server mode unless behind NAT; a public node
+        announces itself under the swarm key, again every REPROVIDE_S."""
+        if self.dht is None:
+            return
+        while True:
+            snap = self.node.reachability
+            try:
+                await self.node._bridge.call(self._t_set_mode,
+                                             snap.public or snap.verdict.value == "unknown")
+                await self.provide_swarm()
+            except NotRunning:
+                return
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), REPROVIDE_S)
+            except TimeoutError:
+                pass
+
+    # Providers ------------------------------------------------------------------------
+
+    async def provide(self, key: bytes) -> bool:
+        """Announce that this node provides `key` to the peers closest to it."""
+        if self.dht is None:
+            return False
+        self.node.metrics.inc("dht_provides")
+        return await self.node._bridge.call(self._t_provide, key)
+
+    async def _t_provide(self, key: bytes) -> bool:
+        before = self._t_connected()
+        try:
+            with trio.move_on_after(QUERY_TIMEOUT * 2):
+                return bool(await self.dht.provider_store.provide(key))
+            return False
+        finally:
+            await self._t_close_transient(before)
+
+    def _t_connected(self) -> set[ID]:
+        return {p for p, cs in list(self.node._host.get_network().connections.items()) if cs}
+
+    async def _t_close_transient(self, before: set[ID]) -> None:
+        """A lookup dials the peers it asks (a provide: the ~20 closest to the key, in a
+        small swarm everyone). Once it is done, connections it opened are closed again if
+        this node has `target_peers` without them: they were for the query, and left open
+        they would only be trimmed later, after costing a mesh peer its place."""
+        now = self._t_connected()
+        new = now - before
+        if not new or len(now) - len(new) < self.node.cfg.target_peers:
+            return
+        self.node.metrics.inc("dht_connections_closed", len(new))
+        for pid in new:
+            try:
+                await self.node._host.disconnect(pid)
+            except Exception as e:  # noqa: BLE001 - already gone is fine
+                log.debug("closing the lookup connection to %s: %s", pid, e)
+
+    async def find_providers(self, key: bytes, count: int = 20) -> list[tuple[str, list[str]]]:
+        """Providers of `key` other than us: [(peer id, [multiaddr with /p2p/...]), ...]."""
+        if self.dht is None:
+            return []
+        self.node.metrics.inc("dht_lookups")
+        found = await self.node._bridge.call(self._t_find_providers, key, count)
+        return [(pid, [a if a.endswith(f"/p2p/{pid}") else f"{a}/p2p/{pid}" for a in addrs])
+                for pid, addrs in found]
+
+    async def _t_find_providers(self, key: bytes, count: int) -> list[tuple[str, list[str]]]:
+        before = self._t_connected()
+        try:
+            return await self._t_walk_providers(key, count)
+        finally:
+            await self._t_close_transient(before)
+
+    async def _t_walk_providers(self, key: bytes, count: int) -> list[tuple[str, list[str]]]:
+        store = self.dht.provider_store
+        me = self.node._host.get_id()
+        found: dict[ID, list[str]] = {}
+
+        def take(infos) -> None:
+            for info in infos:
+                if info.peer_id != me and info.peer_id not in found:
+                    found[info.peer_id] = [str(a) for a in info.addrs][:16]
+
+        take(store.get_providers(key))
+        queried: set[ID] = set()
+        with trio.move_on_after(QUERY_TIMEOUT * 3):
+            todo = [p for p in await self.dht.peer_routing.find_closest_peers_network(key)
+                    if p != me]
+            while todo and len(found) < count and len(queried) < MAX_QUERIED:
+                batch, todo = todo[:ALPHA], todo[ALPHA:]
+                closer: list[ID] = []
+
+                async def ask(peer: ID, closer=closer) -> None:
+                    queried.add(peer)
+                    with trio.move_on_after(QUERY_TIMEOUT):
+                        providers, nearer = await store._get_providers_from_peer_with_closers(
+                            peer, key)
+                        take(providers)
+                        closer.extend(nearer)
+
+                async with trio.open_nursery() as nursery:
+                    for peer in batch:
+                        nursery.start_soon(ask, peer)
+                todo.extend(p for p in dict.fromkeys(closer)
+                            if p != me and p not in queried and p not in todo)
+        return [(pid.to_base58(), addrs) for pid, addrs in list(found.items())[:count]]
+
+    # Swarm peers ----------------------------------------------------------------------
+
+    def anchors_swarm(self) -> bool:
+        """Does this node announce itself under the swarm key? Publicly reachable trainers
+        and relays do: long-lived nodes (a provider record lives 48 h, and inference peers
+        come and go), and few of them (each announcement walks to the ~20 peers closest to
+        the key and dials them: done by every node at once, that churn cost the gossip
+        meshes of a 12-node test swarm at target 3 / max 5 over a minute, GossipSub
+        penalising the re-grafts)."""
+        return (self.node.reachability.public
+                and self.node.config.node.role in ANCHOR_ROLES)
+
+    async def provide_swarm(self) -> None:
+        """Announce this node under the swarm's key (see anchors_swarm)."""
+        if self.dht is None or not self.anchors_swarm():
+            return
+        try:
+            await self.provide(self.swarm_key)
+        except (P2PError, NotRunning) as e:
+            log.debug("providing the swarm key failed: %s", e)
+
+    async def swarm_peers(self, count: int = 20) -> list[tuple[str, list[str]]]:
+        """Publicly reachable peers of this swarm, found through the DHT."""
+        return await self.find_providers(self.swarm_key, count)

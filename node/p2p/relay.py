@@ -1,0 +1,308 @@
+"""NAT traversal: Circuit Relay v2 (py-libp2p's, patched in patches/relay.py) and DCUtR.
+
+- Hop (relay) service: on for the relay role, or when `p2p.relay.service = "on"`. A relay
+  holds at most `max_reservations` reservations (a NAT'd peer's slot: others reach it
+  through us), `max_circuits_per_peer` relayed connections per reserved peer, each for at
+  most `circuit_duration_s` seconds and `circuit_bytes` bytes (both directions); past a
+  limit the circuit is reset and the peers redial (a new circuit).
+- Stop side (every node): accepts connections relayed to it.
+- Client (every node while not public, `p2p.relay.client`): reserves slots on up to
+  `p2p.relay.reservations` connected peers that offer the hop protocol and are reached
+  directly, refreshes them before they expire, replaces a relay that leaves, and
+  publishes its `/p2p-circuit` addresses (ReachabilityTracker.relay_addrs; discovery
+  advertises them).
+- Circuit dials: `t_dial_circuit` for a `.../p2p-circuit/p2p/<peer>` address.
+- DCUtR (`p2p.hole_punching`): py-libp2p's service upgrades relayed connections to direct
+  ones (RTT-synchronised TCP simultaneous open); the relayed connection closes 60 s after.
+
+Methods named `_t_*` / `t_*` run in the libp2p (trio) thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import multiaddr
+import trio
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
+from libp2p.relay.circuit_v2.dcutr import MAX_HOLE_PUNCH_ATTEMPTS, DCUtRProtocol
+from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage
+from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL_ID
+from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
+from libp2p.relay.circuit_v2.resources import RelayLimits
+from libp2p.relay.circuit_v2.transport import CircuitV2Transport
+from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
+
+from .dialback import ip_tcp, transport_addrs
+from .errors import DialError, NotRunning
+from .patches.relay import RelayProtocol
+
+log = logging.getLogger(__name__)
+
+RESERVE_TIMEOUT_S = 10.0
+REFRESH_MARGIN = 0.25  # refresh a reservation when this share of its TTL is left
+RETRY_RELAY_S = 30.0  # a relay that refused us is not asked again for this long
+CLIENT_POLL_S = 2.0  # how often the client looks at its reservations
+
+
+def hop_enabled(config) -> bool:
+    service = config.p2p.relay.service
+    return service == "on" or (service == "auto" and config.node.role == "relay")
+
+
+class RelayService:
+    """Relay, relay client and hole punching of one P2PNode."""
+
+    def __init__(self, node):
+        self.node = node
+        self.cfg = node.cfg.relay
+        self.hop = hop_enabled(node.config)
+        self.protocol: RelayProtocol | None = None
+        self.dcutr: DCUtRProtocol | None = None
+        self._dialer: CircuitV2Transport | None = None
+        # relay peer id -> (its dialable address, reservation expiry as unix time)
+        self.reservations: dict[str, tuple[str, float]] = {}
+        self._refused_until: dict[str, float] = {}
+        self._wake = asyncio.Event()
+        self.hole_punch = {"direct": 0, "failed": 0, "gave_up": 0}
+
+    # trio side: services -------------------------------------------------------------------
+
+    def t_services(self, host) -> list:
+        """The py-libp2p services to run beside pubsub (built in the libp2p thread)."""
+        cfg = self.cfg
+        limits = RelayLimits(duration=cfg.circuit_duration_s, data=cfg.circuit_bytes,
+                             max_circuit_conns=cfg.max_circuits_per_peer,
+                             max_reservations=cfg.max_reservations,
+                             reservation_ttl=cfg.reservation_ttl_s)
+        self.protocol = RelayProtocol(host, limits=limits, allow_hop=self.hop)
+        self._dialer = CircuitV2Transport(host, self.protocol,
+                                          RelayConfig(roles=RelayRole.STOP, limits=limits))
+        services = [self.protocol]
+        if self.node.cfg.hole_punching:
+            self.dcutr = DCUtRProtocol(host)
+            services.append(self.dcutr)
+        return services
+
+    def t_guard_hop(self, host) -> None:
+        """Once the relay runs: refuse hop requests (reservations, circuits) from peers our
+        penalties or peer filter refuse."""
+        if not self.hop or self.protocol is None:
+            return
+        inner = self.protocol._handle_hop_stream
+
+        async def guarded(stream) -> None:
+            peer = stream.muxed_conn.peer_id.to_base58()
+            if not self.node._allowed(peer):
+                self.node.metrics.inc("relay_refused_peer")
+                try:
+                    await stream.reset()
+                except Exception as e:  # noqa: BLE001 - already gone
+                    log.debug("reset of a refused hop stream: %s", e)
+                return
+            await inner(stream)
+
+        host.set_stream_handler(HOP_PROTOCOL_ID, guarded)
+
+    async def t_dial_circuit(self, addr: multiaddr.Multiaddr, peer: ID) -> None:
+        """Connect to `peer` through the relay named in `addr` (`<relay addr>/p2p/<relay>
+        /p2p-circuit/p2p/<peer>`)."""
+        if self._dialer is None:
+            raise NotRunning("the relay client is not running")
+        _relay_addr, target = self._dialer.parse_circuit_ma(addr)
+        if target != peer:
+            raise DialError(f"{addr} leads to {target}, not {peer}", reason="wrong_peer")
+        self.node.metrics.inc("relay_dials")
+        try:
+            await self._dialer.dial(addr)
+        except Exception:
+            self.node.metrics.inc("relay_dial_failures")
+            raise
+
+    async def _t_reserve(self, relay: str, addr: str) -> tuple[bool, float, str]:
+        """One RESERVE on `relay`: (ok, expiry unix time, why not)."""
+        host = self.node._host
+        rid = ID.from_base58(relay)
+        stream = None
+        try:
+            with trio.fail_after(RESERVE_TIMEOUT_S):
+                if not host.get_network().connections.get(rid):
+                    await host.connect(PeerInfo(rid, [multiaddr.Multiaddr(addr)]))
+                stream = await host.new_stream(rid, [HOP_PROTOCOL_ID])
+                await write_delimited_msg(stream, HopMessage(type=HopMessage.RESERVE))
+                resp = await read_delimited_msg(stream, HopMessage)
+        except trio.TooSlowError:
+            return False, 0.0, "timeout"
+        except Exception as e:  # noqa: BLE001 - reported as the reason
+            return False, 0.0, f"{type(e).__name__}: {e}"[:120]
+        finally:
+            if stream is not None:
+                try:
+                    await stream.close()
+                except Exception as e:  # noqa: BLE001 - best effort
+                    log.debug("closing a reserve stream: %s", e)
+        status = StatusCode(resp.status) if resp.HasField("status") else StatusCode.OK
+        if status != StatusCode.OK:
+            return False, 0.0, status.name.lower()
+        expire = float(resp.reservation.expire) if resp.HasField("reservation") else 0.0
+        return True, expire or time.time() + 60.0, ""
+
+    def _t_hop_peers(self) -> list[str]:
+        """Connected peers that offer the hop protocol (identify told us)."""
+        host = self.node._host
+        out = []
+        for pid in host.get_connected_peers():
+            try:
+                protocols = host.get_peerstore().get_protocols(pid) or []
+            except Exception as e:  # noqa: BLE001 - not identified yet
+                log.debug("protocols of %s: %s", pid, e)
+                continue
+            if HOP_PROTOCOL_ID in protocols:
+                out.append(pid.to_base58())
+        return out
+
+    def _t_hole_punch_stats(self) -> dict[str, int]:
+        """Peers upgraded to direct; peers with a failed attempt (`failed`, still trying
+        up to MAX_HOLE_PUNCH_ATTEMPTS) and those whose attempts ran out (`gave_up`)."""
+        d = self.dcutr
+        if d is None:
+            return {"direct": 0, "failed": 0, "gave_up": 0}
+        done = [(p, n) for p, n in list(d._hole_punch_attempts.items())
+                if p not in d._in_progress and p not in d._direct_connections]
+        return {"direct": len(d._direct_connections), "failed": len(done),
+                "gave_up": sum(1 for _p, n in done if n >= MAX_HOLE_PUNCH_ATTEMPTS)}
+
+    # asyncio side: the client ---------------------------------------------------------------
+
+    def circuit_addrs(self) -> list[str]:
+        me = self.node.peer_id
+        return [f"{addr}/p2p/{relay}/p2p-circuit/p2p/{me}"
+                for relay, (addr, _exp) in sorted(self.reservations.items())]
+
+    def relay_in_use(self, peer: str) -> bool:
+        return peer in self.reservations
+
+    def stats(self) -> dict:
+        """For /status (`p2p.relay`)."""
+        p = self.protocol
+        out = {"service": self.hop, "reservations_held": sorted(self.reservations),
+               "hole_punch": dict(self.hole_punch)}
+        if self.hop and p is not None:
+            out.update(reserved_peers=p.resource_manager.active(), circuits=p.circuits,
+                       circuits_total=p.circuits_total,
+                       max_reservations=self.cfg.max_reservations)
+        return out
+
+    async def run(self) -> None:
+        """Hold reservations while this node is not publicly reachable."""
+        while True:
+            try:
+                await self._round()
+            except asyncio.CancelledError:
+                raise
+            except NotRunning:
+                return
+            except Exception as e:  # noqa: BLE001 - one bad round must not end the client
+                log.warning("relay client round failed: %s: %s", type(e).__name__, e)
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), CLIENT_POLL_S)
+            except TimeoutError:
+                pass
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def reachability_changed(self, snap) -> None:
+        self._wake.set()
+        if self.hop and snap.verdict.value in ("relayed", "direct", "unreachable"):
+            log.warning("this node relays for NAT'd peers (p2p.relay.service) but is not "
+                        "publicly reachable itself: they cannot reserve a slot through it; "
+                        "run the relay on a public address or forward its TCP port")
+
+    async def _round(self) -> None:
+        node = self.node
+        reach = node.reach.current
+        self.hole_punch = await node._bridge.call(_async, self._t_hole_punch_stats)
+        node.reach.set_direct_peers(self.hole_punch["direct"])
+        want = self.cfg.client and not reach.public and reach.verdict.value != "unknown"
+        connected = set(node.connected_peers())
+        for relay in [r for r in self.reservations if r not in connected]:
+            log.info("relay %s left; its reservation is gone", relay)
+            del self.reservations[relay]
+        if not want:
+            if self.reservations and reach.public:
+                self.reservations.clear()  # public: let them expire, stop advertising
+        else:
+            await self._refresh()
+            missing = self.cfg.reservations - len(self.reservations)
+            if missing > 0:
+                await self._reserve_more(missing, connected)
+        node.reach.set_relay_addrs(self.circuit_addrs())
+
+    async def _refresh(self) -> None:
+        now = time.time()
+        ttl = self.cfg.reservation_ttl_s
+        for relay, (addr, expire) in list(self.reservations.items()):
+            if expire - now > ttl * REFRESH_MARGIN:
+                continue
+            ok, new_expire, why = await self.node._bridge.call(self._t_reserve, relay, addr)
+            if ok:
+                self.reservations[relay] = (addr, new_expire)
+                self.node.metrics.inc("relay_reservations_refreshed")
+            else:
+                log.info("relay %s did not renew our reservation (%s)", relay, why)
+                del self.reservations[relay]
+
+    async def _reserve_more(self, missing: int, connected: set[str]) -> None:
+        node = self.node
+        now = time.monotonic()
+        hop_peers = await node._bridge.call(_async, self._t_hop_peers)
+        candidates = [p for p in hop_peers
+                      if p in connected and p not in self.reservations
+                      and not node.is_relayed(p) and self._refused_until.get(p, 0) <= now]
+        for relay in candidates[:missing]:
+            addr = self._dialable_addr(relay)
+            if addr is None:
+                continue
+            ok, expire, why = await node._bridge.call(self._t_reserve, relay, addr)
+            if ok:
+                self.reservations[relay] = (addr, expire)
+                node.metrics.inc("relay_reservations")
+                log.info("reserved a relay slot on %s: reachable at %s/p2p/%s/p2p-circuit",
+                         relay, addr, relay)
+            else:
+                self._refused_until[relay] = now + RETRY_RELAY_S
+                node.metrics.inc("relay_reservations_refused")
+                log.info("relay %s refused a reservation (%s)", relay, why)
+
+    def _dialable_addr(self, relay: str) -> str | None:
+        """The relay's address as others can dial it: the one it advertises (peer
+        exchange) at the IP our connection to it reaches, else that connection's address
+        (its listen address when we dialled it), else the first it advertises."""
+        conn = self.node.direct_addr_of(relay)
+        known = self.node.discovery.known.get(relay, []) if self.node.discovery else []
+        bases = [a.removesuffix(f"/p2p/{relay}") for a in known]
+        bases = [b for b in bases if ip_tcp(b) is not None]
+        if conn is not None:
+            ip = ip_tcp(conn)[1]
+            same_ip = [b for b in bases if ip_tcp(b)[1] == ip]
+            return same_ip[0] if same_ip else conn
+        return bases[0] if bases else None
+
+
+async def _async(fn):
+    """Run the synchronous `fn` in the trio thread (for bridge.call)."""
+    return fn()
+
+
+def connection_addr(conn) -> str | None:
+    """The remote /ipX/../tcp/N of a direct connection, else None."""
+    for a in transport_addrs(conn):
+        if ip_tcp(str(a)) is not None:
+            return str(a)
+    return None

@@ -1,0 +1,139 @@
+"""NAT traversal through real NATs: two peers behind two home routers (netlab namespaces,
+nftables NAT) and a public relay. Cone NATs: the relayed connection is upgraded to a
+direct one by hole punching (DCUtR). Symmetric NATs: it stays relayed, and works."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.waiting import wait_until
+
+try:
+    from swarm_node.node.testing import netlab
+except ImportError:  # the lab lands with the WAN work package
+    netlab = None
+
+PEER = Path(__file__).with_name("nat_peer.py")
+
+pytestmark = pytest.mark.skipif(
+    netlab is None or netlab.unavailable_reason() is not None,
+    reason=("node/testing/netlab is not on this branch" if netlab is None
+            else (netlab.unavailable_reason() or "")))
+
+
+class Peer:
+    """nat_peer.py in a lab host; `cmd` sends one command and reads its JSON answer."""
+
+    def __init__(self, lab, host: str, *args: str):
+        self.proc = lab.popen(host, [sys.executable, str(PEER), *args],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True)
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"nat_peer on {host} did not start")
+        self.info = json.loads(line)
+        self.peer_id = self.info["peer_id"]
+
+    def cmd(self, text: str) -> dict:
+        self.proc.stdin.write(text + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def wait(self, pred, timeout: float, what: str) -> dict:
+        """Poll this peer's status (another process: nothing signals) until `pred`."""
+        last: list[dict] = [{}]
+
+        def check() -> bool:
+            last[0] = self.cmd("status")
+            return pred(last[0])
+
+        wait_until(check, timeout, what, interval=0.5, details=lambda: str(last[0]))
+        return last[0]
+
+    def stop(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nat, direct", [("cone", True), ("symmetric", False)])
+def test_hole_punch_through_two_nats(nat, direct):
+    link = netlab.Link(latency_ms=10)
+    topo = netlab.Topology(hosts=(netlab.Host("relay", link),),
+                           homes=(netlab.Home("ha", nat, link, ("a",)),
+                                  netlab.Home("hb", nat, link, ("b",))))
+    with netlab.Lab(topo, prefix="p2pnet") as lab:
+        peers = []
+        try:
+            relay = Peer(lab, "relay", "--listen", f"/ip4/{lab.addr('relay')}/tcp/4001",
+                         "--relay")
+            peers.append(relay)
+            boot = f"/ip4/{lab.addr('relay')}/tcp/4001/p2p/{relay.peer_id}"
+            a = Peer(lab, "a", "--listen", "/ip4/0.0.0.0/tcp/4001", "--bootstrap", boot)
+            peers.append(a)
+            b = Peer(lab, "b", "--listen", "/ip4/0.0.0.0/tcp/4001", "--bootstrap", boot)
+            peers.append(b)
+            st = a.wait(lambda s: s["reachability"]["relay_addrs"], 60, "A holds a relay slot")
+            assert st["reachability"]["verdict"] == "relayed"
+            circuit = st["reachability"]["relay_addrs"][0]
+            assert b.cmd(f"connect {circuit}")["ok"]
+            assert b.cmd(f"ask {a.peer_id}") == {"ok": True, "reply": "hello", "error": ""}
+            if direct:
+                b.wait(lambda s: a.peer_id in s["connected"] and a.peer_id not in s["relayed"],
+                       60, "a direct connection (hole punched)")
+                a.wait(lambda s: s["reachability"]["verdict"] == "direct", 30, "A: direct")
+            else:
+                a.wait(lambda s: s["relay"]["hole_punch"]["failed"] >= 1, 90,
+                       "a failed DCUtR attempt (driven by A, the side the relay connected "
+                       "to)")
+                st = b.cmd("status")
+                assert a.peer_id in st["relayed"], st
+            assert b.cmd(f"ask {a.peer_id}")["reply"] == "hello"  # either way, it works
+        finally:
+            for p in peers:
+                p.stop()
+
+
+@pytest.mark.slow
+def test_peers_reconnect_after_a_partition_heals():
+    """A partition drops every packet between the halves: the connections across it die
+    silently (TCP would hold them for minutes), the liveness pings close them, discovery's
+    redials fail and back off; once healed, the halves are connected again within seconds
+    (the first connection back resets the other backoffs)."""
+    topo = netlab.Topology(hosts=tuple(netlab.Host(n, netlab.Link(latency_ms=5))
+                                       for n in ("a", "b", "c")))
+    with netlab.Lab(topo, prefix="p2pnet") as lab:
+        peers = []
+        try:
+            a = Peer(lab, "a", "--listen", f"/ip4/{lab.addr('a')}/tcp/4001", "--fast")
+            peers.append(a)
+            boot = f"/ip4/{lab.addr('a')}/tcp/4001/p2p/{a.peer_id}"
+            for name in ("b", "c"):
+                peers.append(Peer(lab, name, "--listen", f"/ip4/{lab.addr(name)}/tcp/4001",
+                                  "--bootstrap", boot, "--fast"))
+            b, c = peers[1:]
+            a.wait(lambda s: {b.peer_id, c.peer_id} <= set(s["connected"]), 30, "a full mesh")
+            lab.partition(["a"], ["b", "c"])
+            st = a.wait(lambda s: not s["connected"], 40, "A's dead connections closed")
+            failed = st["counters"].get("dial_failures", 0)
+            a.wait(lambda s: s["counters"].get("dial_failures", 0) >= failed + 3, 60,
+                   "redials failing (and backing off) across the partition")
+            lab.heal()
+            healed = time.monotonic()
+            a.wait(lambda s: {b.peer_id, c.peer_id} <= set(s["connected"]), 30,
+                   "reconnected after the heal")
+            assert time.monotonic() - healed < 30
+            assert a.cmd(f"ask {c.peer_id}")["reply"] == "hello"
+        finally:
+            for p in peers:
+                p.stop()

@@ -1,0 +1,118 @@
+"""Circuit Relay v2 between real hosts on loopback. A node listening on 127.0.0.x (x > 1)
+dials out from 127.0.0.1, so peers see it where nothing listens: a NAT in miniature (its
+dial-back fails, it is "unreachable" until it holds a relay slot)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from swarm_node.node.identity import Identity
+from swarm_node.node.p2p import P2PNode
+from swarm_node.node.p2p import relay as relay_mod
+from swarm_node.node.p2p.reachability import Verdict
+
+from .conftest import p2p_config, verdict, wait_until
+
+HELLO = "/test/hello/1.0.0"
+
+
+@pytest.fixture
+async def natted():
+    """Factory of started P2PNodes listening on 127.0.0.`host` (behind a "NAT")."""
+    nodes = []
+
+    async def make(host: int, bootstrap: list[str], *, discovery=True, **p2p):
+        cfg = p2p_config(**p2p).with_overrides({"node.listen": [f"/ip4/127.0.0.{host}/tcp/0"]})
+        node = P2PNode(Identity.generate(), cfg)
+        await node.start(bootstrap=bootstrap, discovery=discovery)
+        nodes.append(node)
+        return node
+
+    yield make
+    await asyncio.gather(*(n.close() for n in nodes))
+
+
+async def start_relay(**relay) -> P2PNode:
+    cfg = p2p_config(hole_punching=False, **{f"relay.{k}": v
+                                              for k, v in {"service": "on", **relay}.items()})
+    node = P2PNode(Identity.generate(), cfg)
+    await node.start(bootstrap=[])
+    return node
+
+
+async def test_relayed_connection_carries_gossip_and_requests(natted):
+    relay = await start_relay()
+    try:
+        a = await natted(2, relay.listen_addrs, target_peers=1, hole_punching=False)
+        await wait_until(lambda: a.reachability.verdict is Verdict.RELAYED, 30,
+                         what="A relayed")
+        circuit = a.reachability.relay_addrs[0]
+        assert f"/p2p/{relay.peer_id}/p2p-circuit/p2p/{a.peer_id}" in circuit
+        assert circuit in a.advertised_addrs()[:1]
+
+        b = await natted(3, relay.listen_addrs, discovery=False, hole_punching=False)
+        got: list = []
+
+        async def on_verdict(env, origin):
+            got.append((env.message.policy_version, origin))
+
+        await a.subscribe("verdicts", on_verdict)
+        async def ignore(env, origin) -> None:
+            return None
+
+        await b.subscribe("verdicts", ignore)
+
+        async def hello(peer: str, body: bytes) -> bytes:
+            return b"hello " + body + b" from " + a.peer_id.encode()
+
+        await a.set_request_handler(HELLO, hello)
+        assert await b.connect(circuit) == a.peer_id
+        assert b.is_relayed(a.peer_id)
+        await wait_until(lambda: a.is_relayed(b.peer_id), 10, what="A sees B, relayed")
+        assert await b.request(a.peer_id, HELLO, b"b") == b"hello b from " + a.peer_id.encode()
+        await wait_until(lambda: a.peer_id in b.topic_peers("verdicts"), 20,
+                         what="A's subscription over the relay")
+        await b.publish("verdicts", verdict(7))
+        await wait_until(lambda: got, 20, what="gossip over the relay")
+        assert got == [(7, b.peer_id)]
+        assert relay.health()["relay"]["circuits"] >= 1
+    finally:
+        await relay.close()
+
+
+async def test_reservation_refused_past_the_relays_limit(natted, monkeypatch):
+    monkeypatch.setattr(relay_mod, "RETRY_RELAY_S", 0.5)
+    relay = await start_relay(max_reservations=1)
+    try:
+        a = await natted(2, relay.listen_addrs, target_peers=1, hole_punching=False)
+        await wait_until(lambda: a.reachability.verdict is Verdict.RELAYED, 30, what="A")
+        c = await natted(4, relay.listen_addrs, target_peers=1, hole_punching=False)
+        await wait_until(lambda: c.metrics["relay_reservations_refused"] >= 1, 30,
+                         what="C refused")
+        assert c.reachability.verdict is Verdict.UNREACHABLE
+        assert relay.health()["relay"]["reserved_peers"] == 1
+        # A leaves: its slot is free at once (not after the reservation's TTL).
+        await a.close()
+        await wait_until(lambda: c.reachability.verdict is Verdict.RELAYED, 30,
+                         what="C takes the freed slot")
+    finally:
+        await relay.close()
+
+
+async def test_relayed_connection_upgrades_to_direct(natted):
+    """DCUtR on loopback: the NATs are pretend, so its first step (a direct dial to the
+    addresses identify gave) already succeeds. The real hole punch (TCP simultaneous open
+    through two NATs) is test_hole_punch_through_two_nats in the namespace lab."""
+    relay = await start_relay()
+    try:
+        a = await natted(2, relay.listen_addrs, target_peers=1)
+        await wait_until(lambda: a.reachability.relay_addrs, 30, what="A relayed")
+        b = await natted(3, relay.listen_addrs, discovery=False)
+        await b.connect(a.reachability.relay_addrs[0])
+        assert b.is_relayed(a.peer_id)
+        await wait_until(lambda: not b.is_relayed(a.peer_id), 30, what="a direct connection")
+        await wait_until(lambda: a.reachability.verdict is Verdict.DIRECT, 30,
+                         what="A's verdict direct")
+    finally:
+        await relay.close()

@@ -134,8 +134,10 @@ class DiskWatch:
         self._update()
 
     async def wait_for_space(self, need: int, stop: asyncio.Event | None = None) -> bool:
-        """Wait until `need` bytes fit (polling); False if `stop` was set first (at once,
-        not at the next poll)."""
+        """Wait until `need` bytes fit; False as soon as `stop` is set (at once, not at the
+        next check). Free space is looked at every `poll_s`: nothing signals that a
+        filesystem gained space (an operator deletes files, another process ends), so an
+        interval is how to see it. Without `stop` only cancelling the task ends the wait."""
         while True:
             try:
                 ensure_free(self.path, need)
@@ -144,15 +146,8 @@ class DiskWatch:
             else:
                 self.resumed()
                 return True
-            if stop is None:
-                await asyncio.sleep(self.poll_s)
-                continue
-            if stop.is_set():
+            if await _stopped_within(stop, self.poll_s):
                 return False
-            try:
-                await asyncio.wait_for(stop.wait(), self.poll_s)
-            except TimeoutError:
-                pass
 
     def status(self) -> dict:
         """A live view for /status: `paused` (writes waiting for space), `detail`."""
@@ -168,8 +163,8 @@ async def until_written(watch: DiskWatch, call, *args, need: int = 0,
     """`await call(*args, **kwargs)`, and while it fails because the disk is full: pause
     (logged once, shown in /status through `watch`), wait for space, and try again. For
     writes that must not be lost (buffer, checkpoint, counters): the caller's work pauses,
-    the node stays up. Raises WaitStopped when `stop` (default: the node's, `configure`) is
-    set while it waits: the write did not happen."""
+    the node stays up. Raises WaitStopped as soon as `stop` (default: the node's,
+    `configure`) is set while it waits: the write did not happen."""
     stop = stop if stop is not None else _stop
     while True:
         try:
@@ -178,10 +173,9 @@ async def until_written(watch: DiskWatch, call, *args, need: int = 0,
             if not is_disk_full(e):
                 raise
             watch.hit(e)
-            if stop is None:
-                await asyncio.sleep(watch.poll_s)
-                await watch.wait_for_space(need)
-            elif not await _pause(watch, need, stop):
+            # one check interval first: the write itself found the disk full just now
+            if (await _stopped_within(stop, watch.poll_s)
+                    or not await watch.wait_for_space(need, stop)):
                 raise WaitStopped(f"stopped while {watch.name} waited for disk space "
                                   f"({watch.detail})") from None
             continue
@@ -189,13 +183,16 @@ async def until_written(watch: DiskWatch, call, *args, need: int = 0,
         return result
 
 
-async def _pause(watch: DiskWatch, need: int, stop: asyncio.Event) -> bool:
-    """One poll interval, then wait for space; False as soon as `stop` is set."""
+async def _stopped_within(stop: asyncio.Event | None, seconds: float) -> bool:
+    """Wait one check interval; True (at once) if `stop` is or becomes set."""
+    if stop is None:
+        await asyncio.sleep(seconds)
+        return False
     if stop.is_set():
-        return False
+        return True
     try:
-        await asyncio.wait_for(stop.wait(), watch.poll_s)
-        return False
+        async with asyncio.timeout(seconds):
+            await stop.wait()
     except TimeoutError:
-        pass
-    return await watch.wait_for_space(need, stop)
+        return False
+    return True

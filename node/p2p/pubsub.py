@@ -28,8 +28,9 @@ from .gossip import mesh_ready, origin_b58
 
 log = logging.getLogger(__name__)
 
-MESH_POLL_S = 0.02  # how often a first publish re-checks whether the mesh formed
-QUEUE_POLL_S = 0.005  # how often a blocked publish re-checks the peer queues
+# How often a topic's first publish looks again whether its mesh formed: py-libp2p changes
+# the mesh and the peers' subscriptions in its own code, which signals nothing.
+MESH_POLL_S = 0.02
 # Announced pulls of one announcer waiting for its pull slots; more are dropped (counted
 # payload_pull_queue_full). An announce is ~150 bytes plus its waiting task.
 PULL_QUEUE_PER_ANNOUNCER = 256
@@ -55,6 +56,7 @@ class GossipService:
         self._flush_pending = False
         self._server: BodyServer | None = None  # bodies over the bulk plane (bodies.py)
         self._puller: BodyPuller | None = None
+        self._t_shorter: trio.Event | None = None  # set when an outbound queue shrinks
 
     async def subscribe_pending(self) -> None:
         """At start: subscribe in the libp2p thread to the kinds subscribed before it."""
@@ -199,22 +201,30 @@ class GossipService:
             await trio.sleep(MESH_POLL_S)
 
     async def _t_wait_capacity(self) -> None:
+        """Until every outbound peer queue is at most `publish_high_water` long, woken by
+        each RPC that leaves a queue (TunedQueues.shorter); PublishError after
+        `publish_timeout_s`."""
         queues = self.node._pubsub.peer_queues
-        _, fullest = queues.fullest()
-        if fullest <= self.cfg.publish_high_water:
+        if queues.fullest()[1] <= self.cfg.publish_high_water:
             return
         self.metrics.inc("publish_waits")
-        deadline = trio.current_time() + self.cfg.publish_timeout_s
-        while True:
-            await trio.sleep(QUEUE_POLL_S)
-            peer, fullest = queues.fullest()
-            if fullest <= self.cfg.publish_high_water:
-                return
-            if trio.current_time() >= deadline:
-                raise PublishError(
-                    f"outbound queue to {peer} still holds {fullest} messages after "
-                    f"{self.cfg.publish_timeout_s:.0f}s (peer too slow or stalled)",
-                    reason="queue_full")
+        queues.shorter = self._t_queue_shorter
+        with trio.move_on_after(self.cfg.publish_timeout_s):
+            while queues.fullest()[1] > self.cfg.publish_high_water:
+                if self._t_shorter is None:
+                    self._t_shorter = trio.Event()
+                await self._t_shorter.wait()
+            return
+        peer, fullest = queues.fullest()
+        raise PublishError(f"outbound queue to {peer} still holds {fullest} messages after "
+                           f"{self.cfg.publish_timeout_s:.0f}s (peer too slow or stalled)",
+                           reason="queue_full")
+
+    def _t_queue_shorter(self) -> None:
+        """An outbound queue got shorter or went away: wake the publishes waiting."""
+        waiting, self._t_shorter = self._t_shorter, None
+        if waiting is not None:
+            waiting.set()
 
     async def publish_raw(self, kind: str, data: bytes) -> None:
         """Gossip `data` as is, without sealing. For tests and tools that check how peers

@@ -5,8 +5,10 @@ Modes: `silent` opens TCP connections and sends nothing; `hello` opens TLS conne
 authenticates them with `--identities` fresh keys in turn, then holds them without a
 request. Either way every connection the server closes is opened again (kept topped up),
 at most `--rate` new connections per second (a spinning attacker would only measure this
-machine's two cores). Prints one JSON line {"event": "ready", ...} once `--conns` were
-tried, and {"event": "stats", ...} for each "stats" line on stdin; exits at end of input.
+machine's two cores). Prints one JSON line {"event": "ready", ...} once each of the `--conns`
+slots has its first outcome (silent: the connection opened or failed; hello: the server's
+status, or the connection failed or was closed before it), and {"event": "stats", ...} for
+each "stats" line on stdin; exits at end of input.
 """
 
 from __future__ import annotations
@@ -35,7 +37,13 @@ class Flood:
         self.next_id = 0
         self._slots = asyncio.Semaphore(1)
         self._last = 0.0
-        self.filled = asyncio.Event()  # every slot tried once
+        self.settled = 0  # slots whose first connection has its outcome
+        self.all_settled = asyncio.Event()
+
+    def _settle(self) -> None:
+        self.settled += 1
+        if self.settled >= self.args.conns:
+            self.all_settled.set()
 
     async def _paced(self) -> None:
         async with self._slots:  # one new connection per 1/rate seconds
@@ -46,22 +54,29 @@ class Flood:
 
     async def one(self) -> None:
         """One connection slot, kept topped up forever."""
+        first = True
+
+        def outcome() -> None:
+            nonlocal first
+            if first:
+                first = False
+                self._settle()
+
         while True:
             await self._paced()
             try:
-                await self._connection()
+                await self._connection(outcome)
             except (OSError, asyncio.IncompleteReadError, ConnectionError) as e:
                 self.counts[f"error_{type(e).__name__}"] += 1
+            outcome()  # failed or closed before its outcome: that is its outcome
 
-    async def _connection(self) -> None:
+    async def _connection(self, outcome) -> None:
         ssl = self.ctx if self.args.mode == "hello" else None
         reader, writer = await asyncio.open_connection(
             self.host, self.port, ssl=ssl, server_hostname="" if ssl else None,
             local_addr=(self.args.source_ip, 0))
         self.counts["opened"] += 1
         self.open += 1
-        if self.counts["opened"] >= self.args.conns:
-            self.filled.set()
         try:
             if self.args.mode == "hello":
                 ident = self.ids[self.next_id % len(self.ids)]
@@ -71,8 +86,11 @@ class Flood:
                                          challenge))
                 status = await reader.readexactly(1)
                 self.counts[STATUS.get(status, "unknown")] += 1
+                outcome()
                 if status != ACCEPTED:
                     return
+            else:
+                outcome()
             while await reader.read(1 << 16):  # hold it, silent, until the server closes
                 pass
             self.counts["closed_by_server"] += 1
@@ -81,14 +99,15 @@ class Flood:
             writer.transport.abort()
 
     def stats(self, event: str) -> None:
-        print(json.dumps({"event": event, "open": self.open, **self.counts}), flush=True)
+        print(json.dumps({"event": event, "open": self.open, "settled": self.settled,
+                          **self.counts}), flush=True)
 
 
 async def main_async(args) -> None:
     flood = Flood(args)
     tasks = [asyncio.create_task(flood.one()) for _ in range(args.conns)]
     try:
-        await asyncio.wait_for(flood.filled.wait(), 60)
+        await asyncio.wait_for(flood.all_settled.wait(), 60)
     except TimeoutError:
         pass  # said by the counts
     flood.stats("ready")

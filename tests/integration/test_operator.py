@@ -17,12 +17,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 from swarm_node.node.config import dump_toml
+
+from tests.waiting import StartNotices, wait_until
 
 BIN = Path(sys.executable).parent / "swarm-node"
 MAX_STEPS = 3
@@ -51,17 +52,17 @@ def free_port() -> int:
 
 
 def wait_for(pred, timeout: float, what: str, proc=None, log: Path | None = None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    """`pred()`'s value once true: the node's /status or log, read every 0.25 s (another
+    process's state); fails at once if `proc` exits meanwhile."""
+    def tail() -> str:
+        return log.read_text()[-3000:] if log else ""
+
+    def check():
         if proc is not None and proc.poll() is not None:
-            pytest.fail(f"node exited {proc.returncode} while waiting for {what}:\n"
-                        f"{log.read_text()[-3000:] if log else ''}")
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.3)
-    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}:\n"
-                f"{log.read_text()[-3000:] if log else ''}")
+            pytest.fail(f"node exited {proc.returncode} while waiting for {what}:\n{tail()}")
+        return pred()
+
+    return wait_until(check, timeout, what, interval=0.25, details=tail)
 
 
 def get(port: int, path: str) -> bytes:
@@ -84,12 +85,16 @@ class Node:
         self.data = Path(cfg["node"]["data_dir"])
         self.log = root / "node.log"
         self.proc: subprocess.Popen | None = None
+        self.notices: StartNotices | None = None
 
     def start(self) -> Node:
         self.root.mkdir(parents=True, exist_ok=True)
         (self.root / "node.toml").write_text(dump_toml(self.cfg))
-        env = {**os.environ, "HOME": str(self.root), "OMP_NUM_THREADS": "1",
-               "PYTHONUNBUFFERED": "1"}
+        if self.notices is not None:  # restarted: a fresh socket
+            self.notices.close()
+        self.notices = StartNotices()
+        env = self.notices.env({**os.environ, "HOME": str(self.root), "OMP_NUM_THREADS": "1",
+                                "PYTHONUNBUFFERED": "1"})
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen([str(BIN), "join", "--config",
                                           str(self.root / "node.toml")],
@@ -104,10 +109,13 @@ class Node:
         return status(self.admin_port)
 
     def wait_joined(self, timeout: float = 120) -> None:
-        wait_for(lambda: "joined swarm" in self.log.read_text(), timeout, "joined swarm",
-                 self.proc, self.log)
+        """Until the node said it joined (READY=1, after its "joined swarm" line)."""
+        self.notices.wait(self.proc, timeout, details=lambda: self.log.read_text()[-3000:])
 
     def stop(self) -> int:
+        if self.notices is not None:
+            self.notices.close()
+            self.notices = None
         if self.proc is None or self.proc.poll() is not None:
             return self.proc.returncode if self.proc else 0
         self.proc.send_signal(signal.SIGTERM)

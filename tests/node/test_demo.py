@@ -9,7 +9,7 @@ import os
 import signal
 import subprocess
 import sys
-import time
+import threading
 from pathlib import Path
 
 import pytest
@@ -84,26 +84,34 @@ def test_the_cheaters_numbers_add_up_in_the_summary():
 
 @pytest.mark.slow  # three real node processes (~40 s on a busy machine)
 def test_ctrl_c_stops_the_demo_with_a_summary(tmp_path):
-    out = tmp_path / "demo.out"
     env = {**os.environ, "HOME": str(tmp_path), "PYTHONUNBUFFERED": "1"}
-    with open(out, "wb") as f:
-        proc = subprocess.Popen([str(Path(sys.executable).parent / "swarm-node"), "demo",
-                                 "--inference-peers", "1", "--no-cheater", "--workdir",
-                                 str(tmp_path / "w")], stdout=f, stderr=subprocess.STDOUT,
-                                env=env)
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "swarm-node"), "demo",
+                             "--inference-peers", "1", "--no-cheater", "--workdir",
+                             str(tmp_path / "w")], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env=env, text=True)
+    lines: list[str] = []
+    up = threading.Event()
+
+    def read() -> None:  # the demo's output, line by line: "nodes up" (or its end) wakes us
+        for line in proc.stdout:
+            lines.append(line)
+            if "nodes up" in line:
+                up.set()
+        up.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     try:
-        deadline = time.monotonic() + 300
-        while "nodes up" not in out.read_text():
-            assert proc.poll() is None, out.read_text()
-            assert time.monotonic() < deadline, out.read_text()
-            time.sleep(0.5)
+        assert up.wait(300), "".join(lines)
+        assert proc.poll() is None and any("nodes up" in ln for ln in lines), "".join(lines)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=120) == 130
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    text = out.read_text()
+    reader.join(30)
+    text = "".join(lines)
     assert "interrupted at trainer v" in text and "stopping 3 nodes" in text
     assert "swarm-node demo summary" in text and "(interrupted after" in text
     assert "Writing model shards" not in text

@@ -20,6 +20,8 @@ from swarm_node.node.diskspace import (
     until_written,
 )
 
+from tests.waiting import async_wait_until
+
 HANG_GUARD_S = 30.0
 
 
@@ -48,7 +50,7 @@ def full_disk():
 
 async def test_a_write_waiting_for_space_ends_at_the_stop_signal(tmp_path, full_disk, caplog):
     stop = asyncio.Event()
-    watch = DiskWatch("sampling", tmp_path, poll_s=0.05)
+    watch = DiskWatch("sampling", tmp_path, poll_s=3600)  # only the stop can end the wait
     calls = []
 
     async def write():
@@ -57,8 +59,7 @@ async def test_a_write_waiting_for_space_ends_at_the_stop_signal(tmp_path, full_
 
     with caplog.at_level(logging.INFO, logger="swarm_node"):
         waiting = asyncio.create_task(until_written(watch, write, stop=stop))
-        while len(calls) < 1 or not watch.paused:
-            await asyncio.sleep(0.01)
+        await async_wait_until(lambda: calls and watch.paused, HANG_GUARD_S, "the pause")
         stop.set()
         with pytest.raises(WaitStopped, match="sampling waited for disk space"):
             await asyncio.wait_for(waiting, HANG_GUARD_S)
@@ -72,13 +73,13 @@ async def test_the_nodes_own_stop_ends_a_wait_that_was_given_none(tmp_path, full
     stop = asyncio.Event()
     diskspace.configure(2**62, stop)  # what the runner does at start
     try:
-        watch = DiskWatch("training writes", tmp_path, poll_s=0.05)
+        watch = DiskWatch("training writes", tmp_path, poll_s=3600)  # ended by the stop only
 
         async def write():
             raise DiskFull("full")
 
         waiting = asyncio.create_task(until_written(watch, write))  # no stop passed
-        await asyncio.sleep(0.1)
+        await async_wait_until(lambda: watch.paused, HANG_GUARD_S, "the pause")
         stop.set()
         with pytest.raises(WaitStopped):
             await asyncio.wait_for(waiting, HANG_GUARD_S)
@@ -98,8 +99,7 @@ async def test_a_paused_write_resumes_when_space_returns(tmp_path, full_disk, ca
 
     with caplog.at_level(logging.INFO, logger="swarm_node"):
         waiting = asyncio.create_task(until_written(watch, write, stop=asyncio.Event()))
-        while not watch.paused:
-            await asyncio.sleep(0.01)
+        await async_wait_until(lambda: watch.paused, HANG_GUARD_S, "the pause")
         diskspace.configure(0)  # space is back
         assert await asyncio.wait_for(waiting, HANG_GUARD_S) == "written"
     assert not watch.paused and watch.status()["paused"] is False

@@ -73,6 +73,11 @@ class _Authed:
     task: asyncio.Task
 
 
+def _set_if_pending(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 def address_group(ip: str) -> str:
     """What the per-address limits count by: an IPv4 address (also when it arrives
     IPv4-mapped on a dual-stack socket), or an IPv6 /64 (one subscriber's usual share)."""
@@ -132,11 +137,29 @@ class BulkServer:
 
     # Accepting and handshake slots -------------------------------------------------------
 
-    async def _accept_loop(self) -> None:
+    async def _accept(self) -> tuple[socket.socket, tuple]:
+        """The next connection: accepted without blocking once the listening socket is
+        readable. (asyncio's `sock_accept`, cancelled at close, can still accept one after
+        its future was cancelled, then drop it with an InvalidStateError logged: CPython
+        3.11's `_sock_accept`.)"""
         loop = asyncio.get_running_loop()
         while True:
             try:
-                sock, addr = await loop.sock_accept(self._sock)
+                return self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                pass
+            readable = loop.create_future()
+            fd = self._sock.fileno()
+            loop.add_reader(fd, _set_if_pending, readable)
+            try:
+                await readable
+            finally:
+                loop.remove_reader(fd)
+
+    async def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, addr = await self._accept()
             except OSError as e:  # out of file descriptors, ...: keep the listener
                 self.metrics.inc("bulk_accept_errors")
                 log.warning("bulk plane: accept failed: %s", e)

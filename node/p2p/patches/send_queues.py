@@ -16,6 +16,7 @@ counted, and the RPCs queued for a peer sent as one write.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import trio
 from libp2p.pubsub.pubsub import Pubsub
@@ -70,6 +71,7 @@ class BoundedQueue(PriorityQueue):
         super().__init__(max_size)
         self.max_bytes = max_bytes
         self.bytes = 0
+        self.on_release: Callable[[], None] | None = None  # an RPC left the queue
 
     def push(self, rpc, priority: bool = False) -> bool:
         n = rpc.ByteSize()
@@ -89,16 +91,21 @@ class BoundedQueue(PriorityQueue):
     def release(self, rpc) -> None:
         """`rpc` (unchanged since its push) left the queue."""
         self.bytes = self.bytes - rpc.ByteSize() if len(self) else 0
+        if self.on_release is not None:
+            self.on_release()
 
 
 class TunedQueues(dict):
     """Replaces Pubsub.peer_queues: each per-peer queue created by py-libp2p is resized
     (RPC slots, and bytes: BoundedQueue) as it is registered, and its rejected pushes are
-    counted with `metrics.inc("drop_outbound_queue_full", n)`."""
+    counted with `metrics.inc("drop_outbound_queue_full", n)`. `shorter()`, if set, is
+    called (in the libp2p thread) whenever a queue got shorter or went away: a publish
+    waiting for capacity (pubsub.py) waits on it, not on a timer."""
 
     def __init__(self, max_size: int, max_message_size: int, initial: dict,
                  metrics, max_bytes: int | None = None):
         super().__init__(initial)
+        self.shorter: Callable[[], None] | None = None
         self.metrics = metrics
         self.max_size = max_size
         self.max_message_size = max_message_size
@@ -110,6 +117,7 @@ class TunedQueues(dict):
             bounded.push(rpc, priority=True)
         for rpc in queue._queue._non_priority:
             bounded.push(rpc)
+        bounded.on_release = self._shorter
         queue._queue = bounded
         queue.max_message_size = self.max_message_size
         original_push = queue.push
@@ -123,6 +131,19 @@ class TunedQueues(dict):
 
         queue.push = counted_push
         super().__setitem__(peer_id, queue)
+
+    def _shorter(self) -> None:
+        if self.shorter is not None:
+            self.shorter()
+
+    def __delitem__(self, peer_id) -> None:
+        super().__delitem__(peer_id)
+        self._shorter()
+
+    def pop(self, peer_id, *default):
+        queue = super().pop(peer_id, *default)
+        self._shorter()
+        return queue
 
     def fullest(self) -> tuple[object, int]:
         worst, worst_len = None, 0

@@ -4,13 +4,14 @@ and real broadcast peers in subprocesses (`procs`)."""
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 import pytest
 from swarm_node.node.broadcast.manifest import SHARD_LIST, AcceptedManifest, build_manifest
 from swarm_node.node.config import BroadcastSection, Config, load_config
 from swarm_node.node.identity import Identity
+
+from tests.waiting import async_wait_until
 
 from .procs import BroadcastProc
 
@@ -101,13 +102,8 @@ class Completions:
 
 
 async def until(pred, timeout: float = 30, what: str = "condition"):
-    """Wait for `pred()` (checked every 20 ms) with a deadline."""
-    deadline = time.monotonic() + timeout
-    while not (got := pred()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
-    return got
+    """`pred()`'s value once true (tests/waiting.py: for state nothing signals)."""
+    return await async_wait_until(pred, timeout, what)
 
 
 async def wait_mesh(node, kind: str, n: int, timeout: float = 30) -> None:

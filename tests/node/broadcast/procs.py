@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import queue
 import signal
 import subprocess
 import sys
@@ -31,7 +30,9 @@ class BroadcastProc:
         self._stderr = open(self.stderr_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._stderr, text=True, env=env)
-        self.events: queue.Queue = queue.Queue()
+        # read by a thread (the pipe is blocking), handed to the test's event loop
+        self._loop = asyncio.get_running_loop()
+        self.events: asyncio.Queue[dict] = asyncio.Queue()
         self.seen: list[dict] = []
         threading.Thread(target=self._read, daemon=True).start()
         self.info: dict = {}
@@ -39,29 +40,33 @@ class BroadcastProc:
     def _read(self) -> None:
         for line in self.proc.stdout:
             try:
-                self.events.put(json.loads(line))
+                self._put(json.loads(line))
             except json.JSONDecodeError:
                 continue
-        self.events.put({"event": "eof"})
+        self._put({"event": "eof"})
 
-    async def event(self, kind: str, timeout: float = 60) -> dict:
-        """The next event of `kind` (earlier events of other kinds are kept in `seen`)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while True:
-            left = deadline - loop.time()
-            if left <= 0:
-                raise TimeoutError(f"{self.name}: no {kind!r} event in {timeout}s; "
-                                   f"stderr: {self.stderr_tail()}")
-            try:
-                ev = await asyncio.to_thread(self.events.get, True, min(left, 0.5))
-            except queue.Empty:
-                continue
-            self.seen.append(ev)
-            if ev["event"] == kind:
-                return ev
-            if ev["event"] == "eof":
-                raise RuntimeError(f"{self.name} exited; stderr: {self.stderr_tail()}")
+    def _put(self, ev: dict) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self.events.put_nowait, ev)
+        except RuntimeError:  # the test's loop is closed: nobody waits any more
+            pass
+
+    async def event(self, kind: str, timeout: float = 60, **match) -> dict:
+        """The next event of `kind` whose fields equal `match` (earlier events of other
+        kinds are kept in `seen`)."""
+        try:
+            async with asyncio.timeout(timeout):
+                while True:
+                    ev = await self.events.get()
+                    self.seen.append(ev)
+                    if ev["event"] == kind and all(ev.get(k) == v for k, v in match.items()):
+                        return ev
+                    if ev["event"] == "eof":
+                        raise RuntimeError(f"{self.name} exited; stderr: "
+                                           f"{self.stderr_tail()}")
+        except TimeoutError:
+            raise TimeoutError(f"{self.name}: no {kind!r} event {match or ''} in {timeout}s; "
+                               f"stderr: {self.stderr_tail()}") from None
 
     async def ready(self, timeout: float = 60) -> dict:
         self.info = await self.event("ready", timeout)

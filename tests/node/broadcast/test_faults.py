@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
@@ -57,11 +56,12 @@ async def test_relay_killed_mid_transfer(tmp_path, procs):
     for p in (trainer, *relays.values()):
         p.send("rate 1.5")  # slow sources, so that a kill lands mid-transfer
         await p.event("rate")
-    c = client(procs, tmp_path, "c1", trainer, relays["r1"].addrs + relays["r2"].addrs)
+    c = client(procs, tmp_path, "c1", trainer, relays["r1"].addrs + relays["r2"].addrs,
+               "--shard-events")
     await c.ready()
     c.send(f"offer {manifest_file(tmp_path / 'trainer', trainer.peer_id, 1)}")
     await c.event("accepted")
-    await asyncio.sleep(1.5)
+    await c.event("shard", timeout=90, source=relays["r1"].peer_id)  # r1 is one source
     relays["r1"].kill()
     done = await c.event("complete", timeout=90)
     assert read_dir(Path(done["path"])) == read_dir(ckpt)
@@ -103,24 +103,15 @@ async def test_client_killed_and_restarted_resumes(tmp_path, procs):
     await trainer.event("rate")
     ckey = tmp_path / "c1.pem"
     Identity.generate().save(ckey)
-    c = client(procs, tmp_path, "c1", trainer, trainer.addrs, key=ckey)
+    c = client(procs, tmp_path, "c1", trainer, trainer.addrs, "--shard-events", key=ckey)
     await c.ready()
     c.send(f"offer {manifest_file(tmp_path / 'trainer', trainer.peer_id, 1)}")
     await c.event("accepted")
-    bitmap = tmp_path / "c1" / "broadcast" / trainer.peer_id / f"{1:012d}" / "verified.bin"
-
-    def verified() -> int:
-        try:
-            return sum((b).bit_count() for b in bitmap.read_bytes())
-        except OSError:
-            return 0
-
-    for _ in range(200):
-        if verified() >= 8:
-            break
-        await asyncio.sleep(0.05)
+    for _ in range(8):  # each in the bitmap on disk when it is said
+        await c.event("shard", timeout=90)
     c.kill()
-    kept = verified()
+    bitmap = tmp_path / "c1" / "broadcast" / trainer.peer_id / f"{1:012d}" / "verified.bin"
+    kept = sum(b.bit_count() for b in bitmap.read_bytes())
     assert 0 < kept < -(-size // SHARD)
     # the same key and data directory as the killed client
     again = procs("c1-restarted", "inference", tmp_path / "c1", "--follow", trainer.peer_id,

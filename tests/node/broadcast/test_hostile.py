@@ -7,7 +7,6 @@ import asyncio
 import json
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,8 @@ from swarm_node.node.broadcast.store import QUARANTINE_DIR, ShardStore
 from swarm_node.node.config import BroadcastSection, load_config
 from swarm_node.node.identity import Identity
 from swarm_node.protocol.messages import CheckpointManifest, FileEntry, ShardAdvert
+
+from tests.waiting import async_wait_until
 
 from .conftest import SHARD, boot, make_checkpoint, read_dir
 from .procs import BroadcastProc
@@ -32,15 +33,9 @@ async def stats(p: BroadcastProc) -> dict:
 
 
 async def wait_for(pred, timeout: float = 60, what: str = "condition"):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        got = await pred()
-        if got:
-            return got
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.2)
+    """The value of `await pred()` once true: a peer process's stats, asked over its pipe
+    (tests/waiting.py)."""
+    return await async_wait_until(pred, timeout, what, interval=0.2)
 
 
 # 17.4: unsafe names in a stored manifest ------------------------------------------------
@@ -196,7 +191,7 @@ async def test_sybil_adverts_cost_bounded_connections_and_bytes(tmp_path, procs)
             while True:
                 await asyncio.gather(*(s.publish("adverts", advert) for s in sybils),
                                      return_exceptions=True)
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(0.5)  # the flood's pace (a sybil re-adverts), not a wait
         flooder = asyncio.create_task(flood())
         try:
             done = await f.event("complete", timeout=120)
@@ -366,14 +361,13 @@ async def test_trainer_on_a_full_disk_pauses_and_resumes(tmp_path, trainer_fs):
         demo.wait_info(node)
 
         async def status(pred, what):
-            deadline = time.monotonic() + 180
-            while time.monotonic() < deadline:
-                s = demo.fetch_status(node)
-                if s and pred(s):
-                    return s
+            """The trainer process's /status once `pred` holds (read every 0.25 s)."""
+            async def check():
                 assert node.proc.poll() is None, demo.tail(node.log_path)
-                await asyncio.sleep(0.5)
-            raise AssertionError(f"timed out waiting for {what}: {demo.tail(node.log_path)}")
+                s = await asyncio.to_thread(demo.fetch_status, node)
+                return s if s and pred(s) else None
+            return await async_wait_until(check, 180, what, interval=0.25,
+                                          details=lambda: demo.tail(node.log_path))
         await status(lambda s: s.get("versions_published", 0) >= 2, "two versions")
         filler = fill(trainer_fs, 256 * 1024)
         await status(lambda s: s.get("extra", {}).get("disk", {}).get("paused"), "a pause")

@@ -18,6 +18,8 @@ from swarm_node.node.p2p.bulk.cert import server_context
 from swarm_node.node.p2p.metrics import P2PMetrics
 from swarm_node.protocol.messages import ShardRequest, ShardResponseHeader
 
+from tests.waiting import async_wait_until
+
 BODY = 256 * 1024
 REQ = ShardRequest(policy_id="P", version=1, shard=0)
 SERVER, ME = Identity.generate(), Identity.generate()
@@ -91,18 +93,15 @@ async def test_cancelling_a_transfer_ends_its_thread_and_closes_the_socket():
         (n,) = FRAME_HEADER.unpack(await stream.readexactly(FRAME_HEADER.size))
         await stream.readexactly(n)
         task = asyncio.create_task(stream.receive_into(BODY, Sink(), 60.0, 64 * 1024))
-        async with asyncio.timeout(10):
-            while conn._op is None:
-                await asyncio.sleep(0.01)
+        await async_wait_until(lambda: conn._op is not None, 10, "the receiving thread to start")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         await stream.close()
         # the receiving thread ends long before its 60 s chunk timeout, then the socket closes
-        async with asyncio.timeout(10):
-            while conn.sock.fileno() != -1:
-                await asyncio.sleep(0.01)
-        assert conn._op.done()
+        # (the close is a callback of the thread's end, run before this wait wakes)
+        ended, _ = await asyncio.wait([conn._op], timeout=10)
+        assert ended and conn.sock.fileno() == -1
     finally:
         release.set()
         await close()
@@ -112,18 +111,22 @@ async def test_transfers_starting_together_share_one_endpoint_query():
     plane = BulkServer(SERVER.peer_id, server_context(SERVER), BulkSection(), P2PMetrics())
     plane.register("shard", lambda peer, conn: conn.read(1))
     _, port = await plane.start("127.0.0.1", 0)
-    asked = []
+    asked, queried, answer = [], asyncio.Event(), asyncio.Event()
 
     async def query(peer):
         asked.append(peer)
-        await asyncio.sleep(0.05)  # the answer takes a round trip
+        queried.set()
+        await answer.wait()  # the answer takes a round trip: the other transfers start
         return "127.0.0.1", port
 
     client = BulkClient(ME, BulkSection(), query)
     client.add_kind("shard", "shards", 8, 5.0)
     conns = []
     try:
-        conns = await asyncio.gather(*(client.open(SERVER.peer_id, "shard") for _ in range(4)))
+        opening = asyncio.gather(*(client.open(SERVER.peer_id, "shard") for _ in range(4)))
+        await asyncio.wait_for(queried.wait(), 10)
+        answer.set()
+        conns = await opening
         assert len({id(c) for c in conns}) == 4 and asked == [SERVER.peer_id]
         conns.append(await client.open(SERVER.peer_id, "shard", fresh=True))  # cached
         assert asked == [SERVER.peer_id]

@@ -4,12 +4,13 @@ with one line naming the difference when set differently."""
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 import pytest
 from swarm_node.node.config import Config, load_config
 from swarm_node.node.roles.settings import SettingsFollower, swarm_settings
+
+from tests.waiting import async_wait_until
 
 from .conftest import publish
 
@@ -144,18 +145,19 @@ async def test_inference_peer_with_only_bootstrap_adopts_and_contributes(tmp_pat
         refuser = bare("refuser", sampler={"max_new_tokens": 5})
         for node in nodes[1:]:
             wait_info(node)
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            t, a, r = fetch_status(trainer), fetch_status(adopter), fetch_status(refuser)
+        async def adopted_and_refused():  # three processes' /status, read in a thread
+            t, a, r = await asyncio.to_thread(
+                lambda: [fetch_status(n) for n in (trainer, adopter, refuser)])
             accepted = t.get("accepted_by_peer", {}).get(a.get("peer_id", "?"), {})
             refused = r.get("extra", {}).get("settings", {}).get("refused")
-            if accepted.get("accepted", 0) > 0 and refused:
-                break
-            await asyncio.sleep(1)
-        else:
-            raise AssertionError(f"no adoption/refusal in time: trainer {t}, adopter {a}, "
-                                 f"refuser {r}")
+            return (a, r) if accepted.get("accepted", 0) > 0 and refused else None
+
+        a, r = await async_wait_until(
+            adopted_and_refused, 240, "an adoption and a refusal", interval=0.25,
+            details=lambda: f"trainer {trainer.last_status}, adopter {adopter.last_status}, "
+                            f"refuser {refuser.last_status}")
         adopted = a["extra"]["settings"]["adopted"]
+        refused = r["extra"]["settings"]["refused"]
         assert adopted["tasks_per_round"] == 8  # the demo trainer's, default here 4
         assert adopted["max_new_tokens"] == 2 and adopted["model_id"] == str(model_dir)
         assert "sampler.max_new_tokens = 5 here, 2 in the swarm" in refused

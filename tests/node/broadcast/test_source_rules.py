@@ -12,6 +12,8 @@ from swarm_node.node.identity import Identity
 from swarm_node.protocol.ids import SHARD_PROTOCOL
 from swarm_node.protocol.messages import ShardAdvert
 
+from tests.waiting import async_wait_until
+
 from .conftest import make_checkpoint, node_config, read_dir, until, wait_mesh
 
 STALLERS = 5
@@ -56,6 +58,17 @@ async def advertiser(bootstrap: list[str]):
     return node
 
 
+async def advertise_until(nodes, ad: ShardAdvert, done, what: str) -> None:
+    """Publish `ad` from each of `nodes` again every 0.2 s until `done()` (their re-advert
+    pace: an advert may go out before the follower's mesh holds them), at most 30 s."""
+    async def again() -> bool:
+        if not done():
+            await asyncio.gather(*(n.publish("adverts", ad) for n in nodes),
+                                 return_exceptions=True)
+        return done()
+    await async_wait_until(again, 30, what, interval=0.2)
+
+
 async def _ignore(env, peer) -> None:
     pass
 
@@ -85,11 +98,8 @@ async def test_stalling_and_departed_advertisers_do_not_stall_the_download(tmp_p
         def admitted() -> int:
             rec = follower.records.get((tid, 1))
             return len(rec.holders) if rec is not None else 0
-        while admitted() < len(nodes):  # they advertise before the version is out
-            await asyncio.gather(*(n.publish("adverts", ad) for n in nodes),
-                                 return_exceptions=True)
-            await asyncio.sleep(0.2)
-            assert any(n.running for n in nodes)
+        # they advertise before the version is out
+        await advertise_until(nodes, ad, lambda: admitted() >= len(nodes), "every advert")
         await departed.close()  # its advert stays behind
         await wait_mesh(tnode, "checkpoints", 1)
         m = await trainer.publish(ckpt, version=1)
@@ -128,11 +138,11 @@ async def test_a_source_on_trial_that_times_out_is_not_asked_again(tmp_path, swa
         await trainer.publish(ckpt, version=1)
         await until(lambda: follower.follower.jobs.get(tid) is not None, what="the download")
         ad = ShardAdvert(policy_id=tid, version=1, complete=True)
-        rec = None
-        while rec is None or node.peer_id not in rec.holders:
-            await node.publish("adverts", ad)
-            await asyncio.sleep(0.2)
+
+        def admitted() -> bool:
             rec = follower.records.get((tid, 1))
+            return rec is not None and node.peer_id in rec.holders
+        await advertise_until([node], ad, admitted, "the staller's advert")
         done = await follower.done.wait(tid, 1)
         assert read_dir(done.path) == read_dir(ckpt)
         assert staller.requests == 1

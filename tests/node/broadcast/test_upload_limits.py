@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -25,17 +24,11 @@ from swarm_node.node.p2p.bulk.hello import ACCEPTED, CHALLENGE_LEN, hello_frame
 from swarm_node.node.p2p.metrics import P2PMetrics
 from swarm_node.protocol.messages import ShardRequest
 
+from tests.waiting import async_wait_until
+
 from .conftest import make_checkpoint, publish, read_dir
 
 SHARD = 2 * 1024 * 1024
-
-
-async def wait_for(pred, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 def request_frame(acc, shard: int = 0) -> bytes:
@@ -104,7 +97,7 @@ async def test_an_upload_nobody_reads_is_cut_and_frees_its_slot(tmp_path, traine
     port, transport, source, close = await serve_on(path, server)
     stalled = await asyncio.to_thread(non_reader, port, request_frame(acc), path == "bulk")
     try:
-        await wait_for(lambda: server.metrics["upload_stalled"] == 1, 15, "the cut")
+        await async_wait_until(lambda: server.metrics["upload_stalled"] == 1, 15, "the cut")
         assert server.active_total == 0 and not server.active
         assert server.metrics["shards_sent"] == 0
         # the slot is free again: an honest client (patient server now) gets everything

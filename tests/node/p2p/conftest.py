@@ -21,6 +21,8 @@ from swarm_node.protocol.messages import (
     Verdict,
 )
 
+from tests.waiting import async_wait_until
+
 PEER_PROC = Path(__file__).with_name("peer_proc.py")
 
 
@@ -118,13 +120,14 @@ class PeerProcess:
         return json.loads(lines[-1]) if lines else {}
 
 
+async def ignore(env, peer) -> None:
+    """A gossip handler for a topic a node subscribes to only to be in its mesh."""
+
+
 async def wait_until(pred, timeout: float = 20, interval: float = 0.05, what: str = "condition"):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not pred():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(interval)
+    """tests/waiting.py's `async_wait_until` with this package's defaults: for py-libp2p
+    state (connections, meshes, counters) that nothing signals to the asyncio side."""
+    return await async_wait_until(pred, timeout, what, interval=interval)
 
 
 async def drop_warm_connection(puller, server) -> None:

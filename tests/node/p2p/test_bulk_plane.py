@@ -48,6 +48,8 @@ from swarm_node.node.p2p.metrics import P2PMetrics
 from swarm_node.node.testing.onpath import Proxy
 from swarm_node.protocol.codec import pack, unpack
 
+from tests.waiting import async_wait_until
+
 from .conftest import wait_until
 
 SERVER, ME = Identity.generate(), Identity.generate()
@@ -346,9 +348,14 @@ async def test_a_silent_flood_does_not_lock_out_a_newcomer():
         try:
             assert (await flood.report())["opened"] >= 80
             assert await round_trip_within(p.client(ME)) == 1
-            stats = await flood.report(ask_stats=True)
-            assert stats["closed_by_server"] >= 16  # 80 - 64 pushed out (or timed out)
-            assert len(p.server.pending) <= 64 and p.metrics["bulk_pending_evicted"] >= 16
+            # the 80 were accepted before it (one listen queue): at most 64 still wait, the
+            # others were pushed out (or, on a slow machine, timed out first)
+            assert len(p.server.pending) <= 64
+            assert p.metrics["bulk_pending_evicted"] + p.metrics["bulk_handshake_timeout"] >= 16
+
+            async def closes_seen() -> bool:  # the flood process reads its closes in time
+                return (await flood.report(ask_stats=True))["closed_by_server"] >= 16
+            await async_wait_until(closes_seen, 30, "the flood to see 16 closes", interval=0.2)
         finally:
             flood.stop()
 
@@ -364,8 +371,14 @@ async def test_an_identity_flood_does_not_lock_out_a_newcomer_or_a_known_peer():
         flood = FloodProcess(p.port, "--mode", "hello", "--conns", "255", "--identities",
                              "128")
         try:
-            ready = await flood.report()
-            assert ready["accepted"] >= 64 and ready["busy"] > 0
+            ready = await flood.report()  # every connection has its status
+            assert ready["settled"] == 255, ready
+            # each was answered; an unknown address holds its share (64) at most: newcomers
+            # beyond it are refused busy or, once the flood's connections idle 1 s (a slow
+            # machine), take the place of one of them
+            assert ready.get("accepted", 0) >= 64, ready
+            assert ready.get("busy", 0) > 0 or p.metrics["bulk_evicted"] > 0, ready
+            assert len([c for c in p.server.conns if not c.known]) <= 64
             assert len(p.server.conns) <= 256
             assert await round_trip_within(p.client(ME)) <= 20  # the newcomer
             for conn in pooled:  # the known peer's connections were never taken

@@ -89,15 +89,24 @@ async def test_a_cancelled_receive_calls_the_sink_no_more(make_node):
     starts (the caller may then close the file the sink writes), and the stream can be
     reset."""
     more = asyncio.Event()
+    written_after = []
 
     async def handler(peer, stream):
         await stream.write(os.urandom(300_000))
         await more.wait()
-        for _ in range(20):
+        for _ in range(20):  # more than the window: the later writes wait for it
             await stream.write(os.urandom(300_000))
+            written_after.append(1)
         await stream.close()
 
-    _, stream = await pair(make_node, handler)
+    async def echo(peer, body):
+        return body
+
+    server = await make_node(discovery=False)
+    client = await make_node(bootstrap=server.listen_addrs, discovery=False)
+    await server.set_stream_handler(PROTO, handler, max_inbound=1 << 20)
+    await server.set_request_handler("/t/echo/1", echo)
+    stream = await client.open_stream(server.peer_id, PROTO)
     calls: list[int] = []
     in_sink = threading.Event()
 
@@ -112,8 +121,11 @@ async def test_a_cancelled_receive_calls_the_sink_no_more(make_node):
         await task
     seen = len(calls)
     more.set()
-    await asyncio.sleep(0.5)  # the server keeps sending: nothing may reach the sink
-    assert len(calls) == seen
+    # the server sends 1.2 MB more, then answers a request on the same connection: its
+    # answer comes after those bytes, so they were all received here before it
+    await wait_until(lambda: len(written_after) >= 4, 30, what="1.2 MB more sent")
+    assert await client.request(server.peer_id, "/t/echo/1", b"after") == b"after"
+    assert len(calls) == seen  # nothing reached the sink
     await stream.reset()
 
 
@@ -123,11 +135,11 @@ async def test_small_reads_send_no_window_updates_and_bulk_reads_few(make_node, 
     each end, ~400 here), and 8 MiB of bulk reads send a handful, with every byte intact."""
     import libp2p.stream_muxer.yamux.yamux as yamux_mod
 
-    sent: list[int] = []
+    updates: list[tuple[int, int]] = []  # (yamux stream id, delta), at either end
     update = yamux_mod.YamuxStream.send_window_update
 
     async def counted(self, delta, *args, **kwargs):  # the real frame still goes out
-        sent.append(delta)
+        updates.append((self.stream_id, delta))
         return await update(self, delta, *args, **kwargs)
 
     monkeypatch.setattr(yamux_mod.YamuxStream, "send_window_update", counted)
@@ -142,15 +154,18 @@ async def test_small_reads_send_no_window_updates_and_bulk_reads_few(make_node, 
         await stream.close()
 
     _, stream = await pair(make_node, handler)
-    await asyncio.sleep(0.5)  # connection set-up traffic (identify, ...) is not counted
-    sent.clear()
+    ours = stream._stream.muxed_stream.stream_id  # the same id at both ends
+
+    def sent() -> list[int]:  # not the connection's set-up streams (identify, ...)
+        return [delta for sid, delta in updates if sid == ours]
+
     for i in range(turns):
         await stream.write(bytes([i % 256]) * size)
         assert await stream.readexactly(1) == b"k"
-    assert sent == []  # 60 KB each way, in 200 reads at each end
+    assert sent() == []  # 60 KB each way, in 200 reads at each end
     got = bytearray()
     while data := await stream.read(1 << 20):
         got += data
     assert got == bulk
     # one grant up to the bulk window, then one per 2 MiB read
-    assert 1 <= len(sent) <= 8, sent
+    assert 1 <= len(sent()) <= 8, sent()

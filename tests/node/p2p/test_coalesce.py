@@ -4,10 +4,13 @@ two real hosts arriving whole from merged RPCs."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
+import trio
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.rpc_queue import RpcQueue
 from swarm_node.node.config import P2PSection
+from swarm_node.node.p2p.errors import PublishError
 from swarm_node.node.p2p.gossip import max_queued_bytes, max_rpc_size
 from swarm_node.node.p2p.metrics import P2PMetrics
 from swarm_node.node.p2p.patches.send_queues import (
@@ -15,6 +18,8 @@ from swarm_node.node.p2p.patches.send_queues import (
     TunedQueues,
     merge_queued_publishes,
 )
+from swarm_node.node.p2p.pubsub import GossipService
+from trio.testing import MockClock, wait_all_tasks_blocked
 
 from .conftest import verdict, wait_until
 
@@ -128,3 +133,53 @@ async def test_a_burst_between_two_hosts_arrives_whole_from_merged_rpcs(make_nod
     sent = a.metrics.snapshot()["counters"]
     assert sent.get("gossip_rpcs_merged", 0) > 0  # the burst did travel in merged RPCs
     assert b.metrics.snapshot()["counters"].get("rejected", 0) == 0
+
+
+def test_a_publish_over_the_high_water_waits_for_the_queues_not_a_timer():
+    """A publish finds a peer queue over `publish_high_water`: it goes on as soon as RPCs
+    leave that queue (or the queue goes away), woken by the queue itself, and raises
+    queue_full once `publish_timeout_s` passed without that (the clock is trio's mock: no
+    time passes unless the test moves it)."""
+    cfg = P2PSection(publish_high_water=2, publish_timeout_s=5.0)
+    metrics = P2PMetrics()
+    queues = TunedQueues(64, 1 << 20, {}, metrics)
+    node = SimpleNamespace(cfg=cfg, metrics=metrics, _bridge=None,
+                           _pubsub=SimpleNamespace(peer_queues=queues))
+    gossip = GossipService(node)
+    clock = MockClock()
+
+    async def main() -> list:
+        outcomes: list = []
+
+        async def publish() -> None:
+            try:
+                await gossip._t_wait_capacity()
+                outcomes.append("sent")
+            except PublishError as e:
+                outcomes.append(e.reason)
+
+        for peer in ("slow", "gone"):
+            queues[peer] = RpcQueue()
+            for i in range(4):
+                queues[peer].push(publish_rpc(i))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(publish)
+            await wait_all_tasks_blocked()
+            await queues["slow"].pop()
+            del queues["gone"]
+            await wait_all_tasks_blocked()
+            assert outcomes == []  # "slow" still holds 3
+            await queues["slow"].pop()  # 2: at the high water
+            await wait_all_tasks_blocked()
+            assert outcomes == ["sent"]
+            queues["slow"].push(publish_rpc(9))
+            nursery.start_soon(publish)
+            await wait_all_tasks_blocked()
+            clock.jump(4.9)
+            await wait_all_tasks_blocked()
+            assert outcomes == ["sent"]  # still waiting
+            clock.jump(0.2)
+        return outcomes
+
+    assert trio.run(main, clock=clock) == ["sent", "queue_full"]
+    assert metrics["publish_waits"] == 2

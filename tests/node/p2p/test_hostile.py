@@ -14,8 +14,10 @@ from swarm_node.node.identity import Identity
 from swarm_node.node.p2p import DialError, PublishError, RequestError
 from swarm_node.protocol.messages import Hello, ShardAdvert, Status
 
+from tests.waiting import StartNotices, async_wait_until
+
 from .attacks import MESHSUB, push_ignoring_window, rss_mib, signed_rpcs
-from .conftest import PeerProcess, rejects_by_sender, verdict, wait_until
+from .conftest import PeerProcess, ignore, rejects_by_sender, verdict, wait_until
 from .test_gossip import rollout_batch
 
 
@@ -24,13 +26,12 @@ async def victim_stats(node, victim: str) -> dict:
 
 
 async def wait_delivered(node, victim: str, origin: str, n: int, timeout: float = 30) -> None:
-    """Until the victim process got `n` verdicts from `origin` (asked over a request)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while (await victim_stats(node, victim))["by_origin"].get(origin, 0) < n:
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {n} verdicts from {origin}")
-        await asyncio.sleep(0.1)
+    """Until the victim process got `n` verdicts from `origin` (asked over a request: its
+    counts are in another process)."""
+    async def delivered() -> bool:
+        return (await victim_stats(node, victim))["by_origin"].get(origin, 0) >= n
+
+    await async_wait_until(delivered, timeout, f"{n} verdicts from {origin}", interval=0.1)
 
 
 async def mesh_with(node, peer_id: str, kind: str = "verdicts") -> None:
@@ -54,7 +55,7 @@ async def test_garbage_on_meshsub_does_not_kill_a_real_process(make_node):
         honest = await make_node(discovery=False)
         await honest.connect(info["addrs"][0])
         assert await honest.request(info["peer_id"], "/test/echo/1.0.0", b"alive") == b"evila"
-        await honest.subscribe("verdicts", lambda env, peer: asyncio.sleep(0))
+        await honest.subscribe("verdicts", ignore)
         await mesh_with(honest, info["peer_id"])
         await honest.publish("verdicts", verdict(7))
         await wait_delivered(honest, info["peer_id"], honest.peer_id, 1)
@@ -143,7 +144,7 @@ async def test_a_gossip_flood_is_dropped_before_validation_and_nobody_is_cut(mak
         honest = await make_node(discovery=False)
         for node in (attacker, honest):
             await node.connect(info["addrs"][0])
-        await honest.subscribe("verdicts", lambda env, peer: asyncio.sleep(0))
+        await honest.subscribe("verdicts", ignore)
         await mesh_with(honest, info["peer_id"])
         n_flood = 12_000
         envelopes = [attacker.identity.seal(verdict(i, subject=honest.peer_id))
@@ -274,7 +275,6 @@ def test_node_exits_non_zero_with_one_line_when_its_host_dies(tmp_path):
     import signal
     import subprocess
     import sys
-    import time
     import urllib.request
     from pathlib import Path
 
@@ -282,29 +282,25 @@ def test_node_exits_non_zero_with_one_line_when_its_host_dies(tmp_path):
     cmd = [sys.executable, str(Path(__file__).with_name("crash_proc.py")), "join",
            "--role", "relay", "--data-dir", str(data), "--listen", "/ip4/127.0.0.1/tcp/0",
            "--admin-port", "0"]
-    env = dict(os.environ, HOME=str(tmp_path), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env)
+    notices = StartNotices()
+    env = notices.env(dict(os.environ, HOME=str(tmp_path), PYTHONUNBUFFERED="1"))
+    log = tmp_path / "relay.log"  # a file, never an unread pipe (a full one blocks the node)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
-        deadline = time.monotonic() + 120
-        status = {}
-        while status.get("phase") != "running":
-            assert proc.poll() is None, proc.stderr.read()[-3000:]
-            assert time.monotonic() < deadline, "the relay did not start"
-            try:
-                port = int((data / "admin.port").read_text())
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=5) as r:
-                    status = json.loads(r.read())
-            except (OSError, ValueError):
-                time.sleep(0.2)
-        assert status["p2p"]["alive"] is True
+        notices.wait(proc, 120, details=lambda: log.read_text()[-3000:])  # READY=1: running
+        port = int((data / "admin.port").read_text())
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=5) as r:
+            status = json.loads(r.read())
+        assert status["phase"] == "running" and status["p2p"]["alive"] is True
         proc.send_signal(signal.SIGUSR1)
         rc = proc.wait(60)
     finally:
+        notices.close()
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    err = proc.stderr.read()
+    err = log.read_text()
     assert rc != 0
     died = [line for line in err.splitlines() if "libp2p host died" in line]
     assert died and "injected libp2p thread failure" in died[-1], err[-3000:]

@@ -152,7 +152,7 @@ async def test_oversized_and_slow_answers_are_bounded(make_node):
     assert b.metrics["payload_pulled_bulk"] == 0
 
     async def stall(peer, conn):  # authenticated, then never answers
-        await asyncio.sleep(3600)
+        await asyncio.Event().wait()
 
     a.bulk.register(BODY, stall)
     assert await b.gossip.fetch_payload(ann, a.peer_id, sources=[a.peer_id]) is None

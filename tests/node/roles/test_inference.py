@@ -18,6 +18,8 @@ from swarm_node.node.roles.inference import InferenceRole
 from swarm_node.node.roles.interfaces import DownloadStatus
 from swarm_node.node.sampler.hf import read_state_dict
 
+from tests.waiting import async_wait_until
+
 from .fakes import FakeFeed, FakeP2P, RecordingSink
 
 TRAINER = "12D3KooWtrainerFollowed"
@@ -126,7 +128,8 @@ async def test_stops_on_stop_while_waiting_for_a_version(tmp_path, tiny_model_di
     stop = asyncio.Event()
     try:
         run = asyncio.create_task(role.run(stop))
-        await asyncio.sleep(0)  # let it reach its wait (a yield, not a timed sleep)
+        await async_wait_until(lambda: stop._waiters, HANG_GUARD_S,
+                               "the role to wait for a version or the stop")
         assert not run.done()
         stop.set()
         await asyncio.wait_for(run, HANG_GUARD_S)
@@ -179,10 +182,7 @@ async def test_a_batch_made_stale_by_a_much_newer_version_is_not_sent(
 
 
 async def until(pred, what: str):
-    deadline = asyncio.get_running_loop().time() + HANG_GUARD_S
-    while not pred():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
+    await async_wait_until(pred, HANG_GUARD_S, what)
 
 
 async def test_a_followed_trainer_that_never_appears_is_named_once_in_log_and_status(

@@ -3,9 +3,7 @@ feed. The real broadcaster behind them is proven by tests/integration/test_swarm
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 
 from swarm_node.node.config import Config
 from swarm_node.node.identity import Identity
@@ -13,6 +11,8 @@ from swarm_node.node.metrics import NodeState
 from swarm_node.node.roles.base import DownloadTracker
 from swarm_node.node.roles.interfaces import DownloadStatus
 from swarm_node.node.roles.relay import RelayRole
+
+from tests.waiting import async_wait_until
 
 from .fakes import FakeFeed, FakeP2P
 
@@ -68,10 +68,12 @@ async def test_a_relay_names_a_followed_trainer_that_never_appears_then_sees_it(
     try:
         with caplog.at_level(logging.INFO, logger="swarm_node"):
             await role.start()
-            await _until(lambda: "follow" in role.state.extra)
+            await async_wait_until(lambda: "follow" in role.state.extra, 10,
+                                   "the follow problem in /status")
             follow = dict(role.state.extra["follow"])
             feed.deliver(TRAINER, 1, tmp_path / "v1", size=1000)  # it appears
-            await _until(lambda: role.state.extra["follow"]["seen"])
+            await async_wait_until(lambda: role.state.extra["follow"]["seen"], 10,
+                                   "the trainer seen")
     finally:
         await role.close()
     assert follow["trainer"] == TRAINER and follow["seen"] is False
@@ -81,8 +83,3 @@ async def test_a_relay_names_a_followed_trainer_that_never_appears_then_sees_it(
     assert told == [follow["problem"]]
 
 
-async def _until(pred, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.02)

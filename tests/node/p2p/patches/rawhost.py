@@ -6,7 +6,6 @@ from __future__ import annotations
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import multiaddr
-import trio
 from libp2p import new_host
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
@@ -18,6 +17,8 @@ from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service import background_trio_service
+
+from tests.waiting import trio_wait_until
 
 LOOPBACK = multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")
 
@@ -64,12 +65,9 @@ async def connect(dialer, listener) -> None:
 
 
 async def until(pred, timeout: float = 15, what: str = "condition") -> None:
-    """Wait (trio) until `pred()` holds, at most `timeout` seconds."""
-    with trio.move_on_after(timeout) as scope:
-        while not pred():
-            await trio.sleep(0.01)
-    if scope.cancelled_caught:
-        raise AssertionError(f"timed out waiting for {what}")
+    """Wait (trio) until `pred()` holds, at most `timeout` seconds: py-libp2p's own state,
+    which nothing signals (tests/waiting.py)."""
+    await trio_wait_until(pred, timeout, what)
 
 
 class Wire:

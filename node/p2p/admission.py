@@ -29,6 +29,14 @@ Before verification (admit), in order:
    use. Origins the `established(peer)` callable names (peers with verified history, from
    the verifier) skip the fair shares.
 
+The trainers this node follows (`followed(peer)`, from the broadcaster) on the topics of
+their own publication (FOLLOWED_KINDS: manifests, adverts) skip the fair shares and the
+per-origin rate after verification, and their (connection, origin) bucket runs at
+FOLLOWED_RATE_FACTOR times the topic's rate: a trainer stepping faster than the topic rate
+is never throttled into stalling its followers, while forged or replayed copies of its
+messages on one connection stay bounded (a forged signature is charged to the connection,
+a replay costs one signature check).
+
 After verification (accept): per-origin token bucket (across connections) at the topic's
 per-origin rate; over it the message is rejected and counted against the origin
 (`rate_limited`).
@@ -62,6 +70,10 @@ GLOBAL_RATES: dict[str, float] = {
 """Messages/s of each topic this node validates before fair shares apply (first copies;
 sized above a swarm's honest traffic and below what one node validates on one core)."""
 OTHER_GLOBAL_RATE = 50.0
+FOLLOWED_KINDS = frozenset({"checkpoints", "adverts"})
+FOLLOWED_RATE_FACTOR = 10.0
+"""A followed trainer's (connection, origin) bucket on FOLLOWED_KINDS: this many times the
+topic's per-origin rate and burst (checkpoints: 20 manifests/s, 200 at once)."""
 NEW_ORIGINS_PER_S = 2.0
 NEW_ORIGINS_BURST = 32.0
 """New origins one connection may introduce: per second, and at once."""
@@ -223,6 +235,7 @@ class Admission:
                  rates: dict[str, TopicRate] | None = None,
                  global_rates: dict[str, float] | None = None,
                  established: Callable[[str], bool] | None = None,
+                 followed: Callable[[str], bool] | None = None,
                  self_id: str = "",
                  clock: Callable[[], float] = time.monotonic):
         self.penalties = penalties
@@ -230,6 +243,7 @@ class Admission:
         self.rates = dict(DEFAULT_TOPIC_RATES if rates is None else rates)
         self.global_rates = dict(GLOBAL_RATES if global_rates is None else global_rates)
         self.established = established
+        self.followed = followed
         self.self_id = self_id
         self.clock = clock
         self._lock = threading.Lock()
@@ -247,6 +261,10 @@ class Admission:
     def set_established(self, fn: Callable[[str], bool] | None) -> None:
         """`fn(peer) -> bool`: True for peers with verified history (fast, thread-safe)."""
         self.established = fn
+
+    def set_followed(self, fn: Callable[[str], bool] | None) -> None:
+        """`fn(peer) -> bool`: True for the trainers this node follows (fast, thread-safe)."""
+        self.followed = fn
 
     # Before verification ------------------------------------------------------------------
 
@@ -269,6 +287,10 @@ class Admission:
             self.metrics.reject(origin, "banned")
             return False
         rate = self.rates.get(kind, OTHER_TOPIC_RATE)
+        followed = kind in FOLLOWED_KINDS and self._follows(origin)
+        if followed:
+            rate = TopicRate(per_s=rate.per_s * FOLLOWED_RATE_FACTOR,
+                             burst=rate.burst * FOLLOWED_RATE_FACTOR)  # one tiny object
         if not self._flows.take((conn, origin, kind), rate):
             return self.drop(origin, conn, "rate_limited")
         if origin not in self._known and origin != conn:
@@ -278,7 +300,7 @@ class Admission:
             self._introduced_by.move_to_end(origin)
             while len(self._introduced_by) > KNOWN_ORIGINS:
                 self._introduced_by.popitem(last=False)
-        if self.is_priority(origin):
+        if followed or self.is_priority(origin):
             return True
         fair = self._fair.get(kind)
         if fair is None:
@@ -324,6 +346,15 @@ class Admission:
         except Exception:  # noqa: BLE001 - a failing signal gives no priority, never a drop
             return False
 
+    def _follows(self, origin: str) -> bool:
+        fn = self.followed
+        if fn is None:
+            return False
+        try:
+            return bool(fn(origin))
+        except Exception:  # noqa: BLE001 - a failing signal exempts nothing, never a drop
+            return False
+
     def drop(self, origin: str, conn: str, reason: str) -> bool:
         """Count (against the origin) and log a dropped message; False."""
         self.metrics.reject(origin, reason)
@@ -336,7 +367,8 @@ class Admission:
         """The topic validator, once the origin is proven: its per-origin rate. False: the
         message is rejected, counted against the origin (no penalty, never the forwarder)."""
         with self._lock:
-            ok = self._origins.take((origin, kind), self.rates.get(kind, OTHER_TOPIC_RATE))
+            ok = ((kind in FOLLOWED_KINDS and self._follows(origin))  # proven: never throttled
+                  or self._origins.take((origin, kind), self.rates.get(kind, OTHER_TOPIC_RATE)))
             if ok:
                 self._known[origin] = None
                 self._known.move_to_end(origin)

@@ -236,6 +236,12 @@ class P2PNode:
         the node's fair-share budget (admission.py). Fast and thread-safe (a set lookup)."""
         self.admission.set_established(fn)
 
+    def set_followed(self, fn: Callable[[str], bool] | None) -> None:
+        """`fn(peer_id) -> bool`: True for the trainers this node follows; their manifests
+        and adverts are never throttled by their publication rate (admission.py). Fast and
+        thread-safe (a set lookup)."""
+        self.admission.set_followed(fn)
+
     def _cut(self, peer: str) -> None:
         self.metrics.inc("peers_cut")
         if self.discovery is not None:

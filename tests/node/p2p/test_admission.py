@@ -133,6 +133,31 @@ def test_established_origins_skip_the_fair_share():
     assert passed == 30 and adm.metrics["rejected.over_budget"] > 0
 
 
+def test_a_followed_trainer_is_never_throttled_by_its_own_publication_rate():
+    """Issue 30 item 3: a trainer stepping faster than the checkpoints rate (2/s) reaches
+    its followers whole; another origin at the same pace is throttled; forged copies of the
+    trainer's messages on one connection stay bounded."""
+    clock = Clock()
+    adm, pen, cuts = admission(clock, global_rates={"checkpoints": 1.0})
+    trainer, other, relay, forger = peer(), peer(), peer(), peer()
+    adm.set_followed(lambda p: p == trainer.to_base58())
+    passed = {trainer: 0, other: 0}
+    for _ in range(300):  # 10 manifests/s each for 30 s, through one relay
+        clock.t += 0.1
+        for origin in passed:
+            m = msg(origin)
+            m.topicIDs[:] = ["/swarm-node/default/checkpoints/1"]
+            passed[origin] += (adm.admit(relay, m, False)
+                               and adm.accept(origin.to_base58(), "checkpoints"))
+    assert passed[trainer] == 300
+    assert passed[other] <= 20 + 2 * 30 + 1  # burst + rate: throttled, never cut
+    assert not cuts and pen.score(relay.to_base58()) == 0
+    m = msg(trainer)
+    m.topicIDs[:] = ["/swarm-node/default/checkpoints/1"]
+    forged = sum(adm.admit(forger, m, False) for _ in range(1000))  # at once, one connection
+    assert forged == 200  # the (connection, origin) bucket: 10x the topic's burst
+
+
 def test_the_validation_queue_serves_flows_in_turn_and_drops_from_the_longest():
     clock = Clock()
     adm, _, _ = admission(clock)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from swarm_node.protocol.messages import ShardAdvert
+from swarm_node.protocol.messages import CheckpointManifest, FileEntry, ShardAdvert
 
 from .attacks import MESHSUB, signed_rpcs
 from .conftest import ignore, verdict, wait_until
@@ -108,3 +108,42 @@ async def test_newcomers_connect_after_many_identities_came_and_went(make_node):
     await newcomer.connect(victim.listen_addrs[0])
     await wait_until(lambda: newcomer.peer_id in victim.connected_peers(), what="admission")
     assert victim.metrics["connections_refused"] == 0
+
+
+def _manifest(policy_id: str, version: int) -> CheckpointManifest:
+    return CheckpointManifest(policy_id=policy_id, version=version, total_size=4096,
+                              files=[FileEntry(name="model.safetensors", size=4096)],
+                              shard_size=4096, shard_hashes=[b"\x01" * 32],
+                              checkpoint_hash=b"\x02" * 32)
+
+
+async def test_a_followed_trainer_stepping_fast_reaches_its_followers_whole(make_node):
+    """Issue 30 item 3: manifests faster than the checkpoints rate (2/s, 20 at once) from
+    the trainer a relay and its follower follow all arrive; the same pace from an origin
+    they do not follow is throttled (the control)."""
+    trainer = await make_node(discovery=False)
+    other = await make_node(discovery=False)
+    relay = await make_node(bootstrap=trainer.listen_addrs + other.listen_addrs,
+                            discovery=False)
+    follower = await make_node(bootstrap=relay.listen_addrs, discovery=False)
+    got: dict[str, set[int]] = {trainer.peer_id: set(), other.peer_id: set()}
+
+    async def count(env, origin):
+        got[env.sender].add(env.message.version)
+
+    for node in (relay, follower):
+        node.set_followed(lambda p: p == trainer.peer_id)
+    for node in (trainer, other, relay, follower):
+        await node.subscribe("checkpoints", count if node is follower else ignore)
+    await wait_until(lambda: follower.peer_id in relay.mesh_peers("checkpoints")
+                     and relay.peer_id in trainer.mesh_peers("checkpoints")
+                     and relay.peer_id in other.mesh_peers("checkpoints"), 30, what="the mesh")
+    n = 60  # back to back: far over the 20-manifest burst
+    for v in range(n):
+        await trainer.publish("checkpoints", _manifest(trainer.peer_id, v))
+        await other.publish("checkpoints", _manifest(other.peer_id, v))
+    await wait_until(lambda: len(got[trainer.peer_id]) == n, 30, what="every manifest")
+    assert len(got[other.peer_id]) < n  # the control: the same pace, not followed
+    assert relay.metrics.rejects.get((other.peer_id, "rate_limited"), 0) > 0
+    assert relay.metrics.rejects.get((trainer.peer_id, "rate_limited"), 0) == 0
+    assert relay.penalties.cuts == 0 and follower.penalties.cuts == 0

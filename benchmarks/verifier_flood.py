@@ -166,8 +166,10 @@ async def run(args) -> dict:
             tasks = []
             if flood is not None and not dry:
                 tasks.append(asyncio.ensure_future(flood.run(stop)))
+            spy = profile(args, trainer.proc.pid, name)
             first = sample()
             cpu0 = process_cpu(trainer.proc.pid)
+            threads0 = thread_cpu(trainer.proc.pid)
             t_end = time.monotonic() + args.phase_s
             built = 0
             while time.monotonic() < t_end:
@@ -186,8 +188,11 @@ async def run(args) -> dict:
             stop.set()
             for t in tasks:
                 await t
+            if spy is not None:
+                spy.wait()
             last = sample()
             cpu1 = process_cpu(trainer.proc.pid)
+            threads1 = thread_cpu(trainer.proc.pid)
             dt = last[0] - first[0]
             spent = (last[3].get("verify_seconds", {}).get("probation", 0.0)
                      - first[3].get("verify_seconds", {}).get("probation", 0.0))
@@ -196,7 +201,10 @@ async def run(args) -> dict:
             return {"phase": name, "seconds": dt, "honest_per_s": (last[1] - first[1]) / dt,
                     "versions_per_s": (last[2] - first[2]) / dt, "probation_s": spent,
                     "probation_batches": verified, "built": built,
-                    "trainer_cpu_s": cpu1 - cpu0}
+                    "trainer_cpu_s": cpu1 - cpu0,
+                    "threads_cpu_s": {k: round(v - threads0.get(k, 0.0), 2)
+                                      for k, v in threads1.items()
+                                      if v - threads0.get(k, 0.0) >= 0.05}}
 
         # alternated rounds (the machine is shared: other tenants' load drifts), then after
         out, floods = [], []
@@ -234,10 +242,36 @@ async def run(args) -> dict:
         trainer.stop()
 
 
+def profile(args, pid: int, phase: str):
+    """py-spy over the trainer process for the phase (`--profile DIR`: collapsed stacks per
+    thread, DIR/<phase>.txt), or None."""
+    if not args.profile:
+        return None
+    out = Path(args.profile) / f"{phase.replace(' ', '-')}.txt"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen([args.py_spy, "record", "-p", str(pid), "-d",
+                             str(max(1, int(args.phase_s) - 2)), "-r", "50", "--threads", "--gil",
+                             "-f", "raw", "-o", str(out), "--nonblocking"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def process_cpu(pid: int) -> float:
     """CPU seconds (user + system) of process `pid` so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds so far of each thread of process `pid`, by thread id (the ids py-spy
+    names in `--profile` output)."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[task.name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
 
 
 def _rss(pid: int) -> float:
@@ -323,6 +357,9 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=50.0)
     ap.add_argument("--workdir", default="/tmp/verifier-flood")
     ap.add_argument("--no-record", action="store_true")
+    ap.add_argument("--profile", default="", help="py-spy the trainer: collapsed stacks "
+                    "per phase into this folder")
+    ap.add_argument("--py-spy", default="py-spy", help="the py-spy executable")
     args = ap.parse_args()
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
     res = asyncio.run(run(args))

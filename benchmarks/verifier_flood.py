@@ -128,7 +128,7 @@ async def run(args) -> dict:
     peer = None
     try:
         trainer.wait(lambda: "joined swarm" in trainer.log.read_text(), 180, "trainer joined")
-        tid = trainer.status()["peer_id"]
+        tid = trainer.wait(lambda: trainer.status().get("peer_id"), 60, "trainer status")
         boot = json.loads((Path(tcfg["node"]["data_dir"]) / "node.json").read_text())[
             "listen_addrs"][0]
         pcfg["node"].update(bootstrap=[boot], follow=[tid])

@@ -56,14 +56,30 @@ def unpack(data: bytes, *, max_size: int) -> Any:
     return value
 
 
+_SCALARS = frozenset({int, float, str, bytes, bool, type(None)})
+
+
 def _depth(value: Any, level: int = 0) -> int:
+    """Nesting depth of containers (a scalar: `level`), stopping past MAX_DEPTH. Only
+    containers are recursed into, and a container of scalars only (a list of token ids) is
+    recognised by its set of item types, without a Python step per item."""
     if level > MAX_DEPTH:
         return level
     if isinstance(value, dict):
-        return max((_depth(v, level + 1) for v in value.values()), default=level + 1)
-    if isinstance(value, list):
-        return max((_depth(v, level + 1) for v in value), default=level + 1)
-    return level
+        items = value.values()
+    elif isinstance(value, list):
+        items = value
+    else:
+        return level
+    deepest = level + 1
+    if set(map(type, items)) <= _SCALARS:
+        return deepest
+    for v in items:
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, _depth(v, level + 1))
+            if deepest > MAX_DEPTH:
+                break
+    return deepest
 
 
 # Tensors -------------------------------------------------------------------------------

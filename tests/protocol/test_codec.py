@@ -41,6 +41,18 @@ def test_nesting_limit():
         unpack(b"\x91" * 100_000 + b"\xc0", max_size=1 << 20)  # msgpack's own stack limit
 
 
+
+def test_nesting_limit_behind_scalars():
+    """A deep value after many scalars (the scalar-only fast path must not hide it)."""
+    deep: list = [None]
+    for _ in range(MAX_DEPTH + 1):
+        deep = [deep]
+    for value in ([*range(1000), deep], {"a": 1, "b": "x", "c": deep}, [[1.5] * 100, deep]):
+        with pytest.raises(MalformedMessage, match="nesting"):
+            unpack(pack(value), max_size=1 << 20)
+    assert unpack(pack([*range(1000), [[1]]]), max_size=1 << 20)[-1] == [[1]]
+
+
 def test_size_limit():
     data = pack(b"x" * 100)
     assert unpack(data, max_size=len(data)) == b"x" * 100

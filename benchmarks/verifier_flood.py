@@ -135,11 +135,12 @@ async def run(args) -> dict:
         peer = Proc(root / "peer", pcfg)
         hid = peer.wait(lambda: peer.status().get("peer_id"), 180, "peer up")
 
-        def sample() -> tuple[float, int, int, dict]:
+        def sample() -> tuple[float, int, int, dict, float]:
             st = trainer.status()
             acc = (st.get("accepted_by_peer") or {}).get(hid, {}).get("accepted", 0)
             intake = (st.get("extra") or {}).get("intake") or {}
-            return time.monotonic(), acc, st.get("policy_version", 0), intake
+            return (time.monotonic(), acc, st.get("policy_version", 0), intake,
+                    process_cpu(trainer.proc.pid))
 
         trainer.wait(lambda: sample()[1] >= 64, 300, "honest peer established")
         swarm = Config.model_validate({"tasks": tcfg["tasks"], "sampler": tcfg["sampler"],
@@ -218,24 +219,34 @@ async def run(args) -> dict:
             out.append(await phase(f"flood {r + 1}", flood))
         flood_end = time.monotonic()
         out.append(await phase("after", None))
-        base = out[-4]["honest_per_s"]  # the last round's baseline
-        # recovery: first 10-s window after the flood with honest acceptance >= 80% of base
+        last_base = out[-4]  # the last round's baseline
+        base = last_base["honest_per_s"]
+        base_cpu = last_base["honest_per_s"] * last_base["seconds"] / max(
+            last_base["trainer_cpu_s"], 1e-9)
+        # recovery: first 10-s window after the flood with honest acceptance >= 80% of base:
+        # per second (what a user sees; other tenants' load moves it too), and per trainer
+        # CPU-second (what the flood left behind in the trainer, whatever the tenants do)
         after = [s for name, s in samples if name == "after"]
-        recovery = None
-        for i, s in enumerate(after):
-            j = next((k for k in range(i, len(after)) if after[k][0] - s[0] >= 10.0), None)
-            if j is None:
-                break
-            rate = (after[j][1] - s[1]) / (after[j][0] - s[0])
-            if rate >= 0.8 * base:
-                recovery = s[0] - flood_end
-                break
+
+        def recovered(rate_of, target: float) -> float | None:
+            for i, s in enumerate(after):
+                j = next((k for k in range(i, len(after)) if after[k][0] - s[0] >= 10.0),
+                         None)
+                if j is None:
+                    return None
+                if rate_of(s, after[j]) >= 0.8 * target:
+                    return s[0] - flood_end
+            return None
+
+        recovery = recovered(lambda a, b: (b[1] - a[1]) / (b[0] - a[0]), base)
+        recovery_cpu = recovered(lambda a, b: (b[1] - a[1]) / max(b[4] - a[4], 1e-9), base_cpu)
         sent = sum(f.sent for f in floods)
         return {"phases": out, "flood": {
             "sent": sent, "carriers": sum(f.carriers for f in floods),
             "cut": sum(f.cut for f in floods),
             "attacker_ms": sum(f.cpu_s for f in floods) / max(1, sent) * 1e3},
-            "recovery_s": recovery, "trainer_rss_mib": _rss(trainer.proc.pid)}
+            "recovery_s": recovery, "recovery_cpu_s": recovery_cpu,
+            "trainer_rss_mib": _rss(trainer.proc.pid)}
     finally:
         if peer is not None:
             peer.stop()
@@ -318,8 +329,7 @@ def report(res: dict, load: str, args) -> str:
             ("flood", per_cpu)]}
     vals = list(med.values())
     text = [(f"Load average: {load} (2 shared cores, other tenants' jobs running). Tiny model; "
-             "trainer `peer_batches_per_step = 2` (under 2 versions/s: the checkpoints topic's "
-             "per-origin rate at followers); honest peer: 4 tasks x 4 completions x 8 "
+             "trainer `peer_batches_per_step = 2` (as in earlier runs, for comparison); honest peer: 4 tasks x 4 completions x 8 "
              f"tokens, 2 rounds per version. Flood: at most {args.rate:.0f} bogus batches/s "
              f"over 4 connections, a fresh key per batch. {args.rounds} alternated rounds of "
              f"baseline / control (the attacker's CPU work, nothing sent) / flood, "
@@ -345,7 +355,11 @@ def report(res: dict, load: str, args) -> str:
              "ms per batch sent."),
             "- recovery: honest acceptance back at >= 80% of the last baseline (10-s window) "
             + (f"{res['recovery_s']:.1f} s after the flood stopped"
-               if res["recovery_s"] is not None else "not within the after phase"),
+               if res["recovery_s"] is not None else "not within the after phase")
+            + "; per trainer CPU-second (honest completions per trainer CPU-s at >= 80% of the "
+            "last baseline's, 10-s window) "
+            + (f"{res['recovery_cpu_s']:.1f} s after"
+               if res.get("recovery_cpu_s") is not None else "not within the after phase"),
             f"- trainer RSS at the end: {res['trainer_rss_mib']:.0f} MiB"]
     return "\n".join(text)
 

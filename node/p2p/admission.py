@@ -207,7 +207,12 @@ def subnet_of(ip: str | None) -> str:
 
 
 class _Throttled:
-    """One log line per (origin, reason) per LOG_EVERY_S, with the count since the last."""
+    """One log line per (connection, reason) per LOG_EVERY_S, with the count since the last:
+    what came from the origin itself is keyed by the origin; what a connection carried for
+    other origins, by that connection (a flood of fresh keys is one line per carrier, not
+    one per key), with how many origins and the last one."""
+
+    MAX_ORIGINS = 64  # distinct origins counted per line (then "64+"): bounded memory
 
     def __init__(self, clock: Callable[[], float]):
         self.clock = clock
@@ -215,17 +220,26 @@ class _Throttled:
 
     def note(self, origin: str, reason: str, via: str) -> None:
         now = self.clock()
-        entry = self._last.get((origin, reason))
+        entry = self._last.get((via, reason))
         if entry is None:
-            entry = self._last[(origin, reason)] = [now - LOG_EVERY_S, 0]
+            entry = self._last[(via, reason)] = [now - LOG_EVERY_S, 0, set()]
             while len(self._last) > 4096:
                 self._last.popitem(last=False)
         entry[1] += 1
-        if now - entry[0] >= LOG_EVERY_S:
+        if len(entry[2]) < self.MAX_ORIGINS:
+            entry[2].add(origin)
+        if now - entry[0] < LOG_EVERY_S:
+            return
+        n, origins = entry[1], len(entry[2])
+        if via == origin and origins == 1:
             log.warning("gossip from origin %s dropped (%s), %d message(s) in the last %.0fs; "
-                        "last one via %s", origin, reason, entry[1], now - entry[0],
-                        "the origin itself" if via == origin else via)
-            entry[0], entry[1] = now, 0
+                        "last one via the origin itself", origin, reason, n, now - entry[0])
+        else:
+            log.warning("gossip carried by %s dropped (%s): %d message(s) of %s origin(s) in "
+                        "the last %.0fs; last origin %s", via, reason, n,
+                        f"{origins}+" if origins >= self.MAX_ORIGINS else origins,
+                        now - entry[0], origin)
+        entry[0], entry[1], entry[2] = now, 0, set()
 
 
 class Admission:

@@ -217,3 +217,17 @@ def test_a_subnet_holds_a_bounded_number_of_peers_with_a_reserve_for_known_ones(
     assert adm.connected(peers[3], "10.1.1.1")  # another subnet
     adm.disconnected(peers[1])
     assert adm.connected(peers[4], "127.0.0.1")
+
+
+def test_a_fresh_key_flood_logs_one_line_per_carrier(caplog):
+    clock = Clock()
+    adm, _, _ = admission(clock)
+    carrier = peer()
+    with caplog.at_level("WARNING", logger="swarm_node.node.p2p.admission"):
+        for _ in range(3):  # 3 log periods, each 100 fresh keys over the new-origin allowance
+            for _ in range(100):
+                adm.admit(carrier, msg(peer()), False)
+            clock.t += 10
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3 and all(carrier.to_base58() in line for line in lines), lines
+    assert "64+ origin(s)" in lines[-1]

@@ -35,6 +35,7 @@ from . import (
     push_msg,
     records,
     rpc_reader,
+    rpc_writer,
     send_queues,
     seqno,
     spawn_gate,
@@ -64,6 +65,7 @@ def install() -> None:
     check_version(libp2p.__version__)
     records.install()
     rpc_reader.install()
+    rpc_writer.install()
     push_msg.install()
     yamux_window.install()
     yamux_frames.install()

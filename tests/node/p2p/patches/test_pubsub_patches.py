@@ -23,6 +23,7 @@ from swarm_node.node.p2p.metrics import P2PMetrics
 from swarm_node.node.p2p.patches import (
     flood_publish,
     push_msg,
+    rpc_writer,
     send_queues,
     seqno,
     spawn_gate,
@@ -33,6 +34,8 @@ from swarm_node.node.p2p.patches import (
 from swarm_node.node.p2p.patches.registry import original
 
 from .rawhost import connect, raw_host, raw_pubsub, running, until
+
+# (the atomic_rpc_writes test below uses real hosts: Noise + Yamux on loopback)
 
 
 def _peered(pa, pb, a, b, topic: str = "t"):
@@ -378,3 +381,44 @@ def test_needed_counted_subscription_channel():
 
     held, drops = trio.run(main)
     assert held == 1 and drops == 2  # py-libp2p lost 2 silently; ours counts them
+
+
+def test_needed_atomic_rpc_writes():
+    """Two pubsub writers on one real yamux stream (the sending loop and the router's flush
+    of a new peer's pending messages): py-libp2p's write_msg interleaves the frames of
+    RPCs larger than a frame, and the receiver cannot parse them."""
+    patches.install()
+    rpcs = [rpc_pb2.RPC(publish=[rpc_pb2.Message(data=bytes([i]) * 300_000,
+                                                 topicIDs=["t"])]) for i in range(4)]
+
+    async def main(write_msg) -> list[bytes | None]:
+        a, b = raw_host(), raw_host()
+        got: list[bytes | None] = []
+        done = trio.Event()
+
+        async def sink(stream) -> None:
+            while len(got) < len(rpcs):
+                body = await pubsub_mod.read_varint_prefixed_bytes_limited(stream, 1 << 21)
+                rpc = rpc_pb2.RPC()
+                try:
+                    rpc.ParseFromString(body)
+                    got.append(rpc.publish[0].data[:1] if len(rpc.publish) == 1 else None)
+                except Exception:  # noqa: BLE001 - the DecodeError the churn joiner saw
+                    got.append(None)
+            done.set()
+
+        async with running(a, b):
+            a.set_stream_handler("/sink/1", sink)
+            await connect(b, a)
+            stream = await b.new_stream(a.get_id(), ["/sink/1"])
+            fake = SimpleNamespace(_handle_dead_peer=lambda peer: None)
+            async with trio.open_nursery() as nursery:
+                for rpc in rpcs:  # concurrent writers on one stream
+                    nursery.start_soon(write_msg, fake, stream, rpc)
+            with trio.move_on_after(20):
+                await done.wait()
+        return got
+
+    garbled = trio.run(main, original(Pubsub, "write_msg"))
+    assert sorted(x for x in garbled if x is not None) != [bytes([i]) for i in range(4)]
+    assert sorted(trio.run(main, rpc_writer.write_msg)) == [bytes([i]) for i in range(4)]

@@ -3,13 +3,13 @@
 py-libp2p 0.8.1 writes an RPC with one `stream.write`, but a yamux stream's write holds its
 lock per frame only (`YamuxStream.write`: a frame at most, or what the send window allows,
 then the lock is released and the frame written): two writers on one stream interleave
-their frames. Pubsub has several: the per-peer sending loop and, as a peer is added, the
-router's flush of pending and recent messages (`GossipSub.flush_pending_messages`,
-`_send_recent_messages`), which write to the same stream directly. An RPC larger than a
-frame (a rollout batch) then arrives cut into another one, the receiver's protobuf parse
-fails (`DecodeError` on /meshsub) and it drops the peer (seen in churn: peers joining
-while gossip flows). And a write that fails half way (the 5-s window wait) leaves part of
-an RPC on the stream, which the flush loops, catching the error, follow with more RPCs.
+their frames. Pubsub has several: the per-peer sending loop and the router's replays to
+a new peer (`GossipSub.flush_pending_messages` as it is added, `send_recent_messages` as
+it subscribes), which write to the same stream directly. An RPC larger than a frame (a
+rollout batch) then arrives cut into another one, the receiver's protobuf parse fails
+(`DecodeError` on /meshsub) and it drops the peer (seen in churn: peers joining while
+gossip flows). And a write that fails half way (the 5-s window wait) leaves part of an RPC
+on the stream, which the flush loops, catching the error, follow with more RPCs.
 
 The replacement of `Pubsub.write_msg` (process-wide) holds a lock per stream for the
 whole write, and after a write that did not complete it resets the stream and writes

@@ -420,7 +420,8 @@ def test_needed_atomic_rpc_writes():
     of a new peer's pending messages): py-libp2p's write_msg interleaves the frames of
     RPCs larger than a frame, and the receiver cannot parse them."""
     patches.install()
-    rpcs = [rpc_pb2.RPC(publish=[rpc_pb2.Message(data=bytes([i]) * 300_000,
+    # larger than a frame (the patched yamux's ~1.06 MiB) whatever the send window
+    rpcs = [rpc_pb2.RPC(publish=[rpc_pb2.Message(data=bytes([i]) * 1_500_000,
                                                  topicIDs=["t"])]) for i in range(4)]
 
     async def main(write_msg) -> list[bytes | None]:
@@ -430,7 +431,7 @@ def test_needed_atomic_rpc_writes():
 
         async def sink(stream) -> None:
             while len(got) < len(rpcs):
-                body = await pubsub_mod.read_varint_prefixed_bytes_limited(stream, 1 << 21)
+                body = await pubsub_mod.read_varint_prefixed_bytes_limited(stream, 1 << 22)
                 rpc = rpc_pb2.RPC()
                 try:
                     rpc.ParseFromString(body)

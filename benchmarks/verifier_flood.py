@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -118,7 +119,7 @@ async def run(args) -> dict:
     from swarm_node.node.sampler.factory import sampling_params
     from swarm_node.node.tasks import TaskSource
     from swarm_node.node.testing import attacks
-    from swarm_node.node.testing.flood import SybilFlood
+    from swarm_node.node.testing.flood import GarbageFlood, SybilFlood
     from swarm_node.verifier.rules import batch_rules
 
     root = Path(args.workdir)
@@ -162,7 +163,7 @@ async def run(args) -> dict:
 
         samples: list[tuple[str, tuple]] = []
 
-        async def phase(name: str, flood: SybilFlood | None, dry: bool = False) -> dict:
+        async def phase(name: str, flood, dry: bool = False) -> dict:
             stop = asyncio.Event()
             tasks = []
             if flood is not None and not dry:
@@ -177,7 +178,7 @@ async def run(args) -> dict:
                 s = sample()
                 version[0] = s[2]
                 samples.append((name, s))
-                if dry:  # the attacker's own work, not sent
+                if dry and not args.garbage:  # the attacker's own work, not sent
                     t1 = time.monotonic() + 1.0
                     while time.monotonic() < t1:
                         sybil = Identity.generate()
@@ -203,6 +204,7 @@ async def run(args) -> dict:
                     "versions_per_s": (last[2] - first[2]) / dt, "probation_s": spent,
                     "probation_batches": verified, "built": built,
                     "trainer_cpu_s": cpu1 - cpu0,
+                    "max_gap_s": training_gap([s for n, s in samples if n == name] + [last]),
                     "threads_cpu_s": {k: round(v - threads0.get(k, 0.0), 2)
                                       for k, v in threads1.items()
                                       if v - threads0.get(k, 0.0) >= 0.05}}
@@ -213,8 +215,11 @@ async def run(args) -> dict:
             out.append(await phase(f"baseline {r + 1}", None))
             out.append(await phase(f"control {r + 1}", SybilFlood(
                 swarm, boot, tid, make_batch, lambda: version[0]), dry=True))
-            flood = SybilFlood(swarm, boot, tid, make_batch, lambda: version[0],
-                               connections=4, interval_s=4.0 / args.rate)
+            if args.garbage:  # garbage on every protocol, from fresh identities
+                flood = GarbageFlood(swarm, boot, tid, connections=8, interval_s=8.0 / args.rate)
+            else:
+                flood = SybilFlood(swarm, boot, tid, make_batch, lambda: version[0],
+                                   connections=4, interval_s=4.0 / args.rate)
             floods.append(flood)
             out.append(await phase(f"flood {r + 1}", flood))
         flood_end = time.monotonic()
@@ -240,17 +245,30 @@ async def run(args) -> dict:
 
         recovery = recovered(lambda a, b: (b[1] - a[1]) / (b[0] - a[0]), base)
         recovery_cpu = recovered(lambda a, b: (b[1] - a[1]) / max(b[4] - a[4], 1e-9), base_cpu)
-        sent = sum(f.sent for f in floods)
+        sent = sum(getattr(f, "sent", 0) or getattr(f, "streams", 0) for f in floods)
         return {"phases": out, "flood": {
             "sent": sent, "carriers": sum(f.carriers for f in floods),
             "cut": sum(f.cut for f in floods),
-            "attacker_ms": sum(f.cpu_s for f in floods) / max(1, sent) * 1e3},
+            "attacker_ms": sum(getattr(f, "cpu_s", 0.0) for f in floods) / max(1, sent) * 1e3,
+            "refused": sum(getattr(f, "refused", 0) for f in floods)},
             "recovery_s": recovery, "recovery_cpu_s": recovery_cpu,
             "trainer_rss_mib": _rss(trainer.proc.pid)}
     finally:
         if peer is not None:
             peer.stop()
         trainer.stop()
+
+
+def training_gap(samples: list[tuple]) -> float:
+    """The longest time in a phase's samples (time, _, policy version, ...) without a new
+    trainer version (from the phase's start, to its end)."""
+    if len(samples) < 2:
+        return 0.0
+    gap, since = 0.0, samples[0][0]
+    for prev, cur in itertools.pairwise(samples):
+        if cur[2] > prev[2]:
+            gap, since = max(gap, cur[0] - since), cur[0]
+    return max(gap, samples[-1][0] - since)
 
 
 def profile(args, pid: int, phase: str):
@@ -329,11 +347,16 @@ def report(res: dict, load: str, args) -> str:
             ("flood", per_cpu)]}
     vals = list(med.values())
     text = [(f"Load average: {load} (2 shared cores, other tenants' jobs running). Tiny model; "
-             "trainer `peer_batches_per_step = 2` (as in earlier runs, for comparison); honest peer: 4 tasks x 4 completions x 8 "
-             f"tokens, 2 rounds per version. Flood: at most {args.rate:.0f} bogus batches/s "
-             f"over 4 connections, a fresh key per batch. {args.rounds} alternated rounds of "
-             f"baseline / control (the attacker's CPU work, nothing sent) / flood, "
-             f"{args.phase_s:.0f} s each, then `after`.\n"),
+             "trainer `peer_batches_per_step = 2` (as in earlier runs, for comparison); "
+             "honest peer: 4 tasks x 4 completions x 8 tokens, 2 rounds per version. "
+             + (f"Flood: garbage (1-4096 random bytes per stream) on every protocol the "
+                f"trainer serves, at most {args.rate:.0f} streams/s over 8 connections, each "
+                "from a fresh identity, replaced when cut. " if args.garbage else
+                f"Flood: at most {args.rate:.0f} bogus batches/s over 4 connections, a fresh "
+                "key per batch. ")
+             + f"{args.rounds} alternated rounds of baseline / control "
+             + ("(nothing sent)" if args.garbage else "(the attacker's CPU work, nothing sent)")
+             + f" / flood, {args.phase_s:.0f} s each, then `after`.\n"),
             table(["phase", "seconds", "honest completions accepted / s",
                    "trainer versions / s", "trainer CPU s",
                    "honest completions per trainer CPU-s", "flood batches verified",
@@ -344,6 +367,9 @@ def report(res: dict, load: str, args) -> str:
             f"completions per trainer CPU-second under the flood: {vals[2]:.0%} of the "
             "baseline's (what the flood takes of the trainer's own CPU, whatever the other "
             "tenants do)."),
+            *([(f"- garbage: {f['sent']} streams opened over {f['carriers']} carriers "
+                f"({f['cut']} cut), {f['refused']} opens or writes refused.")]
+              if args.garbage else [
             (f"- flood: {f['sent']} bogus batches sent over {f['carriers']} carriers "
              f"({f['cut']} cut); {verified} reached the model checks "
              f"({verified / max(1, f['sent']):.1%}), in {spent:.1f} s of the flood phases' "
@@ -352,7 +378,9 @@ def report(res: dict, load: str, args) -> str:
             (f"- cost per bogus batch: attacker {f['attacker_ms']:.1f} ms CPU (a key, a "
              f"batch, two signatures); trainer {spent / max(1, verified) * 1e3:.0f} ms of "
              f"verification for each one it verified, {spent / max(1, f['sent']) * 1e3:.1f} "
-             "ms per batch sent."),
+             "ms per batch sent.")]),
+            "- longest training gap (no new trainer version) per phase: "
+            + ", ".join(f"{p['phase']} {p['max_gap_s']:.1f} s" for p in phases),
             "- recovery: honest acceptance back at >= 80% of the last baseline (10-s window) "
             + (f"{res['recovery_s']:.1f} s after the flood stopped"
                if res["recovery_s"] is not None else "not within the after phase")
@@ -371,6 +399,10 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=50.0)
     ap.add_argument("--workdir", default="/tmp/verifier-flood")
     ap.add_argument("--no-record", action="store_true")
+    ap.add_argument("--garbage", action="store_true",
+                    help="the flood is garbage on every protocol the trainer serves (issue 30 "
+                    "item 13: 8 connections, fresh identities, --rate streams/s in all); "
+                    "control = nothing sent; recorded as section verifier-garbage")
     ap.add_argument("--profile", default="", help="py-spy the trainer: collapsed stacks "
                     "per phase into this folder")
     ap.add_argument("--py-spy", default="py-spy", help="the py-spy executable")
@@ -384,7 +416,7 @@ def main() -> None:
     if not args.no_record:
         from benchmarks.results import record
 
-        record("verifier-flood", text)
+        record("verifier-garbage" if args.garbage else "verifier-flood", text)
 
 
 if __name__ == "__main__":

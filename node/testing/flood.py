@@ -21,6 +21,7 @@ from libp2p.peer.id import ID
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.utils.varint import encode_uvarint
 
+from ...protocol.ids import STREAM_PROTOCOLS
 from ...protocol.messages import RolloutBatch
 from ..identity import Identity
 from ..p2p import P2PNode
@@ -97,4 +98,60 @@ class SybilFlood:
             self.sent += 1
             if self.target not in node.connected_peers():
                 return
+            await asyncio.sleep(self.interval_s)
+
+
+GARBAGE_PROTOCOLS = (MESHSUB, "/ipfs/id/1.0.0", "/ipfs/ping/1.0.0", "/ipfs/kad/1.0.0")
+"""libp2p's protocols a node serves besides ours (protocol/ids.py STREAM_PROTOCOLS)."""
+
+
+class GarbageFlood:
+    """`run(stop)` sends garbage on every protocol `target` serves (issue 30 item 13): over
+    `connections` libp2p connections, each from a fresh identity and replaced by a new one
+    when cut, streams opened round robin over the protocols, each carrying 1 to `max_bytes`
+    random bytes, at most one stream per `interval_s` per connection. Counters: `streams`
+    opened, `refused` (the open failed), `carriers`, `cut`."""
+
+    def __init__(self, cfg, bootstrap: str, target: str, connections: int = 4,
+                 interval_s: float = 0.05, max_bytes: int = 4096, seed: int = 0):
+        self.cfg, self.bootstrap, self.target = cfg, bootstrap, target
+        self.connections, self.interval_s, self.max_bytes = connections, interval_s, max_bytes
+        self.protocols = list(STREAM_PROTOCOLS) + list(GARBAGE_PROTOCOLS)
+        self.rng = random.Random(seed)
+        self.streams = self.refused = self.carriers = self.cut = 0
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await asyncio.gather(*(self._carrier(stop) for _ in range(self.connections)))
+
+    async def _carrier(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            node = P2PNode(Identity.generate(), self.cfg)
+            try:
+                await node.start(bootstrap=[self.bootstrap], discovery=False)
+                self.carriers += 1
+                await self._send(node, stop)
+            except Exception as e:  # noqa: BLE001 - refused or cut: a new carrier
+                log.debug("garbage carrier ended: %s", e)
+            finally:
+                self.cut += not stop.is_set()
+                await node.close()
+            if not stop.is_set():
+                await asyncio.sleep(0.1 + random.random() * 0.1)
+
+    async def _send(self, node: P2PNode, stop: asyncio.Event) -> None:
+        i = self.rng.randrange(len(self.protocols))
+        while not stop.is_set():
+            if self.target not in node.connected_peers():
+                return
+            protocol = self.protocols[i % len(self.protocols)]
+            i += 1
+            data = self.rng.randbytes(self.rng.randint(1, self.max_bytes))
+            try:
+                stream = await node.open_stream(self.target, protocol, timeout=5.0)
+                self.streams += 1
+                await stream.write(data)
+                await stream.close()
+            except Exception as e:  # noqa: BLE001 - refused, reset or cut: next one
+                self.refused += 1
+                log.debug("garbage on %s: %s", protocol, e)
             await asyncio.sleep(self.interval_s)

@@ -150,3 +150,69 @@ async def test_4_a_fresh_key_flood_costs_at_most_the_probation_share(tmp_path, t
         if peer is not None:
             peer.stop()
         trainer.stop()
+
+
+async def test_13_garbage_on_every_protocol_does_not_stop_training(tmp_path, tiny_model_dir):
+    """Issue 30 item 13: random bytes on every protocol the trainer serves (ours and
+    libp2p's: meshsub, identify, ping, kad), from 8 connections of fresh identities replaced
+    when cut: the trainer keeps training on the established honest peer's batches during
+    and after it, and rejects none of them."""
+    from swarm_node.node.config import Config
+    from swarm_node.node.testing.flood import GarbageFlood
+
+    tcfg = trainer_config(tmp_path / "t", tiny_model_dir, peer_batches_per_step=1,
+                          peer_wait_s=5.0)
+    tcfg["sampler"]["max_new_tokens"] = 8
+    trainer = Node(tmp_path / "t", tcfg).start()
+    peer = None
+    stop = asyncio.Event()
+    flooding = None
+    try:
+        trainer.wait_joined()
+        tid = trainer.status()["peer_id"]
+        boot = json.loads((trainer.data / "node.json").read_text())["listen_addrs"][0]
+        peer = Node(tmp_path / "p", {
+            "node": {"role": "inference", "swarm_id": tcfg["node"]["swarm_id"],
+                     "data_dir": str(tmp_path / "p" / "data"),
+                     "listen": ["/ip4/127.0.0.1/tcp/0"], "bootstrap": [boot], "follow": [tid]},
+            "model": {"name": str(tiny_model_dir)}, "admin": {"port": free_port()},
+            "tasks": tcfg["tasks"], "sampler": {**tcfg["sampler"], "version_wait_s": 5.0},
+        }).start()
+        peer.wait_joined()
+        hid = peer.status()["peer_id"]
+
+        def honest() -> dict:
+            return (trainer.status().get("accepted_by_peer") or {}).get(
+                hid, {"accepted": 0, "rejected": 0})
+
+        await until(lambda: honest()["accepted"] >= 32, 300, "the honest peer established",
+                    trainer)
+        swarm = Config.model_validate({"node": {"swarm_id": tcfg["node"]["swarm_id"],
+                                                "listen": ["/ip4/127.0.0.1/tcp/0"]}})
+        flood = GarbageFlood(swarm, boot, tid, connections=8, interval_s=0.1)
+        before, v0 = honest()["accepted"], trainer.status()["policy_version"]
+        t0 = trainer.status()["uptime_s"]
+        flooding = asyncio.ensure_future(flood.run(stop))
+        # 30 s of the trainer's clock with garbage, and 4 more honest batches trained on
+        await until(lambda: honest()["accepted"] >= before + 64
+                    and trainer.status().get("uptime_s", 0) >= t0 + 30, 400,
+                    "honest batches accepted during 30 s of garbage", trainer)
+        v1 = trainer.status()["policy_version"]
+        stop.set()
+        await flooding
+        flooding = None
+        after0 = honest()["accepted"]
+        await until(lambda: honest()["accepted"] >= after0 + 32, 300,
+                    "honest batches accepted after the garbage", trainer)
+        print(f"garbage: {flood.streams} streams over {flood.carriers} carriers "
+              f"({flood.cut} cut, {flood.refused} refused); versions {v0} -> {v1}")
+        assert flood.streams >= 100  # the garbage did reach the trainer's handlers
+        assert v1 >= v0 + 4 and honest()["rejected"] == 0
+        assert trainer.proc.poll() is None
+    finally:
+        stop.set()
+        if flooding is not None:
+            await flooding
+        if peer is not None:
+            peer.stop()
+        trainer.stop()

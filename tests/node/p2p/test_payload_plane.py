@@ -33,7 +33,7 @@ async def pair(make_node, **p2p):
 
     await a.subscribe(KIND, on_msg)
     await b.subscribe(KIND, on_msg)
-    await wait_until(lambda: b.peer_id in a.mesh_peers(KIND) and a.peer_id in b.mesh_peers(KIND),
+    await wait_until(lambda: b.peer_id in a.gossip.mesh_peers(KIND) and a.peer_id in b.gossip.mesh_peers(KIND),
                      30, what="the mesh")
     return a, b, got
 
@@ -104,7 +104,7 @@ async def test_body_that_does_not_match_its_announce_is_rejected(make_node):
     forged = bytearray(body)
     forged[-1] ^= 1
     b.gossip._payloads[ann.content_hash] = bytes(forged)  # serves other bytes than announced
-    await b.publish_raw(KIND, sealed_ann)
+    await b.gossip.publish_raw(KIND, sealed_ann)
     await wait_until(lambda: a.metrics["payload_fetch_failed"] == 1, 30, what="the failed pull")
     assert a.metrics["rejected.hash_mismatch"] == 1
     assert a.penalties.score(b.peer_id) > 0
@@ -114,7 +114,7 @@ async def test_body_that_does_not_match_its_announce_is_rejected(make_node):
 async def test_announcer_that_never_serves_is_counted_and_penalised(make_node):
     a, b, got = await pair(make_node)
     _, _, sealed_ann = announce_of(b, batch(b.peer_id, 8192, 1))
-    await b.publish_raw(KIND, sealed_ann)  # announced, never stored
+    await b.gossip.publish_raw(KIND, sealed_ann)  # announced, never stored
     await wait_until(lambda: a.metrics["payload_fetch_failed"] == 1, 30, what="the failed pull")
     assert a.metrics["rejected.unserved_announce"] == 1
     assert b.metrics["payload_bulk_not_held"] == 1  # asked over the plane: "not held"

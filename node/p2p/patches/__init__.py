@@ -42,6 +42,7 @@ from . import (
     send_queues,
     seqno,
     spawn_gate,
+    stream_retry,
     subscriptions,
     validation_cache,
     yamux_buffers,
@@ -101,6 +102,7 @@ def patch_pubsub(pubsub, router, *, on_fault: FaultHook, metrics, queues: QueueL
                  flood_publish_own: bool) -> TunedQueues:
     """Every per-pubsub patch, before its service starts; returns the peer queues."""
     seqno.patch_seqno(pubsub)
+    stream_retry.patch_stream_retry(pubsub)
     tuned = send_queues.patch_send_queues(pubsub, queues.slots, queues.max_rpc,
                                           queues.max_bytes, metrics)
     send_queues.patch_coalesced_sends(pubsub, metrics)

@@ -63,8 +63,9 @@ class GossipService:
         self.pull_slots = PullSlots(ctx.cfg.payload_fetch_parallel)
         self._outbox: deque[tuple[str, Envelope, str]] = deque()  # libp2p thread -> asyncio
         self._flush_pending = False
-        self._server: BodyServer | None = None  # bodies over the bulk plane (bodies.py)
-        self._puller: BodyPuller | None = None
+        # bodies over the bulk plane (bodies.py), set by start_bodies: served and pulled
+        self.body_server: BodyServer | None = None
+        self.puller: BodyPuller | None = None
         self._t_shorter: trio.Event | None = None  # set when an outbound queue shrinks
 
     async def subscribe_pending(self) -> None:
@@ -168,7 +169,7 @@ class GossipService:
         data = self._seal(message)
         if len(data) > self.cfg.inline_payload_max:
             digest = hashlib.sha256(data).digest()
-            self._store_payload(digest, data)
+            self.store_payload(digest, data)
             data = self._seal(PayloadAnnounce(inner_type=message.TYPE, content_hash=digest,
                                               size=len(data)))
             self.metrics.inc("payload_announced")
@@ -253,7 +254,9 @@ class GossipService:
 
     # Large payloads -------------------------------------------------------------------
 
-    def _store_payload(self, digest: bytes, data: bytes) -> None:
+    def store_payload(self, digest: bytes, data: bytes) -> None:
+        """Keep `data` as the body announced under `digest`, for the peers that pull it (a
+        bounded cache, oldest out first; a digest already held keeps its first body)."""
         if digest in self._payloads:
             return
         self._payloads[digest] = data
@@ -273,22 +276,22 @@ class GossipService:
         """At start: serve and pull bodies over the node's bulk plane (kind "body"); the
         announcers that served us have its reserve of connections."""
         bulk, cfg = self.bulk, self.ctx.config.bulk
-        self._server = BodyServer(self._payloads.get, cfg.idle_s,
+        self.body_server = BodyServer(self._payloads.get, cfg.idle_s,
                                   self.cfg.payload_pull_timeout_s, self.metrics)
-        bulk.register(BODY_KIND, self._server.serve)
+        bulk.register(BODY_KIND, self.body_server.serve)
         bulk.client.add_kind(BODY_KIND, "gossip bodies", self.cfg.payload_pulls_per_peer,
                              cfg.idle_s / 2)
         bulk.add_known(self.pull_slots.proven)
-        self._puller = BodyPuller(bulk.client, self.cfg, self.metrics)
+        self.puller = BodyPuller(bulk.client, self.cfg, self.metrics)
 
     def peers_connected(self, peers: set[str]) -> None:
         """New libp2p connections: open one bulk-plane connection to each now
         (BodyPuller.warm), not on the path of their first announced payload."""
-        if self._puller is None:
+        if self.puller is None:
             return
         for peer in peers:
-            if self._puller.usable(peer):
-                self.ctx.spawn(self._puller.warm(peer), "warm bulk")
+            if self.puller.usable(peer):
+                self.ctx.spawn(self.puller.warm(peer), "warm bulk")
 
     async def _pull_announced(self, kind: str, env: Envelope, origin: str) -> None:
         ann: PayloadAnnounce = env.message
@@ -317,7 +320,7 @@ class GossipService:
             self._reject_body(origin, e.reason)
             return
         self.pull_slots.served(origin)
-        self._store_payload(ann.content_hash, data)
+        self.store_payload(ann.content_hash, data)
         self.metrics.inc("payload_fetched")
         await self._deliver(kind, inner, origin)
 
@@ -350,7 +353,7 @@ class GossipService:
 
     async def _pull_from(self, source: str, ann: PayloadAnnounce) -> bytes:
         """Over the bulk plane when the source has one, else over libp2p."""
-        puller = self._puller
+        puller = self.puller
         if puller is not None and puller.usable(source):
             try:
                 data = await puller.pull(source, ann.content_hash, ann.size)

@@ -25,13 +25,17 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+from collections.abc import Callable
 
 import trio
 from libp2p.kad_dht import DHTMode, KadDHT
 from libp2p.kad_dht.common import ALPHA, QUERY_TIMEOUT
 from libp2p.peer.id import ID
 
+from .context import HostContext
+from .discovery import dial_order
 from .errors import NotRunning, P2PError
+from .patches.internals import providers_from_peer
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +54,12 @@ def dht_key(namespace: str, name: str | bytes) -> bytes:
 class DHTService:
     """The Kad-DHT of one P2PNode (`p2p.dht`)."""
 
-    def __init__(self, node):
-        self.node = node
-        self.enabled = node.cfg.dht
+    def __init__(self, ctx: HostContext, known_addrs: Callable[[str], list[str]]):
+        self.ctx = ctx
+        self.known_addrs = known_addrs  # what this node learned otherwise (discovery)
+        self.enabled = ctx.cfg.dht
         self.dht: KadDHT | None = None
-        self.swarm_key = dht_key("swarm", node.swarm_id)
+        self.swarm_key = dht_key("swarm", ctx.swarm_id)
         self._wake = asyncio.Event()
         self._t_seen: set[ID] = set()
 
@@ -99,9 +104,9 @@ class DHTService:
         if self.dht is None:
             return
         while True:
-            snap = self.node.reachability
+            snap = self.ctx.reach.current
             try:
-                await self.node._bridge.call(self._t_set_mode,
+                await self.ctx.bridge.call(self._t_set_mode,
                                              snap.public or snap.verdict.value == "unknown")
                 await self.provide_swarm()
             except NotRunning:
@@ -118,8 +123,8 @@ class DHTService:
         """Announce that this node provides `key` to the peers closest to it."""
         if self.dht is None:
             return False
-        self.node.metrics.inc("dht_provides")
-        return await self.node._bridge.call(self._t_provide, key)
+        self.ctx.metrics.inc("dht_provides")
+        return await self.ctx.bridge.call(self._t_provide, key)
 
     async def _t_provide(self, key: bytes) -> bool:
         before = self._t_connected()
@@ -131,7 +136,7 @@ class DHTService:
             await self._t_close_transient(before)
 
     def _t_connected(self) -> set[ID]:
-        return {p for p, cs in list(self.node._host.get_network().connections.items()) if cs}
+        return {p for p, cs in list(self.ctx.host.get_network().connections.items()) if cs}
 
     async def _t_close_transient(self, before: set[ID]) -> None:
         """A lookup dials the peers it asks (a provide: the ~20 closest to the key, in a
@@ -140,23 +145,28 @@ class DHTService:
         they would only be trimmed later, after costing a mesh peer its place."""
         now = self._t_connected()
         new = now - before
-        if not new or len(now) - len(new) < self.node.cfg.target_peers:
+        if not new or len(now) - len(new) < self.ctx.cfg.target_peers:
             return
-        self.node.metrics.inc("dht_connections_closed", len(new))
+        self.ctx.metrics.inc("dht_connections_closed", len(new))
         for pid in new:
             try:
-                await self.node._host.disconnect(pid)
+                await self.ctx.host.disconnect(pid)
             except Exception as e:  # noqa: BLE001 - already gone is fine
                 log.debug("closing the lookup connection to %s: %s", pid, e)
 
     async def find_providers(self, key: bytes, count: int = 20) -> list[tuple[str, list[str]]]:
-        """Providers of `key` other than us: [(peer id, [multiaddr with /p2p/...]), ...]."""
+        """Peers other than us that announced `key`, with the addresses their records carry
+        plus any this node learned otherwise (relayed ones first): [(peer id, [full
+        multiaddr])]."""
         if self.dht is None:
             return []
-        self.node.metrics.inc("dht_lookups")
-        found = await self.node._bridge.call(self._t_find_providers, key, count)
-        return [(pid, [a if a.endswith(f"/p2p/{pid}") else f"{a}/p2p/{pid}" for a in addrs])
-                for pid, addrs in found]
+        self.ctx.metrics.inc("dht_lookups")
+        found = await self.ctx.bridge.call(self._t_find_providers, key, count)
+        out = []
+        for pid, addrs in found:
+            full = [a if a.endswith(f"/p2p/{pid}") else f"{a}/p2p/{pid}" for a in addrs]
+            out.append((pid, dial_order(list(dict.fromkeys(self.known_addrs(pid) + full)))))
+        return out
 
     async def _t_find_providers(self, key: bytes, count: int) -> list[tuple[str, list[str]]]:
         before = self._t_connected()
@@ -167,7 +177,7 @@ class DHTService:
 
     async def _t_walk_providers(self, key: bytes, count: int) -> list[tuple[str, list[str]]]:
         store = self.dht.provider_store
-        me = self.node._host.get_id()
+        me = self.ctx.host.get_id()
         found: dict[ID, list[str]] = {}
 
         def take(infos) -> None:
@@ -187,8 +197,7 @@ class DHTService:
                 async def ask(peer: ID, closer=closer) -> None:
                     queried.add(peer)
                     with trio.move_on_after(QUERY_TIMEOUT):
-                        providers, nearer = await store._get_providers_from_peer_with_closers(
-                            peer, key)
+                        providers, nearer = await providers_from_peer(store, peer, key)
                         take(providers)
                         closer.extend(nearer)
 
@@ -208,8 +217,8 @@ class DHTService:
         the key and dials them: done by every node at once, that churn cost the gossip
         meshes of a 12-node test swarm at target 3 / max 5 over a minute, GossipSub
         penalising the re-grafts)."""
-        return (self.node.reachability.public
-                and self.node.config.node.role in ANCHOR_ROLES)
+        return (self.ctx.reach.current.public
+                and self.ctx.config.node.role in ANCHOR_ROLES)
 
     async def provide_swarm(self) -> None:
         """Announce this node under the swarm's key (see anchors_swarm)."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import multiaddr
 import trio
@@ -37,9 +38,14 @@ from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 
+from .context import HostContext
 from .dialback import ip_tcp, transport_addrs
 from .errors import DialError, NotRunning
+from .patches.internals import hole_punch_state, hop_stream_handler
 from .patches.relay import RelayProtocol
+
+if TYPE_CHECKING:
+    from .discovery import Discovery
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +63,11 @@ def hop_enabled(config) -> bool:
 class RelayService:
     """Relay, relay client and hole punching of one P2PNode."""
 
-    def __init__(self, node):
-        self.node = node
-        self.cfg = node.cfg.relay
-        self.hop = hop_enabled(node.config)
+    def __init__(self, ctx: HostContext, discovery: Discovery):
+        self.ctx = ctx
+        self.cfg = ctx.cfg.relay
+        self.hop = hop_enabled(ctx.config)
+        self.discovery = discovery
         self.protocol: RelayProtocol | None = None
         self.dcutr: DCUtRProtocol | None = None
         self._dialer: CircuitV2Transport | None = None
@@ -83,7 +90,7 @@ class RelayService:
         self._dialer = CircuitV2Transport(host, self.protocol,
                                           RelayConfig(roles=RelayRole.STOP, limits=limits))
         services = [self.protocol]
-        if self.node.cfg.hole_punching:
+        if self.ctx.cfg.hole_punching:
             self.dcutr = DCUtRProtocol(host)
             services.append(self.dcutr)
         return services
@@ -93,12 +100,12 @@ class RelayService:
         penalties or peer filter refuse."""
         if not self.hop or self.protocol is None:
             return
-        inner = self.protocol._handle_hop_stream
+        inner = hop_stream_handler(self.protocol)
 
         async def guarded(stream) -> None:
             peer = stream.muxed_conn.peer_id.to_base58()
-            if not self.node._allowed(peer):
-                self.node.metrics.inc("relay_refused_peer")
+            if not self.ctx.allowed(peer):
+                self.ctx.metrics.inc("relay_refused_peer")
                 try:
                     await stream.reset()
                 except Exception as e:  # noqa: BLE001 - already gone
@@ -116,16 +123,16 @@ class RelayService:
         _relay_addr, target = self._dialer.parse_circuit_ma(addr)
         if target != peer:
             raise DialError(f"{addr} leads to {target}, not {peer}", reason="wrong_peer")
-        self.node.metrics.inc("relay_dials")
+        self.ctx.metrics.inc("relay_dials")
         try:
             await self._dialer.dial(addr)
         except Exception:
-            self.node.metrics.inc("relay_dial_failures")
+            self.ctx.metrics.inc("relay_dial_failures")
             raise
 
     async def _t_reserve(self, relay: str, addr: str) -> tuple[bool, float, str]:
         """One RESERVE on `relay`: (ok, expiry unix time, why not)."""
-        host = self.node._host
+        host = self.ctx.host
         rid = ID.from_base58(relay)
         stream = None
         try:
@@ -153,7 +160,7 @@ class RelayService:
 
     def _t_hop_peers(self) -> list[str]:
         """Connected peers that offer the hop protocol (identify told us)."""
-        host = self.node._host
+        host = self.ctx.host
         out = []
         for pid in host.get_connected_peers():
             try:
@@ -171,15 +178,15 @@ class RelayService:
         d = self.dcutr
         if d is None:
             return {"direct": 0, "failed": 0, "gave_up": 0}
-        done = [(p, n) for p, n in list(d._hole_punch_attempts.items())
-                if p not in d._in_progress and p not in d._direct_connections]
-        return {"direct": len(d._direct_connections), "failed": len(done),
+        attempts, in_progress, direct = hole_punch_state(d)
+        done = [(p, n) for p, n in attempts.items() if p not in in_progress and p not in direct]
+        return {"direct": len(direct), "failed": len(done),
                 "gave_up": sum(1 for _p, n in done if n >= MAX_HOLE_PUNCH_ATTEMPTS)}
 
     # asyncio side: the client ---------------------------------------------------------------
 
     def circuit_addrs(self) -> list[str]:
-        me = self.node.peer_id
+        me = self.ctx.peer_id
         return [f"{addr}/p2p/{relay}/p2p-circuit/p2p/{me}"
                 for relay, (addr, _exp) in sorted(self.reservations.items())]
 
@@ -225,12 +232,12 @@ class RelayService:
                         "run the relay on a public address or forward its TCP port")
 
     async def _round(self) -> None:
-        node = self.node
-        reach = node.reach.current
-        self.hole_punch = await node._bridge.call(_async, self._t_hole_punch_stats)
-        node.reach.set_direct_peers(self.hole_punch["direct"])
+        ctx = self.ctx
+        reach = ctx.reach.current
+        self.hole_punch = await ctx.bridge.call(_async, self._t_hole_punch_stats)
+        ctx.reach.set_direct_peers(self.hole_punch["direct"])
         want = self.cfg.client and not reach.public and reach.verdict.value != "unknown"
-        connected = set(node.connected_peers())
+        connected = set(ctx.peers.connected_peers())
         for relay in [r for r in self.reservations if r not in connected]:
             log.info("relay %s left; its reservation is gone", relay)
             del self.reservations[relay]
@@ -242,7 +249,7 @@ class RelayService:
             missing = self.cfg.reservations - len(self.reservations)
             if missing > 0:
                 await self._reserve_more(missing, connected)
-        node.reach.set_relay_addrs(self.circuit_addrs())
+        ctx.reach.set_relay_addrs(self.circuit_addrs())
 
     async def _refresh(self) -> None:
         now = time.time()
@@ -250,42 +257,42 @@ class RelayService:
         for relay, (addr, expire) in list(self.reservations.items()):
             if expire - now > ttl * REFRESH_MARGIN:
                 continue
-            ok, new_expire, why = await self.node._bridge.call(self._t_reserve, relay, addr)
+            ok, new_expire, why = await self.ctx.bridge.call(self._t_reserve, relay, addr)
             if ok:
                 self.reservations[relay] = (addr, new_expire)
-                self.node.metrics.inc("relay_reservations_refreshed")
+                self.ctx.metrics.inc("relay_reservations_refreshed")
             else:
                 log.info("relay %s did not renew our reservation (%s)", relay, why)
                 del self.reservations[relay]
 
     async def _reserve_more(self, missing: int, connected: set[str]) -> None:
-        node = self.node
+        ctx = self.ctx
         now = time.monotonic()
-        hop_peers = await node._bridge.call(_async, self._t_hop_peers)
+        hop_peers = await ctx.bridge.call(_async, self._t_hop_peers)
         candidates = [p for p in hop_peers
                       if p in connected and p not in self.reservations
-                      and not node.is_relayed(p) and self._refused_until.get(p, 0) <= now]
+                      and not ctx.peers.is_relayed(p) and self._refused_until.get(p, 0) <= now]
         for relay in candidates[:missing]:
             addr = self._dialable_addr(relay)
             if addr is None:
                 continue
-            ok, expire, why = await node._bridge.call(self._t_reserve, relay, addr)
+            ok, expire, why = await ctx.bridge.call(self._t_reserve, relay, addr)
             if ok:
                 self.reservations[relay] = (addr, expire)
-                node.metrics.inc("relay_reservations")
+                ctx.metrics.inc("relay_reservations")
                 log.info("reserved a relay slot on %s: reachable at %s/p2p/%s/p2p-circuit",
                          relay, addr, relay)
             else:
                 self._refused_until[relay] = now + RETRY_RELAY_S
-                node.metrics.inc("relay_reservations_refused")
+                ctx.metrics.inc("relay_reservations_refused")
                 log.info("relay %s refused a reservation (%s)", relay, why)
 
     def _dialable_addr(self, relay: str) -> str | None:
         """The relay's address as others can dial it: the one it advertises (peer
         exchange) at the IP our connection to it reaches, else that connection's address
         (its listen address when we dialled it), else the first it advertises."""
-        conn = self.node.direct_addr_of(relay)
-        known = self.node.discovery.known.get(relay, []) if self.node.discovery else []
+        conn = self.ctx.peers.direct_addr_of(relay)
+        known = self.discovery.known.get(relay, []) if self.discovery else []
         bases = [a.removesuffix(f"/p2p/{relay}") for a in known]
         bases = [b for b in bases if ip_tcp(b) is not None]
         if conn is not None:

@@ -8,10 +8,12 @@ from swarm_node.node.p2p.dht import dht_key
 CHAIN = 6
 
 
-async def chain(make_node):
+async def chain(make_node, role="inference"):
+    """The first node an inference peer, the others of `role`."""
     nodes = [await make_node(discovery=False)]
     for _ in range(CHAIN - 1):
-        nodes.append(await make_node(bootstrap=nodes[-1].listen_addrs, discovery=False))
+        nodes.append(await make_node(bootstrap=nodes[-1].listen_addrs, discovery=False,
+                                     node={"role": role}))
     return nodes
 
 
@@ -27,13 +29,12 @@ async def test_dht_finds_providers_across_a_chain(make_node):
 
 
 async def test_dht_finds_public_swarm_peers_and_discovery_uses_them(make_node):
-    nodes = await chain(make_node)
+    nodes = await chain(make_node, role="relay")
     for n in nodes:
         assert await n.dialback.check() in (True, None)  # loopback: public
-    assert not nodes[1].dht.anchors_swarm()  # an inference peer does not announce itself
+    assert not nodes[0].dht.anchors_swarm()  # an inference peer does not announce itself
     for n in nodes[1:]:
-        n.config = n.config.with_overrides({"node.role": "relay"})  # public relays do
-        assert n.dht.anchors_swarm()
+        assert n.dht.anchors_swarm()  # public relays do
         await n.dht.provide_swarm()
     peers = dict(await nodes[0].dht.swarm_peers())
     assert nodes[-1].peer_id in peers and nodes[0].peer_id not in peers

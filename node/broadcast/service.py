@@ -118,9 +118,7 @@ class Broadcaster:
             bulk.add_known(lambda peer: peer in self.proven or self.gate.follows(peer))
         self.node.set_request_handler(MANIFEST_PROTOCOL, self._serve_manifest)
         self.node.set_request_handler(FOLLOWS_PROTOCOL, self._serve_follows)
-        followed = getattr(self.node, "set_followed", None)
-        if followed is not None:  # the followed trainer's own publication rate is exempt
-            followed(self.gate.follows)
+        self.node.set_followed(self.gate.follows)  # its publication rate is never throttled
         await self.node.subscribe("checkpoints", self.follower.on_manifest)
         await self.node.subscribe("adverts", self.adverts.on_advert)
         self.tasks.spawn(self.adverts.run(), "adverts")

@@ -59,6 +59,7 @@ class FakeTransport:
         self.provided: set[bytes] = set()
         self.peer_filter: Callable[[str], bool] | None = None
         self.established: Callable[[str], bool] | None = None
+        self.followed: Callable[[str], bool] | None = None
         self._watchers: list[Callable[[Reachability], None]] = []
 
     def allowed(self, peer: str) -> bool:
@@ -165,6 +166,9 @@ class FakeTransport:
 
     def set_established(self, fn: Callable[[str], bool]) -> None:
         self.established = fn
+
+    def set_followed(self, fn: Callable[[str], bool] | None) -> None:
+        self.followed = fn
 
     def health(self) -> dict[str, Any]:
         return {"alive": True, "peers": len(self.connected_peers())}

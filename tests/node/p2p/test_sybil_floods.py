@@ -135,9 +135,10 @@ async def test_a_followed_trainer_stepping_fast_reaches_its_followers_whole(make
         node.set_followed(lambda p: p == trainer.peer_id)
     for node in (trainer, other, relay, follower):
         await node.subscribe("checkpoints", count if node is follower else ignore)
-    await wait_until(lambda: follower.peer_id in relay.mesh_peers("checkpoints")
-                     and relay.peer_id in trainer.mesh_peers("checkpoints")
-                     and relay.peer_id in other.mesh_peers("checkpoints"), 30, what="the mesh")
+    await wait_until(lambda: follower.peer_id in relay.gossip.mesh_peers("checkpoints")
+                     and relay.peer_id in trainer.gossip.mesh_peers("checkpoints")
+                     and relay.peer_id in other.gossip.mesh_peers("checkpoints"), 30,
+                     what="the mesh")
     n = 60  # back to back: far over the 20-manifest burst
     for v in range(n):
         await trainer.publish("checkpoints", _manifest(trainer.peer_id, v))

@@ -208,9 +208,9 @@ def subnet_of(ip: str | None) -> str:
 
 class _Throttled:
     """One log line per (connection, reason) per LOG_EVERY_S, with the count since the last:
-    what came from the origin itself is keyed by the origin; what a connection carried for
-    other origins, by that connection (a flood of fresh keys is one line per carrier, not
-    one per key), with how many origins and the last one."""
+    naming the origin when there was one, else the connection that carried them, how many
+    origins and the last one (a flood of fresh keys is one line per carrier, not one per
+    key)."""
 
     MAX_ORIGINS = 64  # distinct origins counted per line (then "64+"): bounded memory
 
@@ -231,9 +231,10 @@ class _Throttled:
         if now - entry[0] < LOG_EVERY_S:
             return
         n, origins = entry[1], len(entry[2])
-        if via == origin and origins == 1:
+        if origins == 1:
             log.warning("gossip from origin %s dropped (%s), %d message(s) in the last %.0fs; "
-                        "last one via the origin itself", origin, reason, n, now - entry[0])
+                        "last one via %s", origin, reason, n, now - entry[0],
+                        "the origin itself" if via == origin else via)
         else:
             log.warning("gossip carried by %s dropped (%s): %d message(s) of %s origin(s) in "
                         "the last %.0fs; last origin %s", via, reason, n,

@@ -206,8 +206,12 @@ def subnet_of(ip: str | None) -> str:
     return ".".join(ip.split(".")[:3]) + ".0/24"
 
 
+DROP_WARN_AT = 20  # drops in one log line from which it is a WARNING (below: DEBUG)
+
+
 class _Throttled:
-    """One log line per (connection, reason) per LOG_EVERY_S, with the count since the last:
+    """One log line per (connection, reason) per LOG_EVERY_S, with the count since the last
+    (a WARNING from DROP_WARN_AT drops, DEBUG below):
     naming the origin when there was one, else the connection that carried them, how many
     origins and the last one (a flood of fresh keys is one line per carrier, not one per
     key)."""
@@ -221,26 +225,34 @@ class _Throttled:
     def note(self, origin: str, reason: str, via: str) -> None:
         now = self.clock()
         entry = self._last.get((via, reason))
-        if entry is None:
-            entry = self._last[(via, reason)] = [now - LOG_EVERY_S, 0, set()]
+        if entry is None:  # [last line's time, drops since, their origins, it was a WARNING]
+            entry = self._last[(via, reason)] = [now - LOG_EVERY_S, 0, set(), False]
             while len(self._last) > 4096:
                 self._last.popitem(last=False)
         entry[1] += 1
         if len(entry[2]) < self.MAX_ORIGINS:
             entry[2].add(origin)
-        if now - entry[0] < LOG_EVERY_S:
-            return
         n, origins = entry[1], len(entry[2])
-        if origins == 1:
-            log.warning("gossip from origin %s dropped (%s), %d message(s) in the last %.0fs; "
-                        "last one via %s", origin, reason, n, now - entry[0],
-                        "the origin itself" if via == origin else via)
+        due = now - entry[0] >= LOG_EVERY_S
+        # a few drops in a period are a burst (a joiner's catch-up, a restart), not a flood:
+        # honest nodes must not read "my trainer floods" (#29 audit). A WARNING as soon as
+        # DROP_WARN_AT drops gather, then at most one line per period; fewer: DEBUG, per period
+        if n >= DROP_WARN_AT and not (entry[3] and not due):
+            level = logging.WARNING
+        elif due:
+            level = logging.DEBUG
         else:
-            log.warning("gossip carried by %s dropped (%s): %d message(s) of %s origin(s) in "
-                        "the last %.0fs; last origin %s", via, reason, n,
-                        f"{origins}+" if origins >= self.MAX_ORIGINS else origins,
-                        now - entry[0], origin)
-        entry[0], entry[1], entry[2] = now, 0, set()
+            return
+        if origins == 1:
+            log.log(level, "gossip from origin %s dropped (%s), %d message(s) in the last "
+                    "%.0fs; last one via %s", origin, reason, n, now - entry[0],
+                    "the origin itself" if via == origin else via)
+        else:
+            log.log(level, "gossip carried by %s dropped (%s): %d message(s) of %s origin(s) "
+                    "in the last %.0fs; last origin %s", via, reason, n,
+                    f"{origins}+" if origins >= self.MAX_ORIGINS else origins,
+                    now - entry[0], origin)
+        entry[0], entry[1], entry[2], entry[3] = now, 0, set(), level == logging.WARNING
 
 
 class Admission:

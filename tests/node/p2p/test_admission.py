@@ -9,6 +9,7 @@ from libp2p.peer.id import ID
 from libp2p.pubsub.pb import rpc_pb2
 from swarm_node.node.identity import Identity
 from swarm_node.node.p2p.admission import (
+    DROP_WARN_AT,
     NEW_ORIGINS_BURST,
     Admission,
     FairShare,
@@ -231,3 +232,23 @@ def test_a_fresh_key_flood_logs_one_line_per_carrier(caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 3 and all(carrier.to_base58() in line for line in lines), lines
     assert "64+ origin(s)" in lines[-1]
+
+
+def test_a_few_drops_are_no_warning(caplog):
+    """A burst of messages over an allowance (a joiner's catch-up, a restart) is no flood:
+    DEBUG, not the WARNING an honest operator reads as "my trainer floods"; a flood's
+    WARNING comes as soon as DROP_WARN_AT drops gather."""
+    clock = Clock()
+    adm, _, _ = admission(clock)
+    carrier = peer()
+
+    def levels() -> list[str]:
+        return [r.levelname for r in caplog.records if "dropped" in r.getMessage()]
+    with caplog.at_level("DEBUG", logger="swarm_node.node.p2p.admission"):
+        for _ in range(int(NEW_ORIGINS_BURST) + DROP_WARN_AT - 1):  # fresh keys, over the allowance
+            adm.admit(carrier, msg(peer()), False)
+        assert levels() == ["DEBUG"]  # the first drop, said quietly
+        adm.admit(carrier, msg(peer()), False)  # DROP_WARN_AT - 1 since that line
+        assert levels() == ["DEBUG"]
+        adm.admit(carrier, msg(peer()), False)  # DROP_WARN_AT: a flood, said at once
+        assert levels() == ["DEBUG", "WARNING"]

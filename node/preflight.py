@@ -147,7 +147,7 @@ def _probe(host: str, port: int, what: str, hint: str) -> None:
             s.bind((host, port))
             s.listen(1)
         except OSError as e:
-            extra = f" ({hint})" if e.errno == 98 else ""
+            extra = f" ({hint})" if hint and e.errno == 98 else ""
             raise NodeError(f"{what}: {e.strerror or e}{extra}") from None
 
 

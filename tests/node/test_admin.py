@@ -282,6 +282,14 @@ def test_print_status_without_a_node(tmp_path):
     (tmp_path / "admin.port").write_text(f"{free}\n")
     with pytest.raises(NodeError, match=f"no node is answering on 127.0.0.1:{free}"):
         print_status(cfg)
+    # the node.json of a node that stopped (its process is gone): said as such
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    (tmp_path / "node.json").write_text(json.dumps({"pid": int(gone), "role": "relay",
+                                                    "admin_port": free}))
+    with pytest.raises(NodeError, match=f"the relay node with data dir {tmp_path} is not "
+                                        f"running \\(its last process, pid {gone}, has exited"):
+        print_status(cfg)
 
 
 def test_status_command_subprocess(tmp_path):

@@ -184,7 +184,7 @@ def join(
         try:
             notes = check_config(cfg, new_model=new_model)
             check_data_dir(cfg)
-            check_ports(cfg)
+            notes += check_ports(cfg)
         except NodeError as e:
             _fail(str(e), 1, as_json)
         typer.echo(cfg.to_toml())

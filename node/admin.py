@@ -247,9 +247,35 @@ def fetch_status(port: int, timeout: float = 5.0) -> dict[str, Any]:
     return doc
 
 
+def _stopped(data_dir: Path) -> str | None:
+    """'not running' for a data dir whose last node has exited (its node.json names a
+    process that is gone, as after any stop), else None."""
+    try:
+        info = json.loads((data_dir / "node.json").read_text())
+        pid = int(info["pid"])
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        role = info.get("role") if isinstance(info.get("role"), str) else "swarm-node"
+        return (f"the {role} node with data dir {data_dir} is not running (its last process, "
+                f"pid {pid}, has exited); start it again with `swarm-node join`")
+    except OSError:
+        return None
+    return None
+
+
 def print_status(cfg: Config, port: int | None = None, as_json: bool = False) -> None:
     """Print the local node's status: a rich table, or the raw JSON."""
-    doc = fetch_status(port if port is not None else _port_or_default(cfg))
+    if port is not None:
+        doc = fetch_status(port)
+    else:
+        port = _port_or_default(cfg)
+        try:
+            doc = fetch_status(port)
+        except NodeError as e:
+            raise NodeError(_stopped(cfg.data_dir) or str(e)) from None
     if as_json:
         print(json.dumps(doc, indent=2, sort_keys=True))
         return

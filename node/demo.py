@@ -381,7 +381,9 @@ def watch(nodes: list[DemoNode], rounds: int, time_limit_s: float,
     """Poll every node until the trainer reached `rounds` versions and the cheater is banned
     (or the time limit). Returns True if Ctrl-C ended it."""
     trainer = nodes[0]
-    try:
+    try:  # "nodes up" inside: a Ctrl-C right after it is an interrupted run, not a start
+        print(f"{len(nodes)} nodes up after {time.monotonic() - t0:.0f}s; training for "
+              f"{rounds} policy versions", flush=True)
         with Progress() as progress:
             while True:
                 for node in nodes:
@@ -409,6 +411,24 @@ def run_demo(rounds: int = 0, inference_peers: int = 2, workdir: Path | None = N
              time_limit_s: float | None = None, model: str = "tiny",
              cheater: bool = True) -> int:
     """The local swarm; without `cheater`, only honest peers (a learning swarm)."""
+    # SIGTERM and SIGHUP (`timeout`, a closed terminal, a supervisor) stop it as Ctrl-C
+    # does: the nodes run in their own sessions and would outlive the demo otherwise. Ctrl-C
+    # works even when SIGINT was ignored on entry (a background job of a script).
+    previous = {sig: signal.signal(sig, _interrupt)
+                for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        return _run_demo(rounds, inference_peers, workdir, time_limit_s, model, cheater)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _run_demo(rounds: int, inference_peers: int, workdir: Path | None,
+              time_limit_s: float | None, model: str, cheater: bool) -> int:
     rounds = rounds or (SMOLLM2_ROUNDS if model == "smollm2" else DEFAULT_ROUNDS)
     time_limit_s = time_limit_s or (SMOLLM2_TIME_LIMIT_S if model == "smollm2"
                                     else DEFAULT_TIME_LIMIT_S)
@@ -438,8 +458,6 @@ def run_demo(rounds: int = 0, inference_peers: int = 2, workdir: Path | None = N
                                                    swarm_id)))
         for node in nodes[1:]:
             wait_info(node)
-        print(f"{len(nodes)} nodes up after {time.monotonic() - t0:.0f}s; training for "
-              f"{rounds} policy versions")
         interrupted = watch(nodes, rounds, time_limit_s, cheat if cheater else None, t0)
     except KeyboardInterrupt:
         interrupted = True

@@ -101,8 +101,10 @@ def check_peer_id(peer: str, what: str) -> None:
         raise NodeError(f"{what}: {peer!r} is not a libp2p peer ID (12D3KooW...)")
 
 
-def check_ports(cfg: Config) -> None:
-    """Bind every listen address (and the admin port) once, so a taken one is named now."""
+def check_ports(cfg: Config) -> list[str]:
+    """Bind every listen address (and the admin and bulk-plane ports) once, so a taken one
+    is named now. Returns warnings: a taken bulk-plane port derived from --listen ("auto")
+    does not stop a node (it runs without its bulk plane), an explicit `bulk.listen` does."""
     for addr in cfg.node.listen:
         host, port = _tcp_part(addr, multiaddr)
         _probe(host, port, f"cannot listen on {addr}", "another swarm-node on this machine? "
@@ -111,6 +113,29 @@ def check_ports(cfg: Config) -> None:
         _probe("127.0.0.1", cfg.admin.port, f"admin port 127.0.0.1:{cfg.admin.port} is taken",
                "another swarm-node on this machine? set --admin-port <port>, or "
                "--set admin.port=0 for a free one")
+    setting = cfg.bulk.listen
+    if setting == "off":
+        return []
+    if setting != "auto":
+        host, _, port = setting.rpartition(":")
+        _probe(host.strip("[]"), int(port), f"bulk.listen {setting!r}: cannot listen",
+               "another swarm-node on this machine? set another bulk.listen")
+        return []
+    if not cfg.node.listen:
+        return []
+    host, port = _tcp_part(cfg.node.listen[0], multiaddr)
+    if not port:
+        return []
+    try:
+        _probe(host, port + 1, "", "")
+    except NodeError as e:
+        why = e.args[0].lstrip(": ")
+        note = (f"warning: the bulk-plane port {host}:{port + 1} (the libp2p port + 1) is "
+                f"taken ({why}): this node would run without its bulk plane (shards and "
+                "gossip bodies over libp2p streams only); pick a --listen port whose next "
+                "port is free too, or set bulk.listen")
+        return [note]
+    return []
 
 
 def _probe(host: str, port: int, what: str, hint: str) -> None:
@@ -122,7 +147,7 @@ def _probe(host: str, port: int, what: str, hint: str) -> None:
             s.bind((host, port))
             s.listen(1)
         except OSError as e:
-            extra = f" ({hint})" if e.errno == 98 else ""
+            extra = f" ({hint})" if hint and e.errno == 98 else ""
             raise NodeError(f"{what}: {e.strerror or e}{extra}") from None
 
 

@@ -17,9 +17,11 @@ import asyncio
 import json
 import logging
 import os
+import re
 import shlex
 import signal
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 from ..protocol import PROTOCOL_VERSION
@@ -284,12 +286,40 @@ def _check_listening(cfg: Config, p2p) -> None:
             raise NodeError(f"cannot listen on {addr}: the libp2p host did not bind it")
 
 
-def join_command(cfg: Config, addrs: list[str], trainer: str | None) -> str:
+_LOOPBACK = ("/ip4/127.", "/ip6/::1/")
+_WILDCARD = ("/ip4/0.0.0.0/", "/ip6/::/")
+
+
+def route_ip() -> str | None:
+    """This machine's IPv4 address on its default route (asked of the kernel's routing
+    table: connecting a UDP socket sends nothing), or None without such a route."""
+    for probe in ("8.8.8.8", "10.254.254.254"):
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((probe, 9))
+                ip = s.getsockname()[0]
+        except OSError:
+            continue
+        if ip and not ip.startswith(("127.", "0.")):
+            return ip
+    return None
+
+
+def join_command(cfg: Config, addrs: list[str], trainer: str | None,
+                 route_ip: Callable[[], str | None] = route_ip) -> str:
     """The complete line another machine pastes to join the swarm through this node: the
     swarm id, this node's address, and the trainer to follow (this node, if a trainer)."""
     if not addrs:
         return ""
-    public = [a for a in addrs if not a.startswith(("/ip4/127.", "/ip6/::1/"))]
+    public = [a for a in addrs if not a.startswith(_LOOPBACK)]
+    if not public and any(a.startswith(_WILDCARD) for a in cfg.node.listen):
+        # Listening on every interface, but the host name resolves to loopback only (as on
+        # most Linux installs): name the address of the default route, which other
+        # machines can dial, never 127.0.0.1 (that dials the joiner itself).
+        ip = route_ip()
+        if ip is not None:
+            public = [re.sub(r"^/ip4/127\.[0-9.]+/", f"/ip4/{ip}/", a) for a in addrs
+                      if a.startswith("/ip4/127.")]
     parts = ["swarm-node", "join", "--role", "inference", "--swarm", cfg.node.swarm_id,
              "--bootstrap", (public or addrs)[0]]
     if trainer:

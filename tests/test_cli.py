@@ -214,6 +214,32 @@ def test_dry_run_names_a_taken_port_a_taken_admin_port_and_a_locked_data_dir(tmp
     assert ok.returncode == 0 and "# config ok" in ok.stdout  # released: free again
 
 
+def test_dry_run_names_a_taken_bulk_plane_port(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        data = ["--data-dir", str(tmp_path / "d"), "--admin-port", "0"]
+        # "auto": the port after --listen's is taken; the node would run without its bulk
+        # plane, and the dry run says so (the libp2p port itself is free)
+        proc = run("join", "--dry-run", *data, "--listen", f"/ip4/127.0.0.1/tcp/{port - 1}",
+                   home=tmp_path)
+        if proc.returncode == 1 and f"tcp/{port - 1}" in proc.stderr:
+            pytest.skip(f"port {port - 1} is taken by something else here")
+        assert proc.returncode == 0 and "# config ok" in proc.stdout, proc.stderr
+        assert f"# warning: the bulk-plane port 127.0.0.1:{port} (the libp2p port + 1) is " \
+            "taken" in proc.stdout
+        # an explicit bulk.listen that is taken fails, as the real join would
+        proc = run("join", "--dry-run", *data, "--listen", "/ip4/127.0.0.1/tcp/0", "--set",
+                   f'bulk.listen="127.0.0.1:{port}"', home=tmp_path)
+        assert proc.returncode == 1 and f"bulk.listen '127.0.0.1:{port}'" in proc.stderr
+    ok = run("join", "--dry-run", *data, "--listen", f"/ip4/127.0.0.1/tcp/{port - 1}",
+             home=tmp_path)
+    assert ok.returncode == 0 and "bulk-plane port" not in ok.stdout  # freed: no warning
+
+
 def test_example_config_passes_dry_run_with_its_placeholders_marked(tmp_path):
     example = Path(__file__).parents[1] / "node.example.toml"
     text = example.read_text()

@@ -59,6 +59,7 @@ class InferenceRole(Role):
         self.round = int(self.load_json(ROUND_FILE, {"next_round": 0})["next_round"])
         # a round is sampled only when its counter can be persisted: a full disk pauses it
         self.disk = DiskWatch("sampling", self.data_dir)
+        self._held_said: str | None = None  # the reason sampling is held, logged once
 
     async def start(self) -> None:
         self.tasks = TaskSource.of(self.cfg.tasks, self.cfg.node.swarm_id)
@@ -137,6 +138,22 @@ class InferenceRole(Role):
                 self.new_version.clear()
                 continue
             self.state.policy_id = self.policy_id
+            if held := self._held():
+                # a round now would be stale at the trainer (rejected and counted against
+                # this node): wait for a checkpoint instead of sampling the old one
+                why, line = held
+                if why != self._held_said:  # once per reason, not per version
+                    self._held_said = why
+                    log.info("sampling held: %s; it resumes with the next checkpoint", line)
+                self.state.extra["sampling_held"] = line
+                if self.pending is None:
+                    self.new_version.clear()
+                await wait_any(stop, self.new_version, timeout=self.cfg.sampler.version_wait_s)
+                continue
+            if self._held_said is not None:
+                log.info("sampling resumed with policy v%d", self.sampler.version)
+                self._held_said = None
+                self.state.extra.pop("sampling_held", None)
             # disk full: sampling pauses (one line; the next version could not be downloaded
             # either) and resumes when space returns
             if not await self.disk.wait_for_space(0, stop):
@@ -182,6 +199,22 @@ class InferenceRole(Role):
                                    tokens_per_s=round(tokens / max(seconds, 1e-6), 1))
             log.info("published round %d: %d completions, policy v%d, mean reward %.3f",
                      batch.round, len(batch.completions), batch.policy_version, self.state.reward)
+
+    def _held(self) -> tuple[str, str] | None:
+        """Why a round of the loaded version would be stale at the followed trainer (its
+        newest version is more than trainer.max_staleness ahead): its policy is refused
+        here (the swarm settings differ), or that version is still downloading: (reason,
+        line). None: sample."""
+        lag, have = self.cfg.trainer.max_staleness, self.sampler.version
+        if self.settings.refused and self.settings.refused_version - have > lag:
+            return "refused", (f"the trainer's v{self.settings.refused_version} is refused "
+                               f"here (its swarm settings differ: see the banner) and rounds "
+                               f"of v{have} would be stale")
+        p = self.state.checkpoint_progress
+        if p and not p.get("complete") and p.get("version", 0) - have > lag:
+            return "downloading", (f"v{p['version']} is downloading and rounds of v{have} "
+                                   "would be stale")
+        return None
 
     def _next_round(self, effective: EffectiveSettings) -> int | None:
         """The next unused round of the current version's window, or None when used up."""

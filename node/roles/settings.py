@@ -108,6 +108,7 @@ class SettingsFollower:
         self.cfg = cfg
         self.local = EffectiveSettings.local(cfg)
         self.refused: str | None = None
+        self.refused_version = -1  # the version of the newest refused manifest
         self._by_version: OrderedDict[tuple[str, int], EffectiveSettings] = OrderedDict()
         self._logged: set[str] = set()
         self._adopted_logged: dict[str, object] = {}
@@ -138,7 +139,7 @@ class SettingsFollower:
             return None
         if settings.protocol_version != PROTOCOL_VERSION:
             return self._refuse(trainer, [(f"protocol version {settings.protocol_version} "
-                                          f"(this node speaks {PROTOCOL_VERSION})")])
+                                          f"(this node speaks {PROTOCOL_VERSION})")], version)
         diffs, adopt = [], {}
         for name, value in _announced(settings).items():
             if name not in ADOPTABLE:
@@ -166,8 +167,9 @@ class SettingsFollower:
             except ConfigError as e:  # a value our config cannot hold (out of its range)
                 diffs.append(str(e).removeprefix("invalid configuration: "))
         if diffs:
-            return self._refuse(trainer, diffs)
+            return self._refuse(trainer, diffs, version)
         self.refused = self.view["refused"] = None
+        self.refused_version = -1
         self._remember(trainer, version, effective)
         self.view["adopted"] = dict(adopt)
         if adopt and adopt != self._adopted_logged:  # once per distinct adoption
@@ -183,7 +185,7 @@ class SettingsFollower:
         while len(self._by_version) > self.KEEP:
             self._by_version.popitem(last=False)
 
-    def _refuse(self, trainer: str, diffs: list[str]) -> str:
+    def _refuse(self, trainer: str, diffs: list[str], version: int) -> str:
         line = (f"refusing the policy of trainer {trainer[-8:] or '?'}: its swarm settings "
                 f"differ: {'; '.join(diffs)} (remove these settings to adopt the swarm's, "
                 f"or follow another trainer)")
@@ -191,6 +193,7 @@ class SettingsFollower:
             self._logged.add(line)
             log.error("%s", line)
         self.refused = self.view["refused"] = line
+        self.refused_version = max(self.refused_version, version)
         return line
 
 

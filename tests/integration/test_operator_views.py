@@ -312,6 +312,38 @@ def test_a_banned_peer_is_told_and_the_trainer_counts_it(swarm, tiny_model_dir, 
         cheater.stop()
 
 
+# refused settings: no stale rounds sent ----------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_peer_that_refuses_the_policy_sends_no_stale_rounds(swarm, tiny_model_dir, tmp_path):
+    """An explicit setting that differs from the swarm's: the trainer's policy is refused.
+    Once the trainer is more than trainer.max_staleness versions past what the peer holds,
+    its rounds would be rejected as stale (and counted against it): it holds them instead,
+    says so once, and shows the refusal as a banner."""
+    lag = 1  # the peer's own staleness bound: the module trainer is far past v0 + 1
+    wait_for(lambda: swarm.status()["policy_version"] > lag + 1, 120, "the trainer past v2")
+    argv = peer_argv(join_line(swarm), tmp_path, tiny_model_dir, "--set",
+                     "sampler.temperature=0.7", "--set", "sampler.version_wait_s=2",
+                     "--set", f"trainer.max_staleness={lag}")
+    peer = Peer(tmp_path / "refusing", argv).start()
+    try:
+        peer.wait(lambda: "sampling held: the trainer's" in peer.text(), "sampling held")
+        assert "settings_refused" in _codes(peer.status())
+        version = swarm.status()["policy_version"]
+        # several version waits (2 s) and two trainer versions later: still nothing sent
+        wait_for(lambda: swarm.status()["policy_version"] >= version + 2, 120,
+                 "two more trainer versions while the peer holds")
+        doc = peer.status()
+        assert doc["rollouts_sent"] == 0 and not doc["verdicts_about_me"].get("rejected")
+        assert doc["peer_id"] not in swarm.status()["accepted_by_peer"]
+        assert peer.text().count("sampling held") == 1
+        assert "published round" not in peer.text()
+    finally:
+        peer.stop()
+
+
 # relays: counters, and a relay with nothing to follow -----------------------------------------
 
 

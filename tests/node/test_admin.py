@@ -282,6 +282,14 @@ def test_print_status_without_a_node(tmp_path):
     (tmp_path / "admin.port").write_text(f"{free}\n")
     with pytest.raises(NodeError, match=f"no node is answering on 127.0.0.1:{free}"):
         print_status(cfg)
+    # the node.json of a node that stopped (its process is gone): said as such
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    (tmp_path / "node.json").write_text(json.dumps({"pid": int(gone), "role": "relay",
+                                                    "admin_port": free}))
+    with pytest.raises(NodeError, match=f"the relay node with data dir {tmp_path} is not "
+                                        f"running \\(its last process, pid {gone}, has exited"):
+        print_status(cfg)
 
 
 def test_status_command_subprocess(tmp_path):
@@ -473,3 +481,21 @@ def test_join_command_is_complete():
                     "/ip4/203.0.113.7/tcp/4001/p2p/12D3KooWme --follow 12D3KooWtrainer")
     assert "--follow" not in join_command(cfg, addrs[:1], None)  # a relay that knows no trainer
     assert join_command(cfg, [], "x") == ""
+
+
+def test_join_command_names_a_dialable_address_when_listening_on_every_interface():
+    from swarm_node.node.runner import join_command, route_ip
+
+    loop = ["/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWme"]
+    every = load_config(None, {"node.swarm_id": "s", "node.listen": ["/ip4/0.0.0.0/tcp/4001"]})
+    # 0.0.0.0 expanded to loopback only (the host name resolves to 127.x): the line names
+    # the default route's address, which another machine can dial
+    line = join_command(every, loop, None, route_ip=lambda: "192.0.2.2")
+    assert "--bootstrap /ip4/192.0.2.2/tcp/4001/p2p/12D3KooWme" in line
+    assert "127.0.0.1" in join_command(every, loop, None, route_ip=lambda: None)  # no route
+    # a node that listens on loopback only is joined on loopback (one-machine tests)
+    local = load_config(None, {"node.swarm_id": "s", "node.listen": ["/ip4/127.0.0.1/tcp/0"]})
+    assert "/ip4/127.0.0.1/" in join_command(local, loop, None, route_ip=lambda: "192.0.2.2")
+    # the real lookup: an address of this machine that is not loopback, or none at all
+    ip = route_ip()
+    assert ip is None or (not ip.startswith("127.") and ip.count(".") == 3)

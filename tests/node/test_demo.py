@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -83,11 +84,16 @@ def test_the_cheaters_numbers_add_up_in_the_summary():
 
 
 @pytest.mark.slow  # three real node processes (~40 s on a busy machine)
-def test_ctrl_c_stops_the_demo_with_a_summary(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_stops_the_demo_with_a_summary(tmp_path, sig):
+    """Ctrl-C, and SIGTERM (`timeout`, a supervisor): the same clean stop, no node left
+    running (they run in their own sessions). SIGINT is ignored on entry, as in a script's
+    background job: Ctrl-C still works."""
     env = {**os.environ, "HOME": str(tmp_path), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "swarm-node"), "demo",
-                             "--inference-peers", "1", "--no-cheater", "--workdir",
-                             str(tmp_path / "w")], stdout=subprocess.PIPE,
+    demo = shlex.join([str(Path(sys.executable).parent / "swarm-node"), "demo",
+                       "--inference-peers", "1", "--no-cheater", "--workdir",
+                       str(tmp_path / "w")])
+    proc = subprocess.Popen(["sh", "-c", f"trap '' INT; exec {demo}"], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, env=env, text=True)
     lines: list[str] = []
     up = threading.Event()
@@ -104,7 +110,7 @@ def test_ctrl_c_stops_the_demo_with_a_summary(tmp_path):
     try:
         assert up.wait(300), "".join(lines)
         assert proc.poll() is None and any("nodes up" in ln for ln in lines), "".join(lines)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         assert proc.wait(timeout=120) == 130
     finally:
         if proc.poll() is None:

@@ -35,7 +35,7 @@ from .identity import Identity
 from .lifecycle import TaskOwner
 from .logs import route_library_logs, setup_logging
 from .metrics import HISTORY_FILE, NodeState, load_history, save_history
-from .p2p import P2PError, P2PNode
+from .p2p import P2PError, P2PNode, route_ip
 from .preflight import check_config, check_ports, claim_data_dir, record_model
 from .roles import make_role
 from .roles.interfaces import BroadcastFeed
@@ -288,21 +288,6 @@ def _check_listening(cfg: Config, p2p) -> None:
 
 _LOOPBACK = ("/ip4/127.", "/ip6/::1/")
 _WILDCARD = ("/ip4/0.0.0.0/", "/ip6/::/")
-
-
-def route_ip() -> str | None:
-    """This machine's IPv4 address on its default route (asked of the kernel's routing
-    table: connecting a UDP socket sends nothing), or None without such a route."""
-    for probe in ("8.8.8.8", "10.254.254.254"):
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                s.connect((probe, 9))
-                ip = s.getsockname()[0]
-        except OSError:
-            continue
-        if ip and not ip.startswith(("127.", "0.")):
-            return ip
-    return None
 
 
 def join_command(cfg: Config, addrs: list[str], trainer: str | None,

@@ -48,6 +48,7 @@ __all__ = [
     "StreamError",
     "Transport",
     "Verdict",
+    "route_ip",
 ]
 
 GossipHandler = Callable[["Envelope", str], Awaitable[None]]  # (verified envelope, from peer)
@@ -123,6 +124,7 @@ class Transport(Protocol):
 
 _LAZY = {  # name -> submodule: importing the package must not import libp2p/trio
     "P2PNode": "host",
+    "route_ip": "host",
     "BulkBusy": "bulk",
     "BulkConn": "bulk",
     "BulkError": "bulk",

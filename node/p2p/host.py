@@ -595,13 +595,33 @@ def _dialable(addrs) -> list[str]:
 
 
 def _local_ips() -> list[str]:
+    """Loopback, the host name's IPv4 addresses and the default route's: on most Linux
+    installs the host name resolves to 127.0.1.1 only, and a node listening on 0.0.0.0
+    would otherwise tell its peers loopback addresses alone (#29 audit)."""
     ips = ["127.0.0.1"]
     try:
         for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET):
             ips.append(info[4][0])
     except OSError:
         pass
+    if (ip := route_ip()) is not None:
+        ips.append(ip)
     return list(dict.fromkeys(ips))
+
+
+def route_ip() -> str | None:
+    """This machine's IPv4 address on its default route (asked of the kernel's routing
+    table: connecting a UDP socket sends nothing), or None without such a route."""
+    for probe in ("8.8.8.8", "10.254.254.254"):
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((probe, 9))
+                ip = s.getsockname()[0]
+        except OSError:
+            continue
+        if ip and not ip.startswith(("127.", "0.")):
+            return ip
+    return None
 
 
 def describe_dial_error(e: BaseException) -> str:

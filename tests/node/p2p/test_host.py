@@ -166,3 +166,15 @@ async def test_subscribe_before_start_and_single_start(make_node):
         await wait_until(lambda: got == [(a.peer_id, 5)], what="delivery")
     finally:
         await b.close()
+
+
+def test_a_wildcard_listen_names_the_default_route_address():
+    """Listening on 0.0.0.0 where the host name resolves to loopback only (most Linux
+    installs), the addresses a node tells its peers include the default route's IPv4, not
+    loopback alone (#29 audit)."""
+    from swarm_node.node.p2p.host import _dialable, route_ip
+
+    ip = route_ip()
+    if ip is None:
+        pytest.skip("this machine has no default IPv4 route")
+    assert f"/ip4/{ip}/tcp/4001" in _dialable(["/ip4/0.0.0.0/tcp/4001"])

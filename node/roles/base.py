@@ -129,7 +129,8 @@ class Role:
         if not v.accept:  # the per-rollout verdict beside the summary: its detail says why
             mine.recent.append({"trainer": env.sender, "accept": False, "reason": v.reason,
                                 "n": 1, "version": v.policy_version, "detail": v.detail[:200]})
-            log.warning("trainer %s rejected a rollout of mine: %s (%s)", env.sender[-8:],
+            # INFO: the round's summary beside it is the WARNING (one per round, #29 audit)
+            log.info("trainer %s rejected a rollout of mine: %s (%s)", env.sender[-8:],
                         v.reason, v.detail[:200] or REASON_TEXT.get(v.reason, ""))
 
     async def start(self) -> None:

@@ -209,7 +209,8 @@ class P2PNode:
                 "connections": {"open": len(self._connected), "target": self.cfg.target_peers,
                                 "max": self.cfg.max_peers, "relayed": len(self._connected)
                                 - len(self._direct_addr), "trimmed": self.connmgr.trimmed,
-                                "dead": self.connmgr.dead},
+                                "dead": self.connmgr.dead,
+                                "relayed_peers": sorted(self._connected - set(self._direct_addr))},
                 "stream_faults": c.get("stream_faults", 0),
                 "rate_limited": c.get("rejected.rate_limited", 0),
                 "window_violations": c.get("window_violations", 0),

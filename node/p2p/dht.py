@@ -14,6 +14,12 @@ our own swarm, which discovery made). Provider records only; the value store is 
   opens a DHT stream to us), with the per-subnet cap off (a LAN or loopback swarm shares
   one /24).
 - A node is a DHT server while it is (or may be) publicly reachable, a client behind NAT.
+- What a provider record carries (`provide`): a public node (or one whose verdict is not in
+  yet) its listen addresses, as py-libp2p sends them; a node behind NAT its relayed
+  (`/p2p-circuit`) addresses only, sent by `_t_provide_relayed` (py-libp2p's provider store
+  would send the private listen addresses nobody outside the NAT can dial); behind NAT
+  without a relay slot, nothing (`provide` returns False: the record would only cost the
+  finders failed dials).
 - `find_providers` walks the network itself: py-libp2p's returns its local records only
   whenever it holds any, and a provider always holds its own.
 
@@ -28,8 +34,12 @@ import logging
 
 import trio
 from libp2p.kad_dht import DHTMode, KadDHT
-from libp2p.kad_dht.common import ALPHA, QUERY_TIMEOUT
+from libp2p.kad_dht.common import ALPHA, PROTOCOL_ID, QUERY_TIMEOUT
+from libp2p.kad_dht.pb.kademlia_pb2 import Message
 from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+from libp2p.utils.varint import encode_varint_prefixed
+from multiaddr import Multiaddr
 
 from .errors import NotRunning, P2PError
 
@@ -115,11 +125,22 @@ class DHTService:
     # Providers ------------------------------------------------------------------------
 
     async def provide(self, key: bytes) -> bool:
-        """Announce that this node provides `key` to the peers closest to it."""
+        """Announce that this node provides `key` to the peers closest to it, at the
+        addresses it can be reached at (see the module doc); False if nobody took it."""
         if self.dht is None:
             return False
+        snap = self.node.reachability
+        if snap.public or snap.verdict.value == "unknown":
+            self.node.metrics.inc("dht_provides")
+            return await self.node._bridge.call(self._t_provide, key)
+        me = f"/p2p/{self.node.peer_id}"
+        relayed = [a.removesuffix(me) for a in snap.relay_addrs]
+        if not relayed:
+            self.node.metrics.inc("dht_provides_unreachable")
+            log.debug("not providing %s: behind NAT without a relay slot", key.hex()[:16])
+            return False
         self.node.metrics.inc("dht_provides")
-        return await self.node._bridge.call(self._t_provide, key)
+        return await self.node._bridge.call(self._t_provide_relayed, key, relayed)
 
     async def _t_provide(self, key: bytes) -> bool:
         before = self._t_connected()
@@ -127,6 +148,45 @@ class DHTService:
             with trio.move_on_after(QUERY_TIMEOUT * 2):
                 return bool(await self.dht.provider_store.provide(key))
             return False
+        finally:
+            await self._t_close_transient(before)
+
+    async def _t_provide_relayed(self, key: bytes, addrs: list[str]) -> bool:
+        """py-libp2p's provide with our relayed addresses in the record: kept locally, and
+        an ADD_PROVIDER to each of the peers closest to the key (ALPHA at a time)."""
+        host, me = self.node._host, self.node._host.get_id()
+        maddrs = [Multiaddr(a) for a in addrs]
+        self.dht.provider_store.add_provider(key, PeerInfo(me, maddrs))
+        msg = Message(type=Message.MessageType.ADD_PROVIDER, key=key)
+        msg.providerPeers.add(id=me.to_bytes(), addrs=[a.to_bytes() for a in maddrs])
+        data = msg.SerializeToString()
+        frame = encode_varint_prefixed(data)
+        sent: list[ID] = []
+        gate = trio.Semaphore(ALPHA)
+
+        async def send(peer: ID) -> None:
+            async with gate:
+                with trio.move_on_after(QUERY_TIMEOUT):
+                    stream = None
+                    try:
+                        stream = await host.new_stream(peer, [PROTOCOL_ID])
+                        await stream.write(frame)
+                        sent.append(peer)
+                    except Exception as e:  # noqa: BLE001 - one peer less holds the record
+                        log.debug("ADD_PROVIDER to %s: %s", peer, e)
+                    finally:
+                        if stream is not None:
+                            await stream.close()
+
+        before = self._t_connected()
+        try:
+            with trio.move_on_after(QUERY_TIMEOUT * 2):
+                closest = await self.dht.peer_routing.find_closest_peers_network(key)
+                async with trio.open_nursery() as nursery:
+                    for peer in closest:
+                        if peer != me:
+                            nursery.start_soon(send, peer)
+            return bool(sent)
         finally:
             await self._t_close_transient(before)
 

@@ -13,6 +13,8 @@ our own swarm, which discovery made). Provider records only; the value store is 
 - The routing table is seeded from every connection (py-libp2p adds a peer only when it
   opens a DHT stream to us), with the per-subnet cap off (a LAN or loopback swarm shares
   one /24).
+- Public relays (hop service on) also provide `dht_key("relay", swarm_id)`: a NAT'd node
+  short of relay slots among its connections looks them up there (relay.py).
 - A node is a DHT server while it is (or may be) publicly reachable, a client behind NAT.
 - What a provider record carries (`provide`): a public node (or one whose verdict is not in
   yet) its listen addresses, as py-libp2p sends them; a node behind NAT its relayed
@@ -65,6 +67,7 @@ class DHTService:
         self.enabled = node.cfg.dht
         self.dht: KadDHT | None = None
         self.swarm_key = dht_key("swarm", node.swarm_id)
+        self.relay_key = dht_key("relay", node.swarm_id)
         self._wake = asyncio.Event()
         self._t_seen: set[ID] = set()
 
@@ -114,6 +117,7 @@ class DHTService:
                 await self.node._bridge.call(self._t_set_mode,
                                              snap.public or snap.verdict.value == "unknown")
                 await self.provide_swarm()
+                await self.provide_relay()
             except NotRunning:
                 return
             self._wake.clear()
@@ -279,6 +283,21 @@ class DHTService:
             await self.provide(self.swarm_key)
         except (P2PError, NotRunning) as e:
             log.debug("providing the swarm key failed: %s", e)
+
+    async def provide_relay(self) -> None:
+        """A publicly reachable node that relays (its hop service is on) announces itself
+        under the swarm's relay key: NAT'd peers whose connections hold no relay find it
+        there (RelayService)."""
+        if self.dht is None or not (self.node.reachability.public and self.node.relay.hop):
+            return
+        try:
+            await self.provide(self.relay_key)
+        except (P2PError, NotRunning) as e:
+            log.debug("providing the relay key failed: %s", e)
+
+    async def relays(self, count: int = 8) -> list[tuple[str, list[str]]]:
+        """Public relays of this swarm, found through the DHT."""
+        return await self.find_providers(self.relay_key, count)
 
     async def swarm_peers(self, count: int = 20) -> list[tuple[str, list[str]]]:
         """Publicly reachable peers of this swarm, found through the DHT."""

@@ -235,7 +235,9 @@ def section_pair(args, work: Path, model_dir: Path) -> tuple[str, dict]:
     body = (f"Load before: {args.load_before}. Trainer (5 ms leg), relay (10 ms), peer1 in "
             "home1 (15 ms, 20/100 Mbit/s), peer2 in home2 (25 ms, 10/50 Mbit/s); 0.5% loss "
             f"per leg. Goal: trainer at v{args.pair_versions}, both peers accepted and on "
-            f"v{args.pair_versions}. Times in s from the trainer's start.\n\n"
+            f"v{args.pair_versions}, and peer1-peer2 connected as the NATs allow (direct between "
+            "two cone NATs, else relayed). Times in s: 'all started' and 'goal reached' from "
+            "the trainer's start, 'first accepted' from the peer's own start (goal <= 60).\n\n"
             + table(["NAT peer1 / peer2", "all started", "goal reached", "first accepted",
                      "accepted of sent", "peer versions", "trainer version",
                      "peer1-peer2 link", "log lines (all nodes)"], rows))

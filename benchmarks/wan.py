@@ -399,6 +399,7 @@ class SwarmRun:
             for i, n in enumerate(leaving):
                 sw.stop(n, kill=i % 2 == 0)
             joined = [self.start_peer(free.pop(0)) for _ in range(min(k, len(free)))]
+            sw.wait_started(*joined)  # node.json: its peer id and admin port (its /status)
             free += [n.host for n in leaving]
             while time.monotonic() - t0 < 60:
                 time.sleep(2.0)

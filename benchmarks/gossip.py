@@ -101,8 +101,8 @@ async def libp2p_worker(args) -> None:
     await node.subscribe("rollouts", on_batch)
     emit({"event": "ready", "peer_id": node.peer_id, "addrs": node.listen_addrs})
     n_others = args.peers - 1
-    while not (len(node.topic_peers("rollouts")) >= n_others
-               and len(node.mesh_peers("rollouts")) >= min(n_others, cfg.p2p.mesh_degree_low)):
+    while not (len(node.gossip.topic_peers("rollouts")) >= n_others
+               and len(node.gossip.mesh_peers("rollouts")) >= min(n_others, cfg.p2p.mesh_degree_low)):
         await asyncio.sleep(0.05)
     batches = [make_batch(node.peer_id, r, args.batch_kib * 1024) for r in range(args.rounds)]
     emit({"event": "meshed"})
@@ -187,7 +187,7 @@ async def cpu_micro(args) -> dict:
     try:
         await a.subscribe("rollouts", on_batch)
         await b.subscribe("rollouts", on_batch)
-        while b.peer_id not in a.mesh_peers("rollouts"):
+        while b.peer_id not in a.gossip.mesh_peers("rollouts"):
             await asyncio.sleep(0.05)
         batches = [make_batch(a.peer_id, r, args.batch_kib * 1024)
                    for r in range(args.cpu_micro)]

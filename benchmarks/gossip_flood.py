@@ -96,8 +96,8 @@ async def run(args) -> dict:
         sybils = [await node(relay.listen_addrs[0]) for _ in range(args.identities)]
         for n in (relay, honest):
             await n.subscribe(args.kind, lambda env, peer: asyncio.sleep(0))
-        while honest.peer_id not in relay.topic_peers(args.kind) or \
-                vid not in relay.topic_peers(args.kind):
+        while honest.peer_id not in relay.gossip.topic_peers(args.kind) or \
+                vid not in relay.gossip.topic_peers(args.kind):
             await asyncio.sleep(0.05)
         per_identity = int(args.rate * args.phase)
         t_build = time.process_time()

@@ -555,12 +555,12 @@ async def _gossip_worker(args) -> None:
     deadline = time.monotonic() + args.mesh_wait
     # behind a NAT not every peer can be reached: wait for the mesh, not for everyone
     while time.monotonic() < deadline and not (
-            len(node.mesh_peers("rollouts")) >= min(n_others, cfg.p2p.mesh_degree_low)
-            and len(node.topic_peers("rollouts")) >= min(n_others, cfg.p2p.target_peers)):
+            len(node.gossip.mesh_peers("rollouts")) >= min(n_others, cfg.p2p.mesh_degree_low)
+            and len(node.gossip.topic_peers("rollouts")) >= min(n_others, cfg.p2p.target_peers)):
         await asyncio.sleep(0.1)
     batches = [make_batch(node.peer_id, r, args.batch_kib * 1024) for r in range(args.rounds)]
-    emit(event="meshed", topic_peers=len(node.topic_peers("rollouts")),
-         mesh_peers=len(node.mesh_peers("rollouts")))
+    emit(event="meshed", topic_peers=len(node.gossip.topic_peers("rollouts")),
+         mesh_peers=len(node.gossip.mesh_peers("rollouts")))
     start = json.loads(await asyncio.to_thread(sys.stdin.readline))["start"]
     for r in range(args.rounds):
         delay = start + r * args.interval - time.time()

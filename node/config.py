@@ -25,15 +25,16 @@ from ..protocol.limits import DEFAULT_MAX_BYTES, Limits
 from .errors import ConfigError
 
 
+def _refuse_change(self, *args, **kwargs):
+    raise TypeError("the configuration is read-only: build a changed copy with "
+                    "Config.with_overrides({...})")
+
+
 class ReadOnlyList(list):
     """A config list: reads like a list, refuses every change (the config is read-only)."""
 
-    def _read_only(self, *args, **kwargs):
-        raise TypeError("the configuration is read-only: build a changed copy with "
-                        "Config.with_overrides({...})")
-
-    __setitem__ = __delitem__ = __iadd__ = __imul__ = _read_only
-    append = extend = insert = pop = remove = clear = sort = reverse = _read_only
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _refuse_change
+    append = extend = insert = pop = remove = clear = sort = reverse = _refuse_change
 
     def __reduce__(self):
         return type(self), (list(self),)
@@ -48,9 +49,8 @@ class ReadOnlyList(list):
 class ReadOnlyDict(dict):
     """A config table: reads like a dict, refuses every change."""
 
-    _read_only = ReadOnlyList._read_only
-    __setitem__ = __delitem__ = __ior__ = _read_only
-    clear = pop = popitem = setdefault = update = _read_only
+    __setitem__ = __delitem__ = __ior__ = _refuse_change
+    clear = pop = popitem = setdefault = update = _refuse_change
 
     def __reduce__(self):
         return type(self), (dict(self),)
@@ -74,9 +74,10 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     def model_post_init(self, context: Any) -> None:
-        self._seal()
+        self.seal()
 
-    def _seal(self) -> None:
+    def seal(self) -> None:
+        """Lists and tables of this section become read-only (after validation or a copy)."""
         for name, value in self.__dict__.items():
             if isinstance(value, list | dict):
                 self.__dict__[name] = _read_only(value)
@@ -95,7 +96,7 @@ class Section(BaseModel):
         """pydantic's copy, sealed like a validated section (`update` is NOT validated:
         prefer Config.with_overrides)."""
         copy = super().model_copy(update=update, deep=deep)
-        copy._seal()
+        copy.seal()
         return copy
 
 

@@ -128,7 +128,7 @@ class DiskWatch:
 
     def resumed(self) -> None:
         if self.paused:
-            log.warning("disk space back: %s resumed after %.0fs", self.name,
+            log.info("disk space back: %s resumed after %.0fs", self.name,
                         time.time() - self.since)
         self.paused, self.detail = False, ""
         self._update()

@@ -217,6 +217,12 @@ class RolloutVerifier:
             raise _Reject("wrong_swarm", f"swarm {batch.swarm_id!r}")
         if self.policy_ids is not None and batch.policy_id not in self.policy_ids:
             raise _Reject("unknown_policy", f"policy {batch.policy_id} is not followed")
+        # The same batch again (a gossip re-delivery, a third party's replay within the
+        # envelope window, a restart): not the sender's doing, whatever its version now is.
+        used = self.seen.round_digest(sender, batch.round)
+        if used is not None and used == batch_digest(ids):
+            raise _Reject("already_accepted", f"round {batch.round}: this batch was "
+                                              "accepted before (a re-delivery)")
         latest = self.latest_version()
         if batch.policy_version > latest:
             raise _Reject("unknown_policy", f"version {batch.policy_version} > latest {latest}")
@@ -234,11 +240,7 @@ class RolloutVerifier:
             w = self.rules.round_window(batch.policy_version)
             raise _Reject("round_out_of_range", f"round {batch.round} of v{batch.policy_version}"
                                                 f" must be in [{w.start}, {w.stop})")
-        used = self.seen.round_digest(sender, batch.round)
         if used is not None:
-            if used == batch_digest(ids):
-                raise _Reject("already_accepted", f"round {batch.round}: this batch was "
-                                                  "accepted before (a re-delivery)")
             raise _Reject("round_reused", f"round {batch.round} already accepted")
         model = self.model_for(batch.policy_version)
         if model is None:

@@ -34,6 +34,10 @@ CREATE TABLE IF NOT EXISTS rounds (sender TEXT NOT NULL, round INTEGER NOT NULL,
 CREATE INDEX IF NOT EXISTS rounds_version ON rounds(version);
 """
 
+# Versions past the stale limit for which used rounds (one small row per accepted batch) are
+# still remembered: longer than any re-delivery or envelope-window replay lags behind.
+ROUND_MEMORY = 64
+
 
 def batch_digest(ids: list[bytes]) -> bytes:
     """The identity of one batch: BLAKE2b-128 over its rollout ids, in order."""
@@ -124,13 +128,16 @@ class SeenStore:
         self._write(run)
 
     def prune(self, min_version: int) -> None:
-        """Forget everything of versions < `min_version` (no longer verifiable anyway)."""
+        """Forget the rollout ids of versions < `min_version` (no longer verifiable anyway),
+        and the used rounds ROUND_MEMORY versions later: a batch of a version that has just
+        turned stale, seen again (re-delivered, replayed after a restart), is still told
+        apart as already accepted instead of judged stale against its honest sender."""
         if min_version <= self._min_version:
             return
 
         def run(db):
             db.execute("DELETE FROM seen WHERE version < ?", (min_version,))
-            db.execute("DELETE FROM rounds WHERE version < ?", (min_version,))
+            db.execute("DELETE FROM rounds WHERE version < ?", (min_version - ROUND_MEMORY,))
         self._write(run)
         self._min_version = min_version
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from ...protocol.envelope import Envelope
 from ...protocol.messages import ShardAdvert
+from ..p2p import Transport
 from .records import VersionRecord, VersionRecords
 from .sources import ProvenPeers
 from .store import ShardStore, VersionEntry, advert_shards
@@ -27,7 +28,7 @@ ADVERT_STEPS = 4  # partial holdings are advertised at each quarter of a version
 
 
 class Adverts:
-    def __init__(self, node, cfg, store: ShardStore, records: VersionRecords,
+    def __init__(self, node: Transport, cfg, store: ShardStore, records: VersionRecords,
                  counters: Counter, proven: ProvenPeers, *, follows: Callable[[str], bool],
                  transport=None, endpoint: Callable[[], str] = str):
         self.node, self.cfg, self.store, self.records = node, cfg, store, records

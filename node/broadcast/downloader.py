@@ -119,7 +119,7 @@ class Downloader:
             self.metrics["whole_hash_redone"] = int(not self.whole.valid)
         if self.progress is not None:
             self.progress.close(ok=True)
-        log.info("policy %s v%d complete: %d shards, sources %s", m.policy_id, m.version,
+        log.debug("policy %s v%d complete: %d shards, sources %s", m.policy_id, m.version,
                  m.num_shards, self.book.summary())
         return path
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from ...protocol.codec import pack, unpack
 from ...protocol.errors import ProtocolError
 from ...protocol.ids import FOLLOWS_PROTOCOL
+from ..p2p import Transport
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ class TrainerChoice:
             log.warning("could not save the followed trainer to %s: %s", self.path, e)
 
 
-async def ask_bootstrap_peers(choice: TrainerChoice, node, timeout_s: float) -> str | None:
+async def ask_bootstrap_peers(choice: TrainerChoice, node: Transport, timeout_s: float) -> str | None:
     """Ask `choice`'s bootstrap peers whom they follow (FOLLOWS_PROTOCOL over `node`), again
     and again with a growing wait, until a choice is made; returns it (None: nothing to
     ask)."""

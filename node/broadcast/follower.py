@@ -22,6 +22,7 @@ from ...protocol.ids import MANIFEST_PROTOCOL
 from ...protocol.messages import CheckpointManifest, ShardRequest
 from ..diskspace import DiskFull, DiskWatch, is_disk_full
 from ..lifecycle import Changed, TaskOwner
+from ..p2p import Transport
 from .downloader import Downloader
 from .errors import DownloadFailed, ManifestRejected, StoreError
 from .follow import TrainerChoice, ask_bootstrap_peers
@@ -82,7 +83,7 @@ class Follower:
     `changed` fires whenever what it holds or fetches changes: a download starts or ends, a
     trainer is chosen (waiters: the manifest-pull grace, the roles' follow watch)."""
 
-    def __init__(self, node, cfg, store: ShardStore, records: VersionRecords,
+    def __init__(self, node: Transport, cfg, store: ShardStore, records: VersionRecords,
                  counters: Counter, proven: ProvenPeers, transport, *, tasks: TaskOwner,
                  follow: list[str], choice: TrainerChoice | None = None,
                  settings_check: Callable[..., str | None] | None = None,

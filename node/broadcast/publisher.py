@@ -9,6 +9,7 @@ from collections import Counter
 from pathlib import Path
 
 from ...protocol.messages import CheckpointManifest, SwarmSettings
+from ..p2p import Transport
 from .adverts import Adverts
 from .errors import BroadcastError
 from .manifest import AcceptedManifest, build_manifest, checkpoint_files
@@ -19,7 +20,7 @@ log = logging.getLogger(__name__)
 
 
 class Publisher:
-    def __init__(self, node, cfg, store: ShardStore, records: VersionRecords,
+    def __init__(self, node: Transport, cfg, store: ShardStore, records: VersionRecords,
                  adverts: Adverts, counters: Counter, settings: SwarmSettings | None = None):
         self.node, self.cfg, self.store, self.records = node, cfg, store, records
         self.adverts, self.counters = adverts, counters

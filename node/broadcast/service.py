@@ -23,6 +23,7 @@ from ...protocol.errors import ProtocolError
 from ...protocol.ids import FOLLOWS_PROTOCOL, MANIFEST_PROTOCOL, SHARD_PROTOCOL
 from ...protocol.messages import CheckpointManifest, ShardRequest, SwarmSettings
 from ..lifecycle import TaskOwner
+from ..p2p import Transport
 from .adverts import Adverts
 from .errors import BroadcastError
 from .follow import TrainerChoice, encode_follows
@@ -42,7 +43,7 @@ __all__ = ["Broadcaster", "Completed", "OnComplete"]
 
 
 class Broadcaster:
-    def __init__(self, node, cfg, store_root: Path, *, follow: list[str] | None = None,
+    def __init__(self, node: Transport, cfg, store_root: Path, *, follow: list[str] | None = None,
                  role: str = "inference", on_complete: OnComplete | None = None,
                  transport=None, interactive: bool | None = None,
                  choice: TrainerChoice | None = None, settings: SwarmSettings | None = None,
@@ -56,7 +57,7 @@ class Broadcaster:
         self.tasks = TaskOwner("broadcast", on_failure=self._task_failed)
         self.proven = ProvenPeers()  # peers we verified shards from
         self.server = ShardServer(self.store, cfg)
-        self.transport = transport or RoutingTransport(P2PTransport(node))
+        self.transport = transport or RoutingTransport(P2PTransport(node), bulk=node.bulk)
         self.adverts = Adverts(node, cfg, self.store, self.records, self.counts,
                                self.proven, follows=self._follows, transport=self.transport,
                                endpoint=lambda: self.endpoint)
@@ -93,7 +94,7 @@ class Broadcaster:
     @property
     def endpoint(self) -> str:
         """Our bulk-plane endpoint for adverts ("" if none to name: node/p2p/bulk)."""
-        bulk = getattr(self.node, "bulk", None)
+        bulk = self.node.bulk
         return bulk.endpoint if bulk is not None else ""
 
     @property
@@ -111,7 +112,7 @@ class Broadcaster:
             self.adverts.mark_dirty(entry.key)
         # shard after shard on one stream while the client keeps sending requests
         self.node.set_stream_handler(SHARD_PROTOCOL, self.server.serve_connection)
-        bulk = getattr(self.node, "bulk", None)
+        bulk = self.node.bulk
         if bulk is not None:  # the node's bulk plane (TLS beside libp2p) serves shards too
             bulk.register("shard", self.server.serve_connection)
             bulk.add_known(lambda peer: peer in self.proven or self.gate.follows(peer))

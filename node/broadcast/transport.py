@@ -12,8 +12,7 @@ from collections.abc import Awaitable, Callable
 
 from ...protocol.ids import SHARD_PROTOCOL
 from ..lifecycle import TaskOwner
-from ..p2p.bulk import BulkBusy, BulkConn, BulkError, BulkUnavailable, IdlePool
-from ..p2p.errors import P2PError
+from ..p2p import BulkBusy, BulkConn, BulkError, BulkUnavailable, IdlePool, P2PError, Transport
 from .errors import ShardFetchError
 
 log = logging.getLogger(__name__)
@@ -209,7 +208,7 @@ class PooledStream:
 class P2PTransport:
     """Shard streams over a `P2PNode` (node/p2p): peers are libp2p peer IDs."""
 
-    def __init__(self, node):
+    def __init__(self, node: Transport):
         self.node = node
 
     async def open(self, peer: str):
@@ -287,9 +286,7 @@ class RoutingTransport:
 
     def __init__(self, p2p, bulk=None):
         self.p2p = p2p
-        plane = bulk if bulk is not None else getattr(getattr(p2p, "node", None), "bulk",
-                                                      None)
-        self.bulk = plane.client if plane is not None else None
+        self.bulk = bulk.client if bulk is not None else None
         if self.bulk is not None:
             self.bulk.add_kind(self.KIND, "shards", self.POOL_PER_PEER, self.POOL_IDLE_S)
         self.opened = Counter({"bulk": 0, "bulk_reused": 0, "libp2p": 0, "libp2p_reused": 0})

@@ -37,8 +37,12 @@ from libp2p.host.ping import ID as PING_PROTOCOL
 from libp2p.host.ping import PING_LENGTH
 from libp2p.peer.id import ID
 
+from .context import HostContext
 from .dialback import ip_tcp, transport_addrs
+from .discovery import Discovery
 from .errors import NotRunning
+from .patches.internals import reservation_holders
+from .relay import RelayService
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +55,11 @@ LIVENESS_MISSES = 2  # unanswered pings in a row before a connection is declared
 class ConnectionManager:
     """Keeps one P2PNode's connections between `target_peers` and `max_peers`."""
 
-    def __init__(self, node):
-        self.node = node
-        self.cfg = node.cfg
+    def __init__(self, ctx: HostContext, relay: RelayService, discovery: Discovery):
+        self.ctx = ctx
+        self.cfg = ctx.cfg
+        self.relay = relay
+        self.discovery = discovery
         self._protected: dict[str, set[str]] = {}
         self._since: dict[str, float] = {}  # connected peer -> when it connected
         self._wake = asyncio.Event()
@@ -79,8 +85,8 @@ class ConnectionManager:
 
     def protected(self) -> set[str]:
         out = set(self._protected)
-        out.update(self.node.config.node.follow)
-        out.update(self.node.relay.reservations)
+        out.update(self.ctx.config.node.follow)
+        out.update(self.relay.reservations)
         return out
 
     # Connection tracking (asyncio side) -------------------------------------------------
@@ -105,7 +111,7 @@ class ConnectionManager:
             if len(self._since) <= self.cfg.max_peers:
                 continue
             try:
-                trimmed = await self.node._bridge.call(
+                trimmed = await self.ctx.bridge.call(
                     self._t_trim, dict(self._since), self.protected())
             except NotRunning:
                 return
@@ -114,13 +120,13 @@ class ConnectionManager:
                 continue
             if trimmed:
                 self.trimmed += len(trimmed)
-                self.node.metrics.inc("connections_trimmed", len(trimmed))
+                self.ctx.metrics.inc("connections_trimmed", len(trimmed))
                 log.info("closed %d of %d connections (above p2p.max_peers = %d): %s",
                          len(trimmed), len(self._since), self.cfg.max_peers,
                          ", ".join(p[-8:] for p in trimmed))
-                if self.node.discovery is not None:
+                if self.discovery is not None:
                     for p in trimmed:
-                        self.node.discovery.pause(p, TRIMMED_REDIAL_S)
+                        self.discovery.pause(p, TRIMMED_REDIAL_S)
 
     # Liveness -------------------------------------------------------------------------
 
@@ -130,7 +136,7 @@ class ConnectionManager:
         while True:
             await asyncio.sleep(self.cfg.liveness_interval_s)
             try:
-                dead = await self.node._bridge.call(self._t_ping_all)
+                dead = await self.ctx.bridge.call(self._t_ping_all)
             except NotRunning:
                 return
             except Exception as e:  # noqa: BLE001 - one bad round must not end the checks
@@ -138,7 +144,7 @@ class ConnectionManager:
                 continue
             if dead:
                 self.dead += len(dead)
-                self.node.metrics.inc("connections_dead", len(dead))
+                self.ctx.metrics.inc("connections_dead", len(dead))
                 log.info("closed the connections of %d peer(s) that stopped answering "
                          "pings: %s", len(dead), ", ".join(p[-8:] for p in dead))
 
@@ -147,7 +153,7 @@ class ConnectionManager:
         return max(self.cfg.dial_timeout_s, self.cfg.liveness_interval_s)
 
     async def _t_ping_all(self) -> list[str]:
-        host = self.node._host
+        host = self.ctx.host
         peers = [pid for pid, cs in list(host.get_network().connections.items()) if cs]
         answered: set[ID] = set()
 
@@ -201,8 +207,8 @@ class ConnectionManager:
     # Trimming (trio side) ---------------------------------------------------------------
 
     async def _t_trim(self, since: dict[str, float], protected: set[str]) -> list[str]:
-        node = self.node
-        conns = node._host.get_network().connections
+        ctx = self.ctx
+        conns = ctx.host.get_network().connections
         peers = {pid.to_base58(): pid for pid, cs in list(conns.items()) if cs}
         holders = self._t_slot_holders()
         counted = [p for p in peers if p not in holders]
@@ -232,21 +238,21 @@ class ConnectionManager:
             victims.append(p)
         for p in victims:
             try:
-                await node._host.disconnect(peers[p])
+                await ctx.host.disconnect(peers[p])
             except Exception as e:  # noqa: BLE001 - already gone is fine
                 log.debug("trim of %s: %s", p, e)
         return victims
 
     def _t_slot_holders(self) -> set[str]:
-        p = self.node.relay.protocol
-        if p is None or not self.node.relay.hop:
+        p = self.relay.protocol
+        if p is None or not self.relay.hop:
             return set()
-        return {pid.to_base58() for pid in list(p.resource_manager._reservations)}
+        return {pid.to_base58() for pid in reservation_holders(p.resource_manager)}
 
     def _t_gossip_roles(self) -> tuple[dict[str, int], dict[str, int]]:
         mesh: dict[str, int] = {}
         subscribed: dict[str, int] = {}
-        router, pubsub = self.node._router, self.node._pubsub
+        router, pubsub = self.ctx.router, self.ctx.pubsub
         for members in list(getattr(router, "mesh", {}).values()):
             for pid in list(members):
                 mesh[pid.to_base58()] = mesh.get(pid.to_base58(), 0) + 1
@@ -256,5 +262,5 @@ class ConnectionManager:
         return mesh, subscribed
 
     def _t_is_direct(self, pid: ID) -> bool:
-        conns = self.node._host.get_network().connections.get(pid, []) or []
+        conns = self.ctx.host.get_network().connections.get(pid, []) or []
         return any(ip_tcp(str(a)) is not None for c in conns for a in transport_addrs(c))

@@ -7,21 +7,20 @@ our own swarm, which discovery made). Provider records only; the value store is 
 - Keys are sha2-256 multihashes of a namespaced name: `dht_key("swarm", swarm_id)` is
   the swarm's rendezvous key, `dht_key("checkpoint", ...)` whatever the broadcast layer
   names. Publicly reachable trainers and relays provide the swarm key (`anchors_swarm`:
-  long-lived, and few; NAT'd nodes never: a provider record carries listen addresses,
-  which nobody outside the NAT can dial). Everyone else is found through peer exchange,
-  where relayed addresses travel too.
+  long-lived, and few; NAT'd nodes never). Everyone else is found through peer exchange,
+  where relayed addresses travel too. Public relays (hop service on) also provide
+  `dht_key("relay", swarm_id)`: a NAT'd node short of relay slots among its connections
+  looks them up there (relay.py).
 - The routing table is seeded from every connection (py-libp2p adds a peer only when it
   opens a DHT stream to us), with the per-subnet cap off (a LAN or loopback swarm shares
   one /24).
-- Public relays (hop service on) also provide `dht_key("relay", swarm_id)`: a NAT'd node
-  short of relay slots among its connections looks them up there (relay.py).
-- A node is a DHT server while it is (or may be) publicly reachable, a client behind NAT.
 - What a provider record carries (`provide`): a public node (or one whose verdict is not in
   yet) its listen addresses, as py-libp2p sends them; a node behind NAT its relayed
   (`/p2p-circuit`) addresses only, sent by `_t_provide_relayed` (py-libp2p's provider store
   would send the private listen addresses nobody outside the NAT can dial); behind NAT
   without a relay slot, nothing (`provide` returns False: the record would only cost the
   finders failed dials).
+- A node is a DHT server while it is (or may be) publicly reachable, a client behind NAT.
 - `find_providers` walks the network itself: py-libp2p's returns its local records only
   whenever it holds any, and a provider always holds its own.
 
@@ -33,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+from collections.abc import Callable
 
 import trio
 from libp2p.kad_dht import DHTMode, KadDHT
@@ -43,7 +43,10 @@ from libp2p.peer.peerinfo import PeerInfo
 from libp2p.utils.varint import encode_varint_prefixed
 from multiaddr import Multiaddr
 
+from .context import HostContext
+from .discovery import dial_order
 from .errors import NotRunning, P2PError
+from .patches.internals import providers_from_peer
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +65,13 @@ def dht_key(namespace: str, name: str | bytes) -> bytes:
 class DHTService:
     """The Kad-DHT of one P2PNode (`p2p.dht`)."""
 
-    def __init__(self, node):
-        self.node = node
-        self.enabled = node.cfg.dht
+    def __init__(self, ctx: HostContext, known_addrs: Callable[[str], list[str]]):
+        self.ctx = ctx
+        self.known_addrs = known_addrs  # what this node learned otherwise (discovery)
+        self.enabled = ctx.cfg.dht
         self.dht: KadDHT | None = None
-        self.swarm_key = dht_key("swarm", node.swarm_id)
-        self.relay_key = dht_key("relay", node.swarm_id)
+        self.swarm_key = dht_key("swarm", ctx.swarm_id)
+        self.relay_key = dht_key("relay", ctx.swarm_id)
         self._wake = asyncio.Event()
         self._t_seen: set[ID] = set()
 
@@ -112,9 +116,9 @@ class DHTService:
         if self.dht is None:
             return
         while True:
-            snap = self.node.reachability
+            snap = self.ctx.reach.current
             try:
-                await self.node._bridge.call(self._t_set_mode,
+                await self.ctx.bridge.call(self._t_set_mode,
                                              snap.public or snap.verdict.value == "unknown")
                 await self.provide_swarm()
                 await self.provide_relay()
@@ -133,18 +137,18 @@ class DHTService:
         addresses it can be reached at (see the module doc); False if nobody took it."""
         if self.dht is None:
             return False
-        snap = self.node.reachability
+        snap = self.ctx.reach.current
         if snap.public or snap.verdict.value == "unknown":
-            self.node.metrics.inc("dht_provides")
-            return await self.node._bridge.call(self._t_provide, key)
-        me = f"/p2p/{self.node.peer_id}"
+            self.ctx.metrics.inc("dht_provides")
+            return await self.ctx.bridge.call(self._t_provide, key)
+        me = f"/p2p/{self.ctx.peer_id}"
         relayed = [a.removesuffix(me) for a in snap.relay_addrs]
         if not relayed:
-            self.node.metrics.inc("dht_provides_unreachable")
+            self.ctx.metrics.inc("dht_provides_unreachable")
             log.debug("not providing %s: behind NAT without a relay slot", key.hex()[:16])
             return False
-        self.node.metrics.inc("dht_provides")
-        return await self.node._bridge.call(self._t_provide_relayed, key, relayed)
+        self.ctx.metrics.inc("dht_provides")
+        return await self.ctx.bridge.call(self._t_provide_relayed, key, relayed)
 
     async def _t_provide(self, key: bytes) -> bool:
         before = self._t_connected()
@@ -158,13 +162,13 @@ class DHTService:
     async def _t_provide_relayed(self, key: bytes, addrs: list[str]) -> bool:
         """py-libp2p's provide with our relayed addresses in the record: kept locally, and
         an ADD_PROVIDER to each of the peers closest to the key (ALPHA at a time)."""
-        host, me = self.node._host, self.node._host.get_id()
+        host = self.ctx.host
+        me = host.get_id()
         maddrs = [Multiaddr(a) for a in addrs]
         self.dht.provider_store.add_provider(key, PeerInfo(me, maddrs))
         msg = Message(type=Message.MessageType.ADD_PROVIDER, key=key)
         msg.providerPeers.add(id=me.to_bytes(), addrs=[a.to_bytes() for a in maddrs])
-        data = msg.SerializeToString()
-        frame = encode_varint_prefixed(data)
+        frame = encode_varint_prefixed(msg.SerializeToString())
         sent: list[ID] = []
         gate = trio.Semaphore(ALPHA)
 
@@ -195,7 +199,7 @@ class DHTService:
             await self._t_close_transient(before)
 
     def _t_connected(self) -> set[ID]:
-        return {p for p, cs in list(self.node._host.get_network().connections.items()) if cs}
+        return {p for p, cs in list(self.ctx.host.get_network().connections.items()) if cs}
 
     async def _t_close_transient(self, before: set[ID]) -> None:
         """A lookup dials the peers it asks (a provide: the ~20 closest to the key, in a
@@ -204,23 +208,28 @@ class DHTService:
         they would only be trimmed later, after costing a mesh peer its place."""
         now = self._t_connected()
         new = now - before
-        if not new or len(now) - len(new) < self.node.cfg.target_peers:
+        if not new or len(now) - len(new) < self.ctx.cfg.target_peers:
             return
-        self.node.metrics.inc("dht_connections_closed", len(new))
+        self.ctx.metrics.inc("dht_connections_closed", len(new))
         for pid in new:
             try:
-                await self.node._host.disconnect(pid)
+                await self.ctx.host.disconnect(pid)
             except Exception as e:  # noqa: BLE001 - already gone is fine
                 log.debug("closing the lookup connection to %s: %s", pid, e)
 
     async def find_providers(self, key: bytes, count: int = 20) -> list[tuple[str, list[str]]]:
-        """Providers of `key` other than us: [(peer id, [multiaddr with /p2p/...]), ...]."""
+        """Peers other than us that announced `key`, with the addresses their records carry
+        plus any this node learned otherwise (relayed ones first): [(peer id, [full
+        multiaddr])]."""
         if self.dht is None:
             return []
-        self.node.metrics.inc("dht_lookups")
-        found = await self.node._bridge.call(self._t_find_providers, key, count)
-        return [(pid, [a if a.endswith(f"/p2p/{pid}") else f"{a}/p2p/{pid}" for a in addrs])
-                for pid, addrs in found]
+        self.ctx.metrics.inc("dht_lookups")
+        found = await self.ctx.bridge.call(self._t_find_providers, key, count)
+        out = []
+        for pid, addrs in found:
+            full = [a if a.endswith(f"/p2p/{pid}") else f"{a}/p2p/{pid}" for a in addrs]
+            out.append((pid, dial_order(list(dict.fromkeys(self.known_addrs(pid) + full)))))
+        return out
 
     async def _t_find_providers(self, key: bytes, count: int) -> list[tuple[str, list[str]]]:
         before = self._t_connected()
@@ -231,7 +240,7 @@ class DHTService:
 
     async def _t_walk_providers(self, key: bytes, count: int) -> list[tuple[str, list[str]]]:
         store = self.dht.provider_store
-        me = self.node._host.get_id()
+        me = self.ctx.host.get_id()
         found: dict[ID, list[str]] = {}
 
         def take(infos) -> None:
@@ -251,8 +260,7 @@ class DHTService:
                 async def ask(peer: ID, closer=closer) -> None:
                     queried.add(peer)
                     with trio.move_on_after(QUERY_TIMEOUT):
-                        providers, nearer = await store._get_providers_from_peer_with_closers(
-                            peer, key)
+                        providers, nearer = await providers_from_peer(store, peer, key)
                         take(providers)
                         closer.extend(nearer)
 
@@ -272,8 +280,8 @@ class DHTService:
         the key and dials them: done by every node at once, that churn cost the gossip
         meshes of a 12-node test swarm at target 3 / max 5 over a minute, GossipSub
         penalising the re-grafts)."""
-        return (self.node.reachability.public
-                and self.node.config.node.role in ANCHOR_ROLES)
+        return (self.ctx.reach.current.public
+                and self.ctx.config.node.role in ANCHOR_ROLES)
 
     async def provide_swarm(self) -> None:
         """Announce this node under the swarm's key (see anchors_swarm)."""
@@ -288,7 +296,9 @@ class DHTService:
         """A publicly reachable node that relays (its hop service is on) announces itself
         under the swarm's relay key: NAT'd peers whose connections hold no relay find it
         there (RelayService)."""
-        if self.dht is None or not (self.node.reachability.public and self.node.relay.hop):
+        service = self.ctx.cfg.relay.service  # relay.hop_enabled (dht must not import relay)
+        hop = service == "on" or (service == "auto" and self.ctx.config.node.role == "relay")
+        if self.dht is None or not self.ctx.reach.current.public or not hop:
             return
         try:
             await self.provide(self.relay_key)

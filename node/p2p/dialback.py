@@ -36,7 +36,9 @@ from libp2p.transport.upgrader import TransportUpgrader
 from ...protocol.errors import ProtocolError
 from ...protocol.ids import DIALBACK_PROTOCOL
 from ...protocol.messages import DialbackRequest, DialbackResult
+from .context import HostContext
 from .errors import P2PError
+from .requests import RequestService
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +53,10 @@ RETRY_UNKNOWN_S = 5.0  # no answer yet: ask again this soon
 class Dialback:
     """Both sides of the dial-back check for one P2PNode."""
 
-    def __init__(self, node):
-        self.node = node
-        self.cfg = node.cfg
+    def __init__(self, ctx: HostContext, requests: RequestService):
+        self.ctx = ctx
+        self.cfg = ctx.cfg
+        self.requests = requests
         self._last_probe: dict[str, float] = {}
         self._limiter: trio.Semaphore | None = None
         self._upgrader: TransportUpgrader | None = None
@@ -61,7 +64,7 @@ class Dialback:
         self._wake = asyncio.Event()
 
     def install(self):
-        return self.node.set_request_handler(DIALBACK_PROTOCOL, self._serve)
+        return self.requests.set_request_handler(DIALBACK_PROTOCOL, self._serve)
 
     def recheck_soon(self) -> None:
         """Run the next check now (e.g. listen addresses or the network changed)."""
@@ -73,18 +76,18 @@ class Dialback:
         req = DialbackRequest.decode(body)
         now = time.monotonic()
         if now - self._last_probe.get(peer, -MIN_INTERVAL_S) < MIN_INTERVAL_S:
-            self.node.metrics.inc("dialback_refused_rate")
+            self.ctx.metrics.inc("dialback_refused_rate")
             return DialbackResult(ok=False, reason="rate_limited").encode()
         self._last_probe[peer] = now
         if len(self._last_probe) > 4096:  # bounded: drop the oldest half
             for p, _ in sorted(self._last_probe.items(), key=lambda kv: kv[1])[:2048]:
                 del self._last_probe[p]
-        result = await self.node._bridge.call(self._t_probe, peer, req.ports[:MAX_PORTS])
-        self.node.metrics.inc("dialback_served_ok" if result.ok else "dialback_served_failed")
+        result = await self.ctx.bridge.call(self._t_probe, peer, req.ports[:MAX_PORTS])
+        self.ctx.metrics.inc("dialback_served_ok" if result.ok else "dialback_served_failed")
         return result.encode()
 
     async def _t_probe(self, peer: str, ports: list[int]) -> DialbackResult:
-        observed = _t_observed_addr(self.node._host, ID.from_base58(peer))
+        observed = _t_observed_addr(self.ctx.host, ID.from_base58(peer))
         if observed is None:
             return DialbackResult(ok=False, reason="relayed")
         ip_proto, ip, _port = observed
@@ -103,7 +106,7 @@ class Dialback:
     async def _t_probe_one(self, addr: str, peer: ID) -> str:
         """'' when a fresh connection to `addr` completed Noise as `peer`; else why not."""
         maddr = multiaddr.Multiaddr(addr)
-        tm = self.node._host.get_network().transport_manager
+        tm = self.ctx.host.get_network().transport_manager
         transport = tm.transport_for_dialing(maddr)
         if transport is None:
             return "no transport"
@@ -144,7 +147,7 @@ class Dialback:
 
     def listen_ports(self) -> list[int]:
         ports = []
-        for a in self.node.listen_addrs:
+        for a in self.ctx.listen_addrs:
             if "/p2p-circuit" in a or "/tcp/" not in a:
                 continue
             try:
@@ -157,7 +160,7 @@ class Dialback:
         """Ask up to `p2p.dialback_peers` directly connected peers to dial us back; feed
         the verdict to the tracker. Returns True/False, or None if nobody answered."""
         ports = self.listen_ports()
-        peers = [p for p in self.node.connected_peers() if not self.node.is_relayed(p)]
+        peers = [p for p in self.ctx.peers.connected_peers() if not self.ctx.peers.is_relayed(p)]
         if not ports or not peers:
             return None
         random.shuffle(peers)
@@ -167,7 +170,7 @@ class Dialback:
         self.checks += 1
         observed = sorted({r.observed for r in results if r.observed})
         if observed:
-            self.node.reach.set_observed(observed)
+            self.ctx.reach.set_observed(observed)
         if not results:
             return None
         oks = [r for r in results if r.ok]
@@ -175,16 +178,16 @@ class Dialback:
         reachable = len(oks) > len(fails)
         if reachable:
             detail = f"{len(oks)} of {len(results)} peers dialled back"
-            self.node.reach.set_dialback(True, sorted({r.addr for r in oks}), detail)
+            self.ctx.reach.set_dialback(True, sorted({r.addr for r in oks}), detail)
         else:
             whys = sorted({r.reason for r in fails})
             detail = f"{len(fails)} of {len(results)} dial-backs failed: {', '.join(whys)}"
-            self.node.reach.set_dialback(False, [], detail)
+            self.ctx.reach.set_dialback(False, [], detail)
         return reachable
 
     async def _ask(self, peer: str, ports: list[int]) -> DialbackResult | None:
         try:
-            body = await self.node.request(peer, DIALBACK_PROTOCOL,
+            body = await self.requests.request(peer, DIALBACK_PROTOCOL,
                                            DialbackRequest(ports=ports).encode(),
                                            timeout=ASK_TIMEOUT_S, max_response=4096)
             return DialbackResult.decode(body)

@@ -24,12 +24,15 @@ import asyncio
 import logging
 import random
 import time
+from typing import Protocol
 
 from ...protocol.codec import pack, unpack
 from ...protocol.errors import ProtocolError
 from ...protocol.ids import PEERS_PROTOCOL
 from ...protocol.messages import Hello, PeerRefusal
+from .context import HostContext
 from .errors import BootstrapError, DialError, P2PError, RequestError
+from .requests import RequestService
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +47,19 @@ STRAY_GRACE_S = 2.0  # a refused peer of another swarm is disconnected after thi
 STRAY_FORGET_S = 600.0  # and not counted as a member (nor redialled) for this long
 
 
+class SwarmPeerLookup(Protocol):
+    """What discovery asks of the DHT (DHTService implements it; dht.py imports this
+    module, so not the other way round)."""
+
+    async def swarm_peers(self, count: int = 20) -> list[tuple[str, list[str]]]: ...
+
+
 class Discovery:
-    def __init__(self, node):
-        self.node = node
-        self.cfg = node.cfg
+    def __init__(self, ctx: HostContext, requests: RequestService, dht: SwarmPeerLookup):
+        self.ctx = ctx
+        self.cfg = ctx.cfg
+        self.requests = requests
+        self.dht = dht
         self.known: dict[str, list[str]] = {}
         self.bootstrap_addrs: list[str] = []
         self._backoff: dict[str, float] = {}
@@ -60,7 +72,7 @@ class Discovery:
 
     def install(self):
         """Serve PEERS_PROTOCOL; returns an awaitable done once the handler is live."""
-        return self.node.set_request_handler(PEERS_PROTOCOL, self._serve_peers)
+        return self.requests.set_request_handler(PEERS_PROTOCOL, self._serve_peers)
 
     def peers_connected(self, new: set[str]) -> None:
         """New connections. One from a peer we were backing off from means the network
@@ -76,7 +88,7 @@ class Discovery:
             self._backoff[p] = 0.5
             if self._next_try.get(p, 0) > now and self._paused.get(p, 0) <= now:
                 self._next_try[p] = now
-        self.node.metrics.inc("discovery_backoff_resets")
+        self.ctx.metrics.inc("discovery_backoff_resets")
 
     def pause(self, peer: str, seconds: float) -> None:
         """Do not redial `peer` for `seconds` (e.g. the connection manager closed it)."""
@@ -127,7 +139,7 @@ class Discovery:
 
     async def _dial(self, addr: str, timeout: float) -> tuple[str | None, str]:
         try:
-            return await self.node.connect(addr, timeout=timeout), ""
+            return await self.ctx.peers.connect(addr, timeout=timeout), ""
         except DialError as e:
             return None, str(e).removeprefix(f"{addr}: ")
         except P2PError as e:
@@ -136,14 +148,14 @@ class Discovery:
     # Peer exchange --------------------------------------------------------------------
 
     def _hello(self) -> bytes:
-        return Hello(swarm_id=self.node.swarm_id, role=self.node.config.node.role, agent=AGENT,
-                     listen_addrs=self.node.advertised_addrs()[:MAX_ADDRS_PER_PEER]).encode()
+        return Hello(swarm_id=self.ctx.swarm_id, role=self.ctx.config.node.role, agent=AGENT,
+                     listen_addrs=self.ctx.peers.advertised_addrs()[:MAX_ADDRS_PER_PEER]).encode()
 
     def _mismatch_line(self, peer: str) -> str:
         theirs = self.refused_by[peer]
         addr = next((a for a in self.bootstrap_addrs if a.endswith(f"/p2p/{peer}")), peer)
         return (f"swarm id mismatch: bootstrap peer {addr} belongs to swarm {theirs!r}, this "
-                f"node to {self.node.swarm_id!r}; pass --swarm {theirs} to join it (or start "
+                f"node to {self.ctx.swarm_id!r}; pass --swarm {theirs} to join it (or start "
                 "a separate swarm without --bootstrap)")
 
     def is_stray(self, peer: str) -> bool:
@@ -161,30 +173,30 @@ class Discovery:
         peers that name the same bootstrap peer), then disconnect it: it is not a member."""
         if peer not in self.strays:
             log.info("refused peer %s: it is in swarm %r, this node in %r (it was told)",
-                     peer, their_swarm[:64], self.node.swarm_id)
+                     peer, their_swarm[:64], self.ctx.swarm_id)
         self.strays[peer] = time.monotonic()
         self.known.pop(peer, None)
-        self.node._spawn(self._drop_stray(peer))
-        return PeerRefusal(reason="swarm_mismatch", swarm_id=self.node.swarm_id).encode()
+        self.ctx.spawn(self._drop_stray(peer))
+        return PeerRefusal(reason="swarm_mismatch", swarm_id=self.ctx.swarm_id).encode()
 
     async def _drop_stray(self, peer: str) -> None:
         await asyncio.sleep(STRAY_GRACE_S)  # let the refusal reach it first
         if self.is_stray(peer):
             try:
-                await self.node.disconnect(peer)
+                await self.ctx.peers.disconnect(peer)
             except P2PError as e:
                 log.debug("disconnect of stray %s: %s", peer, e)
 
     async def _serve_peers(self, peer: str, body: bytes) -> bytes:
         hello = Hello.decode(body)  # capped at the `hello` size limit (protocol/limits.py)
-        if hello.swarm_id != self.node.swarm_id:
+        if hello.swarm_id != self.ctx.swarm_id:
             return self._refuse_stray(peer, hello.swarm_id)
         self.strays.pop(peer, None)
         addrs = [a for a in hello.listen_addrs if a.endswith(f"/p2p/{peer}")]
         if addrs:
             self.known[peer] = addrs
-        entries = [[self.node.peer_id, self.node.advertised_addrs()[:MAX_ADDRS_PER_PEER]]]
-        others = [p for p in self.node.connected_peers() if p != peer and p in self.known]
+        entries = [[self.ctx.peer_id, self.ctx.peers.advertised_addrs()[:MAX_ADDRS_PER_PEER]]]
+        others = [p for p in self.ctx.peers.connected_peers() if p != peer and p in self.known]
         random.shuffle(others)
         for p in others[:MAX_PEERS_REPLY - 1]:
             entries.append([p, self.known[p][:MAX_ADDRS_PER_PEER]])
@@ -193,7 +205,7 @@ class Discovery:
     async def exchange(self, peer: str) -> int:
         """Ask `peer` for its peers; returns how many we did not know before."""
         try:
-            body = await self.node.request(peer, PEERS_PROTOCOL, self._hello(),
+            body = await self.requests.request(peer, PEERS_PROTOCOL, self._hello(),
                                            timeout=self.cfg.dial_timeout_s,
                                            max_response=MAX_PEERS_REPLY * 5000)
             entries = unpack(body, max_size=MAX_PEERS_REPLY * 5000)
@@ -214,7 +226,7 @@ class Discovery:
                 addrs = [a for a in entry[1][:MAX_ADDRS_PER_PEER]
                          if isinstance(a, str) and len(a) <= MAX_ADDR_LEN
                          and a.endswith(f"/p2p/{pid}")]
-                if addrs and pid != self.node.peer_id:
+                if addrs and pid != self.ctx.peer_id:
                     learned += pid not in self.known
                     self.known[pid] = addrs
         return learned
@@ -232,12 +244,12 @@ class Discovery:
             log.error(self._mismatch_line(peer))
 
     async def exchange_all(self) -> int:
-        peers = self.node.connected_peers()
+        peers = self.ctx.peers.connected_peers()
         return sum(await asyncio.gather(*(self.exchange(p) for p in peers)))
 
     async def exchange_one(self) -> int:
         """Ask one connected peer, the next in turn (a quiet round)."""
-        peers = self.node.connected_peers()
+        peers = self.ctx.peers.connected_peers()
         if not peers:
             return 0
         self._turn += 1
@@ -252,7 +264,7 @@ class Discovery:
             try:
                 learned = await (self.exchange_all() if factor == 1 else self.exchange_one())
                 dialled = await self.fill()
-                now = frozenset(self.node.connected_peers())
+                now = frozenset(self.ctx.peers.connected_peers())
                 changed = bool(learned or dialled) or now != before
                 before = now
             except asyncio.CancelledError:
@@ -269,13 +281,13 @@ class Discovery:
         while seconds > 0:
             await asyncio.sleep(min(step, seconds))
             seconds -= step
-            if frozenset(self.node.connected_peers()) != peers:
+            if frozenset(self.ctx.peers.connected_peers()) != peers:
                 return
 
     async def fill(self) -> int:
         """Dial known peers (and the bootstrap addresses) until target_peers are connected;
         returns how many dials were started."""
-        connected = set(self.node.connected_peers())
+        connected = set(self.ctx.peers.connected_peers())
         missing = self.cfg.target_peers - len(connected)
         if missing <= 0:
             return 0
@@ -283,7 +295,7 @@ class Discovery:
         candidates: list[tuple[str, list[str]]] = []
         for pid, addrs in self.known.items():
             if (pid not in connected and self._next_try.get(pid, 0) <= now
-                    and not self.node.penalties.refused(pid) and pid not in self.refused_by):
+                    and not self.ctx.penalties.refused(pid) and pid not in self.refused_by):
                 candidates.append((pid, dial_order(addrs)))
         for addr in self.bootstrap_addrs:
             pid = addr.rsplit("/p2p/", 1)[-1]
@@ -305,19 +317,19 @@ class Discovery:
             return []
         self._dht_looked = now
         try:
-            found = await self.node.dht.swarm_peers()
+            found = await self.dht.swarm_peers()
         except P2PError as e:
             log.debug("DHT lookup of swarm peers failed: %s", e)
             return []
         out = []
         for pid, addrs in found:
             addrs = [a for a in addrs[:MAX_ADDRS_PER_PEER] if len(a) <= MAX_ADDR_LEN]
-            if pid in exclude or pid == self.node.peer_id or not addrs:
+            if pid in exclude or pid == self.ctx.peer_id or not addrs:
                 continue
             if pid not in self.known:
                 self.known[pid] = addrs
-                self.node.metrics.inc("dht_peers_found")
-            if (self._next_try.get(pid, 0) <= now and not self.node.penalties.refused(pid)
+                self.ctx.metrics.inc("dht_peers_found")
+            if (self._next_try.get(pid, 0) <= now and not self.ctx.penalties.refused(pid)
                     and pid not in self.refused_by):
                 out.append((pid, dial_order(self.known[pid])))
         return out
@@ -326,7 +338,7 @@ class Discovery:
         why: P2PError | None = None
         for addr in addrs[:MAX_DIAL_ADDRS]:
             try:
-                await self.node.connect(addr)
+                await self.ctx.peers.connect(addr)
             except P2PError as e:
                 why = e
                 continue

@@ -3,8 +3,10 @@
 The host, GossipSub and all stream handlers live in a trio thread (bridge.py); every public
 method here is asyncio and crosses into that thread without blocking the event loop.
 Split along py-libp2p's seams: this module owns the host lifecycle, connections, health and
-penalties; `pubsub.py` (GossipService) the topics; `requests.py` (RequestService) streams
-and request/response. P2PNode's public methods delegate to them.
+how peers are treated; `pubsub.py` (GossipService) the topics; `requests.py`
+(RequestService) streams and request/response; discovery, dial-back, relay, DHT and the
+connection manager their own modules. Each service gets the narrow `HostContext`
+(context.py); callers use the service they mean (`node.gossip.publish`, ...).
 """
 
 from __future__ import annotations
@@ -35,9 +37,10 @@ from .admission import Admission, ValidationQueue
 from .bridge import TrioBridge
 from .bulk import BulkPlane
 from .connmgr import ConnectionManager
+from .context import HostContext
 from .dht import DHTService
 from .dialback import Dialback
-from .discovery import Discovery, dial_order
+from .discovery import Discovery
 from .errors import BadMultiaddr, DialError, NotRunning, P2PError
 from .gossip import GossipValidator, build_gossip
 from .metrics import P2PMetrics
@@ -54,52 +57,56 @@ SHUTDOWN_QUIESCE_S = 3.0  # at most this long disconnecting peers before the ser
 
 
 class P2PNode:
-    """A swarm peer. `config` is the whole Config tree (uses `node`, `p2p`, `limits`)."""
+    """A swarm peer (implements `swarm_node.node.p2p.Transport`). `config` is the whole
+    Config tree (uses `node`, `p2p`, `bulk`, `limits`).
+
+    The node owns the host's lifecycle, its connections, how it treats peers (penalties,
+    filter, established peers) and its health; the services are its public attributes and
+    callers use the one they mean: `gossip` (topics), `requests` (streams and
+    request/response), `bulk` (the TLS plane), `dht` (provider records), `connmgr`
+    (protection from trimming), `reach` (reachability). The services share a narrow
+    `HostContext` (context.py), never the node."""
 
     def __init__(self, identity, config):
         self.identity = identity
         self.config = config
         self.cfg = config.p2p
         self.swarm_id = config.node.swarm_id
-        self.limits = config.limits.to_limits()
-        self.metrics = P2PMetrics()
         self.peer_id: str = identity.peer_id
-        self.listen_addrs: list[str] = []
-        self._bridge = TrioBridge(f"p2p-{self.peer_id[-6:]}")
-        self._host = None
-        self._router = None
-        self._pubsub = None
-        self._validator: GossipValidator | None = None
-        self._peer_filter: Callable[[str], bool] | None = None
+        self.metrics = P2PMetrics()
+        self.penalties = PeerPenalties(self._cut)
+        self.reach = ReachabilityTracker()  # fed by the dial-back check and the relay client
+        self.reach.subscribe(_log_reachability)
+        ctx = self._ctx = HostContext(identity, config, metrics=self.metrics,
+                                      bridge=TrioBridge(f"p2p-{self.peer_id[-6:]}"),
+                                      penalties=self.penalties, reach=self.reach, peers=self)
+        ctx.bridge.on_death = self._on_host_death
         self._connected: set[str] = set()
         self._direct_addr: dict[str, str] = {}  # peer -> remote address of a direct conn
         self._dialing: dict = {}  # peer ID -> trio.Event set when our dial to it ends
-        self._tasks: set[asyncio.Task] = set()
-        # shards and gossip bodies over TLS beside libp2p (bulk/); started in start()
-        self.bulk = BulkPlane(identity, config.bulk, self.metrics, allowed=self._allowed,
-                              request=self.request, peer_ip=self.peer_ip)
-        self.gossip = GossipService(self)  # pubsub seam
-        self.requests = RequestService(self)  # request/response seam
-        self.penalties = PeerPenalties(self._cut)
         self.admission = Admission(self.penalties, self.metrics, self_id=self.peer_id)
         self.validation_queue = ValidationQueue(self.admission)  # received, not yet validated
-        self.failure: str | None = None
-        self._failed = asyncio.Event()
-        self._nursery: trio.Nursery | None = None  # ours, inside the libp2p thread
-        self._bridge.on_death = self._on_host_death
-        self.discovery = None
-        self.reach = ReachabilityTracker()  # fed by the dial-back check and the relay client
-        self.reach.subscribe(_log_reachability)
+        self.requests = RequestService(ctx)  # request/response seam
+        # shards and gossip bodies over TLS beside libp2p (bulk/); started in start()
+        self.bulk = BulkPlane(identity, config.bulk, self.metrics, allowed=ctx.allowed,
+                              request=self.requests.request, peer_ip=self.peer_ip)
         # A node behind NAT advertises no bulk endpoint (nobody could dial it).
         self.bulk.reachable = lambda: self.reach.current.verdict in (Verdict.PUBLIC,
                                                                      Verdict.UNKNOWN)
-        self.dialback = Dialback(self)
-        self.relay = RelayService(self)
-        self.connmgr = ConnectionManager(self)
-        self.dht = DHTService(self)
+        validator = GossipValidator(self.peer_id, ctx.limits, self.metrics, lambda: ctx.allowed,
+                                    config.limits.max_clock_skew_s,
+                                    on_reject=self.penalties.penalise, admission=self.admission)
+        self.gossip = GossipService(ctx, validator, self.requests, self.bulk,
+                                    report=self.report_misbehaviour)  # pubsub seam
+        self.dht = DHTService(ctx, known_addrs=lambda pid: self.discovery.known.get(pid, []))
+        self.discovery = Discovery(ctx, self.requests, self.dht)
+        self.dialback = Dialback(ctx, self.requests)
+        self.relay = RelayService(ctx, self.discovery, self.dht)
+        self.connmgr = ConnectionManager(ctx, self.relay, self.discovery)
         self.reach.subscribe(lambda _snap: self.dht.reachability_changed())
         self.reach.subscribe(self.relay.reachability_changed)
-        self._closing = False
+        self.failure: str | None = None
+        self._failed = asyncio.Event()
         self._started = False
 
     # Lifecycle ------------------------------------------------------------------------
@@ -113,50 +120,48 @@ class P2PNode:
             raise P2PError("this P2PNode was already started; create a new one to restart",
                            reason="already_started")
         self._started = True
+        ctx = self._ctx
         listen = [_parse_maddr(a, need_peer=False) for a in self.config.node.listen]
         try:
-            await self._bridge.start(lambda started: self._trio_main(started, listen))
+            await ctx.bridge.start(lambda started: self._trio_main(started, listen))
         except Exception as e:
             raise P2PError(f"cannot start the libp2p host on {', '.join(map(str, listen))}: "
                            f"{_flatten(e)}", reason="listen_failed") from e
-        await self.set_request_handler(FETCH_PROTOCOL, self.gossip.serve_payload)
+        await self.requests.set_request_handler(FETCH_PROTOCOL, self.gossip.serve_payload)
         try:
             await self.bulk.start(self.config.node.listen)
         except BaseException:
             await self.close()
             raise
-        await self.set_request_handler(BULK_PROTOCOL, self.bulk.serve_query)
+        await self.requests.set_request_handler(BULK_PROTOCOL, self.bulk.serve_query)
         self.gossip.start_bodies()
         await self.gossip.subscribe_pending()
-        self.discovery = Discovery(self)
         await self.discovery.install()
         await self.dialback.install()
         addrs = self.config.node.bootstrap if bootstrap is None else bootstrap
-        self._spawn(self.connmgr.run())
-        self._spawn(self.connmgr.run_liveness())
+        ctx.spawn(self.connmgr.run(), "connection manager")
+        ctx.spawn(self.connmgr.run_liveness(), "liveness")
         try:
             if addrs:
                 await self.discovery.bootstrap(addrs)
             if discovery:
-                self._spawn(self.discovery.run())
-                self._spawn(self.dialback.run())
-                self._spawn(self.relay.run())
-                self._spawn(self.dht.run())
+                ctx.spawn(self.discovery.run(), "discovery")
+                ctx.spawn(self.dialback.run(), "dial-back")
+                ctx.spawn(self.relay.run(), "relay client")
+                ctx.spawn(self.dht.run(), "dht")
         except BaseException:
             await self.close()
             raise
 
     async def close(self) -> None:
         """Quiesce (stop our tasks, close connections), stop the host, join its thread."""
-        if self._closing:
+        ctx = self._ctx
+        if ctx.closing:
             return
-        self._closing = True
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        ctx.closing = True
+        await ctx.tasks.close()
         await self.bulk.close()
-        await self._bridge.stop()
+        await ctx.bridge.stop()
 
     async def __aenter__(self) -> Self:
         await self.start()
@@ -167,11 +172,22 @@ class P2PNode:
 
     @property
     def running(self) -> bool:
-        return self._bridge.running and not self._closing
+        return self._ctx.running
+
+    @property
+    def listen_addrs(self) -> list[str]:
+        """Full multiaddrs (with /p2p/<us>) this node listens on; empty before start."""
+        return self._ctx.listen_addrs
+
+    @property
+    def context(self) -> HostContext:
+        """What the services share (the live py-libp2p handles among it): for the node's
+        own package and for tests that look at py-libp2p's state."""
+        return self._ctx
 
     @property
     def shutdown_errors(self) -> list[str]:
-        return list(self._bridge.shutdown_errors)
+        return list(self._ctx.bridge.shutdown_errors)
 
     # Health (a supervised host) -------------------------------------------------------
 
@@ -185,20 +201,6 @@ class P2PNode:
         `close()`: the runner then exits non-zero so a supervisor restarts the node."""
         await self._failed.wait()
         return self.failure or "unknown"
-
-    # Reachability ---------------------------------------------------------------------
-
-    @property
-    def reachability(self) -> Reachability:
-        """Is this node reachable from the internet (reachability.py)? `.public` is True
-        only once a peer dialled us back at an advertised address; `.public_addrs` are
-        those addresses."""
-        return self.reach.current
-
-    def on_reachability_change(self, fn: Callable[[Reachability], None]) -> Callable[[], None]:
-        """Call `fn(snapshot)` on the asyncio loop whenever the verdict or the addresses
-        change; returns a function that unsubscribes."""
-        return self.reach.subscribe(fn)
 
     def health(self) -> dict:
         """For /status: `alive` is False from the moment the libp2p thread ends."""
@@ -219,7 +221,7 @@ class P2PNode:
                 "validation_queue_peak_bytes": self.validation_queue.peak_bytes,
                 **self.penalties.snapshot()}
 
-    # Penalties ------------------------------------------------------------------------
+    # How peers are treated ------------------------------------------------------------
 
     def report_misbehaviour(self, peer_id: str, n: int = 1, reason: str = "bogus_batch") -> bool:
         """Add `n` offences of `reason` (penalties.POINTS) to `peer_id`, the origin of the
@@ -232,27 +234,95 @@ class P2PNode:
         self.admission.reported(peer_id, n)
         return self.penalties.penalise(peer_id, reason, n)
 
-    def set_established(self, fn: Callable[[str], bool] | None) -> None:
-        """`fn(peer_id) -> bool`: True for peers with a verified history; their gossip skips
-        the node's fair-share budget (admission.py). Fast and thread-safe (a set lookup)."""
+    def set_established(self, fn: Callable[[str], bool]) -> None:
+        """`fn(peer_id) -> bool`: True for peers with a verified history here. Their gossip
+        skips the node's fair-share budget (admission.py) and they may use the bulk plane's
+        reserve of connections. Fast and thread-safe (a set lookup)."""
         self.admission.set_established(fn)
+        self.bulk.add_known(fn)
+
+    def set_peer_filter(self, fn: Callable[[str], bool] | None) -> None:
+        """`fn(peer_id) -> bool`: False drops that peer's gossip (at the validator, counted
+        as `banned`) and refuses its requests and streams. Called from the libp2p thread:
+        it must be fast and thread-safe (e.g. a set lookup)."""
+        self._ctx.peer_filter = fn
+
+    # The Transport interface (node/p2p/__init__.py): the work is in the services --------
+
+    @property
+    def reachability(self) -> Reachability:
+        """Is this node reachable from the internet (reachability.py)? `.public` is True
+        only once a peer dialled us back at an advertised address."""
+        return self.reach.current
+
+    def on_reachability_change(self, fn: Callable[[Reachability], None]) -> Callable[[], None]:
+        """Call `fn(snapshot)` on the asyncio loop whenever the verdict or the addresses
+        change; returns a function that unsubscribes."""
+        return self.reach.subscribe(fn)
+
+    def topic(self, kind: str) -> str:
+        return self.gossip.topic(kind)
+
+    async def subscribe(self, kind: str, handler: Handler) -> None:
+        """See GossipService.subscribe."""
+        await self.gossip.subscribe(kind, handler)
+
+    async def publish(self, kind: str, message: WireModel) -> None:
+        """See GossipService.publish."""
+        await self.gossip.publish(kind, message)
+
+    def set_stream_handler(self, protocol_id: str, handler: StreamHandler, *,
+                           max_inbound: int | None = None) -> Awaitable[None]:
+        """See RequestService.set_stream_handler."""
+        return self.requests.set_stream_handler(protocol_id, handler, max_inbound=max_inbound)
+
+    def set_request_handler(self, protocol_id: str, handler: RequestHandler) -> Awaitable[None]:
+        """See RequestService.set_request_handler."""
+        return self.requests.set_request_handler(protocol_id, handler)
+
+    async def open_stream(self, peer_id: str, protocol_id: str,
+                          timeout: float | None = None) -> AsyncStream:
+        return await self.requests.open_stream(peer_id, protocol_id, timeout)
+
+    async def request(self, peer_id: str, protocol_id: str, payload: bytes,
+                      timeout: float | None = None, *, max_response: int | None = None) -> bytes:
+        """See RequestService.request."""
+        return await self.requests.request(peer_id, protocol_id, payload, timeout,
+                                           max_response=max_response)
+
+    async def provide(self, key: bytes) -> bool:
+        """See DHTService.provide."""
+        return await self.dht.provide(key)
+
+    async def find_providers(self, key: bytes, count: int = 20) -> list[tuple[str, list[str]]]:
+        """See DHTService.find_providers."""
+        return await self.dht.find_providers(key, count)
+
+    def protect(self, peer_id: str, tag: str) -> None:
+        """Keep the connection to `peer_id` when trimming to `p2p.max_peers` (e.g. the
+        trainer this node follows), until `unprotect(peer_id, tag)`."""
+        self.connmgr.protect(peer_id, tag)
+
+    def unprotect(self, peer_id: str, tag: str) -> bool:
+        """Drop one protection tag; True if another tag still protects the peer."""
+        return self.connmgr.unprotect(peer_id, tag)
 
     def _cut(self, peer: str) -> None:
         self.metrics.inc("peers_cut")
-        if self.discovery is not None:
-            self.discovery.forget(peer)
+        self.discovery.forget(peer)
         try:
-            self._bridge.call_soon(self._t_disconnect_soon, peer)
+            self._ctx.bridge.call_soon(self._t_disconnect_soon, peer)
         except NotRunning:
             pass
 
     def _t_disconnect_soon(self, peer: str) -> None:
-        if self._nursery is not None:
-            self._nursery.start_soon(self._t_disconnect, peer)
+        nursery = self._ctx.nursery
+        if nursery is not None:
+            nursery.start_soon(self._t_disconnect, peer)
 
     async def _t_disconnect(self, peer: str) -> None:
         try:
-            await self._host.disconnect(ID.from_base58(peer))
+            await self._ctx.host.disconnect(ID.from_base58(peer))
         except Exception as e:  # noqa: BLE001 - already gone is fine
             log.debug("disconnect of %s: %s", peer, e)
 
@@ -266,18 +336,8 @@ class P2PNode:
         self.metrics.inc("window_violations")
         self.penalties.penalise(peer, "window_violation")
 
-    def _spawn(self, coro) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-        return task
-
-    def _task_done(self, task: asyncio.Task) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("p2p task failed: %r", task.exception())
-
     async def _trio_main(self, started, listen: list[multiaddr.Multiaddr]) -> None:
+        ctx = self._ctx
         key_pair = self.identity.to_libp2p_keypair()
         noise = NoiseTransport(key_pair, noise_privkey=create_x25519_key_pair().private_key)
         host = new_host(key_pair=key_pair,
@@ -289,13 +349,8 @@ class P2PNode:
         patches.install()  # the py-libp2p version gate and the process-wide patches
         patches.patch_host(host, self._t_stream_fault)  # before pubsub adds its handlers
         router, pubsub = build_gossip(host, self.cfg, self.metrics, self._t_stream_fault)
-        self._validator = GossipValidator(self.peer_id, self.limits, self.metrics,
-                                          lambda: self._allowed,
-                                          self.config.limits.max_clock_skew_s,
-                                          on_reject=self.penalties.penalise,
-                                          admission=self.admission)
-        self._host, self._router, self._pubsub = host, router, pubsub
-        host.get_network().register_notifee(_Notifee(self))
+        ctx.host, ctx.router, ctx.pubsub = host, router, pubsub
+        host.get_network().register_notifee(_Notifee(self._t_connected, self._t_disconnected))
         services = self.relay.t_services(host)
         dht = self.dht.t_service(host)
         if dht is not None:
@@ -309,14 +364,14 @@ class P2PNode:
                 await pubsub.wait_until_ready()
                 patches.patch_running_pubsub(pubsub, self.admission.admit,
                                              self.validation_queue)
-                self.listen_addrs = _dialable(host.get_addrs())
-                self.requests._t_install_all()
+                ctx.listen_addrs = _dialable(host.get_addrs())
+                self.requests.t_install_all()
                 async with trio.open_nursery() as nursery:
-                    self._nursery = nursery
+                    ctx.nursery = nursery
                     started(nursery)
-                    await self._bridge.stop_event.wait()
+                    await ctx.bridge.stop_event.wait()
                     nursery.cancel_scope.cancel()
-                self._nursery = None
+                ctx.nursery = None
                 # Quiesce before the services stop: closing under load otherwise
                 # raises "Nursery is closed to new arrivals" inside py-libp2p.
                 with trio.move_on_after(SHUTDOWN_QUIESCE_S):
@@ -340,7 +395,7 @@ class P2PNode:
         timeout = self.cfg.dial_timeout_s if timeout is None else timeout
         self.metrics.inc("dials")
         try:
-            await self._bridge.call(self._t_connect, info, timeout)
+            await self._ctx.bridge.call(self._t_connect, info, timeout)
         except NotRunning:
             raise
         except Exception as e:
@@ -352,8 +407,9 @@ class P2PNode:
     async def _t_connect(self, info, timeout: float) -> None:
         # Dial exactly this address (not every address the peerstore holds for the peer), so
         # a failure can be attributed to it.
-        network = self._host.get_network()
-        self._host.peerstore.add_addrs(info.peer_id, info.addrs, 3600)
+        host = self._ctx.host
+        network = host.get_network()
+        host.peerstore.add_addrs(info.peer_id, info.addrs, 3600)
         pending = self._dialing.get(info.peer_id)
         if pending is not None:  # one dial per peer at a time: a second connection is waste
             with trio.move_on_after(timeout):
@@ -382,118 +438,29 @@ class P2PNode:
         """Connected members of this swarm (a peer of another swarm that was refused is
         not one, while its connection closes)."""
         d = self.discovery
-        if d is None or not d.strays:
+        if not d.strays:
             return sorted(self._connected)
         return sorted(p for p in self._connected if not d.is_stray(p))
 
     async def disconnect(self, peer_id: str) -> None:
-        await self._bridge.call(self._host.disconnect, ID.from_base58(peer_id))
-
-    async def provide(self, key: bytes) -> bool:
-        """Announce in the DHT that this node provides `key` (e.g. `dht.dht_key(
-        "checkpoint", ...)`); False if the DHT is off or no peer took the record."""
-        return await self.dht.provide(key)
-
-    async def find_providers(self, key: bytes, count: int = 20) -> list[tuple[str, list[str]]]:
-        """Peers that announced `key`, with the addresses their records carry plus any
-        this node learned otherwise (relayed ones first): [(peer id, [full multiaddr])]."""
-        found = await self.dht.find_providers(key, count)
-        known = self.discovery.known if self.discovery is not None else {}
-        return [(pid, dial_order(list(dict.fromkeys(known.get(pid, []) + addrs))))
-                for pid, addrs in found]
-
-    def protect(self, peer_id: str, tag: str) -> None:
-        """Keep the connection to `peer_id` when trimming to `p2p.max_peers` (e.g. the
-        trainer this node follows), until `unprotect(peer_id, tag)`."""
-        self.connmgr.protect(peer_id, tag)
-
-    def unprotect(self, peer_id: str, tag: str) -> bool:
-        """Drop one protection tag; True if another tag still protects the peer."""
-        return self.connmgr.unprotect(peer_id, tag)
+        host = self._ctx.host
+        if host is None:
+            raise NotRunning("the libp2p host is not running")
+        await self._ctx.bridge.call(host.disconnect, ID.from_base58(peer_id))
 
     def peer_ip(self, peer: str) -> str | None:
         """The IP of a live libp2p connection to `peer` (a snapshot read from asyncio)."""
-        if self._host is None:
+        host = self._ctx.host
+        if host is None:
             return None
         try:
-            for conn in list(self._host.get_network().get_connections(ID.from_base58(peer))):
+            for conn in list(host.get_network().get_connections(ID.from_base58(peer))):
                 addr = conn.muxed_conn.get_remote_address()
                 if addr:
                     return str(addr[0])
         except Exception as e:  # noqa: BLE001 - no address: the libp2p path is used
             log.debug("no remote address for %s: %s", peer, e)
         return None
-
-    def set_peer_filter(self, fn: Callable[[str], bool] | None) -> None:
-        """`fn(peer_id) -> bool`: False drops that peer's gossip (at the validator, counted
-        as `banned`) and refuses its requests and streams. Called from the libp2p thread:
-        it must be fast and thread-safe (e.g. a set lookup)."""
-        self._peer_filter = fn
-
-    def _allowed(self, peer: str) -> bool:
-        if self.penalties.refused(peer):
-            return False
-        allow = self._peer_filter
-        return allow is None or bool(allow(peer))
-
-    # Gossip and requests (the public API; the work is in pubsub.py and requests.py) ----
-
-    def topic(self, kind: str) -> str:
-        return self.gossip.topic(kind)
-
-    async def subscribe(self, kind: str, handler: Handler) -> None:
-        """See GossipService.subscribe."""
-        await self.gossip.subscribe(kind, handler)
-
-    async def publish(self, kind: str, message: WireModel) -> None:
-        """See GossipService.publish."""
-        await self.gossip.publish(kind, message)
-
-    async def publish_raw(self, kind: str, data: bytes) -> None:
-        await self.gossip.publish_raw(kind, data)
-
-    def topic_peers(self, kind: str) -> list[str]:
-        return self.gossip.topic_peers(kind)
-
-    def mesh_peers(self, kind: str) -> list[str]:
-        return self.gossip.mesh_peers(kind)
-
-    def set_stream_handler(self, protocol_id: str, handler: StreamHandler, *,
-                           max_inbound: int | None = None) -> Awaitable[None]:
-        """See RequestService.set_stream_handler."""
-        return self.requests.set_stream_handler(protocol_id, handler, max_inbound=max_inbound)
-
-    def set_request_handler(self, protocol_id: str, handler: RequestHandler) -> Awaitable[None]:
-        """See RequestService.set_request_handler."""
-        return self.requests.set_request_handler(protocol_id, handler)
-
-    async def open_stream(self, peer_id: str, protocol_id: str,
-                          timeout: float | None = None) -> AsyncStream:
-        return await self.requests.open_stream(peer_id, protocol_id, timeout)
-
-    async def request(self, peer_id: str, protocol_id: str, payload: bytes,
-                      timeout: float | None = None, *, max_response: int | None = None) -> bytes:
-        """See RequestService.request."""
-        return await self.requests.request(peer_id, protocol_id, payload, timeout,
-                                           max_response=max_response)
-
-    # Connection tracking (called in the trio thread) -----------------------------------
-
-    def _t_peers_changed(self) -> None:
-        conns = self._host.get_network().connections
-        self.dht.t_connections_changed(self._nursery, [p for p, cs in conns.items() if cs])
-        peers, direct = set(), {}
-        for pid, cs in list(conns.items()):
-            if not cs:
-                continue
-            p = pid.to_base58()
-            peers.add(p)
-            for c in cs:
-                addr = connection_addr(c)
-                if addr is not None:
-                    direct[p] = addr
-                    break
-        self._bridge.to_asyncio_nowait(self._set_connected, peers, direct)
 
     def is_relayed(self, peer_id: str) -> bool:
         """True if every connection to `peer_id` goes through a relay (`/p2p-circuit`)."""
@@ -510,14 +477,51 @@ class P2PNode:
         circuits = [] if snap.public else list(snap.relay_addrs)
         return list(dict.fromkeys(circuits + self.listen_addrs))
 
+    # Connection tracking (called in the trio thread) -----------------------------------
+
+    def _t_connected(self, conn) -> None:
+        peer = conn.muxed_conn.peer_id.to_base58()
+        patches.patch_connection(conn.muxed_conn, peer, self._t_window_violation)
+        if self.penalties.refused(peer):
+            self.metrics.inc("connections_refused")
+            self._t_disconnect_soon(peer)
+            return
+        if not self.admission.connected(peer, _remote_ip(conn.muxed_conn)):
+            self.metrics.inc("connections_refused_subnet")
+            self._t_disconnect_soon(peer)
+            return
+        self._t_peers_changed()
+
+    def _t_disconnected(self, network, conn) -> None:
+        peer = conn.muxed_conn.peer_id
+        if not network.connections.get(peer):
+            self.admission.disconnected(peer.to_base58())
+        self._t_peers_changed()
+
+    def _t_peers_changed(self) -> None:
+        ctx = self._ctx
+        conns = ctx.host.get_network().connections
+        self.dht.t_connections_changed(ctx.nursery, [p for p, cs in conns.items() if cs])
+        peers, direct = set(), {}
+        for pid, cs in list(conns.items()):
+            if not cs:
+                continue
+            p = pid.to_base58()
+            peers.add(p)
+            for c in cs:
+                addr = connection_addr(c)
+                if addr is not None:
+                    direct[p] = addr
+                    break
+        ctx.bridge.to_asyncio_nowait(self._set_connected, peers, direct)
+
     def _set_connected(self, peers: set[str], direct: dict[str, str] | None = None) -> None:
         new = peers - self._connected
         self._connected = peers
         self._direct_addr = dict(direct or {})
         self.connmgr.peers_changed(peers)
-        if new and self.discovery is not None:
-            self.discovery.peers_connected(new)
         if new:
+            self.discovery.peers_connected(new)
             self.gossip.peers_connected(new)
 
 
@@ -527,10 +531,12 @@ def _log_reachability(snap: Reachability) -> None:
 
 
 class _Notifee:
-    """py-libp2p network notifee: keeps P2PNode's connected-peer set current."""
+    """py-libp2p network notifee: hands connection events to the node (libp2p thread)."""
 
-    def __init__(self, node: P2PNode):
-        self.node = node
+    def __init__(self, connected: Callable[[object], None],
+                 disconnected: Callable[[object, object], None]):
+        self.on_connected = connected
+        self.on_disconnected = disconnected
 
     async def opened_stream(self, network, stream) -> None:
         pass
@@ -539,24 +545,10 @@ class _Notifee:
         pass
 
     async def connected(self, network, conn) -> None:
-        node = self.node
-        peer = conn.muxed_conn.peer_id.to_base58()
-        patches.patch_connection(conn.muxed_conn, peer, node._t_window_violation)
-        if node.penalties.refused(peer):
-            node.metrics.inc("connections_refused")
-            node._t_disconnect_soon(peer)
-            return
-        if not node.admission.connected(peer, _remote_ip(conn.muxed_conn)):
-            node.metrics.inc("connections_refused_subnet")
-            node._t_disconnect_soon(peer)
-            return
-        node._t_peers_changed()
+        self.on_connected(conn)
 
     async def disconnected(self, network, conn) -> None:
-        peer = conn.muxed_conn.peer_id
-        if not network.connections.get(peer):
-            self.node.admission.disconnected(peer.to_base58())
-        self.node._t_peers_changed()
+        self.on_disconnected(network, conn)
 
     async def listen(self, network, multiaddr) -> None:
         pass

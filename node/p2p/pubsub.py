@@ -23,8 +23,11 @@ from ...protocol.messages import PayloadAnnounce, WireModel
 from . import patches
 from .bodies import KIND as BODY_KIND
 from .bodies import BodyPuller, BodyServer, PullFailed
+from .bulk import BulkPlane
+from .context import HostContext
 from .errors import PublishError, RequestError
-from .gossip import mesh_ready, origin_b58
+from .gossip import GossipValidator, mesh_ready, origin_b58
+from .requests import RequestService
 
 log = logging.getLogger(__name__)
 
@@ -39,23 +42,30 @@ Handler = Callable[[Envelope, str], Awaitable[None]]
 
 
 class GossipService:
-    """Topics of one P2PNode (`node` gives the host, pubsub, bridge, config, metrics)."""
+    """Topics of one P2PNode: `validator` checks what arrives (gossip.py), `requests` and
+    `bulk` carry announced bodies, `report(peer, reason=...)` charges a peer for a bad one."""
 
-    def __init__(self, node):
-        self.node = node
-        self.cfg = node.cfg
-        self.metrics = node.metrics
-        self.bridge = node._bridge
+    def __init__(self, ctx: HostContext, validator: GossipValidator, requests: RequestService,
+                 bulk: BulkPlane, report: Callable[..., object]):
+        self.ctx = ctx
+        self.cfg = ctx.cfg
+        self.metrics = ctx.metrics
+        self.bridge = ctx.bridge
+        self.validator = validator
+        self.requests = requests
+        self.bulk = bulk
+        self.report = report
         self._subs: dict[str, list[Handler]] = {}
         self._queues: dict[str, asyncio.Queue] = {}
         self._published_topics: set[str] = set()
         self._payloads: OrderedDict[bytes, bytes] = OrderedDict()
         self._payload_bytes = 0
-        self._pull_slots = PullSlots(node.cfg.payload_fetch_parallel)
+        self.pull_slots = PullSlots(ctx.cfg.payload_fetch_parallel)
         self._outbox: deque[tuple[str, Envelope, str]] = deque()  # libp2p thread -> asyncio
         self._flush_pending = False
-        self._server: BodyServer | None = None  # bodies over the bulk plane (bodies.py)
-        self._puller: BodyPuller | None = None
+        # bodies over the bulk plane (bodies.py), set by start_bodies: served and pulled
+        self.body_server: BodyServer | None = None
+        self.puller: BodyPuller | None = None
         self._t_shorter: trio.Event | None = None  # set when an outbound queue shrinks
 
     async def subscribe_pending(self) -> None:
@@ -64,7 +74,7 @@ class GossipService:
             await self.bridge.call(self._t_subscribe, kind, self.topic(kind))
 
     def topic(self, kind: str) -> str:
-        return topic(self.node.swarm_id, kind)
+        return topic(self.ctx.swarm_id, kind)
 
     async def subscribe(self, kind: str, handler: Handler) -> None:
         """Call `await handler(envelope, from_peer)` for every verified message on `kind`
@@ -78,18 +88,18 @@ class GossipService:
             return
         queue: asyncio.Queue = asyncio.Queue(self.cfg.subscription_queue)
         self._queues[kind] = queue
-        self.node._spawn(self._consume(kind, queue))
-        if self.node.running:  # else start() subscribes
+        self.ctx.spawn(self._consume(kind, queue), f"consume {kind}")
+        if self.ctx.running:  # else start() subscribes
             await self.bridge.call(self._t_subscribe, kind, t)
 
     async def _t_subscribe(self, kind: str, t: str) -> None:
-        pubsub = self.node._pubsub
-        pubsub.set_topic_validator(t, self.node._validator.for_kind(kind), False)
+        pubsub = self.ctx.pubsub
+        pubsub.set_topic_validator(t, self.validator.for_kind(kind), False)
         await pubsub.subscribe(t)
         recv = patches.patch_subscription_channel(
             pubsub, t, self.cfg.subscription_queue,
             lambda: self.metrics.inc("drop_subscription_full"))
-        self.node._nursery.start_soon(self._t_read_topic, kind, recv)
+        self.ctx.nursery.start_soon(self._t_read_topic, kind, recv)
 
     async def _t_read_topic(self, kind: str, recv) -> None:
         async for msg in recv:
@@ -98,13 +108,13 @@ class GossipService:
             except Exception as e:  # noqa: BLE001 - validated already; defensive
                 log.debug("unreadable origin on a validated message: %s", e)
                 continue
-            if origin == self.node.peer_id:
+            if origin == self.ctx.peer_id:
                 self.metrics.inc("own_skipped")
                 continue
-            env = self.node._validator.take(msg)
+            env = self.validator.take(msg)
             if env is None:
                 try:
-                    env = self.node._validator.reopen(msg)
+                    env = self.validator.reopen(msg)
                 except ProtocolError as e:
                     self.metrics.reject(origin, e.reason)
                     continue
@@ -132,7 +142,7 @@ class GossipService:
         while True:
             env, origin = await queue.get()
             if env.type == PayloadAnnounce.TYPE:
-                self.node._spawn(self._pull_announced(kind, env, origin))
+                self.ctx.spawn(self._pull_announced(kind, env, origin), "pull announced")
                 continue
             await self._deliver(kind, env, origin)
 
@@ -159,7 +169,7 @@ class GossipService:
         data = self._seal(message)
         if len(data) > self.cfg.inline_payload_max:
             digest = hashlib.sha256(data).digest()
-            self._store_payload(digest, data)
+            self.store_payload(digest, data)
             data = self._seal(PayloadAnnounce(inner_type=message.TYPE, content_hash=digest,
                                               size=len(data)))
             self.metrics.inc("payload_announced")
@@ -167,17 +177,17 @@ class GossipService:
 
     def _seal(self, message: WireModel) -> bytes:
         # The node's cached peer id: Identity.seal derives it from the key on every call.
-        return seal(message, self.node.identity.private_key, self.node.peer_id)
+        return seal(message, self.ctx.identity.private_key, self.ctx.peer_id)
 
     async def _t_publish(self, t: str, data: bytes) -> None:
         await self._t_wait_mesh(t)
         await self._t_wait_capacity()
-        await self.node._pubsub.publish(t, data)
+        await self.ctx.pubsub.publish(t, data)
         self._published_topics.add(t)
         self.metrics.inc("published")
 
     async def _t_wait_mesh(self, t: str) -> None:
-        if not self.node._host.get_connected_peers():
+        if not self.ctx.host.get_connected_peers():
             self.metrics.inc("publish_no_peers")
             return
         if t in self._published_topics:
@@ -189,7 +199,7 @@ class GossipService:
             return
         deadline = trio.current_time() + self.cfg.mesh_wait_s
         while True:
-            ready, topic_peers = mesh_ready(self.node._router, self.node._pubsub, t,
+            ready, topic_peers = mesh_ready(self.ctx.router, self.ctx.pubsub, t,
                                             self.cfg.mesh_degree_low)
             # Flood publishing sends to every subscribed peer: known subscribers suffice (a
             # mesh below D_low after GRAFT/PRUNE churn held a first publish for mesh_wait_s).
@@ -204,7 +214,7 @@ class GossipService:
         """Until every outbound peer queue is at most `publish_high_water` long, woken by
         each RPC that leaves a queue (TunedQueues.shorter); PublishError after
         `publish_timeout_s`."""
-        queues = self.node._pubsub.peer_queues
+        queues = self.ctx.pubsub.peer_queues
         if queues.fullest()[1] <= self.cfg.publish_high_water:
             return
         self.metrics.inc("publish_waits")
@@ -233,16 +243,20 @@ class GossipService:
 
     def topic_peers(self, kind: str) -> list[str]:
         """Peers known to be subscribed to `kind` (a snapshot, for tests and status)."""
-        peers = self.node._pubsub.peer_topics.get(self.topic(kind), ()) if self.node._pubsub else ()
+        pubsub = self.ctx.pubsub
+        peers = pubsub.peer_topics.get(self.topic(kind), ()) if pubsub is not None else ()
         return sorted(p.to_base58() for p in list(peers))
 
     def mesh_peers(self, kind: str) -> list[str]:
-        mesh = self.node._router.mesh.get(self.topic(kind), ()) if self.node._router else ()
+        router = self.ctx.router
+        mesh = router.mesh.get(self.topic(kind), ()) if router is not None else ()
         return sorted(p.to_base58() for p in list(mesh))
 
     # Large payloads -------------------------------------------------------------------
 
-    def _store_payload(self, digest: bytes, data: bytes) -> None:
+    def store_payload(self, digest: bytes, data: bytes) -> None:
+        """Keep `data` as the body announced under `digest`, for the peers that pull it (a
+        bounded cache, oldest out first; a digest already held keeps its first body)."""
         if digest in self._payloads:
             return
         self._payloads[digest] = data
@@ -261,52 +275,52 @@ class GossipService:
     def start_bodies(self) -> None:
         """At start: serve and pull bodies over the node's bulk plane (kind "body"); the
         announcers that served us have its reserve of connections."""
-        bulk, cfg = self.node.bulk, self.node.config.bulk
-        self._server = BodyServer(self._payloads.get, cfg.idle_s,
+        bulk, cfg = self.bulk, self.ctx.config.bulk
+        self.body_server = BodyServer(self._payloads.get, cfg.idle_s,
                                   self.cfg.payload_pull_timeout_s, self.metrics)
-        bulk.register(BODY_KIND, self._server.serve)
+        bulk.register(BODY_KIND, self.body_server.serve)
         bulk.client.add_kind(BODY_KIND, "gossip bodies", self.cfg.payload_pulls_per_peer,
                              cfg.idle_s / 2)
-        bulk.add_known(self._pull_slots.proven)
-        self._puller = BodyPuller(bulk.client, self.cfg, self.metrics)
+        bulk.add_known(self.pull_slots.proven)
+        self.puller = BodyPuller(bulk.client, self.cfg, self.metrics)
 
     def peers_connected(self, peers: set[str]) -> None:
         """New libp2p connections: open one bulk-plane connection to each now
         (BodyPuller.warm), not on the path of their first announced payload."""
-        if self._puller is None:
+        if self.puller is None:
             return
         for peer in peers:
-            if self._puller.usable(peer):
-                self.node._spawn(self._puller.warm(peer))
+            if self.puller.usable(peer):
+                self.ctx.spawn(self.puller.warm(peer), "warm bulk")
 
     async def _pull_announced(self, kind: str, env: Envelope, origin: str) -> None:
         ann: PayloadAnnounce = env.message
-        if ann.size > self.node.limits.max_for(ann.inner_type) + 4096:
+        if ann.size > self.ctx.limits.max_for(ann.inner_type) + 4096:
             self._reject_body(origin, "too_large")  # refused before a byte is pulled
             return
-        slot = self._pull_slots.claim(origin)
+        slot = self.pull_slots.claim(origin)
         if slot is None:  # this announcer already has that many pulls waiting
             self.metrics.inc("payload_pull_queue_full")
             return
         async with slot:
             data = await self.fetch_payload(ann, origin)
         if data is None:
-            self._pull_slots.failed(origin)
+            self.pull_slots.failed(origin)
             self.metrics.inc("payload_fetch_failed")
             log.warning("could not pull the announced %s of %s from any source",
                         ann.inner_type, origin)
             return
         try:  # only bytes that match the signed announce get here
-            inner = open_envelope(data, limits=self.node.limits, expected_sender=origin,
+            inner = open_envelope(data, limits=self.ctx.limits, expected_sender=origin,
                                   expected_type=ann.inner_type,
-                                  replay_cache=self.node._validator.replay,
-                                  max_skew_s=self.node.config.limits.max_clock_skew_s)
+                                  replay_cache=self.validator.replay,
+                                  max_skew_s=self.ctx.config.limits.max_clock_skew_s)
         except ProtocolError as e:
-            self._pull_slots.failed(origin)
+            self.pull_slots.failed(origin)
             self._reject_body(origin, e.reason)
             return
-        self._pull_slots.served(origin)
-        self._store_payload(ann.content_hash, data)
+        self.pull_slots.served(origin)
+        self.store_payload(ann.content_hash, data)
         self.metrics.inc("payload_fetched")
         await self._deliver(kind, inner, origin)
 
@@ -314,8 +328,8 @@ class GossipService:
         """Where to pull an announced payload: the announcer, the peer that brought us its
         messages (it validated the announce, so it is pulling or holds it), then up to 3
         other connected peers."""
-        first = [origin, self.node._validator.carried_by.get(origin)]
-        connected = self.node.connected_peers()
+        first = [origin, self.validator.carried_by.get(origin)]
+        connected = self.ctx.peers.connected_peers()
         ordered = [p for p in dict.fromkeys(first) if p]
         return ordered + [p for p in connected if p not in ordered][:3]
 
@@ -339,7 +353,7 @@ class GossipService:
 
     async def _pull_from(self, source: str, ann: PayloadAnnounce) -> bytes:
         """Over the bulk plane when the source has one, else over libp2p."""
-        puller = self._puller
+        puller = self.puller
         if puller is not None and puller.usable(source):
             try:
                 data = await puller.pull(source, ann.content_hash, ann.size)
@@ -352,7 +366,7 @@ class GossipService:
         elif puller is not None:
             puller.say_libp2p(source)
         try:
-            data = await self.node.request(source, FETCH_PROTOCOL, ann.content_hash,
+            data = await self.requests.request(source, FETCH_PROTOCOL, ann.content_hash,
                                            timeout=self.cfg.payload_pull_timeout_s,
                                            max_response=ann.size)
         except RequestError as e:
@@ -373,7 +387,7 @@ class GossipService:
 
     def _reject_body(self, peer: str, reason: str) -> None:
         self.metrics.reject(peer, reason)
-        self.node.report_misbehaviour(peer, reason=reason)
+        self.report(peer, reason=reason)
 
 
 @dataclass

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import TYPE_CHECKING, Protocol
 
 import multiaddr
 import trio
@@ -39,9 +40,21 @@ from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 
+from .context import HostContext
 from .dialback import ip_tcp, transport_addrs
 from .errors import DialError, NotRunning, P2PError
+from .patches.internals import hole_punch_state, hop_stream_handler
 from .patches.relay import RelayProtocol
+
+if TYPE_CHECKING:
+    from .discovery import Discovery
+
+
+class RelayFinder(Protocol):
+    """Where a NAT'd node looks up relays (DHTService: public relays provide the relay key;
+    an empty list when the DHT is off)."""
+
+    async def relays(self, count: int = 8) -> list[tuple[str, list[str]]]: ...
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +75,12 @@ def hop_enabled(config) -> bool:
 class RelayService:
     """Relay, relay client and hole punching of one P2PNode."""
 
-    def __init__(self, node):
-        self.node = node
-        self.cfg = node.cfg.relay
-        self.hop = hop_enabled(node.config)
+    def __init__(self, ctx: HostContext, discovery: Discovery, dht: RelayFinder | None = None):
+        self.ctx = ctx
+        self.cfg = ctx.cfg.relay
+        self.hop = hop_enabled(ctx.config)
+        self.discovery = discovery
+        self.dht = dht  # where relays are looked up when the connections hold too few
         self.protocol: RelayProtocol | None = None
         self.dcutr: DCUtRProtocol | None = None
         self._dialer: CircuitV2Transport | None = None
@@ -89,7 +104,7 @@ class RelayService:
         self._dialer = CircuitV2Transport(host, self.protocol,
                                           RelayConfig(roles=RelayRole.STOP, limits=limits))
         services = [self.protocol]
-        if self.node.cfg.hole_punching:
+        if self.ctx.cfg.hole_punching:
             self.dcutr = DCUtRProtocol(host)
             services.append(self.dcutr)
         return services
@@ -99,12 +114,12 @@ class RelayService:
         penalties or peer filter refuse."""
         if not self.hop or self.protocol is None:
             return
-        inner = self.protocol._handle_hop_stream
+        inner = hop_stream_handler(self.protocol)
 
         async def guarded(stream) -> None:
             peer = stream.muxed_conn.peer_id.to_base58()
-            if not self.node._allowed(peer):
-                self.node.metrics.inc("relay_refused_peer")
+            if not self.ctx.allowed(peer):
+                self.ctx.metrics.inc("relay_refused_peer")
                 try:
                     await stream.reset()
                 except Exception as e:  # noqa: BLE001 - already gone
@@ -122,16 +137,16 @@ class RelayService:
         _relay_addr, target = self._dialer.parse_circuit_ma(addr)
         if target != peer:
             raise DialError(f"{addr} leads to {target}, not {peer}", reason="wrong_peer")
-        self.node.metrics.inc("relay_dials")
+        self.ctx.metrics.inc("relay_dials")
         try:
             await self._dialer.dial(addr)
         except Exception:
-            self.node.metrics.inc("relay_dial_failures")
+            self.ctx.metrics.inc("relay_dial_failures")
             raise
 
     async def _t_reserve(self, relay: str, addr: str) -> tuple[bool, float, str]:
         """One RESERVE on `relay`: (ok, expiry unix time, why not)."""
-        host = self.node._host
+        host = self.ctx.host
         rid = ID.from_base58(relay)
         stream = None
         try:
@@ -159,7 +174,7 @@ class RelayService:
 
     def _t_hop_peers(self) -> list[str]:
         """Connected peers that offer the hop protocol (identify told us)."""
-        host = self.node._host
+        host = self.ctx.host
         out = []
         for pid in host.get_connected_peers():
             try:
@@ -177,15 +192,15 @@ class RelayService:
         d = self.dcutr
         if d is None:
             return {"direct": 0, "failed": 0, "gave_up": 0}
-        done = [(p, n) for p, n in list(d._hole_punch_attempts.items())
-                if p not in d._in_progress and p not in d._direct_connections]
-        return {"direct": len(d._direct_connections), "failed": len(done),
+        attempts, in_progress, direct = hole_punch_state(d)
+        done = [(p, n) for p, n in attempts.items() if p not in in_progress and p not in direct]
+        return {"direct": len(direct), "failed": len(done),
                 "gave_up": sum(1 for _p, n in done if n >= MAX_HOLE_PUNCH_ATTEMPTS)}
 
     # asyncio side: the client ---------------------------------------------------------------
 
     def circuit_addrs(self) -> list[str]:
-        me = self.node.peer_id
+        me = self.ctx.peer_id
         return [f"{addr}/p2p/{relay}/p2p-circuit/p2p/{me}"
                 for relay, (addr, _exp) in sorted(self.reservations.items())]
 
@@ -231,12 +246,12 @@ class RelayService:
                         "run the relay on a public address or forward its TCP port")
 
     async def _round(self) -> None:
-        node = self.node
-        reach = node.reach.current
-        self.hole_punch = await node._bridge.call(_async, self._t_hole_punch_stats)
-        node.reach.set_direct_peers(self.hole_punch["direct"])
+        ctx = self.ctx
+        reach = ctx.reach.current
+        self.hole_punch = await ctx.bridge.call(_async, self._t_hole_punch_stats)
+        ctx.reach.set_direct_peers(self.hole_punch["direct"])
         want = self.cfg.client and not reach.public and reach.verdict.value != "unknown"
-        connected = set(node.connected_peers())
+        connected = set(ctx.peers.connected_peers())
         for relay in [r for r in self.reservations if r not in connected]:
             log.info("relay %s left; its reservation is gone", relay)
             del self.reservations[relay]
@@ -248,7 +263,7 @@ class RelayService:
             missing = self.cfg.reservations - len(self.reservations)
             if missing > 0:
                 await self._reserve_more(missing, connected)
-        node.reach.set_relay_addrs(self.circuit_addrs())
+        ctx.reach.set_relay_addrs(self.circuit_addrs())
 
     async def _refresh(self) -> None:
         now = time.time()
@@ -256,21 +271,21 @@ class RelayService:
         for relay, (addr, expire) in list(self.reservations.items()):
             if expire - now > ttl * REFRESH_MARGIN:
                 continue
-            ok, new_expire, why = await self.node._bridge.call(self._t_reserve, relay, addr)
+            ok, new_expire, why = await self.ctx.bridge.call(self._t_reserve, relay, addr)
             if ok:
                 self.reservations[relay] = (addr, new_expire)
-                self.node.metrics.inc("relay_reservations_refreshed")
+                self.ctx.metrics.inc("relay_reservations_refreshed")
             else:
                 log.info("relay %s did not renew our reservation (%s)", relay, why)
                 del self.reservations[relay]
 
     async def _reserve_more(self, missing: int, connected: set[str]) -> None:
-        node = self.node
+        ctx = self.ctx
         now = time.monotonic()
-        hop_peers = await node._bridge.call(_async, self._t_hop_peers)
+        hop_peers = await ctx.bridge.call(_async, self._t_hop_peers)
         candidates = [p for p in hop_peers
                       if p in connected and p not in self.reservations
-                      and not node.is_relayed(p) and self._refused_until.get(p, 0) <= now]
+                      and not ctx.peers.is_relayed(p) and self._refused_until.get(p, 0) <= now]
         for relay in candidates[:missing]:
             addr = self._dialable_addr(relay)
             if addr is not None:
@@ -280,29 +295,29 @@ class RelayService:
             await self._reserve_found(missing)
 
     async def _try_reserve(self, relay: str, addr: str) -> bool:
-        node, now = self.node, time.monotonic()
-        ok, expire, why = await node._bridge.call(self._t_reserve, relay, addr)
+        ctx, now = self.ctx, time.monotonic()
+        ok, expire, why = await ctx.bridge.call(self._t_reserve, relay, addr)
         if ok:
             self.reservations[relay] = (addr, expire)
-            node.metrics.inc("relay_reservations")
+            ctx.metrics.inc("relay_reservations")
             log.info("reserved a relay slot on %s: reachable at %s/p2p/%s/p2p-circuit",
                      relay, addr, relay)
         else:
             self._refused_until[relay] = now + RETRY_RELAY_S
-            node.metrics.inc("relay_reservations_refused")
+            ctx.metrics.inc("relay_reservations_refused")
             log.info("relay %s refused a reservation (%s)", relay, why)
         return ok
 
     async def _reserve_found(self, missing: int) -> None:
         """Relays the DHT names (the connections held too few): dial and reserve."""
-        node, now = self.node, time.monotonic()
+        ctx, now = self.ctx, time.monotonic()
         every = RELAY_LOOKUP_HOLDING_S if self.reservations else RELAY_LOOKUP_S
-        if node.dht.dht is None or now - self._looked < every:
+        if self.dht is None or now - self._looked < every:
             return
         self._looked = now
-        node.metrics.inc("relay_lookups")
+        ctx.metrics.inc("relay_lookups")
         try:
-            found = await node.dht.relays()
+            found = await self.dht.relays()
         except P2PError as e:
             log.debug("DHT lookup of relays failed: %s", e)
             return
@@ -318,7 +333,7 @@ class RelayService:
             tried += 1
             for addr in direct:
                 try:
-                    await node.connect(addr)
+                    await ctx.peers.connect(addr)
                 except P2PError as e:
                     log.debug("relay %s from the DHT: dialling %s failed: %s", relay, addr, e)
                     continue
@@ -330,8 +345,8 @@ class RelayService:
         """The relay's address as others can dial it: the one it advertises (peer
         exchange) at the IP our connection to it reaches, else that connection's address
         (its listen address when we dialled it), else the first it advertises."""
-        conn = self.node.direct_addr_of(relay)
-        known = self.node.discovery.known.get(relay, []) if self.node.discovery else []
+        conn = self.ctx.peers.direct_addr_of(relay)
+        known = self.discovery.known.get(relay, []) if self.discovery else []
         bases = [a.removesuffix(f"/p2p/{relay}") for a in known]
         bases = [b for b in bases if ip_tcp(b) is not None]
         if conn is not None:

@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 import trio
 from libp2p.peer.id import ID
 
+from .context import HostContext
 from .errors import RequestError, StreamError
 from .streams import (
     AsyncStream,
@@ -31,19 +32,18 @@ RequestHandler = Callable[[str, bytes], Awaitable[bytes]]
 class RequestService:
     """Stream and request handlers of one P2PNode, and its outgoing requests."""
 
-    def __init__(self, node):
-        self.node = node
-        self.cfg = node.cfg
-        self.metrics = node.metrics
-        self.bridge = node._bridge
-        cfg = node.cfg
+    def __init__(self, ctx: HostContext):
+        self.ctx = ctx
+        self.cfg = cfg = ctx.cfg
+        self.metrics = ctx.metrics
+        self.bridge = ctx.bridge
         self._stream_handlers: dict[str, tuple[StreamHandler, int]] = {}
         self._request_handlers: dict[str, RequestHandler] = {}
         self._client_slots: dict[str, asyncio.Semaphore] = {}
         self._server_slots = PeerSlots(cfg.max_requests_per_peer)
         self._stream_slots = PeerSlots(cfg.max_streams_per_peer)
 
-    def _t_install_all(self) -> None:
+    def t_install_all(self) -> None:
         """At start, in the libp2p thread: install the handlers set before it."""
         for pid, (h, limit) in self._stream_handlers.items():
             self._t_install_stream_handler(pid, h, limit)
@@ -62,19 +62,19 @@ class RequestService:
         return self._install(self._t_install_stream_handler, protocol_id, handler, limit)
 
     def _install(self, fn, *args) -> Awaitable[None]:
-        if not self.node.running:
+        if not self.ctx.running:
             return _LIVE  # start() installs it before it returns
 
         async def install() -> None:
             fn(*args)
 
-        return self.node._spawn(self.bridge.call(install))
+        return self.ctx.spawn(self.bridge.call(install), "install handler")
 
     def _t_install_stream_handler(self, protocol_id: str, handler: StreamHandler,
                                   max_inbound: int) -> None:
         async def on_stream(stream) -> None:
             peer = remote_peer(stream)
-            if not self.node._allowed(peer) or not self._stream_slots.try_take(peer):
+            if not self.ctx.allowed(peer) or not self._stream_slots.try_take(peer):
                 self.metrics.inc("streams_refused")
                 await reset_quietly(stream)
                 return
@@ -92,7 +92,7 @@ class RequestService:
                 self._stream_slots.give(peer)
             await close_quietly(stream)
 
-        self.node._host.set_stream_handler(protocol_id, on_stream)
+        self.ctx.host.set_stream_handler(protocol_id, on_stream)
 
     async def open_stream(self, peer_id: str, protocol_id: str,
                           timeout: float | None = None) -> AsyncStream:
@@ -104,7 +104,7 @@ class RequestService:
     async def _t_open_stream(self, peer: ID, protocol_id: str, timeout: float):
         try:
             with trio.fail_after(timeout):
-                return await self.node._host.new_stream(peer, [protocol_id])
+                return await self.ctx.host.new_stream(peer, [protocol_id])
         except trio.TooSlowError:
             raise StreamError(f"opening {protocol_id} to {peer} timed out after {timeout:.0f}s",
                               reason="timeout") from None
@@ -123,7 +123,7 @@ class RequestService:
     def _t_install_request_handler(self, protocol_id: str) -> None:
         async def on_stream(stream) -> None:
             peer = remote_peer(stream)
-            if not self.node._allowed(peer):
+            if not self.ctx.allowed(peer):
                 self.metrics.inc("streams_refused")
                 await reset_quietly(stream)
                 return
@@ -132,7 +132,7 @@ class RequestService:
                                 max_request=self.cfg.max_request_bytes,
                                 max_response=self.cfg.max_response_bytes, metrics=self.metrics)
 
-        self.node._host.set_stream_handler(protocol_id, on_stream)
+        self.ctx.host.set_stream_handler(protocol_id, on_stream)
 
     async def request(self, peer_id: str, protocol_id: str, payload: bytes,
                       timeout: float | None = None, *, max_response: int | None = None) -> bytes:
@@ -147,7 +147,7 @@ class RequestService:
             self.metrics.inc("requests_sent")
             try:
                 return await self.bridge.call(
-                    _client_request_kw, self.node._host, ID.from_base58(peer_id), protocol_id,
+                    _client_request_kw, self.ctx.host, ID.from_base58(peer_id), protocol_id,
                     bytes(payload), timeout, max_response)
             except RequestError:
                 self.metrics.inc("requests_failed")

@@ -21,6 +21,7 @@ from ...verifier.reasons import REASONS as REASON_TEXT
 from ...verifier.verdicts import SUMMARY_REASON, parse_summary
 from ..errors import NodeError
 from ..lifecycle import TaskOwner
+from ..p2p import Transport
 from ..runtime import BatchLimit
 from .interfaces import CheckpointFeed, VerifiedCheckpoint
 
@@ -39,7 +40,7 @@ def _reasons_text(reasons: dict) -> str:
 class Role:
     name = "role"
 
-    def __init__(self, cfg, identity, p2p, state):
+    def __init__(self, cfg, identity, p2p: Transport, state):
         self.cfg = cfg
         self.identity = identity
         self.p2p = p2p

@@ -27,6 +27,7 @@ from ...verifier.rules import retention
 from ..broadcast.service import Broadcaster, Completed
 from ..diskspace import DiskWatch
 from ..lifecycle import Changed
+from ..p2p import Transport
 
 if TYPE_CHECKING:  # for annotations only: verifier.checks loads torch, which a relay never needs
     from ...verifier.checks import RolloutResult, SpotCheck
@@ -107,7 +108,7 @@ class RolloutSink(Protocol):
 class GossipRollouts:
     """The node's rollout sink: the `rollouts` gossip topic."""
 
-    def __init__(self, p2p):
+    def __init__(self, p2p: Transport):
         self.p2p = p2p
 
     async def publish(self, batch: RolloutBatch) -> None:
@@ -125,7 +126,7 @@ class BroadcastFeed:
         broadcaster.on_complete = self._handed_over
 
     @classmethod
-    def create(cls, p2p, cfg, root: Path, **kwargs) -> BroadcastFeed:
+    def create(cls, p2p: Transport, cfg, root: Path, **kwargs) -> BroadcastFeed:
         """`Broadcaster(p2p, cfg, root, **kwargs)` behind the feed interface."""
         return cls(Broadcaster(p2p, cfg, root, **kwargs))
 
@@ -216,7 +217,7 @@ class OwnCheckpoints:
         return BroadcastFeed(self.broadcaster)
 
     @classmethod
-    def create(cls, trainer, p2p, cfg, root: Path, *, follow: list[str],
+    def create(cls, trainer, p2p: Transport, cfg, root: Path, *, follow: list[str],
                settings) -> OwnCheckpoints:
         """Over `Broadcaster(p2p, ...)`, both stores keeping `retention(cfg, ...)` versions:
         the trainer's own and each followed policy's (verified up to the same lag)."""

@@ -90,14 +90,9 @@ class TrainerRole(Role):
         self.tasks = TaskSource.of(cfg.tasks, cfg.node.swarm_id)
         self.intake = self.build_intake()
         self.p2p.set_peer_filter(lambda peer: not self.intake.is_banned(peer))
-        # peers with verified history here (out of probation): the bulk plane's reserve of
-        # known peers, and the gossip admission's priority (P2PNode.set_established)
-        bulk = getattr(self.p2p, "bulk", None)
-        if bulk is not None:
-            bulk.add_known(self.intake.established)
-        share = getattr(self.p2p, "set_established", None)
-        if share is not None:
-            share(self.intake.established)
+        # peers with verified history here (out of probation): the gossip admission's
+        # priority and the bulk plane's reserve of known peers
+        self.p2p.set_established(self.intake.established)
         if self.own is None:
             own = OwnCheckpoints.create(self.trainer, self.p2p, cfg, self.data_dir / "broadcast",
                                         follow=[p for p in cfg.node.follow
@@ -127,7 +122,7 @@ class TrainerRole(Role):
                                   self.trainer, self.state, reputation=reputation,
                                   limits=limits, publish=self._publish_verdict,
                                   work=self.work, disk=self.disk, trusted=self._followed,
-                                  report=getattr(self.p2p, "report_misbehaviour", None))
+                                  report=self.p2p.report_misbehaviour)
 
     def _scale_out(self, trainer: Trainer) -> StepHooks:
         """Scale-out (SCALE-OUT), the trainer's hooks: a trainer group (trainer.group) and

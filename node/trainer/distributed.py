@@ -267,7 +267,7 @@ def run_worker(cfg) -> None:
             if cmd != CMD_STEP:
                 raise NodeError(f"rank {sync.rank}: unknown command {cmd}")
             trainer.version += 1
-            trainer._update(decode_batch(payload), StepStats(trainer.version, True))
+            trainer.update(decode_batch(payload), StepStats(trainer.version, True))
     finally:
         trainer.close()
 

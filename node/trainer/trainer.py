@@ -278,7 +278,7 @@ class Trainer:
         if batch:
             stats.group_ids = [g.id for g in batch]
             self.buffer.claim(stats.group_ids, self.version + 1)
-            self._update(batch, stats)
+            self.update(batch, stats)
             self.version += 1
             stats.version, stats.trained = self.version, True
             if self.after_step is not None:
@@ -341,7 +341,9 @@ class Trainer:
         for k in LOSS_KEYS:
             agg[k] += getattr(ls, k) * weight
 
-    def _update(self, batch: list[RolloutGroup], stats: StepStats) -> None:
+    def update(self, batch: list[RolloutGroup], stats: StepStats) -> None:
+        """The optimizer updates of one step on `batch`, its figures into `stats`; the
+        version is the caller's (`step`, or a follower rank replaying the leader's step)."""
         if self.grad_sync is not None:
             batch = self.grad_sync.shard(batch)
         self.model.train()

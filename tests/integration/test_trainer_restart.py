@@ -89,7 +89,7 @@ async def recorder(swarm_id: str, bootstrap: str):
     node = P2PNode(Identity.generate(), cfg)
     await node.start(bootstrap=[bootstrap], discovery=True)
     node.kept = []
-    validator = node._validator
+    validator = node.gossip.validator
     take = validator.take
 
     def keep(msg):

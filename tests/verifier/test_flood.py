@@ -121,7 +121,7 @@ async def test_honest_batches_accepted_during_a_fresh_key_flood(tmp_path, tiny_m
                     for k in range(PER_SYBIL)]
 
         flood = {s.peer_id: flood_batches(s) for s in sybils}
-        await async_wait_until(lambda: all(trainer_id.peer_id in n.topic_peers("rollouts")
+        await async_wait_until(lambda: all(trainer_id.peer_id in n.gossip.topic_peers("rollouts")
                                      for n in [honest_node, *sybils]), 30,
                          "every sender to see the trainer's subscription")
 

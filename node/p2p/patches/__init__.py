@@ -7,6 +7,9 @@ and registers a `Patch` whose `shape()` says whether its targets still look as w
 tests/node/p2p/patches has a test per patch that fails when py-libp2p no longer needs it
 (the upstream problem is gone) or when it no longer applies (the target changed).
 
+`internals.py` holds the few reads of py-libp2p private state that have no public API
+(nothing replaced); the version gate checks their shape too.
+
 Entry points (nothing else in swarm-node replaces py-libp2p code):
 - `install()`: the version gate, then every process-wide patch (idempotent);
 - `patch_host(host, on_fault)`: per host, before pubsub registers its handlers;
@@ -31,6 +34,7 @@ from . import (
     flood_publish,
     handlers,
     inbound_slots,
+    internals,
     noise_io,
     push_msg,
     records,
@@ -38,6 +42,7 @@ from . import (
     send_queues,
     seqno,
     spawn_gate,
+    stream_retry,
     subscriptions,
     validation_cache,
     yamux_buffers,
@@ -62,6 +67,12 @@ def install() -> None:
     """Check the py-libp2p version (PatchError if a patch no longer applies), then apply the
     process-wide patches. Idempotent: a second call changes nothing."""
     check_version(libp2p.__version__)
+    if libp2p.__version__ != PINNED_LIBP2P:
+        broken = internals.problems()
+        if broken:
+            raise PatchError(f"py-libp2p {libp2p.__version__} changed private members that "
+                             f"swarm-node reads (patches/internals.py): {'; '.join(broken)}. "
+                             f"Install libp2p=={PINNED_LIBP2P}.")
     records.install()
     rpc_reader.install()
     push_msg.install()
@@ -91,6 +102,7 @@ def patch_pubsub(pubsub, router, *, on_fault: FaultHook, metrics, queues: QueueL
                  flood_publish_own: bool) -> TunedQueues:
     """Every per-pubsub patch, before its service starts; returns the peer queues."""
     seqno.patch_seqno(pubsub)
+    stream_retry.patch_stream_retry(pubsub)
     tuned = send_queues.patch_send_queues(pubsub, queues.slots, queues.max_rpc,
                                           queues.max_bytes, metrics)
     send_queues.patch_coalesced_sends(pubsub, metrics)

@@ -108,7 +108,7 @@ async def until(pred, timeout: float = 30, what: str = "condition"):
 
 async def wait_mesh(node, kind: str, n: int, timeout: float = 30) -> None:
     """Until `node` sees `n` peers subscribed to gossip topic `kind`."""
-    await until(lambda: len(node.topic_peers(kind)) >= n, timeout, f"{n} peers on {kind}")
+    await until(lambda: len(node.gossip.topic_peers(kind)) >= n, timeout, f"{n} peers on {kind}")
 
 
 def node_config(**overrides) -> Config:

@@ -39,7 +39,7 @@ async def push_ignoring_window(node, stream, total: int, chunk: int = 1 << 20) -
             sent += chunk
         return sent
 
-    return await node._bridge.call(push)
+    return await node.context.bridge.call(push)
 
 
 def signed_rpcs(node, topic: str, payloads: list[bytes], per_rpc: int = 100,
@@ -47,9 +47,9 @@ def signed_rpcs(node, topic: str, payloads: list[bytes], per_rpc: int = 100,
     """Varint-framed pubsub RPCs carrying `payloads`, each message signed as GossipSub
     requires by `node`'s libp2p key, or by `signer` (an Identity: a sybil's fresh key, the
     message's origin then) while `node` only carries them."""
-    pubsub = node._pubsub
+    pubsub = node.context.pubsub
     if signer is None:
-        key, pub = node._host.get_private_key(), node._host.get_public_key()
+        key, pub = node.context.host.get_private_key(), node.context.host.get_public_key()
     else:
         pair = signer.to_libp2p_keypair()
         key, pub = pair.private_key, pair.public_key

@@ -58,9 +58,12 @@ def drops(metrics) -> int:
     return sum(n for k, n in list(metrics.counters.items()) if k.startswith("drop_"))
 
 
-def p2p_config(**p2p) -> Config:
+def p2p_config(node: dict | None = None, **p2p) -> Config:
+    """A loopback test config: `p2p` overrides p2p.<k> (bulk.<rest> for bulk_<rest>), `node`
+    the node section ({"swarm_id": ..., "role": ...})."""
     overrides = {"node.listen": ["/ip4/127.0.0.1/tcp/0"], "p2p.discovery_interval_s": 0.5,
                  "p2p.bootstrap_timeout_s": 5, "p2p.dial_timeout_s": 3, "p2p.mesh_wait_s": 5}
+    overrides |= {f"node.{k}": v for k, v in (node or {}).items()}
     for k, v in p2p.items():  # p2p.<k>, or bulk.<rest> for bulk_<rest>
         overrides[f"bulk.{k.removeprefix('bulk_')}" if k.startswith("bulk_") else f"p2p.{k}"] = v
     return load_config(None, overrides)
@@ -73,11 +76,11 @@ async def make_node():
 
     nodes = []
 
-    async def make(identity=None, bootstrap=None, discovery=True, **p2p):
-        node = P2PNode(identity or Identity.generate(), p2p_config(**p2p))
-        await node.start(bootstrap=bootstrap or [], discovery=discovery)
-        nodes.append(node)
-        return node
+    async def make(identity=None, bootstrap=None, discovery=True, node=None, **p2p):
+        started = P2PNode(identity or Identity.generate(), p2p_config(node, **p2p))
+        await started.start(bootstrap=bootstrap or [], discovery=discovery)
+        nodes.append(started)
+        return started
 
     yield make
     await asyncio.gather(*(node.close() for node in nodes))

@@ -21,7 +21,7 @@ def main() -> None:
             raise RuntimeError("injected libp2p thread failure")
 
         asyncio.get_running_loop().add_signal_handler(
-            signal.SIGUSR1, lambda: self._bridge.call_soon(boom))
+            signal.SIGUSR1, lambda: self.context.bridge.call_soon(boom))
 
     P2PNode.start = start_with_trigger
     cli_main()

@@ -123,7 +123,7 @@ async def test_a_burst_between_two_hosts_arrives_whole_from_merged_rpcs(make_nod
 
     await a.subscribe("verdicts", on_msg)
     await b.subscribe("verdicts", on_msg)
-    await wait_until(lambda: b.peer_id in a.topic_peers("verdicts"), 20,
+    await wait_until(lambda: b.peer_id in a.gossip.topic_peers("verdicts"), 20,
                      what="a to see b's subscription")
     n = 300
     # concurrent publishes queue up in a's outbound queue to b faster than it writes them
@@ -143,9 +143,9 @@ def test_a_publish_over_the_high_water_waits_for_the_queues_not_a_timer():
     cfg = P2PSection(publish_high_water=2, publish_timeout_s=5.0)
     metrics = P2PMetrics()
     queues = TunedQueues(64, 1 << 20, {}, metrics)
-    node = SimpleNamespace(cfg=cfg, metrics=metrics, _bridge=None,
-                           _pubsub=SimpleNamespace(peer_queues=queues))
-    gossip = GossipService(node)
+    ctx = SimpleNamespace(cfg=cfg, metrics=metrics, bridge=None,
+                          pubsub=SimpleNamespace(peer_queues=queues))
+    gossip = GossipService(ctx, validator=None, requests=None, bulk=None, report=print)
     clock = MockClock()
 
     async def main() -> list:

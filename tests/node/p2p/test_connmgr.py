@@ -45,7 +45,7 @@ async def test_connection_bound_holds_with_many_peers(make_node):
         if sent >= 30:
             idx = {n.peer_id: i for i, n in enumerate(nodes)}
             view = {i: (sorted(idx.get(p, -1) for p in n.connected_peers()),
-                        sorted(idx.get(p, -1) for p in n.mesh_peers("verdicts")))
+                        sorted(idx.get(p, -1) for p in n.gossip.mesh_peers("verdicts")))
                     for i, n in enumerate(nodes)}
             missing = [idx[p] for p in others if not got[p]]
             raise AssertionError(f"{sent} sent, none reached {missing}; conns/mesh {view}")

@@ -101,7 +101,7 @@ async def test_swarm_stays_connected_after_bootstrap_node_leaves(make_node):
 
     for x in others:
         await x.subscribe("verdicts", collector(x.peer_id))
-    await wait_until(lambda: all(x.mesh_peers("verdicts") for x in others), 30, what="meshes")
+    await wait_until(lambda: all(x.gossip.mesh_peers("verdicts") for x in others), 30, what="meshes")
     await wait_until(lambda: mesh_spans(others, "verdicts"), 30, what="meshes spanning all")
     for i in range(5):
         await others[0].publish("verdicts", verdict(i))
@@ -117,7 +117,7 @@ def mesh_spans(nodes, kind: str) -> bool:
         p = todo.pop()
         if p not in seen:
             seen.add(p)
-            todo.extend(q for q in ids[p].mesh_peers(kind) if q in ids)
+            todo.extend(q for q in ids[p].gossip.mesh_peers(kind) if q in ids)
     return seen == set(ids)
 
 
@@ -144,9 +144,9 @@ async def test_restart_with_same_key_rejoins(make_node, tmp_path):
     await again.subscribe("verdicts", lambda env, peer: asyncio.sleep(0))
     # The subscribes race the pubsub set-up of the new connection: a subscription made
     # between the hello and the registration used never to reach the peer (test_peering.py).
-    await wait_until(lambda: again.peer_id in a.topic_peers("verdicts")
-                     and a.peer_id in again.topic_peers("verdicts")
-                     and a.peer_id in again.mesh_peers("verdicts"), 30, what="mesh with a")
+    await wait_until(lambda: again.peer_id in a.gossip.topic_peers("verdicts")
+                     and a.peer_id in again.gossip.topic_peers("verdicts")
+                     and a.peer_id in again.gossip.mesh_peers("verdicts"), 30, what="mesh with a")
     await again.publish("verdicts", verdict(42))
     await wait_until(lambda: got == [(again.peer_id, 42)], 20, what="gossip from restarted node")
 
@@ -166,8 +166,8 @@ async def test_restart_after_many_publishes_is_not_taken_for_duplicates(make_nod
 
     await a.subscribe("verdicts", on_msg)
     await c.subscribe("verdicts", lambda env, peer: asyncio.sleep(0))
-    await wait_until(lambda: c.peer_id in a.topic_peers("verdicts")
-                     and a.peer_id in c.mesh_peers("verdicts"), 30, what="mesh a-c")
+    await wait_until(lambda: c.peer_id in a.gossip.topic_peers("verdicts")
+                     and a.peer_id in c.gossip.mesh_peers("verdicts"), 30, what="mesh a-c")
     for i in range(40):
         await c.publish("verdicts", verdict(i))
     await wait_until(lambda: len(got) == 40, 30, what="c's 40 messages at a")
@@ -176,8 +176,8 @@ async def test_restart_after_many_publishes_is_not_taken_for_duplicates(make_nod
 
     again = await make_node(identity=Identity.load(key), bootstrap=a.listen_addrs)
     await again.subscribe("verdicts", lambda env, peer: asyncio.sleep(0))
-    await wait_until(lambda: again.peer_id in a.topic_peers("verdicts")
-                     and a.peer_id in again.mesh_peers("verdicts"), 30, what="mesh a-again")
+    await wait_until(lambda: again.peer_id in a.gossip.topic_peers("verdicts")
+                     and a.peer_id in again.gossip.mesh_peers("verdicts"), 30, what="mesh a-again")
     for i in range(100, 103):
         await again.publish("verdicts", verdict(i))
     # delivery order is not guaranteed (each message is validated in its own task)

@@ -25,16 +25,16 @@ def status(i: int) -> object:
 
 async def full_mesh(nodes, kind=KIND, timeout=30):
     n = len(nodes)
-    await wait_until(lambda: all(len(x.topic_peers(kind)) == n - 1 for x in nodes),
+    await wait_until(lambda: all(len(x.gossip.topic_peers(kind)) == n - 1 for x in nodes),
                      timeout, what="every node to see every subscription")
-    await wait_until(lambda: all(len(x.mesh_peers(kind)) >= min(n - 1, 4) for x in nodes),
+    await wait_until(lambda: all(len(x.gossip.mesh_peers(kind)) >= min(n - 1, 4) for x in nodes),
                      timeout, what="meshes to form")
 
 
 def mesh_spans(nodes, kind=KIND, degree=2) -> bool:
     """Every node has `degree` mesh peers and the mesh links join all nodes into one graph."""
     ids = {x.peer_id for x in nodes}
-    links = {x.peer_id: set(x.mesh_peers(kind)) & ids for x in nodes}
+    links = {x.peer_id: set(x.gossip.mesh_peers(kind)) & ids for x in nodes}
     if any(len(v) < degree for v in links.values()):
         return False
     seen, todo = set(), [nodes[0].peer_id]
@@ -107,9 +107,9 @@ async def test_invalid_messages_rejected_counted_not_forwarded(make_node):
     await relay.subscribe(KIND, collector(relay.peer_id))
     await honest.subscribe(KIND, collector(honest.peer_id))
     await attacker.subscribe(KIND, collector(attacker.peer_id))
-    await wait_until(lambda: len(relay.mesh_peers(KIND)) == 2
-                     and honest.mesh_peers(KIND) == [relay.peer_id]
-                     and attacker.mesh_peers(KIND) == [relay.peer_id], 30, what="line mesh")
+    await wait_until(lambda: len(relay.gossip.mesh_peers(KIND)) == 2
+                     and honest.gossip.mesh_peers(KIND) == [relay.peer_id]
+                     and attacker.gossip.mesh_peers(KIND) == [relay.peer_id], 30, what="line mesh")
     assert attacker.peer_id not in honest.connected_peers()
 
     # A valid message from the attacker is forwarded to honest: forwarding works.
@@ -127,7 +127,7 @@ async def test_invalid_messages_rejected_counted_not_forwarded(make_node):
                       os.urandom(64)])
     for data in (b"\x00garbage\xff", os.urandom(300), bytes(bad_sig), forged, wrong_signer,
                  too_large, good, good):
-        await attacker.publish_raw(KIND, data)
+        await attacker.gossip.publish_raw(KIND, data)
     for i in range(20):
         await honest.publish(KIND, status(i))
     await attacker.publish(KIND, status(1006))
@@ -203,9 +203,9 @@ async def test_own_messages_flood_published_beside_an_empty_mesh(make_node):
     await wait_until(lambda: got == [1], 30, what="the first verdict")
 
     async def empty_mesh() -> None:
-        a._router.mesh[a.topic("verdicts")].clear()
+        a.context.router.mesh[a.topic("verdicts")].clear()
 
-    await a._bridge.call(empty_mesh)
+    await a.context.bridge.call(empty_mesh)
     await a.publish("verdicts", verdict(2))  # goes at once, to every subscribed peer
     await wait_until(lambda: got == [1, 2], 20, what="the verdict sent beside the empty mesh")
     assert a.metrics["publish_no_mesh"] == 0
@@ -217,7 +217,7 @@ async def test_replay_cache_is_safe_to_share_between_the_two_threads(make_node):
     # raised "OrderedDict mutated during iteration", which rejected an honest message as
     # internal_error (1 batch in 1120 lost in the 8-peer benchmark, its forwarder penalised).
     node = await make_node(discovery=False)
-    cache = node._validator.replay
+    cache = node.gossip.validator.replay
 
     def hammer(n: int) -> None:
         for _ in range(n):

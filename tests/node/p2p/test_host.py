@@ -121,7 +121,7 @@ async def test_close_under_load_is_clean(make_node):
     a.set_request_handler("/t/echo/1", echo)
     await a.subscribe("verdicts", on_msg)
     await b.subscribe("verdicts", on_msg)
-    await wait_until(lambda: b.mesh_peers("verdicts") == [a.peer_id], what="mesh")
+    await wait_until(lambda: b.gossip.mesh_peers("verdicts") == [a.peer_id], what="mesh")
     failures = []
 
     async def flood():
@@ -161,7 +161,7 @@ async def test_subscribe_before_start_and_single_start(make_node):
     try:
         with pytest.raises(P2PError, match="already started"):
             await b.start()
-        await wait_until(lambda: a.topic_peers("verdicts") == [b.peer_id], what="subscription")
+        await wait_until(lambda: a.gossip.topic_peers("verdicts") == [b.peer_id], what="subscription")
         await a.publish("verdicts", verdict(5))
         await wait_until(lambda: got == [(a.peer_id, 5)], what="delivery")
     finally:

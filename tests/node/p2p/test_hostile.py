@@ -35,7 +35,7 @@ async def wait_delivered(node, victim: str, origin: str, n: int, timeout: float 
 
 
 async def mesh_with(node, peer_id: str, kind: str = "verdicts") -> None:
-    await wait_until(lambda: peer_id in node.mesh_peers(kind), 30, what=f"mesh with {peer_id}")
+    await wait_until(lambda: peer_id in node.gossip.mesh_peers(kind), 30, what=f"mesh with {peer_id}")
 
 
 async def test_garbage_on_meshsub_does_not_kill_a_real_process(make_node):
@@ -76,7 +76,7 @@ async def test_host_death_is_reported_at_once(make_node):
     def blow_up() -> None:
         raise RuntimeError("simulated libp2p failure")
 
-    node._bridge.call_soon(blow_up)  # an error no guard catches ends trio.run
+    node.context.bridge.call_soon(blow_up)  # an error no guard catches ends trio.run
     why = await asyncio.wait_for(node.wait_failed(), 20)
     assert why == "RuntimeError: simulated libp2p failure"
     assert node.health()["alive"] is False and node.health()["failure"] == why
@@ -101,7 +101,7 @@ async def test_wrong_message_type_on_a_topic_is_a_counted_reject(make_node):
         with pytest.raises(PublishError) as e:  # our own node refuses to send them
             await attacker.publish("rollouts", message)
         assert e.value.reason == "wrong_topic"
-        await attacker.publish_raw("rollouts", attacker.identity.seal(message))
+        await attacker.gossip.publish_raw("rollouts", attacker.identity.seal(message))
     await attacker.publish("rollouts", rollout_batch(me, 100, 1))
     await wait_until(lambda: got == ["rollout_batch"], 20, what="the valid batch")
     assert rejects_by_sender(victim.metrics, me) == {"wrong_topic": 4}
@@ -239,7 +239,7 @@ async def test_error_replies_close_streams(make_node):
 
     await server.set_request_handler("/t/broken/1", broken)
     await server.set_request_handler("/t/fine/1", fine)
-    conn = server._host.get_network().connections[client._host.get_id()]
+    conn = server.context.host.get_network().connections[client.context.host.get_id()]
     muxed = (conn[0] if isinstance(conn, list) else conn).muxed_conn
     await client.request(server.peer_id, "/t/fine/1", b"?")
     await wait_until(lambda: not any(s.recv_closed for s in muxed.streams.values()),

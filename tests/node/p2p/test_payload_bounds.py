@@ -29,7 +29,7 @@ async def connected_pair(make_node, **p2p):
 async def test_wrong_length_or_status_is_charged_to_the_source_not_retried(make_node):
     a, b = await connected_pair(make_node)
     body, ann, _ = announce_of(a, batch(a.peer_id, 8192, 1))
-    a.gossip._server.lookup = lambda digest: body[:-1000]  # shorter than announced
+    a.gossip.body_server.lookup = lambda digest: body[:-1000]  # shorter than announced
     assert await b.gossip.fetch_payload(ann, a.peer_id, sources=[a.peer_id]) is None
     assert b.metrics["rejected.too_large"] == 1  # charged
     assert a.metrics["payload_bulk_served"] == 1  # asked once: no retry on a fresh connection
@@ -55,7 +55,7 @@ async def test_a_body_cut_short_is_a_broken_pull_not_an_offence(make_node):
 
     a.bulk.register(BODY, truncated)
     with pytest.raises(PullFailed) as e:
-        await b.gossip._puller.pull(a.peer_id, ann.content_hash, ann.size)
+        await b.gossip.puller.pull(a.peer_id, ann.content_hash, ann.size)
     assert e.value.reason == "broken"  # counted a miss where it happens, not charged
     assert b.metrics["rejected"] == 0 and b.penalties.score(a.peer_id) == 0
 
@@ -71,7 +71,7 @@ async def test_pulls_queued_behind_a_stalling_source_time_out_with_it(make_node)
 
     a.bulk.register(BODY, stall)
     slots = b.cfg.payload_pulls_per_peer
-    pulls = [b.gossip._puller.pull(a.peer_id, ann.content_hash, ann.size)
+    pulls = [b.gossip.puller.pull(a.peer_id, ann.content_hash, ann.size)
              for _ in range(2 * slots)]
     results = await asyncio.gather(*pulls, return_exceptions=True)
     assert all(isinstance(r, PullFailed) and r.reason == "timeout" for r in results)

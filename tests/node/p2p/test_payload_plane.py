@@ -33,7 +33,7 @@ async def pair(make_node, **p2p):
 
     await a.subscribe(KIND, on_msg)
     await b.subscribe(KIND, on_msg)
-    await wait_until(lambda: b.peer_id in a.mesh_peers(KIND) and a.peer_id in b.mesh_peers(KIND),
+    await wait_until(lambda: b.peer_id in a.gossip.mesh_peers(KIND) and a.peer_id in b.gossip.mesh_peers(KIND),
                      30, what="the mesh")
     return a, b, got
 
@@ -85,7 +85,7 @@ async def test_a_failed_warm_up_marks_nothing_down(make_node):
     await wait_until(lambda: b.metrics["payload_bulk_warm_failed"] == 1, 10,
                      what="b's failed warm-up")
     assert b.metrics["payload_bulk_warmed"] == 0
-    assert b.gossip._puller.usable(a.peer_id)  # the first pull decides, not the warm-up
+    assert b.gossip.puller.usable(a.peer_id)  # the first pull decides, not the warm-up
     # b serves a plane: a warmed to it
     await wait_until(lambda: a.metrics["payload_bulk_warmed"] == 1, 10, what="a's warm-up")
 
@@ -95,7 +95,7 @@ async def test_a_warm_up_to_an_endpoint_that_does_not_answer_marks_it_down(make_
     b = await make_node(bootstrap=a.listen_addrs, bulk_advertise="127.0.0.1:9")  # nobody
     await wait_until(lambda: a.metrics["payload_bulk_warm_failed"] == 1, 10,
                      what="a's failed warm-up")
-    assert not a.gossip._puller.usable(b.peer_id)  # the first pull goes over libp2p at once
+    assert not a.gossip.puller.usable(b.peer_id)  # the first pull goes over libp2p at once
 
 
 async def test_body_that_does_not_match_its_announce_is_rejected(make_node):
@@ -103,8 +103,8 @@ async def test_body_that_does_not_match_its_announce_is_rejected(make_node):
     body, ann, sealed_ann = announce_of(b, batch(b.peer_id, 8192, 1))
     forged = bytearray(body)
     forged[-1] ^= 1
-    b.gossip._payloads[ann.content_hash] = bytes(forged)  # serves other bytes than announced
-    await b.publish_raw(KIND, sealed_ann)
+    b.gossip.store_payload(ann.content_hash, bytes(forged))  # serves other bytes than announced
+    await b.gossip.publish_raw(KIND, sealed_ann)
     await wait_until(lambda: a.metrics["payload_fetch_failed"] == 1, 30, what="the failed pull")
     assert a.metrics["rejected.hash_mismatch"] == 1
     assert a.penalties.score(b.peer_id) > 0
@@ -114,7 +114,7 @@ async def test_body_that_does_not_match_its_announce_is_rejected(make_node):
 async def test_announcer_that_never_serves_is_counted_and_penalised(make_node):
     a, b, got = await pair(make_node)
     _, _, sealed_ann = announce_of(b, batch(b.peer_id, 8192, 1))
-    await b.publish_raw(KIND, sealed_ann)  # announced, never stored
+    await b.gossip.publish_raw(KIND, sealed_ann)  # announced, never stored
     await wait_until(lambda: a.metrics["payload_fetch_failed"] == 1, 30, what="the failed pull")
     assert a.metrics["rejected.unserved_announce"] == 1
     assert b.metrics["payload_bulk_not_held"] == 1  # asked over the plane: "not held"
@@ -129,13 +129,13 @@ async def test_pull_falls_back_to_another_holder_over_libp2p(make_node, caplog):
     await wait_until(lambda: {a.peer_id, c.peer_id} <= set(b.connected_peers()), 30,
                      what="b connected to a and c")
     body, ann, _ = announce_of(a, batch(a.peer_id, 8192, 1))
-    c.gossip._store_payload(ann.content_hash, body)
+    c.gossip.store_payload(ann.content_hash, body)
     with caplog.at_level("INFO", logger="swarm_node.node.p2p.bulk.client"):
         data = await b.gossip.fetch_payload(ann, a.peer_id, sources=[a.peer_id, c.peer_id])
     assert data == body
     assert b.metrics["rejected.unserved_announce"] == 1  # a over the plane: not held
     assert b.metrics["payload_pulled_libp2p"] == 1  # c has no plane: libp2p
-    assert not b.gossip._puller.usable(c.peer_id)
+    assert not b.gossip.puller.usable(c.peer_id)
     said = [r.message for r in caplog.records if c.peer_id[-8:] in r.message]
     assert len(said) == 1 and "over libp2p streams" in said[0]  # one line for that source
 
@@ -146,7 +146,7 @@ async def test_oversized_and_slow_answers_are_bounded(make_node):
     await wait_until(lambda: a.peer_id in b.connected_peers(), 30, what="the connection")
     await drop_warm_connection(b, a)  # each pull below on a connection of its own
     body, ann, _ = announce_of(a, batch(a.peer_id, 8192, 1))
-    a.gossip._server.lookup = lambda digest: body + b"x" * 1000  # longer than announced
+    a.gossip.body_server.lookup = lambda digest: body + b"x" * 1000  # longer than announced
     assert await b.gossip.fetch_payload(ann, a.peer_id, sources=[a.peer_id]) is None
     assert b.metrics["rejected.too_large"] == 1
     assert b.metrics["payload_pulled_bulk"] == 0
@@ -166,7 +166,7 @@ async def test_pull_survives_a_pooled_connection_the_server_closed(make_node):
     await wait_until(lambda: a.peer_id in b.connected_peers(), 30, what="the connection")
     for round_ in (1, 2):
         body, ann, _ = announce_of(a, batch(a.peer_id, 8192, round_))
-        a.gossip._store_payload(ann.content_hash, body)
+        a.gossip.store_payload(ann.content_hash, body)
         assert await b.gossip.fetch_payload(ann, a.peer_id, sources=[a.peer_id]) == body
         for rec in list(a.bulk.server.conns):  # as its idle timeout would
             rec.task.cancel()
@@ -186,7 +186,7 @@ async def test_bodies_changed_on_the_path_cost_the_source_nothing(make_node):
     proxy = Proxy(a.bulk.bound[1], flip_after=4000)  # inside the answer of the first pull
     b.bulk.client.set_endpoint(a.peer_id, f"127.0.0.1:{await proxy.start()}")
     body, ann, _ = announce_of(a, batch(a.peer_id, 8192, 1))
-    a.gossip._store_payload(ann.content_hash, body)
+    a.gossip.store_payload(ann.content_hash, body)
     try:
         assert await b.gossip.fetch_payload(ann, a.peer_id, sources=[a.peer_id]) == body
     finally:
@@ -194,7 +194,7 @@ async def test_bodies_changed_on_the_path_cost_the_source_nothing(make_node):
     assert proxy.flipped == 1
     assert b.metrics["payload_pulled_libp2p"] == 1 and b.metrics["payload_pulled_bulk"] == 0
     assert b.metrics["rejected"] == 0 and b.penalties.score(a.peer_id) == 0
-    assert not b.gossip._puller.usable(a.peer_id)  # libp2p for this source for a while
+    assert not b.gossip.puller.usable(a.peer_id)  # libp2p for this source for a while
 
 
 def test_bulk_listen_address_settings():
@@ -225,7 +225,7 @@ async def test_a_node_behind_nat_offers_no_plane_but_dials_out(make_node):
         await drop_warm_connection(puller, source)
         puller.bulk.client._resolved.clear()  # forget what the warm-ups learnt
         body, ann, _ = announce_of(source, batch(source.peer_id, 8192, 1))
-        source.gossip._store_payload(ann.content_hash, body)
+        source.gossip.store_payload(ann.content_hash, body)
         assert await puller.gossip.fetch_payload(ann, source.peer_id,
                                                  sources=[source.peer_id]) == body
     assert public.metrics["payload_pulled_libp2p"] == 1  # from the NAT'd node

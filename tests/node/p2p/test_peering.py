@@ -18,7 +18,7 @@ KIND = "verdicts"
 
 async def _t_dial_again(node, other) -> None:
     """A second connection from `node` to `other` (P2PNode.connect reuses the first)."""
-    network = node._host.get_network()
+    network = node.context.host.get_network()
     await network.dial_addr(multiaddr.Multiaddr(other.listen_addrs[0]),
                             ID.from_base58(other.peer_id))
 
@@ -26,8 +26,8 @@ async def _t_dial_again(node, other) -> None:
 async def _t_close_pubsub_connection(node, other) -> None:
     """Close the connection that carries `node`'s pubsub stream to `other`."""
     peer = ID.from_base58(other.peer_id)
-    carrying = node._pubsub.peers[peer].muxed_conn
-    for conn in list(node._host.get_network().connections.get(peer, [])):
+    carrying = node.context.pubsub.peers[peer].muxed_conn
+    for conn in list(node.context.host.get_network().connections.get(peer, [])):
         if conn.muxed_conn is carrying:
             await conn.close()
             return
@@ -35,7 +35,7 @@ async def _t_close_pubsub_connection(node, other) -> None:
 
 
 def _connections(node, other) -> int:
-    conns = node._host.get_network().connections.get(ID.from_base58(other.peer_id), [])
+    conns = node.context.host.get_network().connections.get(ID.from_base58(other.peer_id), [])
     return sum(1 for c in conns if not c.muxed_conn.is_closed)
 
 
@@ -52,15 +52,15 @@ async def test_gossip_survives_closing_one_of_two_connections(make_node):
     for x in (a, b):
         await x.subscribe(KIND, collector(x.peer_id))
     await a.connect(b.listen_addrs[0])
-    await wait_until(lambda: a.topic_peers(KIND) == [b.peer_id]
-                     and b.topic_peers(KIND) == [a.peer_id], 15, what="both subscriptions")
+    await wait_until(lambda: a.gossip.topic_peers(KIND) == [b.peer_id]
+                     and b.gossip.topic_peers(KIND) == [a.peer_id], 15, what="both subscriptions")
 
     # Both pubsub streams run on the first connection; a second one joins the pair, then
     # the first closes: each side's next write fails and it re-opens its stream.
-    await b._bridge.call(_t_dial_again, b, a)
+    await b.context.bridge.call(_t_dial_again, b, a)
     await wait_until(lambda: _connections(a, b) == 2 and _connections(b, a) == 2, 15,
                      what="a second connection")
-    await a._bridge.call(_t_close_pubsub_connection, a, b)
+    await a.context.bridge.call(_t_close_pubsub_connection, a, b)
     await wait_until(lambda: _connections(a, b) == 1 and _connections(b, a) == 1, 15,
                      what="the first connection closed")
 
@@ -69,7 +69,7 @@ async def test_gossip_survives_closing_one_of_two_connections(make_node):
     await b.publish(KIND, verdict(2))
     await wait_until(lambda: 2 in got[a.peer_id], 15, what="b's message at a")
     for x, other in ((a, b), (b, a)):
-        assert x.topic_peers(KIND) == [other.peer_id]
+        assert x.gossip.topic_peers(KIND) == [other.peer_id]
         await x.publish(KIND, verdict(3))
     await wait_until(lambda: 3 in got[a.peer_id] and 3 in got[b.peer_id], 15,
                      what="a second message each way")
@@ -86,17 +86,17 @@ async def test_subscribe_while_a_new_peer_is_set_up_reaches_that_peer(make_node)
     a = await make_node(discovery=False)
     b = await make_node(discovery=False)
     topic = a.topic(KIND)
-    hello = a._pubsub.get_hello_packet
+    hello = a.context.pubsub.get_hello_packet
     started = []
 
     def hello_then_subscribe():
         packet = hello()
         if not started:
             started.append(packet)
-            a._nursery.start_soon(a._pubsub.subscribe, topic)
+            a.context.nursery.start_soon(a.context.pubsub.subscribe, topic)
         return packet
 
-    a._pubsub.get_hello_packet = hello_then_subscribe
+    a.context.pubsub.get_hello_packet = hello_then_subscribe
     got = []
 
     async def on_msg(env, peer):
@@ -104,11 +104,11 @@ async def test_subscribe_while_a_new_peer_is_set_up_reaches_that_peer(make_node)
 
     await b.subscribe(KIND, on_msg)
     await a.connect(b.listen_addrs[0])
-    await wait_until(lambda: started and ID.from_base58(b.peer_id) in a._pubsub.peers, 15,
+    await wait_until(lambda: started and ID.from_base58(b.peer_id) in a.context.pubsub.peers, 15,
                      what="a's pubsub stream to b")
     assert not any(s.subscribe for s in started[0].subscriptions)  # the hello lacked it
     await a.subscribe(KIND, on_msg)  # the handler; py-libp2p is subscribed already
-    await wait_until(lambda: b.topic_peers(KIND) == [a.peer_id], 15,
+    await wait_until(lambda: b.gossip.topic_peers(KIND) == [a.peer_id], 15,
                      what="b learns that a subscribed")
     await b.publish(KIND, verdict(7))
     await wait_until(lambda: got == [7], 15, what="b's message at a")

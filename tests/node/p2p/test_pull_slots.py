@@ -27,7 +27,7 @@ async def test_a_stalling_announcer_does_not_delay_an_honest_announcers_body(mak
 
     for node in (a, b, c):
         await node.subscribe(KIND, on_msg if node is b else _ignore)
-    await wait_until(lambda: {a.peer_id, c.peer_id} <= set(b.mesh_peers(KIND)), 30,
+    await wait_until(lambda: {a.peer_id, c.peer_id} <= set(b.gossip.mesh_peers(KIND)), 30,
                      what="the mesh")
     asked = []
 
@@ -40,8 +40,8 @@ async def test_a_stalling_announcer_does_not_delay_an_honest_announcers_body(mak
     stalled = 6
     for round_ in range(1, stalled + 1):
         _, _, sealed_ann = announce_of(a, batch(a.peer_id, 8192, round_))
-        await a.publish_raw(KIND, sealed_ann)
-    slots = b.gossip._pull_slots
+        await a.gossip.publish_raw(KIND, sealed_ann)
+    slots = b.gossip.pull_slots
     # a is unproven (it never served b): one of its pulls is held, the others queue
     await wait_until(lambda: slots.pulls(a.peer_id) == stalled and len(asked) >= 1, 30,
                      what="a's pulls waiting")
@@ -105,11 +105,11 @@ async def test_stalling_identities_hold_only_the_unproven_half_of_the_slots(make
     for node in (b, c, *stallers):
         await node.subscribe(KIND, on_msg if node is b else _ignore)
     await wait_until(lambda: {c.peer_id, *(s.peer_id for s in stallers)}
-                     <= set(b.mesh_peers(KIND)), 30, what="the mesh")
+                     <= set(b.gossip.mesh_peers(KIND)), 30, what="the mesh")
     first = batch(c.peer_id, 8192, 1)
     await c.publish(KIND, first)  # above the inline threshold: announced, pulled, verified
     await wait_until(lambda: len(got) == 1, 30, what="c's first body")
-    slots = b.gossip._pull_slots
+    slots = b.gossip.pull_slots
     assert slots.proven(c.peer_id)
     asked = []  # b's requests (c and the other staller pull the announced bodies too)
 
@@ -124,7 +124,7 @@ async def test_stalling_identities_hold_only_the_unproven_half_of_the_slots(make
         await drop_warm_connection(b, s)
         for round_ in range(1, 4):
             _, _, sealed_ann = announce_of(s, batch(s.peer_id, 8192, round_))
-            await s.publish_raw(KIND, sealed_ann)
+            await s.gossip.publish_raw(KIND, sealed_ann)
     await wait_until(lambda: all(slots.pulls(s.peer_id) == 3 for s in stallers)
                      and len(asked) >= 2, 30, what="the stalled pulls")
     second = batch(c.peer_id, 8192, 2)

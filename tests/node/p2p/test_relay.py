@@ -71,7 +71,7 @@ async def test_relayed_connection_carries_gossip_and_requests(natted):
         assert b.is_relayed(a.peer_id)
         await wait_until(lambda: a.is_relayed(b.peer_id), 10, what="A sees B, relayed")
         assert await b.request(a.peer_id, HELLO, b"b") == b"hello b from " + a.peer_id.encode()
-        await wait_until(lambda: a.peer_id in b.topic_peers("verdicts"), 20,
+        await wait_until(lambda: a.peer_id in b.gossip.topic_peers("verdicts"), 20,
                          what="A's subscription over the relay")
         await b.publish("verdicts", verdict(7))
         await wait_until(lambda: got, 20, what="gossip over the relay")

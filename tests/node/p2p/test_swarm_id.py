@@ -12,8 +12,7 @@ from .conftest import p2p_config, wait_until
 
 
 async def test_swarm_id_mismatch_is_one_error_line_at_once(make_node, caplog):
-    boot = await make_node()
-    boot.swarm_id = "my-swarm"
+    boot = await make_node(node={"swarm_id": "my-swarm"})
     cfg = p2p_config()  # swarm "default"
     stray = P2PNode(Identity.generate(), cfg)
     caplog.set_level(logging.INFO)
@@ -30,8 +29,7 @@ async def test_swarm_id_mismatch_is_one_error_line_at_once(make_node, caplog):
 
 async def test_one_mismatched_bootstrap_peer_of_two_is_reported_not_fatal(make_node, caplog):
     member = await make_node()
-    other = await make_node()
-    other.swarm_id = "elsewhere"
+    other = await make_node(node={"swarm_id": "elsewhere"})
     caplog.set_level(logging.ERROR)
     node = await make_node(bootstrap=member.listen_addrs + other.listen_addrs)
     assert member.peer_id in node.connected_peers()

@@ -50,8 +50,8 @@ async def test_a_relay_carrying_a_many_identity_flood_is_never_cut(make_node, ki
 
     for node in (victim, relay, honest):
         await node.subscribe(kind, count)
-    await wait_until(lambda: honest.peer_id in relay.topic_peers(kind)
-                     and relay.peer_id in victim.topic_peers(kind), 30, what="the topic")
+    await wait_until(lambda: honest.peer_id in relay.gossip.topic_peers(kind)
+                     and relay.peer_id in victim.gossip.topic_peers(kind), 30, what="the topic")
     frames = [(s, signed_rpcs(s, s.topic(kind), [s.identity.seal(_message(kind, s.peer_id, i))])[0])
               for i in range(per_identity) for s in sybils]  # round robin over identities
     streams = {s.peer_id: await s.open_stream(relay.peer_id, MESHSUB) for s in sybils}
@@ -93,9 +93,9 @@ async def test_newcomers_connect_after_many_identities_came_and_went(make_node):
     victim = await make_node(discovery=False)
 
     async def shrink() -> None:
-        victim._host.get_network()._inbound_limiter.total_tokens = 4
+        victim.context.host.get_network()._inbound_limiter.total_tokens = 4
 
-    await victim._bridge.call(shrink)
+    await victim.context.bridge.call(shrink)
     for _ in range(10):
         sybil = await make_node(bootstrap=victim.listen_addrs, discovery=False)
         await wait_until(lambda s=sybil: s.peer_id in victim.connected_peers(),

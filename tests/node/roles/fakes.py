@@ -1,6 +1,6 @@
 """In-memory stand-ins for what a role consumes (node/roles/interfaces.py): a checkpoint feed
-the test drives by hand, a rollout sink and a checkpoint publisher that record, and the two
-p2p calls a role makes. They test the roles' logic; the real feed, sink and publisher are
+the test drives by hand, a rollout sink and a checkpoint publisher that record, and the p2p
+host (the shipped in-memory Transport, node/testing/transport.py). They test the roles' logic; the real feed, sink and publisher are
 proven by tests/integration."""
 
 from __future__ import annotations
@@ -9,8 +9,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from swarm_node.node.diskspace import DiskWatch
+from swarm_node.node.identity import Identity
 from swarm_node.node.lifecycle import Changed
 from swarm_node.node.roles.interfaces import DownloadStatus, VerifiedCheckpoint
+from swarm_node.node.testing.transport import FakeTransport
 from swarm_node.protocol.messages import RolloutBatch
 
 
@@ -122,11 +124,8 @@ class FakePublisher:
         self.closed = True
 
 
-class FakeP2P:
-    """The p2p calls a follower role makes besides its feed and sink (verdict watching)."""
+class FakeP2P(FakeTransport):
+    """The role's p2p host: a member of a network of its own (records what it publishes)."""
 
     def __init__(self):
-        self.subscriptions: dict[str, object] = {}
-
-    async def subscribe(self, topic: str, handler) -> None:
-        self.subscriptions[topic] = handler
+        super().__init__(Identity.generate())

@@ -59,15 +59,6 @@ class RecordingTrainer:
         pass
 
 
-class PublishingP2P(FakeP2P):
-    def __init__(self):
-        super().__init__()
-        self.published: list[tuple[str, object]] = []
-
-    async def publish(self, topic: str, msg) -> None:
-        self.published.append((topic, msg))
-
-
 def batch(policy_id: str, n: int = 2, round_: int = 0) -> RolloutBatch:
     return RolloutBatch(swarm_id="unit", round=round_, policy_id=policy_id, policy_version=0,
                         sampling=SamplingParams(),
@@ -79,7 +70,7 @@ def new_role(tmp_path, verifier, follow=()):
                                           "swarm_id": "unit"}})
     ident = Identity.generate()
     feed = FakeFeed(tmp_path, follow=follow)
-    role = TrainerRole(cfg, ident, PublishingP2P(), NodeState(ident.peer_id, "trainer", "unit"),
+    role = TrainerRole(cfg, ident, FakeP2P(), NodeState(ident.peer_id, "trainer", "unit"),
                        feed=feed, verifier_for=lambda policy_id: verifier)
     role.trainer = RecordingTrainer()
     role.intake = role.build_intake(Reputation(None))

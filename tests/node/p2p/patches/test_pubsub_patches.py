@@ -11,6 +11,7 @@ import libp2p.pubsub.pubsub as pubsub_mod
 import libp2p.pubsub.utils as pubsub_utils
 import pytest
 import trio
+from libp2p.host.exceptions import StreamFailure
 from libp2p.peer.id import ID
 from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11
 from libp2p.pubsub.pb import rpc_pb2
@@ -26,6 +27,7 @@ from swarm_node.node.p2p.patches import (
     send_queues,
     seqno,
     spawn_gate,
+    stream_retry,
     subscription_channel,
     subscriptions,
     validation_cache,
@@ -159,6 +161,36 @@ def test_needed_keep_subscriptions_while_connected():
             return b.get_id() in pa.peer_topics.get("t", ())
 
     assert trio.run(main, False) is False  # py-libp2p forgets b while b stays connected
+    assert trio.run(main, True) is True
+
+
+def test_needed_retry_pubsub_stream_failure():
+    """A multistream handshake failure (StreamFailure) on the first pubsub stream open to a
+    connected peer: py-libp2p gives up on the peer; patched, it retries and registers it."""
+    async def main(retry: bool) -> bool:
+        a, b = raw_host(), raw_host()
+        (ra, pa), (rb, pb) = raw_pubsub(a), raw_pubsub(b)
+        if retry:
+            stream_retry.patch_stream_retry(pa)
+        opened = a.new_stream
+        failed = trio.Event()
+
+        async def new_stream(peer_id, protocols, *args, **kw):
+            if not failed.is_set() and any("meshsub" in str(p) for p in protocols):
+                failed.set()  # what a handshake write failure on a settling connection raises
+                raise StreamFailure(f"failed to open a stream to peer {peer_id}")
+            return await opened(peer_id, protocols, *args, **kw)
+
+        a.new_stream = new_stream
+        async with running(a, b, pubsubs=[(ra, pa), (rb, pb)]):
+            await connect(a, b)
+            await failed.wait()
+            with trio.move_on_after(4):  # the retry's first backoff is 0.5 s
+                await until(lambda: b.get_id() in pa.peers, timeout=60, what="registration")
+            assert pa._peer_is_connected(b.get_id())  # connected all along
+            return b.get_id() in pa.peers
+
+    assert trio.run(main, False) is False  # never registered: no gossip to b, ever
     assert trio.run(main, True) is True
 
 

@@ -12,7 +12,9 @@ import pkgutil
 import libp2p
 import libp2p.pubsub.pubsub as pubsub_mod
 import pytest
+from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
 from swarm_node.node.p2p import patches
+from swarm_node.node.p2p.patches import internals
 from swarm_node.node.p2p.patches.registry import (
     PATCHES,
     PINNED_LIBP2P,
@@ -50,11 +52,17 @@ def test_every_patch_has_a_test_showing_it_is_still_needed():
 
 def test_every_patch_module_registers_what_it_replaces():
     package = patches.__path__
-    modules = {m.name for m in pkgutil.iter_modules(package)} - {"registry"}
+    modules = {m.name for m in pkgutil.iter_modules(package)} - {"registry", "internals"}
     registered = {p.shape.__module__.rsplit(".", 1)[-1] for p in PATCHES.values()}
     for name in modules:
         importlib.import_module(f"{patches.__name__}.{name}")
     assert modules == registered
+
+
+def test_the_private_reads_fit_the_pinned_libp2p_and_notice_a_rename(monkeypatch):
+    assert internals.problems() == []
+    monkeypatch.delattr(CircuitV2Protocol, "_handle_hop_stream")
+    assert internals.problems() == ["CircuitV2Protocol._handle_hop_stream is gone"]
 
 
 def test_install_is_idempotent():

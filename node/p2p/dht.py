@@ -7,12 +7,19 @@ our own swarm, which discovery made). Provider records only; the value store is 
 - Keys are sha2-256 multihashes of a namespaced name: `dht_key("swarm", swarm_id)` is
   the swarm's rendezvous key, `dht_key("checkpoint", ...)` whatever the broadcast layer
   names. Publicly reachable trainers and relays provide the swarm key (`anchors_swarm`:
-  long-lived, and few; NAT'd nodes never: a provider record carries listen addresses,
-  which nobody outside the NAT can dial). Everyone else is found through peer exchange,
-  where relayed addresses travel too.
+  long-lived, and few; NAT'd nodes never). Everyone else is found through peer exchange,
+  where relayed addresses travel too. Public relays (hop service on) also provide
+  `dht_key("relay", swarm_id)`: a NAT'd node short of relay slots among its connections
+  looks them up there (relay.py).
 - The routing table is seeded from every connection (py-libp2p adds a peer only when it
   opens a DHT stream to us), with the per-subnet cap off (a LAN or loopback swarm shares
   one /24).
+- What a provider record carries (`provide`): a public node (or one whose verdict is not in
+  yet) its listen addresses, as py-libp2p sends them; a node behind NAT its relayed
+  (`/p2p-circuit`) addresses only, sent by `_t_provide_relayed` (py-libp2p's provider store
+  would send the private listen addresses nobody outside the NAT can dial); behind NAT
+  without a relay slot, nothing (`provide` returns False: the record would only cost the
+  finders failed dials).
 - A node is a DHT server while it is (or may be) publicly reachable, a client behind NAT.
 - `find_providers` walks the network itself: py-libp2p's returns its local records only
   whenever it holds any, and a provider always holds its own.
@@ -29,8 +36,12 @@ from collections.abc import Callable
 
 import trio
 from libp2p.kad_dht import DHTMode, KadDHT
-from libp2p.kad_dht.common import ALPHA, QUERY_TIMEOUT
+from libp2p.kad_dht.common import ALPHA, PROTOCOL_ID, QUERY_TIMEOUT
+from libp2p.kad_dht.pb.kademlia_pb2 import Message
 from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+from libp2p.utils.varint import encode_varint_prefixed
+from multiaddr import Multiaddr
 
 from .context import HostContext
 from .discovery import dial_order
@@ -60,6 +71,7 @@ class DHTService:
         self.enabled = ctx.cfg.dht
         self.dht: KadDHT | None = None
         self.swarm_key = dht_key("swarm", ctx.swarm_id)
+        self.relay_key = dht_key("relay", ctx.swarm_id)
         self._wake = asyncio.Event()
         self._t_seen: set[ID] = set()
 
@@ -109,6 +121,7 @@ class DHTService:
                 await self.ctx.bridge.call(self._t_set_mode,
                                              snap.public or snap.verdict.value == "unknown")
                 await self.provide_swarm()
+                await self.provide_relay()
             except NotRunning:
                 return
             self._wake.clear()
@@ -120,11 +133,22 @@ class DHTService:
     # Providers ------------------------------------------------------------------------
 
     async def provide(self, key: bytes) -> bool:
-        """Announce that this node provides `key` to the peers closest to it."""
+        """Announce that this node provides `key` to the peers closest to it, at the
+        addresses it can be reached at (see the module doc); False if nobody took it."""
         if self.dht is None:
             return False
+        snap = self.ctx.reach.current
+        if snap.public or snap.verdict.value == "unknown":
+            self.ctx.metrics.inc("dht_provides")
+            return await self.ctx.bridge.call(self._t_provide, key)
+        me = f"/p2p/{self.ctx.peer_id}"
+        relayed = [a.removesuffix(me) for a in snap.relay_addrs]
+        if not relayed:
+            self.ctx.metrics.inc("dht_provides_unreachable")
+            log.debug("not providing %s: behind NAT without a relay slot", key.hex()[:16])
+            return False
         self.ctx.metrics.inc("dht_provides")
-        return await self.ctx.bridge.call(self._t_provide, key)
+        return await self.ctx.bridge.call(self._t_provide_relayed, key, relayed)
 
     async def _t_provide(self, key: bytes) -> bool:
         before = self._t_connected()
@@ -132,6 +156,45 @@ class DHTService:
             with trio.move_on_after(QUERY_TIMEOUT * 2):
                 return bool(await self.dht.provider_store.provide(key))
             return False
+        finally:
+            await self._t_close_transient(before)
+
+    async def _t_provide_relayed(self, key: bytes, addrs: list[str]) -> bool:
+        """py-libp2p's provide with our relayed addresses in the record: kept locally, and
+        an ADD_PROVIDER to each of the peers closest to the key (ALPHA at a time)."""
+        host = self.ctx.host
+        me = host.get_id()
+        maddrs = [Multiaddr(a) for a in addrs]
+        self.dht.provider_store.add_provider(key, PeerInfo(me, maddrs))
+        msg = Message(type=Message.MessageType.ADD_PROVIDER, key=key)
+        msg.providerPeers.add(id=me.to_bytes(), addrs=[a.to_bytes() for a in maddrs])
+        frame = encode_varint_prefixed(msg.SerializeToString())
+        sent: list[ID] = []
+        gate = trio.Semaphore(ALPHA)
+
+        async def send(peer: ID) -> None:
+            async with gate:
+                with trio.move_on_after(QUERY_TIMEOUT):
+                    stream = None
+                    try:
+                        stream = await host.new_stream(peer, [PROTOCOL_ID])
+                        await stream.write(frame)
+                        sent.append(peer)
+                    except Exception as e:  # noqa: BLE001 - one peer less holds the record
+                        log.debug("ADD_PROVIDER to %s: %s", peer, e)
+                    finally:
+                        if stream is not None:
+                            await stream.close()
+
+        before = self._t_connected()
+        try:
+            with trio.move_on_after(QUERY_TIMEOUT * 2):
+                closest = await self.dht.peer_routing.find_closest_peers_network(key)
+                async with trio.open_nursery() as nursery:
+                    for peer in closest:
+                        if peer != me:
+                            nursery.start_soon(send, peer)
+            return bool(sent)
         finally:
             await self._t_close_transient(before)
 
@@ -228,6 +291,23 @@ class DHTService:
             await self.provide(self.swarm_key)
         except (P2PError, NotRunning) as e:
             log.debug("providing the swarm key failed: %s", e)
+
+    async def provide_relay(self) -> None:
+        """A publicly reachable node that relays (its hop service is on) announces itself
+        under the swarm's relay key: NAT'd peers whose connections hold no relay find it
+        there (RelayService)."""
+        service = self.ctx.cfg.relay.service  # relay.hop_enabled (dht must not import relay)
+        hop = service == "on" or (service == "auto" and self.ctx.config.node.role == "relay")
+        if self.dht is None or not self.ctx.reach.current.public or not hop:
+            return
+        try:
+            await self.provide(self.relay_key)
+        except (P2PError, NotRunning) as e:
+            log.debug("providing the relay key failed: %s", e)
+
+    async def relays(self, count: int = 8) -> list[tuple[str, list[str]]]:
+        """Public relays of this swarm, found through the DHT."""
+        return await self.find_providers(self.relay_key, count)
 
     async def swarm_peers(self, count: int = 20) -> list[tuple[str, list[str]]]:
         """Publicly reachable peers of this swarm, found through the DHT."""

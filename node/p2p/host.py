@@ -101,7 +101,7 @@ class P2PNode:
         self.dht = DHTService(ctx, known_addrs=lambda pid: self.discovery.known.get(pid, []))
         self.discovery = Discovery(ctx, self.requests, self.dht)
         self.dialback = Dialback(ctx, self.requests)
-        self.relay = RelayService(ctx, self.discovery)
+        self.relay = RelayService(ctx, self.discovery, self.dht)
         self.connmgr = ConnectionManager(ctx, self.relay, self.discovery)
         self.reach.subscribe(lambda _snap: self.dht.reachability_changed())
         self.reach.subscribe(self.relay.reachability_changed)
@@ -211,7 +211,8 @@ class P2PNode:
                 "connections": {"open": len(self._connected), "target": self.cfg.target_peers,
                                 "max": self.cfg.max_peers, "relayed": len(self._connected)
                                 - len(self._direct_addr), "trimmed": self.connmgr.trimmed,
-                                "dead": self.connmgr.dead},
+                                "dead": self.connmgr.dead,
+                                "relayed_peers": sorted(self._connected - set(self._direct_addr))},
                 "stream_faults": c.get("stream_faults", 0),
                 "rate_limited": c.get("rejected.rate_limited", 0),
                 "window_violations": c.get("window_violations", 0),

@@ -8,8 +8,10 @@
 - Stop side (every node): accepts connections relayed to it.
 - Client (every node while not public, `p2p.relay.client`): reserves slots on up to
   `p2p.relay.reservations` connected peers that offer the hop protocol and are reached
-  directly, refreshes them before they expire, replaces a relay that leaves, and
-  publishes its `/p2p-circuit` addresses (ReachabilityTracker.relay_addrs; discovery
+  directly; short of those, on relays the DHT names (public relays provide the swarm's
+  relay key, dht.py), dialled for it: a lookup at most once per RELAY_LOOKUP_S while
+  holding none, RELAY_LOOKUP_HOLDING_S while holding too few. Refreshes them before they
+  expire, replaces a relay that leaves, and publishes its `/p2p-circuit` addresses (ReachabilityTracker.relay_addrs; discovery
   advertises them).
 - Circuit dials: `t_dial_circuit` for a `.../p2p-circuit/p2p/<peer>` address.
 - DCUtR (`p2p.hole_punching`): py-libp2p's service upgrades relayed connections to direct
@@ -23,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import multiaddr
 import trio
@@ -40,12 +42,19 @@ from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_ms
 
 from .context import HostContext
 from .dialback import ip_tcp, transport_addrs
-from .errors import DialError, NotRunning
+from .errors import DialError, NotRunning, P2PError
 from .patches.internals import hole_punch_state, hop_stream_handler
 from .patches.relay import RelayProtocol
 
 if TYPE_CHECKING:
     from .discovery import Discovery
+
+
+class RelayFinder(Protocol):
+    """Where a NAT'd node looks up relays (DHTService: public relays provide the relay key;
+    an empty list when the DHT is off)."""
+
+    async def relays(self, count: int = 8) -> list[tuple[str, list[str]]]: ...
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +62,9 @@ RESERVE_TIMEOUT_S = 10.0
 REFRESH_MARGIN = 0.25  # refresh a reservation when this share of its TTL is left
 RETRY_RELAY_S = 30.0  # a relay that refused us is not asked again for this long
 CLIENT_POLL_S = 2.0  # how often the client looks at its reservations
+RELAY_LOOKUP_S = 60.0  # at most one DHT lookup of relays this often while holding none
+RELAY_LOOKUP_HOLDING_S = 600.0  # ... and this often while holding some, but too few
+RELAY_LOOKUP_DIALS = 4  # relays from one lookup dialled at most
 
 
 def hop_enabled(config) -> bool:
@@ -63,17 +75,19 @@ def hop_enabled(config) -> bool:
 class RelayService:
     """Relay, relay client and hole punching of one P2PNode."""
 
-    def __init__(self, ctx: HostContext, discovery: Discovery):
+    def __init__(self, ctx: HostContext, discovery: Discovery, dht: RelayFinder | None = None):
         self.ctx = ctx
         self.cfg = ctx.cfg.relay
         self.hop = hop_enabled(ctx.config)
         self.discovery = discovery
+        self.dht = dht  # where relays are looked up when the connections hold too few
         self.protocol: RelayProtocol | None = None
         self.dcutr: DCUtRProtocol | None = None
         self._dialer: CircuitV2Transport | None = None
         # relay peer id -> (its dialable address, reservation expiry as unix time)
         self.reservations: dict[str, tuple[str, float]] = {}
         self._refused_until: dict[str, float] = {}
+        self._looked = -RELAY_LOOKUP_S  # monotonic time of the last DHT lookup of relays
         self._wake = asyncio.Event()
         self.hole_punch = {"direct": 0, "failed": 0, "gave_up": 0}
 
@@ -274,18 +288,58 @@ class RelayService:
                       and not ctx.peers.is_relayed(p) and self._refused_until.get(p, 0) <= now]
         for relay in candidates[:missing]:
             addr = self._dialable_addr(relay)
-            if addr is None:
+            if addr is not None:
+                await self._try_reserve(relay, addr)
+        missing = self.cfg.reservations - len(self.reservations)
+        if missing > 0:
+            await self._reserve_found(missing)
+
+    async def _try_reserve(self, relay: str, addr: str) -> bool:
+        ctx, now = self.ctx, time.monotonic()
+        ok, expire, why = await ctx.bridge.call(self._t_reserve, relay, addr)
+        if ok:
+            self.reservations[relay] = (addr, expire)
+            ctx.metrics.inc("relay_reservations")
+            log.info("reserved a relay slot on %s: reachable at %s/p2p/%s/p2p-circuit",
+                     relay, addr, relay)
+        else:
+            self._refused_until[relay] = now + RETRY_RELAY_S
+            ctx.metrics.inc("relay_reservations_refused")
+            log.info("relay %s refused a reservation (%s)", relay, why)
+        return ok
+
+    async def _reserve_found(self, missing: int) -> None:
+        """Relays the DHT names (the connections held too few): dial and reserve."""
+        ctx, now = self.ctx, time.monotonic()
+        every = RELAY_LOOKUP_HOLDING_S if self.reservations else RELAY_LOOKUP_S
+        if self.dht is None or now - self._looked < every:
+            return
+        self._looked = now
+        ctx.metrics.inc("relay_lookups")
+        try:
+            found = await self.dht.relays()
+        except P2PError as e:
+            log.debug("DHT lookup of relays failed: %s", e)
+            return
+        tried = 0
+        for relay, addrs in found:
+            if missing <= 0 or tried >= RELAY_LOOKUP_DIALS:
+                return
+            if relay in self.reservations or self._refused_until.get(relay, 0) > now:
                 continue
-            ok, expire, why = await ctx.bridge.call(self._t_reserve, relay, addr)
-            if ok:
-                self.reservations[relay] = (addr, expire)
-                ctx.metrics.inc("relay_reservations")
-                log.info("reserved a relay slot on %s: reachable at %s/p2p/%s/p2p-circuit",
-                         relay, addr, relay)
-            else:
-                self._refused_until[relay] = now + RETRY_RELAY_S
-                ctx.metrics.inc("relay_reservations_refused")
-                log.info("relay %s refused a reservation (%s)", relay, why)
+            direct = [a for a in addrs if ip_tcp(a) is not None][:2]
+            if not direct:
+                continue
+            tried += 1
+            for addr in direct:
+                try:
+                    await ctx.peers.connect(addr)
+                except P2PError as e:
+                    log.debug("relay %s from the DHT: dialling %s failed: %s", relay, addr, e)
+                    continue
+                if await self._try_reserve(relay, addr.removesuffix(f"/p2p/{relay}")):
+                    missing -= 1
+                break
 
     def _dialable_addr(self, relay: str) -> str | None:
         """The relay's address as others can dial it: the one it advertises (peer

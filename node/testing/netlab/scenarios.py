@@ -1,14 +1,16 @@
 """Scenarios of issue #27 on the simulated internet, shared by tests/netlab and
 benchmarks/wan.py. Each returns plain observations (a dict); the caller decides what must hold.
 
-`pair`: a public trainer, a public relay, two inference peers behind two home NATs (their
-types given), 20-100 ms RTT and ~1% loss per path. Observed (times from the trainer's start):
-whether and when each NAT'd peer's rollouts are accepted, which policy versions each peer
-loaded, who is connected to whom, and log lines that show a peer could not be reached.
+`pair`: a public trainer, a public relay, inference peers each behind its own home NAT (their
+types given), 30-100 ms RTT and ~1% loss per path. Observed: when each NAT'd peer's rollouts
+are first accepted (from its start), which policy versions each peer loaded, how every two
+NAT'd peers are connected (direct after hole punching, relayed, or not at all), each peer's
+reachability verdict, and log lines that show a peer could not be reached.
 """
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from dataclasses import dataclass
@@ -20,47 +22,83 @@ from .swarm import LabSwarm, accepted_from, log_signals
 from .topology import Home, Host, Link, NatType, Topology
 
 # one-way latency per leg; a path's RTT is 2 x the sum of its two legs: trainer-relay 30 ms,
-# trainer-home1 40, trainer-home2 60, relay-home2 70, home1-home2 80. Loss 0.5% per leg:
-# ~1% per path.
+# trainer-home1 40, trainer-home2 60, relay-home2 70, home1-home2 80, home3 (20 ms) 50-90.
+# Loss 0.5% per leg: ~1% per path.
 LEG_LOSS = 0.005
+HOME_LINKS = (Link(latency_ms=15, loss=LEG_LOSS, up_mbit=20, down_mbit=100),
+              Link(latency_ms=25, loss=LEG_LOSS, up_mbit=10, down_mbit=50),
+              Link(latency_ms=20, loss=LEG_LOSS, up_mbit=30, down_mbit=100))
 
 
-def pair_topology(nat_a: NatType = "cone", nat_b: NatType = "cone") -> Topology:
+def pair_topology(*nats: NatType) -> Topology:
+    """A public trainer and relay; inference peers peer1, peer2, ... each behind its own home
+    NAT of the given type (default: two cone NATs)."""
+    nats = nats or ("cone", "cone")
+    if len(nats) > len(HOME_LINKS):
+        raise NetlabError(f"the pair scenario has at most {len(HOME_LINKS)} NAT'd peers")
     return Topology(
         hosts=[Host("trainer", Link(latency_ms=5, loss=LEG_LOSS)),
                Host("relay", Link(latency_ms=10, loss=LEG_LOSS))],
-        homes=[Home("home1", nat_a, Link(latency_ms=15, loss=LEG_LOSS, up_mbit=20,
-                                         down_mbit=100), ["peer1"]),
-               Home("home2", nat_b, Link(latency_ms=25, loss=LEG_LOSS, up_mbit=10,
-                                         down_mbit=50), ["peer2"])])
+        homes=[Home(f"home{i}", nat, HOME_LINKS[i - 1], [f"peer{i}"])
+               for i, nat in enumerate(nats, 1)])
+
+
+def link_kind(a: dict, b: dict) -> str:
+    """How two nodes are connected, from their /status: "direct" (either side holds a
+    direct connection to the other), "relayed" (only through a relay), or "none"."""
+    kinds = []
+    for me, other in ((a, b), (b, a)):
+        pid = other.get("peer_id")
+        if pid and pid in me.get("peers", []):
+            relayed = (me.get("p2p") or {}).get("connections", {}).get("relayed_peers", [])
+            kinds.append("relayed" if pid in relayed else "direct")
+    if "direct" in kinds:
+        return "direct"
+    return "relayed" if kinds else "none"
+
+
+def expected_link(nat_a: str, nat_b: str) -> str:
+    """What the NATs allow: hole punching (DCUtR) between two endpoint-independent (cone)
+    NATs; a relay whenever one side is symmetric (a new public port per destination)."""
+    return "direct" if (nat_a, nat_b) == ("cone", "cone") else "relayed"
 
 
 def run_pair(lab: Lab, workdir: Path, model_dir: Path, versions: int = 2,
              timeout: float = 300.0, settings: dict | None = None) -> dict:
-    """Start the four nodes and watch until the trainer reached `versions` and both NAT'd
-    peers had rollouts accepted and loaded that version, or `timeout`. Never raises for a
-    scenario goal missed: the observations say what happened."""
-    obs: dict = {"topology": {"nat": [h.nat for h in lab.topology.homes]}}
+    """Start the trainer, the relay and every NAT'd peer of `lab` (a `pair_topology`) and
+    watch until the trainer reached `versions`, every peer had rollouts accepted and loaded
+    that version, and every two NAT'd peers are connected as their NATs allow
+    (`expected_link`); or `timeout`. Never raises for a scenario goal missed: the
+    observations say what happened. Times in s: `first_accepted_s` from each peer's own
+    start, `goal_s` and `links_s` from the trainer's start."""
+    nats = {h.hosts[0]: h.nat for h in lab.topology.homes}
+    obs: dict = {"topology": {"nat": nats}}
     with LabSwarm(lab, workdir, model_dir, settings=settings) as swarm:
         t0 = time.monotonic()
         trainer = swarm.start("trainer", "trainer", "trainer")
         swarm.wait_started(trainer)
         relay = swarm.start("relay", "relay", "relay", bootstrap=[trainer], follow=[trainer])
-        peers = [swarm.start(f"peer{i}", f"peer{i}", "inference", bootstrap=[trainer],
-                             follow=[trainer]) for i in (1, 2)]
+        t_peers = time.monotonic()
+        peers = [swarm.start(name, name, "inference", bootstrap=[trainer], follow=[trainer])
+                 for name in nats]
         swarm.wait_started(relay, *peers)
         obs["started_s"] = round(time.monotonic() - t0, 1)
         first_accepted: dict[str, float] = {}
-        versions_seen: dict[str, set[int]] = {p.name: set() for p in peers}
+        pairs = list(itertools.combinations(peers, 2))
+        links_s: dict[str, float] = {}
 
         def goal() -> bool:
-            now = round(time.monotonic() - t0, 1)
+            now = time.monotonic()
             for p in peers:
                 if accepted_from(trainer, p) and p.name not in first_accepted:
-                    first_accepted[p.name] = now
-                versions_seen[p.name].add(p.status.get("policy_version", 0))
+                    first_accepted[p.name] = round(now - t_peers, 1)
+            for a, b in pairs:
+                key = f"{a.name}-{b.name}"
+                if key not in links_s and link_kind(a.status, b.status) == expected_link(
+                        nats[a.name], nats[b.name]):
+                    links_s[key] = round(now - t0, 1)
             return (trainer.status.get("policy_version", 0) >= versions
-                    and len(first_accepted) == len(peers)
+                    and len(first_accepted) == len(peers) and len(links_s) == len(pairs)
                     and all(p.status.get("policy_version", 0) >= versions for p in peers))
 
         try:
@@ -72,15 +110,23 @@ def run_pair(lab: Lab, workdir: Path, model_dir: Path, versions: int = 2,
         ids = {n.peer_id: n.name for n in swarm.nodes.values()}
         obs["trainer_version"] = trainer.status.get("policy_version", 0)
         obs["first_accepted_s"] = first_accepted
+        obs["links_s"] = links_s
+        obs["links"] = {f"{a.name}-{b.name}": link_kind(a.status, b.status) for a, b in pairs}
         for p in peers:
             by_trainer = trainer.status.get("accepted_by_peer", {}).get(p.peer_id, {})
+            p2p = p.status.get("p2p") or {}
             obs[p.name] = {
+                "nat": nats[p.name],
                 "accepted": accepted_from(trainer, p),
                 "rejected": by_trainer.get("rejected", 0),
                 "reasons": by_trainer.get("reasons", {}),
                 "rollouts_sent": p.status.get("rollouts_sent", 0),
                 "policy_version": p.status.get("policy_version", 0),
-                "versions_seen": sorted(versions_seen[p.name]),
+                "versions_loaded": sorted({d.get("version") for d in p.status.get(
+                    "downloads", []) if isinstance(d.get("version"), int)}),
+                "reachability": (p2p.get("reachability") or {}).get("verdict"),
+                "relays_held": len((p2p.get("relay") or {}).get("reservations_held", [])),
+                "hole_punch": (p2p.get("relay") or {}).get("hole_punch", {}),
             }
         obs["connected"] = {n.name: sorted(ids.get(x, x[-6:]) for x in n.status.get("peers", []))
                             for n in swarm.nodes.values()}

@@ -3,7 +3,14 @@ the providers of a key are found hops away."""
 
 from __future__ import annotations
 
+import asyncio
+
+from swarm_node.node.identity import Identity
+from swarm_node.node.p2p import P2PNode
 from swarm_node.node.p2p.dht import dht_key
+from swarm_node.node.p2p.reachability import Verdict
+
+from .conftest import p2p_config, wait_until
 
 CHAIN = 6
 
@@ -44,3 +51,35 @@ async def test_dht_finds_public_swarm_peers_and_discovery_uses_them(make_node):
     got = await d._from_dht(set())
     assert nodes[-1].peer_id in {pid for pid, _ in got}
     assert nodes[-1].peer_id in d.known
+
+
+async def test_a_natted_provider_advertises_its_relayed_addresses(make_node):
+    """Behind NAT (listening on 127.0.0.2, dialling out from 127.0.0.1: test_relay's NAT in
+    miniature) a provider record carries the node's /p2p-circuit addresses only (test_relay
+    dials one); without a relay slot the node provides nothing."""
+    relay = await make_node(hole_punching=False, **{"relay.service": "on"})
+
+    async def natted(host: int, bootstrap: list[str]) -> P2PNode:  # one peer: no other dials
+        cfg = p2p_config(hole_punching=False, target_peers=1).with_overrides(
+            {"node.listen": [f"/ip4/127.0.0.{host}/tcp/0"]})
+        node = P2PNode(Identity.generate(), cfg)
+        await node.start(bootstrap=bootstrap)
+        return node
+
+    a = await natted(2, relay.listen_addrs)
+    lone = await natted(3, (await make_node()).listen_addrs)  # its only peer relays nothing
+    try:
+        await wait_until(lambda: a.reachability.verdict is Verdict.RELAYED, 30, what="A relayed")
+        await wait_until(lambda: lone.reachability.verdict is Verdict.UNREACHABLE, 30,
+                         what="the lone node's verdict")
+        key = dht_key("checkpoint", "policy-y/v1")
+        assert not await lone.provide(key)
+        assert await a.provide(key)
+        finder = await make_node(bootstrap=relay.listen_addrs, discovery=False)
+        # the records alone (find_providers adds what peer exchange taught)
+        found = dict(await finder.dht.ctx.bridge.call(finder.dht._t_find_providers, key, 20))
+        me = f"/p2p/{a.peer_id}"
+        assert found[a.peer_id] == [x.removesuffix(me) for x in a.reachability.relay_addrs]
+        assert f"/p2p/{relay.peer_id}/p2p-circuit" in found[a.peer_id][0]
+    finally:
+        await asyncio.gather(a.close(), lone.close())

@@ -116,3 +116,22 @@ async def test_relayed_connection_upgrades_to_direct(natted):
                          what="A's verdict direct")
     finally:
         await relay.close()
+
+
+async def test_a_natted_node_finds_a_relay_through_the_dht(natted, make_node):
+    """A's one connection (target 1) is to P, which relays nothing; the relay R announced
+    itself under the swarm's relay key (to P, the peer closest to it). A looks R up in the
+    DHT, dials it and reserves a slot there."""
+    relay = await start_relay()
+    try:
+        p = await make_node(bootstrap=relay.listen_addrs, discovery=False)
+        await wait_until(lambda: relay.reachability.public, 30, what="the relay public")
+        await relay.dht.provide_relay()
+        assert relay.metrics["dht_provides"] >= 1
+        a = await natted(2, p.listen_addrs, target_peers=1, hole_punching=False)
+        await wait_until(lambda: a.reachability.verdict is Verdict.RELAYED, 60,
+                         what="A relayed through the relay the DHT named")
+        assert list(a.relay.reservations) == [relay.peer_id]
+        assert a.metrics["relay_lookups"] == 1
+    finally:
+        await relay.close()

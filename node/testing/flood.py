@@ -48,7 +48,40 @@ def gossip_frame(topic: str, data: bytes, origin: Identity, seqno: int) -> bytes
     return encode_uvarint(len(body)) + body
 
 
-class SybilFlood:
+class _Carriers:
+    """`connections` libp2p connections to `target`, each from a fresh identity and replaced
+    by a new one when cut, each running `_send(node, stop)` until `stop` is set. Counters:
+    `carriers` connections opened, `cut` carriers the target dropped."""
+
+    cfg: object
+    bootstrap: str
+    connections: int
+    carriers: int
+    cut: int
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await asyncio.gather(*(self._carrier(stop) for _ in range(self.connections)))
+
+    async def _carrier(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            node = P2PNode(Identity.generate(), self.cfg)
+            try:
+                await node.start(bootstrap=[self.bootstrap], discovery=False)
+                self.carriers += 1
+                await self._send(node, stop)
+            except Exception as e:  # noqa: BLE001 - refused or cut: a new carrier
+                log.debug("%s carrier ended: %s", type(self).__name__, e)
+            finally:
+                self.cut += not stop.is_set()
+                await node.close()
+            if not stop.is_set():
+                await asyncio.sleep(0.1 + random.random() * 0.1)
+
+    async def _send(self, node: P2PNode, stop: asyncio.Event) -> None:
+        raise NotImplementedError
+
+
+class SybilFlood(_Carriers):
     """`run(stop)` floods `target` until `stop` is set. Counters: `sent` batches,
     `carriers` connections opened, `cut` carriers the target dropped."""
 
@@ -66,26 +99,8 @@ class SybilFlood:
     def cpu_per_batch(self) -> float:
         return self.cpu_s / max(1, self.sent)
 
-    async def run(self, stop: asyncio.Event) -> None:
-        await asyncio.gather(*(self._carrier(stop) for _ in range(self.connections)))
-
-    async def _carrier(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            node = P2PNode(Identity.generate(), self.cfg)
-            try:
-                await node.start(bootstrap=[self.bootstrap], discovery=False)
-                self.carriers += 1
-                stream = await node.open_stream(self.target, MESHSUB)
-                await self._send(node, stream, stop)
-            except Exception as e:  # noqa: BLE001 - refused or cut: a new carrier
-                log.debug("flood carrier ended: %s", e)
-            finally:
-                self.cut += not stop.is_set()
-                await node.close()
-            if not stop.is_set():
-                await asyncio.sleep(0.1 + random.random() * 0.1)
-
-    async def _send(self, node: P2PNode, stream, stop: asyncio.Event) -> None:
+    async def _send(self, node: P2PNode, stop: asyncio.Event) -> None:
+        stream = await node.open_stream(self.target, MESHSUB)
         topic = node.topic("rollouts")
         while not stop.is_set():
             t0 = time.thread_time()
@@ -105,7 +120,7 @@ GARBAGE_PROTOCOLS = (MESHSUB, "/ipfs/id/1.0.0", "/ipfs/ping/1.0.0", "/ipfs/kad/1
 """libp2p's protocols a node serves besides ours (protocol/ids.py STREAM_PROTOCOLS)."""
 
 
-class GarbageFlood:
+class GarbageFlood(_Carriers):
     """`run(stop)` sends garbage on every protocol `target` serves (issue 30 item 13): over
     `connections` libp2p connections, each from a fresh identity and replaced by a new one
     when cut, streams opened round robin over the protocols, each carrying 1 to `max_bytes`
@@ -119,24 +134,6 @@ class GarbageFlood:
         self.protocols = list(STREAM_PROTOCOLS) + list(GARBAGE_PROTOCOLS)
         self.rng = random.Random(seed)
         self.streams = self.refused = self.carriers = self.cut = 0
-
-    async def run(self, stop: asyncio.Event) -> None:
-        await asyncio.gather(*(self._carrier(stop) for _ in range(self.connections)))
-
-    async def _carrier(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            node = P2PNode(Identity.generate(), self.cfg)
-            try:
-                await node.start(bootstrap=[self.bootstrap], discovery=False)
-                self.carriers += 1
-                await self._send(node, stop)
-            except Exception as e:  # noqa: BLE001 - refused or cut: a new carrier
-                log.debug("garbage carrier ended: %s", e)
-            finally:
-                self.cut += not stop.is_set()
-                await node.close()
-            if not stop.is_set():
-                await asyncio.sleep(0.1 + random.random() * 0.1)
 
     async def _send(self, node: P2PNode, stop: asyncio.Event) -> None:
         i = self.rng.randrange(len(self.protocols))

@@ -10,6 +10,7 @@ recovery time, attacker vs trainer cost): benchmarks/verifier_flood.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import time
@@ -62,24 +63,28 @@ def flood_kit(cfg_dict: dict, tiny_model_dir, target: str):
     return swarm, make_batch
 
 
-async def test_4_a_fresh_key_flood_costs_at_most_the_probation_share(tmp_path, tiny_model_dir):
-    from swarm_node.node.testing.flood import SybilFlood
+def trainer_address(trainer: Node) -> str:
+    return json.loads((trainer.data / "node.json").read_text())["listen_addrs"][0]
 
+
+@contextlib.asynccontextmanager
+async def honest_pair(tmp_path, tiny_model_dir):
+    """A trainer (one peer batch per step, 8 new tokens) and an honest inference peer that
+    follows it, real processes, once the peer is established (32 completions accepted);
+    yields (trainer, its config, honest()), honest() being the peer's counts at the trainer.
+    Both stopped at the end."""
     tcfg = trainer_config(tmp_path / "t", tiny_model_dir, peer_batches_per_step=1,
                           peer_wait_s=5.0)
     tcfg["sampler"]["max_new_tokens"] = 8
     trainer = Node(tmp_path / "t", tcfg).start()
     peer = None
-    stop = asyncio.Event()
-    flooding = None
     try:
         trainer.wait_joined()
         tid = trainer.status()["peer_id"]
-        boot = json.loads((trainer.data / "node.json").read_text())["listen_addrs"][0]
         peer = Node(tmp_path / "p", {
             "node": {"role": "inference", "swarm_id": tcfg["node"]["swarm_id"],
-                     "data_dir": str(tmp_path / "p" / "data"),
-                     "listen": ["/ip4/127.0.0.1/tcp/0"], "bootstrap": [boot], "follow": [tid]},
+                     "data_dir": str(tmp_path / "p" / "data"), "listen": ["/ip4/127.0.0.1/tcp/0"],
+                     "bootstrap": [trainer_address(trainer)], "follow": [tid]},
             "model": {"name": str(tiny_model_dir)}, "admin": {"port": free_port()},
             "tasks": tcfg["tasks"], "sampler": {**tcfg["sampler"], "version_wait_s": 5.0},
         }).start()
@@ -90,70 +95,83 @@ async def test_4_a_fresh_key_flood_costs_at_most_the_probation_share(tmp_path, t
             return (trainer.status().get("accepted_by_peer") or {}).get(
                 hid, {"accepted": 0, "rejected": 0})
 
-        def intake() -> dict:
-            return (trainer.status().get("extra") or {}).get("intake") or {}
-
         await until(lambda: honest()["accepted"] >= 32, 300, "the honest peer established",
                     trainer)
-        swarm, make_batch = flood_kit(tcfg, tiny_model_dir, tid)
-        seen = {"version": trainer.status()["policy_version"], "at": time.monotonic()}
-
-        def version() -> int:  # the trainer's version, read again at most once a second
-            if time.monotonic() - seen["at"] >= 1.0:
-                seen.update(version=trainer.status().get("policy_version", seen["version"]),
-                            at=time.monotonic())
-            return seen["version"]
-
-        flood = SybilFlood(swarm, boot, tid, make_batch, version, connections=4,
-                           interval_s=0.05)
-        rss0, before, view0 = rss_mib(trainer.proc.pid), honest()["accepted"], intake()
-        t0 = trainer.status()["uptime_s"]
-        flooding = asyncio.ensure_future(flood.run(stop))
-        # the flood runs until the honest peer had 4 more batches (64 completions) accepted
-        # and 45 s of the trainer's clock went by (long enough for the share, not the
-        # bucket's depth, to bound what the flood gets)
-        await until(lambda: honest()["accepted"] >= before + 64
-                    and trainer.status().get("uptime_s", 0) >= t0 + 45, 400,
-                    "honest batches accepted during 45 s of flood", trainer)
-        during, view1 = honest()["accepted"] - before, intake()
-        elapsed = trainer.status()["uptime_s"] - t0
-        stop.set()
-        await flooding
-        flooding = None
-        rss1 = rss_mib(trainer.proc.pid)
-        after0 = honest()["accepted"]
-        await until(lambda: honest()["accepted"] >= after0 + 32, 300,
-                    "honest batches accepted after the flood", trainer)
-
-        spent = view1["verify_seconds"]["probation"] - view0["verify_seconds"]["probation"]
-        lent = (view1["verify_seconds"]["probation_lent"]
-                - view0["verify_seconds"]["probation_lent"])
-        verified = view1["batches"].get("probation", 0) - view0["batches"].get("probation", 0)
-        print(f"flood: {flood.sent} bogus batches over {flood.carriers} carriers ({flood.cut} "
-              f"cut), {verified} verified by the trainer in {spent:.1f} s of {elapsed:.0f} s "
-              f"(+ {lent:.1f} s of idle time lent); "
-              f"honest accepted during: {during}; dropped {view1['dropped']}; attacker "
-              f"{flood.cpu_per_batch * 1e3:.1f} ms CPU per batch; trainer RSS {rss0:.0f} -> "
-              f"{rss1:.0f} MiB")
-        # nothing of the honest peer lost or refused, but for a known rare case: one run of
-        # the full suite in a fresh clone (2 busy workers) saw 8 of 7,160 honest completions
-        # rejected, reason not captured then (printed now); not reproduced in 3 runs since
-        print(f"honest peer at the trainer: {honest()}")
-        assert honest()["rejected"] <= honest()["accepted"] // 500, honest()
-        assert verified > 0  # the flood did reach the model checks ...
-        # ... within the probation share: its refill and its depth (plus the batch in
-        # flight); what the trainer lent while it only waited for peers is counted apart
-        assert spent <= SHARE * elapsed + BURST_S + 2.0
-        assert view1["queued"] <= 16 + 256  # bounded (most of the flood is dropped even
-        # before it: the gossip admission throttles whoever keeps bringing new keys)
-        assert rss1 <= rss0 + 300
+        yield trainer, tcfg, honest
     finally:
-        stop.set()
-        if flooding is not None:
-            await flooding
         if peer is not None:
             peer.stop()
         trainer.stop()
+
+
+async def test_4_a_fresh_key_flood_costs_at_most_the_probation_share(tmp_path, tiny_model_dir):
+    from swarm_node.node.testing.flood import SybilFlood
+
+    stop = asyncio.Event()
+    flooding = None
+    async with honest_pair(tmp_path, tiny_model_dir) as (trainer, tcfg, honest):
+        tid = trainer.status()["peer_id"]
+        boot = trainer_address(trainer)
+        try:
+            def intake() -> dict:
+                return (trainer.status().get("extra") or {}).get("intake") or {}
+
+            swarm, make_batch = flood_kit(tcfg, tiny_model_dir, tid)
+            seen = {"version": trainer.status()["policy_version"], "at": time.monotonic()}
+
+            def version() -> int:  # the trainer's version, read again at most once a second
+                if time.monotonic() - seen["at"] >= 1.0:
+                    seen.update(version=trainer.status().get("policy_version", seen["version"]),
+                                at=time.monotonic())
+                return seen["version"]
+
+            flood = SybilFlood(swarm, boot, tid, make_batch, version, connections=4,
+                               interval_s=0.05)
+            rss0, before, view0 = rss_mib(trainer.proc.pid), honest()["accepted"], intake()
+            t0 = trainer.status()["uptime_s"]
+            flooding = asyncio.ensure_future(flood.run(stop))
+            # the flood runs until the honest peer had 4 more batches (64 completions) accepted
+            # and 45 s of the trainer's clock went by (long enough for the share, not the
+            # bucket's depth, to bound what the flood gets)
+            await until(lambda: honest()["accepted"] >= before + 64
+                        and trainer.status().get("uptime_s", 0) >= t0 + 45, 400,
+                        "honest batches accepted during 45 s of flood", trainer)
+            during, view1 = honest()["accepted"] - before, intake()
+            elapsed = trainer.status()["uptime_s"] - t0
+            stop.set()
+            await flooding
+            flooding = None
+            rss1 = rss_mib(trainer.proc.pid)
+            after0 = honest()["accepted"]
+            await until(lambda: honest()["accepted"] >= after0 + 32, 300,
+                        "honest batches accepted after the flood", trainer)
+
+            spent = view1["verify_seconds"]["probation"] - view0["verify_seconds"]["probation"]
+            lent = (view1["verify_seconds"]["probation_lent"]
+                    - view0["verify_seconds"]["probation_lent"])
+            verified = view1["batches"].get("probation", 0) - view0["batches"].get("probation", 0)
+            print(f"flood: {flood.sent} bogus batches over {flood.carriers} carriers ({flood.cut} "
+                  f"cut), {verified} verified by the trainer in {spent:.1f} s of {elapsed:.0f} s "
+                  f"(+ {lent:.1f} s of idle time lent); "
+                  f"honest accepted during: {during}; dropped {view1['dropped']}; attacker "
+                  f"{flood.cpu_per_batch * 1e3:.1f} ms CPU per batch; trainer RSS {rss0:.0f} -> "
+                  f"{rss1:.0f} MiB")
+            # nothing of the honest peer lost or refused, but for a known rare case: one run of
+            # the full suite in a fresh clone (2 busy workers) saw 8 of 7,160 honest completions
+            # rejected, reason not captured then (printed now); not reproduced in 3 runs since
+            print(f"honest peer at the trainer: {honest()}")
+            assert honest()["rejected"] <= honest()["accepted"] // 500, honest()
+            assert verified > 0  # the flood did reach the model checks ...
+            # ... within the probation share: its refill and its depth (plus the batch in
+            # flight); what the trainer lent while it only waited for peers is counted apart
+            assert spent <= SHARE * elapsed + BURST_S + 2.0
+            assert view1["queued"] <= 16 + 256  # bounded (most of the flood is dropped even
+            # before it: the gossip admission throttles whoever keeps bringing new keys)
+            assert rss1 <= rss0 + 300
+        finally:
+            stop.set()
+            if flooding is not None:
+                await flooding
 
 
 async def test_13_garbage_on_every_protocol_does_not_stop_training(tmp_path, tiny_model_dir):
@@ -164,59 +182,35 @@ async def test_13_garbage_on_every_protocol_does_not_stop_training(tmp_path, tin
     from swarm_node.node.config import Config
     from swarm_node.node.testing.flood import GarbageFlood
 
-    tcfg = trainer_config(tmp_path / "t", tiny_model_dir, peer_batches_per_step=1,
-                          peer_wait_s=5.0)
-    tcfg["sampler"]["max_new_tokens"] = 8
-    trainer = Node(tmp_path / "t", tcfg).start()
-    peer = None
     stop = asyncio.Event()
     flooding = None
-    try:
-        trainer.wait_joined()
+    async with honest_pair(tmp_path, tiny_model_dir) as (trainer, tcfg, honest):
         tid = trainer.status()["peer_id"]
-        boot = json.loads((trainer.data / "node.json").read_text())["listen_addrs"][0]
-        peer = Node(tmp_path / "p", {
-            "node": {"role": "inference", "swarm_id": tcfg["node"]["swarm_id"],
-                     "data_dir": str(tmp_path / "p" / "data"),
-                     "listen": ["/ip4/127.0.0.1/tcp/0"], "bootstrap": [boot], "follow": [tid]},
-            "model": {"name": str(tiny_model_dir)}, "admin": {"port": free_port()},
-            "tasks": tcfg["tasks"], "sampler": {**tcfg["sampler"], "version_wait_s": 5.0},
-        }).start()
-        peer.wait_joined()
-        hid = peer.status()["peer_id"]
-
-        def honest() -> dict:
-            return (trainer.status().get("accepted_by_peer") or {}).get(
-                hid, {"accepted": 0, "rejected": 0})
-
-        await until(lambda: honest()["accepted"] >= 32, 300, "the honest peer established",
-                    trainer)
-        swarm = Config.model_validate({"node": {"swarm_id": tcfg["node"]["swarm_id"],
-                                                "listen": ["/ip4/127.0.0.1/tcp/0"]}})
-        flood = GarbageFlood(swarm, boot, tid, connections=8, interval_s=0.1)
-        before, v0 = honest()["accepted"], trainer.status()["policy_version"]
-        t0 = trainer.status()["uptime_s"]
-        flooding = asyncio.ensure_future(flood.run(stop))
-        # 30 s of the trainer's clock with garbage, and 4 more honest batches trained on
-        await until(lambda: honest()["accepted"] >= before + 64
-                    and trainer.status().get("uptime_s", 0) >= t0 + 30, 400,
-                    "honest batches accepted during 30 s of garbage", trainer)
-        v1 = trainer.status()["policy_version"]
-        stop.set()
-        await flooding
-        flooding = None
-        after0 = honest()["accepted"]
-        await until(lambda: honest()["accepted"] >= after0 + 32, 300,
-                    "honest batches accepted after the garbage", trainer)
-        print(f"garbage: {flood.streams} streams over {flood.carriers} carriers "
-              f"({flood.cut} cut, {flood.refused} refused); versions {v0} -> {v1}")
-        assert flood.streams >= 100  # the garbage did reach the trainer's handlers
-        assert v1 >= v0 + 4 and honest()["rejected"] == 0
-        assert trainer.proc.poll() is None
-    finally:
-        stop.set()
-        if flooding is not None:
+        boot = trainer_address(trainer)
+        try:
+            swarm = Config.model_validate({"node": {"swarm_id": tcfg["node"]["swarm_id"],
+                                                    "listen": ["/ip4/127.0.0.1/tcp/0"]}})
+            flood = GarbageFlood(swarm, boot, tid, connections=8, interval_s=0.1)
+            before, v0 = honest()["accepted"], trainer.status()["policy_version"]
+            t0 = trainer.status()["uptime_s"]
+            flooding = asyncio.ensure_future(flood.run(stop))
+            # 30 s of the trainer's clock with garbage, and 4 more honest batches trained on
+            await until(lambda: honest()["accepted"] >= before + 64
+                        and trainer.status().get("uptime_s", 0) >= t0 + 30, 400,
+                        "honest batches accepted during 30 s of garbage", trainer)
+            v1 = trainer.status()["policy_version"]
+            stop.set()
             await flooding
-        if peer is not None:
-            peer.stop()
-        trainer.stop()
+            flooding = None
+            after0 = honest()["accepted"]
+            await until(lambda: honest()["accepted"] >= after0 + 32, 300,
+                        "honest batches accepted after the garbage", trainer)
+            print(f"garbage: {flood.streams} streams over {flood.carriers} carriers "
+                  f"({flood.cut} cut, {flood.refused} refused); versions {v0} -> {v1}")
+            assert flood.streams >= 100  # the garbage did reach the trainer's handlers
+            assert v1 >= v0 + 4 and honest()["rejected"] == 0
+            assert trainer.proc.poll() is None
+        finally:
+            stop.set()
+            if flooding is not None:
+                await flooding

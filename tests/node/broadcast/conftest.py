@@ -37,6 +37,20 @@ def publish(identity: Identity, ckpt: Path, version: int, shard_size: int,
     return AcceptedManifest(m, identity.seal(m), identity.peer_id)
 
 
+def huge_manifest(policy_id: str, n: int = 120_000, size: int = 64 * 1024):
+    """A valid shard-list manifest of `n` shards of `size` bytes (random hashes): what the
+    4 MiB manifest limit lets through, for the shard-count limit's tests."""
+    import os
+
+    from swarm_node.protocol.messages import CheckpointManifest, FileEntry, shard_list_hash
+
+    hashes = [os.urandom(32) for _ in range(n)]
+    return CheckpointManifest(policy_id=policy_id, version=1, hash_algo="blake3-shard-list",
+                              files=[FileEntry(name="model.safetensors", size=n * size)],
+                              total_size=n * size, shard_size=size, shard_hashes=hashes,
+                              checkpoint_hash=shard_list_hash(n * size, size, hashes))
+
+
 def read_dir(path: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(Path(path).iterdir())}
 

@@ -19,7 +19,7 @@ from swarm_node.protocol.messages import CheckpointManifest, FileEntry, ShardAdv
 
 from tests.waiting import async_wait_until
 
-from .conftest import SHARD, boot, make_checkpoint, read_dir
+from .conftest import SHARD, boot, huge_manifest, make_checkpoint, read_dir
 from .procs import BroadcastProc
 
 
@@ -388,17 +388,7 @@ async def test_trainer_on_a_full_disk_pauses_and_resumes(tmp_path, trainer_fs):
 async def test_a_120k_shard_manifest_is_refused_before_any_work(tmp_path, trainer, procs):
     """It cost a relay 117 CPU-s; now refused `too_many_shards` at the gate, counted, with
     nothing written and no download started (a real relay process)."""
-    import os
-
-    from swarm_node.protocol.messages import shard_list_hash
-
-    n, size = 120_000, 64 * 1024
-    hashes = [os.urandom(32) for _ in range(n)]
-    m = CheckpointManifest(policy_id=trainer.peer_id, version=1, hash_algo="blake3-shard-list",
-                           files=[FileEntry(name="model.safetensors", size=n * size)],
-                           total_size=n * size, shard_size=size, shard_hashes=hashes,
-                           checkpoint_hash=shard_list_hash(n * size, size, hashes))
-    (tmp_path / "big.env").write_bytes(trainer.seal(m))
+    (tmp_path / "big.env").write_bytes(trainer.seal(huge_manifest(trainer.peer_id)))
     r = procs("r", "relay", tmp_path / "r", "--follow", trainer.peer_id)
     await r.ready()
     before = (await stats(r))["cpu_s"]

@@ -16,7 +16,7 @@ from swarm_node.node.identity import Identity
 from swarm_node.protocol.codec import pack, unpack
 from swarm_node.protocol.messages import CheckpointManifest, FileEntry
 
-from .conftest import publish
+from .conftest import huge_manifest, publish
 
 
 def gate(follow, have=-1, **kw):
@@ -182,19 +182,11 @@ def test_shard_count_bounded(ckpt, trainer):
 def test_a_120k_shard_manifest_is_refused_early_and_cheaply(trainer):
     """Issue 30.5: a 120,000-shard manifest (what fits the 4 MiB manifest limit) cost a
     relay 117 CPU-s. The default limit refuses it, counted, before anything is written."""
-    import os
     import time
 
     from swarm_node.node.config import BroadcastSection
-    from swarm_node.protocol.messages import shard_list_hash
 
-    n, size = 120_000, 64 * 1024
-    hashes = [os.urandom(32) for _ in range(n)]
-    m = CheckpointManifest(policy_id=trainer.peer_id, version=1, hash_algo="blake3-shard-list",
-                           files=[FileEntry(name="model.safetensors", size=n * size)],
-                           total_size=n * size, shard_size=size, shard_hashes=hashes,
-                           checkpoint_hash=shard_list_hash(n * size, size, hashes))
-    data = trainer.seal(m)
+    data = trainer.seal(huge_manifest(trainer.peer_id))
     space_checked = []
     g = ManifestGate.from_config([trainer.peer_id], BroadcastSection(), lambda p: -1,
                                  space_check=space_checked.append)

@@ -141,23 +141,6 @@ def logged_sum(text: str, pattern: str) -> int:
 # the join line, a full disk, history across restarts --------------------------------------
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 48 MiB tmpfs: a filesystem this test can really fill."""
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs to fill needs root")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(mnt)],
-                          capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
 def fill(path: Path) -> None:
     """Write zeros to `path` until the filesystem has no byte left."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)

@@ -7,7 +7,6 @@ space is freed. Needs root to mount a tmpfs: skipped with the reason otherwise."
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,20 +14,6 @@ import pytest
 from .test_operator import Node, free_port, trainer_config, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(mnt)],
-                       capture_output=True, text=True, check=False)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs for the full-disk test: {r.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def fill(path: Path) -> int:

@@ -78,7 +78,10 @@ class InferenceRole(Role):
         self.feed.listen(self._on_checkpoint)
         self.policy_id = self.feed.chosen()
         self.state.policy_id = self.policy_id or ""
-        await self.feed.start()
+        await self.feed.start()  # hands over the newest verified version stored here
+        if self.pending is not None:  # a restart: sample it, not the base model
+            await self._maybe_reload()
+            self.new_version.clear()  # run() still waits a while for a newer announcement
         self.state.extra["disk"] = self.feed.disk.status()
         self.state.extra["sampling_disk"] = self.disk.status()
         self.track_downloads(self.feed)

@@ -44,6 +44,7 @@ class VerifiedCheckpoint:
     downloaded: int = 0  # bytes of verified shards fetched from peers for it (0: none)
     seconds: float = 0.0  # from its accepted manifest to the verified checkpoint
     shards: int = 0
+    stored: bool = False  # found complete on disk at start (a restart), not downloaded now
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,7 @@ class BroadcastFeed:
         self.changed = broadcaster.follower.changed
         self._listeners: list[OnCheckpoint] = []
         broadcaster.on_complete = self._handed_over
+        broadcaster.on_loaded = self._hand_over_stored
 
     @classmethod
     def create(cls, p2p: Transport, cfg, root: Path, **kwargs) -> BroadcastFeed:
@@ -136,6 +138,27 @@ class BroadcastFeed:
                                   done.fetched, done.seconds, m.num_shards)
         for on_checkpoint in self._listeners:
             on_checkpoint(ckpt)
+
+    def _hand_over_stored(self) -> None:
+        """After a restart: the newest complete version of each followed policy found on
+        disk, handed over like a finished download, so the role starts from it rather than
+        from the base model. Its swarm settings are checked again first, as a downloaded
+        manifest's are (this node's settings may have changed since); a refused one is not
+        handed over (the check says why, once)."""
+        b = self.broadcaster
+        check = b.gate.settings_check
+        for policy_id in sorted(b.gate.follow):
+            version = b.store.current_version(policy_id)
+            entry = b.store.get(policy_id, version)
+            if entry is None:
+                continue
+            m = entry.manifest
+            if check is not None and check(m.settings, policy_id, version) is not None:
+                continue
+            ckpt = VerifiedCheckpoint(policy_id, version, entry.checkpoint_dir, m.total_size,
+                                      shards=m.num_shards, stored=True)
+            for on_checkpoint in self._listeners:
+                on_checkpoint(ckpt)
 
     def listen(self, on_checkpoint: OnCheckpoint) -> None:
         self._listeners.append(on_checkpoint)

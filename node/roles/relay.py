@@ -38,6 +38,9 @@ class RelayRole(Role):
     def _on_complete(self, ckpt: VerifiedCheckpoint) -> None:
         self.state.policy_id = ckpt.policy_id
         self.state.policy_version = ckpt.version
+        if ckpt.stored:  # found on disk at start: served (and advertised) again at once
+            log.info("serving the stored policy %s v%d", ckpt.policy_id[-8:], ckpt.version)
+            return
         self.state.count("versions_mirrored")
         log.info("mirrored policy %s v%d (%d bytes)", ckpt.policy_id[-8:], ckpt.version,
                  ckpt.size)

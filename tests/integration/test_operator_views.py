@@ -212,11 +212,16 @@ def test_join_line_full_disk_and_history(swarm, tiny_model_dir, small_disk, tmp_
         peer.wait(lambda: "disk space back: sampling resumed" in peer.text(), "resumed")
         peer.wait(lambda: peer.status()["rollouts_sent"] > sent, "sampling again")
 
-        # a restart keeps the dashboard's history (curves, counts), saved at the stop
-        assert peer.stop() == 0
+        # a restart keeps the dashboard's history (curves, counts), saved at the stop, and
+        # starts from the newest verified version on disk (not the base model, v0)
+        held = peer.status()["policy_version"]
+        assert peer.stop() == 0 and held > 0
         saved = json.loads((small_disk / "data" / "history.json").read_text())
         peer.start()
         peer.wait(lambda: "history restored" in peer.text(), "history restored")
+        ready = peer.wait(lambda: re.findall(r"inference peer ready: .*policy version (\d+)",
+                                             peer.text())[1:], "ready after the restart")
+        assert int(ready[0]) >= held
         doc = peer.wait(lambda: peer.status() or None, "/status after the restart")
         assert len(doc["steps"]) >= len(saved["steps"]) >= 2
         assert doc["rollouts_sent"] >= saved["rollouts_sent"] > 0

@@ -334,6 +334,9 @@ def render_tables(doc: dict[str, Any]) -> list:
     ck = doc.get("checkpoint_progress") or {}
     if ck:
         rows.append(("checkpoint", _progress(ck)))
+    step = (doc.get("extra") or {}).get("step") or {}
+    if step.get("phase"):
+        rows.append(("training step", _step(step)))
     if doc.get("join_command"):
         rows.append(("others join with", doc["join_command"]))
     rows.append(("version", (f"{doc.get('software_version') or '?'} (protocol "
@@ -422,6 +425,17 @@ def _progress(ck: dict[str, Any]) -> str:
     if ck.get("eta_s") is not None:
         text += f", {ck.get('rate_bytes_s', 0) / 2**20:.1f} MiB/s, ETA {_duration(ck['eta_s'])}"
     return text
+
+
+def _step(st: dict[str, Any]) -> str:
+    """The trainer's step in progress (node/trainer/progress.py), on one line."""
+    g = st.get("groups") or {}
+    eta = st.get("eta_s")
+    due = ("ETA after two steps" if eta is None else "due now" if eta <= 0
+           else f"due in {_duration(eta)}")
+    return (f"v{st.get('next_version')}: {st.get('doing')}; groups {g.get('local', 0)}/"
+            f"{g.get('need_local', 0)} of this policy, {g.get('external', 0)}/"
+            f"{g.get('need_external', 0)} of others; {due}")
 
 
 def _duration(seconds) -> str:

@@ -300,6 +300,16 @@ def test_a_banned_peer_is_told_and_the_trainer_counts_it(swarm, tiny_model_dir, 
         assert 'data-role="trainer"' in dom and "banned" in dom.split('id="peers"')[1]
         assert f"--follow {trainer['peer_id']}" in element_text(dom, "join")
         assert int(dom.split('id="loss-chart"')[1].split('data-points="')[1].split('"')[0]) >= 1
+        # the step in progress: what it waits for, the groups gathered, the pace and ETA
+        step = trainer["extra"]["step"]
+        assert step["next_version"] == trainer["policy_version"] + 1 and step["pace_s"] > 0
+        assert step["groups"]["need_local"] == 4 and step["doing"]
+        assert re.search(r'id="step-box"[^>]*data-phase="\w+"', dom)
+        assert "groups gathered for the step" in dom and "a version every" in dom
+        cli = subprocess.run([str(BIN), "status", "--port", str(swarm.admin_port)],
+                             capture_output=True, text=True, timeout=60, check=False,
+                             env={**os.environ, "COLUMNS": "250", "NO_COLOR": "1"})
+        assert cli.returncode == 0 and "training step" in cli.stdout, cli.stdout
     finally:
         cheater.stop()
 

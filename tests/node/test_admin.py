@@ -499,3 +499,39 @@ def test_join_command_names_a_dialable_address_when_listening_on_every_interface
     # the real lookup: an address of this machine that is not loopback, or none at all
     ip = route_ip()
     assert ip is None or (not ip.startswith("127.") and ip.count(".") == 3)
+
+
+def test_the_training_step_in_progress_has_what_it_waits_for_and_an_eta():
+    from rich.console import Console
+    from swarm_node.node.admin import render_tables, status_document
+    from swarm_node.node.trainer.progress import StepProgress
+
+    clock, held = [100.0], [1, 0]
+    p = StepProgress((4, 4), lambda: tuple(held), version=7, clock=lambda: clock[0])
+    st = NodeState("12D3KooWTrainer", "trainer", "s")
+    st.extra["step"] = p.view
+    st.metrics.before_read(p.refresh)
+    batches = [0]
+    p.set("waiting_for_peers", lambda: f"waiting for rollout batches from peers: "
+                                       f"{batches[0]} of 2 verified")
+    clock[0] += 3.0
+    batches[0] = 1
+    step = status_document(st)["extra"]["step"]
+    assert step["phase"] == "waiting_for_peers" and step["phase_s"] == 3.0
+    assert step["doing"].endswith("1 of 2 verified") and step["next_version"] == 8
+    assert step["groups"] == {"local": 1, "external": 0, "need_local": 4, "need_external": 4}
+    assert step["eta_s"] is None  # no pace before two versions
+    for _ in range(3):  # versions every 10 s
+        clock[0] += 10.0
+        p.stepped(p.version + 1)
+    clock[0] += 4.0
+    step = status_document(st)["extra"]["step"]
+    assert step["pace_s"] == 10.0 and step["eta_s"] == 6.0 and step["next_version"] == 11
+    console = Console(width=200, record=True)
+    for table in render_tables(json.loads(json.dumps(status_document(st), default=str))):
+        console.print(table)
+    out = console.export_text()
+    assert "training step" in out and "v11: waiting for rollout batches" in out
+    assert "groups 1/4 of this policy, 0/4 of others; due in 6 s" in out
+    clock[0] += 60.0
+    assert status_document(st)["extra"]["step"]["eta_s"] == 0.0  # overdue: due now

@@ -184,6 +184,33 @@ class BroadcastFeed:
         """Checkpoint bytes uploaded to each peer since start (whole answers)."""
         return dict(self.broadcaster.server.served_to)
 
+    def swarm(self, max_peers: int = 64) -> dict:
+        """What this node learned of the swarm's versions from the adverts of the followed
+        policies (for /status `extra.swarm`): each version known (held here, complete or
+        not, or advertised by peers) with its holders' count, and for each advertising peer
+        the newest version it holds (complete or partly), at most `max_peers` of them."""
+        b = self.broadcaster
+        versions: dict[tuple[str, int], dict] = {}
+        peers: dict[str, dict] = {}
+        for key, entry in list(b.store.entries.items()):
+            versions[key] = {"policy_id": key[0], "version": key[1], "holders": 0,
+                             "here": "complete" if entry.complete else "partial"}
+        for rec in list(b.records):
+            v = versions.setdefault(rec.key, {"policy_id": rec.policy_id,
+                                              "version": rec.version, "holders": 0,
+                                              "here": ""})
+            v["holders"] = len(rec.holders)
+            for peer, holdings in list(rec.holders.items()):
+                known = peers.get(peer)
+                if known is None or (known["version"], known["complete"]) < (
+                        rec.version, holdings is None):
+                    peers[peer] = {"policy_id": rec.policy_id, "version": rec.version,
+                                   "complete": holdings is None}
+        newest = sorted(peers.items(), key=lambda kv: -kv[1]["version"])[:max_peers]
+        return {"versions": sorted(versions.values(),
+                                   key=lambda v: (v["policy_id"], -v["version"]))[:32],
+                "holders": dict(newest)}
+
     def downloads(self) -> list[DownloadStatus]:
         out = []
         for job in list(self.broadcaster.follower.jobs.values()):

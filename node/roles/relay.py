@@ -32,6 +32,7 @@ class RelayRole(Role):
         await self.feed.start()
         self.state.extra["disk"] = self.feed.disk.status()
         self.track_downloads(self.feed)
+        self.watch_swarm(self.feed)
         # says so if the followed trainer never appears, like the inference role
         self.watch_followed(self.feed, self.feed.chosen)
 

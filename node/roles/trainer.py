@@ -41,7 +41,7 @@ from ..tasks import PromptStyle, TaskSource
 from ..trainer.distributed import attach_ranks
 from ..trainer.group import attach_group
 from ..trainer.hooks import StepHooks
-from ..trainer.progress import StepProgress, duration
+from ..trainer.progress import Stage, StepProgress, duration
 from ..trainer.trainer import Trainer
 from .base import Role
 from .interfaces import CheckpointFeed, CheckpointPublisher, OwnCheckpoints, Verifier
@@ -84,9 +84,11 @@ class TrainerRole(Role):
         cfg = self.cfg
         name = cfg.model.name
         model_dir = ensure_builtin(name) if name.startswith("builtin:") else name
-        self.trainer = await self.work(Trainer, cfg, model_dir, self.data_dir,
-                                       policy_id=self.identity.peer_id,
-                                       scale_out=self._scale_out)
+        load = Stage("loading the model and the trainer's state", "model_load",
+                     self.data_dir, self.state.extra.setdefault("starting", {}))
+        self.trainer = await load.around(self.work(Trainer, cfg, model_dir, self.data_dir,
+                                                   policy_id=self.identity.peer_id,
+                                                   scale_out=self._scale_out))
         self.sampler = HFSampler(self.trainer.model, self.trainer.tokenizer,
                                  peer_id=self.identity.peer_id, version=self.trainer.version,
                                  max_context=cfg.model.max_context,
@@ -112,6 +114,7 @@ class TrainerRole(Role):
         await self.own.start()
         if self.feed is not None:  # the broadcaster's counters (served, downloaded) at /metrics
             self.state.add_counters("broadcast", self.feed.counters)
+            self.watch_swarm(self.feed)  # the followed trainers' versions, its own
         await self.p2p.subscribe("rollouts", self.intake.offer)
         await self.p2p.subscribe("verdicts", self.intake.hint)
         await self.watch_verdicts()

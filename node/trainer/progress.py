@@ -7,20 +7,29 @@ due, from the pace of the recent steps.
 
 `ItemProgress`: a long loop over items (a held-out evaluation): one log line every
 `LOG_EVERY_S` with the count done, the rate and an ETA, and its state for a view.
+
+`Stage`: a long start-up stage that reports no progress of its own (loading the model): the
+time so far and an ETA from the same stage's duration in the previous run.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
+import os
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TypeVar
 
 log = logging.getLogger(__name__)
 
 PACE_STEPS = 8
 """Recent intervals between versions the pace (and so the ETA) is the mean of."""
 LOG_EVERY_S = 5.0
+T = TypeVar("T")
 
 
 class StepProgress:
@@ -125,3 +134,73 @@ def duration(seconds: float | None) -> str:
     if s < 7200:
         return f"{s // 60} min"
     return f"{s // 3600} h {s % 3600 // 60} min"
+
+
+STAGES_FILE = "stages.json"
+HEARTBEAT_S = 10.0
+
+
+class Stage:
+    """A long start-up stage whose length only an earlier run knows (a model load, with a
+    one-time conversion): while `around(work)` awaits it, a line every HEARTBEAT_S with the
+    time so far and an ETA from the last run's duration (kept in `<data_dir>/stages.json`,
+    per `key`), and `view` (for /status `extra.starting`) refreshed every second."""
+
+    def __init__(self, label: str, key: str, data_dir: Path, view: dict,
+                 clock: Callable[[], float] = time.monotonic, tick_s: float = 1.0):
+        self.label, self.key, self.view, self.clock = label, key, view, clock
+        self.path = Path(data_dir) / STAGES_FILE
+        self.tick_s = tick_s
+        self.last = self._load().get(key)
+
+    def _load(self) -> dict:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return {k: v for k, v in data.items() if isinstance(v, (int, float))} \
+            if isinstance(data, dict) else {}
+
+    def _save(self, seconds: float) -> None:
+        data = self._load()
+        data[self.key] = round(seconds, 1)
+        try:  # best effort: a full disk or a read-only dir costs only the next ETA
+            tmp = self.path.with_name(STAGES_FILE + ".tmp")
+            tmp.write_text(json.dumps(data))
+            os.replace(tmp, self.path)
+        except OSError as e:
+            log.debug("could not keep the duration of %s: %s", self.label, e)
+
+    def eta_s(self, elapsed: float) -> float | None:
+        return None if self.last is None else max(0.0, self.last - elapsed)
+
+    def line(self, elapsed: float) -> str:
+        eta = self.eta_s(elapsed)
+        how = "first time: no ETA" if eta is None else (
+            f"took {duration(self.last)} last time, ETA {duration(eta)}" if eta > 0
+            else f"took {duration(self.last)} last time")
+        return f"{self.label}: {duration(elapsed)} so far ({how})"
+
+    async def around(self, work: Awaitable[T]) -> T:
+        start = last_said = self.clock()
+        task = asyncio.ensure_future(work)
+        try:
+            while True:
+                elapsed = self.clock() - start
+                eta = self.eta_s(elapsed)
+                self.view.update({"doing": self.label, "elapsed_s": round(elapsed, 1),
+                                  "eta_s": None if eta is None else round(eta, 1),
+                                  "last_s": self.last})
+                done, _ = await asyncio.wait({task}, timeout=self.tick_s)
+                if done:
+                    break
+                if self.clock() - last_said >= HEARTBEAT_S:
+                    last_said = self.clock()
+                    log.info("%s", self.line(self.clock() - start))
+            result = task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+            self.view.clear()
+        self._save(self.clock() - start)
+        return result

@@ -182,6 +182,13 @@ def test_join_line_full_disk_and_history(swarm, tiny_model_dir, small_disk, tmp_
         trainer_share = after["contribution"]["trainers"][0]
         assert trainer_share["trainer"] == trainer_id and 0 < trainer_share["share"] <= 1
         assert after["policy_id"] == trainer_id  # not "policy -" beside a checkpoint
+        # the swarm as the peer knows it: its trainer, connected directly, and the versions
+        # it advertised, the newest held here too
+        row = next(r for r in after["swarm"]["peers"] if r["peer"] == trainer_id)
+        assert row["role"] == "trainer" and row["connection"] == "direct", row
+        assert row["version"] is not None and row["version"] >= after["policy_version"], row
+        assert any(v["policy_id"] == trainer_id and v["here"] == "complete"
+                   and v["holders"] >= 1 for v in after["swarm"]["versions"])
         _downloads_match_disk(after, small_disk / "data" / "broadcast" / trainer_id)
         # the trainer counts what it uploaded: to this peer, at least what it downloaded
         # (a download superseded by a newer version is served but not recorded)
@@ -191,6 +198,7 @@ def test_join_line_full_disk_and_history(swarm, tiny_model_dir, small_disk, tmp_
         assert after["alerts"] == [] and f"--follow {trainer_id}" in after["join_command"]
         dom = dashboard(peer.admin_port, tmp_path, "dashboard-inference.png")
         assert banners(dom) == [] and int(element_text(dom, "c-accepted")) > 0
+        assert re.search(r'id="swarm-peers" data-rows="[1-9]', dom)
         assert 'data-role="inference"' in dom
 
         # the disk fills: sampling pauses with one line, the dashboard says so and how
@@ -294,6 +302,8 @@ def test_a_banned_peer_is_told_and_the_trainer_counts_it(swarm, tiny_model_dir, 
         trainer = swarm.status()
         me = doc["peer_id"]
         assert me in trainer["banned"] and trainer["accepted_by_peer"][me]["accepted"] == 0
+        row = next(r for r in trainer["swarm"]["peers"] if r["peer"] == me)  # the swarm view
+        assert row["role"] == "inference" and row["accepted"] == 0 and row["rejected"] > 0
         assert trainer["contribution"]["role"] == "trainer"
         assert all(p["peer"] != me for p in trainer["contribution"]["top_peers"])
         dom = dashboard(swarm.admin_port, tmp_path, "dashboard-trainer.png")

@@ -163,7 +163,10 @@ def test_join_line_full_disk_and_history(swarm, tiny_model_dir, small_disk, tmp_
     # the printed line is complete: swarm id, bootstrap address and the trainer to follow
     assert f"--swarm {swarm.cfg['node']['swarm_id']} " in line and f"--follow {trainer_id}" in line
     assert re.search(r"--bootstrap /ip4/127\.0\.0\.1/tcp/\d+/p2p/" + trainer_id, line)
-    argv = peer_argv(line, small_disk, tiny_model_dir, "--set", "node.min_free_disk_mib=8")
+    # version_wait_s: a peer whose rounds of its version are used up waits this long for the
+    # next version before looking again (and then meets the full disk); 30 s by default
+    argv = peer_argv(line, small_disk, tiny_model_dir, "--set", "node.min_free_disk_mib=8",
+                     "--set", "sampler.version_wait_s=3")
     peer = Peer(tmp_path / "peer", argv).start()
     try:
         # pasted as printed, it follows the trainer and its rollouts are accepted

@@ -428,6 +428,13 @@ async def test_every_stuck_state_is_a_banner_in_chromium(tmp_path):
     state.extra["reachability"] = {"status": "unreachable", "detail": "no peer could dial "
                                    "/ip4/203.0.113.7/tcp/4001", "fix": "open TCP 4001"}
     state.set_problem("custom", "Something else", "detail", "what to do")
+    state.extra["starting"] = {"doing": "loading the model", "elapsed_s": 12.0, "eta_s": 20.0,
+                               "last_s": 32.0}
+    trainer = "12D3KooWTrainer000000000000000000"
+    state.extra["swarm"] = {"versions": [{"policy_id": trainer, "version": 7, "holders": 1,
+                                          "here": ""}],
+                            "holders": {trainer: {"policy_id": trainer, "version": 7,
+                                                  "complete": True}}}
     state.checkpoint_progress = {"version": 8, "shards_done": 3, "shards_total": 10,
                                  "bytes_done": 30 * 2**20, "bytes_total": 100 * 2**20,
                                  "complete": False, "rate_bytes_s": 2 * 2**20, "eta_s": 35.0}
@@ -443,6 +450,11 @@ async def test_every_stuck_state_is_a_banner_in_chromium(tmp_path):
         assert element_text(dom, "download-now") == ("v8: 3/10 shards, 30.0 MiB of 100.0 MiB, "
                                                      "2.0 MiB/s, ETA 35 s")
         assert 'style="width: 30%;"' in dom.split('id="download-bar"')[1][:80]
+        # a model load at start: the time so far and the ETA from the last run
+        assert "loading the model: 12 s so far, ETA 20 s (took 32 s last time)" in dom
+        # the swarm as it knows it: the trainer (it sends verdicts) holding v7
+        assert re.search(r'id="swarm-peers" data-rows="1"', dom)
+        assert re.search(r"<td[^>]*>trainer</td><td[^>]*>v7</td>", dom)
         state.extra.clear()
         state.own_verdicts.banned_by.clear()
         state.clear_problem("custom")

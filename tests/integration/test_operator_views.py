@@ -401,6 +401,17 @@ def test_relay_counters_and_a_relay_with_nothing_to_follow(swarm, tmp_path):
         dom = dashboard(relay.admin_port, tmp_path, "dashboard-relay.png")
         assert 'data-role="relay"' in dom and banners(dom) == []
         assert int(element_text(dom, "c-mirrored")) >= 3
+        assert any(v["here"] == "complete" for v in after["swarm"]["versions"])
+
+        # restarted, it serves what it stored at once (not counted as mirrored again)
+        held = relay.status()["policy_version"]
+        assert relay.stop() == 0
+        mark = len(relay.text())
+        relay.start()
+        found = relay.wait(lambda: re.search(r"serving the stored policy \S+ v(\d+)",
+                                             relay.text()[mark:]), "the stored version")
+        assert int(found.group(1)) >= held
+        assert "mirrored policy" not in relay.text()[mark:][:found.start()]
     finally:
         relay.stop()
         lonely.stop()

@@ -44,7 +44,7 @@ class StepProgress:
         self.view: dict = {}
         self._intervals: deque[float] = deque(maxlen=PACE_STEPS)
         self._last: float | None = None  # when the newest version was made (this run)
-        self._phase, self._doing = "starting", "loading"
+        self._phase, self._doing = "starting", "starting up"
         self._since = clock()
 
     def set(self, phase: str, doing: str | Callable[[], str]) -> None:

@@ -4,7 +4,8 @@ Each source has an EMA of measured throughput (bytes/s over whole shard transfer
 of consecutive failures with an exponential cooldown, a count of corrupt shards, and the
 shards it advertised. A shard goes to the eligible source with the best
 `throughput / (1 + in_flight)`, and to the trainer (origin) only when no other eligible
-source holds it: the trainer's uplink would otherwise carry a copy per follower (it also
+source holds it and no other known-good source that holds it is merely busy or cooling
+down: the trainer's uplink would otherwise carry a copy per follower (it also
 hands each shard to the swarm about once and answers `seeded` after that: seeding.py). A
 source that sent `max_corrupt` corrupt shards is dropped for the rest of the version.
 
@@ -120,9 +121,10 @@ class SourceBook:
 
     def pick(self, shard: int, exclude: set[str] = frozenset(),
              held: frozenset[str] = frozenset()) -> str | None:
-        """The best source for `shard` now, or None; the trainer only if no other source
-        is eligible. `exclude`: sources that failed it; `held`: sources that answered
-        `seeded` for it lately (neither is asked). Sources on trial get a transfer only
+        """The best source for `shard` now, or None. The trainer only if no other source
+        is eligible and no other known-good source holds it (one that is busy or cooling
+        down is waited for). `exclude`: sources that failed it; `held`: sources that
+        answered `seeded` for it lately (neither is asked). Sources on trial get a transfer only
         while fewer than `trial_slots` trials run, or when no known-good source (usable or
         cooling down, and not holding it back) holds the shard."""
         now = self.clock()
@@ -130,15 +132,17 @@ class SourceBook:
         trials_open = self._trials() < self.trial_slots or not any(
             s.good and not s.dropped and s.peer not in held and s.has(shard)
             for s in self.sources.values())
-        best, best_score, origin = None, -1.0, None
+        best, best_score, origin, wait = None, -1.0, None, False
         for s in self.sources.values():
-            if not (s.has(shard) and self._usable(s, now, exclude, trials_open)):
+            if not s.has(shard) or s.dropped or s.peer in exclude:
                 continue
-            if s.origin:
+            if not self._usable(s, now, exclude, trials_open):
+                wait = wait or (s.good and not s.origin)  # busy or cooling down
+            elif s.origin:
                 origin = s.peer
             elif s.score() > best_score:
                 best, best_score = s.peer, s.score()
-        return best or origin
+        return best or (None if wait else origin)
 
     def any_usable(self) -> bool:
         """Whether some source could take a transfer now (cheap: no shard looked at)."""

@@ -714,6 +714,8 @@ def ours_broadcast(lab: Lab, plan: WanPlan, ckpt: Path, work: Path) -> dict:
                 "expected": len(done), "from": by,
                 "t_each": {h: round(d["t"] - t_cmd, 2)
                            for h, d in zip([*plan.relays, *plan.peers], done, strict=True)},
+                "fails": {k: sum(d["metrics"].get(k, 0) for d in done) for k in sorted(
+                    {k for d in done for k in d["metrics"] if k.startswith(("fail_", "seeded"))})},
                 "sources": {h: d["sources"]
                             for h, d in zip([*plan.relays, *plan.peers], done, strict=True)},
                 "trainer_shard_bytes": served.get("bytes_sent", 0),
@@ -883,9 +885,11 @@ def headlines(name: str, out: dict, args) -> list[Headline]:
     if name == "broadcast":
         ours, sc = out["ours"], out.get("shardcast")
         t = ours["t_all"]
-        return [Headline(f"wan: broadcast {args.mib} MiB to {ours['expected']} receivers",
+        return [Headline("wan: checkpoint broadcast to every follower (time vs bandwidth "
+                         "bound, trainer egress)",
                          "<= 1.5x the bandwidth bound; trainer egress <= 2x; ahead of "
                          "shardcast",
+                         f"{args.mib} MiB to {ours['expected']} receivers: "
                          f"{t / out['bound_s']:.1f}x ({t:.0f} s, bound {out['bound_s']:.0f} s)"
                          f"; egress {ours['egress'] / out['size']:.1f}x",
                          f"shardcast {sc['t_all']:.0f} s, egress "

@@ -537,7 +537,10 @@ async def _gossip_worker(args) -> None:
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    cfg = load_config(None, {"node.swarm_id": "bench", "node.listen": [args.listen]})
+    over = {"node.swarm_id": "bench", "node.listen": [args.listen]}
+    if args.relay:  # a relay host: serves Circuit Relay v2 as a relay-role node does
+        over["p2p.relay.service"] = "on"
+    cfg = load_config(None, over)
     node = P2PNode(Identity.generate(), cfg)
     records = []
 
@@ -571,8 +574,12 @@ async def _gossip_worker(args) -> None:
     end = time.time() + args.drain
     while len(records) < expected and time.time() < end:
         await asyncio.sleep(0.1)
+    # how this node reached each peer at the end: direct, relayed, or not connected
+    links = {p: ("relayed" if node.is_relayed(p) else "direct")
+             for p in node.connected_peers()}
     emit(event="done", peer_id=node.peer_id, records=records,
-         metrics=node.metrics.snapshot()["counters"])
+         metrics=node.metrics.snapshot()["counters"], links=links,
+         mesh=node.gossip.mesh_peers("rollouts"), reach=node.reach.current.verdict.value)
     await asyncio.to_thread(sys.stdin.readline)
     await node.close()
 
@@ -596,7 +603,8 @@ def gossip_figures(args, n: int, work: Path) -> dict:
             procs.append(first)
             boot = first.event("ready", 120)["addrs"][:1]
             for h in hosts[1:]:
-                procs.append(LabProc(lab, h, [*worker, "--listen",
+                relay = ["--relay"] if h in plan.relays else []
+                procs.append(LabProc(lab, h, [*worker, *relay, "--listen",
                                               f"/ip4/{lab.addr(h)}/tcp/4001",
                                               "--bootstrap", boot[0]],
                                      work / "gossip" / f"{h}.log"))
@@ -608,8 +616,11 @@ def gossip_figures(args, n: int, work: Path) -> dict:
                 p.send(json.dumps({"start": start}))
             results = [p.event("done", args.rounds * args.interval + args.drain + 120)
                        for p in procs]
-            for r in results:
+            for r, h in zip(results, hosts, strict=True):
                 r["start"] = start
+                r["host"] = h
+            # every arrival, for a per-pair look at what was late or missing
+            (work / "gossip" / "results.json").write_text(json.dumps(results))
             summary = summarize_libp2p(results, args)
             summary["stage"] = lab.stage_stats()
         finally:
@@ -924,6 +935,7 @@ def parse(argv=None):
     ap.add_argument("--listen")
     ap.add_argument("--bootstrap", action="append", default=[])
     ap.add_argument("--peers", type=int)
+    ap.add_argument("--relay", action="store_true")
     return ap.parse_args(argv)
 
 

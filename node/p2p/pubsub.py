@@ -37,6 +37,10 @@ MESH_POLL_S = 0.02
 # Announced pulls of one announcer waiting for its pull slots; more are dropped (counted
 # payload_pull_queue_full). An announce is ~150 bytes plus its waiting task.
 PULL_QUEUE_PER_ANNOUNCER = 256
+# A source that does not hold an announced body yet (a forwarder that is pulling it itself:
+# announces travel ahead of their bodies) is asked again after this, doubling up to the max.
+PULL_RETRY_S = 0.05
+PULL_RETRY_MAX_S = 1.0
 
 Handler = Callable[[Envelope, str], Awaitable[None]]
 
@@ -327,29 +331,64 @@ class GossipService:
     def pull_sources(self, origin: str) -> list[str]:
         """Where to pull an announced payload: the announcer, the peer that brought us its
         messages (it validated the announce, so it is pulling or holds it), then up to 3
-        other connected peers."""
-        first = [origin, self.validator.carried_by.get(origin)]
+        other connected peers. An announcer we hold no connection to goes last: it came
+        through the mesh because we cannot reach it (both behind NAT, no relayed path), and
+        a pull from it waits out a dial before the peers that can serve it are asked."""
         connected = self.ctx.peers.connected_peers()
+        first = [origin, self.validator.carried_by.get(origin)]
         ordered = [p for p in dict.fromkeys(first) if p]
-        return ordered + [p for p in connected if p not in ordered][:3]
+        ordered += [p for p in connected if p not in ordered][:3]
+        if origin not in connected and len(ordered) > 1:
+            ordered = [*ordered[1:], origin]
+        return ordered
 
     async def fetch_payload(self, ann: PayloadAnnounce, origin: str,
                             sources: list[str] | None = None) -> bytes | None:
         """The announced body from the first source that serves it, checked against the
         announce's size and hash (before anything decodes it); None if no source did.
         A source that serves other bytes, or an announcer that does not serve, is counted
-        and penalised."""
-        for source in self.pull_sources(origin) if sources is None else sources:
+        and penalised. Other sources that do not hold it yet (a forwarder still pulling it
+        itself) or are busy are asked again, after PULL_RETRY_S doubling, until
+        `p2p.payload_pull_timeout_s` after the first ask; an announcer we are not
+        connected to is asked only after that."""
+        todo = self.pull_sources(origin) if sources is None else list(sources)
+        last: list[str] = []
+        if len(todo) > 1 and todo[-1] == origin and origin not in self.ctx.peers.connected_peers():
+            last = [todo.pop()]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.payload_pull_timeout_s
+        pause = PULL_RETRY_S
+        while todo:
+            data, again = await self._pull_pass(ann, origin, todo)
+            if data is not None:
+                return data
+            if not again or deadline - loop.time() <= pause:
+                break
+            self.metrics.inc("payload_pull_retries")
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, PULL_RETRY_MAX_S)
+            todo = again
+        if last:
+            data, _ = await self._pull_pass(ann, origin, last)
+            return data
+        return None
+
+    async def _pull_pass(self, ann: PayloadAnnounce, origin: str,
+                         sources: list[str]) -> tuple[bytes | None, list[str]]:
+        """Ask each source in turn: the checked body, or None and the sources to ask again."""
+        again = []
+        for source in sources:
             try:
                 data = await self._pull_from(source, ann)
             except PullFailed as e:
-                self._pull_failed(source, origin, e)
+                if self._pull_failed(source, origin, e):
+                    again.append(source)
                 continue
             if len(data) != ann.size or hashlib.sha256(data).digest() != ann.content_hash:
                 self._reject_body(source, "hash_mismatch")
                 continue
-            return data
-        return None
+            return data, []
+        return None, again
 
     async def _pull_from(self, source: str, ann: PayloadAnnounce) -> bytes:
         """Over the bulk plane when the source has one, else over libp2p."""
@@ -375,15 +414,23 @@ class GossipService:
         self.metrics.inc("payload_pulled_libp2p")
         return data
 
-    def _pull_failed(self, source: str, origin: str, e: PullFailed) -> None:
+    def _pull_failed(self, source: str, origin: str, e: PullFailed) -> bool:
+        """Count (and charge, where it is an offence) one failed pull; True if `source`
+        may be asked again (it may hold the body later)."""
         log.info("could not pull an announced payload of %s from %s: %s", origin[-8:],
                  source[-8:], e)
         if e.reason == "too_large":  # answered with another length than announced
             self._reject_body(source, "too_large")
-        elif source == origin and e.reason in ("not_held", "timeout"):
-            self._reject_body(origin, "unserved_announce")  # announced it, did not serve it
-        else:  # a relay may not hold it yet; busy or a broken connection is no offence
-            self.metrics.inc("payload_pull_misses")
+            return False
+        if source == origin and e.reason in ("not_held", "timeout"):
+            if origin in self.ctx.peers.connected_peers():
+                self._reject_body(origin, "unserved_announce")  # announced it, did not serve
+            else:  # no connection to it (behind NAT): the dial failed, no offence
+                self.metrics.inc("payload_pull_misses")
+            return False
+        # a relay may not hold it yet; busy or a broken connection is no offence
+        self.metrics.inc("payload_pull_misses")
+        return source != origin and e.reason in ("not_held", "busy")
 
     def _reject_body(self, peer: str, reason: str) -> None:
         self.metrics.reject(peer, reason)

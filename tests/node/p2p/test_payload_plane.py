@@ -140,6 +140,30 @@ async def test_pull_falls_back_to_another_holder_over_libp2p(make_node, caplog):
     assert len(said) == 1 and "over libp2p streams" in said[0]  # one line for that source
 
 
+async def test_a_forwarder_still_pulling_is_asked_again(make_node):
+    """Announces travel ahead of their bodies: the peer that forwarded one may not hold the
+    body yet when we ask. It is asked again shortly (no offence), not given up on."""
+    a = await make_node()  # the announcer: reachable only through c (not asked here)
+    c = await make_node(bootstrap=a.listen_addrs)  # the forwarder, pulling it itself
+    b = await make_node(bootstrap=c.listen_addrs)
+    await wait_until(lambda: c.peer_id in b.connected_peers(), 30, what="b connected to c")
+    body, ann, _ = announce_of(a, batch(a.peer_id, 8192, 1))
+    asked = asyncio.Event()
+    lookup = c.gossip.body_server.lookup
+
+    def not_yet(digest):  # the first ask finds nothing, then c holds it
+        if not asked.is_set():
+            asked.set()
+            asyncio.get_running_loop().call_later(0.2, c.gossip.store_payload,
+                                                  ann.content_hash, body)
+        return lookup(digest)
+
+    c.gossip.body_server.lookup = not_yet
+    assert await b.gossip.fetch_payload(ann, a.peer_id, sources=[c.peer_id]) == body
+    assert b.metrics["payload_pull_retries"] >= 1 and b.metrics["payload_pull_misses"] >= 1
+    assert b.metrics["rejected"] == 0 and b.penalties.score(c.peer_id) == 0
+
+
 async def test_oversized_and_slow_answers_are_bounded(make_node):
     a = await make_node()
     b = await make_node(bootstrap=a.listen_addrs, payload_pull_timeout_s=1.0)

@@ -579,7 +579,8 @@ async def _gossip_worker(args) -> None:
              for p in node.connected_peers()}
     emit(event="done", peer_id=node.peer_id, records=records,
          metrics=node.metrics.snapshot()["counters"], links=links,
-         mesh=node.gossip.mesh_peers("rollouts"), reach=node.reach.current.verdict.value)
+         mesh=node.gossip.mesh_peers("rollouts"), reach=node.reach.current.verdict.value,
+         cpu_s=time.process_time())
     await asyncio.to_thread(sys.stdin.readline)
     await node.close()
 

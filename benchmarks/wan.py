@@ -540,6 +540,12 @@ async def _gossip_worker(args) -> None:
     over = {"node.swarm_id": "bench", "node.listen": [args.listen]}
     if args.relay:  # a relay host: serves Circuit Relay v2 as a relay-role node does
         over["p2p.relay.service"] = "on"
+    for kv in args.set:  # --set p2p.key=value (JSON value, else the string)
+        key, _, value = kv.partition("=")
+        try:
+            over[key] = json.loads(value)
+        except json.JSONDecodeError:
+            over[key] = value
     cfg = load_config(None, over)
     node = P2PNode(Identity.generate(), cfg)
     records = []
@@ -594,7 +600,8 @@ def gossip_figures(args, n: int, work: Path) -> dict:
     worker = [sys.executable, str(Path(__file__).resolve()), "--worker", "gossip",
               "--peers", str(n), "--rounds", str(args.rounds), "--interval",
               str(args.interval), "--batch-kib", str(args.batch_kib), "--drain",
-              str(args.drain), "--mesh-wait", str(args.mesh_wait)]
+              str(args.drain), "--mesh-wait", str(args.mesh_wait),
+              *(x for kv in args.set for x in ("--set", kv))]
     procs: list[LabProc] = []
     with Lab(topo, prefix="wanb", seed=args.seed) as lab:
         try:
@@ -631,6 +638,8 @@ def gossip_figures(args, n: int, work: Path) -> dict:
     slow_up = min(topo.link_of(topo.site_of(h)).up_mbit or 1e6 for h in hosts)
     transfer = args.batch_kib * 1024 * 8 / (slow_up * 1e6)
     summary["bound_s"] = max(rtts) / 1000 + transfer
+    summary["bound_parts"] = {"max_rtt_ms": max(rtts), "slowest_up_mbit": slow_up,
+                              "transfer_ms": transfer * 1000}
     summary["topic_peers"] = statistics.fmean(m["topic_peers"] for m in meshed)
     summary["nodes"] = n
     return summary
@@ -654,8 +663,19 @@ def section_gossip(args, work: Path) -> tuple[str, dict]:
     body = (f"Load before: {args.load_before}. {args.rounds} rounds every {args.interval} s, "
             f"{args.batch_kib} KiB per peer per round; workers bootstrap through the trainer's "
             "host; NAT'd workers wait up to --mesh-wait for a mesh.\n\n"
-            + table(GOSSIP_HEAD, [gossip_row(s)]) + f"\n\nDelay stage: {s['stage']}.")
+            + table(GOSSIP_HEAD, [gossip_row(s)]) + "\n\n" + bound_line(s, args)
+            + f"\n\nDelay stage: {s['stage']}.")
     return body, s
+
+
+def bound_line(s: dict, args) -> str:
+    b = s["bound_parts"]
+    overrides = f" Worker config overrides: {', '.join(args.set)}." if args.set else ""
+    return (f"Bound = slowest path's RTT ({b['max_rtt_ms']:.0f} ms) + one {args.batch_kib} KiB "
+            f"batch over the slowest uplink ({b['slowest_up_mbit']:g} Mbit/s: "
+            f"{b['transfer_ms']:.0f} ms) = {s['bound_s']:.3f} s; p95 of the rounds complete "
+            f"(a round is complete when every node holds every other node's batch of it, "
+            f"timed from the round's start).{overrides}")
 
 
 # broadcast -----------------------------------------------------------------------------------
@@ -928,6 +948,8 @@ def parse(argv=None):
     ap.add_argument("--batch-kib", type=int, default=64)
     ap.add_argument("--drain", type=float, default=30.0)
     ap.add_argument("--mesh-wait", type=float, default=60.0)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for every gossip worker (p2p.mesh_degree=4)")
     # broadcast
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--skip-shardcast", action="store_true")

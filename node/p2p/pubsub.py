@@ -41,6 +41,9 @@ PULL_QUEUE_PER_ANNOUNCER = 256
 # announces travel ahead of their bodies) is asked again after this, doubling up to the max.
 PULL_RETRY_S = 0.05
 PULL_RETRY_MAX_S = 1.0
+# How long the direct sources of a body are asked (and asked again) before the ones reached
+# through a relay, or by a dial: a public peer that pulled it is faster than a relayed path.
+RELAYED_AFTER_S = 1.0
 
 Handler = Callable[[Envelope, str], Awaitable[None]]
 
@@ -329,49 +332,60 @@ class GossipService:
         await self._deliver(kind, inner, origin)
 
     def pull_sources(self, origin: str) -> list[str]:
-        """Where to pull an announced payload: the announcer, the peer that brought us its
-        messages (it validated the announce, so it is pulling or holds it), then up to 3
-        other connected peers. An announcer we hold no connection to goes last: it came
-        through the mesh because we cannot reach it (both behind NAT, no relayed path), and
-        a pull from it waits out a dial before the peers that can serve it are asked."""
-        connected = self.ctx.peers.connected_peers()
-        first = [origin, self.validator.carried_by.get(origin)]
-        ordered = [p for p in dict.fromkeys(first) if p]
-        ordered += [p for p in connected if p not in ordered][:3]
-        if origin not in connected and len(ordered) > 1:
-            ordered = [*ordered[1:], origin]
-        return ordered
+        """Where to pull an announced payload, best first: the announcer, the peer that
+        brought us its messages (it validated the announce, so it is pulling or holds it),
+        then up to 3 other connected peers, those with a direct connection before those
+        reached only through a relay (a body over a relay crosses two links and the relay's
+        circuit limits, and a relayed announcer's slow home uplink is shared by everyone
+        pulling from it: a direct peer that pulled it already is faster). An announcer we
+        hold no connection to goes last: it came through the mesh because we cannot reach
+        it (both behind NAT, no relayed path), and a pull from it waits out a dial."""
+        peers = self.ctx.peers
+        connected = peers.connected_peers()
+        first = [p for p in dict.fromkeys([origin, self.validator.carried_by.get(origin)]) if p]
+        ordered = first + [p for p in connected if p not in first][:3]
+        direct = [p for p in ordered if p in connected and not peers.is_relayed(p)]
+        relayed = [p for p in ordered if p in connected and peers.is_relayed(p)]
+        return direct + relayed + [p for p in ordered if p not in connected]
 
     async def fetch_payload(self, ann: PayloadAnnounce, origin: str,
                             sources: list[str] | None = None) -> bytes | None:
         """The announced body from the first source that serves it, checked against the
         announce's size and hash (before anything decodes it); None if no source did.
         A source that serves other bytes, or an announcer that does not serve, is counted
-        and penalised. Other sources that do not hold it yet (a forwarder still pulling it
-        itself) or are busy are asked again, after PULL_RETRY_S doubling, until
-        `p2p.payload_pull_timeout_s` after the first ask; an announcer we are not
-        connected to is asked only after that."""
+        and penalised. Sources on a direct connection are asked first; those that do not
+        hold it yet (a forwarder still pulling it itself) or are busy are asked again, after
+        PULL_RETRY_S doubling, until `p2p.payload_pull_timeout_s` after the first ask.
+        Sources reached only through a relay, or not connected at all (a dial), are asked
+        once, when no direct source is left to ask or after RELAYED_AFTER_S."""
+        peers = self.ctx.peers
         todo = self.pull_sources(origin) if sources is None else list(sources)
-        last: list[str] = []
-        if len(todo) > 1 and todo[-1] == origin and origin not in self.ctx.peers.connected_peers():
-            last = [todo.pop()]
+        connected = set(peers.connected_peers())
+        later = [p for p in todo if p not in connected or peers.is_relayed(p)]
+        if len(later) < len(todo):
+            todo = [p for p in todo if p not in later]
+        else:  # no direct source: ask them in order
+            later = []
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.cfg.payload_pull_timeout_s
+        now = loop.time()
+        deadline, relay_at = now + self.cfg.payload_pull_timeout_s, now + RELAYED_AFTER_S
         pause = PULL_RETRY_S
-        while todo:
+        while True:
             data, again = await self._pull_pass(ann, origin, todo)
             if data is not None:
                 return data
+            if later and (not again or loop.time() >= relay_at):
+                data, _ = await self._pull_pass(ann, origin, later)
+                if data is not None:
+                    return data
+                later = []  # the direct ones may hold it now: one more ask at least
+                deadline = max(deadline, loop.time() + 2 * pause)
             if not again or deadline - loop.time() <= pause:
-                break
+                return None
             self.metrics.inc("payload_pull_retries")
             await asyncio.sleep(pause)
             pause = min(pause * 2, PULL_RETRY_MAX_S)
             todo = again
-        if last:
-            data, _ = await self._pull_pass(ann, origin, last)
-            return data
-        return None
 
     async def _pull_pass(self, ann: PayloadAnnounce, origin: str,
                          sources: list[str]) -> tuple[bytes | None, list[str]]:
@@ -423,10 +437,12 @@ class GossipService:
             self._reject_body(source, "too_large")
             return False
         if source == origin and e.reason in ("not_held", "timeout"):
-            if origin in self.ctx.peers.connected_peers():
+            peers = self.ctx.peers
+            if e.reason == "not_held" or (origin in peers.connected_peers()
+                                          and not peers.is_relayed(origin)):
                 self._reject_body(origin, "unserved_announce")  # announced it, did not serve
-            else:  # no connection to it (behind NAT): the dial failed, no offence
-                self.metrics.inc("payload_pull_misses")
+            else:  # no connection but through a relay, or none (behind NAT): a slow or
+                self.metrics.inc("payload_pull_misses")  # failed path is no offence
             return False
         # a relay may not hold it yet; busy or a broken connection is no offence
         self.metrics.inc("payload_pull_misses")

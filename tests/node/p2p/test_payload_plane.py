@@ -164,6 +164,32 @@ async def test_a_forwarder_still_pulling_is_asked_again(make_node):
     assert b.metrics["rejected"] == 0 and b.penalties.score(c.peer_id) == 0
 
 
+async def test_a_direct_holder_is_asked_before_a_relayed_announcer(make_node, monkeypatch):
+    """An announcer we reach only through a relay is asked after the peers on a direct
+    connection (one that pulled the body serves it faster, and spares the relay); a slow
+    relayed path is no offence of the announcer."""
+    a = await make_node(payload_pull_timeout_s=1.0)  # the announcer, "behind a relay"
+    c = await make_node(bootstrap=a.listen_addrs)  # a direct peer that holds the body
+    b = await make_node(bootstrap=a.listen_addrs, payload_pull_timeout_s=1.0)
+    await wait_until(lambda: {a.peer_id, c.peer_id} <= set(b.connected_peers()), 30,
+                     what="b connected to a and c")
+    monkeypatch.setattr(b, "is_relayed", lambda peer: peer == a.peer_id)
+    body, ann, _ = announce_of(a, batch(a.peer_id, 8192, 1))
+    c.gossip.store_payload(ann.content_hash, body)
+    asked: list[bytes] = []
+    a.gossip.body_server.lookup = lambda digest: asked.append(digest)  # holds nothing
+    assert await b.gossip.fetch_payload(ann, a.peer_id) == body
+    assert asked == [] and b.metrics["rejected"] == 0  # c served it; a was not asked
+
+    async def stall(peer, conn):  # a relayed path that never delivers
+        await asyncio.Event().wait()
+
+    a.bulk.register(BODY, stall)
+    await drop_warm_connection(b, a)
+    assert await b.gossip.fetch_payload(ann, a.peer_id, sources=[a.peer_id]) is None
+    assert b.metrics["rejected"] == 0 and b.penalties.score(a.peer_id) == 0
+
+
 async def test_oversized_and_slow_answers_are_bounded(make_node):
     a = await make_node()
     b = await make_node(bootstrap=a.listen_addrs, payload_pull_timeout_s=1.0)

@@ -557,6 +557,14 @@ async def _gossip_worker(args) -> None:
     def emit(**obj):
         print(json.dumps(obj), flush=True)
 
+    announced: dict[str, list[float]] = {}  # origin -> arrival times of its announces
+    pull_announced = node.gossip._pull_announced
+
+    async def timed_pull(kind, env, origin):  # when each announce arrived (before its pull)
+        announced.setdefault(origin, []).append(time.time())
+        await pull_announced(kind, env, origin)
+
+    node.gossip._pull_announced = timed_pull
     await node.start(bootstrap=args.bootstrap)
     await node.subscribe("rollouts", on_batch)
     emit(event="ready", peer_id=node.peer_id, addrs=node.listen_addrs)
@@ -586,7 +594,7 @@ async def _gossip_worker(args) -> None:
     emit(event="done", peer_id=node.peer_id, records=records,
          metrics=node.metrics.snapshot()["counters"], links=links,
          mesh=node.gossip.mesh_peers("rollouts"), reach=node.reach.current.verdict.value,
-         cpu_s=time.process_time())
+         cpu_s=time.process_time(), announced=announced)
     await asyncio.to_thread(sys.stdin.readline)
     await node.close()
 

@@ -334,16 +334,23 @@ class GossipService:
     def pull_sources(self, origin: str) -> list[str]:
         """Where to pull an announced payload, best first: the announcer, the peer that
         brought us its messages (it validated the announce, so it is pulling or holds it),
-        then up to 3 other connected peers, those with a direct connection before those
-        reached only through a relay (a body over a relay crosses two links and the relay's
-        circuit limits, and a relayed announcer's slow home uplink is shared by everyone
-        pulling from it: a direct peer that pulled it already is faster). An announcer we
-        hold no connection to goes last: it came through the mesh because we cannot reach
-        it (both behind NAT, no relayed path), and a pull from it waits out a dial."""
+        then up to 3 other connected peers (public ones first); those on a direct connection
+        before those reached only through a relay (a body over a relay crosses two links and
+        the relay's circuit limits, and a relayed announcer's slow home uplink is shared by
+        everyone pulling from it: a direct peer that pulled it already is faster). An
+        announcer we hold no connection to goes last: it came through the mesh because we
+        cannot reach it (both behind NAT, no relayed path), and a pull from it waits out a
+        dial."""
         peers = self.ctx.peers
         connected = peers.connected_peers()
         first = [p for p in dict.fromkeys([origin, self.validator.carried_by.get(origin)]) if p]
-        ordered = first + [p for p in connected if p not in first][:3]
+        # of the others, public ones first (a plane we can use): an announcer behind NAT
+        # dials out to them, so they pull its body first-hand
+        puller = self.puller
+        others = sorted((p for p in connected if p not in first),
+                        key=lambda p: (peers.is_relayed(p),
+                                       puller is not None and not puller.usable(p)))
+        ordered = first + others[:3]
         direct = [p for p in ordered if p in connected and not peers.is_relayed(p)]
         relayed = [p for p in ordered if p in connected and peers.is_relayed(p)]
         return direct + relayed + [p for p in ordered if p not in connected]

@@ -44,6 +44,9 @@ PULL_RETRY_MAX_S = 1.0
 # How long the direct sources of a body are asked (and asked again) before the ones reached
 # through a relay, or by a dial: a public peer that pulled it is faster than a relayed path.
 RELAYED_AFTER_S = 1.0
+# Peers asked for a body besides its announcer and forwarder, and how many more each time
+# those do not hold it yet (the peers that do may be any of the connected ones).
+PULL_OTHERS = 3
 
 Handler = Callable[[Envelope, str], Awaitable[None]]
 
@@ -334,13 +337,18 @@ class GossipService:
     def pull_sources(self, origin: str) -> list[str]:
         """Where to pull an announced payload, best first: the announcer, the peer that
         brought us its messages (it validated the announce, so it is pulling or holds it),
-        then up to 3 other connected peers (public ones first); those on a direct connection
-        before those reached only through a relay (a body over a relay crosses two links and
-        the relay's circuit limits, and a relayed announcer's slow home uplink is shared by
-        everyone pulling from it: a direct peer that pulled it already is faster). An
-        announcer we hold no connection to goes last: it came through the mesh because we
-        cannot reach it (both behind NAT, no relayed path), and a pull from it waits out a
-        dial."""
+        then up to PULL_OTHERS other connected peers (public ones first); those on a direct
+        connection before those reached only through a relay (a body over a relay crosses
+        two links and the relay's circuit limits, and a relayed announcer's slow home uplink
+        is shared by everyone pulling from it: a direct peer that pulled it already is
+        faster). An announcer we hold no connection to goes last: it came through the mesh
+        because we cannot reach it (both behind NAT, no relayed path), and a pull from it
+        waits out a dial."""
+        return self._pull_candidates(origin)[0]
+
+    def _pull_candidates(self, origin: str) -> tuple[list[str], list[str]]:
+        """(pull_sources, the other directly connected peers in the same order: asked,
+        PULL_OTHERS more at a time, while the first ones do not hold the body yet)."""
         peers = self.ctx.peers
         connected = peers.connected_peers()
         first = [p for p in dict.fromkeys([origin, self.validator.carried_by.get(origin)]) if p]
@@ -350,10 +358,11 @@ class GossipService:
         others = sorted((p for p in connected if p not in first),
                         key=lambda p: (peers.is_relayed(p),
                                        puller is not None and not puller.usable(p)))
-        ordered = first + others[:3]
+        ordered = first + others[:PULL_OTHERS]
         direct = [p for p in ordered if p in connected and not peers.is_relayed(p)]
         relayed = [p for p in ordered if p in connected and peers.is_relayed(p)]
-        return direct + relayed + [p for p in ordered if p not in connected]
+        spare = [p for p in others[PULL_OTHERS:] if not peers.is_relayed(p)]
+        return direct + relayed + [p for p in ordered if p not in connected], spare
 
     async def fetch_payload(self, ann: PayloadAnnounce, origin: str,
                             sources: list[str] | None = None) -> bytes | None:
@@ -362,11 +371,15 @@ class GossipService:
         A source that serves other bytes, or an announcer that does not serve, is counted
         and penalised. Sources on a direct connection are asked first; those that do not
         hold it yet (a forwarder still pulling it itself) or are busy are asked again, after
-        PULL_RETRY_S doubling, until `p2p.payload_pull_timeout_s` after the first ask.
-        Sources reached only through a relay, or not connected at all (a dial), are asked
-        once, when no direct source is left to ask or after RELAYED_AFTER_S."""
+        PULL_RETRY_S doubling, each time with PULL_OTHERS more direct peers not asked yet,
+        until `p2p.payload_pull_timeout_s` after the first ask. Sources reached only through
+        a relay, or not connected at all (a dial), are asked once, when no direct source is
+        left to ask or after RELAYED_AFTER_S. `sources`: exactly these, in this order."""
         peers = self.ctx.peers
-        todo = self.pull_sources(origin) if sources is None else list(sources)
+        if sources is None:
+            todo, spare = self._pull_candidates(origin)
+        else:
+            todo, spare = list(sources), []
         connected = set(peers.connected_peers())
         later = [p for p in todo if p not in connected or peers.is_relayed(p)]
         if len(later) < len(todo):
@@ -381,18 +394,18 @@ class GossipService:
             data, again = await self._pull_pass(ann, origin, todo)
             if data is not None:
                 return data
-            if later and (not again or loop.time() >= relay_at):
+            if later and (not (again or spare) or loop.time() >= relay_at):
                 data, _ = await self._pull_pass(ann, origin, later)
                 if data is not None:
                     return data
                 later = []  # the direct ones may hold it now: one more ask at least
                 deadline = max(deadline, loop.time() + 2 * pause)
-            if not again or deadline - loop.time() <= pause:
+            if not (again or spare) or deadline - loop.time() <= pause:
                 return None
             self.metrics.inc("payload_pull_retries")
             await asyncio.sleep(pause)
             pause = min(pause * 2, PULL_RETRY_MAX_S)
-            todo = again
+            todo, spare = again + spare[:PULL_OTHERS], spare[PULL_OTHERS:]
 
     async def _pull_pass(self, ann: PayloadAnnounce, origin: str,
                          sources: list[str]) -> tuple[bytes | None, list[str]]:

@@ -164,6 +164,20 @@ async def test_a_forwarder_still_pulling_is_asked_again(make_node):
     assert b.metrics["rejected"] == 0 and b.penalties.score(c.peer_id) == 0
 
 
+async def test_more_peers_are_asked_while_the_first_ones_do_not_hold_it(make_node):
+    """Besides the announcer and its forwarder, 3 other peers are asked at first; while none
+    holds the body, 3 more are asked each time (the peers that pulled it may be any)."""
+    b = await make_node()
+    a, *others = [await make_node(bootstrap=b.listen_addrs) for _ in range(5)]
+    await wait_until(lambda: len(b.connected_peers()) == 5, 30, what="b connected to all")
+    first = b.gossip.pull_sources(a.peer_id)  # a (holds nothing) and 3 others
+    holder = next(o for o in others if o.peer_id not in first)
+    body, ann, _ = announce_of(a, batch(a.peer_id, 8192, 1))
+    holder.gossip.store_payload(ann.content_hash, body)
+    assert await b.gossip.fetch_payload(ann, a.peer_id) == body
+    assert b.metrics["payload_pull_retries"] >= 1
+
+
 async def test_a_direct_holder_is_asked_before_a_relayed_announcer(make_node, monkeypatch):
     """An announcer we reach only through a relay is asked after the peers on a direct
     connection (one that pulled the body serves it faster, and spares the relay); a slow

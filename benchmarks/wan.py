@@ -648,9 +648,27 @@ def gossip_figures(args, n: int, work: Path) -> dict:
     summary["bound_s"] = max(rtts) / 1000 + transfer
     summary["bound_parts"] = {"max_rtt_ms": max(rtts), "slowest_up_mbit": slow_up,
                               "transfer_ms": transfer * 1000}
+    summary.update(announce_pull_split(results))
     summary["topic_peers"] = statistics.fmean(m["topic_peers"] for m in meshed)
     summary["nodes"] = n
     return summary
+
+
+def announce_pull_split(results: list[dict]) -> dict:
+    """Each delivery's time split in two: its announce's travel (origin's seal to arrival)
+    and the pull of its body (arrival to delivery). An origin's k-th announce is its batch
+    of round k (one publish per round, in order)."""
+    ann, pull = [], []
+    for r in results:
+        got = {(s, rnd): (t, ts) for s, rnd, t, ts, _ in r["records"]}
+        for origin, times in r.get("announced", {}).items():
+            for k, t_ann in enumerate(sorted(times)):
+                if (origin, k) in got:
+                    t, ts = got[origin, k]
+                    ann.append(t_ann - ts)
+                    pull.append(t - t_ann)
+    return {"announce_p50": pct(ann, 50), "announce_p95": pct(ann, 95),
+            "pull_p50": pct(pull, 50), "pull_p95": pct(pull, 95)}
 
 
 def gossip_row(s: dict) -> list:
@@ -678,12 +696,17 @@ def section_gossip(args, work: Path) -> tuple[str, dict]:
 
 def bound_line(s: dict, args) -> str:
     b = s["bound_parts"]
+    split = (f" Where a message's time goes: its announce arrives in {s['announce_p50']:.2f} s "
+             f"(p50) / {s['announce_p95']:.2f} s (p95) after it was sealed, then its body's "
+             f"pull takes {s['pull_p50']:.2f} / {s['pull_p95']:.2f} s (a request round trip, "
+             "then 64 KiB in TCP slow start on a connection idle since the last round: "
+             "~3-4 RTT of the path at best).")
     overrides = f" Worker config overrides: {', '.join(args.set)}." if args.set else ""
     return (f"Bound = slowest path's RTT ({b['max_rtt_ms']:.0f} ms) + one {args.batch_kib} KiB "
             f"batch over the slowest uplink ({b['slowest_up_mbit']:g} Mbit/s: "
             f"{b['transfer_ms']:.0f} ms) = {s['bound_s']:.3f} s; p95 of the rounds complete "
             f"(a round is complete when every node holds every other node's batch of it, "
-            f"timed from the round's start).{overrides}")
+            f"timed from the round's start).{split}{overrides}")
 
 
 # broadcast -----------------------------------------------------------------------------------

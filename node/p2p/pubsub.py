@@ -44,9 +44,10 @@ PULL_RETRY_MAX_S = 1.0
 # How long the direct sources of a body are asked (and asked again) before the ones reached
 # through a relay, or by a dial: a public peer that pulled it is faster than a relayed path.
 RELAYED_AFTER_S = 1.0
-# Peers asked for a body besides its announcer and forwarder, and how many more each time
-# those do not hold it yet (the peers that do may be any of the connected ones).
+# Peers asked for a body besides its announcer and forwarder at first (the peers that hold
+# it may be any of the connected ones: the others are asked after them, PULL_PASS at a time).
 PULL_OTHERS = 3
+PULL_PASS = 4
 
 Handler = Callable[[Envelope, str], Awaitable[None]]
 
@@ -369,12 +370,14 @@ class GossipService:
         """The announced body from the first source that serves it, checked against the
         announce's size and hash (before anything decodes it); None if no source did.
         A source that serves other bytes, or an announcer that does not serve, is counted
-        and penalised. Sources on a direct connection are asked first; those that do not
-        hold it yet (a forwarder still pulling it itself) or are busy are asked again, after
-        PULL_RETRY_S doubling, each time with PULL_OTHERS more direct peers not asked yet,
-        until `p2p.payload_pull_timeout_s` after the first ask. Sources reached only through
-        a relay, or not connected at all (a dial), are asked once, when no direct source is
-        left to ask or after RELAYED_AFTER_S. `sources`: exactly these, in this order."""
+        and penalised. Sources on a direct connection are asked first, PULL_PASS at a time
+        (asks are one after another: each is a round trip); those that do not hold it yet
+        (a forwarder still pulling it itself) or are busy go to the back of the line, behind
+        the other directly connected peers not asked yet, and the next PULL_PASS are asked
+        after PULL_RETRY_S doubling, until `p2p.payload_pull_timeout_s` after the first ask.
+        Sources reached only through a relay, or not connected at all (a dial), are asked
+        once, when no direct source is left to ask or after RELAYED_AFTER_S. `sources`:
+        exactly these, in this order."""
         peers = self.ctx.peers
         if sources is None:
             todo, spare = self._pull_candidates(origin)
@@ -386,26 +389,28 @@ class GossipService:
             todo = [p for p in todo if p not in later]
         else:  # no direct source: ask them in order
             later = []
+        line = deque(todo[:PULL_PASS] + spare + todo[PULL_PASS:])
         loop = asyncio.get_running_loop()
         now = loop.time()
         deadline, relay_at = now + self.cfg.payload_pull_timeout_s, now + RELAYED_AFTER_S
         pause = PULL_RETRY_S
         while True:
-            data, again = await self._pull_pass(ann, origin, todo)
+            ask = [line.popleft() for _ in range(min(PULL_PASS, len(line)))]
+            data, again = await self._pull_pass(ann, origin, ask)
             if data is not None:
                 return data
-            if later and (not (again or spare) or loop.time() >= relay_at):
+            line.extend(again)
+            if later and (not line or loop.time() >= relay_at):
                 data, _ = await self._pull_pass(ann, origin, later)
                 if data is not None:
                     return data
                 later = []  # the direct ones may hold it now: one more ask at least
                 deadline = max(deadline, loop.time() + 2 * pause)
-            if not (again or spare) or deadline - loop.time() <= pause:
+            if not line or deadline - loop.time() <= pause:
                 return None
             self.metrics.inc("payload_pull_retries")
             await asyncio.sleep(pause)
             pause = min(pause * 2, PULL_RETRY_MAX_S)
-            todo, spare = again + spare[:PULL_OTHERS], spare[PULL_OTHERS:]
 
     async def _pull_pass(self, ann: PayloadAnnounce, origin: str,
                          sources: list[str]) -> tuple[bytes | None, list[str]]:

@@ -375,39 +375,44 @@ class GossipService:
         (a forwarder still pulling it itself) or are busy go to the back of the line, behind
         the other directly connected peers not asked yet, and the next PULL_PASS are asked
         after PULL_RETRY_S doubling, until `p2p.payload_pull_timeout_s` after the first ask.
-        Sources reached only through a relay, or not connected at all (a dial), are asked
-        once, when no direct source is left to ask or after RELAYED_AFTER_S. `sources`:
-        exactly these, in this order."""
+        Sources reached only through a relay are asked once, when no direct source is left
+        to ask or after RELAYED_AFTER_S; a source not connected at all (a dial, which may
+        take `dial_timeout_s`) once, last. `sources`: exactly these, in this order."""
         peers = self.ctx.peers
         if sources is None:
             todo, spare = self._pull_candidates(origin)
         else:
             todo, spare = list(sources), []
         connected = set(peers.connected_peers())
-        later = [p for p in todo if p not in connected or peers.is_relayed(p)]
-        if len(later) < len(todo):
-            todo = [p for p in todo if p not in later]
+        relayed = [p for p in todo if p in connected and peers.is_relayed(p)]
+        dial = [p for p in todo if p not in connected]
+        if len(relayed) + len(dial) < len(todo):
+            todo = [p for p in todo if p not in relayed and p not in dial]
         else:  # no direct source: ask them in order
-            later = []
+            relayed, dial = [], []
         line = deque(todo[:PULL_PASS] + spare + todo[PULL_PASS:])
         loop = asyncio.get_running_loop()
         now = loop.time()
         deadline, relay_at = now + self.cfg.payload_pull_timeout_s, now + RELAYED_AFTER_S
         pause = PULL_RETRY_S
         while True:
-            ask = [line.popleft() for _ in range(min(PULL_PASS, len(line)))]
-            data, again = await self._pull_pass(ann, origin, ask)
-            if data is not None:
-                return data
-            line.extend(again)
-            if later and (not line or loop.time() >= relay_at):
-                data, _ = await self._pull_pass(ann, origin, later)
+            if line:
+                ask = [line.popleft() for _ in range(min(PULL_PASS, len(line)))]
+                data, again = await self._pull_pass(ann, origin, ask)
                 if data is not None:
                     return data
-                later = []  # the direct ones may hold it now: one more ask at least
+                line.extend(again)
+            if relayed and (not line or loop.time() >= relay_at):
+                data, _ = await self._pull_pass(ann, origin, relayed)
+                if data is not None:
+                    return data
+                relayed = []  # the direct ones may hold it now: one more ask at least
                 deadline = max(deadline, loop.time() + 2 * pause)
             if not line or deadline - loop.time() <= pause:
-                return None
+                # last: a dial (it may wait out dial_timeout_s) to an announcer we are not
+                # connected to, once nobody else is left to ask
+                data, _ = await self._pull_pass(ann, origin, dial) if dial else (None, [])
+                return data
             self.metrics.inc("payload_pull_retries")
             await asyncio.sleep(pause)
             pause = min(pause * 2, PULL_RETRY_MAX_S)

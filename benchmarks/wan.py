@@ -749,7 +749,9 @@ def ours_broadcast(lab: Lab, plan: WanPlan, ckpt: Path, work: Path) -> dict:
         o = origin.event("ready", 120)
         relays = [start(r, "relay", "--follow", o["peer_id"], "--bootstrap", o["addrs"][0])
                   for r in plan.relays]
-        boots = [x for r in relays for x in ("--bootstrap", r.event("ready", 120)["addrs"][0])]
+        ready = [r.event("ready", 120) for r in relays]
+        relay_ids = {r["peer_id"] for r in ready}
+        boots = [x for r in ready for x in ("--bootstrap", r["addrs"][0])]
         followers = [start(h, "inference", "--follow", o["peer_id"], *boots)
                      for h in plan.peers]
         for f in followers:
@@ -761,9 +763,26 @@ def ours_broadcast(lab: Lab, plan: WanPlan, ckpt: Path, work: Path) -> dict:
         pub = origin.event("published", 600)
         done = [f.event("complete", 1800) for f in [*relays, *followers]]
         t_all = max(d["t"] for d in done) - t_cmd
+        origin.send("stats")
+        served = origin.event("stats", 60)["server"]
+        shard = -(-pub["total"] // pub["shards"])
+        by = {"trainer": 0, "relays": 0, "peers": 0}  # whose uplinks carried the copies
+        for d in done:
+            for peer, s in d["sources"].items():
+                kind = ("trainer" if peer == o["peer_id"] else "relays" if peer in relay_ids
+                        else "peers")
+                by[kind] += s["shards_ok"] * shard
         return {"t_all": t_all, "t_after_publish": max(d["t"] for d in done) - pub["t"],
                 "egress": lab.link_bytes(plan.trainer)["tx"] - tx0, "ok": len(done),
-                "expected": len(done)}
+                "expected": len(done), "from": by,
+                "t_each": {h: round(d["t"] - t_cmd, 2)
+                           for h, d in zip([*plan.relays, *plan.peers], done, strict=True)},
+                "fails": {k: sum(d["metrics"].get(k, 0) for d in done) for k in sorted(
+                    {k for d in done for k in d["metrics"] if k.startswith(("fail_", "seeded"))})},
+                "sources": {h: d["sources"]
+                            for h, d in zip([*plan.relays, *plan.peers], done, strict=True)},
+                "trainer_shard_bytes": served.get("bytes_sent", 0),
+                "trainer_seeded": served.get("error_seeded", 0)}
     finally:
         for p in procs:
             p.stop()
@@ -837,21 +856,24 @@ def section_broadcast(args, work: Path) -> tuple[str, dict]:
     receivers = [*plan.relays, *plan.peers]
     bound = lower_bound_s(plan.topology, plan.trainer, receivers, size)
     out = {"bound_s": bound, "size": size}
-    with Lab(plan.topology, prefix="wanb", seed=args.seed) as lab:
+    with Lab(plan.topology, prefix=args.lab_prefix, seed=args.seed) as lab:
         out["ours"] = ours_broadcast(lab, plan, ckpt, work / "ours")
     if SHARDCAST_PY.exists() and not args.skip_shardcast:
-        with Lab(plan.topology, prefix="wanb", seed=args.seed) as lab:
+        with Lab(plan.topology, prefix=args.lab_prefix, seed=args.seed) as lab:
             out["shardcast"] = shardcast_broadcast(lab, plan, ckpt / "model.safetensors",
                                                    work / "shardcast")
     rows = []
     for name in ("ours", "shardcast"):
         r = out.get(name)
         if r is None:
-            rows.append([name, "not run (no .venv-shardcast)", "-", "-", "-"])
+            rows.append([name, "not run (no .venv-shardcast)", "-", "-", "-", "-"])
             continue
         t = r["t_all"]
+        by = r.get("from")
+        carried = ("-" if by is None else " / ".join(
+            f"{by[k] / size:.1f}" for k in ("trainer", "relays", "peers")))
         rows.append([name, f"{r['ok']}/{r['expected']}", t if t is not None else "incomplete",
-                     t / bound if t else "-", r["egress"] / size])
+                     t / bound if t else "-", r["egress"] / size, carried])
     body = (f"Load before: {args.load_before}. {args.mib} MiB from the trainer "
             f"({args.trainer_mbit:.0f} Mbit/s) to {len(receivers)} receivers ({len(plan.relays)} "
             f"relays + {len(plan.peers)} followers, {len(plan.topology.homes)} behind NATs); "
@@ -859,7 +881,8 @@ def section_broadcast(args, work: Path) -> tuple[str, dict]:
             "receiver verified its copy (shardcast: every client; its middles on the relays report "
             "nothing); egress counted on the trainer's access link.\n\n"
             + table(["system", "copies verified", "time s", "x lower bound (goal <= 1.5)",
-                     "trainer egress / checkpoint (goal <= 2)"], rows))
+                     "trainer egress / checkpoint (goal <= 2)",
+                     "copies served by trainer / relays / peers"], rows))
     return body, out
 
 
@@ -925,9 +948,11 @@ def headlines(name: str, out: dict, args) -> list[Headline]:
     if name == "broadcast":
         ours, sc = out["ours"], out.get("shardcast")
         t = ours["t_all"]
-        return [Headline(f"wan: broadcast {args.mib} MiB to {ours['expected']} receivers",
+        return [Headline("wan: checkpoint broadcast to every follower (time vs bandwidth "
+                         "bound, trainer egress)",
                          "<= 1.5x the bandwidth bound; trainer egress <= 2x; ahead of "
                          "shardcast",
+                         f"{args.mib} MiB to {ours['expected']} receivers: "
                          f"{t / out['bound_s']:.1f}x ({t:.0f} s, bound {out['bound_s']:.0f} s)"
                          f"; egress {ours['egress'] / out['size']:.1f}x",
                          f"shardcast {sc['t_all']:.0f} s, egress "
@@ -984,6 +1009,8 @@ def parse(argv=None):
     # broadcast
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--skip-shardcast", action="store_true")
+    ap.add_argument("--lab-prefix", default="wanb",
+                    help="netns name prefix of the broadcast section's labs (<= 8 chars)")
     # the gossip worker (run by the benchmark inside lab hosts)
     ap.add_argument("--worker", choices=["gossip"])
     ap.add_argument("--listen")

@@ -334,6 +334,12 @@ class BroadcastSection(Section):
     """Every holding is re-advertised this often (late joiners learn sources and versions)."""
     relay_keep_versions: int = Field(2, ge=1)
     """Versions a relay keeps per trainer."""
+    seed_copies: int = Field(1, ge=0)
+    """Trainer: copies of each shard of its own checkpoint it hands out before it answers
+    `seeded` (the swarm carries the rest; 0: serve every request)."""
+    seed_hold_s: float = Field(5.0, ge=0)
+    """Trainer: how long after a shard's last copy it answers `seeded` for it; then the next
+    asker gets one more copy (its holders may have left or be out of reach)."""
 
 
 class RelaySection(Section):

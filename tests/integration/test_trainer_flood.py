@@ -22,7 +22,7 @@ from .test_trainer_restart import until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-SHARE, BURST_S = 0.1, 2.0  # IntakeLimits defaults: probation_time_share, probation_burst_s
+SHARE, BURST_S = 0.1, 0.5  # IntakeLimits defaults: probation_time_share, probation_burst_s
 
 
 def rss_mib(pid: int) -> float:

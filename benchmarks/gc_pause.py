@@ -7,7 +7,8 @@ A trainer, an inference peer and a relay (`swarm-node join`, tiny model, loopbac
 trainer steps as fast as the peer's batches come, so the peer and the relay download a
 new checkpoint every second or so) run `--seconds`, twice: with `gc.freeze` made a no-op
 (before) and as shipped (after). Each process records every collection's duration by
-generation (a callback at its start and its stop); at exit it also times one full
+generation (a callback at its start and its stop; counted from when all three are up, so
+start-up's own collections are left out); at exit it also times one full
 `gc.collect()` (what any full collection costs in that heap) and counts the objects the
 collector tracks. The machine is shared: the load average is recorded.
 """
@@ -36,7 +37,7 @@ def probe(phase, info):
     if phase == "start":
         started[0] = time.perf_counter()
     else:
-        pauses[info["generation"]].append(time.perf_counter() - started[0])
+        pauses[info["generation"]].append((time.time(), time.perf_counter() - started[0]))
 gc.callbacks.append(probe)
 if os.environ.get("GC_PAUSE_FREEZE") == "0":
     gc.freeze = lambda: None
@@ -75,10 +76,10 @@ def one_run(root: Path, model_dir: Path, seconds: float, freeze: bool) -> dict:
         for role, cfg in (("inference", pcfg), ("relay", rcfg)):
             cfg["node"].update(bootstrap=[boot], follow=[tid])
             procs[role] = Proc(root / role, cfg, prefix, env(role))
-        for role in ("inference", "relay"):
+        for role in ("inference", "relay"):  # started: a checkpoint of the trainer loaded
             p = procs[role]
-            p.wait(lambda p=p: p.status().get("peer_id"), 180, f"{role} up")
-        t0 = time.monotonic()
+            p.wait(lambda p=p: p.status().get("policy_version", 0) >= 1, 180, f"{role} up")
+        t0, since = time.monotonic(), time.time()  # the steady part: all three are up
         v0 = t.status().get("policy_version", 0)
         while time.monotonic() - t0 < seconds:
             for role, p in procs.items():
@@ -86,12 +87,16 @@ def one_run(root: Path, model_dir: Path, seconds: float, freeze: bool) -> dict:
                     raise RuntimeError(f"{role} exited\n{p.log.read_text()[-2000:]}")
             time.sleep(1.0)
         versions = t.status().get("policy_version", 0) - v0
+        until = time.time()
     finally:
         for p in procs.values():
             p.stop()
     out = {"versions": versions}
     for role in procs:
-        out[role] = json.loads((root / f"{role}.gc.json").read_text())
+        stats = json.loads((root / f"{role}.gc.json").read_text())
+        stats["pauses"] = {gen: [d for at, d in got if since <= at <= until]
+                           for gen, got in stats["pauses"].items()}
+        out[role] = stats
     return out
 
 
@@ -117,7 +122,7 @@ def report(runs: dict, load: str, seconds: float) -> str:
                          f"{s['collect_ms']:.0f}", s["tracked"], s["frozen"]])
     return "\n".join([
         (f"Load average: {load} (2 shared cores). Trainer + inference peer + relay, tiny model, "
-        f"{seconds:.0f} s per run; before: `gc.freeze` a no-op ({runs['before']['versions']} "
+        f"{seconds:.0f} s per run (collections counted over those seconds, from when the peer and the relay had loaded a checkpoint); before: `gc.freeze` a no-op ({runs['before']['versions']} "
         f"trainer versions), after: as shipped ({runs['after']['versions']} versions).\n"),
         table(["role", "run", "full collections", "longest (ms)", "all (ms)",
                "young collections", "longest young (ms)",

@@ -305,6 +305,7 @@ class Intake:
         # verification time by tier (probation_lent: idle time lent beyond the share)
         self.seconds = {"established": 0.0, "probation": 0.0, "probation_lent": 0.0}
         self.batches: Counter = Counter()  # verified, by tier; alarms; already accepted
+        self.verdicts: Counter = Counter()  # others' verdicts heard: used as hints, ignored
         self.view: dict = {}
         self._update_view()
 
@@ -313,7 +314,8 @@ class Intake:
             queued=len(self.queue), established_waiting=self.queue.established_waiting,
             dropped=dict(self.queue.dropped),
             verify_seconds={k: round(v, 2) for k, v in self.seconds.items()},
-            batches=dict(self.batches), probation_share_s=round(self.share.level(), 2),
+            batches=dict(self.batches), verdicts=dict(self.verdicts),
+            probation_share_s=round(self.share.level(), 2),
             pooled_alarms=self.monitor.pooled_alarms)
 
     @classmethod
@@ -374,7 +376,9 @@ class Intake:
         """A `Verdict` from another peer: a hint only, from a peer with verified history
         here or a trusted one (a followed trainer); see Reputation.hint."""
         trusted = self.established(env.sender) or self.trusted(env.sender)
-        self.reputation.hint(env.message, env.sender, trusted=trusted)
+        used = self.reputation.hint(env.message, env.sender, trusted=trusted)
+        self.verdicts["used" if used else "ignored"] += 1
+        self._update_view()
 
     # serving ------------------------------------------------------------------------------
 

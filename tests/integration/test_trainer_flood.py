@@ -157,7 +157,8 @@ async def test_4_a_fresh_key_flood_costs_at_most_the_probation_share(tmp_path, t
                   f"the honest peer over {flood.carriers} carriers ({flood.cut} "
                   f"cut), {verified} verified by the trainer in {spent:.1f} s of {elapsed:.0f} s "
                   f"(+ {lent:.1f} s of idle time lent); "
-                  f"honest accepted during: {during}; dropped {view1['dropped']}; attacker "
+                  f"honest accepted during: {during}; dropped {view1['dropped']}; verdicts "
+                  f"heard {view1.get('verdicts')}; attacker "
                   f"{flood.cpu_per_batch * 1e3:.1f} ms CPU per batch; trainer RSS {rss0:.0f} -> "
                   f"{rss1:.0f} MiB")
             # nothing of the honest peer lost or refused, but for a known rare case: one run of
@@ -165,6 +166,9 @@ async def test_4_a_fresh_key_flood_costs_at_most_the_probation_share(tmp_path, t
             # rejected, reason not captured then (printed now); not reproduced in 3 runs since
             print(f"honest peer at the trainer: {honest()}")
             assert honest()["rejected"] <= honest()["accepted"] // 500, honest()
+            heard = view1.get("verdicts", {})  # the accusations reached the trainer ...
+            assert heard.get("ignored", 0) - view0.get("verdicts", {}).get("ignored", 0) > 0
+            assert heard.get("used", 0) == view0.get("verdicts", {}).get("used", 0)  # ... in vain
             assert verified > 0  # the flood did reach the model checks ...
             # ... within the probation share: its refill and its depth (plus the batch in
             # flight); what the trainer lent while it only waited for peers is counted apart

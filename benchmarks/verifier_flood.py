@@ -1,6 +1,6 @@
 """A sybil flood on a trainer's verification (issue #30 item 4), measured end to end.
 
-    .venv/bin/python benchmarks/verifier_flood.py [--window-s 15] [--cycles 4] [--rate 50]
+    .venv/bin/python benchmarks/verifier_flood.py [--window-s 15] [--cycles 6] [--rate 50]
         [--control] [--garbage] [--lr 1e-12]
 
 Real `swarm-node join` processes on loopback (tiny model): a trainer and an honest inference
@@ -119,6 +119,7 @@ class Sample(NamedTuple):
     intake: dict  # the trainer's intake view (extra.intake)
     cpu: float  # the trainer process's CPU seconds so far
     peer_cpu: float  # the honest peer's
+    waited: float  # seconds the trainer's and the peer's threads were ready but not running
 
 
 def configs(root: Path, model_dir: Path, lr: float) -> tuple[dict, dict]:
@@ -167,7 +168,8 @@ async def run(args) -> dict:
             return Sample(time.monotonic(), acc.get("accepted", 0), acc.get("rejected", 0),
                           peer.status().get("rollouts_sent", 0), st.get("policy_version", 0),
                           (st.get("extra") or {}).get("intake") or {},
-                          process_cpu(trainer.proc.pid), process_cpu(peer.proc.pid))
+                          process_cpu(trainer.proc.pid), process_cpu(peer.proc.pid),
+                          run_queue_wait(trainer.proc.pid) + run_queue_wait(peer.proc.pid))
 
         trainer.wait(lambda: sample().accepted >= 64, 300, "honest peer established")
         swarm = Config.model_validate({"tasks": tcfg["tasks"], "sampler": tcfg["sampler"],
@@ -271,7 +273,7 @@ def summarize(w: dict) -> dict:
             "offered_per_s": (b.offered - a.offered) / dt,
             "honest_rejected": b.rejected - a.rejected,
             "versions_per_s": (b.version - a.version) / dt, "trainer_cpu_s": b.cpu - a.cpu,
-            "peer_cpu_s": b.peer_cpu - a.peer_cpu,
+            "peer_cpu_s": b.peer_cpu - a.peer_cpu, "waited_s": b.waited - a.waited,
             "probation_batches": intake("batches", "probation"),
             "probation_s": intake("verify_seconds", "probation"),
             "probation_lent_s": intake("verify_seconds", "probation_lent"),
@@ -340,6 +342,18 @@ def process_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def run_queue_wait(pid: int) -> float:
+    """Seconds the threads of process `pid` have spent so far ready to run but waiting for
+    a core (/proc/PID/task/TID/schedstat, 2nd field): what other tenants' load took."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    return total / 1e9
+
+
 def thread_cpu(pid: int) -> dict[str, float]:
     """CPU seconds so far of each thread of process `pid`, by thread id (the ids py-spy
     names in `--profile` output)."""
@@ -381,7 +395,8 @@ def report(res: dict, load: str, args) -> str:
     ws = res["windows"]
     rows = [[w["window"], f"{w['seconds']:.0f}", f"{w['offered_per_s']:.1f}",
              f"{w['honest_per_s']:.1f}", w["honest_rejected"], f"{w['versions_per_s']:.2f}",
-             f"{w['trainer_cpu_s']:.1f}", f"{w['peer_cpu_s']:.1f}", w["sent"], w["probation_batches"],
+             f"{w['trainer_cpu_s']:.1f}", f"{w['peer_cpu_s']:.1f}", f"{w['waited_s']:.1f}",
+             w["sent"], w["probation_batches"],
              f"{w['probation_s']:.1f} + {w['probation_lent_s']:.1f}", w["dropped"],
              f"{w['max_gap_s']:.1f}"] for w in ws]
     flood, control = shares(ws, "flood"), shares(ws, "control")
@@ -414,6 +429,7 @@ def report(res: dict, load: str, args) -> str:
              "(`accepted_by_peer`).\n"),
             table(["window", "s", "honest offered / s", "honest accepted / s",
                    "honest rejected", "trainer versions / s", "trainer CPU s", "peer CPU s",
+                   "trainer + peer s waiting for a core",
                    "flood batches sent", "flood batches verified",
                    "verification s on them (share + lent)", "flood dropped unverified",
                    "longest gap without a version, s"], rows),
@@ -444,7 +460,7 @@ def report(res: dict, load: str, args) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--window-s", type=float, default=15.0)
-    ap.add_argument("--cycles", type=int, default=4)
+    ap.add_argument("--cycles", type=int, default=6)
     ap.add_argument("--recovery-window-s", type=float, default=5.0)
     ap.add_argument("--control", action="store_true", help="a control window (the "
                     "attacker's CPU work, nothing sent) before each flood window")

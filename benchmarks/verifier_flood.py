@@ -486,7 +486,32 @@ def main() -> None:
     if not args.no_record:
         from benchmarks.results import record
 
-        record("verifier-garbage" if args.garbage else "verifier-flood", text)
+        if args.garbage:
+            record("verifier-garbage", text)
+        else:
+            record("verifier-flood", text, headline=[headline(res, load)])
+
+
+def headline(res: dict, load: str):
+    """The verifier-flood row of RESULTS.md's headline table from a run."""
+    import statistics
+
+    from benchmarks.results import Headline
+
+    share = shares(res["windows"], "flood")
+    rec = res["recovery_s"]
+    back = [r for r in rec if r is not None]
+    waited = [w["waited_s"] for w in res["windows"]]
+    return Headline(
+        figure="verifier: a fresh-key flood on a trainer's verification (tiny model)",
+        goal=">= 80% of baseline honest acceptance; baseline within 10 s after",
+        current=(f"median {statistics.median(share):.0%} of the baseline windows around each "
+                 f"flood window (lowest {min(share):.0%}, {len(share)} windows); recovery "
+                 + (f"{max(back):.1f} s at most" if back else "none")
+                 + f" ({len(back)} of {len(rec)} within the next window); trainer + peer "
+                 f"waited {min(waited):.0f}-{max(waited):.0f} s for a core per window"),
+        baseline="before: trainer versions/s 0.23 -> 0.02 under the flood",
+        load=load.split(" -> ")[0].split(" / ")[0] + "-" + load.split(" -> ")[-1].split(" / ")[0])
 
 
 if __name__ == "__main__":

@@ -399,7 +399,7 @@ def report(res: dict, load: str, args) -> str:
              w["sent"], w["probation_batches"],
              f"{w['probation_s']:.1f} + {w['probation_lent_s']:.1f}", w["dropped"],
              f"{w['max_gap_s']:.1f}"] for w in ws]
-    flood, control = shares(ws, "flood"), shares(ws, "control")
+    flood, control = shares(ws, "flood") or [0.0], shares(ws, "control")
     f = res["flood"]
     fl = [w for w in ws if w["kind"] == "flood"]
     verified = sum(w["probation_batches"] for w in fl)
@@ -498,7 +498,7 @@ def headline(res: dict, load: str):
 
     from benchmarks.results import Headline
 
-    share = shares(res["windows"], "flood")
+    share = shares(res["windows"], "flood") or [0.0]  # no baseline acceptance at all: 0
     rec = res["recovery_s"]
     back = [r for r in rec if r is not None]
     waited = [w["waited_s"] for w in res["windows"]]

@@ -418,8 +418,10 @@ class P2PSection(Section):
     """Raw inbound streams from one peer handled at once (more are reset)."""
     payload_cache_bytes: int = Field(256 * 1024 * 1024, ge=0)
     """Announced large payloads kept for peers to pull (oldest evicted first)."""
-    payload_fetch_parallel: int = Field(4, ge=1)
-    """Announced payloads pulled at once."""
+    payload_fetch_parallel: int = Field(16, ge=1)
+    """Announced payloads pulled at once. A pull lasts a few round trips (~0.5 s over a
+    200 ms path), so with one batch per peer per round this must cover (peers - 1) pulls
+    times that: at 4, 12 peers over a WAN fell behind by a second a round."""
     payload_pulls_per_peer: int = Field(2, ge=1)
     """Announced payloads pulled at once from one peer (each on a bulk-plane connection)."""
     payload_pull_timeout_s: float = Field(10.0, gt=0)

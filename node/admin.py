@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .dashboard import page
-from .dashboard.views import alerts, contribution
+from .dashboard.views import alerts, contribution, swarm
 from .errors import NodeError
 
 if TYPE_CHECKING:
@@ -157,6 +157,7 @@ def status_document(state: NodeState) -> dict[str, Any]:
     doc = state.status()
     doc["alerts"] = alerts(doc)
     doc["contribution"] = contribution(doc)
+    doc["swarm"] = swarm(doc)
     return doc
 
 
@@ -317,6 +318,12 @@ def render_tables(doc: dict[str, Any]) -> list:
         ("connected peers", doc.get("connected_peers", len(doc.get("peers") or []))),
         ("policy", _policy(doc)),
     ]
+    starting = (doc.get("extra") or {}).get("starting") or {}
+    if starting.get("doing"):
+        eta = starting.get("eta_s")
+        rows.insert(2, ("starting", f"{starting['doing']}: "
+                        f"{_duration(starting.get('elapsed_s'))} so far, " + (
+                            "first time: no ETA" if eta is None else f"ETA {_duration(eta)}")))
     if role == "trainer":
         rows += [
             ("reward", "-" if reward is None else f"{reward:.3f}"),
@@ -334,6 +341,9 @@ def render_tables(doc: dict[str, Any]) -> list:
     ck = doc.get("checkpoint_progress") or {}
     if ck:
         rows.append(("checkpoint", _progress(ck)))
+    step = (doc.get("extra") or {}).get("step") or {}
+    if step.get("phase"):
+        rows.append(("training step", _step(step)))
     if doc.get("join_command"):
         rows.append(("others join with", doc["join_command"]))
     rows.append(("version", (f"{doc.get('software_version') or '?'} (protocol "
@@ -382,6 +392,33 @@ def render_tables(doc: dict[str, Any]) -> list:
             t.add_row(str(peer), str(c.get("accepted", 0)), str(c.get("rejected", 0)),
                       "yes" if peer in banned else "")
         tables.append(t)
+    tables += _swarm_tables(doc["swarm"] if isinstance(doc.get("swarm"), dict) else swarm(doc))
+    return tables
+
+
+def _swarm_tables(view: dict[str, Any]) -> list:
+    """The swarm as this node knows it (dashboard/views.py `swarm`): peers, then versions."""
+    tables = []
+    peers = view.get("peers") or []
+    if peers:
+        t = Table(title=f"the swarm as this node knows it ({view.get('peers_known', 0)} peers)")
+        for col in ("peer", "role", "holds", "connection", "accepted", "rejected"):
+            t.add_column(col, justify="right" if col in ("accepted", "rejected") else "left")
+        for r in peers:
+            holds = "-" if r.get("version") is None else \
+                f"v{r['version']}" + ("" if r.get("complete") else " (partly)")
+            t.add_row(str(r.get("peer")), str(r.get("role")), holds, str(r.get("connection")),
+                      str(r.get("accepted", "")), str(r.get("rejected", "")))
+        tables.append(t)
+    versions = view.get("versions") or []
+    if versions:
+        t = Table(title="versions known in the swarm")
+        for col in ("policy", "version", "peers advertising", "here"):
+            t.add_column(col)
+        for v in versions:
+            t.add_row(str(v.get("policy_id")), f"v{v.get('version')}", str(v.get("holders", 0)),
+                      str(v.get("here") or "-"))
+        tables.append(t)
     return tables
 
 
@@ -422,6 +459,17 @@ def _progress(ck: dict[str, Any]) -> str:
     if ck.get("eta_s") is not None:
         text += f", {ck.get('rate_bytes_s', 0) / 2**20:.1f} MiB/s, ETA {_duration(ck['eta_s'])}"
     return text
+
+
+def _step(st: dict[str, Any]) -> str:
+    """The trainer's step in progress (node/trainer/progress.py), on one line."""
+    g = st.get("groups") or {}
+    eta = st.get("eta_s")
+    due = ("ETA after two steps" if eta is None else "due now" if eta <= 0
+           else f"due in {_duration(eta)}")
+    return (f"v{st.get('next_version')}: {st.get('doing')}; groups {g.get('local', 0)}/"
+            f"{g.get('need_local', 0)} of this policy, {g.get('external', 0)}/"
+            f"{g.get('need_external', 0)} of others; {due}")
 
 
 def _duration(seconds) -> str:

@@ -370,7 +370,8 @@ def held_out_report(model_dir: Path, trainer: DemoNode) -> list[str]:
         if path is None:
             lines.append(f"  {label}: no checkpoint")
             continue
-        acc = accuracy_of_model_dir(path, refs, SMOLLM2_MAX_NEW, style=style)
+        acc = accuracy_of_model_dir(path, refs, SMOLLM2_MAX_NEW, style=style,
+                                    say=lambda line: print(line, flush=True))
         lines.append(f"  {label}: exact {acc['exact']:.3f}, <answer> tag {acc['tagged']:.3f}, "
                      f"last number right {acc['lenient']:.3f}")
     return lines

@@ -3,12 +3,15 @@
 A node adopts checkpoints only from trainers it follows. With `node.follow` set, those.
 Without it, the node makes ONE explicit choice, from its bootstrap peers: it asks each of
 them whom it follows (FOLLOWS_PROTOCOL: a trainer names itself, a relay or an inference
-peer the trainers it follows) and follows a trainer only when the bootstrap peers that
-answered agree on exactly one, once all of them answered or `DECIDE_AFTER_S` passed. When
-they name different trainers, it follows none and says so in one line naming the
-candidates and who named them, asking the operator for `--follow`. The operator picked the
-bootstrap peers, so the choice is anchored in the operator's own configuration, never in
-whichever key gossips first, and one bad entry in the list cannot win. The choice is
+peer the trainers it follows) and follows a trainer only when every bootstrap peer answered
+and those that name a trainer name the same one (at once when all of them name it; after
+`DECIDE_AFTER_S` when some answered that they follow nobody yet). When they name different
+trainers, or a bootstrap peer stays silent (no answer at all), it follows none and says so
+in one line naming who named which trainer and who is silent, asking the operator for
+`--follow`; it keeps asking meanwhile. The operator picked the bootstrap peers, so the
+choice is anchored in the operator's own configuration, never in whichever key gossips
+first, and one bad entry in the list cannot win, not even while the others are silent
+(with the real trainer down, an attacker's "follow me" is not enough). The choice is
 logged, written to `<data_dir>/follow.json` and kept across restarts; it never changes
 silently (only a configured `--follow` replaces it, with a log line). A trainer follows
 nobody unless configured (no chooser).
@@ -73,6 +76,7 @@ class TrainerChoice:
         self.path = Path(data_dir) / FOLLOW_FILE
         self.announcers = set(announcers)
         self.answers: dict[str, set[str]] = {}  # bootstrap peer -> trainers it follows
+        self.responded: set[str] = set()  # bootstrap peers that answered (even "nobody")
         self.problem: str | None = None  # why no choice was made (said once), for /status
         saved = self._load()
         self.chosen: str | None = None
@@ -101,30 +105,32 @@ class TrainerChoice:
     def answered(self, peer: str, trainers: list[str]) -> None:
         """Bootstrap peer `peer` follows `trainers` (an empty answer is no answer)."""
         if peer in self.announcers:
+            self.responded.add(peer)
             if trainers:
                 self.answers[peer] = set(trainers)
             else:
                 self.answers.pop(peer, None)
 
     def decide(self, final: bool = False) -> str | None:
-        """Choose if the answers name exactly one trainer and every bootstrap peer answered
-        (or `final`: the wait is over). Returns the choice (None: none yet)."""
+        """Choose if the answers name exactly one trainer and every bootstrap peer named it
+        (or `final`, the wait is over, and every bootstrap peer answered: some follow
+        nobody yet). A silent bootstrap peer is never outvoted: after the wait, one line
+        says who named what and who is silent. Returns the choice (None: none yet)."""
         if self.chosen is not None:
             return self.chosen
         named: dict[str, list[str]] = {}
         for peer, trainers in sorted(self.answers.items()):
             for t in trainers:
                 named.setdefault(t, []).append(peer)
+        silent = sorted(self.announcers - self.responded)
         if len(named) > 1:
-            line = ("bootstrap peers disagree on the trainer to follow: " + "; ".join(
-                f"{t} (named by {', '.join(p[-8:] for p in by)})"
-                for t, by in sorted(named.items())) + ". Following none: pass --follow "
-                "<trainer peer id> to choose")
-            if line != self.problem:
-                self.problem = line
-                log.warning("%s", line)
+            self._say("bootstrap peers disagree on the trainer to follow", named, silent)
             return None
         if not named or not (final or set(self.answers) == self.announcers):
+            return None
+        if silent:
+            self._say("cannot choose a trainer to follow yet: not every bootstrap peer "
+                      "answered", named, silent)
             return None
         (trainer, by), = named.items()
         self.chosen, self.problem = trainer, None
@@ -135,6 +141,18 @@ class TrainerChoice:
                  "restarts; pass --follow to choose another", trainer,
                  "s" if len(by) > 1 else "", ", ".join(p[-8:] for p in by), how, self.path)
         return trainer
+
+    def _say(self, why: str, named: dict[str, list[str]], silent: list[str]) -> None:
+        """The one line (logged when it changes, kept for /status) of an undecided choice."""
+        parts = [f"{t} (named by {', '.join(p[-8:] for p in by)})"
+                 for t, by in sorted(named.items())]
+        if silent:
+            parts.append(f"silent: {', '.join(p[-8:] for p in silent)}")
+        line = (f"{why}: {'; '.join(parts)}. Following none (asking again): pass --follow "
+                "<trainer peer id> to choose")
+        if line != self.problem:
+            self.problem = line
+            log.warning("%s", line)
 
     def _load(self) -> str | None:
         try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 from ...protocol.errors import ProtocolError
@@ -70,6 +71,9 @@ class Broadcaster:
                                  choice=choice, settings_check=settings_check,
                                  interactive=interactive)
         self.follower.on_complete = on_complete
+        # called once the store is loaded, before unfinished downloads resume: a feed hands
+        # the stored versions over here (roles/interfaces.py BroadcastFeed)
+        self.on_loaded: Callable[[], None] | None = None
         self.follower.on_shard = self.adverts.shard_verified
         self.follower.on_done = self.adverts.mark_dirty
         self.adverts.on_source = self.follower.on_source
@@ -113,6 +117,8 @@ class Broadcaster:
     async def start(self) -> None:
         for entry in await asyncio.to_thread(self.store.load, self.gate.problem):
             self.adverts.mark_dirty(entry.key)
+        if self.on_loaded is not None:
+            self.on_loaded()
         # shard after shard on one stream while the client keeps sending requests
         self.node.set_stream_handler(SHARD_PROTOCOL, self.server.serve_connection)
         bulk = self.node.bulk

@@ -126,6 +126,48 @@ def contribution(doc: dict[str, Any]) -> dict[str, Any]:
             "per_hour": hour.get("rate"), "trainers": trainers}
 
 
+def swarm(doc: dict[str, Any], max_peers: int = 64) -> dict[str, Any]:
+    """The swarm as this node knows it, from what it already learned: its connections
+    (direct or through a relay), the checkpoint adverts of the policies it follows
+    (`extra.swarm`: who holds which version), the rollouts it verified (a trainer: accepted
+    and rejected per peer) and the verdicts about it (the trainers that judged it).
+    `peers`: one row per peer, newest-known first: role (`trainer`: it publishes a policy
+    or sends verdicts; `inference`: it sent rollouts; `follower`: it holds a followed
+    policy's checkpoint, a relay or an inference peer; `?`: connected, nothing more known),
+    the version it holds, its connection, and on a trainer its counts. `versions`: each
+    version known, with the number of peers advertising it and whether it is here."""
+    extra = _dict(doc.get("extra"))
+    known = _dict(extra.get("swarm"))
+    holders = _dict(known.get("holders"))
+    conns = _dict(_dict(doc.get("p2p")).get("connections"))
+    relayed = set(conns.get("relayed_peers") or [])
+    connected = set(doc.get("peers") or [])
+    by_peer = _dict(doc.get("accepted_by_peer"))
+    trainers = set(_dict(_dict(doc.get("verdicts_about_me")).get("by_trainer")))
+    trainers |= {str(_dict(v).get("policy_id")) for v in known.get("versions") or []}
+    if doc.get("policy_id") and doc.get("role") != "trainer":
+        trainers.add(str(doc["policy_id"]))
+    me = doc.get("peer_id")
+    rows = []
+    for peer in sorted((connected | set(holders) | set(by_peer) | trainers) - {me, "None"}):
+        held = _dict(holders.get(peer))
+        counts = _dict(by_peer.get(peer))
+        role = ("trainer" if peer in trainers else "inference" if counts
+                else "follower" if held else "?")
+        row = {"peer": peer, "role": role,
+               "version": held.get("version") if held else None,
+               "complete": held.get("complete") if held else None,
+               "connection": ("relayed" if peer in relayed else "direct")
+               if peer in connected else "not connected"}
+        if counts:
+            row["accepted"] = _int(counts.get("accepted"))
+            row["rejected"] = _int(counts.get("rejected"))
+        rows.append(row)
+    rows.sort(key=lambda r: (r["connection"] == "not connected", -(r["version"] or -1)))
+    return {"peers": rows[:max_peers], "peers_known": len(rows),
+            "versions": [v for v in known.get("versions") or [] if isinstance(v, dict)]}
+
+
 def _reachability(doc: dict[str, Any]) -> tuple[str, str, str] | None:
     """(status, detail, fix) from wherever the host reports it, or None when it does not."""
     extra = _dict(doc.get("extra"))

@@ -155,6 +155,20 @@ class Role:
         self.state.metrics.before_read(tracker.tick)
         self.state.add_counters("broadcast", feed.counters)
 
+    def watch_swarm(self, feed: CheckpointFeed) -> None:
+        """What the feed learned of the swarm's versions and their holders (adverts) in
+        /status `extra.swarm`, taken whenever the state is read (dashboard/views.py `swarm`
+        joins it with the connections and the per-peer counts)."""
+        swarm = getattr(feed, "swarm", None)  # the broadcaster's feed; test fakes have none
+        if swarm is None:
+            return
+        view = self.state.extra.setdefault("swarm", {})
+
+        def refresh() -> None:
+            view.clear()
+            view.update(swarm())
+        self.state.metrics.before_read(refresh)
+
     def count_sampling(self, sampler: Callable[[], object]) -> None:
         """The sampler's seconds by phase at `/metrics` (`swarm_node_sampler_seconds_total`;
         `sampler()`: the one in use, which a role may replace)."""

@@ -23,6 +23,7 @@ from ..sampler import make_sampler
 from ..sampler.factory import sampling_params
 from ..sampler.rounds import sample_round, to_batch
 from ..tasks import PromptStyle, TaskSource, get_task
+from ..trainer.progress import Stage
 from .base import Role, freeze_heap, wait_any
 from .interfaces import (
     BroadcastFeed,
@@ -67,7 +68,11 @@ class InferenceRole(Role):
         # the settings of the loaded checkpoint: swapped with it, handed to every round
         self.effective = self.settings.local
         self.state.extra["settings"] = self.settings.view
-        self.sampler = await self.work(make_sampler, self.cfg, peer_id=self.identity.peer_id)
+        # seconds to minutes (a one-time conversion too): said with an ETA from the last run
+        load = Stage("loading the model", "model_load", self.data_dir,
+                     self.state.extra.setdefault("starting", {}))
+        self.sampler = await load.around(
+            self.work(make_sampler, self.cfg, peer_id=self.identity.peer_id))
         self.tokenizer = self.sampler.tokenizer
         self.state.policy_version = self.sampler.version
         if self.feed is None:
@@ -78,10 +83,14 @@ class InferenceRole(Role):
         self.feed.listen(self._on_checkpoint)
         self.policy_id = self.feed.chosen()
         self.state.policy_id = self.policy_id or ""
-        await self.feed.start()
+        await self.feed.start()  # hands over the newest verified version stored here
+        if self.pending is not None:  # a restart: sample it, not the base model
+            await self._maybe_reload()
+            self.new_version.clear()  # run() still waits a while for a newer announcement
         self.state.extra["disk"] = self.feed.disk.status()
         self.state.extra["sampling_disk"] = self.disk.status()
         self.track_downloads(self.feed)
+        self.watch_swarm(self.feed)
         self.count_sampling(lambda: self.sampler)
         # says so if the trainer never appears (chosen: announced by the bootstrap peer)
         self.watch_followed(self.feed, lambda: self.policy_id or self.feed.chosen())

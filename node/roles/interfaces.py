@@ -44,6 +44,7 @@ class VerifiedCheckpoint:
     downloaded: int = 0  # bytes of verified shards fetched from peers for it (0: none)
     seconds: float = 0.0  # from its accepted manifest to the verified checkpoint
     shards: int = 0
+    stored: bool = False  # found complete on disk at start (a restart), not downloaded now
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,7 @@ class BroadcastFeed:
         self.changed = broadcaster.follower.changed
         self._listeners: list[OnCheckpoint] = []
         broadcaster.on_complete = self._handed_over
+        broadcaster.on_loaded = self._hand_over_stored
 
     @classmethod
     def create(cls, p2p: Transport, cfg, root: Path, **kwargs) -> BroadcastFeed:
@@ -136,6 +138,27 @@ class BroadcastFeed:
                                   done.fetched, done.seconds, m.num_shards)
         for on_checkpoint in self._listeners:
             on_checkpoint(ckpt)
+
+    def _hand_over_stored(self) -> None:
+        """After a restart: the newest complete version of each followed policy found on
+        disk, handed over like a finished download, so the role starts from it rather than
+        from the base model. Its swarm settings are checked again first, as a downloaded
+        manifest's are (this node's settings may have changed since); a refused one is not
+        handed over (the check says why, once)."""
+        b = self.broadcaster
+        check = b.gate.settings_check
+        for policy_id in sorted(b.gate.follow):
+            version = b.store.current_version(policy_id)
+            entry = b.store.get(policy_id, version)
+            if entry is None:
+                continue
+            m = entry.manifest
+            if check is not None and check(m.settings, policy_id, version) is not None:
+                continue
+            ckpt = VerifiedCheckpoint(policy_id, version, entry.checkpoint_dir, m.total_size,
+                                      shards=m.num_shards, stored=True)
+            for on_checkpoint in self._listeners:
+                on_checkpoint(ckpt)
 
     def listen(self, on_checkpoint: OnCheckpoint) -> None:
         self._listeners.append(on_checkpoint)
@@ -160,6 +183,33 @@ class BroadcastFeed:
     def served(self) -> dict[str, int]:
         """Checkpoint bytes uploaded to each peer since start (whole answers)."""
         return dict(self.broadcaster.server.served_to)
+
+    def swarm(self, max_peers: int = 64) -> dict:
+        """What this node learned of the swarm's versions from the adverts of the followed
+        policies (for /status `extra.swarm`): each version known (held here, complete or
+        not, or advertised by peers) with its holders' count, and for each advertising peer
+        the newest version it holds (complete or partly), at most `max_peers` of them."""
+        b = self.broadcaster
+        versions: dict[tuple[str, int], dict] = {}
+        peers: dict[str, dict] = {}
+        for key, entry in list(b.store.entries.items()):
+            versions[key] = {"policy_id": key[0], "version": key[1], "holders": 0,
+                             "here": "complete" if entry.complete else "partial"}
+        for rec in list(b.records):
+            v = versions.setdefault(rec.key, {"policy_id": rec.policy_id,
+                                              "version": rec.version, "holders": 0,
+                                              "here": ""})
+            v["holders"] = len(rec.holders)
+            for peer, holdings in list(rec.holders.items()):
+                known = peers.get(peer)
+                if known is None or (known["version"], known["complete"]) < (
+                        rec.version, holdings is None):
+                    peers[peer] = {"policy_id": rec.policy_id, "version": rec.version,
+                                   "complete": holdings is None}
+        newest = sorted(peers.items(), key=lambda kv: -kv[1]["version"])[:max_peers]
+        return {"versions": sorted(versions.values(),
+                                   key=lambda v: (v["policy_id"], -v["version"]))[:32],
+                "holders": dict(newest)}
 
     def downloads(self) -> list[DownloadStatus]:
         out = []

@@ -32,6 +32,7 @@ class RelayRole(Role):
         await self.feed.start()
         self.state.extra["disk"] = self.feed.disk.status()
         self.track_downloads(self.feed)
+        self.watch_swarm(self.feed)
         # says so if the followed trainer never appears, like the inference role
         self.watch_followed(self.feed, self.feed.chosen)
         freeze_heap()
@@ -39,6 +40,9 @@ class RelayRole(Role):
     def _on_complete(self, ckpt: VerifiedCheckpoint) -> None:
         self.state.policy_id = ckpt.policy_id
         self.state.policy_version = ckpt.version
+        if ckpt.stored:  # found on disk at start: served (and advertised) again at once
+            log.info("serving the stored policy %s v%d", ckpt.policy_id[-8:], ckpt.version)
+            return
         self.state.count("versions_mirrored")
         log.info("mirrored policy %s v%d (%d bytes)", ckpt.policy_id[-8:], ckpt.version,
                  ckpt.size)

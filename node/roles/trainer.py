@@ -40,6 +40,7 @@ from ..tasks import PromptStyle, TaskSource
 from ..trainer.distributed import attach_ranks
 from ..trainer.group import attach_group
 from ..trainer.hooks import StepHooks
+from ..trainer.progress import Stage, StepProgress, duration
 from ..trainer.trainer import Trainer
 from .base import Role, freeze_heap
 from .interfaces import CheckpointFeed, CheckpointPublisher, OwnCheckpoints, Verifier
@@ -72,6 +73,9 @@ class TrainerRole(Role):
         self.verifiers: dict[str, object] = {}
         self._models: OrderedDict[tuple[str, int], object] = OrderedDict()
         self.round = int(self.load_json("round.json", {"next_round": 0})["next_round"])
+        # the step in progress: what the loop waits for, the groups gathered, the ETA
+        self.progress = StepProgress((cfg.trainer.local_items, cfg.trainer.external_items),
+                                     self._groups, version=0)
 
     # start-up ---------------------------------------------------------------------------
 
@@ -79,14 +83,19 @@ class TrainerRole(Role):
         cfg = self.cfg
         name = cfg.model.name
         model_dir = ensure_builtin(name) if name.startswith("builtin:") else name
-        self.trainer = await self.work(Trainer, cfg, model_dir, self.data_dir,
-                                       policy_id=self.identity.peer_id,
-                                       scale_out=self._scale_out)
+        load = Stage("loading the model and the trainer's state", "model_load",
+                     self.data_dir, self.state.extra.setdefault("starting", {}))
+        self.trainer = await load.around(self.work(Trainer, cfg, model_dir, self.data_dir,
+                                                   policy_id=self.identity.peer_id,
+                                                   scale_out=self._scale_out))
         self.sampler = HFSampler(self.trainer.model, self.trainer.tokenizer,
                                  peer_id=self.identity.peer_id, version=self.trainer.version,
                                  max_context=cfg.model.max_context,
                                  max_batch=cfg.sampler.max_batch)
         self.count_sampling(lambda: self.sampler)
+        self.progress.version = self.trainer.version
+        self.state.extra["step"] = self.progress.view
+        self.state.metrics.before_read(self.progress.refresh)
         self.tasks = TaskSource.of(cfg.tasks, cfg.node.swarm_id)
         self.intake = self.build_intake()
         self.p2p.set_peer_filter(lambda peer: not self.intake.is_banned(peer))
@@ -104,6 +113,7 @@ class TrainerRole(Role):
         await self.own.start()
         if self.feed is not None:  # the broadcaster's counters (served, downloaded) at /metrics
             self.state.add_counters("broadcast", self.feed.counters)
+            self.watch_swarm(self.feed)  # the followed trainers' versions, its own
         await self.p2p.subscribe("rollouts", self.intake.offer)
         await self.p2p.subscribe("verdicts", self.intake.hint)
         await self.watch_verdicts()
@@ -124,6 +134,12 @@ class TrainerRole(Role):
                                   limits=limits, publish=self._publish_verdict,
                                   work=self.work, disk=self.disk, trusted=self._followed,
                                   report=self.p2p.report_misbehaviour)
+
+    def _groups(self) -> tuple[int, int]:
+        """Groups (with reward signal: the others are dropped on arrival) waiting in the
+        buffer for a step: (of this policy, of other policies)."""
+        buffer = self.trainer.buffer
+        return buffer.count("local"), buffer.count("external")
 
     def _scale_out(self, trainer: Trainer) -> StepHooks:
         """Scale-out (SCALE-OUT), the trainer's hooks: a trainer group (trainer.group) and
@@ -232,6 +248,11 @@ class TrainerRole(Role):
         need = self.cfg.trainer.peer_batches_per_step
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.cfg.trainer.peer_wait_s
+        if need:
+            self.progress.set("waiting_for_peers", lambda: (
+                f"waiting for rollout batches from peers: {self.intake.verified_batches} of "
+                f"{need} verified (steps on what it has in "
+                f"{duration(max(0.0, deadline - loop.time()))})"))
         while (self.intake.verified_batches < need and not stop.is_set()
                and loop.time() < deadline):
             await self.intake.wait(stop, min(PEER_BATCH_POLL_S, deadline - loop.time()),
@@ -244,10 +265,15 @@ class TrainerRole(Role):
                 # Checked before a step, so a restart at max_steps trains nothing more.
                 log.info("reached trainer.max_steps = %d at v%d; idling (serving checkpoints)",
                          self.cfg.trainer.max_steps, self.trainer.version)
+                self.progress.set("done", f"reached trainer.max_steps = "
+                                          f"{self.cfg.trainer.max_steps}: serving checkpoints")
                 await stop.wait()
                 return
+            self.progress.set("verifying", "verifying the rollout batches peers sent")
             await self.intake.drain(stop)
             if self.cfg.trainer.sample_locally and not stop.is_set():
+                self.progress.set("sampling", f"sampling this trainer's own rollouts (round "
+                                              f"{self.round})")
                 await until_written(self.disk, self.work_oom_safe, self.sample_local, self.round,
                                     limit=self.sampler.batch)
                 self.round += 1
@@ -258,6 +284,7 @@ class TrainerRole(Role):
             self.intake.verified_batches = 0
             if stop.is_set():
                 return  # a stop takes no new work: no step starts after it
+            self.progress.set("training", f"training step -> v{self.trainer.version + 1}")
             stats = await until_written(self.disk, self.work_oom_safe, self.trainer.step,
                                         limit=self.trainer.micro_batch,
                                         on_oom=self.trainer.undo_failed_step)
@@ -265,10 +292,15 @@ class TrainerRole(Role):
             self.state.banned = self.intake.banned()  # bans also expire
             self.state.buffer_counters = self.trainer.counters()
             if not stats.trained:  # nothing to train on: idle, so probation work may have it
+                self.progress.set("waiting_for_groups", (
+                    "nothing to train on: waiting for groups with reward signal "
+                    + ("(from peers or this trainer's sampling)"
+                       if self.cfg.trainer.sample_locally else "from peers")))
                 await self.intake.wait(stop, IDLE_AFTER_EMPTY_STEP_S, idle=True)
                 await self.intake.drain(stop, idle=True)
                 continue
             self.state.policy_version = stats.version
+            self.progress.stepped(stats.version)
             reward = stats.mean_reward_local_new
             if not math.isnan(reward):
                 self.state.reward = reward
@@ -281,10 +313,10 @@ class TrainerRole(Role):
             # "of this policy": sampled here or by peers following it (SAPO's "local"
             # items); "of other policies": the followed trainers' (SAPO's "external")
             log.info("train step -> v%d: %d groups of this policy + %d of other policies, "
-                     "%d tokens, reward %.3f, loss %.4f, %.1f tok/s", stats.version,
+                     "%d tokens, reward %.3f, loss %.4f, %.1f tok/s%s", stats.version,
                      stats.groups_local,
                      stats.groups_external, stats.tokens, reward, stats.loss,
-                     stats.tokens_per_s)
+                     stats.tokens_per_s, _pace(self.progress.pace_s))
             if stats.checkpoint and not stop.is_set():
                 await self._publish_version()  # after a stop: announced at the next start
 
@@ -299,3 +331,7 @@ class TrainerRole(Role):
         if self.trainer is not None:
             self.trainer.close()
 
+
+def _pace(pace_s: float | None) -> str:
+    """`, 12.3 s per version` (the recent pace; the next version's ETA), or nothing yet."""
+    return "" if pace_s is None else f", {pace_s:.1f} s per version"

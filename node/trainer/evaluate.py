@@ -15,6 +15,7 @@ from ...protocol.messages import SamplingParams, TaskRef
 from ..models import load_model
 from ..sampler.hf import HFSampler
 from ..tasks import DEFAULT_STYLE, PromptStyle, format_prompt, get_task
+from .progress import ItemProgress
 
 EVAL_SEED = 424_242  # generator seed of held-out sets; training draws never use it
 _NUMBER = re.compile(r"-?\d+")
@@ -32,14 +33,24 @@ def lenient_match(text: str, answer: str) -> bool:
 
 
 def greedy_accuracy(sampler, tokenizer, refs: list[TaskRef], max_new_tokens: int,
-                    style: PromptStyle = DEFAULT_STYLE) -> dict[str, float]:
+                    style: PromptStyle = DEFAULT_STYLE,
+                    progress: ItemProgress | None = None) -> dict[str, float]:
     """Greedy (temperature 0) completions of `refs`, prompted in `style` (the swarm's
     tasks.system_prompt and few_shot), scored three ways (module docstring). The sampler's
-    model should be in eval mode."""
+    model should be in eval mode. `progress`: told after each of the sampler's batches (the
+    same batches it would make of the whole list: the results do not change)."""
     tasks = [get_task(r, style=style) for r in refs]
     prompts = [(r, format_prompt(tokenizer, t)) for r, t in zip(refs, tasks)]
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
-    out = sampler.generate(prompts, 1, params, seeds=[[0]] * len(prompts))
+    size = max(1, getattr(sampler, "max_batch", len(prompts)) or len(prompts))
+    out = []
+    for start in range(0, len(prompts), size):
+        chunk = prompts[start:start + size]
+        out += sampler.generate(chunk, 1, params, seeds=[[0]] * len(chunk))
+        if progress is not None:
+            progress.advance(len(chunk))
+    if progress is not None:
+        progress.close()
     exact = tagged = loose = 0
     for task, row in zip(tasks, out):
         text = row[0].text
@@ -51,9 +62,12 @@ def greedy_accuracy(sampler, tokenizer, refs: list[TaskRef], max_new_tokens: int
 
 
 def accuracy_of_model_dir(model_dir, refs: list[TaskRef], max_new_tokens: int,
-                          max_batch: int = 32,
-                          style: PromptStyle = DEFAULT_STYLE) -> dict[str, float]:
-    """`greedy_accuracy` of the policy saved in `model_dir` (loaded on the CPU)."""
+                          max_batch: int = 32, style: PromptStyle = DEFAULT_STYLE,
+                          say=None) -> dict[str, float]:
+    """`greedy_accuracy` of the policy saved in `model_dir` (loaded on the CPU), its progress
+    with an ETA said every few seconds (`say`: ItemProgress's; default: the log)."""
     model, tok = load_model(model_dir, device="cpu")
     sampler = HFSampler(model, tok, capture_hidden=False, max_batch=max_batch)
-    return greedy_accuracy(sampler, tok, refs, max_new_tokens, style)
+    progress = ItemProgress(f"held-out evaluation of {model_dir}", len(refs), "tasks",
+                            say=say)
+    return greedy_accuracy(sampler, tok, refs, max_new_tokens, style, progress)

@@ -163,7 +163,10 @@ def test_join_line_full_disk_and_history(swarm, tiny_model_dir, small_disk, tmp_
     # the printed line is complete: swarm id, bootstrap address and the trainer to follow
     assert f"--swarm {swarm.cfg['node']['swarm_id']} " in line and f"--follow {trainer_id}" in line
     assert re.search(r"--bootstrap /ip4/127\.0\.0\.1/tcp/\d+/p2p/" + trainer_id, line)
-    argv = peer_argv(line, small_disk, tiny_model_dir, "--set", "node.min_free_disk_mib=8")
+    # version_wait_s: a peer whose rounds of its version are used up waits this long for the
+    # next version before looking again (and then meets the full disk); 30 s by default
+    argv = peer_argv(line, small_disk, tiny_model_dir, "--set", "node.min_free_disk_mib=8",
+                     "--set", "sampler.version_wait_s=3")
     peer = Peer(tmp_path / "peer", argv).start()
     try:
         # pasted as printed, it follows the trainer and its rollouts are accepted
@@ -182,6 +185,13 @@ def test_join_line_full_disk_and_history(swarm, tiny_model_dir, small_disk, tmp_
         trainer_share = after["contribution"]["trainers"][0]
         assert trainer_share["trainer"] == trainer_id and 0 < trainer_share["share"] <= 1
         assert after["policy_id"] == trainer_id  # not "policy -" beside a checkpoint
+        # the swarm as the peer knows it: its trainer, connected directly, and the versions
+        # it advertised, the newest held here too
+        row = next(r for r in after["swarm"]["peers"] if r["peer"] == trainer_id)
+        assert row["role"] == "trainer" and row["connection"] == "direct", row
+        assert row["version"] is not None and row["version"] >= after["policy_version"], row
+        assert any(v["policy_id"] == trainer_id and v["here"] == "complete"
+                   and v["holders"] >= 1 for v in after["swarm"]["versions"])
         _downloads_match_disk(after, small_disk / "data" / "broadcast" / trainer_id)
         # the trainer counts what it uploaded: to this peer, at least what it downloaded
         # (a download superseded by a newer version is served but not recorded)
@@ -191,6 +201,7 @@ def test_join_line_full_disk_and_history(swarm, tiny_model_dir, small_disk, tmp_
         assert after["alerts"] == [] and f"--follow {trainer_id}" in after["join_command"]
         dom = dashboard(peer.admin_port, tmp_path, "dashboard-inference.png")
         assert banners(dom) == [] and int(element_text(dom, "c-accepted")) > 0
+        assert re.search(r'id="swarm-peers" data-rows="[1-9]', dom)
         assert 'data-role="inference"' in dom
 
         # the disk fills: sampling pauses with one line, the dashboard says so and how
@@ -212,11 +223,16 @@ def test_join_line_full_disk_and_history(swarm, tiny_model_dir, small_disk, tmp_
         peer.wait(lambda: "disk space back: sampling resumed" in peer.text(), "resumed")
         peer.wait(lambda: peer.status()["rollouts_sent"] > sent, "sampling again")
 
-        # a restart keeps the dashboard's history (curves, counts), saved at the stop
-        assert peer.stop() == 0
+        # a restart keeps the dashboard's history (curves, counts), saved at the stop, and
+        # starts from the newest verified version on disk (not the base model, v0)
+        held = peer.status()["policy_version"]
+        assert peer.stop() == 0 and held > 0
         saved = json.loads((small_disk / "data" / "history.json").read_text())
         peer.start()
         peer.wait(lambda: "history restored" in peer.text(), "history restored")
+        ready = peer.wait(lambda: re.findall(r"inference peer ready: .*policy version (\d+)",
+                                             peer.text())[1:], "ready after the restart")
+        assert int(ready[0]) >= held
         doc = peer.wait(lambda: peer.status() or None, "/status after the restart")
         assert len(doc["steps"]) >= len(saved["steps"]) >= 2
         assert doc["rollouts_sent"] >= saved["rollouts_sent"] > 0
@@ -289,12 +305,24 @@ def test_a_banned_peer_is_told_and_the_trainer_counts_it(swarm, tiny_model_dir, 
         trainer = swarm.status()
         me = doc["peer_id"]
         assert me in trainer["banned"] and trainer["accepted_by_peer"][me]["accepted"] == 0
+        row = next(r for r in trainer["swarm"]["peers"] if r["peer"] == me)  # the swarm view
+        assert row["role"] == "inference" and row["accepted"] == 0 and row["rejected"] > 0
         assert trainer["contribution"]["role"] == "trainer"
         assert all(p["peer"] != me for p in trainer["contribution"]["top_peers"])
         dom = dashboard(swarm.admin_port, tmp_path, "dashboard-trainer.png")
         assert 'data-role="trainer"' in dom and "banned" in dom.split('id="peers"')[1]
         assert f"--follow {trainer['peer_id']}" in element_text(dom, "join")
         assert int(dom.split('id="loss-chart"')[1].split('data-points="')[1].split('"')[0]) >= 1
+        # the step in progress: what it waits for, the groups gathered, the pace and ETA
+        step = trainer["extra"]["step"]
+        assert step["next_version"] == trainer["policy_version"] + 1 and step["pace_s"] > 0
+        assert step["groups"]["need_local"] == 4 and step["doing"]
+        assert re.search(r'id="step-box"[^>]*data-phase="\w+"', dom)
+        assert "groups gathered for the step" in dom and "a version every" in dom
+        cli = subprocess.run([str(BIN), "status", "--port", str(swarm.admin_port)],
+                             capture_output=True, text=True, timeout=60, check=False,
+                             env={**os.environ, "COLUMNS": "250", "NO_COLOR": "1"})
+        assert cli.returncode == 0 and "training step" in cli.stdout, cli.stdout
     finally:
         cheater.stop()
 
@@ -327,6 +355,11 @@ def test_a_peer_that_refuses_the_policy_sends_no_stale_rounds(swarm, tiny_model_
         assert doc["peer_id"] not in swarm.status()["accepted_by_peer"]
         assert peer.text().count("sampling held") == 1
         assert "published round" not in peer.text()
+        # the dashboard leads with the refusal, naming the setting and the fix
+        dom = dashboard(peer.admin_port, tmp_path, "dashboard-refused.png")
+        assert banners(dom)[0] == "settings_refused"
+        assert "sampler.temperature = 0.7 here" in dom and "remove the differing" in dom
+        assert peer.text().count("refusing the policy of trainer") == 1
     finally:
         peer.stop()
 
@@ -373,6 +406,17 @@ def test_relay_counters_and_a_relay_with_nothing_to_follow(swarm, tmp_path):
         dom = dashboard(relay.admin_port, tmp_path, "dashboard-relay.png")
         assert 'data-role="relay"' in dom and banners(dom) == []
         assert int(element_text(dom, "c-mirrored")) >= 3
+        assert any(v["here"] == "complete" for v in after["swarm"]["versions"])
+
+        # restarted, it serves what it stored at once (not counted as mirrored again)
+        held = relay.status()["policy_version"]
+        assert relay.stop() == 0
+        mark = len(relay.text())
+        relay.start()
+        found = relay.wait(lambda: re.search(r"serving the stored policy \S+ v(\d+)",
+                                             relay.text()[mark:]), "the stored version")
+        assert int(found.group(1)) >= held
+        assert "mirrored policy" not in relay.text()[mark:][:found.start()]
     finally:
         relay.stop()
         lonely.stop()
@@ -400,6 +444,13 @@ async def test_every_stuck_state_is_a_banner_in_chromium(tmp_path):
     state.extra["reachability"] = {"status": "unreachable", "detail": "no peer could dial "
                                    "/ip4/203.0.113.7/tcp/4001", "fix": "open TCP 4001"}
     state.set_problem("custom", "Something else", "detail", "what to do")
+    state.extra["starting"] = {"doing": "loading the model", "elapsed_s": 12.0, "eta_s": 20.0,
+                               "last_s": 32.0}
+    trainer = "12D3KooWTrainer000000000000000000"
+    state.extra["swarm"] = {"versions": [{"policy_id": trainer, "version": 7, "holders": 1,
+                                          "here": ""}],
+                            "holders": {trainer: {"policy_id": trainer, "version": 7,
+                                                  "complete": True}}}
     state.checkpoint_progress = {"version": 8, "shards_done": 3, "shards_total": 10,
                                  "bytes_done": 30 * 2**20, "bytes_total": 100 * 2**20,
                                  "complete": False, "rate_bytes_s": 2 * 2**20, "eta_s": 35.0}
@@ -415,9 +466,15 @@ async def test_every_stuck_state_is_a_banner_in_chromium(tmp_path):
         assert element_text(dom, "download-now") == ("v8: 3/10 shards, 30.0 MiB of 100.0 MiB, "
                                                      "2.0 MiB/s, ETA 35 s")
         assert 'style="width: 30%;"' in dom.split('id="download-bar"')[1][:80]
+        # a model load at start: the time so far and the ETA from the last run
+        assert "loading the model: 12 s so far, ETA 20 s (took 32 s last time)" in dom
+        # the swarm as it knows it: the trainer (it sends verdicts) holding v7
+        assert re.search(r'id="swarm-peers" data-rows="1"', dom)
+        assert re.search(r"<td[^>]*>trainer</td><td[^>]*>v7</td>", dom)
         state.extra.clear()
         state.own_verdicts.banned_by.clear()
         state.clear_problem("custom")
         dom = await asyncio.to_thread(dashboard, server.port, tmp_path)
         # a configuration difference the trainer rejects for, once nothing else is wrong
         assert banners(dom) == ["settings_differ"]
+

@@ -499,3 +499,78 @@ def test_join_command_names_a_dialable_address_when_listening_on_every_interface
     # the real lookup: an address of this machine that is not loopback, or none at all
     ip = route_ip()
     assert ip is None or (not ip.startswith("127.") and ip.count(".") == 3)
+
+
+def test_the_training_step_in_progress_has_what_it_waits_for_and_an_eta():
+    from rich.console import Console
+    from swarm_node.node.admin import render_tables, status_document
+    from swarm_node.node.trainer.progress import StepProgress
+
+    clock, held = [100.0], [1, 0]
+    p = StepProgress((4, 4), lambda: tuple(held), version=7, clock=lambda: clock[0])
+    st = NodeState("12D3KooWTrainer", "trainer", "s")
+    st.extra["step"] = p.view
+    st.metrics.before_read(p.refresh)
+    batches = [0]
+    p.set("waiting_for_peers", lambda: f"waiting for rollout batches from peers: "
+                                       f"{batches[0]} of 2 verified")
+    clock[0] += 3.0
+    batches[0] = 1
+    step = status_document(st)["extra"]["step"]
+    assert step["phase"] == "waiting_for_peers" and step["phase_s"] == 3.0
+    assert step["doing"].endswith("1 of 2 verified") and step["next_version"] == 8
+    assert step["groups"] == {"local": 1, "external": 0, "need_local": 4, "need_external": 4}
+    assert step["eta_s"] is None  # no pace before two versions
+    for _ in range(3):  # versions every 10 s
+        clock[0] += 10.0
+        p.stepped(p.version + 1)
+    clock[0] += 4.0
+    step = status_document(st)["extra"]["step"]
+    assert step["pace_s"] == 10.0 and step["eta_s"] == 6.0 and step["next_version"] == 11
+    console = Console(width=200, record=True)
+    for table in render_tables(json.loads(json.dumps(status_document(st), default=str))):
+        console.print(table)
+    out = console.export_text()
+    assert "training step" in out and "v11: waiting for rollout batches" in out
+    assert "groups 1/4 of this policy, 0/4 of others; due in 6 s" in out
+    clock[0] += 60.0
+    assert status_document(st)["extra"]["step"]["eta_s"] == 0.0  # overdue: due now
+
+
+def test_the_swarm_view_joins_connections_adverts_and_counts():
+    from rich.console import Console
+    from swarm_node.node.admin import render_tables, status_document
+    from swarm_node.node.dashboard.views import swarm
+
+    T, R, P, Q = "12D3KooWTrainer", "12D3KooWRelay", "12D3KooWPeer", "12D3KooWQuiet"
+    doc = {"peer_id": "12D3KooWMe", "role": "inference", "policy_id": T, "peers": [T, R, Q],
+           "p2p": {"connections": {"relayed_peers": [R]}},
+           "extra": {"swarm": {
+               "versions": [{"policy_id": T, "version": 5, "holders": 2, "here": "complete"},
+                            {"policy_id": T, "version": 6, "holders": 1, "here": ""}],
+               "holders": {T: {"policy_id": T, "version": 6, "complete": True},
+                           R: {"policy_id": T, "version": 5, "complete": True},
+                           P: {"policy_id": T, "version": 6, "complete": False}}}}}
+    view = swarm(doc)
+    rows = {r["peer"]: r for r in view["peers"]}
+    assert rows[T] == {"peer": T, "role": "trainer", "version": 6, "complete": True,
+                       "connection": "direct"}
+    assert rows[R]["role"] == "follower" and rows[R]["connection"] == "relayed"
+    assert rows[P]["connection"] == "not connected" and rows[P]["complete"] is False
+    assert rows[Q]["role"] == "?" and rows[Q]["version"] is None
+    assert view["peers_known"] == 4 and view["versions"][0]["here"] == "complete"
+    assert [r["peer"] for r in view["peers"]][-1] == P  # connected peers first
+
+    # a trainer: the peers it verified, with their counts
+    st = NodeState("12D3KooWMe", "trainer", "s")
+    st.accept(P, 12)
+    st.reject(P, "proof_length", 3)
+    out = status_document(st)
+    assert out["swarm"]["peers"] == [{"peer": P, "role": "inference", "version": None,
+                                      "complete": None, "connection": "not connected",
+                                      "accepted": 12, "rejected": 3}]
+    console = Console(width=200, record=True)
+    for table in render_tables(json.loads(json.dumps(out, default=str))):
+        console.print(table)
+    text = console.export_text()
+    assert "the swarm as this node knows it (1 peers)" in text and "inference" in text

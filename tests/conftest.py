@@ -53,10 +53,27 @@ def pytest_collection_modifyitems(config, items):
         items.sort(key=lambda item: (-weight[_unit(item.nodeid)], order[_unit(item.nodeid)]))
 
 
-# Seconds of the longest tests (their call and setup, 2 busy cores): only the order of the
-# `slow` tests depends on them, never a result. Other slow tests count 20 s.
+# Seconds of the longest slow tests (or of a whole module that is one unit), measured with
+# `--durations` on 2 busy cores: only the order of the `slow` tests depends on them, never a
+# result. A stale entry costs some balance at the end of a run, nothing else. Other slow
+# tests count 20 s.
 LONG_S = {
+    "tests/integration/test_operator_views.py": 210,
+    "tests/integration/test_trainer_restart.py": 150,
+    "tests/netlab/test_scenarios.py::test_natted": 110,
+    "tests/node/test_demo.py::test_ctrl_c": 100,
+    "tests/integration/test_trainer_flood.py::test_4": 100,
+    "tests/node/p2p/test_nat_lab.py::test_hole_punch_through_two_nats[symmetric": 90,
+    "tests/integration/test_operator.py": 90,
+    "tests/netlab/test_scenarios.py::test_churn": 85,
+    "tests/node/trainer/test_distributed.py::test_two_ranks": 80,
+    "tests/integration/test_trainer_flood.py::test_13": 80,
+    "tests/node/trainer/test_learning_smollm2.py": 70,
+    "tests/node/trainer/test_group.py": 70,
+    "tests/integration/test_swarm.py": 60,
+    "tests/integration/test_operator_verdicts.py": 60,
     "tests/integration/test_fresh_clone.py": 60,
+    "tests/integration/test_trainer_disk.py": 50,
 }
 
 _SHARED_SCOPE = re.compile(r"""scope\s*=\s*["'](module|package|class)["']""")

@@ -19,7 +19,7 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
         1, (_cores or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own choice
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # before xdist's own; xdist may be off
 def pytest_xdist_make_scheduler(config, log):
     """`-n N` (load distribution) as units of work: the tests of a module that defines or
     inherits a module-scoped fixture (a real process, a model) are one unit, run by one

@@ -114,10 +114,12 @@ async def run_ours(work: Path, ckpt: Path, n_clients: int, corrupt: str = "",
         pub = await trainer.event("published", 300)
         done = [await c.event("complete", 600) for c in clients]
         relay_done = await relay.event("complete", 600)
-        servers = {}
+        servers, served = {}, {}
         for p in (trainer, relay):  # CPU of the origin and the relay over the same span
             p.send("stats")
-            servers[p.name] = thread_delta(p.info, await p.event("stats", 60))
+            stats = await p.event("stats", 60)
+            servers[p.name] = thread_delta(p.info, stats)
+            served[p.name] = stats["server"]
         total = pub["total"]
         names = {trainer.peer_id: "origin", relay.peer_id: "relay"}
         origin_bytes = relay_bytes = peer_bytes = 0
@@ -152,6 +154,9 @@ async def run_ours(work: Path, ckpt: Path, n_clients: int, corrupt: str = "",
             "corrupt_bytes": sum(d["metrics"].get("bytes_corrupt", 0) for d in done),
             "corrupt": sum(d["metrics"].get("shards_corrupt", 0) for d in done),
             "from": (origin_bytes, relay_bytes, peer_bytes),
+            # the trainer's uplink: shard bytes it sent (to the relay and the clients)
+            "egress": served["trainer"].get("bytes_sent", 0) / total,
+            "seeded": served["trainer"].get("error_seeded", 0),
             "rx": [d.get("rx", {}) for d in done],
             "streams": [d.get("streams", {}) for d in done],
             "ok": len(done),
@@ -381,7 +386,10 @@ async def bench_ours(tmp, ckpt, n, bulk, corrupt_run, rows, notes, results,
                  f"{n * ours['total'] / MiB / ours['t_all']:.1f}",
                  fmt_rss(ours["rss"]), fmt_rss(ours["rss_ready"]), corrupt_cell])
     o, r, p = (x / MiB for x in ours["from"])
-    notes.append(f"- {label}, {n} clients: clients' bytes came from origin {o:.0f} MiB, relay "
+    egress = statistics.median([x["egress"] for x in runs if "egress" in x] or [float("nan")])
+    notes.append(f"- {label}, {n} clients: trainer egress {egress:.2f}x the checkpoint (median; "
+                 f"its shard uploads, to the relay and the clients; goal <= 2x); clients' "
+                 f"bytes came from origin {o:.0f} MiB, relay "
                  f"{r:.0f} MiB, other clients {p:.0f} MiB; {ours['refetched'] / MiB:.1f} MiB "
                  f"fetched beyond one copy (timed-out transfers); hashing took "
                  f"{ours['t_hash']:.1f} s of the total; relay complete after "

@@ -537,7 +537,16 @@ async def _gossip_worker(args) -> None:
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    cfg = load_config(None, {"node.swarm_id": "bench", "node.listen": [args.listen]})
+    over = {"node.swarm_id": "bench", "node.listen": [args.listen]}
+    if args.relay:  # a relay host: serves Circuit Relay v2 as a relay-role node does
+        over["p2p.relay.service"] = "on"
+    for kv in args.set:  # --set p2p.key=value (JSON value, else the string)
+        key, _, value = kv.partition("=")
+        try:
+            over[key] = json.loads(value)
+        except json.JSONDecodeError:
+            over[key] = value
+    cfg = load_config(None, over)
     node = P2PNode(Identity.generate(), cfg)
     records = []
 
@@ -548,6 +557,14 @@ async def _gossip_worker(args) -> None:
     def emit(**obj):
         print(json.dumps(obj), flush=True)
 
+    announced: dict[str, list[float]] = {}  # origin -> arrival times of its announces
+    pull_announced = node.gossip._pull_announced
+
+    async def timed_pull(kind, env, origin):  # when each announce arrived (before its pull)
+        announced.setdefault(origin, []).append(time.time())
+        await pull_announced(kind, env, origin)
+
+    node.gossip._pull_announced = timed_pull
     await node.start(bootstrap=args.bootstrap)
     await node.subscribe("rollouts", on_batch)
     emit(event="ready", peer_id=node.peer_id, addrs=node.listen_addrs)
@@ -571,8 +588,13 @@ async def _gossip_worker(args) -> None:
     end = time.time() + args.drain
     while len(records) < expected and time.time() < end:
         await asyncio.sleep(0.1)
+    # how this node reached each peer at the end: direct, relayed, or not connected
+    links = {p: ("relayed" if node.is_relayed(p) else "direct")
+             for p in node.connected_peers()}
     emit(event="done", peer_id=node.peer_id, records=records,
-         metrics=node.metrics.snapshot()["counters"])
+         metrics=node.metrics.snapshot()["counters"], links=links,
+         mesh=node.gossip.mesh_peers("rollouts"), reach=node.reach.current.verdict.value,
+         cpu_s=time.process_time(), announced=announced)
     await asyncio.to_thread(sys.stdin.readline)
     await node.close()
 
@@ -586,7 +608,8 @@ def gossip_figures(args, n: int, work: Path) -> dict:
     worker = [sys.executable, str(Path(__file__).resolve()), "--worker", "gossip",
               "--peers", str(n), "--rounds", str(args.rounds), "--interval",
               str(args.interval), "--batch-kib", str(args.batch_kib), "--drain",
-              str(args.drain), "--mesh-wait", str(args.mesh_wait)]
+              str(args.drain), "--mesh-wait", str(args.mesh_wait),
+              *(x for kv in args.set for x in ("--set", kv))]
     procs: list[LabProc] = []
     with Lab(topo, prefix="wanb", seed=args.seed) as lab:
         try:
@@ -596,7 +619,8 @@ def gossip_figures(args, n: int, work: Path) -> dict:
             procs.append(first)
             boot = first.event("ready", 120)["addrs"][:1]
             for h in hosts[1:]:
-                procs.append(LabProc(lab, h, [*worker, "--listen",
+                relay = ["--relay"] if h in plan.relays else []
+                procs.append(LabProc(lab, h, [*worker, *relay, "--listen",
                                               f"/ip4/{lab.addr(h)}/tcp/4001",
                                               "--bootstrap", boot[0]],
                                      work / "gossip" / f"{h}.log"))
@@ -608,8 +632,11 @@ def gossip_figures(args, n: int, work: Path) -> dict:
                 p.send(json.dumps({"start": start}))
             results = [p.event("done", args.rounds * args.interval + args.drain + 120)
                        for p in procs]
-            for r in results:
+            for r, h in zip(results, hosts, strict=True):
                 r["start"] = start
+                r["host"] = h
+            # every arrival, for a per-pair look at what was late or missing
+            (work / "gossip" / "results.json").write_text(json.dumps(results))
             summary = summarize_libp2p(results, args)
             summary["stage"] = lab.stage_stats()
         finally:
@@ -619,9 +646,29 @@ def gossip_figures(args, n: int, work: Path) -> dict:
     slow_up = min(topo.link_of(topo.site_of(h)).up_mbit or 1e6 for h in hosts)
     transfer = args.batch_kib * 1024 * 8 / (slow_up * 1e6)
     summary["bound_s"] = max(rtts) / 1000 + transfer
+    summary["bound_parts"] = {"max_rtt_ms": max(rtts), "slowest_up_mbit": slow_up,
+                              "transfer_ms": transfer * 1000}
+    summary.update(announce_pull_split(results))
     summary["topic_peers"] = statistics.fmean(m["topic_peers"] for m in meshed)
     summary["nodes"] = n
     return summary
+
+
+def announce_pull_split(results: list[dict]) -> dict:
+    """Each delivery's time split in two: its announce's travel (origin's seal to arrival)
+    and the pull of its body (arrival to delivery). An origin's k-th announce is its batch
+    of round k (one publish per round, in order)."""
+    ann, pull = [], []
+    for r in results:
+        got = {(s, rnd): (t, ts) for s, rnd, t, ts, _ in r["records"]}
+        for origin, times in r.get("announced", {}).items():
+            for k, t_ann in enumerate(sorted(times)):
+                if (origin, k) in got:
+                    t, ts = got[origin, k]
+                    ann.append(t_ann - ts)
+                    pull.append(t - t_ann)
+    return {"announce_p50": pct(ann, 50), "announce_p95": pct(ann, 95),
+            "pull_p50": pct(pull, 50), "pull_p95": pct(pull, 95)}
 
 
 def gossip_row(s: dict) -> list:
@@ -642,8 +689,24 @@ def section_gossip(args, work: Path) -> tuple[str, dict]:
     body = (f"Load before: {args.load_before}. {args.rounds} rounds every {args.interval} s, "
             f"{args.batch_kib} KiB per peer per round; workers bootstrap through the trainer's "
             "host; NAT'd workers wait up to --mesh-wait for a mesh.\n\n"
-            + table(GOSSIP_HEAD, [gossip_row(s)]) + f"\n\nDelay stage: {s['stage']}.")
+            + table(GOSSIP_HEAD, [gossip_row(s)]) + "\n\n" + bound_line(s, args)
+            + f"\n\nDelay stage: {s['stage']}.")
     return body, s
+
+
+def bound_line(s: dict, args) -> str:
+    b = s["bound_parts"]
+    split = (f" Where a message's time goes: its announce arrives in {s['announce_p50']:.2f} s "
+             f"(p50) / {s['announce_p95']:.2f} s (p95) after it was sealed, then its body's "
+             f"pull takes {s['pull_p50']:.2f} / {s['pull_p95']:.2f} s (a request round trip, "
+             "then 64 KiB in TCP slow start on a connection idle since the last round: "
+             "~3-4 RTT of the path at best).")
+    overrides = f" Worker config overrides: {', '.join(args.set)}." if args.set else ""
+    return (f"Bound = slowest path's RTT ({b['max_rtt_ms']:.0f} ms) + one {args.batch_kib} KiB "
+            f"batch over the slowest uplink ({b['slowest_up_mbit']:g} Mbit/s: "
+            f"{b['transfer_ms']:.0f} ms) = {s['bound_s']:.3f} s; p95 of the rounds complete "
+            f"(a round is complete when every node holds every other node's batch of it, "
+            f"timed from the round's start).{split}{overrides}")
 
 
 # broadcast -----------------------------------------------------------------------------------
@@ -686,7 +749,9 @@ def ours_broadcast(lab: Lab, plan: WanPlan, ckpt: Path, work: Path) -> dict:
         o = origin.event("ready", 120)
         relays = [start(r, "relay", "--follow", o["peer_id"], "--bootstrap", o["addrs"][0])
                   for r in plan.relays]
-        boots = [x for r in relays for x in ("--bootstrap", r.event("ready", 120)["addrs"][0])]
+        ready = [r.event("ready", 120) for r in relays]
+        relay_ids = {r["peer_id"] for r in ready}
+        boots = [x for r in ready for x in ("--bootstrap", r["addrs"][0])]
         followers = [start(h, "inference", "--follow", o["peer_id"], *boots)
                      for h in plan.peers]
         for f in followers:
@@ -698,9 +763,26 @@ def ours_broadcast(lab: Lab, plan: WanPlan, ckpt: Path, work: Path) -> dict:
         pub = origin.event("published", 600)
         done = [f.event("complete", 1800) for f in [*relays, *followers]]
         t_all = max(d["t"] for d in done) - t_cmd
+        origin.send("stats")
+        served = origin.event("stats", 60)["server"]
+        shard = -(-pub["total"] // pub["shards"])
+        by = {"trainer": 0, "relays": 0, "peers": 0}  # whose uplinks carried the copies
+        for d in done:
+            for peer, s in d["sources"].items():
+                kind = ("trainer" if peer == o["peer_id"] else "relays" if peer in relay_ids
+                        else "peers")
+                by[kind] += s["shards_ok"] * shard
         return {"t_all": t_all, "t_after_publish": max(d["t"] for d in done) - pub["t"],
                 "egress": lab.link_bytes(plan.trainer)["tx"] - tx0, "ok": len(done),
-                "expected": len(done)}
+                "expected": len(done), "from": by,
+                "t_each": {h: round(d["t"] - t_cmd, 2)
+                           for h, d in zip([*plan.relays, *plan.peers], done, strict=True)},
+                "fails": {k: sum(d["metrics"].get(k, 0) for d in done) for k in sorted(
+                    {k for d in done for k in d["metrics"] if k.startswith(("fail_", "seeded"))})},
+                "sources": {h: d["sources"]
+                            for h, d in zip([*plan.relays, *plan.peers], done, strict=True)},
+                "trainer_shard_bytes": served.get("bytes_sent", 0),
+                "trainer_seeded": served.get("error_seeded", 0)}
     finally:
         for p in procs:
             p.stop()
@@ -774,21 +856,24 @@ def section_broadcast(args, work: Path) -> tuple[str, dict]:
     receivers = [*plan.relays, *plan.peers]
     bound = lower_bound_s(plan.topology, plan.trainer, receivers, size)
     out = {"bound_s": bound, "size": size}
-    with Lab(plan.topology, prefix="wanb", seed=args.seed) as lab:
+    with Lab(plan.topology, prefix=args.lab_prefix, seed=args.seed) as lab:
         out["ours"] = ours_broadcast(lab, plan, ckpt, work / "ours")
     if SHARDCAST_PY.exists() and not args.skip_shardcast:
-        with Lab(plan.topology, prefix="wanb", seed=args.seed) as lab:
+        with Lab(plan.topology, prefix=args.lab_prefix, seed=args.seed) as lab:
             out["shardcast"] = shardcast_broadcast(lab, plan, ckpt / "model.safetensors",
                                                    work / "shardcast")
     rows = []
     for name in ("ours", "shardcast"):
         r = out.get(name)
         if r is None:
-            rows.append([name, "not run (no .venv-shardcast)", "-", "-", "-"])
+            rows.append([name, "not run (no .venv-shardcast)", "-", "-", "-", "-"])
             continue
         t = r["t_all"]
+        by = r.get("from")
+        carried = ("-" if by is None else " / ".join(
+            f"{by[k] / size:.1f}" for k in ("trainer", "relays", "peers")))
         rows.append([name, f"{r['ok']}/{r['expected']}", t if t is not None else "incomplete",
-                     t / bound if t else "-", r["egress"] / size])
+                     t / bound if t else "-", r["egress"] / size, carried])
     body = (f"Load before: {args.load_before}. {args.mib} MiB from the trainer "
             f"({args.trainer_mbit:.0f} Mbit/s) to {len(receivers)} receivers ({len(plan.relays)} "
             f"relays + {len(plan.peers)} followers, {len(plan.topology.homes)} behind NATs); "
@@ -796,7 +881,8 @@ def section_broadcast(args, work: Path) -> tuple[str, dict]:
             "receiver verified its copy (shardcast: every client; its middles on the relays report "
             "nothing); egress counted on the trainer's access link.\n\n"
             + table(["system", "copies verified", "time s", "x lower bound (goal <= 1.5)",
-                     "trainer egress / checkpoint (goal <= 2)"], rows))
+                     "trainer egress / checkpoint (goal <= 2)",
+                     "copies served by trainer / relays / peers"], rows))
     return body, out
 
 
@@ -862,9 +948,11 @@ def headlines(name: str, out: dict, args) -> list[Headline]:
     if name == "broadcast":
         ours, sc = out["ours"], out.get("shardcast")
         t = ours["t_all"]
-        return [Headline(f"wan: broadcast {args.mib} MiB to {ours['expected']} receivers",
+        return [Headline("wan: checkpoint broadcast to every follower (time vs bandwidth "
+                         "bound, trainer egress)",
                          "<= 1.5x the bandwidth bound; trainer egress <= 2x; ahead of "
                          "shardcast",
+                         f"{args.mib} MiB to {ours['expected']} receivers: "
                          f"{t / out['bound_s']:.1f}x ({t:.0f} s, bound {out['bound_s']:.0f} s)"
                          f"; egress {ours['egress'] / out['size']:.1f}x",
                          f"shardcast {sc['t_all']:.0f} s, egress "
@@ -916,14 +1004,19 @@ def parse(argv=None):
     ap.add_argument("--batch-kib", type=int, default=64)
     ap.add_argument("--drain", type=float, default=30.0)
     ap.add_argument("--mesh-wait", type=float, default=60.0)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for every gossip worker (p2p.mesh_degree=4)")
     # broadcast
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--skip-shardcast", action="store_true")
+    ap.add_argument("--lab-prefix", default="wanb",
+                    help="netns name prefix of the broadcast section's labs (<= 8 chars)")
     # the gossip worker (run by the benchmark inside lab hosts)
     ap.add_argument("--worker", choices=["gossip"])
     ap.add_argument("--listen")
     ap.add_argument("--bootstrap", action="append", default=[])
     ap.add_argument("--peers", type=int)
+    ap.add_argument("--relay", action="store_true")
     return ap.parse_args(argv)
 
 

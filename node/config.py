@@ -334,6 +334,12 @@ class BroadcastSection(Section):
     """Every holding is re-advertised this often (late joiners learn sources and versions)."""
     relay_keep_versions: int = Field(2, ge=1)
     """Versions a relay keeps per trainer."""
+    seed_copies: int = Field(1, ge=0)
+    """Trainer: copies of each shard of its own checkpoint it hands out before it answers
+    `seeded` (the swarm carries the rest; 0: serve every request)."""
+    seed_hold_s: float = Field(5.0, ge=0)
+    """Trainer: how long after a shard's last copy it answers `seeded` for it; then the next
+    asker gets one more copy (its holders may have left or be out of reach)."""
 
 
 class RelaySection(Section):
@@ -418,8 +424,10 @@ class P2PSection(Section):
     """Raw inbound streams from one peer handled at once (more are reset)."""
     payload_cache_bytes: int = Field(256 * 1024 * 1024, ge=0)
     """Announced large payloads kept for peers to pull (oldest evicted first)."""
-    payload_fetch_parallel: int = Field(4, ge=1)
-    """Announced payloads pulled at once."""
+    payload_fetch_parallel: int = Field(16, ge=1)
+    """Announced payloads pulled at once. A pull lasts a few round trips (~0.5 s over a
+    200 ms path), so with one batch per peer per round this must cover (peers - 1) pulls
+    times that: at 4, 12 peers over a WAN fell behind by a second a round."""
     payload_pulls_per_peer: int = Field(2, ge=1)
     """Announced payloads pulled at once from one peer (each on a bulk-plane connection)."""
     payload_pull_timeout_s: float = Field(10.0, gt=0)

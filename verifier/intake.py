@@ -71,7 +71,10 @@ class IntakeLimits:
     max_probation: int = 16  # queued batches of probation senders, in total
     probation_share: float = 0.2  # of the batches served while established work waits
     probation_time_share: float = 0.1  # of the worker's wall time, all probation senders
-    probation_burst_s: float = 2.0  # verification seconds they may spend at once
+    # verification seconds they may spend at once: short, so the share is spread over the
+    # trainer's loop instead of stalling one step for seconds (a 2-s burst cut an honest
+    # peer's acceptance to 18-60% of its baseline in benchmarks/verifier_flood.py)
+    probation_burst_s: float = 0.5
     window_s: float = 60.0  # budget window of established senders
     established_tokens: int = 200_000  # completion tokens verified per sender per window
     probation_tokens: int = 8_192  # a new sender's credit (does not grow with time)
@@ -136,7 +139,8 @@ class Budget:
 class TimeShare:
     """A bucket of verification seconds for probation senders: refills at `share` seconds
     per second of wall time up to `burst_s`; work spends it (a batch in flight may overdraw
-    it, down to -burst_s)."""
+    it: the debt is repaid in full before the next, so a long batch costs its own time,
+    whatever `burst_s`)."""
 
     def __init__(self, share: float, burst_s: float,
                  clock: Callable[[], float] = time.monotonic):
@@ -158,7 +162,7 @@ class TimeShare:
         return 0.0 if level > 0 else (-level) / self.share + 1e-3 if self.share > 0 else 1e9
 
     def spend(self, seconds: float) -> None:
-        self._level = max(-self.burst_s, self.level() - seconds)
+        self._level = self.level() - seconds
 
 
 class VerificationQueue:
@@ -301,6 +305,7 @@ class Intake:
         # verification time by tier (probation_lent: idle time lent beyond the share)
         self.seconds = {"established": 0.0, "probation": 0.0, "probation_lent": 0.0}
         self.batches: Counter = Counter()  # verified, by tier; alarms; already accepted
+        self.verdicts: Counter = Counter()  # others' verdicts heard: used as hints, ignored
         self.view: dict = {}
         self._update_view()
 
@@ -309,7 +314,8 @@ class Intake:
             queued=len(self.queue), established_waiting=self.queue.established_waiting,
             dropped=dict(self.queue.dropped),
             verify_seconds={k: round(v, 2) for k, v in self.seconds.items()},
-            batches=dict(self.batches), probation_share_s=round(self.share.level(), 2),
+            batches=dict(self.batches), verdicts=dict(self.verdicts),
+            probation_share_s=round(self.share.level(), 2),
             pooled_alarms=self.monitor.pooled_alarms)
 
     @classmethod
@@ -370,7 +376,9 @@ class Intake:
         """A `Verdict` from another peer: a hint only, from a peer with verified history
         here or a trusted one (a followed trainer); see Reputation.hint."""
         trusted = self.established(env.sender) or self.trusted(env.sender)
-        self.reputation.hint(env.message, env.sender, trusted=trusted)
+        used = self.reputation.hint(env.message, env.sender, trusted=trusted)
+        self.verdicts["used" if used else "ignored"] += 1
+        self._update_view()
 
     # serving ------------------------------------------------------------------------------
 

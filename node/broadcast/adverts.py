@@ -1,8 +1,9 @@
 """Holdings adverts (`shard_advert` on the `adverts` topic): what this node holds, told to
 others, and who holds what, learnt from others.
 
-Outgoing: a version is advertised as it completes, at each quarter of its shards while it
-downloads, and every held version again every `readvertise_s` for late joiners.
+Outgoing: a version is advertised as it completes, as its shards verify while it downloads
+(at most every `advert_interval_s`: a round carries every shard verified since the last),
+and every held version again every `readvertise_s` for late joiners.
 Incoming: an advert for a followed policy makes its sender a candidate source of that
 version if it is admitted (advert poisoning, below); the follower then learns of the new
 source (and may pull the version's manifest from it).
@@ -23,8 +24,6 @@ from .sources import ProvenPeers
 from .store import ShardStore, VersionEntry, advert_shards
 
 log = logging.getLogger(__name__)
-
-ADVERT_STEPS = 4  # partial holdings are advertised at each quarter of a version
 
 
 class Adverts:
@@ -81,17 +80,15 @@ class Adverts:
     # Outgoing ------------------------------------------------------------------------
 
     def shard_verified(self, key: tuple[str, int]) -> None:
-        """Advertise partial holdings in ADVERT_STEPS steps per version, not per shard:
-        each advert costs every peer gossip CPU (profiled: py-libp2p's per-message cost
-        was most of a client's CPU on the data plane; 8 clients, quarters instead of
-        eighths: gossip copies received per client 236 -> 134, libp2p CPU 0.56 -> 0.47 s,
-        peers still served half the bytes), and a step of the version is what makes a peer
-        worth asking. Completion is always advertised."""
+        """Advertise the new shard at the next advert round. Not in steps of the version
+        (quarters, before): a trainer hands each shard to the swarm about once
+        (seeding.py), so the peer that took it must be known as its source at once, or
+        every other follower waits for it; the rounds' pace (`advert_interval_s`) bounds
+        what the adverts cost in gossip CPU whatever the number of shards."""
         entry, rec = self.store.get(*key), self.records.get(key)
         if entry is None or rec is None:
             return
-        step = max(1, entry.manifest.num_shards // ADVERT_STEPS)
-        if len(entry.have) - rec.advertised >= step:
+        if len(entry.have) > rec.advertised:
             rec.advertised = len(entry.have)
             self.mark_dirty(key)
 

@@ -12,6 +12,11 @@ dropped) when a worker has nothing else to do and the trial has run longer than 
 known-good source takes for a shard (`_patience`): advertisers that take a request and never
 answer cannot hold the last shards until their timeout.
 
+A source that answers `seeded` (the trainer: that shard is in the swarm already; seeding.py)
+is not asked for that shard again for `HOLD_BACK_S`, doubling per answer up to
+`HOLD_BACK_MAX_S`; the shard is taken from a peer that holds it meanwhile. Nothing is held
+against the source: it stays known-good and serves other shards.
+
 Workers wait for an event (a transfer ended, sources changed) or for the moment the next
 source leaves its cooldown, never in a fixed poll, and a worker looks for its next shard
 in time that grows with the transfers in flight, not with the number of shards (a
@@ -21,6 +26,7 @@ in time that grows with the transfers in flight, not with the number of shards (
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import random
 import time
@@ -41,6 +47,10 @@ from .wire import ShardTransport, fetch_into
 
 log = logging.getLogger(__name__)
 MIN_PATIENCE_S = 1.0  # a trial transfer is never taken back sooner
+HOLD_BACK_S = 1.0
+"""After a `seeded` answer, the source is not asked for that shard for this long (doubling
+with each such answer, up to HOLD_BACK_MAX_S)."""
+HOLD_BACK_MAX_S = 8.0
 
 
 @dataclass(eq=False)
@@ -51,6 +61,7 @@ class _Flight:
     started: float
     task: asyncio.Task | None = None
     preempted: bool = False
+    writer: object | None = None  # the shard's ShardWriter once the transfer began
 
 
 class Downloader:
@@ -69,6 +80,9 @@ class Downloader:
         self.in_flight: set[int] = set()
         self.flights: dict[int, _Flight] = {}
         self.tried: dict[int, set[str]] = {}  # sources that failed a shard (this round)
+        # sources that answered `seeded` for a shard: shard -> {peer: (until, answers)}
+        self.held: dict[int, dict[str, tuple[float, int]]] = {}
+        self._held_until: list[float] = []  # heap of the `until`s, for waking idle workers
         self.metrics: Counter[str] = Counter()
         self.last_progress = time.monotonic()
         self.times: dict[str, float] = {}  # wall-clock phases, for benchmarks and logs
@@ -136,26 +150,47 @@ class Downloader:
         if 2 * self._stale > len(self.pending):  # amortised: O(1) per verified shard
             self.pending = [i for i in self.pending if i not in self.entry.have]
             self._stale = 0
+        now = time.monotonic()
         for shard in self.pending:
             if shard in self.in_flight or self.entry.has(shard):
                 continue
             tried = self.tried.get(shard)
-            peer = self.book.pick(shard, tried or frozenset())
+            held = self._held_back(shard, now)
+            peer = self.book.pick(shard, tried or frozenset(), held)
             if peer is None and tried and self.book.holders(shard, tried) == 0:
                 del self.tried[shard]  # every holder failed it once: let them try again
-                peer = self.book.pick(shard)
+                peer = self.book.pick(shard, held=held)
             if peer is not None:
                 return shard, peer
         return None
+
+    def _held_back(self, shard: int, now: float) -> frozenset[str]:
+        """Sources that answered `seeded` for `shard` and are not asked for it yet."""
+        held = self.held.get(shard)
+        if not held:
+            return frozenset()
+        return frozenset(p for p, (until, _) in held.items() if until > now)
+
+    def _hold_back(self, shard: int, peer: str) -> None:
+        held = self.held.setdefault(shard, {})
+        answers = held.get(peer, (0.0, 0))[1] + 1
+        until = time.monotonic() + min(HOLD_BACK_MAX_S, HOLD_BACK_S * 2 ** (answers - 1))
+        held[peer] = (until, answers)
+        heapq.heappush(self._held_until, until)
+
+    def _next_hold_end(self, now: float) -> float | None:
+        while self._held_until and self._held_until[0] <= now:
+            heapq.heappop(self._held_until)
+        return self._held_until[0] if self._held_until else None
 
     async def _idle(self) -> None:
         """Wait until a transfer ends, sources change, a source leaves its cooldown, or
         the stall deadline passes (whichever comes first)."""
         now = time.monotonic()
         wake = self.last_progress + self.cfg.stall_timeout_s
-        ready = self.book.next_ready()
-        if ready is not None:
-            wake = min(wake, ready)
+        for ready in (self.book.next_ready(), self._next_hold_end(now)):
+            if ready is not None:
+                wake = min(wake, ready)
         trials = [f.started for f in self.flights.values()
                   if not f.preempted and not self.book.sources[f.peer].good]
         if trials:
@@ -218,14 +253,18 @@ class Downloader:
         return max(MIN_PATIENCE_S, 3 * self.entry.manifest.shard_size / max(rates))
 
     def _preempt_trial(self) -> bool:
-        """Take back the oldest trial transfer that ran past `_patience` and whose shard a
-        known-good source holds (the worker then waits for it to end)."""
+        """Take back the oldest trial transfer that ran past `_patience` without a byte
+        and whose shard a known-good source holds and would serve (the worker then waits
+        for it to end). A slow source that sends is not taken back: on a WAN a home uplink
+        takes many times longer per shard than the trainer, and is still worth it."""
         now, patience = time.monotonic(), self._patience()
         for shard, f in sorted(self.flights.items(), key=lambda kv: kv[1].started):
             s = self.book.sources[f.peer]
-            if f.preempted or s.good or now - f.started < patience:
+            if f.preempted or s.good or now - f.started < patience \
+                    or (f.writer is not None and f.writer.received > 0):
                 continue
-            if any(o.good and not o.dropped and o.has(shard)
+            held = self._held_back(shard, now)
+            if any(o.good and not o.dropped and o.has(shard) and o.peer not in held
                    for o in self.book.sources.values()):
                 f.preempted = True
                 f.task.cancel()
@@ -241,6 +280,9 @@ class Downloader:
         # DiskFull: the worker pauses, nothing fetched; other downloads' reservations kept
         self.space.check_write(self.entry.key, size)
         writer = self.store.begin_shard(self.entry, shard, self.whole)
+        flight = self.flights.get(shard)
+        if flight is not None:
+            flight.writer = writer
         t0 = time.monotonic()
         try:
             # hashing and writing leave the event loop (it keeps serving and receiving);
@@ -251,6 +293,10 @@ class Downloader:
         except (ShardFetchError, StoreError) as e:
             writer.abort()
             self._unhashed(shard)
+            if e.reason == "seeded":  # in the swarm already: from a peer that holds it
+                self.metrics["seeded"] += 1
+                self._hold_back(shard, peer)
+                return
             self.metrics[f"fail_{e.reason}"] += 1
             self.metrics["bytes_wasted"] += writer.received
             self.tried.setdefault(shard, set()).add(peer)

@@ -47,7 +47,8 @@ QUIET = ("not_newer", "settings_mismatch", "no_space")  # said elsewhere, or rou
 DOWNLOAD_COUNTERS = {"bytes_verified": "bytes_downloaded", "shards_ok": "shards_downloaded",
                      "bytes_fetched": "bytes_fetched", "bytes_corrupt": "bytes_corrupt",
                      "shards_corrupt": "shards_corrupt", "bytes_wasted": "bytes_wasted",
-                     "shards_resumed": "shards_resumed", "disk_full": "disk_full_pauses"}
+                     "shards_resumed": "shards_resumed", "disk_full": "disk_full_pauses",
+                     "seeded": "fetch_seeded"}
 """Downloader metrics summed into the node's broadcast counters (and `fail_<reason>` as
 `fetch_failed_<reason>`)."""
 

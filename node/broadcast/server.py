@@ -2,7 +2,9 @@
 
 Every request gets an answer or a closed stream, never a hang: a malformed request gets
 `bad_request`, a shard not held (or not yet verified) `unknown_shard`, a range outside the
-shard `bad_range`, and a request over the concurrency limits `busy` at once. An upload the
+shard `bad_range`, a request over the concurrency limits `busy` at once, and (a trainer, for
+its own checkpoints: seeding.py) a shard already handed to the swarm `seeded`, on a stream
+that stays open for the next request. An upload the
 client does not take (each `chunk_size` bytes within `chunk_timeout_s`) is cut, so a peer
 that asks and never reads cannot hold upload slots that honest peers need.
 """
@@ -17,6 +19,7 @@ from collections import Counter
 from ...protocol.errors import ProtocolError
 from ...protocol.messages import ShardRequest, ShardResponseHeader
 from .errors import BroadcastError
+from .seeding import Seeding
 from .store import ShardStore
 from .wire import CLOSE_TIMEOUT_S, ByteStream, read_frame, write_frame
 
@@ -67,6 +70,7 @@ class ShardServer:
         self.metrics: Counter[str] = Counter()
         self.served_to: Counter[str] = Counter()  # bytes of whole answers, per peer (bounded)
         self.zero_copy = True  # TCP uploads with sendfile(2) when not paced
+        self.seeding: Seeding | None = None  # a trainer's rule for its own versions
 
     async def handle(self, peer: str, stream: ByteStream) -> None:
         """One request on one stream, then close it (how a node before stream reuse served;
@@ -158,12 +162,19 @@ class ShardServer:
                 or length > self.cfg.max_shard_size:
             await self._error(stream, "bad_range")
             return False
+        if self.seeding is not None and not self.seeding.take(entry.key, req.shard):
+            await self._error(stream, "seeded")
+            return True  # not an error of the stream: it may carry the next request
+        copy = self.seeding is not None
         if (self.active[peer] >= self.cfg.max_uploads_per_peer
                 or self.active_total >= self.cfg.max_uploads_total):
+            if copy:
+                self.seeding.give_back(entry.key, req.shard)
             await self._error(stream, "busy")
             return False
         self.active[peer] += 1
         self.active_total += 1
+        done = False
         try:
             done = await self._upload(stream, entry, req, length)
             if done:
@@ -177,6 +188,8 @@ class ShardServer:
             await _abort(stream)
             return False
         finally:
+            if copy and not done:
+                self.seeding.give_back(entry.key, req.shard)
             self.active[peer] -= 1
             if self.active[peer] <= 0:
                 del self.active[peer]

@@ -31,6 +31,7 @@ from .follower import Completed, Follower, OnComplete
 from .manifest import AcceptedManifest
 from .publisher import Publisher
 from .records import VersionRecords
+from .seeding import Seeding
 from .server import ShardServer
 from .sources import ProvenPeers
 from .store import ShardStore
@@ -57,6 +58,8 @@ class Broadcaster:
         self.tasks = TaskOwner("broadcast", on_failure=self._task_failed)
         self.proven = ProvenPeers()  # peers we verified shards from
         self.server = ShardServer(self.store, cfg)
+        if role == "trainer":  # each shard of its own checkpoints goes out about once
+            self.server.seeding = Seeding(node.peer_id, cfg.seed_copies, cfg.seed_hold_s)
         self.transport = transport or RoutingTransport(P2PTransport(node), bulk=node.bulk)
         self.adverts = Adverts(node, cfg, self.store, self.records, self.counts,
                                self.proven, follows=self._follows, transport=self.transport,

@@ -3,10 +3,11 @@
 Each source has an EMA of measured throughput (bytes/s over whole shard transfers), a count
 of consecutive failures with an exponential cooldown, a count of corrupt shards, and the
 shards it advertised. A shard goes to the eligible source with the best
-`throughput / (1 + in_flight)`. The trainer (origin) has weight `ORIGIN_WEIGHT`: a shard
-that a relay or another peer holds is taken from them rather than from the trainer, whose
-uplink serves everyone. A source that sent `max_corrupt` corrupt shards is dropped for the
-rest of the version.
+`throughput / (1 + in_flight)`, and to the trainer (origin) only when no other eligible
+source holds it and no other known-good source that holds it is merely busy or cooling
+down: the trainer's uplink would otherwise carry a copy per follower (it also
+hands each shard to the swarm about once and answers `seeded` after that: seeding.py). A
+source that sent `max_corrupt` corrupt shards is dropped for the rest of the version.
 
 Sources rules (an advertiser is a claim, not a source we can count on):
 - Known-good sources are the trainer and peers that delivered a verified shard to this node
@@ -31,7 +32,6 @@ OPTIMISTIC_BPS = 1e12  # unmeasured sources are tried first
 COOLDOWN_BASE_S = 0.2
 COOLDOWN_MAX_S = 5.0
 BUSY_COOLDOWN_S = 0.2
-ORIGIN_WEIGHT = 0.25
 MAX_FAILS_IN_A_ROW = 4
 """Failures in a row after which a known-good source other than the trainer is dropped."""
 MAX_PROVEN = 4096
@@ -82,8 +82,7 @@ class SourceStats:
         return self.holdings is None or shard in self.holdings
 
     def score(self) -> float:
-        weight = ORIGIN_WEIGHT if self.origin else 1.0
-        return weight * (self.throughput or OPTIMISTIC_BPS) / (1 + self.in_flight)
+        return (self.throughput or OPTIMISTIC_BPS) / (1 + self.in_flight)
 
 
 class SourceBook:
@@ -120,19 +119,30 @@ class SourceBook:
             return s.in_flight < self.per_source
         return s.in_flight == 0 and trials_open
 
-    def pick(self, shard: int, exclude: set[str] = frozenset()) -> str | None:
-        """The best source for `shard` now, or None. Sources on trial get a transfer only
-        while fewer than `trial_slots` trials run, or when no known-good source (usable
-        or cooling down) holds the shard."""
+    def pick(self, shard: int, exclude: set[str] = frozenset(),
+             held: frozenset[str] = frozenset()) -> str | None:
+        """The best source for `shard` now, or None. The trainer only if no other source
+        is eligible and no other known-good source holds it (one that is busy or cooling
+        down is waited for). `exclude`: sources that failed it; `held`: sources that
+        answered `seeded` for it lately (neither is asked). Sources on trial get a transfer only
+        while fewer than `trial_slots` trials run, or when no known-good source (usable or
+        cooling down, and not holding it back) holds the shard."""
         now = self.clock()
+        exclude = exclude | held if held else exclude
         trials_open = self._trials() < self.trial_slots or not any(
-            s.good and not s.dropped and s.has(shard) for s in self.sources.values())
-        best, best_score = None, -1.0
+            s.good and not s.dropped and s.peer not in held and s.has(shard)
+            for s in self.sources.values())
+        best, best_score, origin, wait = None, -1.0, None, False
         for s in self.sources.values():
-            if s.has(shard) and self._usable(s, now, exclude, trials_open) \
-                    and s.score() > best_score:
+            if not s.has(shard) or s.dropped or s.peer in exclude:
+                continue
+            if not self._usable(s, now, exclude, trials_open):
+                wait = wait or (s.good and not s.origin)  # busy or cooling down
+            elif s.origin:
+                origin = s.peer
+            elif s.score() > best_score:
                 best, best_score = s.peer, s.score()
-        return best
+        return best or (None if wait else origin)
 
     def any_usable(self) -> bool:
         """Whether some source could take a transfer now (cheap: no shard looked at)."""

@@ -5,10 +5,13 @@
                       then, if ok, exactly `length` raw bytes.
 
 After a complete shard the server waits up to `request_timeout_s` for another request on the
-same stream (libp2p) or connection (bulk plane); after an error answer it closes. A client
+same stream (libp2p) or connection (bulk plane); after an error answer other than `seeded`
+it closes. A client
 may send its next request once it read the whole response, or close.
 
-Error codes in the header: bad_request, bad_range, unknown_shard, busy, internal.
+Error codes in the header: bad_request, bad_range, unknown_shard, busy, internal, and
+seeded (a trainer's shard that the swarm carries: seeding.py), after which the stream stays
+open.
 """
 
 from __future__ import annotations
@@ -94,6 +97,8 @@ async def _request(stream: ByteStream, peer: str, request: ShardRequest, expecte
     except Exception as e:
         raise ShardFetchError(f"{peer}: {e!r}", reason="short_read") from e
     if not header.ok:
+        if header.error == "seeded":  # the server keeps the stream for the next request
+            _reusable(stream)
         raise ShardFetchError(f"{peer}: {header.error}", reason=header.error or "refused")
     if header.length != expected_len:
         raise ShardFetchError(f"{peer}: announces {header.length} bytes, expected "

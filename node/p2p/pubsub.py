@@ -37,6 +37,17 @@ MESH_POLL_S = 0.02
 # Announced pulls of one announcer waiting for its pull slots; more are dropped (counted
 # payload_pull_queue_full). An announce is ~150 bytes plus its waiting task.
 PULL_QUEUE_PER_ANNOUNCER = 256
+# A source that does not hold an announced body yet (a forwarder that is pulling it itself:
+# announces travel ahead of their bodies) is asked again after this, doubling up to the max.
+PULL_RETRY_S = 0.05
+PULL_RETRY_MAX_S = 1.0
+# How long the direct sources of a body are asked (and asked again) before the ones reached
+# through a relay, or by a dial: a public peer that pulled it is faster than a relayed path.
+RELAYED_AFTER_S = 1.0
+# Peers asked for a body besides its announcer and forwarder at first (the peers that hold
+# it may be any of the connected ones: the others are asked after them, PULL_PASS at a time).
+PULL_OTHERS = 3
+PULL_PASS = 4
 
 Handler = Callable[[Envelope, str], Awaitable[None]]
 
@@ -325,31 +336,103 @@ class GossipService:
         await self._deliver(kind, inner, origin)
 
     def pull_sources(self, origin: str) -> list[str]:
-        """Where to pull an announced payload: the announcer, the peer that brought us its
-        messages (it validated the announce, so it is pulling or holds it), then up to 3
-        other connected peers."""
-        first = [origin, self.validator.carried_by.get(origin)]
-        connected = self.ctx.peers.connected_peers()
-        ordered = [p for p in dict.fromkeys(first) if p]
-        return ordered + [p for p in connected if p not in ordered][:3]
+        """Where to pull an announced payload, best first: the announcer, the peer that
+        brought us its messages (it validated the announce, so it is pulling or holds it),
+        then up to PULL_OTHERS other connected peers (public ones first); those on a direct
+        connection before those reached only through a relay (a body over a relay crosses
+        two links and the relay's circuit limits, and a relayed announcer's slow home uplink
+        is shared by everyone pulling from it: a direct peer that pulled it already is
+        faster). An announcer we hold no connection to goes last: it came through the mesh
+        because we cannot reach it (both behind NAT, no relayed path), and a pull from it
+        waits out a dial."""
+        return self._pull_candidates(origin)[0]
+
+    def _pull_candidates(self, origin: str) -> tuple[list[str], list[str]]:
+        """(pull_sources, the other directly connected peers in the same order: asked,
+        PULL_OTHERS more at a time, while the first ones do not hold the body yet)."""
+        peers = self.ctx.peers
+        connected = peers.connected_peers()
+        first = [p for p in dict.fromkeys([origin, self.validator.carried_by.get(origin)]) if p]
+        # of the others, public ones first (a plane we can use): an announcer behind NAT
+        # dials out to them, so they pull its body first-hand
+        puller = self.puller
+        others = sorted((p for p in connected if p not in first),
+                        key=lambda p: (peers.is_relayed(p),
+                                       puller is not None and not puller.usable(p)))
+        ordered = first + others[:PULL_OTHERS]
+        direct = [p for p in ordered if p in connected and not peers.is_relayed(p)]
+        relayed = [p for p in ordered if p in connected and peers.is_relayed(p)]
+        spare = [p for p in others[PULL_OTHERS:] if not peers.is_relayed(p)]
+        return direct + relayed + [p for p in ordered if p not in connected], spare
 
     async def fetch_payload(self, ann: PayloadAnnounce, origin: str,
                             sources: list[str] | None = None) -> bytes | None:
         """The announced body from the first source that serves it, checked against the
         announce's size and hash (before anything decodes it); None if no source did.
         A source that serves other bytes, or an announcer that does not serve, is counted
-        and penalised."""
-        for source in self.pull_sources(origin) if sources is None else sources:
+        and penalised. Sources on a direct connection are asked first, PULL_PASS at a time
+        (asks are one after another: each is a round trip); those that do not hold it yet
+        (a forwarder still pulling it itself) or are busy go to the back of the line, behind
+        the other directly connected peers not asked yet, and the next PULL_PASS are asked
+        after PULL_RETRY_S doubling, until `p2p.payload_pull_timeout_s` after the first ask.
+        Sources reached only through a relay are asked once, when no direct source is left
+        to ask or after RELAYED_AFTER_S; a source not connected at all (a dial, which may
+        take `dial_timeout_s`) once, last. `sources`: exactly these, in this order."""
+        peers = self.ctx.peers
+        if sources is None:
+            todo, spare = self._pull_candidates(origin)
+        else:
+            todo, spare = list(sources), []
+        connected = set(peers.connected_peers())
+        relayed = [p for p in todo if p in connected and peers.is_relayed(p)]
+        dial = [p for p in todo if p not in connected]
+        if len(relayed) + len(dial) < len(todo):
+            todo = [p for p in todo if p not in relayed and p not in dial]
+        else:  # no direct source: ask them in order
+            relayed, dial = [], []
+        line = deque(todo[:PULL_PASS] + spare + todo[PULL_PASS:])
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        deadline, relay_at = now + self.cfg.payload_pull_timeout_s, now + RELAYED_AFTER_S
+        pause = PULL_RETRY_S
+        while True:
+            if line:
+                ask = [line.popleft() for _ in range(min(PULL_PASS, len(line)))]
+                data, again = await self._pull_pass(ann, origin, ask)
+                if data is not None:
+                    return data
+                line.extend(again)
+            if relayed and (not line or loop.time() >= relay_at):
+                data, _ = await self._pull_pass(ann, origin, relayed)
+                if data is not None:
+                    return data
+                relayed = []  # the direct ones may hold it now: one more ask at least
+                deadline = max(deadline, loop.time() + 2 * pause)
+            if not line or deadline - loop.time() <= pause:
+                # last: a dial (it may wait out dial_timeout_s) to an announcer we are not
+                # connected to, once nobody else is left to ask
+                data, _ = await self._pull_pass(ann, origin, dial) if dial else (None, [])
+                return data
+            self.metrics.inc("payload_pull_retries")
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, PULL_RETRY_MAX_S)
+
+    async def _pull_pass(self, ann: PayloadAnnounce, origin: str,
+                         sources: list[str]) -> tuple[bytes | None, list[str]]:
+        """Ask each source in turn: the checked body, or None and the sources to ask again."""
+        again = []
+        for source in sources:
             try:
                 data = await self._pull_from(source, ann)
             except PullFailed as e:
-                self._pull_failed(source, origin, e)
+                if self._pull_failed(source, origin, e):
+                    again.append(source)
                 continue
             if len(data) != ann.size or hashlib.sha256(data).digest() != ann.content_hash:
                 self._reject_body(source, "hash_mismatch")
                 continue
-            return data
-        return None
+            return data, []
+        return None, again
 
     async def _pull_from(self, source: str, ann: PayloadAnnounce) -> bytes:
         """Over the bulk plane when the source has one, else over libp2p."""
@@ -375,15 +458,25 @@ class GossipService:
         self.metrics.inc("payload_pulled_libp2p")
         return data
 
-    def _pull_failed(self, source: str, origin: str, e: PullFailed) -> None:
+    def _pull_failed(self, source: str, origin: str, e: PullFailed) -> bool:
+        """Count (and charge, where it is an offence) one failed pull; True if `source`
+        may be asked again (it may hold the body later)."""
         log.info("could not pull an announced payload of %s from %s: %s", origin[-8:],
                  source[-8:], e)
         if e.reason == "too_large":  # answered with another length than announced
             self._reject_body(source, "too_large")
-        elif source == origin and e.reason in ("not_held", "timeout"):
-            self._reject_body(origin, "unserved_announce")  # announced it, did not serve it
-        else:  # a relay may not hold it yet; busy or a broken connection is no offence
-            self.metrics.inc("payload_pull_misses")
+            return False
+        if source == origin and e.reason in ("not_held", "timeout"):
+            peers = self.ctx.peers
+            if e.reason == "not_held" or (origin in peers.connected_peers()
+                                          and not peers.is_relayed(origin)):
+                self._reject_body(origin, "unserved_announce")  # announced it, did not serve
+            else:  # no connection but through a relay, or none (behind NAT): a slow or
+                self.metrics.inc("payload_pull_misses")  # failed path is no offence
+            return False
+        # a relay may not hold it yet; busy or a broken connection is no offence
+        self.metrics.inc("payload_pull_misses")
+        return source != origin and e.reason in ("not_held", "busy")
 
     def _reject_body(self, peer: str, reason: str) -> None:
         self.metrics.reject(peer, reason)

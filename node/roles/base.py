@@ -10,6 +10,7 @@ failure is logged and counted (`task_failed`), and `close()` cancels and awaits 
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -28,6 +29,16 @@ from .interfaces import CheckpointFeed, VerifiedCheckpoint
 log = logging.getLogger("swarm_node")
 
 FOLLOW_WAIT_PERIODS = 12
+
+
+def freeze_heap() -> None:
+    """Move what start-up built (torch, the libraries, a model: ~400k objects that live as
+    long as the process) out of the collector's reach: a full collection, triggered more
+    often by a flood's allocations, then no longer scans them (it paused every thread for
+    0.1-0.7 s each time in a trainer under benchmarks/verifier_flood.py). Called once, at
+    the end of a role's start (benchmarks/gc_pause.py measures it)."""
+    gc.collect()
+    gc.freeze()
 """A followed trainer re-advertises its checkpoints every broadcast.readvertise_s (10 s): with
 nothing of it here nor downloading after this many periods (120 s), the operator is told
 (once)."""

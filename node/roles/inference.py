@@ -23,7 +23,7 @@ from ..sampler import make_sampler
 from ..sampler.factory import sampling_params
 from ..sampler.rounds import sample_round, to_batch
 from ..tasks import PromptStyle, TaskSource, get_task
-from .base import Role, wait_any
+from .base import Role, freeze_heap, wait_any
 from .interfaces import (
     BroadcastFeed,
     CheckpointFeed,
@@ -88,6 +88,7 @@ class InferenceRole(Role):
         await self.watch_verdicts()
         log.info("inference peer ready: model %s, policy version %d", self.cfg.model.name,
                  self.sampler.version)
+        freeze_heap()
 
     def _on_checkpoint(self, ckpt: VerifiedCheckpoint) -> None:
         if self.policy_id is None:  # the explicit choice (follow.py) was made meanwhile

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from ..broadcast.follow import trainer_choice
-from .base import Role
+from .base import Role, freeze_heap
 from .interfaces import BroadcastFeed, CheckpointFeed, VerifiedCheckpoint
 
 log = logging.getLogger("swarm_node")
@@ -34,6 +34,7 @@ class RelayRole(Role):
         self.track_downloads(self.feed)
         # says so if the followed trainer never appears, like the inference role
         self.watch_followed(self.feed, self.feed.chosen)
+        freeze_heap()
 
     def _on_complete(self, ckpt: VerifiedCheckpoint) -> None:
         self.state.policy_id = ckpt.policy_id

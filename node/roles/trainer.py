@@ -19,7 +19,6 @@ work: the step in flight finishes, nothing else does.
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import math
 from collections import OrderedDict
@@ -42,7 +41,7 @@ from ..trainer.distributed import attach_ranks
 from ..trainer.group import attach_group
 from ..trainer.hooks import StepHooks
 from ..trainer.trainer import Trainer
-from .base import Role
+from .base import Role, freeze_heap
 from .interfaces import CheckpointFeed, CheckpointPublisher, OwnCheckpoints, Verifier
 from .settings import swarm_settings
 
@@ -115,12 +114,7 @@ class TrainerRole(Role):
         self.state.add_counters("intake", self.intake.counters)  # the same at /metrics
         self.state.banned = self.intake.banned()
         await self._publish_version()
-        # the model, torch and the libraries are ~400k objects that live as long as the
-        # process: out of the collector's reach, a full collection (triggered more often by
-        # a gossip flood's allocations) no longer scans them, pausing every thread for
-        # 0.1-0.7 s each time (measured under benchmarks/verifier_flood.py)
-        gc.collect()
-        gc.freeze()
+        freeze_heap()
 
     def build_intake(self, reputation=None, limits=None) -> Intake:
         """The intake over this role's trainer, verifiers, p2p host and worker thread (a

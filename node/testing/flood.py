@@ -22,7 +22,7 @@ from libp2p.pubsub.pb import rpc_pb2
 from libp2p.utils.varint import encode_uvarint
 
 from ...protocol.ids import STREAM_PROTOCOLS
-from ...protocol.messages import RolloutBatch
+from ...protocol.messages import RolloutBatch, Verdict
 from ..identity import Identity
 from ..p2p import P2PNode
 
@@ -82,16 +82,19 @@ class _Carriers:
 
 
 class SybilFlood(_Carriers):
-    """`run(stop)` floods `target` until `stop` is set. Counters: `sent` batches,
-    `carriers` connections opened, `cut` carriers the target dropped."""
+    """`run(stop)` floods `target` until `stop` is set. `accuse`: a peer each fresh key
+    also accuses, after its batch, with a reject verdict of its own (issue 30 item 11: a
+    verdict from a key without history must change nothing). Counters: `sent` batches,
+    `accusations` verdicts, `carriers` connections opened, `cut` carriers the target
+    dropped."""
 
     def __init__(self, cfg, bootstrap: str, target: str, make_batch: MakeBatch,
                  version: Callable[[], int], connections: int = 4,
-                 interval_s: float = 0.0):
+                 interval_s: float = 0.0, accuse: str | None = None):
         self.cfg, self.bootstrap, self.target = cfg, bootstrap, target
         self.make_batch, self.version = make_batch, version
-        self.connections, self.interval_s = connections, interval_s
-        self.sent = self.carriers = self.cut = 0
+        self.connections, self.interval_s, self.accuse = connections, interval_s, accuse
+        self.sent = self.accusations = self.carriers = self.cut = 0
         self.cpu_s = 0.0
         self._seqno = time.time_ns()
 
@@ -111,6 +114,14 @@ class SybilFlood(_Carriers):
             self.cpu_s += time.thread_time() - t0
             await stream.write(frame)
             self.sent += 1
+            if self.accuse is not None:
+                self._seqno += 1
+                blame = Verdict(rollout_id=random.randbytes(32), subject=self.accuse,
+                                accept=False, reason="proof_bias",
+                                policy_version=batch.policy_version)
+                await stream.write(gossip_frame(node.topic("verdicts"), sybil.seal(blame),
+                                                sybil, self._seqno))
+                self.accusations += 1
             if self.target not in node.connected_peers():
                 return
             await asyncio.sleep(self.interval_s)

@@ -1,11 +1,12 @@
-"""Verification load from fresh keys does not stop training (issue 30 finding 4): real
-`swarm-node join` processes (a trainer and an established honest inference peer, tiny
+"""Verification load from fresh keys does not stop training (issue 30 findings 4 and 11):
+real `swarm-node join` processes (a trainer and an established honest inference peer, tiny
 model) and, in this test process, a sybil flood (node/testing/flood.py): batches that pass
-every check before the model runs, each signed by a fresh key, over 4 connections that are
-replaced when cut. Asserted as counts from the nodes themselves: every honest batch is
-accepted during and after the flood, the flood's verification time stays within the
-probation time share the trainer reports, and the queue and memory stay bounded. Throughput figures (honest share during the flood,
-recovery time, attacker vs trainer cost): benchmarks/verifier_flood.py."""
+every check before the model runs, each signed by a fresh key that also accuses the honest
+peer with a reject verdict, over 4 connections that are replaced when cut. Asserted as
+counts from the nodes themselves: every honest batch is accepted during and after the
+flood, the flood's verification time stays within the probation time share the trainer
+reports, and the queue and memory stay bounded. Throughput figures (honest share during
+the flood, recovery time, attacker vs trainer cost): benchmarks/verifier_flood.py."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from .test_trainer_restart import until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-SHARE, BURST_S = 0.1, 2.0  # IntakeLimits defaults: probation_time_share, probation_burst_s
+SHARE, BURST_S = 0.1, 0.5  # IntakeLimits defaults: probation_time_share, probation_burst_s
 
 
 def rss_mib(pid: int) -> float:
@@ -71,7 +72,8 @@ def trainer_address(trainer: Node) -> str:
 async def honest_pair(tmp_path, tiny_model_dir):
     """A trainer (one peer batch per step, 8 new tokens) and an honest inference peer that
     follows it, real processes, once the peer is established (32 completions accepted);
-    yields (trainer, its config, honest()), honest() being the peer's counts at the trainer.
+    yields (trainer, its config, honest()), honest() being the peer's counts at the trainer
+    (and its id, "peer").
     Both stopped at the end."""
     tcfg = trainer_config(tmp_path / "t", tiny_model_dir, peer_batches_per_step=1,
                           peer_wait_s=5.0)
@@ -92,8 +94,8 @@ async def honest_pair(tmp_path, tiny_model_dir):
         hid = peer.status()["peer_id"]
 
         def honest() -> dict:
-            return (trainer.status().get("accepted_by_peer") or {}).get(
-                hid, {"accepted": 0, "rejected": 0})
+            return {"peer": hid, **(trainer.status().get("accepted_by_peer") or {}).get(
+                hid, {"accepted": 0, "rejected": 0})}
 
         await until(lambda: honest()["accepted"] >= 32, 300, "the honest peer established",
                     trainer)
@@ -125,17 +127,18 @@ async def test_4_a_fresh_key_flood_costs_at_most_the_probation_share(tmp_path, t
                                 at=time.monotonic())
                 return seen["version"]
 
+            # each fresh key also accuses the honest peer (item 11): it must stay established
             flood = SybilFlood(swarm, boot, tid, make_batch, version, connections=4,
-                               interval_s=0.05)
+                               interval_s=0.05, accuse=honest()["peer"])
             rss0, before, view0 = rss_mib(trainer.proc.pid), honest()["accepted"], intake()
             t0 = trainer.status()["uptime_s"]
             flooding = asyncio.ensure_future(flood.run(stop))
             # the flood runs until the honest peer had 4 more batches (64 completions) accepted
-            # and 45 s of the trainer's clock went by (long enough for the share, not the
-            # bucket's depth, to bound what the flood gets)
+            # and 20 s of the trainer's clock went by (long enough for the share, 2 s, not
+            # the bucket's depth, 0.5 s, to bound what the flood gets)
             await until(lambda: honest()["accepted"] >= before + 64
-                        and trainer.status().get("uptime_s", 0) >= t0 + 45, 400,
-                        "honest batches accepted during 45 s of flood", trainer)
+                        and trainer.status().get("uptime_s", 0) >= t0 + 20, 400,
+                        "honest batches accepted during 20 s of flood", trainer)
             during, view1 = honest()["accepted"] - before, intake()
             elapsed = trainer.status()["uptime_s"] - t0
             stop.set()
@@ -150,10 +153,12 @@ async def test_4_a_fresh_key_flood_costs_at_most_the_probation_share(tmp_path, t
             lent = (view1["verify_seconds"]["probation_lent"]
                     - view0["verify_seconds"]["probation_lent"])
             verified = view1["batches"].get("probation", 0) - view0["batches"].get("probation", 0)
-            print(f"flood: {flood.sent} bogus batches over {flood.carriers} carriers ({flood.cut} "
+            print(f"flood: {flood.sent} bogus batches and {flood.accusations} verdicts against "
+                  f"the honest peer over {flood.carriers} carriers ({flood.cut} "
                   f"cut), {verified} verified by the trainer in {spent:.1f} s of {elapsed:.0f} s "
                   f"(+ {lent:.1f} s of idle time lent); "
-                  f"honest accepted during: {during}; dropped {view1['dropped']}; attacker "
+                  f"honest accepted during: {during}; dropped {view1['dropped']}; verdicts "
+                  f"heard {view1.get('verdicts')}; attacker "
                   f"{flood.cpu_per_batch * 1e3:.1f} ms CPU per batch; trainer RSS {rss0:.0f} -> "
                   f"{rss1:.0f} MiB")
             # nothing of the honest peer lost or refused, but for a known rare case: one run of
@@ -161,6 +166,9 @@ async def test_4_a_fresh_key_flood_costs_at_most_the_probation_share(tmp_path, t
             # rejected, reason not captured then (printed now); not reproduced in 3 runs since
             print(f"honest peer at the trainer: {honest()}")
             assert honest()["rejected"] <= honest()["accepted"] // 500, honest()
+            heard = view1.get("verdicts", {})  # the accusations reached the trainer ...
+            assert heard.get("ignored", 0) - view0.get("verdicts", {}).get("ignored", 0) > 0
+            assert heard.get("used", 0) == view0.get("verdicts", {}).get("used", 0)  # ... in vain
             assert verified > 0  # the flood did reach the model checks ...
             # ... within the probation share: its refill and its depth (plus the batch in
             # flight); what the trainer lent while it only waited for peers is counted apart

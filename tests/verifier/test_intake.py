@@ -222,12 +222,34 @@ async def test_4_probation_senders_together_get_a_bounded_share_of_time(tmp_path
     assert (HONEST, False) in v.calls and intake.state.by_peer[HONEST].accepted == 4
 
 
+async def test_4_a_flood_takes_short_turns_between_the_trainers_steps(tmp_path):
+    """A trainer's drain between two steps (the default limits): with a full probation
+    queue of fresh keys' bogus batches (50 ms each), the flood gets at most the 0.5-s bucket
+    and one batch in flight before training gets its turn, and then only its refill (a
+    2-s bucket spent at once stalled a trainer and its paced peer for seconds)."""
+    clock = Clock()
+    v = Scripted(clock, reason="proof_index_mismatch", cost=0.05)
+    intake = make(tmp_path, v)
+    for i in range(16):
+        await intake.offer(SimpleNamespace(sender=f"12D3KooWsybil{i}", message=batch(i)), "c")
+    t0 = clock.t
+    await intake.drain()
+    # the bucket, what it refills meanwhile (0.1 s per s) and the batch in flight
+    assert 0.5 <= clock.t - t0 <= 0.5 / (1 - 0.1) + 0.05
+    clock.t += 1.0  # a step: 0.1 s of share comes back
+    t1 = clock.t
+    await intake.drain()
+    assert clock.t - t1 <= 0.1 / (1 - 0.1) + 0.05
+
+
 def test_time_share_refills_with_wall_time():
     clock = Clock()
     share = TimeShare(0.1, 2.0, clock)
-    share.spend(5.0)
-    assert not share.ready() and share.ready_in() == pytest.approx(20.0, abs=0.01)
-    clock.t += 20.1
+    share.spend(5.0)  # a batch in flight overdraws it: its whole time is repaid
+    assert not share.ready() and share.ready_in() == pytest.approx(30.0, abs=0.01)
+    clock.t += 29.9
+    assert not share.ready()
+    clock.t += 0.2
     assert share.ready()
 
 

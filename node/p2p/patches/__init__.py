@@ -35,6 +35,7 @@ from . import (
     handlers,
     inbound_slots,
     internals,
+    mesh_backoff,
     noise_io,
     push_msg,
     records,
@@ -114,6 +115,7 @@ def patch_pubsub(pubsub, router, *, on_fault: FaultHook, metrics, queues: QueueL
     validation_cache.patch_validation_cache(pubsub)
     if flood_publish_own:
         flood_publish.patch_flood_publish(router, pubsub.my_id)
+    mesh_backoff.patch_heartbeat_prune_backoff(router)
     return tuned
 
 

@@ -2,9 +2,11 @@
 
 Prints one JSON line {"peer_id", "addrs"} once started, then answers commands read from
 stdin, one JSON line each:
-  status           -> {"reachability", "connected", "relayed", "relay", "counters"}
+  status           -> {"reachability", "connected", "relayed", "relay", "counters",
+                       "mesh", "got"}  (got: [origin, round] of each rollouts batch received)
   connect <addr>   -> {"ok": bool, "error": str}
   ask <peer>       -> {"ok": bool, "reply": str, "error": str}  (a request to /test/echo)
+  publish <round>  -> {"ok": bool, "error": str}  (a ~64 KiB RolloutBatch: announced, pulled)
 Exits cleanly when stdin closes.
 Usage: python nat_peer.py --listen MULTIADDR [--bootstrap MULTIADDR]... [--relay] [--fast]
 """
@@ -15,6 +17,8 @@ import argparse
 import asyncio
 import json
 import sys
+
+import numpy as np
 
 
 async def main() -> int:
@@ -40,7 +44,13 @@ async def main() -> int:
     async def echo(peer: str, body: bytes) -> bytes:
         return body[::-1]
 
+    got: list[list] = []
+
+    async def on_batch(env, peer: str) -> None:
+        got.append([peer, env.message.round])
+
     await node.set_request_handler("/test/echo/1.0.0", echo)
+    await node.subscribe("rollouts", on_batch)
     await node.start(bootstrap=args.bootstrap)
 
     def say(obj) -> None:
@@ -53,7 +63,8 @@ async def main() -> int:
             peers = node.connected_peers()
             say({"reachability": node.reachability.as_dict(), "connected": peers,
                  "relayed": [p for p in peers if node.is_relayed(p)],
-                 "relay": node.relay.stats(), "counters": dict(node.metrics.counters)})
+                 "relay": node.relay.stats(), "counters": dict(node.metrics.counters),
+                 "mesh": node.gossip.mesh_peers("rollouts"), "got": got})
         elif cmd == "connect":
             try:
                 await node.connect(arg)
@@ -66,10 +77,36 @@ async def main() -> int:
                 say({"ok": True, "reply": reply.decode(), "error": ""})
             except P2PError as e:
                 say({"ok": False, "reply": "", "error": str(e)})
+        elif cmd == "publish":
+            try:
+                await node.publish("rollouts", batch(node.peer_id, int(arg)))
+                say({"ok": True, "error": ""})
+            except P2PError as e:
+                say({"ok": False, "error": str(e)})
         else:
             say({"error": f"unknown command {cmd!r}"})
     await node.close()
     return 0
+
+
+def batch(policy_id: str, round_: int, n_tokens: int = 8192):
+    """A valid RolloutBatch of ~8 bytes per token (64 KiB: above the inline maximum)."""
+    from swarm_node.protocol.messages import (
+        Completion,
+        RolloutBatch,
+        SamplingParams,
+        TaskRef,
+        TensorData,
+    )
+
+    comp = Completion(task=TaskRef(dataset="toy/digit_successor", seed=1, index=round_),
+                      prompt_ids=TensorData.from_numpy(np.arange(8, dtype=np.int32)),
+                      completion_ids=TensorData.from_numpy(
+                          np.arange(n_tokens, dtype=np.int32) % 1000),
+                      logprobs=TensorData.from_numpy(np.full(n_tokens, -0.5, np.float32)),
+                      finish_reason="length", seed=3, claimed_reward=0.5)
+    return RolloutBatch(swarm_id="default", round=round_, policy_id=policy_id,
+                        policy_version=0, sampling=SamplingParams(), completions=[comp])
 
 
 if __name__ == "__main__":

@@ -137,3 +137,38 @@ def test_peers_reconnect_after_a_partition_heals():
         finally:
             for p in peers:
                 p.stop()
+
+
+@pytest.mark.slow
+def test_batches_between_nat_peers_without_a_path_arrive_through_a_public_peer():
+    """Two peers behind symmetric NATs and no relay: neither can reach the other, so each
+    one's announced batches reach the other through the public peer's mesh, and their bodies
+    are pulled from that peer (which may still be pulling them itself: asked again). Every
+    batch arrives within seconds, and the announcer nobody could reach is not charged for
+    the pull that could not reach it (before: a 10 s dial to it first, then a penalty)."""
+    link = netlab.Link(latency_ms=10)
+    topo = netlab.Topology(hosts=(netlab.Host("pub", link),),
+                           homes=(netlab.Home("ha", "symmetric", link, ("a",)),
+                                  netlab.Home("hb", "symmetric", link, ("b",))))
+    with netlab.Lab(topo, prefix="wgnat") as lab:
+        peers = []
+        try:
+            pub = Peer(lab, "pub", "--listen", f"/ip4/{lab.addr('pub')}/tcp/4001")
+            peers.append(pub)
+            boot = f"/ip4/{lab.addr('pub')}/tcp/4001/p2p/{pub.peer_id}"
+            a = Peer(lab, "a", "--listen", "/ip4/0.0.0.0/tcp/4001", "--bootstrap", boot)
+            peers.append(a)
+            b = Peer(lab, "b", "--listen", "/ip4/0.0.0.0/tcp/4001", "--bootstrap", boot)
+            peers.append(b)
+            pub.wait(lambda s: {a.peer_id, b.peer_id} <= set(s["mesh"]), 30, "pub's mesh")
+            a.wait(lambda s: pub.peer_id in s["mesh"], 30, "A's mesh")
+            b.wait(lambda s: pub.peer_id in s["mesh"], 30, "B's mesh")
+            for r in (1, 2, 3):
+                assert a.cmd(f"publish {r}")["ok"]
+            st = b.wait(lambda s: {(a.peer_id, r) for r in (1, 2, 3)}
+                        <= {tuple(g) for g in s["got"]}, 8, "A's 3 batches at B")
+            assert a.peer_id not in st["connected"], st  # no path between them: the case
+            assert st["counters"].get("rejected.unserved_announce", 0) == 0, st["counters"]
+        finally:
+            for p in peers:
+                p.stop()

@@ -140,6 +140,70 @@ async def test_pull_falls_back_to_another_holder_over_libp2p(make_node, caplog):
     assert len(said) == 1 and "over libp2p streams" in said[0]  # one line for that source
 
 
+async def test_a_forwarder_still_pulling_is_asked_again(make_node):
+    """Announces travel ahead of their bodies: the peer that forwarded one may not hold the
+    body yet when we ask. It is asked again shortly (no offence), not given up on."""
+    a = await make_node()  # the announcer: reachable only through c (not asked here)
+    c = await make_node(bootstrap=a.listen_addrs)  # the forwarder, pulling it itself
+    b = await make_node(bootstrap=c.listen_addrs)
+    await wait_until(lambda: c.peer_id in b.connected_peers(), 30, what="b connected to c")
+    body, ann, _ = announce_of(a, batch(a.peer_id, 8192, 1))
+    asked = asyncio.Event()
+    lookup = c.gossip.body_server.lookup
+
+    def not_yet(digest):  # the first ask finds nothing, then c holds it
+        if not asked.is_set():
+            asked.set()
+            asyncio.get_running_loop().call_later(0.2, c.gossip.store_payload,
+                                                  ann.content_hash, body)
+        return lookup(digest)
+
+    c.gossip.body_server.lookup = not_yet
+    assert await b.gossip.fetch_payload(ann, a.peer_id, sources=[c.peer_id]) == body
+    assert b.metrics["payload_pull_retries"] >= 1 and b.metrics["payload_pull_misses"] >= 1
+    assert b.metrics["rejected"] == 0 and b.penalties.score(c.peer_id) == 0
+
+
+async def test_more_peers_are_asked_while_the_first_ones_do_not_hold_it(make_node):
+    """Besides the announcer and its forwarder, 3 other peers are asked at first; while none
+    holds the body, 3 more are asked each time (the peers that pulled it may be any)."""
+    b = await make_node()
+    a, *others = [await make_node(bootstrap=b.listen_addrs) for _ in range(5)]
+    await wait_until(lambda: len(b.connected_peers()) == 5, 30, what="b connected to all")
+    first = b.gossip.pull_sources(a.peer_id)  # a (holds nothing) and 3 others
+    holder = next(o for o in others if o.peer_id not in first)
+    body, ann, _ = announce_of(a, batch(a.peer_id, 8192, 1))
+    holder.gossip.store_payload(ann.content_hash, body)
+    assert await b.gossip.fetch_payload(ann, a.peer_id) == body
+    assert b.metrics["payload_pull_retries"] >= 1
+
+
+async def test_a_direct_holder_is_asked_before_a_relayed_announcer(make_node, monkeypatch):
+    """An announcer we reach only through a relay is asked after the peers on a direct
+    connection (one that pulled the body serves it faster, and spares the relay); a slow
+    relayed path is no offence of the announcer."""
+    a = await make_node(payload_pull_timeout_s=1.0)  # the announcer, "behind a relay"
+    c = await make_node(bootstrap=a.listen_addrs)  # a direct peer that holds the body
+    b = await make_node(bootstrap=a.listen_addrs, payload_pull_timeout_s=1.0)
+    await wait_until(lambda: {a.peer_id, c.peer_id} <= set(b.connected_peers()), 30,
+                     what="b connected to a and c")
+    monkeypatch.setattr(b, "is_relayed", lambda peer: peer == a.peer_id)
+    body, ann, _ = announce_of(a, batch(a.peer_id, 8192, 1))
+    c.gossip.store_payload(ann.content_hash, body)
+    asked: list[bytes] = []
+    a.gossip.body_server.lookup = lambda digest: asked.append(digest)  # holds nothing
+    assert await b.gossip.fetch_payload(ann, a.peer_id) == body
+    assert asked == [] and b.metrics["rejected"] == 0  # c served it; a was not asked
+
+    async def stall(peer, conn):  # a relayed path that never delivers
+        await asyncio.Event().wait()
+
+    a.bulk.register(BODY, stall)
+    await drop_warm_connection(b, a)
+    assert await b.gossip.fetch_payload(ann, a.peer_id, sources=[a.peer_id]) is None
+    assert b.metrics["rejected"] == 0 and b.penalties.score(a.peer_id) == 0
+
+
 async def test_oversized_and_slow_answers_are_bounded(make_node):
     a = await make_node()
     b = await make_node(bootstrap=a.listen_addrs, payload_pull_timeout_s=1.0)

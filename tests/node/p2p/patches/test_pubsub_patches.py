@@ -23,6 +23,7 @@ from swarm_node.node.p2p import patches
 from swarm_node.node.p2p.metrics import P2PMetrics
 from swarm_node.node.p2p.patches import (
     flood_publish,
+    mesh_backoff,
     push_msg,
     rpc_writer,
     send_queues,
@@ -395,6 +396,31 @@ def test_needed_flood_publish():
     assert set(router._get_peers_to_send(["t"], me, me)) == set(peers)
     forwarded = set(router._get_peers_to_send(["t"], peers[0], peers[5]))
     assert forwarded == {peers[1]}  # forwarded messages still go to the mesh only
+
+
+def test_needed_heartbeat_prune_backoff():
+    def pruned_then_regrafted(patched: bool) -> tuple[set, set]:
+        router, _ = raw_pubsub(raw_host(), degree=2)  # D_low 1, D_high 3
+        peers = [ID(b"\x00\x01p%d" % i) for i in range(6)]
+        router.pubsub = SimpleNamespace(peer_topics={"t": set(peers)})
+        router.peer_protocol = dict.fromkeys(peers, PROTOCOL_ID_V11)
+        router.mesh["t"] = set(peers)  # above D_high: pruned to D
+        if patched:
+            mesh_backoff.patch_heartbeat_prune_backoff(router)
+        _, to_prune = router.mesh_heartbeat()
+        pruned = set(to_prune)
+        router.mesh["t"] = set()  # the kept ones left: below D_low, graft again
+        grafted, _ = router.mesh_heartbeat()
+        return pruned, set(grafted)
+
+    # upstream: the peers just pruned are candidates again (while they back us off for 60 s);
+    # 4 of the 6 candidates were just pruned, so 20 tries pick one (all miss: 1 in 15^20)
+    regrafts = [pruned_then_regrafted(False) for _ in range(20)]
+    assert all(len(p) == 4 and len(g) == 2 for p, g in regrafts)
+    assert any(g & p for p, g in regrafts)
+    for _ in range(20):
+        pruned, grafted = pruned_then_regrafted(True)
+        assert len(pruned) == 4 and grafted and not grafted & pruned
 
 
 def test_needed_counted_subscription_channel():

@@ -34,12 +34,14 @@ demo-smollm2: setup
 	$(VENV)/bin/swarm-node demo --model smollm2
 
 # The suite in TEST_WORKERS pytest-xdist processes (2: one per core of the 2-core machine it
-# is sized for; `make test TEST_WORKERS=auto` uses every core). Workers take the slow tests
-# first, two at a time (tests/conftest.py). `pytest -q` alone runs it in one process.
+# is sized for; `make test TEST_WORKERS=auto` uses every core). Workers take the longest
+# work first, one unit at a time; the tests of a module that shares a module-scoped fixture
+# (a real process, a model) are one unit, run by one worker (tests/conftest.py).
+# `pytest -q` alone runs it in one process.
 TEST_WORKERS ?= 2
 
 test: setup browser
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --maxschedchunk 2
+	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 # Headless Chromium (Debian's package) for the dashboard tests. Best effort, once: only as
 # root with apt-get (as in CI), bounded in time; without it those tests skip with one line.

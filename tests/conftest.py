@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import re
+from pathlib import Path
 
 import pytest
 
@@ -16,12 +19,89 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
         1, (_cores or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # before xdist's own; xdist may be off
+def pytest_xdist_make_scheduler(config, log):
+    """`-n N` (load distribution) as units of work: the tests of a module that defines or
+    inherits a module-scoped fixture (a real process, a model) are one unit, run by one
+    worker one after another, so the fixture starts once (in plain load scheduling each
+    worker started its own, and again after another module's test in between); every other
+    test is a unit of its own. Units go out in the workers' collection order (longest work
+    first, below), one at a time as a worker runs low. (xdist's `--dist loadgroup` would do
+    this from marks, but with pytest 9.2 it silently groups nothing: pytest-xdist#1386.)"""
+    if config.getoption("dist", "no") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    config.option.loadscopereorder = False  # keep the collection order (longest first)
+    return ModuleFixtureScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    """In xdist workers: the slow tests first (stable order otherwise), so that they start at
-    once on every worker instead of ending the run on one (with --maxschedchunk 2, workers
-    take tests two at a time from the front)."""
+    """In xdist workers the longest work comes first: the `slow` tests, the longest known
+    ones first, each unit (see above) in one piece at the place of its heaviest test, so no
+    worker ends the run alone on a long test."""
     if "PYTEST_XDIST_WORKER" in os.environ:
-        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+        weight: dict[str, float] = {}
+        for item in items:
+            unit = _unit(item.nodeid)
+            weight[unit] = max(weight.get(unit, 0.0), _weight(item))
+        order = {unit: i for i, unit in enumerate(weight)}
+        items.sort(key=lambda item: (-weight[_unit(item.nodeid)], order[_unit(item.nodeid)]))
+
+
+# Seconds of the longest slow tests (or of a whole module that is one unit), measured with
+# `--durations` on 2 busy cores: only the order of the `slow` tests depends on them, never a
+# result. A stale entry costs some balance at the end of a run, nothing else. Other slow
+# tests count 20 s.
+LONG_S = {
+    "tests/integration/test_operator_views.py": 200,
+    "tests/netlab/test_scenarios.py::test_natted": 130,
+    "tests/netlab/test_scenarios.py::test_churn": 90,
+    "tests/integration/test_trainer_restart.py": 80,
+    "tests/integration/test_swarm.py": 70,
+    "tests/integration/test_trainer_flood.py::test_4": 70,
+    "tests/node/p2p/test_nat_lab.py::test_hole_punch_through_two_nats[symmetric": 65,
+    "tests/node/trainer/test_group.py": 55,
+    "tests/node/test_demo.py::test_ctrl_c": 50,
+    "tests/integration/test_operator.py": 45,
+    "tests/integration/test_trainer_flood.py::test_13": 45,
+    "tests/node/broadcast/test_settings.py::test_inference_peer_with_only": 45,
+    "tests/node/trainer/test_distributed.py::test_two_ranks": 40,
+    "tests/integration/test_trainer_disk.py": 35,
+}
+
+_SHARED_SCOPE = re.compile(r"""scope\s*=\s*["'](module|package|class)["']""")
+_TESTS = Path(__file__).resolve().parent
+
+
+def _unit(nodeid: str) -> str:
+    """A test's unit of work: its module when the module shares a fixture, else itself."""
+    module = nodeid.split("::")[0]
+    return module if _shares_fixtures(module) else nodeid
+
+
+@functools.cache
+def _shares_fixtures(module: str) -> bool:
+    """Whether `module` (a path from the rootdir) or a conftest.py above it in tests/
+    defines a module-, package- or class-scoped fixture (read as text: the controller does
+    not collect)."""
+    path = _TESTS.parent / module
+    files = [path, *(d / "conftest.py" for d in path.parents
+                     if d == _TESTS or _TESTS in d.parents)]
+    return any(f.is_file() and _SHARED_SCOPE.search(f.read_text()) for f in files)
+
+
+def _weight(item) -> float:
+    if item.get_closest_marker("slow") is None:
+        return 0.0
+    for prefix, seconds in LONG_S.items():
+        if item.nodeid.startswith(prefix):
+            return float(seconds)
+    return 20.0
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -91,7 +90,7 @@ def test_hole_punch_through_two_nats(nat, direct):
             if direct:
                 b.wait(lambda s: a.peer_id in s["connected"] and a.peer_id not in s["relayed"],
                        60, "a direct connection (hole punched)")
-                a.wait(lambda s: s["reachability"]["verdict"] == "direct", 30, "A: direct")
+                a.wait(lambda s: s["reachability"]["verdict"] == "direct", 90, "A: direct")
             else:
                 a.wait(lambda s: s["relay"]["hole_punch"]["failed"] >= 1, 90,
                        "a failed DCUtR attempt (driven by A, the side the relay connected "
@@ -129,10 +128,8 @@ def test_peers_reconnect_after_a_partition_heals():
             a.wait(lambda s: s["counters"].get("dial_failures", 0) >= failed + 3, 60,
                    "redials failing (and backing off) across the partition")
             lab.heal()
-            healed = time.monotonic()
             a.wait(lambda s: {b.peer_id, c.peer_id} <= set(s["connected"]), 30,
-                   "reconnected after the heal")
-            assert time.monotonic() - healed < 30
+                   "reconnected after the heal (backoffs reset by the first connection back)")
             assert a.cmd(f"ask {c.peer_id}")["reply"] == "hello"
         finally:
             for p in peers:

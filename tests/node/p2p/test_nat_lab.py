@@ -4,6 +4,7 @@ direct one by hole punching (DCUtR). Symmetric NATs: it stays relayed, and works
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -64,43 +65,51 @@ class Peer:
             self.proc.wait()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("nat, direct", [("cone", True), ("symmetric", False)])
-def test_hole_punch_through_two_nats(nat, direct):
+@contextlib.contextmanager
+def two_homes(nat: str, prefix: str, *public_flags: str):
+    """A public peer ("pub", started with `public_flags`) and two peers, A and B, each behind
+    its own home router with a `nat` NAT, both bootstrapping from the public peer; yields
+    (lab, pub, a, b) and stops them all at the end."""
     link = netlab.Link(latency_ms=10)
-    topo = netlab.Topology(hosts=(netlab.Host("relay", link),),
+    topo = netlab.Topology(hosts=(netlab.Host("pub", link),),
                            homes=(netlab.Home("ha", nat, link, ("a",)),
                                   netlab.Home("hb", nat, link, ("b",))))
-    with netlab.Lab(topo, prefix="p2pnet") as lab:
-        peers = []
+    with netlab.Lab(topo, prefix=prefix) as lab:
+        peers: list[Peer] = []
         try:
-            relay = Peer(lab, "relay", "--listen", f"/ip4/{lab.addr('relay')}/tcp/4001",
-                         "--relay")
-            peers.append(relay)
-            boot = f"/ip4/{lab.addr('relay')}/tcp/4001/p2p/{relay.peer_id}"
-            a = Peer(lab, "a", "--listen", "/ip4/0.0.0.0/tcp/4001", "--bootstrap", boot)
-            peers.append(a)
-            b = Peer(lab, "b", "--listen", "/ip4/0.0.0.0/tcp/4001", "--bootstrap", boot)
-            peers.append(b)
-            st = a.wait(lambda s: s["reachability"]["relay_addrs"], 60, "A holds a relay slot")
-            assert st["reachability"]["verdict"] == "relayed"
-            circuit = st["reachability"]["relay_addrs"][0]
-            assert b.cmd(f"connect {circuit}")["ok"]
-            assert b.cmd(f"ask {a.peer_id}") == {"ok": True, "reply": "hello", "error": ""}
-            if direct:
-                b.wait(lambda s: a.peer_id in s["connected"] and a.peer_id not in s["relayed"],
-                       60, "a direct connection (hole punched)")
-                a.wait(lambda s: s["reachability"]["verdict"] == "direct", 90, "A: direct")
-            else:
-                a.wait(lambda s: s["relay"]["hole_punch"]["failed"] >= 1, 90,
-                       "a failed DCUtR attempt (driven by A, the side the relay connected "
-                       "to)")
-                st = b.cmd("status")
-                assert a.peer_id in st["relayed"], st
-            assert b.cmd(f"ask {a.peer_id}")["reply"] == "hello"  # either way, it works
+            pub = Peer(lab, "pub", "--listen", f"/ip4/{lab.addr('pub')}/tcp/4001",
+                       *public_flags)
+            peers.append(pub)
+            boot = f"/ip4/{lab.addr('pub')}/tcp/4001/p2p/{pub.peer_id}"
+            for name in ("a", "b"):
+                peers.append(Peer(lab, name, "--listen", "/ip4/0.0.0.0/tcp/4001",
+                                  "--bootstrap", boot))
+            yield lab, *peers
         finally:
             for p in peers:
                 p.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nat, direct", [("cone", True), ("symmetric", False)])
+def test_hole_punch_through_two_nats(nat, direct):
+    with two_homes(nat, "p2pnet", "--relay") as (_lab, _relay, a, b):
+        st = a.wait(lambda s: s["reachability"]["relay_addrs"], 60, "A holds a relay slot")
+        assert st["reachability"]["verdict"] == "relayed"
+        circuit = st["reachability"]["relay_addrs"][0]
+        assert b.cmd(f"connect {circuit}")["ok"]
+        assert b.cmd(f"ask {a.peer_id}") == {"ok": True, "reply": "hello", "error": ""}
+        if direct:
+            b.wait(lambda s: a.peer_id in s["connected"] and a.peer_id not in s["relayed"],
+                   60, "a direct connection (hole punched)")
+            a.wait(lambda s: s["reachability"]["verdict"] == "direct", 90, "A: direct")
+        else:
+            a.wait(lambda s: s["relay"]["hole_punch"]["failed"] >= 1, 90,
+                   "a failed DCUtR attempt (driven by A, the side the relay connected "
+                   "to)")
+            st = b.cmd("status")
+            assert a.peer_id in st["relayed"], st
+        assert b.cmd(f"ask {a.peer_id}")["reply"] == "hello"  # either way, it works
 
 
 @pytest.mark.slow
@@ -143,29 +152,13 @@ def test_batches_between_nat_peers_without_a_path_arrive_through_a_public_peer()
     are pulled from that peer (which may still be pulling them itself: asked again). Every
     batch arrives within seconds, and the announcer nobody could reach is not charged for
     the pull that could not reach it (before: a 10 s dial to it first, then a penalty)."""
-    link = netlab.Link(latency_ms=10)
-    topo = netlab.Topology(hosts=(netlab.Host("pub", link),),
-                           homes=(netlab.Home("ha", "symmetric", link, ("a",)),
-                                  netlab.Home("hb", "symmetric", link, ("b",))))
-    with netlab.Lab(topo, prefix="wgnat") as lab:
-        peers = []
-        try:
-            pub = Peer(lab, "pub", "--listen", f"/ip4/{lab.addr('pub')}/tcp/4001")
-            peers.append(pub)
-            boot = f"/ip4/{lab.addr('pub')}/tcp/4001/p2p/{pub.peer_id}"
-            a = Peer(lab, "a", "--listen", "/ip4/0.0.0.0/tcp/4001", "--bootstrap", boot)
-            peers.append(a)
-            b = Peer(lab, "b", "--listen", "/ip4/0.0.0.0/tcp/4001", "--bootstrap", boot)
-            peers.append(b)
-            pub.wait(lambda s: {a.peer_id, b.peer_id} <= set(s["mesh"]), 30, "pub's mesh")
-            a.wait(lambda s: pub.peer_id in s["mesh"], 30, "A's mesh")
-            b.wait(lambda s: pub.peer_id in s["mesh"], 30, "B's mesh")
-            for r in (1, 2, 3):
-                assert a.cmd(f"publish {r}")["ok"]
-            st = b.wait(lambda s: {(a.peer_id, r) for r in (1, 2, 3)}
-                        <= {tuple(g) for g in s["got"]}, 8, "A's 3 batches at B")
-            assert a.peer_id not in st["connected"], st  # no path between them: the case
-            assert st["counters"].get("rejected.unserved_announce", 0) == 0, st["counters"]
-        finally:
-            for p in peers:
-                p.stop()
+    with two_homes("symmetric", "wgnat") as (_lab, pub, a, b):
+        pub.wait(lambda s: {a.peer_id, b.peer_id} <= set(s["mesh"]), 30, "pub's mesh")
+        a.wait(lambda s: pub.peer_id in s["mesh"], 30, "A's mesh")
+        b.wait(lambda s: pub.peer_id in s["mesh"], 30, "B's mesh")
+        for r in (1, 2, 3):
+            assert a.cmd(f"publish {r}")["ok"]
+        st = b.wait(lambda s: {(a.peer_id, r) for r in (1, 2, 3)}
+                    <= {tuple(g) for g in s["got"]}, 8, "A's 3 batches at B")
+        assert a.peer_id not in st["connected"], st  # no path between them: the case
+        assert st["counters"].get("rejected.unserved_announce", 0) == 0, st["counters"]

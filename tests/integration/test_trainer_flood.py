@@ -72,8 +72,8 @@ def trainer_address(trainer: Node) -> str:
 async def honest_pair(tmp_path, tiny_model_dir):
     """A trainer (one peer batch per step, 8 new tokens) and an honest inference peer that
     follows it, real processes, once the peer is established (32 completions accepted);
-    yields (trainer, its config, honest()), honest() being the peer's counts at the trainer
-    (and its id, "peer").
+    yields (trainer, its config, honest(), the trainer's peer id, its address), honest()
+    being the peer's counts at the trainer (and its id, "peer").
     Both stopped at the end."""
     tcfg = trainer_config(tmp_path / "t", tiny_model_dir, peer_batches_per_step=1,
                           peer_wait_s=5.0)
@@ -99,7 +99,7 @@ async def honest_pair(tmp_path, tiny_model_dir):
 
         await until(lambda: honest()["accepted"] >= 32, 300, "the honest peer established",
                     trainer)
-        yield trainer, tcfg, honest
+        yield trainer, tcfg, honest, tid, trainer_address(trainer)
     finally:
         if peer is not None:
             peer.stop()
@@ -111,9 +111,7 @@ async def test_4_a_fresh_key_flood_costs_at_most_the_probation_share(tmp_path, t
 
     stop = asyncio.Event()
     flooding = None
-    async with honest_pair(tmp_path, tiny_model_dir) as (trainer, tcfg, honest):
-        tid = trainer.status()["peer_id"]
-        boot = trainer_address(trainer)
+    async with honest_pair(tmp_path, tiny_model_dir) as (trainer, tcfg, honest, tid, boot):
         try:
             def intake() -> dict:
                 return (trainer.status().get("extra") or {}).get("intake") or {}
@@ -192,9 +190,7 @@ async def test_13_garbage_on_every_protocol_does_not_stop_training(tmp_path, tin
 
     stop = asyncio.Event()
     flooding = None
-    async with honest_pair(tmp_path, tiny_model_dir) as (trainer, tcfg, honest):
-        tid = trainer.status()["peer_id"]
-        boot = trainer_address(trainer)
+    async with honest_pair(tmp_path, tiny_model_dir) as (trainer, tcfg, honest, tid, boot):
         try:
             swarm = Config.model_validate({"node": {"swarm_id": tcfg["node"]["swarm_id"],
                                                     "listen": ["/ip4/127.0.0.1/tcp/0"]}})

@@ -29,6 +29,9 @@ from .interfaces import CheckpointFeed, VerifiedCheckpoint
 log = logging.getLogger("swarm_node")
 
 FOLLOW_WAIT_PERIODS = 12
+"""A followed trainer re-advertises its checkpoints every broadcast.readvertise_s (10 s): with
+nothing of it here nor downloading after this many periods (120 s), the operator is told
+(once)."""
 
 
 def freeze_heap() -> None:
@@ -39,9 +42,6 @@ def freeze_heap() -> None:
     the end of a role's start (benchmarks/gc_pause.py measures it)."""
     gc.collect()
     gc.freeze()
-"""A followed trainer re-advertises its checkpoints every broadcast.readvertise_s (10 s): with
-nothing of it here nor downloading after this many periods (120 s), the operator is told
-(once)."""
 
 
 def _reasons_text(reasons: dict) -> str:

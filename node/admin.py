@@ -402,13 +402,15 @@ def _swarm_tables(view: dict[str, Any]) -> list:
     peers = view.get("peers") or []
     if peers:
         t = Table(title=f"the swarm as this node knows it ({view.get('peers_known', 0)} peers)")
-        for col in ("peer", "role", "holds", "connection", "accepted", "rejected"):
+        for col in ("peer", "role", "holds", "connection", "reachable", "accepted",
+                    "rejected"):
             t.add_column(col, justify="right" if col in ("accepted", "rejected") else "left")
         for r in peers:
             holds = "-" if r.get("version") is None else \
                 f"v{r['version']}" + ("" if r.get("complete") else " (partly)")
             t.add_row(str(r.get("peer")), str(r.get("role")), holds, str(r.get("connection")),
-                      str(r.get("accepted", "")), str(r.get("rejected", "")))
+                      str(r.get("reach", "?")), str(r.get("accepted", "")),
+                      str(r.get("rejected", "")))
         tables.append(t)
     versions = view.get("versions") or []
     if versions:

@@ -544,7 +544,9 @@ def test_the_swarm_view_joins_connections_adverts_and_counts():
 
     T, R, P, Q = "12D3KooWTrainer", "12D3KooWRelay", "12D3KooWPeer", "12D3KooWQuiet"
     doc = {"peer_id": "12D3KooWMe", "role": "inference", "policy_id": T, "peers": [T, R, Q],
-           "p2p": {"connections": {"relayed_peers": [R]}},
+           "p2p": {"connections": {"relayed_peers": [R]},
+                   "peer_reach": {T: ["public", "this node dialled it directly"],
+                                  R: ["relayed", "connected only through a relay"]}},
            "extra": {"swarm": {
                "versions": [{"policy_id": T, "version": 5, "holders": 2, "here": "complete"},
                             {"policy_id": T, "version": 6, "holders": 1, "here": ""}],
@@ -554,7 +556,9 @@ def test_the_swarm_view_joins_connections_adverts_and_counts():
     view = swarm(doc)
     rows = {r["peer"]: r for r in view["peers"]}
     assert rows[T] == {"peer": T, "role": "trainer", "version": 6, "complete": True,
-                       "connection": "direct"}
+                       "connection": "direct", "reach": "public",
+                       "reach_why": "this node dialled it directly"}
+    assert rows[R]["reach"] == "relayed" and rows[Q]["reach"] == "?"
     assert rows[R]["role"] == "follower" and rows[R]["connection"] == "relayed"
     assert rows[P]["connection"] == "not connected" and rows[P]["complete"] is False
     assert rows[Q]["role"] == "?" and rows[Q]["version"] is None
@@ -568,9 +572,11 @@ def test_the_swarm_view_joins_connections_adverts_and_counts():
     out = status_document(st)
     assert out["swarm"]["peers"] == [{"peer": P, "role": "inference", "version": None,
                                       "complete": None, "connection": "not connected",
+                                      "reach": "?", "reach_why": "not known from here",
                                       "accepted": 12, "rejected": 3}]
     console = Console(width=200, record=True)
     for table in render_tables(json.loads(json.dumps(out, default=str))):
         console.print(table)
     text = console.export_text()
     assert "the swarm as this node knows it (1 peers)" in text and "inference" in text
+    assert "reachable" in text

@@ -483,6 +483,23 @@ def test_join_command_is_complete():
     assert join_command(cfg, [], "x") == ""
 
 
+def test_join_command_behind_nat_names_an_address_others_can_dial():
+    from swarm_node.node.p2p.reachability import Reachability, Verdict
+    from swarm_node.node.runner import join_command
+
+    boot = "/ip4/203.0.113.7/tcp/4001/p2p/12D3KooWboot"
+    cfg = load_config(None, {"node.swarm_id": "s", "node.bootstrap": [boot]})
+    lan = ["/ip4/192.168.1.10/tcp/4001/p2p/12D3KooWme"]
+    circuit = f"{boot}/p2p-circuit/p2p/12D3KooWme"
+    relayed = Reachability(verdict=Verdict.RELAYED, relay_addrs=(circuit,))
+    assert f"--bootstrap {circuit} " in join_command(cfg, lan, "t", reach=relayed)
+    # nobody can dial it: the line names the peer it joined through
+    alone = Reachability(verdict=Verdict.UNREACHABLE)
+    assert f"--bootstrap {boot} " in join_command(cfg, lan, "t", reach=alone)
+    for reach in (None, Reachability(), Reachability(verdict=Verdict.PUBLIC)):
+        assert f"--bootstrap {lan[0]} " in join_command(cfg, lan, "t", reach=reach)
+
+
 def test_join_command_names_a_dialable_address_when_listening_on_every_interface():
     from swarm_node.node.runner import join_command, route_ip
 

@@ -550,6 +550,11 @@ def test_the_training_step_in_progress_has_what_it_waits_for_and_an_eta():
     out = console.export_text()
     assert "training step" in out and "v11: waiting for rollout batches" in out
     assert "groups 1/4 of this policy, 0/4 of others; due in 6 s" in out
+    held[:] = [17, 0]  # more groups wait than a step takes: the rest go to the next steps
+    console = Console(width=200, record=True)
+    for table in render_tables(json.loads(json.dumps(status_document(st), default=str))):
+        console.print(table)
+    assert "groups 4/4 (+13 waiting) of this policy, 0/4 of others" in console.export_text()
     clock[0] += 60.0
     assert status_document(st)["extra"]["step"]["eta_s"] == 0.0  # overdue: due now
 

@@ -132,8 +132,9 @@ def swarm(doc: dict[str, Any], max_peers: int = 64) -> dict[str, Any]:
     (`extra.swarm`: who holds which version), the rollouts it verified (a trainer: accepted
     and rejected per peer) and the verdicts about it (the trainers that judged it).
     `peers`: one row per peer, newest-known first: role (`trainer`: it publishes a policy
-    or sends verdicts; `inference`: it sent rollouts; `follower`: it holds a followed
-    policy's checkpoint, a relay or an inference peer; `?`: connected, nothing more known),
+    or sends verdicts; `inference`: it sent rollouts; else the role it named in its
+    peer-exchange Hello (`p2p.peer_roles`); `follower`: it holds a followed policy's
+    checkpoint, a relay or an inference peer; `?`: connected, nothing more known),
     the version it holds, its connection, how it is reachable (`reach`: public,
     hole-punched, relayed, unreachable or ?, with the evidence in `reach_why`; from the host's
     `p2p.peer_reach`: this node's connections and dial-back probes, and the relay addresses
@@ -145,6 +146,7 @@ def swarm(doc: dict[str, Any], max_peers: int = 64) -> dict[str, Any]:
     conns = _dict(_dict(doc.get("p2p")).get("connections"))
     relayed = set(conns.get("relayed_peers") or [])
     reach = _dict(_dict(doc.get("p2p")).get("peer_reach"))
+    announced = _dict(_dict(doc.get("p2p")).get("peer_roles"))
     connected = set(doc.get("peers") or [])
     by_peer = _dict(doc.get("accepted_by_peer"))
     trainers = set(_dict(_dict(doc.get("verdicts_about_me")).get("by_trainer")))
@@ -157,7 +159,9 @@ def swarm(doc: dict[str, Any], max_peers: int = 64) -> dict[str, Any]:
                        - {me, "None"}):
         held = _dict(holders.get(peer))
         counts = _dict(by_peer.get(peer))
+        said = announced.get(peer)
         role = ("trainer" if peer in trainers else "inference" if counts
+                else said if said in ("trainer", "inference", "relay")
                 else "follower" if held else "?")
         row = {"peer": peer, "role": role,
                "version": held.get("version") if held else None,

@@ -46,7 +46,13 @@ from .gossip import GossipValidator, build_gossip
 from .metrics import P2PMetrics
 from .penalties import PeerPenalties
 from .pubsub import GossipService, Handler
-from .reachability import Reachability, ReachabilityTracker, Verdict, peer_reach
+from .reachability import (
+    MAX_PEER_REACH,
+    Reachability,
+    ReachabilityTracker,
+    Verdict,
+    peer_reach,
+)
 from .relay import RelayService, connection_addr
 from .requests import RequestHandler, RequestService, StreamHandler
 from .streams import AsyncStream
@@ -215,6 +221,7 @@ class P2PNode:
                                 "dead": self.connmgr.dead,
                                 "relayed_peers": sorted(self._connected - set(self._direct_addr))},
                 "peer_reach": self.peer_reach(),
+                "peer_roles": self.peer_roles(),
                 "stream_faults": c.get("stream_faults", 0),
                 "rate_limited": c.get("rejected.rate_limited", 0),
                 "window_violations": c.get("window_violations", 0),
@@ -232,6 +239,14 @@ class P2PNode:
                            advertised=dict(self.discovery.known),
                            probed=dict(self.dialback.probed))
         return {peer: list(kind) for peer, kind in kinds.items()}
+
+    def peer_roles(self) -> dict[str, str]:
+        """For /status (`p2p.peer_roles`): the role each peer named in its peer-exchange
+        Hello (connected peers first, at most MAX_PEER_REACH)."""
+        roles = self.discovery.roles
+        members = [p for p in self.connected_peers() if p in roles]
+        rest = [p for p in roles if p not in set(members)]
+        return {p: roles[p] for p in (members + rest)[:MAX_PEER_REACH]}
 
     # How peers are treated ------------------------------------------------------------
 

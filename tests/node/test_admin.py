@@ -568,7 +568,8 @@ def test_the_swarm_view_joins_connections_adverts_and_counts():
     doc = {"peer_id": "12D3KooWMe", "role": "inference", "policy_id": T, "peers": [T, R, Q],
            "p2p": {"connections": {"relayed_peers": [R]},
                    "peer_reach": {T: ["public", "this node dialled it directly"],
-                                  R: ["relayed", "connected only through a relay"]}},
+                                  R: ["relayed", "connected only through a relay"]},
+                   "peer_roles": {R: "relay", T: "inference"}},
            "extra": {"swarm": {
                "versions": [{"policy_id": T, "version": 5, "holders": 2, "here": "complete"},
                             {"policy_id": T, "version": 6, "holders": 1, "here": ""}],
@@ -581,7 +582,7 @@ def test_the_swarm_view_joins_connections_adverts_and_counts():
                        "connection": "direct", "reach": "public",
                        "reach_why": "this node dialled it directly"}
     assert rows[R]["reach"] == "relayed" and rows[Q]["reach"] == "?"
-    assert rows[R]["role"] == "follower" and rows[R]["connection"] == "relayed"
+    assert rows[R]["role"] == "relay" and rows[R]["connection"] == "relayed"  # its Hello
     assert rows[P]["connection"] == "not connected" and rows[P]["complete"] is False
     assert rows[Q]["role"] == "?" and rows[Q]["version"] is None
     assert view["peers_known"] == 4 and view["versions"][0]["here"] == "complete"

@@ -122,10 +122,12 @@ def test_peer_reach_kinds_from_connections_adverts_and_probes():
 async def test_peers_see_who_is_public_and_who_cannot_be_dialled(make_node):
     """Real hosts: `pub` listens where it dials from; `nat` listens on 127.0.0.2 and dials
     from 127.0.0.1 (a NAT in miniature). The bootstrap peer answers both dial-back checks,
-    so its /status says which of them it could dial back; and each of them dialled it."""
+    so its /status says which of them it could dial back; and each of them dialled it. The
+    NAT'd one runs as a relay: its role comes from its Hello."""
     boot = await make_node()
     pub = await make_node(bootstrap=boot.listen_addrs)
-    cfg = p2p_config().with_overrides({"node.listen": ["/ip4/127.0.0.2/tcp/0"]})
+    cfg = p2p_config({"role": "relay"}).with_overrides(
+        {"node.listen": ["/ip4/127.0.0.2/tcp/0"]})
     nat = P2PNode(Identity.generate(), cfg)
     await nat.start(bootstrap=boot.listen_addrs)
     try:
@@ -145,5 +147,8 @@ async def test_peers_see_who_is_public_and_who_cannot_be_dialled(make_node):
         rows = {r["peer"]: r for r in status_document(state)["swarm"]["peers"]}
         assert rows[pub.peer_id]["reach"] == "public", rows
         assert rows[nat.peer_id]["reach"] == "unreachable", rows
+        # and the role each named in its Hello (nothing else tells a relay from a peer)
+        assert boot.health()["peer_roles"] == {pub.peer_id: "inference", nat.peer_id: "relay"}
+        assert rows[nat.peer_id]["role"] == "relay" and rows[pub.peer_id]["role"] == "inference"
     finally:
         await nat.close()

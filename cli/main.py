@@ -215,7 +215,8 @@ def doctor(
     sets: list[str] | None = SetOpt,
     load: bool = typer.Option(False, "--load",
                               help="Also load the model's weights (slow; builds a builtin "
-                                   "model on first use) and count its parameters exactly."),
+                                   "model on first use) and count its parameters exactly; "
+                                   "prints progress with an ETA from the last --load."),
 ) -> None:
     """Print the hardware, what fits on each device (model, dtype, batch sizes), any problem.
 
@@ -224,7 +225,8 @@ def doctor(
 
     cfg = _load(config, {"model.name": model}, sets)
     try:
-        lines, problems = doctor_report(cfg, load=load)
+        lines, problems = doctor_report(cfg, load=load,
+                                        say=lambda line: typer.echo(line, err=True))
     except NodeError as e:
         _fail(str(e))
     for line in lines:

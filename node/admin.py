@@ -402,13 +402,15 @@ def _swarm_tables(view: dict[str, Any]) -> list:
     peers = view.get("peers") or []
     if peers:
         t = Table(title=f"the swarm as this node knows it ({view.get('peers_known', 0)} peers)")
-        for col in ("peer", "role", "holds", "connection", "accepted", "rejected"):
+        for col in ("peer", "role", "holds", "connection", "reachable", "accepted",
+                    "rejected"):
             t.add_column(col, justify="right" if col in ("accepted", "rejected") else "left")
         for r in peers:
             holds = "-" if r.get("version") is None else \
                 f"v{r['version']}" + ("" if r.get("complete") else " (partly)")
             t.add_row(str(r.get("peer")), str(r.get("role")), holds, str(r.get("connection")),
-                      str(r.get("accepted", "")), str(r.get("rejected", "")))
+                      str(r.get("reach", "?")), str(r.get("accepted", "")),
+                      str(r.get("rejected", "")))
         tables.append(t)
     versions = view.get("versions") or []
     if versions:
@@ -441,7 +443,7 @@ def _contribution_rows(c: dict[str, Any]) -> list[tuple[str, Any]]:
                       for t in shares)
     return [("accepted by trainers", f"{c.get('accepted', 0)}, rejected {c.get('rejected', 0)}"
              + (f"; {share}" if share else "")),
-            ("accepted per hour", "-" if rate is None else f"{rate:.0f}")]
+            ("accepted per hour", "- (after 1 min)" if rate is None else f"{rate:.0f}")]
 
 
 def _policy(doc: dict[str, Any]) -> str:
@@ -467,9 +469,14 @@ def _step(st: dict[str, Any]) -> str:
     eta = st.get("eta_s")
     due = ("ETA after two steps" if eta is None else "due now" if eta <= 0
            else f"due in {_duration(eta)}")
-    return (f"v{st.get('next_version')}: {st.get('doing')}; groups {g.get('local', 0)}/"
-            f"{g.get('need_local', 0)} of this policy, {g.get('external', 0)}/"
-            f"{g.get('need_external', 0)} of others; {due}")
+    def part(have, need) -> str:  # more may wait than a step takes: "4/4 (+13 waiting)"
+        have, need = have or 0, need or 0
+        return f"{min(have, need)}/{need}" + (f" (+{have - need} waiting)" if have > need
+                                               else "")
+
+    return (f"v{st.get('next_version')}: {st.get('doing')}; groups "
+            f"{part(g.get('local'), g.get('need_local'))} of this policy, "
+            f"{part(g.get('external'), g.get('need_external'))} of others; {due}")
 
 
 def _duration(seconds) -> str:

@@ -13,12 +13,14 @@ token. The batch sizes printed are what fits in 80% of the free memory after the
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import NodeError
 from .models import resolve_device
 from .preflight import check_device
+from .trainer.progress import Stage
 
 if TYPE_CHECKING:
     from .config import Config
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 USABLE = 0.8  # share of free memory a plan may take (allocator slack, fragmentation)
+LOAD_HEARTBEAT_S = 5.0  # `doctor --load`: a progress line this often while the weights load
 
 
 def system_memory() -> tuple[int, int]:
@@ -141,6 +144,9 @@ def model_config(cfg: Config) -> tuple[dict[str, Any], str]:
     except Exception:  # noqa: BLE001 - not cached (or not a hub id)
         if name in KNOWN_MODELS:
             return dict(KNOWN_MODELS[name]), "the doctor's table (not downloaded yet)"
+    if f"builtin:{name}" in KNOWN_MODELS or f"builtin:{name}" == "builtin:tiny":
+        raise NodeError(f"cannot plan model {name!r}: not a local directory or a known model; "
+                        f"did you mean 'builtin:{name}'?")
     raise NodeError(f"cannot plan model {name!r}: not a local directory and its config.json "
                     "is not in the Hugging Face cache (`swarm-node doctor --load` downloads "
                     "it)")
@@ -234,10 +240,11 @@ def recommend(device: str, free: int, seq: int, role: str, bf16: bool,
     return line
 
 
-def doctor_report(cfg: Config, load: bool = False) -> tuple[list[str], list[str]]:
+def doctor_report(cfg: Config, load: bool = False,
+                  say: Callable[[str], None] = print) -> tuple[list[str], list[str]]:
     """(lines to print, problems). Never raises for a missing GPU: that is a finding. Reads
-    only the model's config.json unless `load` (then the weights load and the parameter
-    count is exact)."""
+    only the model's config.json unless `load` (then the weights load, with progress lines
+    through `say`, and the parameter count is exact)."""
     import torch
 
     from .sampler.factory import vllm_available
@@ -270,12 +277,20 @@ def doctor_report(cfg: Config, load: bool = False) -> tuple[list[str], list[str]
     seq = min(cfg.model.max_context, 2048)
     plan = None
     try:
-        mc, source = model_config(cfg)
-        plan = plan_from_config(mc)
-        how = f"estimated from {source}"
+        try:
+            mc, _source = model_config(cfg)
+        except NodeError:
+            if not load:
+                raise
+            mc = None  # not cached: --load downloads it, and its config.json comes with it
         if load:
-            plan["params"], seconds = _load_and_count(cfg)
+            params, seconds = _load_and_count(cfg, say)
+            plan = plan_from_config(mc if mc is not None else model_config(cfg)[0])
+            plan["params"] = params
             how = f"counted after loading the weights in {seconds:.1f}s"
+        else:
+            plan = plan_from_config(mc)
+            how = f"estimated from {_source}"
     except NodeError as e:
         problems.append(str(e))
     if plan is not None:
@@ -305,8 +320,10 @@ def doctor_report(cfg: Config, load: bool = False) -> tuple[list[str], list[str]
     return lines, problems
 
 
-def _load_and_count(cfg: Config) -> tuple[int, float]:
-    """`doctor --load`: the weights through the node's own loading path."""
+def _load_and_count(cfg: Config, say: Callable[[str], None]) -> tuple[int, float]:
+    """`doctor --load`: the weights through the node's own loading path, with a progress
+    line at once and every LOAD_HEARTBEAT_S (time so far, ETA from the last `--load` on
+    this data dir: a big model takes minutes, and a silent terminal looks hung)."""
     import time
 
     # no "Writing model shards" bar when a builtin model is built on first use
@@ -316,6 +333,8 @@ def _load_and_count(cfg: Config) -> tuple[int, float]:
 
     quiet_transformers()
     t0 = time.monotonic()
-    model, _ = load_model(cfg.model.name, dtype=cfg.model.dtype, device="cpu",
-                          cache_dir=cfg.model.cache_dir)
+    stage = Stage(f"doctor: loading the weights of {cfg.model.name}", "doctor_load",
+                  cfg.data_dir, {}, say=say, heartbeat_s=LOAD_HEARTBEAT_S)
+    model, _ = stage.run_blocking(lambda: load_model(
+        cfg.model.name, dtype=cfg.model.dtype, device="cpu", cache_dir=cfg.model.cache_dir))
     return sum(p.numel() for p in model.parameters()), time.monotonic() - t0

@@ -182,6 +182,10 @@ def load_model(name_or_dir: str | os.PathLike, dtype: str = "float32", device: s
         elif name.startswith(("/", ".", "~")) or os.sep + os.sep in name:
             raise NodeError(f"model directory {name} does not exist")
         else:
+            builtin = f"builtin:{name}"
+            if builtin in BUILTINS:  # the README says "the built-in tiny model": an easy slip
+                raise NodeError(f"model {name!r} is not a local directory or a known model; "
+                                f"did you mean {builtin!r}?")
             source = _hub_source(name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)

@@ -167,7 +167,8 @@ async def _run(cfg: Config, stop: asyncio.Event) -> None:
             make_dishonest(role, cfg.node.dishonest)
         if admin is not None:
             await admin.start()
-        state.join_line = lambda: join_command(cfg, p2p.listen_addrs, _followed(role, cfg))
+        state.join_line = lambda: join_command(cfg, p2p.listen_addrs, _followed(role, cfg),
+                                               reach=p2p.reachability)
         write_node_info(cfg.data_dir, {
             "peer_id": identity.peer_id, "role": cfg.node.role, "pid": os.getpid(),
             "listen_addrs": p2p.listen_addrs,
@@ -291,11 +292,19 @@ _WILDCARD = ("/ip4/0.0.0.0/", "/ip6/::/")
 
 
 def join_command(cfg: Config, addrs: list[str], trainer: str | None,
-                 route_ip: Callable[[], str | None] = route_ip) -> str:
+                 route_ip: Callable[[], str | None] = route_ip, reach=None) -> str:
     """The complete line another machine pastes to join the swarm through this node: the
-    swarm id, this node's address, and the trainer to follow (this node, if a trainer)."""
+    swarm id, this node's address, and the trainer to follow (this node, if a trainer).
+    Behind NAT (`reach`, the host's Reachability, not public) its listen address is a LAN
+    one nobody outside can dial: the line names its relayed address instead, or, when it
+    holds no relay slot (unreachable), the bootstrap peer it joined through."""
     if not addrs:
         return ""
+    verdict = getattr(getattr(reach, "verdict", None), "value", "unknown")
+    if verdict in ("relayed", "direct") and reach.relay_addrs:
+        addrs = [reach.relay_addrs[0]]
+    elif verdict == "unreachable" and cfg.node.bootstrap:
+        addrs = [cfg.node.bootstrap[0]]
     public = [a for a in addrs if not a.startswith(_LOOPBACK)]
     if not public and any(a.startswith(_WILDCARD) for a in cfg.node.listen):
         # Listening on every interface, but the host name resolves to loopback only (as on

@@ -329,3 +329,27 @@ def test_doctor_recommends_per_device():
         == 134.5
     assert round(plan_from_config(KNOWN_MODELS["Qwen/Qwen2.5-7B-Instruct"])["params"] / 1e9,
                  2) == 7.62
+
+
+@pytest.mark.slow  # two processes that load torch and the tiny model
+def test_doctor_load_prints_progress_with_an_eta_from_the_last_load(tmp_path, tiny_model_dir):
+    args = ("doctor", "--load", "--model", str(tiny_model_dir), "--set",
+            f"node.data_dir={tmp_path / 'data'}")
+    (tmp_path / "data").mkdir()
+    first = run(*args, home=tmp_path, check=True)
+    assert "doctor: loading the weights of" in first.stderr, first.stderr
+    assert "first time: no ETA" in first.stderr
+    assert "counted after loading the weights" in first.stdout
+    second = run(*args, home=tmp_path, check=True)
+    assert "last time" in second.stderr and "first time" not in second.stderr, second.stderr
+
+
+def test_a_builtin_model_named_without_its_prefix_gets_a_did_you_mean(tmp_path):
+    from swarm_node.node.errors import NodeError
+    from swarm_node.node.models import load_model
+
+    with pytest.raises(NodeError, match="did you mean 'builtin:tiny'"):
+        load_model("tiny")
+    proc = run("join", "--dry-run", "--model", "tiny", "--data-dir", str(tmp_path / "d"),
+               home=tmp_path)
+    assert "Traceback" not in proc.stderr

@@ -132,15 +132,21 @@ def swarm(doc: dict[str, Any], max_peers: int = 64) -> dict[str, Any]:
     (`extra.swarm`: who holds which version), the rollouts it verified (a trainer: accepted
     and rejected per peer) and the verdicts about it (the trainers that judged it).
     `peers`: one row per peer, newest-known first: role (`trainer`: it publishes a policy
-    or sends verdicts; `inference`: it sent rollouts; `follower`: it holds a followed
-    policy's checkpoint, a relay or an inference peer; `?`: connected, nothing more known),
-    the version it holds, its connection, and on a trainer its counts. `versions`: each
+    or sends verdicts; `inference`: it sent rollouts; else the role it named in its
+    peer-exchange Hello (`p2p.peer_roles`); `follower`: it holds a followed policy's
+    checkpoint, a relay or an inference peer; `?`: connected, nothing more known),
+    the version it holds, its connection, how it is reachable (`reach`: public,
+    hole-punched, relayed, unreachable or ?, with the evidence in `reach_why`; from the host's
+    `p2p.peer_reach`: this node's connections and dial-back probes, and the relay addresses
+    the peer announces), and on a trainer its counts. `versions`: each
     version known, with the number of peers advertising it and whether it is here."""
     extra = _dict(doc.get("extra"))
     known = _dict(extra.get("swarm"))
     holders = _dict(known.get("holders"))
     conns = _dict(_dict(doc.get("p2p")).get("connections"))
     relayed = set(conns.get("relayed_peers") or [])
+    reach = _dict(_dict(doc.get("p2p")).get("peer_reach"))
+    announced = _dict(_dict(doc.get("p2p")).get("peer_roles"))
     connected = set(doc.get("peers") or [])
     by_peer = _dict(doc.get("accepted_by_peer"))
     trainers = set(_dict(_dict(doc.get("verdicts_about_me")).get("by_trainer")))
@@ -149,16 +155,24 @@ def swarm(doc: dict[str, Any], max_peers: int = 64) -> dict[str, Any]:
         trainers.add(str(doc["policy_id"]))
     me = doc.get("peer_id")
     rows = []
-    for peer in sorted((connected | set(holders) | set(by_peer) | trainers) - {me, "None"}):
+    for peer in sorted((connected | set(holders) | set(by_peer) | trainers | set(reach))
+                       - {me, "None"}):
         held = _dict(holders.get(peer))
         counts = _dict(by_peer.get(peer))
+        said = announced.get(peer)
         role = ("trainer" if peer in trainers else "inference" if counts
+                else said if said in ("trainer", "inference", "relay")
                 else "follower" if held else "?")
         row = {"peer": peer, "role": role,
                "version": held.get("version") if held else None,
                "complete": held.get("complete") if held else None,
                "connection": ("relayed" if peer in relayed else "direct")
                if peer in connected else "not connected"}
+        kind = reach.get(peer)
+        if isinstance(kind, list) and len(kind) == 2:
+            row["reach"], row["reach_why"] = str(kind[0]), str(kind[1])
+        else:
+            row["reach"], row["reach_why"] = "?", "not known from here"
         if counts:
             row["accepted"] = _int(counts.get("accepted"))
             row["rejected"] = _int(counts.get("rejected"))

@@ -310,6 +310,12 @@ class Admission:
             return all(self._admit(conn, origin, topic_kind(t)) for t in msg.topicIDs)
 
     def _admit(self, conn: str, origin: str, kind: str) -> bool:
+        if origin == self.self_id:
+            # Our own messages coming back: after a restart the seen-cache is empty and peers
+            # still forward the previous run's messages. Nothing to process, nobody to charge,
+            # nothing to warn about (it read as a flood of "new origins": this node itself).
+            self.metrics.inc("gossip_own_echoes")
+            return False
         if self.penalties.refused(origin):
             self.metrics.reject(origin, "banned")
             return False

@@ -58,6 +58,9 @@ class Dialback:
         self.cfg = ctx.cfg
         self.requests = requests
         self._last_probe: dict[str, float] = {}
+        # The last probe run for each asker: (reached?, why not). The swarm view says from it
+        # whether a peer is public or cannot be dialled (reachability.peer_reach).
+        self.probed: dict[str, tuple[bool, str]] = {}
         self._limiter: trio.Semaphore | None = None
         self._upgrader: TransportUpgrader | None = None
         self.checks = 0  # completed checks (tests wait on it)
@@ -83,6 +86,11 @@ class Dialback:
             for p, _ in sorted(self._last_probe.items(), key=lambda kv: kv[1])[:2048]:
                 del self._last_probe[p]
         result = await self.ctx.bridge.call(self._t_probe, peer, req.ports[:MAX_PORTS])
+        if result.reason != "relayed":  # a relayed asker was not probed: no evidence
+            self.probed.pop(peer, None)
+            self.probed[peer] = (result.ok, result.reason)
+            if len(self.probed) > 4096:  # bounded: the oldest answer goes
+                del self.probed[next(iter(self.probed))]
         self.ctx.metrics.inc("dialback_served_ok" if result.ok else "dialback_served_failed")
         return result.encode()
 

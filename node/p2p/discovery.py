@@ -45,6 +45,7 @@ DHT_LOOKUP_INTERVAL_S = 30.0  # at most one DHT lookup of swarm peers per this
 AGENT = "swarm-node/0.1"
 STRAY_GRACE_S = 2.0  # a refused peer of another swarm is disconnected after this
 STRAY_FORGET_S = 600.0  # and not counted as a member (nor redialled) for this long
+MAX_ROLES = 4096  # peers whose announced role is kept
 
 
 class SwarmPeerLookup(Protocol):
@@ -69,6 +70,7 @@ class Discovery:
         self.refused_by: dict[str, str] = {}  # peers that refused us -> their swarm id
         self._dht_looked = -DHT_LOOKUP_INTERVAL_S
         self._paused: dict[str, float] = {}  # peer -> until: not redialled early (trimmed)
+        self.roles: dict[str, str] = {}  # peer -> the role its Hello named (the swarm view)
 
     def install(self):
         """Serve PEERS_PROTOCOL; returns an awaitable done once the handler is live."""
@@ -192,6 +194,10 @@ class Discovery:
         if hello.swarm_id != self.ctx.swarm_id:
             return self._refuse_stray(peer, hello.swarm_id)
         self.strays.pop(peer, None)
+        self.roles.pop(peer, None)
+        self.roles[peer] = hello.role
+        if len(self.roles) > MAX_ROLES:  # bounded: the oldest Hello goes
+            del self.roles[next(iter(self.roles))]
         addrs = [a for a in hello.listen_addrs if a.endswith(f"/p2p/{peer}")]
         if addrs:
             self.known[peer] = addrs

@@ -46,7 +46,13 @@ from .gossip import GossipValidator, build_gossip
 from .metrics import P2PMetrics
 from .penalties import PeerPenalties
 from .pubsub import GossipService, Handler
-from .reachability import Reachability, ReachabilityTracker, Verdict
+from .reachability import (
+    MAX_PEER_REACH,
+    Reachability,
+    ReachabilityTracker,
+    Verdict,
+    peer_reach,
+)
 from .relay import RelayService, connection_addr
 from .requests import RequestHandler, RequestService, StreamHandler
 from .streams import AsyncStream
@@ -83,6 +89,7 @@ class P2PNode:
         ctx.bridge.on_death = self._on_host_death
         self._connected: set[str] = set()
         self._direct_addr: dict[str, str] = {}  # peer -> remote address of a direct conn
+        self._outbound: set[str] = set()  # peers with a direct connection this node dialled
         self._dialing: dict = {}  # peer ID -> trio.Event set when our dial to it ends
         self.admission = Admission(self.penalties, self.metrics, self_id=self.peer_id)
         self.validation_queue = ValidationQueue(self.admission)  # received, not yet validated
@@ -213,6 +220,8 @@ class P2PNode:
                                 - len(self._direct_addr), "trimmed": self.connmgr.trimmed,
                                 "dead": self.connmgr.dead,
                                 "relayed_peers": sorted(self._connected - set(self._direct_addr))},
+                "peer_reach": self.peer_reach(),
+                "peer_roles": self.peer_roles(),
                 "stream_faults": c.get("stream_faults", 0),
                 "rate_limited": c.get("rejected.rate_limited", 0),
                 "window_violations": c.get("window_violations", 0),
@@ -220,6 +229,24 @@ class P2PNode:
                 "validation_queue": len(self.validation_queue),
                 "validation_queue_peak_bytes": self.validation_queue.peak_bytes,
                 **self.penalties.snapshot()}
+
+    def peer_reach(self) -> dict[str, list[str]]:
+        """For /status (`p2p.peer_reach`): how each known peer is reachable, as far as this
+        node saw (reachability.peer_reach): peer -> [kind, evidence]."""
+        members = set(self.connected_peers())
+        kinds = peer_reach(connected=members, relayed=members - set(self._direct_addr),
+                           outbound=self._outbound, punched=self.relay.punched,
+                           advertised=dict(self.discovery.known),
+                           probed=dict(self.dialback.probed))
+        return {peer: list(kind) for peer, kind in kinds.items()}
+
+    def peer_roles(self) -> dict[str, str]:
+        """For /status (`p2p.peer_roles`): the role each peer named in its peer-exchange
+        Hello (connected peers first, at most MAX_PEER_REACH)."""
+        roles = self.discovery.roles
+        members = [p for p in self.connected_peers() if p in roles]
+        rest = [p for p in roles if p not in set(members)]
+        return {p: roles[p] for p in (members + rest)[:MAX_PEER_REACH]}
 
     # How peers are treated ------------------------------------------------------------
 
@@ -508,7 +535,7 @@ class P2PNode:
         ctx = self._ctx
         conns = ctx.host.get_network().connections
         self.dht.t_connections_changed(ctx.nursery, [p for p, cs in conns.items() if cs])
-        peers, direct = set(), {}
+        peers, direct, outbound = set(), {}, set()
         for pid, cs in list(conns.items()):
             if not cs:
                 continue
@@ -517,14 +544,17 @@ class P2PNode:
             for c in cs:
                 addr = connection_addr(c)
                 if addr is not None:
-                    direct[p] = addr
-                    break
-        ctx.bridge.to_asyncio_nowait(self._set_connected, peers, direct)
+                    direct.setdefault(p, addr)
+                    if str(getattr(c, "direction", "")) == "outbound":
+                        outbound.add(p)
+        ctx.bridge.to_asyncio_nowait(self._set_connected, peers, direct, outbound)
 
-    def _set_connected(self, peers: set[str], direct: dict[str, str] | None = None) -> None:
+    def _set_connected(self, peers: set[str], direct: dict[str, str] | None = None,
+                       outbound: set[str] | None = None) -> None:
         new = peers - self._connected
         self._connected = peers
         self._direct_addr = dict(direct or {})
+        self._outbound = set(outbound or ())
         self.connmgr.peers_changed(peers)
         if new:
             self.discovery.peers_connected(new)

@@ -137,3 +137,47 @@ class ReachabilityTracker:
                 fn(snap)
             except Exception:  # a listener's bug must not stop the others
                 log.exception("reachability listener %r failed", fn)
+
+
+PEER_KINDS = ("public", "hole-punched", "relayed", "unreachable", "?")
+MAX_PEER_REACH = 256  # peers /status reports a kind for (connected ones first)
+
+
+def peer_reach(*, connected: set[str], relayed: set[str], outbound: set[str],
+               punched: set[str], advertised: dict[str, list[str]],
+               probed: dict[str, tuple[bool, str]]) -> dict[str, tuple[str, str]]:
+    """How each peer this node knows is reachable, from what this node saw itself: peer ->
+    (kind, evidence), kind one of PEER_KINDS. No message carries a verdict: a peer's own
+    announcement is its addresses (a `/p2p-circuit` one means it is behind NAT and holds a
+    relay slot), and the rest is this node's connections and the dial-back probes it
+    answered for that peer. Evidence, strongest first:
+
+    - our dial-back probe reached it: `public`; failed, and it names no relay: `unreachable`;
+    - a direct connection to a peer behind NAT (it advertises a relay address, or DCUtR
+      upgraded it): `hole-punched`; only relayed connections, or a relay address: `relayed`;
+    - we dialled it directly at an address it advertised: `public`.
+    `connected`: peers with an open connection; `relayed`: those whose every connection goes
+    through a relay; `outbound`: those with a direct connection this node dialled;
+    `punched`: those DCUtR upgraded; `advertised`: the addresses each announced;
+    `probed`: the last dial-back probe this node ran for a peer (reached?, why not)."""
+    out: dict[str, tuple[str, str]] = {}
+    order = sorted(connected) + sorted(set(advertised) | set(probed) - connected)
+    for peer in order[:MAX_PEER_REACH]:
+        circuit = any("/p2p-circuit" in a for a in advertised.get(peer, ()))
+        ok, why = probed.get(peer, (None, ""))
+        direct = peer in connected and peer not in relayed
+        if direct and (peer in punched or circuit):
+            out[peer] = ("hole-punched", "direct connection to a peer behind NAT (DCUtR)")
+        elif ok:
+            out[peer] = ("public", "this node's dial-back probe reached it")
+        elif peer in relayed or circuit:
+            out[peer] = ("relayed", "advertises a relay address (behind NAT)" if circuit
+                         else "connected only through a relay")
+        elif ok is False:
+            out[peer] = ("unreachable", (f"this node's dial-back probe failed "
+                                         f"({why or '?'}) and it holds no relay slot"))
+        elif direct and peer in outbound:
+            out[peer] = ("public", "this node dialled it directly")
+        else:
+            out[peer] = ("?", "not known from here")
+    return out

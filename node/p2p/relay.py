@@ -90,6 +90,7 @@ class RelayService:
         self._looked = -RELAY_LOOKUP_S  # monotonic time of the last DHT lookup of relays
         self._wake = asyncio.Event()
         self.hole_punch = {"direct": 0, "failed": 0, "gave_up": 0}
+        self.punched: set[str] = set()  # peers DCUtR upgraded to a direct connection
 
     # trio side: services -------------------------------------------------------------------
 
@@ -193,6 +194,7 @@ class RelayService:
         if d is None:
             return {"direct": 0, "failed": 0, "gave_up": 0}
         attempts, in_progress, direct = hole_punch_state(d)
+        self.punched = {p.to_base58() for p in direct}
         done = [(p, n) for p, n in attempts.items() if p not in in_progress and p not in direct]
         return {"direct": len(direct), "failed": len(done),
                 "gave_up": sum(1 for _p, n in done if n >= MAX_HOLE_PUNCH_ATTEMPTS)}

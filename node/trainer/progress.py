@@ -18,6 +18,7 @@ import asyncio
 import json
 import logging
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -147,10 +148,12 @@ class Stage:
     per `key`), and `view` (for /status `extra.starting`) refreshed every second."""
 
     def __init__(self, label: str, key: str, data_dir: Path, view: dict,
-                 clock: Callable[[], float] = time.monotonic, tick_s: float = 1.0):
+                 clock: Callable[[], float] = time.monotonic, tick_s: float = 1.0,
+                 say: Callable[[str], None] | None = None, heartbeat_s: float = HEARTBEAT_S):
         self.label, self.key, self.view, self.clock = label, key, view, clock
         self.path = Path(data_dir) / STAGES_FILE
-        self.tick_s = tick_s
+        self.tick_s, self.heartbeat_s = tick_s, heartbeat_s
+        self.say = say or (lambda line: log.info("%s", line))  # a CLI prints instead
         self.last = self._load().get(key)
 
     def _load(self) -> dict:
@@ -194,9 +197,9 @@ class Stage:
                 done, _ = await asyncio.wait({task}, timeout=self.tick_s)
                 if done:
                     break
-                if self.clock() - last_said >= HEARTBEAT_S:
+                if self.clock() - last_said >= self.heartbeat_s:
                     last_said = self.clock()
-                    log.info("%s", self.line(self.clock() - start))
+                    self.say(self.line(self.clock() - start))
             result = task.result()
         finally:
             if not task.done():
@@ -204,3 +207,29 @@ class Stage:
             self.view.clear()
         self._save(self.clock() - start)
         return result
+
+    def run_blocking(self, fn: Callable[[], T]) -> T:
+        """`around` for a synchronous caller (a CLI such as `doctor --load`): one line at
+        once, one every `heartbeat_s`, and the duration kept for the next ETA. `fn` runs in
+        a daemon thread, so Ctrl-C exits at once instead of waiting for the load to end."""
+        box: dict[str, object] = {}
+
+        def work() -> None:
+            try:
+                box["result"] = fn()
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                box["error"] = e
+
+        start = self.clock()
+        self.say(self.line(0.0))
+        thread = threading.Thread(target=work, name=self.key, daemon=True)
+        thread.start()
+        while True:
+            thread.join(self.heartbeat_s)
+            if not thread.is_alive():
+                break
+            self.say(self.line(self.clock() - start))
+        if "error" in box:
+            raise box["error"]  # type: ignore[misc]
+        self._save(self.clock() - start)
+        return box["result"]  # type: ignore[return-value]

@@ -483,6 +483,23 @@ def test_join_command_is_complete():
     assert join_command(cfg, [], "x") == ""
 
 
+def test_join_command_behind_nat_names_an_address_others_can_dial():
+    from swarm_node.node.p2p.reachability import Reachability, Verdict
+    from swarm_node.node.runner import join_command
+
+    boot = "/ip4/203.0.113.7/tcp/4001/p2p/12D3KooWboot"
+    cfg = load_config(None, {"node.swarm_id": "s", "node.bootstrap": [boot]})
+    lan = ["/ip4/192.168.1.10/tcp/4001/p2p/12D3KooWme"]
+    circuit = f"{boot}/p2p-circuit/p2p/12D3KooWme"
+    relayed = Reachability(verdict=Verdict.RELAYED, relay_addrs=(circuit,))
+    assert f"--bootstrap {circuit} " in join_command(cfg, lan, "t", reach=relayed)
+    # nobody can dial it: the line names the peer it joined through
+    alone = Reachability(verdict=Verdict.UNREACHABLE)
+    assert f"--bootstrap {boot} " in join_command(cfg, lan, "t", reach=alone)
+    for reach in (None, Reachability(), Reachability(verdict=Verdict.PUBLIC)):
+        assert f"--bootstrap {lan[0]} " in join_command(cfg, lan, "t", reach=reach)
+
+
 def test_join_command_names_a_dialable_address_when_listening_on_every_interface():
     from swarm_node.node.runner import join_command, route_ip
 
@@ -533,6 +550,11 @@ def test_the_training_step_in_progress_has_what_it_waits_for_and_an_eta():
     out = console.export_text()
     assert "training step" in out and "v11: waiting for rollout batches" in out
     assert "groups 1/4 of this policy, 0/4 of others; due in 6 s" in out
+    held[:] = [17, 0]  # more groups wait than a step takes: the rest go to the next steps
+    console = Console(width=200, record=True)
+    for table in render_tables(json.loads(json.dumps(status_document(st), default=str))):
+        console.print(table)
+    assert "groups 4/4 (+13 waiting) of this policy, 0/4 of others" in console.export_text()
     clock[0] += 60.0
     assert status_document(st)["extra"]["step"]["eta_s"] == 0.0  # overdue: due now
 
@@ -544,7 +566,10 @@ def test_the_swarm_view_joins_connections_adverts_and_counts():
 
     T, R, P, Q = "12D3KooWTrainer", "12D3KooWRelay", "12D3KooWPeer", "12D3KooWQuiet"
     doc = {"peer_id": "12D3KooWMe", "role": "inference", "policy_id": T, "peers": [T, R, Q],
-           "p2p": {"connections": {"relayed_peers": [R]}},
+           "p2p": {"connections": {"relayed_peers": [R]},
+                   "peer_reach": {T: ["public", "this node dialled it directly"],
+                                  R: ["relayed", "connected only through a relay"]},
+                   "peer_roles": {R: "relay", T: "inference"}},
            "extra": {"swarm": {
                "versions": [{"policy_id": T, "version": 5, "holders": 2, "here": "complete"},
                             {"policy_id": T, "version": 6, "holders": 1, "here": ""}],
@@ -554,8 +579,10 @@ def test_the_swarm_view_joins_connections_adverts_and_counts():
     view = swarm(doc)
     rows = {r["peer"]: r for r in view["peers"]}
     assert rows[T] == {"peer": T, "role": "trainer", "version": 6, "complete": True,
-                       "connection": "direct"}
-    assert rows[R]["role"] == "follower" and rows[R]["connection"] == "relayed"
+                       "connection": "direct", "reach": "public",
+                       "reach_why": "this node dialled it directly"}
+    assert rows[R]["reach"] == "relayed" and rows[Q]["reach"] == "?"
+    assert rows[R]["role"] == "relay" and rows[R]["connection"] == "relayed"  # its Hello
     assert rows[P]["connection"] == "not connected" and rows[P]["complete"] is False
     assert rows[Q]["role"] == "?" and rows[Q]["version"] is None
     assert view["peers_known"] == 4 and view["versions"][0]["here"] == "complete"
@@ -568,9 +595,11 @@ def test_the_swarm_view_joins_connections_adverts_and_counts():
     out = status_document(st)
     assert out["swarm"]["peers"] == [{"peer": P, "role": "inference", "version": None,
                                       "complete": None, "connection": "not connected",
+                                      "reach": "?", "reach_why": "not known from here",
                                       "accepted": 12, "rejected": 3}]
     console = Console(width=200, record=True)
     for table in render_tables(json.loads(json.dumps(out, default=str))):
         console.print(table)
     text = console.export_text()
     assert "the swarm as this node knows it (1 peers)" in text and "inference" in text
+    assert "reachable" in text

@@ -3,7 +3,8 @@
 Prints one JSON line {"peer_id", "addrs"} once started, then answers commands read from
 stdin, one JSON line each:
   status           -> {"reachability", "connected", "relayed", "relay", "counters",
-                       "mesh", "got"}  (got: [origin, round] of each rollouts batch received)
+                       "mesh", "got", "peer_reach"}  (got: [origin, round] of each rollouts
+                       batch received; peer_reach: health()'s kind per peer)
   connect <addr>   -> {"ok": bool, "error": str}
   ask <peer>       -> {"ok": bool, "reply": str, "error": str}  (a request to /test/echo)
   publish <round>  -> {"ok": bool, "error": str}  (a ~64 KiB RolloutBatch: announced, pulled)
@@ -64,7 +65,8 @@ async def main() -> int:
             say({"reachability": node.reachability.as_dict(), "connected": peers,
                  "relayed": [p for p in peers if node.is_relayed(p)],
                  "relay": node.relay.stats(), "counters": dict(node.metrics.counters),
-                 "mesh": node.gossip.mesh_peers("rollouts"), "got": got})
+                 "mesh": node.gossip.mesh_peers("rollouts"), "got": got,
+                 "peer_reach": node.health()["peer_reach"]})
         elif cmd == "connect":
             try:
                 await node.connect(arg)

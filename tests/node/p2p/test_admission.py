@@ -252,3 +252,15 @@ def test_a_few_drops_are_no_warning(caplog):
         assert levels() == ["DEBUG"]
         adm.admit(carrier, msg(peer()), False)  # DROP_WARN_AT: a flood, said at once
         assert levels() == ["DEBUG", "WARNING"]
+
+
+def test_our_own_messages_echoed_back_are_dropped_silently():
+    """After a restart the seen-cache is empty and peers forward the previous run's
+    messages back: they are ours, not a flood of new origins (no warning, no charge)."""
+    clock = Clock()
+    me, relay = peer(), peer()
+    adm, _pen, cuts = admission(clock, self_id=me.to_base58())
+    assert not any(adm.admit(relay, msg(me), False) for _ in range(100))
+    assert adm.metrics["gossip_own_echoes"] == 100
+    assert adm.metrics["rejected.new_origin_throttled"] == 0 and not cuts
+    assert adm.admit(relay, msg(peer()), False)  # the relay's new-origin tokens are intact

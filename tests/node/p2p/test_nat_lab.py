@@ -103,12 +103,16 @@ def test_hole_punch_through_two_nats(nat, direct):
             b.wait(lambda s: a.peer_id in s["connected"] and a.peer_id not in s["relayed"],
                    60, "a direct connection (hole punched)")
             a.wait(lambda s: s["reachability"]["verdict"] == "direct", 90, "A: direct")
+            # the swarm view's kind: B reached A directly, and A announced a relay address
+            b.wait(lambda s: (s["peer_reach"].get(a.peer_id) or [""])[0] == "hole-punched",
+                   30, "B sees A as hole-punched")
         else:
             a.wait(lambda s: s["relay"]["hole_punch"]["failed"] >= 1, 90,
                    "a failed DCUtR attempt (driven by A, the side the relay connected "
                    "to)")
             st = b.cmd("status")
             assert a.peer_id in st["relayed"], st
+            assert st["peer_reach"][a.peer_id][0] == "relayed", st["peer_reach"]
         assert b.cmd(f"ask {a.peer_id}")["reply"] == "hello"  # either way, it works
 
 

@@ -97,3 +97,58 @@ def test_why_not_py_libp2p_autonat():
             return status
 
     assert trio.run(ask) == Message.OK
+
+
+def test_peer_reach_kinds_from_connections_adverts_and_probes():
+    from swarm_node.node.p2p.reachability import peer_reach
+
+    circuit = "/ip4/1.2.3.4/tcp/4001/p2p/R/p2p-circuit/p2p/"
+    kinds = peer_reach(
+        connected={"pub", "dialled", "punched", "natdirect", "relayed", "inbound"},
+        relayed={"relayed"}, outbound={"dialled", "punched"}, punched={"punched"},
+        advertised={"natdirect": [circuit + "natdirect"], "relayed": [circuit + "relayed"],
+                    "away": [circuit + "away"], "pub": ["/ip4/1.2.3.4/tcp/1/p2p/pub"]},
+        probed={"pub": (True, ""), "nat": (False, "timeout"), "inbound": (False, "refused")})
+    got = {peer: kind for peer, (kind, _why) in kinds.items()}
+    assert got == {"pub": "public", "dialled": "public", "punched": "hole-punched",
+                   "natdirect": "hole-punched", "relayed": "relayed", "away": "relayed",
+                   "nat": "unreachable", "inbound": "unreachable"}
+    assert "timeout" in kinds["nat"][1] and list(kinds)[:6] == sorted(
+        ["pub", "dialled", "punched", "natdirect", "relayed", "inbound"])  # connected first
+    assert peer_reach(connected={"x"}, relayed=set(), outbound=set(), punched=set(),
+                      advertised={}, probed={})["x"][0] == "?"  # it dialled us: nothing known
+
+
+async def test_peers_see_who_is_public_and_who_cannot_be_dialled(make_node):
+    """Real hosts: `pub` listens where it dials from; `nat` listens on 127.0.0.2 and dials
+    from 127.0.0.1 (a NAT in miniature). The bootstrap peer answers both dial-back checks,
+    so its /status says which of them it could dial back; and each of them dialled it. The
+    NAT'd one runs as a relay: its role comes from its Hello."""
+    boot = await make_node()
+    pub = await make_node(bootstrap=boot.listen_addrs)
+    cfg = p2p_config({"role": "relay"}).with_overrides(
+        {"node.listen": ["/ip4/127.0.0.2/tcp/0"]})
+    nat = P2PNode(Identity.generate(), cfg)
+    await nat.start(bootstrap=boot.listen_addrs)
+    try:
+        def kind(node, peer) -> str:
+            return (node.health()["peer_reach"].get(peer) or ["", ""])[0]
+
+        await wait_until(lambda: kind(boot, pub.peer_id) == "public"
+                         and kind(boot, nat.peer_id) == "unreachable", 20,
+                         what="the bootstrap peer's dial-back verdicts about both peers")
+        why = boot.health()["peer_reach"][nat.peer_id][1]
+        assert "dial-back probe failed (connection refused)" in why, why
+        assert kind(nat, boot.peer_id) == "public"  # it dialled the bootstrap peer directly
+        state = NodeState(peer_id=boot.peer_id, role="relay", swarm_id="default")
+        state.attach_transport(boot)
+        from swarm_node.node.admin import status_document
+
+        rows = {r["peer"]: r for r in status_document(state)["swarm"]["peers"]}
+        assert rows[pub.peer_id]["reach"] == "public", rows
+        assert rows[nat.peer_id]["reach"] == "unreachable", rows
+        # and the role each named in its Hello (nothing else tells a relay from a peer)
+        assert boot.health()["peer_roles"] == {pub.peer_id: "inference", nat.peer_id: "relay"}
+        assert rows[nat.peer_id]["role"] == "relay" and rows[pub.peer_id]["role"] == "inference"
+    finally:
+        await nat.close()

@@ -70,3 +70,23 @@ async def test_a_start_up_stage_says_its_time_and_an_eta_from_the_last_run(tmp_p
             done.set()
             assert await task == "model" and view == {}
             caplog.clear()
+
+
+def test_a_blocking_stage_says_a_line_at_once_and_every_heartbeat(tmp_path):
+    """`doctor --load`'s form: the work in a thread, lines from the caller's thread."""
+    import json
+
+    import pytest
+    from swarm_node.node.trainer.progress import STAGES_FILE, Stage
+
+    from tests.waiting import wait_until
+
+    lines: list[str] = []
+    stage = Stage("loading", "doctor_load", tmp_path, {}, say=lines.append, heartbeat_s=0.01)
+    got = stage.run_blocking(lambda: wait_until(lambda: len(lines) >= 3, 10, "3 lines") and 7)
+    assert got == 7 and lines[0] == "loading: 0 s so far (first time: no ETA)"
+    assert "doctor_load" in json.loads((tmp_path / STAGES_FILE).read_text())
+    again = Stage("loading", "doctor_load", tmp_path, {}, say=lines.append)
+    assert "last time" in again.line(0.0)
+    with pytest.raises(ZeroDivisionError):  # the work's error reaches the caller
+        again.run_blocking(lambda: 1 / 0)

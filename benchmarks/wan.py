@@ -48,6 +48,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: make the repository importable
@@ -744,6 +745,22 @@ def wait_all(procs: list[LabProc], kind: str, deadline: float) -> list[dict | No
     return out
 
 
+def reachability_verdicts(procs: list[LabProc], timeout: float) -> dict[str, str]:
+    """Each receiver's own reachability verdict once none is `unknown` (or at `timeout`):
+    the trainer publishes then, as a real one does minutes after its followers started. A
+    follower behind NAT leaves the trainer's first copies to reachable ones only once it
+    knows its verdict (its dial-back checks take ~10 s here)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        verdicts = {}
+        for p in procs:
+            p.send("stats")
+            verdicts[p.host] = p.event("stats", 60).get("reachability", "?")
+        if "unknown" not in verdicts.values() or time.monotonic() > deadline:
+            return verdicts
+        time.sleep(1)
+
+
 def ours_broadcast(lab: Lab, plan: WanPlan, ckpt: Path, work: Path, timeout: float) -> dict:
     peer = [sys.executable, "-m", "swarm_node.node.testing.broadcast_peer",
             "--discovery-interval", "5"]
@@ -769,6 +786,7 @@ def ours_broadcast(lab: Lab, plan: WanPlan, ckpt: Path, work: Path, timeout: flo
         for f in followers:
             f.event("ready", 120 + 5 * len(followers))
         time.sleep(5)  # gossip mesh
+        verdicts = reachability_verdicts([*relays, *followers], 120)
         tx0 = lab.link_bytes(plan.trainer)["tx"]
         t_cmd = time.time()
         origin.send(f"publish {ckpt} 1")
@@ -786,7 +804,7 @@ def ours_broadcast(lab: Lab, plan: WanPlan, ckpt: Path, work: Path, timeout: flo
                 kind = ("trainer" if peer == o["peer_id"] else "relays" if peer in relay_ids
                         else "peers")
                 by[kind] += s["shards_ok"] * shard
-        return {"t_all": t_all, "timeout_s": timeout,
+        return {"t_all": t_all, "timeout_s": timeout, "verdicts": verdicts,
                 "t_after_publish": max((d["t"] for d in done), default=pub["t"]) - pub["t"],
                 "egress": lab.link_bytes(plan.trainer)["tx"] - tx0, "ok": len(done),
                 "expected": len(each), "from": by,
@@ -893,6 +911,14 @@ def record_half(args, out: dict, pending: str) -> None:
         record("wan: broadcast", body, headline=headlines("broadcast", out, args))
 
 
+def verdict_line(ours: dict | None) -> str:
+    if not ours or not ours.get("verdicts"):
+        return ""
+    n = Counter(ours["verdicts"].values())
+    return (" Receivers' own reachability verdicts at the publish: "
+            + ", ".join(f"{k} {v}" for k, v in sorted(n.items())) + ".")
+
+
 def broadcast_body(args, out: dict, pending: str = "not run (no .venv-shardcast)") -> str:
     size, bound = out["size"], out["bound_s"]
     rows = []
@@ -913,7 +939,8 @@ def broadcast_body(args, out: dict, pending: str = "not run (no .venv-shardcast)
             f"relays + {out['followers']} followers, {out['homes']} behind NATs); "
             f"bandwidth lower bound {bound:.1f} s. Time from the publish command until every "
             "receiver verified its copy (shardcast: every client; its middles on the relays report "
-            "nothing); egress counted on the trainer's access link.\n\n"
+            "nothing); egress counted on the trainer's access link."
+            + verdict_line(out.get("ours")) + "\n\n"
             + table(["system", "copies verified", "time s", "x lower bound (goal <= 1.5)",
                      "trainer egress / checkpoint (goal <= 2)",
                      "copies served by trainer / relays / peers"], rows))

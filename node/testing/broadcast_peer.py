@@ -195,7 +195,7 @@ async def main(argv: list[str] | None = None) -> int:
                 emit(event="stats", server=dict(bc.server.metrics),
                      bulk={k: v for k, v in node.metrics.counters.items()
                            if k.startswith("bulk_")},
-                     endpoint=bc.endpoint,
+                     endpoint=bc.endpoint, reachability=node.reachability.verdict.value,
                      rejected=dict(bc.gate.rejected), peak_rss_mib=peak_rss_mib(),
                      downloads={p: dict(j.downloader.metrics)
                                 for p, j in bc.follower.jobs.items() if j.downloader},

@@ -761,9 +761,10 @@ def reachability_verdicts(procs: list[LabProc], timeout: float) -> dict[str, str
         time.sleep(1)
 
 
-def ours_broadcast(lab: Lab, plan: WanPlan, ckpt: Path, work: Path, timeout: float) -> dict:
+def ours_broadcast(lab: Lab, plan: WanPlan, ckpt: Path, work: Path, timeout: float,
+                   peer_set: list[str] = ()) -> dict:
     peer = [sys.executable, "-m", "swarm_node.node.testing.broadcast_peer",
-            "--discovery-interval", "5"]
+            "--discovery-interval", "5", *(a for kv in peer_set for a in ("--set", kv))]
     procs: list[LabProc] = []
 
     def start(host: str, role: str, *extra: str) -> LabProc:
@@ -892,7 +893,8 @@ def section_broadcast(args, work: Path) -> tuple[str, dict]:
            "relays": len(plan.relays), "followers": len(plan.peers),
            "homes": len(plan.topology.homes)}
     with Lab(plan.topology, prefix=args.lab_prefix, seed=args.seed) as lab:
-        out["ours"] = ours_broadcast(lab, plan, ckpt, work / "ours", args.half_timeout)
+        out["ours"] = ours_broadcast(lab, plan, ckpt, work / "ours", args.half_timeout,
+                                     args.peer_set)
     if SHARDCAST_PY.exists() and not args.skip_shardcast:
         record_half(args, out, "shardcast pending (running next)")
         with Lab(plan.topology, prefix=args.lab_prefix, seed=args.seed) as lab:
@@ -1070,6 +1072,9 @@ def parse(argv=None):
     # broadcast
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--skip-shardcast", action="store_true")
+    ap.add_argument("--peer-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for every broadcast peer of ours "
+                         "(broadcast.max_uploads_total=8)")
     ap.add_argument("--half-timeout", type=float, default=900.0,
                     help="seconds each half (ours, shardcast) may take from its publish "
                          "command; then it is recorded as not finished")

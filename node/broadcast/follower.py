@@ -79,7 +79,6 @@ class Job:
     downloader: Downloader | None = None
 
 
-
 NATTED = frozenset({Verdict.RELAYED, Verdict.DIRECT, Verdict.UNREACHABLE})
 
 
@@ -89,6 +88,7 @@ def behind_nat(node) -> bool:
     copies to reachable followers (sources.NAT_HEAD_START_S). Not checked yet: no."""
     reach = getattr(node, "reachability", None)  # test doubles of the node may have none
     return reach is not None and reach.verdict in NATTED
+
 
 class Follower:
     """`tasks`: the owner of the downloads and manifest pulls (the broadcaster's).

@@ -49,10 +49,10 @@ def private_temp(data_dir: Path) -> None:
     """shardcast 0.3.2 fetches the distribution file (the list of versions) into one path
     beside its package, `<site-packages>/temp_distribution.txt` (and `.tmp` while wget
     writes it), and deletes it after reading: every process of the same venv shares that
-    path, so peers polling together read each other's half-written or deleted copies and
-    log "No versions available" (seen at 30 nodes in benchmarks/wan.py; a peer then waits
-    for ever). The path is derived from the module's `__file__` at each call: point it
-    into a directory of this peer's own, beside the one it serves."""
+    path, so peers polling together can read each other's copies (one from a server that
+    does not hold the version yet: "No versions available", the download given up) or
+    find it deleted. The path is derived from the module's `__file__` at each call: point
+    it into a directory of this peer's own, beside the one it serves."""
     from shardcast import client
 
     private = data_dir.parent / f"{data_dir.name}.shardcast-tmp"

@@ -45,11 +45,27 @@ def patch_bind() -> None:
     server.ShardcastServer = LoopbackServer
 
 
+def private_temp(data_dir: Path) -> None:
+    """shardcast 0.3.2 fetches the distribution file (the list of versions) into one path
+    beside its package, `<site-packages>/temp_distribution.txt` (and `.tmp` while wget
+    writes it), and deletes it after reading: every process of the same venv shares that
+    path, so peers polling together can read each other's copies (one from a server that
+    does not hold the version yet: "No versions available", the download given up) or
+    find it deleted. The path is derived from the module's `__file__` at each call: point
+    it into a directory of this peer's own, beside the one it serves."""
+    from shardcast import client
+
+    private = data_dir.parent / f"{data_dir.name}.shardcast-tmp"
+    private.mkdir(parents=True, exist_ok=True)
+    client.__file__ = str(private / "shardcast" / "client.py")
+
+
 def main() -> int:
     role, data_dir = sys.argv[1], Path(sys.argv[2])
     data_dir.mkdir(parents=True, exist_ok=True)
     (data_dir / "data1.bin").write_bytes(b"\0" * 1024)
     patch_bind()
+    private_temp(data_dir)
     import shardcast
     from shardcast.utils import logger
 

@@ -48,6 +48,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: make the repository importable
@@ -732,9 +733,38 @@ def lower_bound_s(topo: Topology, origin: str, receivers: list[str], size: int) 
                len(receivers) * size / (u_s + sum(up(h) for h in receivers)))
 
 
-def ours_broadcast(lab: Lab, plan: WanPlan, ckpt: Path, work: Path) -> dict:
+def wait_all(procs: list[LabProc], kind: str, deadline: float) -> list[dict | None]:
+    """Each process's next `kind` event before `deadline` (time.time()); None for one that
+    did not send it in time or exited first."""
+    out = []
+    for p in procs:
+        try:
+            out.append(p.event(kind, max(0.01, deadline - time.time())))
+        except (TimeoutError, RuntimeError):
+            out.append(None)
+    return out
+
+
+def reachability_verdicts(procs: list[LabProc], timeout: float) -> dict[str, str]:
+    """Each receiver's own reachability verdict once none is `unknown` (or at `timeout`):
+    the trainer publishes then, as a real one does minutes after its followers started. A
+    follower behind NAT leaves the trainer's first copies to reachable ones only once it
+    knows its verdict (its dial-back checks take ~10 s here)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        verdicts = {}
+        for p in procs:
+            p.send("stats")
+            verdicts[p.host] = p.event("stats", 60).get("reachability", "?")
+        if "unknown" not in verdicts.values() or time.monotonic() > deadline:
+            return verdicts
+        time.sleep(1)
+
+
+def ours_broadcast(lab: Lab, plan: WanPlan, ckpt: Path, work: Path, timeout: float,
+                   peer_set: list[str] = ()) -> dict:
     peer = [sys.executable, "-m", "swarm_node.node.testing.broadcast_peer",
-            "--discovery-interval", "5"]
+            "--discovery-interval", "5", *(a for kv in peer_set for a in ("--set", kv))]
     procs: list[LabProc] = []
 
     def start(host: str, role: str, *extra: str) -> LabProc:
@@ -757,12 +787,15 @@ def ours_broadcast(lab: Lab, plan: WanPlan, ckpt: Path, work: Path) -> dict:
         for f in followers:
             f.event("ready", 120 + 5 * len(followers))
         time.sleep(5)  # gossip mesh
+        verdicts = reachability_verdicts([*relays, *followers], 120)
         tx0 = lab.link_bytes(plan.trainer)["tx"]
         t_cmd = time.time()
         origin.send(f"publish {ckpt} 1")
-        pub = origin.event("published", 600)
-        done = [f.event("complete", 1800) for f in [*relays, *followers]]
-        t_all = max(d["t"] for d in done) - t_cmd
+        pub = origin.event("published", timeout)
+        hosts = [*plan.relays, *plan.peers]
+        each = wait_all([*relays, *followers], "complete", t_cmd + timeout)
+        done = [d for d in each if d is not None]
+        t_all = max(d["t"] for d in done) - t_cmd if len(done) == len(each) else None
         origin.send("stats")
         served = origin.event("stats", 60)["server"]
         shard = -(-pub["total"] // pub["shards"])
@@ -772,15 +805,15 @@ def ours_broadcast(lab: Lab, plan: WanPlan, ckpt: Path, work: Path) -> dict:
                 kind = ("trainer" if peer == o["peer_id"] else "relays" if peer in relay_ids
                         else "peers")
                 by[kind] += s["shards_ok"] * shard
-        return {"t_all": t_all, "t_after_publish": max(d["t"] for d in done) - pub["t"],
+        return {"t_all": t_all, "timeout_s": timeout, "verdicts": verdicts,
+                "t_after_publish": max((d["t"] for d in done), default=pub["t"]) - pub["t"],
                 "egress": lab.link_bytes(plan.trainer)["tx"] - tx0, "ok": len(done),
-                "expected": len(done), "from": by,
-                "t_each": {h: round(d["t"] - t_cmd, 2)
-                           for h, d in zip([*plan.relays, *plan.peers], done, strict=True)},
+                "expected": len(each), "from": by,
+                "t_each": {h: round(d["t"] - t_cmd, 2) if d else None
+                           for h, d in zip(hosts, each, strict=True)},
                 "fails": {k: sum(d["metrics"].get(k, 0) for d in done) for k in sorted(
                     {k for d in done for k in d["metrics"] if k.startswith(("fail_", "seeded"))})},
-                "sources": {h: d["sources"]
-                            for h, d in zip([*plan.relays, *plan.peers], done, strict=True)},
+                "sources": {h: d["sources"] for h, d in zip(hosts, each, strict=True) if d},
                 "trainer_shard_bytes": served.get("bytes_sent", 0),
                 "trainer_seeded": served.get("error_seeded", 0)}
     finally:
@@ -805,7 +838,8 @@ sys.exit(peer.main())
 """
 
 
-def shardcast_broadcast(lab: Lab, plan: WanPlan, blob: Path, work: Path) -> dict:
+def shardcast_broadcast(lab: Lab, plan: WanPlan, blob: Path, work: Path,
+                        timeout: float) -> dict:
     base = [str(SHARDCAST_PY), "-c", SHARDCAST_WRAPPER, str(SHARDCAST_PEER)]
     procs: list[LabProc] = []
 
@@ -832,58 +866,86 @@ def shardcast_broadcast(lab: Lab, plan: WanPlan, blob: Path, work: Path) -> dict
         tx0 = lab.link_bytes(plan.trainer)["tx"]
         t_cmd = time.time()
         origin.send("go")
-        origin.event("published", 600)
-        done = []
-        for c in clients:
-            try:
-                done.append(c.event("any", max(1.0, t_cmd + 1800 - time.time())))
-            except (TimeoutError, RuntimeError):
-                done.append({"event": "stuck"})
+        origin.event("published", timeout)
+        done = [d or {"event": "stuck"} for d in wait_all(clients, "any", t_cmd + timeout)]
         ok = [d for d in done if d.get("event") == "complete"]
         # the middles (relays) hold a copy too but report nothing: clients are counted
         return {"t_all": (max(d["t"] for d in ok) - t_cmd) if len(ok) == len(done) else None,
+                "timeout_s": timeout,
                 "egress": lab.link_bytes(plan.trainer)["tx"] - tx0, "ok": len(ok),
-                "expected": len(done)}
+                "expected": len(done),
+                "ended": {h: d.get("event") for h, d in zip(plan.peers, done, strict=True)}}
     finally:
         for p in procs:
             p.stop()
 
 
 def section_broadcast(args, work: Path) -> tuple[str, dict]:
+    """Ours, then shardcast in a fresh lab of the same plan. Each half has `--half-timeout`
+    seconds from its publish command (one that runs out is recorded as not finished) and
+    is recorded as it ends: a half that hangs or a run killed later loses nothing before."""
     plan = wan_plan(args.nodes, seed=args.seed, trainer_mbit=args.trainer_mbit)
     ckpt = make_checkpoint(work / "ckpt", args.mib)
     size = (ckpt / "model.safetensors").stat().st_size
     receivers = [*plan.relays, *plan.peers]
     bound = lower_bound_s(plan.topology, plan.trainer, receivers, size)
-    out = {"bound_s": bound, "size": size}
+    out = {"bound_s": bound, "size": size, "receivers": len(receivers),
+           "relays": len(plan.relays), "followers": len(plan.peers),
+           "homes": len(plan.topology.homes)}
     with Lab(plan.topology, prefix=args.lab_prefix, seed=args.seed) as lab:
-        out["ours"] = ours_broadcast(lab, plan, ckpt, work / "ours")
+        out["ours"] = ours_broadcast(lab, plan, ckpt, work / "ours", args.half_timeout,
+                                     args.peer_set)
     if SHARDCAST_PY.exists() and not args.skip_shardcast:
+        record_half(args, out, "shardcast pending (running next)")
         with Lab(plan.topology, prefix=args.lab_prefix, seed=args.seed) as lab:
             out["shardcast"] = shardcast_broadcast(lab, plan, ckpt / "model.safetensors",
-                                                   work / "shardcast")
+                                                   work / "shardcast", args.half_timeout)
+    return broadcast_body(args, out), out
+
+
+def record_half(args, out: dict, pending: str) -> None:
+    """Print (and unless --no-record, record) the section with the halves run so far."""
+    body = broadcast_body(args, out, pending)
+    print(f"\n## wan: broadcast (so far)\n\n{body}\n", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"broadcast": out}, indent=1, default=str))
+    if not args.no_record:
+        record("wan: broadcast", body, headline=headlines("broadcast", out, args))
+
+
+def verdict_line(ours: dict | None) -> str:
+    if not ours or not ours.get("verdicts"):
+        return ""
+    n = Counter(ours["verdicts"].values())
+    return (" Receivers' own reachability verdicts at the publish: "
+            + ", ".join(f"{k} {v}" for k, v in sorted(n.items())) + ".")
+
+
+def broadcast_body(args, out: dict, pending: str = "not run (no .venv-shardcast)") -> str:
+    size, bound = out["size"], out["bound_s"]
     rows = []
     for name in ("ours", "shardcast"):
         r = out.get(name)
         if r is None:
-            rows.append([name, "not run (no .venv-shardcast)", "-", "-", "-", "-"])
+            rows.append([name, pending, "-", "-", "-", "-"])
             continue
         t = r["t_all"]
         by = r.get("from")
         carried = ("-" if by is None else " / ".join(
             f"{by[k] / size:.1f}" for k in ("trainer", "relays", "peers")))
-        rows.append([name, f"{r['ok']}/{r['expected']}", t if t is not None else "incomplete",
+        rows.append([name, f"{r['ok']}/{r['expected']}",
+                     t if t is not None else f"did not finish in {r['timeout_s']:.0f} s",
                      t / bound if t else "-", r["egress"] / size, carried])
-    body = (f"Load before: {args.load_before}. {args.mib} MiB from the trainer "
-            f"({args.trainer_mbit:.0f} Mbit/s) to {len(receivers)} receivers ({len(plan.relays)} "
-            f"relays + {len(plan.peers)} followers, {len(plan.topology.homes)} behind NATs); "
+    return (f"Load before: {args.load_before}. {args.mib} MiB from the trainer "
+            f"({args.trainer_mbit:.0f} Mbit/s) to {out['receivers']} receivers ({out['relays']} "
+            f"relays + {out['followers']} followers, {out['homes']} behind NATs); "
             f"bandwidth lower bound {bound:.1f} s. Time from the publish command until every "
             "receiver verified its copy (shardcast: every client; its middles on the relays report "
-            "nothing); egress counted on the trainer's access link.\n\n"
+            "nothing); egress counted on the trainer's access link."
+            + verdict_line(out.get("ours")) + "\n\n"
             + table(["system", "copies verified", "time s", "x lower bound (goal <= 1.5)",
                      "trainer egress / checkpoint (goal <= 2)",
                      "copies served by trainer / relays / peers"], rows))
-    return body, out
 
 
 # scaling --------------------------------------------------------------------------------------
@@ -948,12 +1010,13 @@ def headlines(name: str, out: dict, args) -> list[Headline]:
     if name == "broadcast":
         ours, sc = out["ours"], out.get("shardcast")
         t = ours["t_all"]
+        took = (f"{t / out['bound_s']:.1f}x ({t:.0f} s, bound {out['bound_s']:.0f} s)" if t
+                else f"{ours['ok']}/{ours['expected']} within {ours['timeout_s']:.0f} s")
         return [Headline("wan: checkpoint broadcast to every follower (time vs bandwidth "
                          "bound, trainer egress)",
                          "<= 1.5x the bandwidth bound; trainer egress <= 2x; ahead of "
                          "shardcast",
-                         f"{args.mib} MiB to {ours['expected']} receivers: "
-                         f"{t / out['bound_s']:.1f}x ({t:.0f} s, bound {out['bound_s']:.0f} s)"
+                         f"{args.mib} MiB to {ours['expected']} receivers: {took}"
                          f"; egress {ours['egress'] / out['size']:.1f}x",
                          f"shardcast {sc['t_all']:.0f} s, egress "
                          f"{sc['egress'] / out['size']:.1f}x" if sc and sc["t_all"]
@@ -1009,6 +1072,12 @@ def parse(argv=None):
     # broadcast
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--skip-shardcast", action="store_true")
+    ap.add_argument("--peer-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for every broadcast peer of ours "
+                         "(broadcast.max_uploads_total=8)")
+    ap.add_argument("--half-timeout", type=float, default=900.0,
+                    help="seconds each half (ours, shardcast) may take from its publish "
+                         "command; then it is recorded as not finished")
     ap.add_argument("--lab-prefix", default="wanb",
                     help="netns name prefix of the broadcast section's labs (<= 8 chars)")
     # the gossip worker (run by the benchmark inside lab hosts)

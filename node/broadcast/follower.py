@@ -22,14 +22,14 @@ from ...protocol.ids import MANIFEST_PROTOCOL
 from ...protocol.messages import CheckpointManifest, ShardRequest
 from ..diskspace import DiskFull, DiskWatch, is_disk_full
 from ..lifecycle import Changed, TaskOwner
-from ..p2p import Transport
+from ..p2p import Transport, Verdict
 from .downloader import Downloader
 from .errors import DownloadFailed, ManifestRejected, StoreError
 from .follow import TrainerChoice, ask_bootstrap_peers
 from .manifest import AcceptedManifest, ManifestGate
 from .progress import Progress
 from .records import VersionRecord, VersionRecords
-from .sources import ProvenPeers, SourceBook
+from .sources import NAT_HEAD_START_S, ProvenPeers, SourceBook
 from .space import SpaceReservations
 from .store import ShardStore, VersionEntry
 
@@ -77,6 +77,17 @@ class Job:
     task: asyncio.Task
     started: float = field(default_factory=time.monotonic)
     downloader: Downloader | None = None
+
+
+NATTED = frozenset({Verdict.RELAYED, Verdict.DIRECT, Verdict.UNREACHABLE})
+
+
+def behind_nat(node) -> bool:
+    """Whether this node's own reachability verdict says peers cannot dial it (relayed,
+    direct by hole punching only, or unreachable): then it leaves the trainer's first
+    copies to reachable followers (sources.NAT_HEAD_START_S). Not checked yet: no."""
+    reach = getattr(node, "reachability", None)  # test doubles of the node may have none
+    return reach is not None and reach.verdict in NATTED
 
 
 class Follower:
@@ -214,6 +225,8 @@ class Follower:
                                      max_corrupt=self.cfg.max_corrupt_per_source,
                                      trial_slots=max(1, self.cfg.parallel_downloads // 2))
         book.add(m.policy_id, None, origin=True)  # the trainer holds its own checkpoint
+        if behind_nat(self.node):  # reachable followers take the trainer's first copies
+            book.origin_not_before = book.clock() + NAT_HEAD_START_S
         for peer, holdings in rec.holders.items():
             book.add(peer, holdings, proven=peer in self.proven)
         progress = Progress(f"policy {m.policy_id[-8:]} v{m.version}", m.total_size,

@@ -122,6 +122,8 @@ async def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-free-mib", type=int, default=256,
                     help="free disk space every large write leaves (node.min_free_disk_mib)")
     ap.add_argument("--log-level", default="WARNING")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override (broadcast.max_uploads_total=8), for benchmarks")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -135,7 +137,8 @@ async def main(argv: list[str] | None = None) -> int:
                  "bulk.handshake_timeout_s": args.bulk_handshake_timeout,
                  "broadcast.advert_interval_s": args.advert_interval or None,
                  "broadcast.readvertise_s": args.readvertise or None,
-                 "broadcast.chunk_timeout_s": args.chunk_timeout or None}
+                 "broadcast.chunk_timeout_s": args.chunk_timeout or None,
+                 **dict(kv.split("=", 1) for kv in args.set)}
     cfg = load_config(None, overrides)  # None values: the default
     ident = Identity.load_or_create(args.key) if args.key else Identity.generate()
     node = P2PNode(ident, cfg)
@@ -195,7 +198,7 @@ async def main(argv: list[str] | None = None) -> int:
                 emit(event="stats", server=dict(bc.server.metrics),
                      bulk={k: v for k, v in node.metrics.counters.items()
                            if k.startswith("bulk_")},
-                     endpoint=bc.endpoint,
+                     endpoint=bc.endpoint, reachability=node.reachability.verdict.value,
                      rejected=dict(bc.gate.rejected), peak_rss_mib=peak_rss_mib(),
                      downloads={p: dict(j.downloader.metrics)
                                 for p, j in bc.follower.jobs.items() if j.downloader},

@@ -136,23 +136,34 @@ def node_config(**overrides) -> Config:
         **{k.replace("__", "."): v for k, v in overrides.items()}})
 
 
+def behind_nat(node) -> None:
+    """Pin `node`'s own reachability verdict to `unreachable`, as a node behind NAT without
+    a relay slot finds it (on 127.0.0.1 every peer could dial it back): its later dial-back
+    results are ignored. Everything else about the node is real."""
+    node.reach.set_dialback(False, [], "test: behind NAT")
+    node.reach.set_dialback = lambda *a, **kw: None
+
+
 @pytest.fixture
 async def swarm(tmp_path):
     """`await swarm(name, role, follow=(), bootstrap=(), ...)`: a real libp2p host on
-    127.0.0.1 and a Broadcaster over it (`bc.done`: its Completions); all closed after."""
+    127.0.0.1 and a Broadcaster over it (`bc.done`: its Completions); all closed after.
+    `natted=True`: the node's own reachability verdict says behind NAT (`behind_nat`)."""
     from swarm_node.node.broadcast.service import Broadcaster
     from swarm_node.node.p2p import P2PNode
 
     made = []
 
     async def make(name, role, follow=(), bootstrap=(), identity=None, bulk=False,
-                   libp2p_only=False, cfg=None, **kw):
+                   libp2p_only=False, cfg=None, natted=False, **kw):
         cfg = cfg or node_config()
         if bulk:
             cfg = cfg.with_overrides({"bulk.listen": "127.0.0.1:0"})
         if libp2p_only:
             cfg = cfg.with_overrides({"bulk.listen": "off"})
         node = P2PNode(identity or Identity.generate(), cfg)
+        if natted:
+            behind_nat(node)
         await node.start(bootstrap=list(bootstrap))
         done = Completions()
         bc = Broadcaster(node, cfg.broadcast, tmp_path / name, follow=list(follow), role=role,

@@ -62,6 +62,7 @@ LONG_S = {
     "tests/netlab/test_scenarios.py::test_natted": 130,
     "tests/netlab/test_scenarios.py::test_churn": 90,
     "tests/integration/test_trainer_restart.py": 80,
+    "tests/integration/test_trainer_steering.py": 110,
     "tests/integration/test_swarm.py": 70,
     "tests/integration/test_trainer_flood.py::test_4": 70,
     "tests/node/p2p/test_nat_lab.py::test_hole_punch_through_two_nats[symmetric": 65,

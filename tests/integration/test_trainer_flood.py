@@ -69,15 +69,17 @@ def trainer_address(trainer: Node) -> str:
 
 
 @contextlib.asynccontextmanager
-async def honest_pair(tmp_path, tiny_model_dir):
-    """A trainer (one peer batch per step, 8 new tokens) and an honest inference peer that
-    follows it, real processes, once the peer is established (32 completions accepted);
+async def honest_pair(tmp_path, tiny_model_dir, dtype: str = "float32", **trainer):
+    """A trainer (one peer batch per step, 8 new tokens, weights in `dtype`, `trainer`
+    settings) and an honest inference peer that follows it, real processes, once the peer
+    is established (32 completions accepted);
     yields (trainer, its config, honest(), the trainer's peer id, its address), honest()
     being the peer's counts at the trainer (and its id, "peer").
     Both stopped at the end."""
-    tcfg = trainer_config(tmp_path / "t", tiny_model_dir, peer_batches_per_step=1,
-                          peer_wait_s=5.0)
+    tcfg = trainer_config(tmp_path / "t", tiny_model_dir, **{
+        "peer_batches_per_step": 1, "peer_wait_s": 5.0, **trainer})
     tcfg["sampler"]["max_new_tokens"] = 8
+    tcfg["model"]["dtype"] = dtype
     trainer = Node(tmp_path / "t", tcfg).start()
     peer = None
     try:
@@ -87,7 +89,7 @@ async def honest_pair(tmp_path, tiny_model_dir):
             "node": {"role": "inference", "swarm_id": tcfg["node"]["swarm_id"],
                      "data_dir": str(tmp_path / "p" / "data"), "listen": ["/ip4/127.0.0.1/tcp/0"],
                      "bootstrap": [trainer_address(trainer)], "follow": [tid]},
-            "model": {"name": str(tiny_model_dir)}, "admin": {"port": free_port()},
+            "model": tcfg["model"], "admin": {"port": free_port()},
             "tasks": tcfg["tasks"], "sampler": {**tcfg["sampler"], "version_wait_s": 5.0},
         }).start()
         peer.wait_joined()

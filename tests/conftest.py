@@ -70,6 +70,7 @@ LONG_S = {
     "tests/node/test_demo.py::test_ctrl_c": 50,
     "tests/integration/test_operator.py": 45,
     "tests/integration/test_trainer_flood.py::test_13": 45,
+    "tests/integration/test_trainer_flood.py::test_recovery": 60,
     "tests/node/broadcast/test_settings.py::test_inference_peer_with_only": 45,
     "tests/node/trainer/test_distributed.py::test_two_ranks": 40,
     "tests/integration/test_trainer_disk.py": 35,

@@ -169,12 +169,12 @@ async def test_4_a_fresh_key_flood_costs_at_most_the_probation_share(tmp_path, t
             # nothing of the honest peer lost or refused, but for a known rare case: one run of
             # the full suite in a fresh clone (2 busy workers) saw 8 of 7,160 honest completions
             # rejected, reason not captured then (printed now); not reproduced in 3 runs since.
-            # Suspected (not shown): `eos_improbable`. 7,160 completions is ~450 versions,
-            # and this trainer (lr 1e-3, toy task) drives p(EOS) at every position down:
-            # median 2e-3 at v0, 6e-4 at v61, 1.2e-4 at v400, 8e-5 at v520 (measured on
-            # its checkpoints). Below min_eos_prob (1e-4) an honestly sampled EOS is
-            # rejected with its group of 4: expected 3.7e-4 per completion at v520 (two
-            # such groups = 8), though 0 were seen in 4,800 completions sampled there.
+            # The likely cause, reproduced apart and fixed (verifier/checks.py):
+            # `eos_improbable`. 7,160 completions is ~450 versions, and this trainer (lr
+            # 1e-3, toy task) drives p(EOS) at every position down (median 2e-3 at v0,
+            # 1.2e-4 at v400, 8e-5 at v520); the EOS gate then rejected honestly sampled
+            # EOS tokens with their groups of 4 (4 of 9,600 honest completions at v520).
+            # It now applies only to an EOS that was not the seeded choice.
             print(f"honest peer at the trainer: {honest()}")
             assert honest()["rejected"] <= honest()["accepted"] // 500, honest()
             heard = view1.get("verdicts", {})  # the accusations reached the trainer ...

@@ -62,7 +62,7 @@ LONG_S = {
     "tests/netlab/test_scenarios.py::test_natted": 130,
     "tests/netlab/test_scenarios.py::test_churn": 90,
     "tests/integration/test_trainer_restart.py": 80,
-    "tests/integration/test_trainer_steering.py::test_7": 90,
+    "tests/integration/test_trainer_steering.py::test_7": 110,
     "tests/integration/test_trainer_steering.py::test_8": 50,
     "tests/integration/test_swarm.py": 70,
     "tests/integration/test_trainer_flood.py::test_4": 70,

@@ -542,7 +542,9 @@ def would_reject(rec: dict, s) -> str | None:
     if worst > max(s.tie_eps, s.replay_outlier_eps) or second > s.tie_eps \
             or excess >= s.top_p_eps:
         return "token_mismatch"
-    if "eos_prob" in st and st["eos_prob"] < s.min_eos_prob:
+    # only an EOS that was not the seeded choice (checks.py); records before eos_seeded
+    # existed: every EOS, as the gate then was
+    if "eos_prob" in st and st["eos_prob"] < s.min_eos_prob and not st.get("eos_seeded"):
         return "eos_improbable"
     if "shape_z" in st and abs(st["shape_z"]) > s.shape_z_max:
         return "sampling_shape"

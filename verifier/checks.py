@@ -17,7 +17,8 @@ groups:      complete groups (every j < completions_per_task); spot checks per g
 model:       one prefill of prompt + completion (the prompt once per group; a prefix it
              shares with recent prompts once per model version): activation proof;
              logprobs within `logprob_tol` (the recomputed ones are handed on, never the
-             claimed ones); seeded replay up to near-ties; EOS probability; sampling shape.
+             claimed ones); seeded replay up to near-ties; EOS probability (of an EOS
+             taken at a near-tie); sampling shape.
 """
 
 from __future__ import annotations
@@ -519,7 +520,11 @@ class RolloutVerifier:
             last = logp[-1] if temp in (0.0, 1.0) else torch.log_softmax(logits[-1], dim=-1)
             eos_p = float(last[tokens[-1]].exp())
             stats["eos_prob"] = eos_p
-            if eos_p < s.min_eos_prob:
+            # an EOS that replay shows was the seeded choice is honest whatever its
+            # probability (an honest sampler does pick improbable EOS tokens: ~4e-4 of the
+            # completions once the tiny trainer's policy pushed p(EOS) under 1e-4, issue 30);
+            # the gate bounds only an EOS taken at a near-tie, where it trails the choice
+            if eos_p < s.min_eos_prob and not stats["eos_seeded"]:
                 raise _Reject("eos_improbable", f"EOS probability {eos_p:.2e}")
         if temp > 0 and tokens.shape[0] >= s.shape_min_tokens:
             # the loosened top-p, so a boundary near-tie accepted by replay is in the support
@@ -567,7 +572,10 @@ class RolloutVerifier:
         # "wide" ties (margin above a quarter of tie_eps): an honest float difference rarely
         # reorders those, a steering sender takes the runner-up there as often as it likes
         wide = ties & (margin > s.tie_eps / 4)
+        # the last token is the seeded sampler's own choice (not a near-tie runner-up)
+        seeded = bool(tokens[-1] == best_idx[-1, 0]) or float(gap[-1]) <= 0
         return {"replay_max_gap": float(top[0]), "replay_second_gap": max(second, 0.0),
+                "eos_seeded": float(seeded),
                 "replay_outliers": float((gap > s.tie_eps).sum()), "ties": float(ties.sum()),
                 "tie_flips": float(flips.sum()), "wide_ties": float(wide.sum()),
                 "wide_flips": float((wide & flips).sum()),

@@ -55,7 +55,7 @@ COMPLETION_REASONS = {
     "duplicate": "the rollout id (content hash) was seen before, or twice in the batch",
     "tokens_after_eos": "the completion goes on after an EOS token",
     "bad_finish": "finish_reason eos without a final EOS, or length without reaching the limit",
-    "eos_improbable": "the final EOS had probability below min_eos_prob",
+    "eos_improbable": "the final EOS, taken at a near-tie, had probability below min_eos_prob",
     "logprob_mismatch": "claimed logprobs differ from the recomputation beyond tolerance",
     "token_mismatch": "a token is not the seeded sampler's choice from the recomputed logits",
     "sampling_shape": "sampled-token surprisal inconsistent with the claimed temperature/top-p",

@@ -158,9 +158,10 @@ class _PeerState:
 
 @dataclass(frozen=True)
 class Alarm:
-    """A sequential test's verdict: `reason` (PEER_REASONS), the `peers` it condemns, and
-    which `test` fired: "peer" (the sender's CUSUM), "batch" (one batch of a sender without
-    history) or "pooled" (the probation cohort)."""
+    """A sequential test's verdict on one batch: `reason` (PEER_REASONS), the `peers` it
+    condemns (those of every test that fired on the batch), and which `test` fired first:
+    "peer" (the sender's CUSUM), "batch" (one batch of a sender without history) or
+    "pooled" (the probation cohort)."""
 
     reason: str
     peers: tuple[str, ...]
@@ -283,8 +284,9 @@ class PeerMonitor:
 
     def observe_batch(self, peer: str, stats: list[dict], probation: bool) -> Alarm | None:
         """One verified batch's model-checked, accepted completions (their stats), in order.
-        Every test sees all of them; the first alarm is returned (the sender's own CUSUM
-        first, then the one-batch test, then the pooled one)."""
+        Every test sees all of them; the first alarm's reason and test are returned (the
+        sender's own CUSUM first, then the one-batch test, then the pooled one), with the
+        peers of every alarm of the batch."""
         evidence = [self._evidence(x) for x in stats]
         st = self._state(peer)
         fired: list[tuple[str, str, tuple[str, ...]]] = []
@@ -299,8 +301,12 @@ class PeerMonitor:
                 fired += self._pool(peer, evidence)
         if not fired:
             return None
-        reason, test, peers = fired[0]
+        reason, test, _ = fired[0]
         st.alarms[reason] = st.alarms.get(reason, 0) + 1
+        # every sender any test condemned in this batch: a pooled alarm that fires with the
+        # sender's own (the CUSUMs restarted, their excursion's blame is spent) must not
+        # lose the other senders it blames
+        peers = tuple(dict.fromkeys(p for _, _, condemned in fired for p in condemned))
         return Alarm(reason, peers, test)
 
     def _one_batch(self, evidence: list[_Evidence]) -> str | None:

@@ -64,20 +64,34 @@ def flood_kit(cfg_dict: dict, tiny_model_dir, target: str):
     return swarm, make_batch
 
 
+def version_reader(trainer: Node):
+    """A callable: the trainer's policy version, read again at most once a second."""
+    seen = {"version": trainer.status()["policy_version"], "at": time.monotonic()}
+
+    def version() -> int:
+        if time.monotonic() - seen["at"] >= 1.0:
+            seen.update(version=trainer.status().get("policy_version", seen["version"]),
+                        at=time.monotonic())
+        return seen["version"]
+    return version
+
+
 def trainer_address(trainer: Node) -> str:
     return json.loads((trainer.data / "node.json").read_text())["listen_addrs"][0]
 
 
 @contextlib.asynccontextmanager
-async def honest_pair(tmp_path, tiny_model_dir):
-    """A trainer (one peer batch per step, 8 new tokens) and an honest inference peer that
-    follows it, real processes, once the peer is established (32 completions accepted);
+async def honest_pair(tmp_path, tiny_model_dir, dtype: str = "float32", **trainer):
+    """A trainer (one peer batch per step, 8 new tokens, weights in `dtype`, `trainer`
+    settings) and an honest inference peer that follows it, real processes, once the peer
+    is established (32 completions accepted);
     yields (trainer, its config, honest(), the trainer's peer id, its address), honest()
     being the peer's counts at the trainer (and its id, "peer").
     Both stopped at the end."""
-    tcfg = trainer_config(tmp_path / "t", tiny_model_dir, peer_batches_per_step=1,
-                          peer_wait_s=5.0)
+    tcfg = trainer_config(tmp_path / "t", tiny_model_dir, **{
+        "peer_batches_per_step": 1, "peer_wait_s": 5.0, **trainer})
     tcfg["sampler"]["max_new_tokens"] = 8
+    tcfg["model"]["dtype"] = dtype
     trainer = Node(tmp_path / "t", tcfg).start()
     peer = None
     try:
@@ -87,7 +101,7 @@ async def honest_pair(tmp_path, tiny_model_dir):
             "node": {"role": "inference", "swarm_id": tcfg["node"]["swarm_id"],
                      "data_dir": str(tmp_path / "p" / "data"), "listen": ["/ip4/127.0.0.1/tcp/0"],
                      "bootstrap": [trainer_address(trainer)], "follow": [tid]},
-            "model": {"name": str(tiny_model_dir)}, "admin": {"port": free_port()},
+            "model": tcfg["model"], "admin": {"port": free_port()},
             "tasks": tcfg["tasks"], "sampler": {**tcfg["sampler"], "version_wait_s": 5.0},
         }).start()
         peer.wait_joined()
@@ -117,14 +131,7 @@ async def test_4_a_fresh_key_flood_costs_at_most_the_probation_share(tmp_path, t
                 return (trainer.status().get("extra") or {}).get("intake") or {}
 
             swarm, make_batch = flood_kit(tcfg, tiny_model_dir, tid)
-            seen = {"version": trainer.status()["policy_version"], "at": time.monotonic()}
-
-            def version() -> int:  # the trainer's version, read again at most once a second
-                if time.monotonic() - seen["at"] >= 1.0:
-                    seen.update(version=trainer.status().get("policy_version", seen["version"]),
-                                at=time.monotonic())
-                return seen["version"]
-
+            version = version_reader(trainer)
             # each fresh key also accuses the honest peer (item 11): it must stay established
             flood = SybilFlood(swarm, boot, tid, make_batch, version, connections=4,
                                interval_s=0.05, accuse=honest()["peer"])
@@ -161,7 +168,13 @@ async def test_4_a_fresh_key_flood_costs_at_most_the_probation_share(tmp_path, t
                   f"{rss1:.0f} MiB")
             # nothing of the honest peer lost or refused, but for a known rare case: one run of
             # the full suite in a fresh clone (2 busy workers) saw 8 of 7,160 honest completions
-            # rejected, reason not captured then (printed now); not reproduced in 3 runs since
+            # rejected, reason not captured then (printed now); not reproduced in 3 runs since.
+            # The likely cause, reproduced apart and fixed (verifier/checks.py):
+            # `eos_improbable`. 7,160 completions is ~450 versions, and this trainer (lr
+            # 1e-3, toy task) drives p(EOS) at every position down (median 2e-3 at v0,
+            # 1.2e-4 at v400, 8e-5 at v520); the EOS gate then rejected honestly sampled
+            # EOS tokens with their groups of 4 (4 of 9,600 honest completions at v520).
+            # It now applies only to an EOS that was not the seeded choice.
             print(f"honest peer at the trainer: {honest()}")
             assert honest()["rejected"] <= honest()["accepted"] // 500, honest()
             heard = view1.get("verdicts", {})  # the accusations reached the trainer ...
@@ -213,6 +226,85 @@ async def test_13_garbage_on_every_protocol_does_not_stop_training(tmp_path, tin
                   f"({flood.cut} cut, {flood.refused} refused); versions {v0} -> {v1}")
             assert flood.streams >= 100  # the garbage did reach the trainer's handlers
             assert v1 >= v0 + 4 and honest()["rejected"] == 0
+            assert trainer.proc.poll() is None
+        finally:
+            stop.set()
+            if flooding is not None:
+                await flooding
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far."""
+    import os
+    from pathlib import Path
+
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def test_recovery_honest_rate_returns_after_a_fresh_key_flood(tmp_path, tiny_model_dir):
+    """Issue 30 "Recovery": after 15 s of the item-4 flood (fresh keys, 4 connections),
+    the honest peer's acceptance rate at the trainer gets back to >= 80% of its rate before
+    the flood, without a restart. The rate asserted is per CPU second of the two honest
+    processes (trainer and peer): on a shared 2-core machine their wall-clock rate follows
+    whatever else runs (measured 122/s and 25/s in two runs minutes apart), their CPU rate
+    follows only what they do; the wall-clock rates are printed beside it. Rates are over a
+    trailing window of 5 s of the trainer's clock, starting after the flood; how long the
+    return took is printed (an upper bound that includes the window), never asserted; the
+    ceiling only ends a hang."""
+    from swarm_node.node.testing.flood import SybilFlood
+
+    window = 5.0  # seconds of the trainer's clock per rate
+
+    stop = asyncio.Event()
+    flooding = None
+    async with honest_pair(tmp_path, tiny_model_dir) as (trainer, tcfg, honest, tid, boot):
+        try:
+            peer_pid = json.loads((tmp_path / "p" / "data" / "node.json").read_text())["pid"]
+            # (trainer uptime, honest accepted, CPU seconds of trainer + peer)
+            samples: list[tuple[float, int, float]] = []
+
+            def sample() -> tuple[float, int, float]:
+                s = trainer.status()
+                got = (s.get("accepted_by_peer") or {}).get(honest()["peer"], {})
+                samples.append((s["uptime_s"], got.get("accepted", 0),
+                                cpu_s(trainer.proc.pid) + cpu_s(peer_pid)))
+                return samples[-1]
+
+            def rates(since: float, until_: float = 1e18) -> tuple[float, float] | None:
+                """(accepted per second, per CPU second) between the first sample at or
+                after `since` and the last one before `until_`, once they span `window`."""
+                first = next((x for x in samples if x[0] >= since), None)
+                last = [x for x in samples if x[0] <= until_][-1]
+                if first is None or last[0] - first[0] < window or last[2] <= first[2]:
+                    return None
+                return ((last[1] - first[1]) / (last[0] - first[0]),
+                        (last[1] - first[1]) / (last[2] - first[2]))
+
+            start = sample()[0]
+            base = await until(lambda: sample()[0] - start >= 2 * window and rates(start),
+                               300, "the honest rate before the flood", trainer)
+            swarm, make_batch = flood_kit(tcfg, tiny_model_dir, tid)
+            flood = SybilFlood(swarm, boot, tid, make_batch, version_reader(trainer),
+                               connections=4, interval_s=0.05)
+            t0 = sample()[0]
+            flooding = asyncio.ensure_future(flood.run(stop))
+            await until(lambda: sample()[0] >= t0 + 15, 300, "15 s of flood", trainer)
+            during = rates(t0)
+            stop.set()
+            await flooding
+            flooding = None
+            t1 = sample()[0]
+            back = await until(lambda: sample() and (rates(t1) or (0, 0))[1] >= 0.8 * base[1]
+                               and samples[-1][0], 120,
+                               "the honest rate back to 80% of before", trainer)
+            after = rates(t1)
+            print(f"recovery: honest rate before {base[0]:.1f}/s ({base[1]:.1f} per CPU-s), "
+                  f"during the flood {during[0]:.1f}/s ({during[1]:.1f} per CPU-s; "
+                  f"{flood.sent} bogus batches over {flood.carriers} carriers), after "
+                  f"{after[0]:.1f}/s ({after[1]:.1f} per CPU-s): >= 80% per CPU-s again "
+                  f"{back - t1:.1f} s after the flood (window {window:.0f} s included)")
+            assert honest()["rejected"] == 0
             assert trainer.proc.poll() is None
         finally:
             stop.set()

@@ -187,10 +187,22 @@ def test_finish_reason_must_match(kit, honest):
 
 
 def test_eos_probability_gate(kit):
-    batch = sample(kit, tasks=2, n=4, round_=4)
-    v = verifier(kit, settings=CheckSettings(min_eos_prob=0.5))
-    for r, c in zip(v.verify(batch, SENDER), batch.completions):
-        assert r.reason == ("eos_improbable" if c.finish_reason == "eos" else "ok")
+    """The gate bounds an EOS taken at a near-tie (where it trails the seeded choice); an
+    EOS that replay shows was the seeded choice is honest however improbable (issue 30:
+    honest completions were rejected once a trained policy's p(EOS) fell under 1e-4)."""
+    model, tokenizer, _ = kit
+    batch = next(b for b in (sample(kit, tasks=2, n=4, round_=r) for r in range(4, 200))
+                 if any(c.finish_reason == "eos" for c in b.completions))
+    strict = CheckSettings(min_eos_prob=0.5)  # every EOS of the tiny model is below it
+    assert reasons(verifier(kit, settings=strict).verify(batch, SENDER)) == {"ok"}
+    # cut short with EOS where it was not the choice, and a replay loose enough to let
+    # that through as a near-tie: only the gate is left to refuse it
+    cut = attacks.truncate_with_eos(batch, random.Random(5), tokenizer.eos_token_id, model,
+                                    tokenizer)
+    loose = CheckSettings(min_eos_prob=0.5, tie_eps=1e6)
+    results = verifier(kit, settings=loose).verify(cut, SENDER)
+    assert {r.reason for r in results} <= {"eos_improbable", "group_member_rejected"}
+    assert "eos_improbable" in reasons(results)
 
 
 def test_cheap_greedy_decode_caught_by_replay_and_shape(kit):

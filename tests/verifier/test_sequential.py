@@ -213,6 +213,23 @@ def test_7_sybils_each_sending_one_batch_are_caught_together():
         assert m.observe_batch(f"new-{k}", comps, probation=True) is None
 
 
+def test_7_a_pooled_alarm_with_the_senders_own_keeps_its_blame():
+    """Found against the real trainer (tests/integration/test_trainer_steering.py): when the
+    batch that tips the pooled test also sets off its sender's own test, the alarm returned
+    was the sender's alone and the earlier sybils the pooled test blamed went free. The
+    returned alarm now condemns them too."""
+    s = SequentialSettings.for_dtype("bfloat16")
+    m = PeerMonitor(s)
+    quiet = [_ties(1, 1)] * 5 + [_ties(1, 0)] * 3  # 5 x 1.61 - 3 x 0.59 = 6.3: under 11
+    assert m.observe_batch("sybil-1", quiet, probation=True) is None
+    assert m.observe_batch("sybil-2", quiet, probation=True) is None
+    loud = [_ties(1, 1)] * 10  # 16.1: its own CUSUM (15) and the pooled one (28.7) fire
+    alarm = m.observe_batch("sybil-3", loud, probation=True)
+    assert alarm is not None and alarm.test == "peer" and alarm.peers[0] == "sybil-3"
+    assert set(alarm.peers) == {"sybil-1", "sybil-2", "sybil-3"}
+    assert m.pooled_alarms == 1
+
+
 def test_8_narrow_ties_are_watched():
     """Finding 8: steering only narrow ties (which honest bf16 floats reorder about a
     quarter of the time, measured on SmolLM2) is caught by the narrow-tie CUSUM, which the

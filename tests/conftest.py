@@ -59,9 +59,9 @@ def pytest_collection_modifyitems(config, items):
 # tests count 20 s.
 LONG_S = {
     "tests/integration/test_operator_views.py": 200,
-    "tests/netlab/test_scenarios.py::test_natted": 130,
     "tests/netlab/test_scenarios.py::test_churn": 90,
     "tests/integration/test_trainer_restart.py": 80,
+    "tests/netlab/test_scenarios.py::test_natted": 75,
     "tests/integration/test_swarm.py": 70,
     "tests/integration/test_trainer_flood.py::test_4": 70,
     "tests/node/p2p/test_nat_lab.py::test_hole_punch_through_two_nats[symmetric": 65,

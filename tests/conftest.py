@@ -58,23 +58,24 @@ def pytest_collection_modifyitems(config, items):
 # result. A stale entry costs some balance at the end of a run, nothing else. Other slow
 # tests count 20 s.
 LONG_S = {
-    "tests/integration/test_operator_views.py": 200,
-    "tests/netlab/test_scenarios.py::test_natted": 130,
+    "tests/integration/test_operator_views.py": 125,
     "tests/netlab/test_scenarios.py::test_churn": 90,
-    "tests/integration/test_trainer_restart.py": 80,
     "tests/integration/test_trainer_steering.py::test_7": 110,
-    "tests/integration/test_trainer_steering.py::test_8": 50,
-    "tests/integration/test_swarm.py": 70,
-    "tests/integration/test_trainer_flood.py::test_4": 70,
-    "tests/node/p2p/test_nat_lab.py::test_hole_punch_through_two_nats[symmetric": 65,
-    "tests/node/trainer/test_group.py": 55,
-    "tests/node/test_demo.py::test_ctrl_c": 50,
-    "tests/integration/test_operator.py": 45,
-    "tests/integration/test_trainer_flood.py::test_13": 45,
+    "tests/netlab/test_scenarios.py::test_natted": 85,
+    "tests/node/trainer/test_distributed.py::test_two_ranks": 70,
+    "tests/integration/test_fresh_clone.py": 60,
+    "tests/integration/test_swarm.py": 60,
     "tests/integration/test_trainer_flood.py::test_recovery": 60,
-    "tests/node/broadcast/test_settings.py::test_inference_peer_with_only": 45,
-    "tests/node/trainer/test_distributed.py::test_two_ranks": 40,
+    "tests/node/trainer/test_group.py": 50,
+    "tests/integration/test_trainer_flood.py::test_13": 50,
+    "tests/integration/test_trainer_flood.py::test_4": 50,
+    "tests/integration/test_trainer_steering.py::test_8": 50,
+    "tests/integration/test_operator.py": 45,
+    "tests/node/p2p/test_nat_lab.py::test_hole_punch_through_two_nats[symmetric": 45,
     "tests/integration/test_trainer_disk.py": 35,
+    "tests/node/broadcast/test_settings.py::test_inference_peer_with_only": 30,
+    "tests/node/test_demo.py::test_ctrl_c": 30,
+    "tests/integration/test_trainer_restart.py": 30,
 }
 
 _SHARED_SCOPE = re.compile(r"""scope\s*=\s*["'](module|package|class)["']""")

@@ -71,6 +71,7 @@ class Discovery:
         self._dht_looked = -DHT_LOOKUP_INTERVAL_S
         self._paused: dict[str, float] = {}  # peer -> until: not redialled early (trimmed)
         self.roles: dict[str, str] = {}  # peer -> the role its Hello named (the swarm view)
+        self._readvertise = False  # our addresses changed: ask (and so tell) every peer
 
     def install(self):
         """Serve PEERS_PROTOCOL; returns an awaitable done once the handler is live."""
@@ -91,6 +92,20 @@ class Discovery:
             if self._next_try.get(p, 0) > now and self._paused.get(p, 0) <= now:
                 self._next_try[p] = now
         self.ctx.metrics.inc("discovery_backoff_resets")
+
+    def addrs_changed(self) -> None:
+        """Our advertised addresses changed (a relay slot taken, a reachability verdict):
+        the next round, at most one base interval away, asks every connected peer, which
+        gives each our new addresses (the Hello) to pass on. In the quiet backoff a NAT'd
+        node's relayed address otherwise reached its peers up to a minute late."""
+        self._readvertise = True
+
+    def _new_addrs(self, peer: str) -> None:
+        """`peer` has other addresses than those our redials failed on (e.g. it took a relay
+        slot): it is dialled at the next round, not at the end of its backoff."""
+        if self._paused.get(peer, 0) <= time.monotonic():
+            self._backoff.pop(peer, None)
+            self._next_try.pop(peer, None)
 
     def pause(self, peer: str, seconds: float) -> None:
         """Do not redial `peer` for `seconds` (e.g. the connection manager closed it)."""
@@ -233,7 +248,10 @@ class Discovery:
                          if isinstance(a, str) and len(a) <= MAX_ADDR_LEN
                          and a.endswith(f"/p2p/{pid}")]
                 if addrs and pid != self.ctx.peer_id:
-                    learned += pid not in self.known
+                    before = self.known.get(pid)
+                    learned += before is None
+                    if before is not None and set(before) != set(addrs):
+                        self._new_addrs(pid)
                     self.known[pid] = addrs
         return learned
 
@@ -267,11 +285,13 @@ class Discovery:
         factor, before = 1, None
         while True:
             changed = True
+            readvertise, self._readvertise = self._readvertise, False
             try:
-                learned = await (self.exchange_all() if factor == 1 else self.exchange_one())
+                learned = await (self.exchange_all() if factor == 1 or readvertise
+                                 else self.exchange_one())
                 dialled = await self.fill()
                 now = frozenset(self.ctx.peers.connected_peers())
-                changed = bool(learned or dialled) or now != before
+                changed = bool(learned or dialled or readvertise) or now != before
                 before = now
             except asyncio.CancelledError:
                 raise
@@ -282,12 +302,13 @@ class Discovery:
 
     async def _sleep_until_change(self, seconds: float, peers: frozenset | None) -> None:
         """Sleep `seconds`, but wake at the next base interval once a connection came or
-        went: a lost peer is redialled after one interval, not after the quiet backoff."""
+        went (a lost peer is redialled after one interval, not after the quiet backoff) or
+        our addresses changed."""
         step = self.cfg.discovery_interval_s
         while seconds > 0:
             await asyncio.sleep(min(step, seconds))
             seconds -= step
-            if frozenset(self.ctx.peers.connected_peers()) != peers:
+            if self._readvertise or frozenset(self.ctx.peers.connected_peers()) != peers:
                 return
 
     async def fill(self) -> int:

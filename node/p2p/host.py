@@ -112,6 +112,7 @@ class P2PNode:
         self.connmgr = ConnectionManager(ctx, self.relay, self.discovery)
         self.reach.subscribe(lambda _snap: self.dht.reachability_changed())
         self.reach.subscribe(self.relay.reachability_changed)
+        self.reach.subscribe(lambda _snap: self.discovery.addrs_changed())
         self.failure: str | None = None
         self._failed = asyncio.Event()
         self._started = False

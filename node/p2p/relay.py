@@ -304,6 +304,10 @@ class RelayService:
             ctx.metrics.inc("relay_reservations")
             log.info("reserved a relay slot on %s: reachable at %s/p2p/%s/p2p-circuit",
                      relay, addr, relay)
+            # Advertised at once, not at the end of the round: a DHT lookup for more relays
+            # (short of `reservations`) may follow and took ~30 s in the NAT lab, all that
+            # time the node was "unreachable" and told its peers its private address only.
+            ctx.reach.set_relay_addrs(self.circuit_addrs())
         else:
             self._refused_until[relay] = now + RETRY_RELAY_S
             ctx.metrics.inc("relay_reservations_refused")

@@ -57,6 +57,13 @@ def link_kind(a: dict, b: dict) -> str:
     return "relayed" if kinds else "none"
 
 
+def versions_loaded(status: dict) -> list[int]:
+    """The policy versions a node downloaded (and so hot-loaded), from its /status; not the
+    base model (v0). A version superseded while it downloaded is not among them."""
+    return sorted({d.get("version") for d in status.get("downloads", [])
+                   if isinstance(d.get("version"), int) and d["version"] > 0})
+
+
 def expected_link(nat_a: str, nat_b: str) -> str:
     """What the NATs allow: hole punching (DCUtR) between two endpoint-independent (cone)
     NATs; a relay whenever one side is symmetric (a new public port per destination)."""
@@ -66,11 +73,14 @@ def expected_link(nat_a: str, nat_b: str) -> str:
 def run_pair(lab: Lab, workdir: Path, model_dir: Path, versions: int = 2,
              timeout: float = 300.0, settings: dict | None = None) -> dict:
     """Start the trainer, the relay and every NAT'd peer of `lab` (a `pair_topology`) and
-    watch until the trainer reached `versions`, every peer had rollouts accepted and loaded
-    that version, and every two NAT'd peers are connected as their NATs allow
-    (`expected_link`); or `timeout`. Never raises for a scenario goal missed: the
-    observations say what happened. Times in s: `first_accepted_s` from each peer's own
-    start, `goal_s` and `links_s` from the trainer's start."""
+    watch until the trainer reached `versions`, every peer had rollouts accepted, hot-loaded
+    `versions` versions and holds that version, and every two NAT'd peers were connected as
+    their NATs allow (`expected_link`); or `timeout`. Never raises for a scenario goal
+    missed: the observations say what happened. Times in s: `first_accepted_s` from each
+    peer's own start, `goal_s` and `links_s` (when a pair was first seen connected as its
+    NATs allow) from the trainer's start. `links` is the last snapshot and `link_history`
+    every change seen per pair, (s, kind): relayed connections between NAT'd peers come
+    and go on lossy paths (the peers redial), so a snapshot can catch a pair between two."""
     nats = {h.hosts[0]: h.nat for h in lab.topology.homes}
     obs: dict = {"topology": {"nat": nats}}
     with LabSwarm(lab, workdir, model_dir, settings=settings) as swarm:
@@ -86,6 +96,7 @@ def run_pair(lab: Lab, workdir: Path, model_dir: Path, versions: int = 2,
         first_accepted: dict[str, float] = {}
         pairs = list(itertools.combinations(peers, 2))
         links_s: dict[str, float] = {}
+        history: dict[str, list] = {f"{a.name}-{b.name}": [] for a, b in pairs}
 
         def goal() -> bool:
             now = time.monotonic()
@@ -94,12 +105,15 @@ def run_pair(lab: Lab, workdir: Path, model_dir: Path, versions: int = 2,
                     first_accepted[p.name] = round(now - t_peers, 1)
             for a, b in pairs:
                 key = f"{a.name}-{b.name}"
-                if key not in links_s and link_kind(a.status, b.status) == expected_link(
-                        nats[a.name], nats[b.name]):
+                kind = link_kind(a.status, b.status)
+                if not history[key] or history[key][-1][1] != kind:
+                    history[key].append((round(now - t0, 1), kind))
+                if key not in links_s and kind == expected_link(nats[a.name], nats[b.name]):
                     links_s[key] = round(now - t0, 1)
             return (trainer.status.get("policy_version", 0) >= versions
                     and len(first_accepted) == len(peers) and len(links_s) == len(pairs)
-                    and all(p.status.get("policy_version", 0) >= versions for p in peers))
+                    and all(p.status.get("policy_version", 0) >= versions
+                            and len(versions_loaded(p.status)) >= versions for p in peers))
 
         try:
             swarm.wait_until(goal, timeout, "pair goal")
@@ -112,6 +126,7 @@ def run_pair(lab: Lab, workdir: Path, model_dir: Path, versions: int = 2,
         obs["first_accepted_s"] = first_accepted
         obs["links_s"] = links_s
         obs["links"] = {f"{a.name}-{b.name}": link_kind(a.status, b.status) for a, b in pairs}
+        obs["link_history"] = history  # ends with `links`: both come from the last poll
         for p in peers:
             by_trainer = trainer.status.get("accepted_by_peer", {}).get(p.peer_id, {})
             p2p = p.status.get("p2p") or {}
@@ -122,8 +137,7 @@ def run_pair(lab: Lab, workdir: Path, model_dir: Path, versions: int = 2,
                 "reasons": by_trainer.get("reasons", {}),
                 "rollouts_sent": p.status.get("rollouts_sent", 0),
                 "policy_version": p.status.get("policy_version", 0),
-                "versions_loaded": sorted({d.get("version") for d in p.status.get(
-                    "downloads", []) if isinstance(d.get("version"), int)}),
+                "versions_loaded": versions_loaded(p.status),
                 "reachability": (p2p.get("reachability") or {}).get("verdict"),
                 "relays_held": len((p2p.get("relay") or {}).get("reservations_held", [])),
                 "hole_punch": (p2p.get("relay") or {}).get("hole_punch", {}),

@@ -5,10 +5,15 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
+from types import SimpleNamespace
 
 import pytest
 from swarm_node.node.identity import Identity
 from swarm_node.node.p2p import BootstrapError, P2PNode
+from swarm_node.node.p2p.discovery import Discovery
+from swarm_node.node.p2p.errors import DialError
+from swarm_node.protocol.codec import pack
 
 from .conftest import p2p_config, verdict, wait_until
 
@@ -183,3 +188,50 @@ async def test_restart_after_many_publishes_is_not_taken_for_duplicates(make_nod
     # delivery order is not guaranteed (each message is validated in its own task)
     await wait_until(lambda: sorted(got[40:]) == [100, 101, 102], 20,
                      what="the restarted node's messages")
+
+
+class _Answers:
+    """The peer-exchange answers of one connected peer (the requests service seam)."""
+
+    def __init__(self, entries: list):
+        self.entries = entries
+
+    async def request(self, peer, protocol, body, timeout, max_response):
+        return pack(self.entries)
+
+
+async def test_other_addresses_of_a_peer_end_its_redial_backoff():
+    """Redials of a NAT'd peer's private address fail and back off (up to a minute); once
+    an exchange names other addresses for it (it took a relay slot), it is dialled at the
+    next round. The same addresses again leave the backoff alone."""
+    cfg = p2p_config()
+    async def unreachable(addr: str) -> str:
+        raise DialError(f"{addr}: timed out", reason="timeout")
+
+    ctx = SimpleNamespace(cfg=cfg.p2p, config=cfg, peer_id="me", swarm_id=cfg.node.swarm_id,
+                          peers=SimpleNamespace(advertised_addrs=list,
+                                                connect=unreachable))
+    private = "/ip4/192.168.3.10/tcp/4001/p2p/X"
+    circuit = "/ip4/11.0.2.2/tcp/4001/p2p/R/p2p-circuit/p2p/X"
+    answers = _Answers([["T", ["/ip4/11.0.1.2/tcp/4001/p2p/T"]], ["X", [private]]])
+    d = Discovery(ctx, answers, dht=None)
+    await d.exchange("T")
+    await d._redial("X", [private])  # fails: the NAT drops it
+    assert d._next_try["X"] > time.monotonic()
+    await d.exchange("T")  # the same address: still backing off
+    assert d._next_try["X"] > time.monotonic()
+    answers.entries[1] = ["X", [circuit, private]]
+    await d.exchange("T")
+    assert "X" not in d._next_try and d.known["X"] == [circuit, private]
+
+
+async def test_own_new_addresses_end_the_quiet_backoff():
+    """A quiet swarm's exchanges back off (up to discovery_interval_s * 8); when this
+    node's own addresses change (a relay slot) the next round comes after one interval."""
+    cfg = p2p_config()
+    ctx = SimpleNamespace(cfg=cfg.p2p, config=cfg, peer_id="me", swarm_id=cfg.node.swarm_id,
+                          peers=SimpleNamespace(connected_peers=lambda: ["T"]))
+    d = Discovery(ctx, _Answers([]), dht=None)
+    quiet = asyncio.create_task(d._sleep_until_change(3600, frozenset({"T"})))
+    d.addrs_changed()
+    await asyncio.wait_for(quiet, 30)  # an hour without the change

@@ -10,6 +10,7 @@ import pytest
 from swarm_node.node.identity import Identity
 from swarm_node.node.p2p import P2PNode
 from swarm_node.node.p2p import relay as relay_mod
+from swarm_node.node.p2p.dht import DHTService
 from swarm_node.node.p2p.reachability import Verdict
 
 from .conftest import p2p_config, verdict, wait_until
@@ -134,4 +135,29 @@ async def test_a_natted_node_finds_a_relay_through_the_dht(natted, make_node):
         assert list(a.relay.reservations) == [relay.peer_id]
         assert a.metrics["relay_lookups"] == 1
     finally:
+        await relay.close()
+
+
+async def test_a_relay_slot_is_advertised_before_the_lookup_for_more(natted, monkeypatch):
+    """Short of `relay.reservations` slots, the client looks up more relays in the DHT after
+    reserving on the one it is connected to. That lookup can take long (~30 s in the NAT
+    lab); the slot it holds is advertised at once, not when the lookup is done."""
+    lookup_started, release = asyncio.Event(), asyncio.Event()
+
+    async def slow_lookup(self, count: int = 8):
+        lookup_started.set()
+        await release.wait()
+        return []
+
+    monkeypatch.setattr(DHTService, "relays", slow_lookup)
+    relay = await start_relay()
+    try:
+        a = await natted(2, relay.listen_addrs, target_peers=1, hole_punching=False,
+                         **{"relay.reservations": 2})
+        await wait_until(lambda: a.reachability.verdict is Verdict.RELAYED, 30,
+                         what="A relayed while its lookup of more relays is pending")
+        assert lookup_started.is_set() and not release.is_set()
+        assert a.reachability.relay_addrs[0].endswith(f"/p2p-circuit/p2p/{a.peer_id}")
+    finally:
+        release.set()
         await relay.close()

@@ -42,15 +42,19 @@ log = logging.getLogger(__name__)
 
 KIND = "push"
 SEND, RECEIVE = b"S", b"R"  # the dialler's first byte: which way the link carries bodies
-FRAME_BODY = 1
+FRAME_BODY, FRAME_FORWARD = 1, 2
 _FRAME = struct.Struct(">B32sI")
+MAX_FORWARD = 64  # peers one forward frame may name
 # Pushed bodies held before their announce: per pusher and in all (oldest dropped first).
 UNCLAIMED_PER_PEER = 32
 UNCLAIMED_MAX = 1024
 UNCLAIMED_TTL_S = 60.0
 # An announce whose announcer holds a link to push to us waits this long for the push to
-# start before pulling (a push started is waited for until it ends or fails).
+# start before pulling (a push started is waited for until it ends or fails); one whose
+# announcer has no link with us, FORWARD_WAIT_S for a forwarded push (it comes after the
+# forwarder checked the announce: two paths and a transfer more).
 PUSH_WAIT_S = 0.3
+FORWARD_WAIT_S = 0.6
 
 
 @dataclass(eq=False)
@@ -58,6 +62,7 @@ class _Link:
     peer: str
     conn: BulkConn
     sends: bool  # True: we write bodies on it; False: we read them
+    dialled: bool = False  # we dialled it: the peer's plane is reachable (it is public)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     closed: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -67,6 +72,7 @@ class _Unclaimed:
     pusher: str
     data: bytes
     at: float
+    forward: tuple[str, ...] = ()  # peers the pusher asked us to push it on to
 
 
 class BodyPusher:
@@ -88,12 +94,19 @@ class BodyPusher:
         self._arrived: dict[bytes, asyncio.Event] = {}  # a push of that hash started/ended
         self._incoming: dict[bytes, asyncio.Future] = {}  # a push being read
         self._opening: set[str] = set()
+        self._forward: OrderedDict[bytes, tuple[str, ...]] = OrderedDict()  # claimed: to whom
 
     # Links ---------------------------------------------------------------------------
 
     def pushes_to_us(self, peer: str) -> bool:
         """Whether `peer` has a link to push bodies to us."""
         return bool(self.inn.get(peer))
+
+    def push_wait(self, origin: str) -> float:
+        """How long an announce of `origin` waits for a push to start before pulling."""
+        if self.pushes_to_us(origin):
+            return PUSH_WAIT_S
+        return FORWARD_WAIT_S if self.inn else 0.0  # a peer of ours may forward it
 
     async def connect(self, peer: str) -> None:
         """On a new libp2p connection: our SEND link to `peer`, and a RECEIVE link too
@@ -119,7 +132,7 @@ class BodyPusher:
             self.metrics.inc("payload_push_link_failed")
             log.debug("no push link to %s: %s", peer[-8:], e)
             return
-        link = _Link(peer, conn, sends=way == SEND)
+        link = _Link(peer, conn, sends=way == SEND, dialled=True)
         self.metrics.inc("payload_push_links")
         if link.sends:
             self._add_out(link)
@@ -165,15 +178,43 @@ class BodyPusher:
 
     def push(self, digest: bytes, data: bytes, fanout: int, to: set[str]) -> int:
         """Push a body we announce to up to `fanout` of the peers `to` (its topic's
-        subscribers) we have a link with; how many."""
+        subscribers) we have a link with; how many. Each subscriber we have no link with
+        (both of us behind NAT) is named to one public peer we push to (rendezvous hash of
+        body and subscriber), which forwards it once it checked the announce, if it has a
+        link with that subscriber; else the subscriber pulls."""
         links = [link for link in list(self.out.values())
-                 if link.peer in to and not link.closed.is_set()]
+                 if link.peer in to and not link.closed.is_set()][:fanout]
         for peer in to.difference(self.out).difference(self._opening):
             self.spawn(self.connect(peer), "push link")  # lost (evicted, broken): again
+        public = [link.peer for link in links if link.dialled]
+        forward: dict[str, list[str]] = {}
+        for peer in sorted(to.difference(link.peer for link in links))[:MAX_FORWARD]:
+            if public:
+                by = max(public, key=lambda p: hashlib.sha256(digest + peer.encode()
+                                                               + p.encode()).digest())
+                forward.setdefault(by, []).append(peer)
+        for link in links:
+            names = forward.get(link.peer, [])
+            if names:
+                head = _FRAME.pack(FRAME_FORWARD, digest, len(data)) + _names(names)
+            else:
+                head = _FRAME.pack(FRAME_BODY, digest, len(data))
+            self.spawn(self._send(link, head + data), "push body")
+        return len(links)
+
+    def forward(self, digest: bytes, data: bytes, origin: str) -> int:
+        """After a pushed body was claimed and opened: push it on to the peers its pusher
+        named (forward frame) that we have a link with; how many."""
+        names = self._forward.pop(digest, ())
         frame = _FRAME.pack(FRAME_BODY, digest, len(data)) + data
-        for link in links[:fanout]:
-            self.spawn(self._send(link, frame), "push body")
-        return min(fanout, len(links))
+        n = 0
+        for peer in names:
+            link = self.out.get(peer)
+            if link is not None and peer != origin and not link.closed.is_set():
+                self.spawn(self._send(link, frame), "forward body")
+                n += 1
+        self.metrics.inc("payload_push_forwarded", n)
+        return n
 
     async def _send(self, link: _Link, frame: bytes) -> None:
         try:
@@ -196,12 +237,38 @@ class BodyPusher:
                     head = await link.conn.readexactly(_FRAME.size)
                 except (asyncio.IncompleteReadError, BulkError):
                     return
-                if not await self._read_body(link, *_FRAME.unpack(head)):
+                kind, digest, size = _FRAME.unpack(head)
+                names: tuple[str, ...] = ()
+                if kind == FRAME_FORWARD:
+                    names = await self._read_names(link)
+                    if names is None:
+                        return
+                    kind = FRAME_BODY
+                if not await self._read_body(link, kind, digest, size, names):
                     return
         finally:
             self._drop(link)
 
-    async def _read_body(self, link: _Link, kind: int, digest: bytes, size: int) -> bool:
+    async def _read_names(self, link: _Link) -> tuple[str, ...] | None:
+        """The peers a forward frame names (None: malformed, charged, the link ends)."""
+        try:
+            async with asyncio.timeout(self.client.cfg.handshake_timeout_s):
+                n = (await link.conn.readexactly(1))[0]
+                names = []
+                for _ in range(n):
+                    k = (await link.conn.readexactly(1))[0]
+                    names.append((await link.conn.readexactly(k)).decode("ascii"))
+        except (TimeoutError, asyncio.IncompleteReadError, BulkError):
+            return None
+        except UnicodeDecodeError:
+            names = None
+        if names is None or n > MAX_FORWARD:
+            self.charge(link.peer, "malformed")
+            return None
+        return tuple(names)
+
+    async def _read_body(self, link: _Link, kind: int, digest: bytes, size: int,
+                         names: tuple[str, ...] = ()) -> bool:
         """One pushed body; False ends the link (a fault of the pusher, or a break)."""
         if kind != FRAME_BODY:
             self.charge(link.peer, "malformed")
@@ -226,7 +293,7 @@ class BodyPusher:
             if fut is not None:
                 del self._incoming[digest]
                 if ok and digest not in self.unclaimed:
-                    self._hold(link.peer, digest, data)
+                    self._hold(link.peer, digest, data, names)
                     fut.set_result(data)
                 else:
                     fut.set_result(None)
@@ -243,13 +310,14 @@ class BodyPusher:
         if event is not None:
             event.set()
 
-    def _hold(self, pusher: str, digest: bytes, data: bytes) -> None:
+    def _hold(self, pusher: str, digest: bytes, data: bytes,
+              names: tuple[str, ...] = ()) -> None:
         now = time.monotonic()
         if self._per_peer.get(pusher, 0) >= UNCLAIMED_PER_PEER:
             oldest = next(d for d, u in self.unclaimed.items() if u.pusher == pusher)
             self._forget(oldest)
             self.metrics.inc("payload_push_unclaimed_dropped")
-        self.unclaimed[digest] = _Unclaimed(pusher, data, now)
+        self.unclaimed[digest] = _Unclaimed(pusher, data, now, names)
         self._per_peer[pusher] = self._per_peer.get(pusher, 0) + 1
         while self.unclaimed and (len(self.unclaimed) > UNCLAIMED_MAX or
                                   next(iter(self.unclaimed.values())).at
@@ -274,19 +342,22 @@ class BodyPusher:
             return None
         self._forget(digest)
         self.metrics.inc("payload_push_claimed")
+        if entry.forward:  # pushed on by `forward` once the caller opened it
+            self._forward[digest] = entry.forward
+            while len(self._forward) > UNCLAIMED_MAX:
+                self._forward.popitem(last=False)
         return entry.data
 
-    async def wait(self, digest: bytes, size: int, expect: bool) -> bytes | None:
-        """The pushed body of an announce: held already, or being read (waited for), or,
-        if `expect` (its announcer pushes to us), one that starts within PUSH_WAIT_S.
-        None: pull it."""
+    async def wait(self, digest: bytes, size: int, wait_s: float) -> bytes | None:
+        """The pushed body of an announce: held already, or being read (waited for), or
+        one that starts within `wait_s` (push_wait). None: pull it."""
         data = self.claim(digest, size)
         if data is not None:
             return data
-        if digest not in self._incoming and expect:
+        if digest not in self._incoming and wait_s > 0:
             event = self._arrived.setdefault(digest, asyncio.Event())
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(PUSH_WAIT_S):
+                async with asyncio.timeout(wait_s):
                     await event.wait()
             if self._arrived.get(digest) is event:
                 del self._arrived[digest]
@@ -299,3 +370,11 @@ class BodyPusher:
         for link in list(self.out.values()) + [x for v in self.inn.values() for x in v]:
             self._drop(link)
 
+
+def _names(peers: list[str]) -> bytes:
+    """A forward frame's list: u8 count, then per peer u8 length + its base58 id."""
+    out = bytearray([len(peers)])
+    for peer in peers:
+        raw = peer.encode("ascii")
+        out += bytes([len(raw)]) + raw
+    return bytes(out)

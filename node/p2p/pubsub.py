@@ -1,6 +1,7 @@
 """Gossip over py-libp2p's GossipSub (the pubsub seam of P2PNode): subscriptions and
-in-order delivery, publishing with mesh and capacity waits, and large payloads announced
-and pulled once per peer (over the bulk plane, bodies.py, else FETCH_PROTOCOL).
+in-order delivery, publishing with mesh and capacity waits, and large payloads announced,
+pushed by their publisher to the subscribers it has a push link with (gossip_push.py), and
+otherwise pulled once per peer (over the bulk plane, bodies.py, else FETCH_PROTOCOL).
 Methods named `_t_*` run in the libp2p (trio) thread."""
 
 from __future__ import annotations
@@ -193,7 +194,8 @@ class GossipService:
         """Seal `message` and gossip it on `kind`. Waits for the topic mesh (first publish)
         and for outbound queue capacity; raises PublishError(queue_full) only after
         `p2p.publish_timeout_s`. A sealed message above `p2p.inline_payload_max` is kept
-        here and announced (PayloadAnnounce); subscribers pull it over FETCH_PROTOCOL."""
+        here, pushed to the subscribers we have a push link with, and announced
+        (PayloadAnnounce); the others pull it (bulk plane, else FETCH_PROTOCOL)."""
         t = self.topic(kind)
         if message.TYPE not in TOPIC_MESSAGE_TYPES.get(kind, ()):
             raise PublishError(f"a {message.TYPE} message may not be published on {kind}",
@@ -358,7 +360,7 @@ class GossipService:
         data = None
         if self.pusher is not None:  # pushed to us already, or on its way
             data = await self.pusher.wait(ann.content_hash, ann.size,
-                                          expect=self.pusher.pushes_to_us(origin))
+                                          self.pusher.push_wait(origin))
             trace.push_waited, trace.via = clock() - trace.announced, "push"
         if data is None:
             slot = self.pull_slots.claim(origin)
@@ -390,6 +392,8 @@ class GossipService:
             return
         self.pull_slots.served(origin)
         self.store_payload(ann.content_hash, data)
+        if self.pusher is not None:  # to the peers its pusher named, if it named any
+            self.pusher.forward(ann.content_hash, data, origin)
         self.metrics.inc("payload_fetched")
         await self._deliver(kind, inner, origin)
 

@@ -5,6 +5,7 @@ that write frames on a push link of their own."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 
@@ -144,5 +145,27 @@ async def test_a_peer_nobody_can_dial_is_pushed_to_over_the_link_it_opened(make_
     assert a.bulk.server is None  # no plane b could have dialled
     await b.publish(TOPIC, batch(b.peer_id, 8192, 1))
     await wait_until(lambda: len(got) == 1, 30, what="the batch")
+    assert a.metrics["payload_push_claimed"] == 1
+    assert a.metrics["payload_pulled_bulk"] + a.metrics["payload_pulled_libp2p"] == 0
+
+
+async def test_a_public_peer_forwards_a_body_between_two_peers_that_cannot_link(make_node):
+    c = await make_node()  # public
+    a = await make_node(bootstrap=c.listen_addrs, bulk_listen="off")  # both as behind NATs:
+    b = await make_node(bootstrap=c.listen_addrs, bulk_listen="off")  # no link between them
+    got = []
+
+    async def on_msg(env, peer):
+        got.append(env)
+
+    for n in (a, b, c):
+        await n.subscribe(TOPIC, on_msg if n is a else (lambda env, peer: asyncio.sleep(0)))
+    await wait_until(lambda: {a.peer_id, c.peer_id} <= set(b.gossip.topic_peers(TOPIC))
+                     and c.peer_id in b.gossip.pusher.out and a.peer_id in c.gossip.pusher.out
+                     and a.gossip.pusher.pushes_to_us(c.peer_id), 30, what="the links")
+    assert a.peer_id not in b.gossip.pusher.out
+    await b.publish(TOPIC, batch(b.peer_id, 8192, 1))
+    await wait_until(lambda: len(got) == 1, 30, what="the batch")
+    assert c.metrics["payload_push_claimed"] == 1 and c.metrics["payload_push_forwarded"] == 1
     assert a.metrics["payload_push_claimed"] == 1
     assert a.metrics["payload_pulled_bulk"] + a.metrics["payload_pulled_libp2p"] == 0

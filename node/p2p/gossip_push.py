@@ -12,7 +12,10 @@ write runs in a thread). The side that dials says which way with its first byte 
 hello: SEND (the dialler pushes to the server) or RECEIVE (the server pushes to the
 dialler). A node dials SEND links to the peers whose bulk plane it can use; a node that is
 not publicly reachable also dials RECEIVE links to them, so a public publisher reaches it
-too. Frames: u8 type (1 = body) + 32-byte SHA-256 + u32 BE length + the body.
+too. Frames: u8 type + 32-byte SHA-256 + u32 BE length (+ for type 2, forward: the peers
+to push it on to) + the body. Two nodes behind NAT have no link: the publisher names such
+a subscriber to one public peer it pushes to, which forwards the body once it checked the
+announce (so forwards stay within the origin's admitted rate).
 
 What a receiver does with a pushed body: the length is bounded by the largest payload it
 accepts (more: `too_large`, charged to the pusher, link closed); the hash must match

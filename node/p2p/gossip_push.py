@@ -349,6 +349,11 @@ class BodyPusher:
                 self._forward.popitem(last=False)
         return entry.data
 
+    def pulled(self, digest: bytes) -> None:
+        """The body was pulled: a push of it held meanwhile is a duplicate."""
+        if self._forget(digest) is not None:
+            self.metrics.inc("payload_push_duplicate")
+
     async def wait(self, digest: bytes, size: int, wait_s: float) -> bytes | None:
         """The pushed body of an announce: held already, or being read (waited for), or
         one that starts within `wait_s` (push_wait). None: pull it."""

@@ -372,6 +372,8 @@ class GossipService:
                 trace.queued, t0 = clock() - t0, clock()
                 data = await self.fetch_payload(ann, origin, trace=trace)
                 trace.pulling = clock() - t0
+            if self.pusher is not None:
+                self.pusher.pulled(ann.content_hash)
             trace.via = "pull" if data is not None else "failed"
         if self.on_body is not None:
             self.on_body(trace)

@@ -255,6 +255,9 @@ class BodyPusher:
         try:
             async with asyncio.timeout(self.client.cfg.handshake_timeout_s):
                 n = (await link.conn.readexactly(1))[0]
+                if n > MAX_FORWARD:
+                    self.charge(link.peer, "malformed")
+                    return None
                 names = []
                 for _ in range(n):
                     k = (await link.conn.readexactly(1))[0]
@@ -263,7 +266,7 @@ class BodyPusher:
             return None
         except UnicodeDecodeError:
             names = None
-        if names is None or n > MAX_FORWARD:
+        if names is None:
             self.charge(link.peer, "malformed")
             return None
         return tuple(names)

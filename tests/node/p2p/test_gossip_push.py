@@ -9,7 +9,15 @@ import asyncio
 import hashlib
 import os
 
-from swarm_node.node.p2p.gossip_push import _FRAME, FRAME_BODY, KIND, SEND, UNCLAIMED_PER_PEER
+from swarm_node.node.p2p.gossip_push import (
+    _FRAME,
+    FRAME_BODY,
+    FRAME_FORWARD,
+    KIND,
+    MAX_FORWARD,
+    SEND,
+    UNCLAIMED_PER_PEER,
+)
 
 from .conftest import rejects_by_sender, wait_until
 from .test_payload_plane import announce_of, batch
@@ -87,6 +95,14 @@ async def test_junk_pushes_are_charged_to_the_pusher_and_end_its_link(make_node)
     conn = await raw_link(b, a)
     await conn.write(frame(b"", size=1 << 30))
     await wait_until(lambda: rejects_by_sender(a.metrics, b.peer_id).get("too_large"),
+                     10, what="the charge")
+    assert await conn.read(1) == b""
+    conn.abort()
+    # a forward frame naming more peers than any honest publisher would
+    conn = await raw_link(b, a)
+    await conn.write(_FRAME.pack(FRAME_FORWARD, hashlib.sha256(body).digest(), len(body))
+                     + bytes([MAX_FORWARD + 1]))
+    await wait_until(lambda: rejects_by_sender(a.metrics, b.peer_id).get("malformed"),
                      10, what="the charge")
     assert await conn.read(1) == b""
     conn.abort()

@@ -566,6 +566,13 @@ async def _gossip_worker(args) -> None:
         await pull_announced(kind, env, origin)
 
     node.gossip._pull_announced = timed_pull
+    traces = []  # where each announced body's time went here (pubsub.BodyTrace)
+
+    def on_body(t):
+        traces.append([t.via, t.push_waited, t.queued, t.pulling, t.asks,
+                       t.source == t.origin])
+
+    node.gossip.on_body = on_body
     await node.start(bootstrap=args.bootstrap)
     await node.subscribe("rollouts", on_batch)
     emit(event="ready", peer_id=node.peer_id, addrs=node.listen_addrs)
@@ -595,7 +602,7 @@ async def _gossip_worker(args) -> None:
     emit(event="done", peer_id=node.peer_id, records=records,
          metrics=node.metrics.snapshot()["counters"], links=links,
          mesh=node.gossip.mesh_peers("rollouts"), reach=node.reach.current.verdict.value,
-         cpu_s=time.process_time(), announced=announced)
+         cpu_s=time.process_time(), announced=announced, traces=traces)
     await asyncio.to_thread(sys.stdin.readline)
     await node.close()
 
@@ -650,6 +657,7 @@ def gossip_figures(args, n: int, work: Path) -> dict:
     summary["bound_parts"] = {"max_rtt_ms": max(rtts), "slowest_up_mbit": slow_up,
                               "transfer_ms": transfer * 1000}
     summary.update(announce_pull_split(results))
+    summary["bodies"] = body_breakdown(results)
     summary["topic_peers"] = statistics.fmean(m["topic_peers"] for m in meshed)
     summary["nodes"] = n
     return summary
@@ -670,6 +678,41 @@ def announce_pull_split(results: list[dict]) -> dict:
                     pull.append(t - t_ann)
     return {"announce_p50": pct(ann, 50), "announce_p95": pct(ann, 95),
             "pull_p50": pct(pull, 50), "pull_p95": pct(pull, 95)}
+
+
+def body_breakdown(results: list[dict]) -> dict:
+    """How the announced bodies came (pushed by their publisher, or pulled) and, for the
+    pulled ones, the wait for a pull slot, the pull itself, the sources asked (each a
+    request round trip) and whether the origin served it (one hop) or another peer."""
+    traces = [t for r in results for t in r.get("traces", [])]
+    pushed = [t for t in traces if t[0] == "push"]
+    pulled = [t for t in traces if t[0] == "pull"]
+    return {"bodies": len(traces), "pushed": len(pushed), "pulled": len(pulled),
+            "failed": sum(t[0] == "failed" for t in traces),
+            "push_before_announce": sum(t[1] < 0.001 for t in pushed),
+            "push_wait_p95": pct([t[1] for t in pushed], 95),
+            "pull_push_wait_p95": pct([t[1] for t in pulled], 95),
+            "queued_p50": pct([t[2] for t in pulled], 50),
+            "queued_p95": pct([t[2] for t in pulled], 95),
+            "pulling_p50": pct([t[3] for t in pulled], 50),
+            "pulling_p95": pct([t[3] for t in pulled], 95),
+            "asks_mean": statistics.fmean([t[4] for t in pulled]) if pulled else 0.0,
+            "asks_max": max((t[4] for t in pulled), default=0),
+            "from_origin": sum(bool(t[5]) for t in pulled)}
+
+
+def body_line(b: dict) -> str:
+    if not b.get("bodies"):
+        return ""
+    return (f" Bodies at their receivers: {b['pushed']} of {b['bodies']} pushed by their "
+            f"publisher ({b['push_before_announce']} there before their announce; waited "
+            f"for at most {b['push_wait_p95']:.2f} s at p95), {b['pulled']} pulled "
+            f"({b['from_origin']} from their origin, one hop; the others from a peer that "
+            f"held it, two or more), {b['failed']} failed. A pull waited "
+            f"{b['pull_push_wait_p95']:.2f} s (p95) for a push that did not come, "
+            f"{b['queued_p50']:.2f} / {b['queued_p95']:.2f} s (p50 / p95) for a pull slot, "
+            f"then took {b['pulling_p50']:.2f} / {b['pulling_p95']:.2f} s, asking "
+            f"{b['asks_mean']:.1f} sources on average (at most {b['asks_max']}).")
 
 
 def gossip_row(s: dict) -> list:
@@ -698,10 +741,10 @@ def section_gossip(args, work: Path) -> tuple[str, dict]:
 def bound_line(s: dict, args) -> str:
     b = s["bound_parts"]
     split = (f" Where a message's time goes: its announce arrives in {s['announce_p50']:.2f} s "
-             f"(p50) / {s['announce_p95']:.2f} s (p95) after it was sealed, then its body's "
-             f"pull takes {s['pull_p50']:.2f} / {s['pull_p95']:.2f} s (a request round trip, "
-             "then 64 KiB in TCP slow start on a connection idle since the last round: "
-             "~3-4 RTT of the path at best).")
+             f"(p50) / {s['announce_p95']:.2f} s (p95) after it was sealed, then its body is "
+             f"delivered {s['pull_p50']:.2f} / {s['pull_p95']:.2f} s later (a pushed body "
+             "there before its announce: at once; a pulled one: a request round trip, then "
+             "the transfer)." + body_line(s.get("bodies", {})))
     overrides = f" Worker config overrides: {', '.join(args.set)}." if args.set else ""
     return (f"Bound = slowest path's RTT ({b['max_rtt_ms']:.0f} ms) + one {args.batch_kib} KiB "
             f"batch over the slowest uplink ({b['slowest_up_mbit']:g} Mbit/s: "

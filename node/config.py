@@ -432,6 +432,10 @@ class P2PSection(Section):
     """Announced payloads pulled at once from one peer (each on a bulk-plane connection)."""
     payload_pull_timeout_s: float = Field(10.0, gt=0)
     """Longest one pull of an announced payload from one source may take."""
+    payload_push_fanout: int = Field(16, ge=0)
+    """Most subscribers a publisher pushes each body it announces to, over the push links
+    of the bulk plane, before the announce (0: none; every subscriber pulls). Each copy
+    is one a subscriber would otherwise pull, most often from the announcer itself."""
     dialback_peers: int = Field(3, ge=1, le=16)
     """Reachability check: how many connected peers are asked to dial this node back at
     its observed IP (it is public when more of them reached it than failed to)."""

@@ -14,6 +14,7 @@ class P2PMetrics:
     drop_outbound_oversized, drop_subscription_full, drop_handler_queue_full, handler_errors,
     payload_announced, payload_fetched, payload_fetch_failed, payload_pulled_bulk,
     payload_pulled_libp2p, payload_pull_misses, payload_bulk_* (bodies.py),
+    payload_push_*, payload_pushed (gossip_push.py),
     bulk_* (the bulk plane: node/p2p/bulk),
     gossip_copies_in, gossip_duplicates, gossip_queue_dropped (admission.py), requests_sent,
     requests_failed,

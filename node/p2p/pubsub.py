@@ -1,6 +1,7 @@
 """Gossip over py-libp2p's GossipSub (the pubsub seam of P2PNode): subscriptions and
-in-order delivery, publishing with mesh and capacity waits, and large payloads announced
-and pulled once per peer (over the bulk plane, bodies.py, else FETCH_PROTOCOL).
+in-order delivery, publishing with mesh and capacity waits, and large payloads announced,
+pushed by their publisher to the subscribers it has a push link with (gossip_push.py), and
+otherwise pulled once per peer (over the bulk plane, bodies.py, else FETCH_PROTOCOL).
 Methods named `_t_*` run in the libp2p (trio) thread."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -27,6 +29,9 @@ from .bulk import BulkPlane
 from .context import HostContext
 from .errors import PublishError, RequestError
 from .gossip import GossipValidator, mesh_ready, origin_b58
+from .gossip_push import KIND as PUSH_KIND
+from .gossip_push import BodyPusher
+from .reachability import Verdict
 from .requests import RequestService
 
 log = logging.getLogger(__name__)
@@ -50,6 +55,21 @@ PULL_OTHERS = 3
 PULL_PASS = 4
 
 Handler = Callable[[Envelope, str], Awaitable[None]]
+
+
+@dataclass
+class BodyTrace:
+    """Where one announced body's time went at this node (GossipService.on_body: for
+    benchmarks, which print the breakdown). Times in seconds of `time.monotonic`."""
+
+    origin: str
+    announced: float  # its announce reached the handler
+    via: str = "failed"  # push, pull, or failed
+    push_waited: float = 0.0  # waiting for a push (held already: 0)
+    queued: float = 0.0  # waiting for a pull slot
+    pulling: float = 0.0  # asking sources until one served it
+    asks: int = 0  # sources asked (each a request round trip)
+    source: str = ""  # who served the pull (the origin: one hop; another: two or more)
 
 
 class GossipService:
@@ -77,7 +97,9 @@ class GossipService:
         # bodies over the bulk plane (bodies.py), set by start_bodies: served and pulled
         self.body_server: BodyServer | None = None
         self.puller: BodyPuller | None = None
+        self.pusher: BodyPusher | None = None  # bodies pushed by their publisher
         self._t_shorter: trio.Event | None = None  # set when an outbound queue shrinks
+        self.on_body: Callable[[BodyTrace], None] | None = None  # a benchmark's probe
 
     async def subscribe_pending(self) -> None:
         """At start: subscribe in the libp2p thread to the kinds subscribed before it."""
@@ -172,7 +194,8 @@ class GossipService:
         """Seal `message` and gossip it on `kind`. Waits for the topic mesh (first publish)
         and for outbound queue capacity; raises PublishError(queue_full) only after
         `p2p.publish_timeout_s`. A sealed message above `p2p.inline_payload_max` is kept
-        here and announced (PayloadAnnounce); subscribers pull it over FETCH_PROTOCOL."""
+        here, pushed to the subscribers we have a push link with, and announced
+        (PayloadAnnounce); the others pull it (bulk plane, else FETCH_PROTOCOL)."""
         t = self.topic(kind)
         if message.TYPE not in TOPIC_MESSAGE_TYPES.get(kind, ()):
             raise PublishError(f"a {message.TYPE} message may not be published on {kind}",
@@ -181,6 +204,9 @@ class GossipService:
         if len(data) > self.cfg.inline_payload_max:
             digest = hashlib.sha256(data).digest()
             self.store_payload(digest, data)
+            if self.pusher is not None:  # the bodies start before their announce
+                self.pusher.push(digest, data, self.cfg.payload_push_fanout,
+                                 set(self.topic_peers(kind)))
             data = self._seal(PayloadAnnounce(inner_type=message.TYPE, content_hash=digest,
                                               size=len(data)))
             self.metrics.inc("payload_announced")
@@ -294,27 +320,63 @@ class GossipService:
                              cfg.idle_s / 2)
         bulk.add_known(self.pull_slots.proven)
         self.puller = BodyPuller(bulk.client, self.cfg, self.metrics)
+        if self.cfg.payload_push_fanout > 0:
+            limits = self.ctx.limits
+            self.pusher = BodyPusher(
+                bulk.client, self.cfg, self.metrics,
+                max_size=lambda: limits.max_envelope() + 4096,
+                held=lambda d: d in self._payloads, charge=self._reject_body,
+                spawn=self.ctx.spawn, reachable=self._public)
+            bulk.register(PUSH_KIND, self.pusher.serve)
+            bulk.client.add_kind(PUSH_KIND, "pushed gossip bodies", 1, cfg.idle_s / 2)
+            # found to be behind NAT: links the other way to the peers connected already
+            self.ctx.reach.subscribe(
+                lambda _: self._public() or self.peers_connected(
+                    set(self.ctx.peers.connected_peers()), warm=False))
 
-    def peers_connected(self, peers: set[str]) -> None:
+    def _public(self) -> bool:
+        """Known to be publicly reachable (peers dial our plane: no RECEIVE links needed)."""
+        return self.ctx.reach.current.verdict == Verdict.PUBLIC
+
+    def peers_connected(self, peers: set[str], warm: bool = True) -> None:
         """New libp2p connections: open one bulk-plane connection to each now
-        (BodyPuller.warm), not on the path of their first announced payload."""
+        (BodyPuller.warm), not on the path of their first announced payload, and the
+        push links (gossip_push.py)."""
         if self.puller is None:
             return
         for peer in peers:
-            if self.puller.usable(peer):
+            if warm and self.puller.usable(peer):
                 self.ctx.spawn(self.puller.warm(peer), "warm bulk")
+            if self.pusher is not None:
+                self.ctx.spawn(self.pusher.connect(peer), "push link")
 
     async def _pull_announced(self, kind: str, env: Envelope, origin: str) -> None:
         ann: PayloadAnnounce = env.message
         if ann.size > self.ctx.limits.max_for(ann.inner_type) + 4096:
             self._reject_body(origin, "too_large")  # refused before a byte is pulled
             return
-        slot = self.pull_slots.claim(origin)
-        if slot is None:  # this announcer already has that many pulls waiting
-            self.metrics.inc("payload_pull_queue_full")
-            return
-        async with slot:
-            data = await self.fetch_payload(ann, origin)
+        clock = time.monotonic
+        trace = BodyTrace(origin, clock())
+        data = None
+        if self.pusher is not None:  # pushed to us already, or on its way
+            data = await self.pusher.wait(ann.content_hash, ann.size,
+                                          self.pusher.push_wait(origin))
+            trace.push_waited, trace.via = clock() - trace.announced, "push"
+        if data is None:
+            slot = self.pull_slots.claim(origin)
+            if slot is None:  # this announcer already has that many pulls waiting
+                self.metrics.inc("payload_pull_queue_full")
+                return
+            t0 = clock()
+            async with slot:
+                trace.queued, t0 = clock() - t0, clock()
+                data = await self.fetch_payload(ann, origin, trace=trace)
+                trace.pulling = clock() - t0
+            if self.pusher is not None:
+                self.pusher.pulled(ann.content_hash)
+            trace.via = "pull" if data is not None else "failed"
+        if self.on_body is not None:
+            self.on_body(trace)
         if data is None:
             self.pull_slots.failed(origin)
             self.metrics.inc("payload_fetch_failed")
@@ -332,6 +394,8 @@ class GossipService:
             return
         self.pull_slots.served(origin)
         self.store_payload(ann.content_hash, data)
+        if self.pusher is not None:  # to the peers its pusher named, if it named any
+            self.pusher.forward(ann.content_hash, data, origin)
         self.metrics.inc("payload_fetched")
         await self._deliver(kind, inner, origin)
 
@@ -366,7 +430,8 @@ class GossipService:
         return direct + relayed + [p for p in ordered if p not in connected], spare
 
     async def fetch_payload(self, ann: PayloadAnnounce, origin: str,
-                            sources: list[str] | None = None) -> bytes | None:
+                            sources: list[str] | None = None,
+                            trace: BodyTrace | None = None) -> bytes | None:
         """The announced body from the first source that serves it, checked against the
         announce's size and hash (before anything decodes it); None if no source did.
         A source that serves other bytes, or an announcer that does not serve, is counted
@@ -377,7 +442,8 @@ class GossipService:
         after PULL_RETRY_S doubling, until `p2p.payload_pull_timeout_s` after the first ask.
         Sources reached only through a relay are asked once, when no direct source is left
         to ask or after RELAYED_AFTER_S; a source not connected at all (a dial, which may
-        take `dial_timeout_s`) once, last. `sources`: exactly these, in this order."""
+        take `dial_timeout_s`) once, last. `sources`: exactly these, in this order;
+        `trace`: counts the asks and names the source that served."""
         peers = self.ctx.peers
         if sources is None:
             todo, spare = self._pull_candidates(origin)
@@ -396,14 +462,17 @@ class GossipService:
         deadline, relay_at = now + self.cfg.payload_pull_timeout_s, now + RELAYED_AFTER_S
         pause = PULL_RETRY_S
         while True:
+            pushed = self.pusher.claim(ann.content_hash, ann.size) if self.pusher else None
+            if pushed is not None:  # a push that came while we pulled
+                return pushed
             if line:
                 ask = [line.popleft() for _ in range(min(PULL_PASS, len(line)))]
-                data, again = await self._pull_pass(ann, origin, ask)
+                data, again = await self._pull_pass(ann, origin, ask, trace)
                 if data is not None:
                     return data
                 line.extend(again)
             if relayed and (not line or loop.time() >= relay_at):
-                data, _ = await self._pull_pass(ann, origin, relayed)
+                data, _ = await self._pull_pass(ann, origin, relayed, trace)
                 if data is not None:
                     return data
                 relayed = []  # the direct ones may hold it now: one more ask at least
@@ -411,17 +480,20 @@ class GossipService:
             if not line or deadline - loop.time() <= pause:
                 # last: a dial (it may wait out dial_timeout_s) to an announcer we are not
                 # connected to, once nobody else is left to ask
-                data, _ = await self._pull_pass(ann, origin, dial) if dial else (None, [])
+                data, _ = await self._pull_pass(ann, origin, dial, trace) if dial else (None, [])
                 return data
             self.metrics.inc("payload_pull_retries")
             await asyncio.sleep(pause)
             pause = min(pause * 2, PULL_RETRY_MAX_S)
 
-    async def _pull_pass(self, ann: PayloadAnnounce, origin: str,
-                         sources: list[str]) -> tuple[bytes | None, list[str]]:
+    async def _pull_pass(self, ann: PayloadAnnounce, origin: str, sources: list[str],
+                         trace: BodyTrace | None = None) -> tuple[bytes | None, list[str]]:
         """Ask each source in turn: the checked body, or None and the sources to ask again."""
         again = []
         for source in sources:
+            if trace is not None:
+                trace.asks += 1
+                trace.source = source
             try:
                 data = await self._pull_from(source, ann)
             except PullFailed as e:

@@ -18,6 +18,7 @@ from .test_payload_plane import announce_of, batch
 
 
 async def connected_pair(make_node, **p2p):
+    p2p.setdefault("payload_push_fanout", 0)  # the pull path's bounds: no push links
     a = await make_node(**p2p)
     b = await make_node(bootstrap=a.listen_addrs, **p2p)
     await wait_until(lambda: a.peer_id in b.connected_peers(), 30, what="the connection")

@@ -23,7 +23,9 @@ def batch(policy_id: str, n_tokens: int, round_: int) -> RolloutBatch:
 
 
 async def pair(make_node, **p2p):
-    """Two meshed nodes subscribed to KIND; returns (a, b, messages a received)."""
+    """Two meshed nodes subscribed to KIND; returns (a, b, messages a received). These
+    tests are of the pull path: publishers push nothing unless a test says so."""
+    p2p.setdefault("payload_push_fanout", 0)
     a = await make_node(**p2p)
     b = await make_node(bootstrap=a.listen_addrs, **p2p)
     got = []

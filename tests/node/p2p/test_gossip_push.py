@@ -1,0 +1,187 @@
+"""Announced gossip bodies pushed by their publisher (node/p2p/gossip_push.py): delivered
+without a pull, the pull as the fallback, and what a pusher of junk or of floods costs the
+receiver. Real libp2p hosts and bulk planes on loopback; hostile pushers are real nodes
+that write frames on a push link of their own."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+
+from swarm_node.node.p2p.gossip_push import (
+    _FRAME,
+    FRAME_BODY,
+    FRAME_FORWARD,
+    KIND,
+    MAX_FORWARD,
+    SEND,
+    UNCLAIMED_PER_PEER,
+)
+
+from .conftest import rejects_by_sender, wait_until
+from .test_payload_plane import announce_of, batch
+
+TOPIC = "rollouts"
+
+
+async def linked(make_node, **p2p):
+    """Two meshed nodes subscribed to TOPIC with push links both ways; (a, b, what a got)."""
+    a = await make_node(**p2p)
+    b = await make_node(bootstrap=a.listen_addrs, **p2p)
+    got = []
+
+    async def on_msg(env, peer):
+        got.append((peer, env))
+
+    await a.subscribe(TOPIC, on_msg)
+    await b.subscribe(TOPIC, on_msg)
+    await wait_until(lambda: b.peer_id in a.gossip.mesh_peers(TOPIC)
+                     and a.peer_id in b.gossip.mesh_peers(TOPIC), 30, what="the mesh")
+    await wait_until(lambda: a.peer_id in b.gossip.pusher.out
+                     and a.gossip.pusher.pushes_to_us(b.peer_id), 30, what="the push links")
+    return a, b, got
+
+
+async def raw_link(sender, receiver):
+    """A SEND push link of `sender`'s own to `receiver`, to write any frames on."""
+    conn = await sender.bulk.client.open(receiver.peer_id, KIND, fresh=True, mark_down=False)
+    await conn.write(SEND)
+    return conn
+
+
+def frame(body: bytes, digest: bytes | None = None, size: int | None = None) -> bytes:
+    digest = hashlib.sha256(body).digest() if digest is None else digest
+    return _FRAME.pack(FRAME_BODY, digest, len(body) if size is None else size) + body
+
+
+async def test_a_pushed_body_is_delivered_without_a_pull(make_node):
+    a, b, got = await linked(make_node)
+    message = batch(b.peer_id, 8192, 1)  # ~64 KiB: announced
+    await b.publish(TOPIC, message)
+    await wait_until(lambda: len(got) == 1, 30, what="the batch")
+    assert got[0][1].message == message
+    assert b.metrics["payload_announced"] == 1 and b.metrics["payload_pushed"] == 1
+    assert a.metrics["payload_push_claimed"] == 1 and a.metrics["payload_fetched"] == 1
+    assert a.metrics["payload_pulled_bulk"] + a.metrics["payload_pulled_libp2p"] == 0
+    assert a.metrics["rejected"] == 0
+    # held now like a pulled body: a serves it to the peers that pull it from a
+    body = b.gossip._payloads[next(iter(b.gossip._payloads))]
+    assert a.gossip._payloads[hashlib.sha256(body).digest()] == body
+
+
+async def test_without_a_push_link_the_body_is_pulled(make_node):
+    a, b, got = await linked(make_node)
+    b.gossip.pusher.close()  # b's links go, both ways: it pushes to nobody now
+    await wait_until(lambda: not a.gossip.pusher.pushes_to_us(b.peer_id), 10,
+                     what="a to see the links closed")
+    await b.publish(TOPIC, batch(b.peer_id, 8192, 1))
+    await wait_until(lambda: len(got) == 1, 30, what="the batch")
+    assert b.metrics["payload_pushed"] == 0
+    assert a.metrics["payload_pulled_bulk"] == 1 and a.metrics["payload_push_claimed"] == 0
+
+
+async def test_junk_pushes_are_charged_to_the_pusher_and_end_its_link(make_node):
+    a, b, _ = await linked(make_node)
+    body = os.urandom(5000)
+    # bytes that are not what the frame's hash says
+    conn = await raw_link(b, a)
+    await conn.write(frame(body, digest=hashlib.sha256(b"other").digest()))
+    await wait_until(lambda: rejects_by_sender(a.metrics, b.peer_id).get("hash_mismatch"),
+                     10, what="the charge")
+    assert await conn.read(1) == b""  # a closed the link
+    conn.abort()
+    # a length above the largest payload a accepts: refused before a byte of it is read
+    conn = await raw_link(b, a)
+    await conn.write(frame(b"", size=1 << 30))
+    await wait_until(lambda: rejects_by_sender(a.metrics, b.peer_id).get("too_large"),
+                     10, what="the charge")
+    assert await conn.read(1) == b""
+    conn.abort()
+    # a forward frame naming more peers than any honest publisher would
+    conn = await raw_link(b, a)
+    await conn.write(_FRAME.pack(FRAME_FORWARD, hashlib.sha256(body).digest(), len(body))
+                     + bytes([MAX_FORWARD + 1]))
+    await wait_until(lambda: rejects_by_sender(a.metrics, b.peer_id).get("malformed"),
+                     10, what="the charge")
+    assert await conn.read(1) == b""
+    conn.abort()
+    assert not a.gossip.pusher.unclaimed  # nothing of it is held
+
+
+async def test_unsolicited_pushes_are_bounded_per_pusher_and_counted(make_node):
+    a, b, _ = await linked(make_node)
+    conn = await raw_link(b, a)
+    bodies = [os.urandom(2000) for _ in range(UNCLAIMED_PER_PEER + 5)]
+    for body in bodies:  # valid frames of bodies nobody announced
+        await conn.write(frame(body))
+    await conn.write(frame(bodies[-1]))  # and one twice
+    n = len(bodies) + 1
+    await wait_until(lambda: a.metrics["payload_push_received"] == n, 20, what="the pushes")
+    held = [d for d, u in a.gossip.pusher.unclaimed.items() if u.pusher == b.peer_id]
+    assert len(held) == UNCLAIMED_PER_PEER  # the oldest were dropped
+    assert held == [hashlib.sha256(x).digest() for x in bodies[5:]]
+    assert a.metrics["payload_push_unclaimed_dropped"] == 5
+    assert a.metrics["payload_push_duplicate"] == 1
+    assert a.metrics["rejected"] == 0  # unclaimed is no offence (an announce we refused)
+    conn.abort()
+
+
+async def test_a_pushed_body_waits_for_its_announce_then_is_delivered(make_node):
+    a, b, got = await linked(make_node)
+    c = await make_node(bootstrap=a.listen_addrs)  # pushes b's body to a before b announces
+    await wait_until(lambda: c.peer_id in a.connected_peers(), 30, what="c's connection")
+    body, ann, sealed_ann = announce_of(b, batch(b.peer_id, 8192, 1))
+    conn = await raw_link(c, a)
+    await conn.write(frame(body))
+    await wait_until(lambda: a.gossip.pusher.unclaimed, 10, what="the push")
+    b.gossip.store_payload(ann.content_hash, body)  # b announces it, as publish does
+    await b.gossip.publish_raw(TOPIC, sealed_ann)
+    await wait_until(lambda: len(got) == 1, 30, what="the batch")
+    assert got[0][1].message.round == 1
+    assert a.metrics["payload_push_claimed"] == 1
+    assert a.metrics["payload_pulled_bulk"] + a.metrics["payload_pulled_libp2p"] == 0
+    conn.abort()
+
+
+async def test_a_peer_nobody_can_dial_is_pushed_to_over_the_link_it_opened(make_node):
+    b = await make_node()
+    a = await make_node(bootstrap=b.listen_addrs, bulk_listen="off")  # as behind a NAT
+    got = []
+
+    async def on_msg(env, peer):
+        got.append(env)
+
+    await a.subscribe(TOPIC, on_msg)
+    await b.subscribe(TOPIC, on_msg)
+    # b cannot dial a's plane: its only way to push to a is the RECEIVE link a dialled
+    await wait_until(lambda: a.peer_id in b.gossip.pusher.out
+                     and a.gossip.pusher.pushes_to_us(b.peer_id)
+                     and a.peer_id in b.gossip.topic_peers(TOPIC), 30, what="a's link")
+    assert a.bulk.server is None  # no plane b could have dialled
+    await b.publish(TOPIC, batch(b.peer_id, 8192, 1))
+    await wait_until(lambda: len(got) == 1, 30, what="the batch")
+    assert a.metrics["payload_push_claimed"] == 1
+    assert a.metrics["payload_pulled_bulk"] + a.metrics["payload_pulled_libp2p"] == 0
+
+
+async def test_a_public_peer_forwards_a_body_between_two_peers_that_cannot_link(make_node):
+    c = await make_node()  # public
+    a = await make_node(bootstrap=c.listen_addrs, bulk_listen="off")  # both as behind NATs:
+    b = await make_node(bootstrap=c.listen_addrs, bulk_listen="off")  # no link between them
+    got = []
+
+    async def on_msg(env, peer):
+        got.append(env)
+
+    for n in (a, b, c):
+        await n.subscribe(TOPIC, on_msg if n is a else (lambda env, peer: asyncio.sleep(0)))
+    await wait_until(lambda: {a.peer_id, c.peer_id} <= set(b.gossip.topic_peers(TOPIC))
+                     and c.peer_id in b.gossip.pusher.out and a.peer_id in c.gossip.pusher.out
+                     and a.gossip.pusher.pushes_to_us(c.peer_id), 30, what="the links")
+    assert a.peer_id not in b.gossip.pusher.out
+    await b.publish(TOPIC, batch(b.peer_id, 8192, 1))
+    await wait_until(lambda: len(got) == 1, 30, what="the batch")
+    assert c.metrics["payload_push_claimed"] == 1 and c.metrics["payload_push_forwarded"] == 1
+    assert a.metrics["payload_push_claimed"] == 1
+    assert a.metrics["payload_pulled_bulk"] + a.metrics["payload_pulled_libp2p"] == 0

@@ -1,0 +1,86 @@
+"""The download's endgame (downloader.py): once every missing shard is in flight, a transfer
+from a slow source is raced by a second copy from another source; the first copy that
+verifies goes in place, the other transfer is cancelled, and the slow source is not held
+responsible. Over TCP on 127.0.0.1 with real shard servers and files; the slow source's
+uploads are capped by its own rate limiter (a home uplink serving many peers at once)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from swarm_node.node.broadcast.downloader import Downloader
+from swarm_node.node.broadcast.server import RateLimiter, ShardServer
+from swarm_node.node.broadcast.sources import SourceBook
+from swarm_node.node.broadcast.store import ShardStore
+from swarm_node.node.broadcast.transport import TcpTransport, serve_tcp
+
+from tests.waiting import async_wait_until
+
+from .conftest import publish, read_dir
+from .test_transfer import CorruptStore
+
+
+async def _serve(tmp_path, name, acc, ckpt, cfg, store_cls=ShardStore, **kw):
+    store = store_cls(tmp_path / name, **kw)
+    store.add_checkpoint(acc, ckpt)
+    server = ShardServer(store, cfg)
+    tcp = await serve_tcp(server.handle, "127.0.0.1", 0)
+    return server, tcp, f"127.0.0.1:{tcp.sockets[0].getsockname()[1]}"
+
+
+async def _race(tmp_path, trainer, ckpt, cfg, second_store=ShardStore, **kw):
+    """Every shard in flight from a slow source, then a second source appears."""
+    cfg = cfg.model_copy(update={"parallel_downloads": 8, "per_source_downloads": 8,
+                                  "max_uploads_per_peer": 8})
+    acc = publish(trainer, ckpt, 1, cfg.shard_size)
+    n = acc.manifest.num_shards
+    slow, slow_tcp, slow_addr = await _serve(tmp_path, "slow", acc, ckpt, cfg)
+    slow.limiter = RateLimiter(96 * 1024)  # the whole checkpoint in ~4 s
+    other, other_tcp, other_addr = await _serve(tmp_path, "other", acc, ckpt, cfg,
+                                                second_store, **kw)
+    other.limiter = RateLimiter(1 << 30)  # not sendfile: its bytes pass `read_shard`
+    try:
+        store = ShardStore(tmp_path / "client")
+        entry = store.open_version(acc)
+        book = SourceBook(per_source=8, max_corrupt=100)
+        book.add(slow_addr, None, proven=True)  # delivered before: not on trial
+        d = Downloader(store, entry, TcpTransport(), book, cfg)
+        task = asyncio.create_task(d.run())
+        # every missing shard in flight (the small last shard may be done already)
+        await async_wait_until(lambda: d.flights and len(d.flights) + len(entry.have) == n,
+                               10, "every missing shard in flight")
+        book.add(other_addr, None)  # its advert arrives
+        d.sources_changed()
+        path = await asyncio.wait_for(task, 30)
+        return d, book, path, slow_addr, other_addr, acc
+    finally:
+        for tcp in (slow_tcp, other_tcp):
+            tcp.close()
+            await tcp.wait_closed()
+
+
+async def test_a_slow_sources_last_shards_are_raced_and_the_first_copy_wins(
+        tmp_path, trainer, ckpt, cfg):
+    d, book, path, slow, other, acc = await _race(tmp_path, trainer, ckpt, cfg)
+    assert read_dir(path) == read_dir(ckpt)
+    assert d.metrics["endgame_won"] >= 1, dict(d.metrics)
+    assert book.sources[other].shards_ok == d.metrics["endgame_won"]
+    # the slower copies were cancelled, not held against their source
+    assert d.metrics["endgame_first_lost"] == d.metrics["endgame_won"]
+    s = book.sources[slow]
+    assert s.failures == 0 and not s.dropped and s.corrupt == 0
+    # bounded: at most one extra shard per transfer in flight at the endgame
+    assert d.metrics["endgame_bytes"] <= acc.manifest.num_shards * cfg.shard_size
+    assert d.metrics["shards_ok"] == acc.manifest.num_shards
+
+
+async def test_a_corrupt_endgame_copy_never_lands(tmp_path, trainer, ckpt, cfg):
+    """The second copy is hashed before it touches the files: a source that sends wrong
+    bytes is penalised and the slow honest transfer completes the shard."""
+    d, book, path, slow, other, acc = await _race(
+        tmp_path, trainer, ckpt, cfg, CorruptStore, bad=set(range(64)))
+    assert read_dir(path) == read_dir(ckpt)
+    assert d.metrics["endgame_copies"] >= 1 and d.metrics["endgame_won"] == 0
+    assert d.metrics["shards_corrupt"] >= 1 and book.sources[other].corrupt >= 1
+    assert book.sources[slow].shards_ok == acc.manifest.num_shards
+    assert book.sources[slow].failures == 0

@@ -812,7 +812,7 @@ def ours_broadcast(lab: Lab, plan: WanPlan, ckpt: Path, work: Path, timeout: flo
                 "t_each": {h: round(d["t"] - t_cmd, 2) if d else None
                            for h, d in zip(hosts, each, strict=True)},
                 "fails": {k: sum(d["metrics"].get(k, 0) for d in done) for k in sorted(
-                    {k for d in done for k in d["metrics"] if k.startswith(("fail_", "seeded"))})},
+                    {k for d in done for k in d["metrics"] if k.startswith(("fail_", "seeded", "endgame_"))})},
                 "sources": {h: d["sources"] for h, d in zip(hosts, each, strict=True) if d},
                 "trainer_shard_bytes": served.get("bytes_sent", 0),
                 "trainer_seeded": served.get("error_seeded", 0)}
@@ -921,6 +921,16 @@ def verdict_line(ours: dict | None) -> str:
             + ", ".join(f"{k} {v}" for k, v in sorted(n.items())) + ".")
 
 
+def endgame_line(ours: dict | None, size: int) -> str:
+    """The receivers' endgame (downloader.py): second copies raced, won, and their bytes."""
+    f = (ours or {}).get("fails") or {}
+    if not f.get("endgame_copies"):
+        return " Endgame: no second copy raced."
+    return (f" Endgame (all receivers): {f['endgame_copies']} second copies raced, "
+            f"{f.get('endgame_won', 0)} verified first; their bytes "
+            f"{f.get('endgame_bytes', 0) / size:.2f}x the checkpoint.")
+
+
 def broadcast_body(args, out: dict, pending: str = "not run (no .venv-shardcast)") -> str:
     size, bound = out["size"], out["bound_s"]
     rows = []
@@ -942,7 +952,7 @@ def broadcast_body(args, out: dict, pending: str = "not run (no .venv-shardcast)
             f"bandwidth lower bound {bound:.1f} s. Time from the publish command until every "
             "receiver verified its copy (shardcast: every client; its middles on the relays report "
             "nothing); egress counted on the trainer's access link."
-            + verdict_line(out.get("ours")) + "\n\n"
+            + verdict_line(out.get("ours")) + endgame_line(out.get("ours"), size) + "\n\n"
             + table(["system", "copies verified", "time s", "x lower bound (goal <= 1.5)",
                      "trainer egress / checkpoint (goal <= 2)",
                      "copies served by trainer / relays / peers"], rows))

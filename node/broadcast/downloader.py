@@ -20,8 +20,10 @@ against the source: it stays known-good and serves other shards.
 Endgame (like BitTorrent's): once every missing shard is in flight and a worker has
 nothing else to do, the transfer expected to end last (by the bytes it received so far) is
 raced by a second copy from another source that holds the shard, if that source is expected
-to deliver it in well under the time left (`ENDGAME_MIN_S`, `ENDGAME_FASTER`). Never from
-the trainer (its uplink would carry the copy the swarm is meant to). The second copy is
+to deliver it in well under the time left (`ENDGAME_MIN_S`, `ENDGAME_FASTER`; by its
+measured rate shared among the transfers it already carries for us). Never from a source
+not measured yet (in the simulated WAN those were the slow home uplinks), nor from the
+trainer (its uplink would carry the copy the swarm is meant to). The second copy is
 held in memory and hashed (store.SpareShardWriter); the first verified copy is written in
 place and the other transfer is cancelled. The loser is not held against its source (it
 was slower, not wrong). Extra bytes: at most one shard per transfer in flight at the
@@ -68,7 +70,7 @@ ENDGAME_MIN_S = 1.0
 this long again (short transfers are not worth the bytes)."""
 ENDGAME_FASTER = 2.0
 """... and only from a source expected to deliver the whole shard this many times sooner
-than the transfer's time left (an unmeasured source is assumed fast)."""
+than the transfer's time left (by its measured rate, shared among our transfers from it)."""
 
 
 @dataclass(eq=False)
@@ -281,7 +283,7 @@ class Downloader:
 
     def _endgame_job(self) -> tuple[int, str] | None:
         """(shard, source) for a second copy of the transfer expected to end last, or None."""
-        if not self._endgame():
+        if not self.cfg.endgame or not self._endgame():
             return None
         now = time.monotonic()
         origins = {p for p, s in self.book.sources.items() if s.origin}
@@ -300,8 +302,10 @@ class Downloader:
                                   self._held_back(shard, now))
             if peer is None:
                 continue
-            rate = self.book.sources[peer].throughput
-            if rate and ENDGAME_FASTER * size / rate > left:
+            alt = self.book.sources[peer]
+            if not alt.throughput:  # unmeasured: often the slow home uplink itself
+                continue
+            if ENDGAME_FASTER * size * (1 + alt.in_flight) / alt.throughput > left:
                 continue
             best, best_left = (shard, peer), left
         return best

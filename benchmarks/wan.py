@@ -781,11 +781,12 @@ def ours_broadcast(lab: Lab, plan: WanPlan, ckpt: Path, work: Path, timeout: flo
                   for r in plan.relays]
         ready = [r.event("ready", 120) for r in relays]
         relay_ids = {r["peer_id"] for r in ready}
+        cpu0 = [r.get("cpu_s", 0.0) for r in ready]
         boots = [x for r in ready for x in ("--bootstrap", r["addrs"][0])]
         followers = [start(h, "inference", "--follow", o["peer_id"], *boots)
                      for h in plan.peers]
         for f in followers:
-            f.event("ready", 120 + 5 * len(followers))
+            cpu0.append(f.event("ready", 120 + 5 * len(followers)).get("cpu_s", 0.0))
         time.sleep(5)  # gossip mesh
         verdicts = reachability_verdicts([*relays, *followers], 120)
         tx0 = lab.link_bytes(plan.trainer)["tx"]
@@ -815,6 +816,10 @@ def ours_broadcast(lab: Lab, plan: WanPlan, ckpt: Path, work: Path, timeout: flo
                     {k for d in done for k in d["metrics"] if k.startswith(("fail_", "seeded", "endgame_"))})},
                 "sources": {h: d["sources"] for h, d in zip(hosts, each, strict=True) if d},
                 "trainer_shard_bytes": served.get("bytes_sent", 0),
+                # receivers' CPU from ready to complete, against what the machine has
+                "receivers_cpu_s": sum(d.get("cpu_s", 0.0) - c for d, c in
+                                       zip(each, cpu0, strict=True) if d),
+                "cores": os.cpu_count(),
                 "trainer_seeded": served.get("error_seeded", 0)}
     finally:
         for p in procs:
@@ -927,8 +932,9 @@ def endgame_line(ours: dict | None, size: int) -> str:
     if not f.get("endgame_copies"):
         return " Endgame: no second copy raced."
     return (f" Endgame (all receivers): {f['endgame_copies']} second copies raced, "
-            f"{f.get('endgame_won', 0)} verified first; their bytes "
-            f"{f.get('endgame_bytes', 0) / size:.2f}x the checkpoint.")
+            f"{f.get('endgame_won', 0)} verified first; bytes of the second copies "
+            f"{f.get('endgame_bytes', 0) / size:.2f}x the checkpoint, of the losers (wasted) "
+            f"{f.get('endgame_bytes_wasted', 0) / size:.2f}x.")
 
 
 def broadcast_body(args, out: dict, pending: str = "not run (no .venv-shardcast)") -> str:

@@ -65,10 +65,10 @@ HOLD_BACK_S = 1.0
 """After a `seeded` answer, the source is not asked for that shard for this long (doubling
 with each such answer, up to HOLD_BACK_MAX_S)."""
 HOLD_BACK_MAX_S = 8.0
-ENDGAME_MIN_S = 1.0
+ENDGAME_MIN_S = 2.0
 """A transfer is raced by a second copy only once it ran this long and is expected to need
 this long again (short transfers are not worth the bytes)."""
-ENDGAME_FASTER = 2.0
+ENDGAME_FASTER = 3.0
 """... and only from a source expected to deliver the whole shard this many times sooner
 than the transfer's time left (by its measured rate, shared among our transfers from it)."""
 
@@ -82,6 +82,7 @@ class _Flight:
     task: asyncio.Task | None = None
     preempted: bool = False
     lost: bool = False  # the other copy of the shard verified first (endgame): cancelled
+    won: bool = False  # an endgame copy that verified first
     writer: object | None = None  # the shard's ShardWriter once the transfer began
 
 
@@ -261,6 +262,7 @@ class Downloader:
                     raise
                 if flight.lost:  # the endgame copy verified first: nothing held against it
                     self.metrics["endgame_first_lost"] += 1
+                    self.metrics["endgame_bytes_wasted"] += getattr(flight.writer, "received", 0)
                     continue
                 self.metrics["fail_preempted"] += 1
                 self.book.failure(peer, "preempted", shard)  # on trial: dropped
@@ -327,6 +329,8 @@ class Downloader:
         finally:
             if spare.writer is not None:
                 self.metrics["endgame_bytes"] += spare.writer.received
+                if not spare.won:
+                    self.metrics["endgame_bytes_wasted"] += spare.writer.received
             self.spares.pop(shard, None)
             self.book.finished(peer)
             self.changed.set()
@@ -380,6 +384,7 @@ class Downloader:
         if first is not None and first.task is not None:
             first.lost = True
             first.task.cancel()
+        spare.won = True
         self.metrics["endgame_won"] += 1
         self._verified(shard, peer, size, t0)
 
@@ -436,6 +441,7 @@ class Downloader:
             self._unhashed(shard)
             if self.entry.has(shard):  # the endgame copy verified first: not its fault
                 self.metrics["endgame_first_lost"] += 1
+                self.metrics["endgame_bytes_wasted"] += writer.received
                 return
             if e.reason == "seeded":  # in the swarm already: from a peer that holds it
                 self.metrics["seeded"] += 1
@@ -456,6 +462,7 @@ class Downloader:
         self.disk.resumed()
         if self.entry.has(shard):  # the endgame copy went in first
             self.metrics["endgame_first_lost"] += 1
+            self.metrics["endgame_bytes_wasted"] += writer.received
             return
         if not writer.commit():
             self._unhashed(shard)

@@ -28,16 +28,17 @@ async def _serve(tmp_path, name, acc, ckpt, cfg, store_cls=ShardStore, **kw):
     return server, tcp, f"127.0.0.1:{tcp.sockets[0].getsockname()[1]}"
 
 
-async def _race(tmp_path, trainer, ckpt, cfg, second_store=ShardStore, **kw):
+async def _race(tmp_path, trainer, ckpt, cfg, second_store=ShardStore, endgame=True, **kw):
     """Every shard but 0 in flight from a slow source; shard 0 came from a second source
     (so its rate is measured: unmeasured sources are not raced), which then advertises
     every shard."""
     cfg = cfg.model_copy(update={"parallel_downloads": 8, "per_source_downloads": 8,
-                                  "max_uploads_per_peer": 8})
+                                  "max_uploads_per_peer": 8, "endgame": endgame,
+                                  "chunk_timeout_s": 10.0})  # the slow source is slow
     acc = publish(trainer, ckpt, 1, cfg.shard_size)
     n = acc.manifest.num_shards
     slow, slow_tcp, slow_addr = await _serve(tmp_path, "slow", acc, ckpt, cfg)
-    slow.limiter = RateLimiter(96 * 1024)  # the whole checkpoint in ~4 s
+    slow.limiter = RateLimiter(48 * 1024)  # the whole checkpoint in ~7 s
     other, other_tcp, other_addr = await _serve(tmp_path, "other", acc, ckpt, cfg,
                                                 second_store, **kw)
     other.limiter = RateLimiter(1 << 30)  # not sendfile: its bytes pass `read_shard`
@@ -76,6 +77,8 @@ async def test_a_slow_sources_last_shards_are_raced_and_the_first_copy_wins(
     # bounded: at most one extra shard per transfer in flight at the endgame
     assert d.metrics["endgame_bytes"] <= acc.manifest.num_shards * cfg.shard_size
     assert d.metrics["shards_ok"] == acc.manifest.num_shards
+    wasted = d.metrics["endgame_bytes_wasted"]  # the slow transfers' bytes so far
+    assert 0 < wasted < d.metrics["endgame_won"] * cfg.shard_size
 
 
 async def test_a_corrupt_endgame_copy_never_lands(tmp_path, trainer, ckpt, cfg):
@@ -88,3 +91,12 @@ async def test_a_corrupt_endgame_copy_never_lands(tmp_path, trainer, ckpt, cfg):
     assert d.metrics["shards_corrupt"] >= 1 and book.sources[other].corrupt >= 1
     assert book.sources[slow].shards_ok == acc.manifest.num_shards - 1
     assert book.sources[slow].failures == 0
+
+
+async def test_with_the_endgame_off_the_download_waits_for_the_slow_source(
+        tmp_path, trainer, ckpt, cfg):
+    d, book, path, slow, _other, acc = await _race(tmp_path, trainer, ckpt, cfg,
+                                                   endgame=False)
+    assert read_dir(path) == read_dir(ckpt)
+    assert not any(k.startswith("endgame_") for k in d.metrics), dict(d.metrics)
+    assert book.sources[slow].shards_ok == acc.manifest.num_shards - 1

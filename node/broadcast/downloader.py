@@ -218,7 +218,7 @@ class Downloader:
                   if not f.preempted and not self.book.sources[f.peer].good]
         if trials:
             wake = min(wake, min(trials) + self._patience())
-        if self._endgame():  # a transfer may turn slow enough to race (few flights)
+        if self.cfg.endgame and self._endgame():  # a transfer may turn slow enough to race
             wake = min(wake, now + ENDGAME_MIN_S / 2)
         self.changed.clear()
         try:

@@ -824,11 +824,12 @@ def ours_broadcast(lab: Lab, plan: WanPlan, ckpt: Path, work: Path, timeout: flo
                   for r in plan.relays]
         ready = [r.event("ready", 120) for r in relays]
         relay_ids = {r["peer_id"] for r in ready}
+        cpu0 = [r.get("cpu_s", 0.0) for r in ready]
         boots = [x for r in ready for x in ("--bootstrap", r["addrs"][0])]
         followers = [start(h, "inference", "--follow", o["peer_id"], *boots)
                      for h in plan.peers]
         for f in followers:
-            f.event("ready", 120 + 5 * len(followers))
+            cpu0.append(f.event("ready", 120 + 5 * len(followers)).get("cpu_s", 0.0))
         time.sleep(5)  # gossip mesh
         verdicts = reachability_verdicts([*relays, *followers], 120)
         tx0 = lab.link_bytes(plan.trainer)["tx"]
@@ -855,9 +856,13 @@ def ours_broadcast(lab: Lab, plan: WanPlan, ckpt: Path, work: Path, timeout: flo
                 "t_each": {h: round(d["t"] - t_cmd, 2) if d else None
                            for h, d in zip(hosts, each, strict=True)},
                 "fails": {k: sum(d["metrics"].get(k, 0) for d in done) for k in sorted(
-                    {k for d in done for k in d["metrics"] if k.startswith(("fail_", "seeded"))})},
+                    {k for d in done for k in d["metrics"] if k.startswith(("fail_", "seeded", "endgame_"))})},
                 "sources": {h: d["sources"] for h, d in zip(hosts, each, strict=True) if d},
                 "trainer_shard_bytes": served.get("bytes_sent", 0),
+                # receivers' CPU from ready to complete, against what the machine has
+                "receivers_cpu_s": sum(d.get("cpu_s", 0.0) - c for d, c in
+                                       zip(each, cpu0, strict=True) if d),
+                "cores": os.cpu_count(),
                 "trainer_seeded": served.get("error_seeded", 0)}
     finally:
         for p in procs:
@@ -964,6 +969,17 @@ def verdict_line(ours: dict | None) -> str:
             + ", ".join(f"{k} {v}" for k, v in sorted(n.items())) + ".")
 
 
+def endgame_line(ours: dict | None, size: int) -> str:
+    """The receivers' endgame (downloader.py): second copies raced, won, and their bytes."""
+    f = (ours or {}).get("fails") or {}
+    if not f.get("endgame_copies"):
+        return " Endgame: no second copy raced."
+    return (f" Endgame (all receivers): {f['endgame_copies']} second copies raced, "
+            f"{f.get('endgame_won', 0)} verified first; bytes of the second copies "
+            f"{f.get('endgame_bytes', 0) / size:.2f}x the checkpoint, of the losers (wasted) "
+            f"{f.get('endgame_bytes_wasted', 0) / size:.2f}x.")
+
+
 def broadcast_body(args, out: dict, pending: str = "not run (no .venv-shardcast)") -> str:
     size, bound = out["size"], out["bound_s"]
     rows = []
@@ -985,7 +1001,7 @@ def broadcast_body(args, out: dict, pending: str = "not run (no .venv-shardcast)
             f"bandwidth lower bound {bound:.1f} s. Time from the publish command until every "
             "receiver verified its copy (shardcast: every client; its middles on the relays report "
             "nothing); egress counted on the trainer's access link."
-            + verdict_line(out.get("ours")) + "\n\n"
+            + verdict_line(out.get("ours")) + endgame_line(out.get("ours"), size) + "\n\n"
             + table(["system", "copies verified", "time s", "x lower bound (goal <= 1.5)",
                      "trainer egress / checkpoint (goal <= 2)",
                      "copies served by trainer / relays / peers"], rows))

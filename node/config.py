@@ -340,6 +340,9 @@ class BroadcastSection(Section):
     seed_hold_s: float = Field(5.0, ge=0)
     """Trainer: how long after a shard's last copy it answers `seeded` for it; then the next
     asker gets one more copy (its holders may have left or be out of reach)."""
+    endgame: bool = True
+    """Race the last transfers of a download with a second copy from a faster source
+    (downloader.py; bounded extra bytes, counted). Off: for side-by-side measurements."""
 
 
 class RelaySection(Section):

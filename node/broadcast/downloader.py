@@ -17,6 +17,20 @@ is not asked for that shard again for `HOLD_BACK_S`, doubling per answer up to
 `HOLD_BACK_MAX_S`; the shard is taken from a peer that holds it meanwhile. Nothing is held
 against the source: it stays known-good and serves other shards.
 
+Endgame (like BitTorrent's): once every missing shard is in flight and a worker has
+nothing else to do, the transfer expected to end last (by the bytes it received so far) is
+raced by a second copy from another source that holds the shard, if that source is expected
+to deliver it in well under the time left (`ENDGAME_MIN_S`, `ENDGAME_FASTER`; by its
+measured rate shared among the transfers it already carries for us). Never from a source
+not measured yet (in the simulated WAN those were the slow home uplinks), nor from the
+trainer (its uplink would carry the copy the swarm is meant to). The second copy is
+held in memory and hashed (store.SpareShardWriter); the first verified copy is written in
+place and the other transfer is cancelled. The loser is not held against its source (it
+was slower, not wrong). Extra bytes: at most one shard per transfer in flight at the
+endgame, counted (`endgame_*` metrics). Measured first: in the simulated WAN a public
+follower holding several first copies served every other follower at once (~0.3 MiB/s
+each), and the last shards of each download waited on it.
+
 Workers wait for an event (a transfer ended, sources changed) or for the moment the next
 source leaves its cooldown, never in a fixed poll, and a worker looks for its next shard
 in time that grows with the transfers in flight, not with the number of shards (a
@@ -42,7 +56,7 @@ from .manifest import WHOLE
 from .progress import Progress
 from .sources import SourceBook
 from .space import SpaceReservations
-from .store import InOrderHash, ShardStore, VersionEntry
+from .store import InOrderHash, ShardStore, SpareShardWriter, VersionEntry
 from .wire import ShardTransport, fetch_into
 
 log = logging.getLogger(__name__)
@@ -51,6 +65,12 @@ HOLD_BACK_S = 1.0
 """After a `seeded` answer, the source is not asked for that shard for this long (doubling
 with each such answer, up to HOLD_BACK_MAX_S)."""
 HOLD_BACK_MAX_S = 8.0
+ENDGAME_MIN_S = 2.0
+"""A transfer is raced by a second copy only once it ran this long and is expected to need
+this long again (short transfers are not worth the bytes)."""
+ENDGAME_FASTER = 3.0
+"""... and only from a source expected to deliver the whole shard this many times sooner
+than the transfer's time left (by its measured rate, shared among our transfers from it)."""
 
 
 @dataclass(eq=False)
@@ -61,6 +81,8 @@ class _Flight:
     started: float
     task: asyncio.Task | None = None
     preempted: bool = False
+    lost: bool = False  # the other copy of the shard verified first (endgame): cancelled
+    won: bool = False  # an endgame copy that verified first
     writer: object | None = None  # the shard's ShardWriter once the transfer began
 
 
@@ -79,6 +101,7 @@ class Downloader:
         self.space = space or SpaceReservations(store.root)
         self.in_flight: set[int] = set()
         self.flights: dict[int, _Flight] = {}
+        self.spares: dict[int, _Flight] = {}  # endgame: second copies in flight
         self.tried: dict[int, set[str]] = {}  # sources that failed a shard (this round)
         # sources that answered `seeded` for a shard: shard -> {peer: (until, answers)}
         self.held: dict[int, dict[str, tuple[float, int]]] = {}
@@ -152,7 +175,7 @@ class Downloader:
             self._stale = 0
         now = time.monotonic()
         for shard in self.pending:
-            if shard in self.in_flight or self.entry.has(shard):
+            if shard in self.in_flight or shard in self.spares or self.entry.has(shard):
                 continue
             tried = self.tried.get(shard)
             held = self._held_back(shard, now)
@@ -195,6 +218,8 @@ class Downloader:
                   if not f.preempted and not self.book.sources[f.peer].good]
         if trials:
             wake = min(wake, min(trials) + self._patience())
+        if self.cfg.endgame and self._endgame():  # a transfer may turn slow enough to race
+            wake = min(wake, now + ENDGAME_MIN_S / 2)
         self.changed.clear()
         try:
             async with asyncio.timeout(max(0.01, wake - now)):
@@ -213,7 +238,12 @@ class Downloader:
                         f"no shard verified for {self.cfg.stall_timeout_s:.0f}s; "
                         f"{self.entry.missing_count()} missing; sources "
                         f"{self.book.summary()}", reason="stalled")
-                if not self._preempt_trial():
+                if self._preempt_trial():
+                    continue
+                spare = self._endgame_job()
+                if spare is not None:
+                    await self._run_spare(*spare)
+                else:
                     await self._idle()
                 continue
             shard, peer = job
@@ -228,8 +258,12 @@ class Downloader:
                 self.metrics["disk_full"] += 1
                 self.disk.hit(e)
             except asyncio.CancelledError:
-                if not flight.preempted or asyncio.current_task().cancelling():
+                if not (flight.preempted or flight.lost) or asyncio.current_task().cancelling():
                     raise
+                if flight.lost:  # the endgame copy verified first: nothing held against it
+                    self.metrics["endgame_first_lost"] += 1
+                    self.metrics["endgame_bytes_wasted"] += getattr(flight.writer, "received", 0)
+                    continue
                 self.metrics["fail_preempted"] += 1
                 self.book.failure(peer, "preempted", shard)  # on trial: dropped
                 self.tried.setdefault(shard, set()).add(peer)
@@ -241,6 +275,118 @@ class Downloader:
             if self.disk.paused:
                 await self.disk.wait_for_space(self.entry.shard_len(shard))
                 self.last_progress = time.monotonic()  # a pause is not a stall
+
+    # Endgame ----------------------------------------------------------------------------
+
+    def _endgame(self) -> bool:
+        """Every missing shard is in flight (first or second copy)."""
+        return bool(self.flights) and self.entry.missing_count() <= len(
+            self.in_flight | self.spares.keys())
+
+    def _endgame_job(self) -> tuple[int, str] | None:
+        """(shard, source) for a second copy of the transfer expected to end last, or None."""
+        if not self.cfg.endgame or not self._endgame():
+            return None
+        now = time.monotonic()
+        origins = {p for p, s in self.book.sources.items() if s.origin}
+        best, best_left = None, 0.0
+        for shard, f in self.flights.items():
+            if f.preempted or f.lost or shard in self.spares or f.writer is None:
+                continue
+            size, elapsed = self.entry.shard_len(shard), now - f.started
+            if elapsed < ENDGAME_MIN_S:
+                continue
+            got = f.writer.received
+            left = (size - got) * elapsed / got if got else float("inf")
+            if left < ENDGAME_MIN_S or left <= best_left:
+                continue
+            peer = self.book.pick(shard, {f.peer} | origins | self.tried.get(shard, set()),
+                                  self._held_back(shard, now))
+            if peer is None:
+                continue
+            alt = self.book.sources[peer]
+            if not alt.throughput:  # unmeasured: often the slow home uplink itself
+                continue
+            if ENDGAME_FASTER * size * (1 + alt.in_flight) / alt.throughput > left:
+                continue
+            best, best_left = (shard, peer), left
+        return best
+
+    async def _run_spare(self, shard: int, peer: str) -> None:
+        self.metrics["endgame_copies"] += 1
+        self.book.started(peer)
+        spare = self.spares[shard] = _Flight(peer, time.monotonic())
+        spare.task = asyncio.create_task(self._fetch_spare(shard, peer, spare))
+        try:
+            await spare.task
+        except DiskFull as e:
+            self.metrics["disk_full"] += 1
+            self.disk.hit(e)
+        except asyncio.CancelledError:
+            if not spare.lost or asyncio.current_task().cancelling():
+                raise
+            self.metrics["endgame_spare_lost"] += 1  # the first transfer won the race
+        finally:
+            if spare.writer is not None:
+                self.metrics["endgame_bytes"] += spare.writer.received
+                if not spare.won:
+                    self.metrics["endgame_bytes_wasted"] += spare.writer.received
+            self.spares.pop(shard, None)
+            self.book.finished(peer)
+            self.changed.set()
+
+    async def _fetch_spare(self, shard: int, peer: str, spare: _Flight) -> None:
+        """A second copy of `shard`, raced against the transfer in `self.flights`."""
+        m, cfg = self.entry.manifest, self.cfg
+        size = self.entry.shard_len(shard)
+        req = ShardRequest(policy_id=m.policy_id, version=m.version, shard=shard)
+        writer = spare.writer = SpareShardWriter(self.entry, shard)
+        t0 = time.monotonic()
+        try:
+            await fetch_into(self.transport, peer, req, writer.write, expected_len=size,
+                             request_timeout=cfg.request_timeout_s,
+                             chunk_timeout=cfg.chunk_timeout_s, chunk_size=cfg.chunk_size)
+        except (ShardFetchError, StoreError) as e:
+            writer.abort()
+            if self.entry.has(shard):
+                self.metrics["endgame_spare_lost"] += 1
+            elif e.reason == "seeded":
+                self._hold_back(shard, peer)
+            else:
+                self.metrics[f"fail_{e.reason}"] += 1
+                self.tried.setdefault(shard, set()).add(peer)
+                self.book.failure(peer, e.reason, shard)
+                log.debug("shard %d (endgame copy) from %s failed: %s", shard, peer, e)
+            return
+        except BaseException:
+            writer.abort()
+            raise
+        if self.entry.has(shard):  # the first transfer verified while the last bytes came
+            writer.abort()
+            self.metrics["endgame_spare_lost"] += 1
+            return
+        first = self.flights.get(shard)
+        try:
+            ok = writer.commit(first.writer if first is not None else None)
+        except BaseException:
+            if first is not None and first.task is not None:  # its writer may be aborted
+                first.lost = True
+                first.task.cancel()
+            raise
+        if not ok:  # the first transfer goes on (aborted only for a verified copy)
+            self.metrics["shards_corrupt"] += 1
+            self.metrics["bytes_corrupt"] += writer.received
+            self.tried.setdefault(shard, set()).add(peer)
+            self.book.corrupt(peer)
+            log.warning("shard %d from %s does not match its hash: source penalised",
+                        shard, peer)
+            return
+        if first is not None and first.task is not None:
+            first.lost = True
+            first.task.cancel()
+        spare.won = True
+        self.metrics["endgame_won"] += 1
+        self._verified(shard, peer, size, t0)
 
     def _patience(self) -> float:
         """How long a trial transfer may hold a shard another source could serve: three
@@ -293,6 +439,10 @@ class Downloader:
         except (ShardFetchError, StoreError) as e:
             writer.abort()
             self._unhashed(shard)
+            if self.entry.has(shard):  # the endgame copy verified first: not its fault
+                self.metrics["endgame_first_lost"] += 1
+                self.metrics["endgame_bytes_wasted"] += writer.received
+                return
             if e.reason == "seeded":  # in the swarm already: from a peer that holds it
                 self.metrics["seeded"] += 1
                 self._hold_back(shard, peer)
@@ -310,6 +460,10 @@ class Downloader:
         finally:
             self.metrics["bytes_fetched"] += writer.received
         self.disk.resumed()
+        if self.entry.has(shard):  # the endgame copy went in first
+            self.metrics["endgame_first_lost"] += 1
+            self.metrics["endgame_bytes_wasted"] += writer.received
+            return
         if not writer.commit():
             self._unhashed(shard)
             self.metrics["shards_corrupt"] += 1
@@ -319,6 +473,13 @@ class Downloader:
             log.warning("shard %d from %s does not match its hash: source penalised",
                         shard, peer)
             return
+        spare = self.spares.get(shard)
+        if spare is not None and spare.task is not None:
+            spare.lost = True  # this copy won the endgame race
+            spare.task.cancel()
+        self._verified(shard, peer, size, t0)
+
+    def _verified(self, shard: int, peer: str, size: int, t0: float) -> None:
         self.metrics["shards_ok"] += 1
         self.metrics["bytes_verified"] += size
         self._stale += 1

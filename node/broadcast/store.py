@@ -290,7 +290,11 @@ class ShardWriter:
 
     def commit(self) -> bool:
         """True: verified (now served and kept across restarts). False: wrong hash or
-        length; the bytes stay unverified and will be overwritten by a re-fetch."""
+        length, or aborted (another copy of the shard went in its place); the bytes stay
+        unverified and will be overwritten by a re-fetch."""
+        with self._lock:
+            if self._aborted:
+                return False
         self._close()
         if (self.received != self.expected_len
                 or self._h.digest() != self.entry.manifest.shard_hashes[self.index]):
@@ -309,6 +313,57 @@ class ShardWriter:
         with self._lock:
             self._aborted = True
             self._close()
+
+
+class SpareShardWriter(ShardWriter):
+    """A second copy of a shard already being written in place (the download's endgame):
+    its bytes are held in memory and hashed as they arrive, and touch the checkpoint files
+    only in `commit`, after they verified, once the first transfer's writer was aborted (no
+    byte of it reaches the files after that). Two writers never write the same place at
+    once: a verified stream could otherwise mark a shard whose bytes on disk are partly
+    another, unverified, stream's. Memory: one shard per spare copy (few, by design)."""
+
+    def __init__(self, entry: VersionEntry, index: int):
+        super().__init__(entry, index, None)  # the whole hash reads it back once placed
+        self._buf = bytearray()
+        self._sealed = False
+
+    def _write(self, data: bytes) -> None:
+        if self._sealed:
+            raise StoreError(f"shard {self.index}: transfer abandoned", reason="aborted")
+        if self.received + len(data) > self.expected_len:
+            raise StoreError(f"shard {self.index}: more than {self.expected_len} bytes",
+                             reason="too_long")
+        self._h.update(data)
+        self._buf += data
+        self.received += len(data)
+
+    def commit(self, first: ShardWriter | None = None) -> bool:
+        """True: verified and written in place (`first`, the other transfer of the shard, is
+        aborted first). False: wrong hash or length, nothing written."""
+        with self._lock:
+            self._sealed = True  # no late byte after this
+        if (self.received != self.expected_len
+                or self._h.digest() != self.entry.manifest.shard_hashes[self.index]):
+            self._buf = bytearray()
+            return False
+        if first is not None:
+            first.abort()
+        try:
+            view = memoryview(self._buf)
+            for name, offset, length in self.entry.file_spans(self.start, self.start
+                                                               + self.expected_len):
+                try:
+                    _pwrite_all(self._fd(name), view[:length], offset)
+                except OSError as e:
+                    if is_disk_full(e):
+                        raise as_disk_full(e, self.entry.partial_dir, length) from e
+                    raise StoreError(f"shard {self.index}: {e}") from e
+                view = view[length:]
+        finally:
+            self._close()
+            self._buf = bytearray()
+        return super().commit()
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:

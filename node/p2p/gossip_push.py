@@ -80,15 +80,17 @@ class _Unclaimed:
 class BodyPusher:
     """The push links of one node. `max_size()`: the largest body accepted; `held(hash)`:
     whether the node holds that body already; `charge(peer, reason)`: count and penalise
-    a pusher's offence; `spawn(coro, name)`: the node's task owner."""
+    a pusher's offence; `spawn(coro, name)`: the node's task owner; `member(peer)`: whether
+    `peer` is a connected member of this swarm now (links go to members only: opening one
+    asks the peer over libp2p, which would dial a peer that just left or refused us)."""
 
     def __init__(self, client: BulkClient, cfg, metrics: P2PMetrics, *,
                  max_size: Callable[[], int], held: Callable[[bytes], bool],
                  charge: Callable[[str, str], None], spawn: Callable[..., object],
-                 reachable: Callable[[], bool]):
+                 reachable: Callable[[], bool], member: Callable[[str], bool]):
         self.client, self.cfg, self.metrics = client, cfg, metrics
         self.max_size, self.held, self.charge, self.spawn = max_size, held, charge, spawn
-        self.reachable = reachable
+        self.reachable, self.member = reachable, member
         self.out: dict[str, _Link] = {}  # links we push on, by peer
         self.inn: dict[str, list[_Link]] = {}  # links we read from, by peer
         self.unclaimed: OrderedDict[bytes, _Unclaimed] = OrderedDict()
@@ -113,13 +115,13 @@ class BodyPusher:
         """On a new libp2p connection: our SEND link to `peer`, and a RECEIVE link too
         while we are not publicly reachable (it cannot dial ours). Failures leave the
         pulls to do the work (the plane's client marks the peer down)."""
-        if peer in self._opening or not self.client.usable(peer, KIND):
+        if peer in self._opening or not self.client.usable(peer, KIND) or not self.member(peer):
             return
         self._opening.add(peer)
         try:
             if peer not in self.out:
                 await self._dial(peer, SEND)
-            if not self.reachable() and not self.inn.get(peer):
+            if not self.reachable() and not self.inn.get(peer) and self.member(peer):
                 await self._dial(peer, RECEIVE)
         finally:
             self._opening.discard(peer)

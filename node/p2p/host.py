@@ -469,12 +469,12 @@ class P2PNode:
                 del self._dialing[info.peer_id]
 
     def connected_peers(self) -> list[str]:
-        """Connected members of this swarm (a peer of another swarm that was refused is
-        not one, while its connection closes)."""
+        """Connected members of this swarm (a peer of another swarm, refused by us or
+        refusing us, is not one while its connection closes)."""
         d = self.discovery
-        if not d.strays:
+        if not d.strays and not d.refused_by:
             return sorted(self._connected)
-        return sorted(p for p in self._connected if not d.is_stray(p))
+        return sorted(p for p in self._connected if not d.is_stray(p) and p not in d.refused_by)
 
     async def disconnect(self, peer_id: str) -> None:
         host = self._ctx.host

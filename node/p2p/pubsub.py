@@ -326,13 +326,16 @@ class GossipService:
                 bulk.client, self.cfg, self.metrics,
                 max_size=lambda: limits.max_envelope() + 4096,
                 held=lambda d: d in self._payloads, charge=self._reject_body,
-                spawn=self.ctx.spawn, reachable=self._public)
+                spawn=self.ctx.spawn, reachable=self._public, member=self._member)
             bulk.register(PUSH_KIND, self.pusher.serve)
             bulk.client.add_kind(PUSH_KIND, "pushed gossip bodies", 1, cfg.idle_s / 2)
             # found to be behind NAT: links the other way to the peers connected already
             self.ctx.reach.subscribe(
                 lambda _: self._public() or self.peers_connected(
                     set(self.ctx.peers.connected_peers()), warm=False))
+
+    def _member(self, peer: str) -> bool:
+        return peer in self.ctx.peers.connected_peers()
 
     def _public(self) -> bool:
         """Known to be publicly reachable (peers dial our plane: no RECEIVE links needed)."""

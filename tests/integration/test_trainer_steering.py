@@ -237,7 +237,10 @@ async def test_8_to_10_an_established_steerer_is_caught_and_pays(tmp_path, tiny_
                 await attack.send(cheat, 0.0, 0.0, seed=i)
             est = attack.verified(cid)
             assert est["rejected"] == 0 and est["accepted"] >= 16, est
-            score0 = reputation(trainer, tmp_path).score(cid)
+            # the trainer journals reputation changes at most every 5 s (reputation.py
+            # save_interval_s): wait for the file to hold what /status already says
+            score0 = await until(lambda: max(reputation(trainer, tmp_path).score(cid), 0.0),
+                                 60, "the steerer's earned score persisted", trainer)
             assert score0 > 0
             steered, first = [], None
             for i in range(8):
@@ -249,7 +252,8 @@ async def test_8_to_10_an_established_steerer_is_caught_and_pays(tmp_path, tiny_
                     break
             assert first is not None, f"no alarm after 8 steered batches ({steered} steered)"
             at, before, after = first
-            rep = reputation(trainer, tmp_path)
+            rep = await until(lambda: (r := reputation(trainer, tmp_path)).score(cid) <= 0 and r,
+                              60, "the alarm's cost persisted", trainer)
             score1 = rep.score(cid)
             # 9: the alarmed batch was refused whole (nothing of it accepted, so not stored)
             assert after["accepted"] == before["accepted"]

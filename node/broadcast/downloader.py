@@ -335,17 +335,29 @@ class Downloader:
             self.book.finished(peer)
             self.changed.set()
 
+    async def _transfer(self, shard: int, peer: str, write) -> None:
+        """`shard` from `peer` into `write`, under the configured timeouts and chunk size."""
+        m, cfg = self.entry.manifest, self.cfg
+        req = ShardRequest(policy_id=m.policy_id, version=m.version, shard=shard)
+        await fetch_into(self.transport, peer, req, write,
+                         expected_len=self.entry.shard_len(shard),
+                         request_timeout=cfg.request_timeout_s,
+                         chunk_timeout=cfg.chunk_timeout_s, chunk_size=cfg.chunk_size)
+
+    def _failed(self, shard: int, peer: str, e: ShardFetchError | StoreError, line: str) -> None:
+        """A transfer `peer` failed on its own account: counted, not asked for `shard`
+        again, and charged in its book."""
+        self.metrics[f"fail_{e.reason}"] += 1
+        self.tried.setdefault(shard, set()).add(peer)
+        self.book.failure(peer, e.reason, shard)
+        log.debug(line, shard, peer, e)
+
     async def _fetch_spare(self, shard: int, peer: str, spare: _Flight) -> None:
         """A second copy of `shard`, raced against the transfer in `self.flights`."""
-        m, cfg = self.entry.manifest, self.cfg
-        size = self.entry.shard_len(shard)
-        req = ShardRequest(policy_id=m.policy_id, version=m.version, shard=shard)
         writer = spare.writer = SpareShardWriter(self.entry, shard)
         t0 = time.monotonic()
         try:
-            await fetch_into(self.transport, peer, req, writer.write, expected_len=size,
-                             request_timeout=cfg.request_timeout_s,
-                             chunk_timeout=cfg.chunk_timeout_s, chunk_size=cfg.chunk_size)
+            await self._transfer(shard, peer, writer.write)
         except (ShardFetchError, StoreError) as e:
             writer.abort()
             if self.entry.has(shard):
@@ -353,10 +365,7 @@ class Downloader:
             elif e.reason == "seeded":
                 self._hold_back(shard, peer)
             else:
-                self.metrics[f"fail_{e.reason}"] += 1
-                self.tried.setdefault(shard, set()).add(peer)
-                self.book.failure(peer, e.reason, shard)
-                log.debug("shard %d (endgame copy) from %s failed: %s", shard, peer, e)
+                self._failed(shard, peer, e, "shard %d (endgame copy) from %s failed: %s")
             return
         except BaseException:
             writer.abort()
@@ -386,7 +395,7 @@ class Downloader:
             first.task.cancel()
         spare.won = True
         self.metrics["endgame_won"] += 1
-        self._verified(shard, peer, size, t0)
+        self._verified(shard, peer, self.entry.shard_len(shard), t0)
 
     def _patience(self) -> float:
         """How long a trial transfer may hold a shard another source could serve: three
@@ -420,11 +429,8 @@ class Downloader:
         return False
 
     async def _fetch(self, shard: int, peer: str) -> None:
-        m, cfg = self.entry.manifest, self.cfg
-        size = self.entry.shard_len(shard)
-        req = ShardRequest(policy_id=m.policy_id, version=m.version, shard=shard)
         # DiskFull: the worker pauses, nothing fetched; other downloads' reservations kept
-        self.space.check_write(self.entry.key, size)
+        self.space.check_write(self.entry.key, self.entry.shard_len(shard))
         writer = self.store.begin_shard(self.entry, shard, self.whole)
         flight = self.flights.get(shard)
         if flight is not None:
@@ -433,9 +439,7 @@ class Downloader:
         try:
             # hashing and writing leave the event loop (it keeps serving and receiving);
             # the bytes are hashed as they arrive, not after
-            await fetch_into(self.transport, peer, req, writer.write, expected_len=size,
-                             request_timeout=cfg.request_timeout_s,
-                             chunk_timeout=cfg.chunk_timeout_s, chunk_size=cfg.chunk_size)
+            await self._transfer(shard, peer, writer.write)
         except (ShardFetchError, StoreError) as e:
             writer.abort()
             self._unhashed(shard)
@@ -447,11 +451,8 @@ class Downloader:
                 self.metrics["seeded"] += 1
                 self._hold_back(shard, peer)
                 return
-            self.metrics[f"fail_{e.reason}"] += 1
             self.metrics["bytes_wasted"] += writer.received
-            self.tried.setdefault(shard, set()).add(peer)
-            self.book.failure(peer, e.reason, shard)
-            log.debug("shard %d from %s failed: %s", shard, peer, e)
+            self._failed(shard, peer, e, "shard %d from %s failed: %s")
             return
         except BaseException:
             writer.abort()
@@ -477,7 +478,7 @@ class Downloader:
         if spare is not None and spare.task is not None:
             spare.lost = True  # this copy won the endgame race
             spare.task.cancel()
-        self._verified(shard, peer, size, t0)
+        self._verified(shard, peer, self.entry.shard_len(shard), t0)
 
     def _verified(self, shard: int, peer: str, size: int, t0: float) -> None:
         self.metrics["shards_ok"] += 1

@@ -42,7 +42,7 @@ async def test_connection_bound_holds_with_many_peers(make_node):
     others = [p for p in got if p != publisher.peer_id]
     sent = 0
     while not all(got[p] for p in others):
-        if sent >= 30:
+        if sent >= 60:  # a ceiling: under load IHAVE gossip into a closed mesh triangle is slow
             idx = {n.peer_id: i for i, n in enumerate(nodes)}
             view = {i: (sorted(idx.get(p, -1) for p in n.connected_peers()),
                         sorted(idx.get(p, -1) for p in n.gossip.mesh_peers("verdicts")))

@@ -49,6 +49,12 @@ def build_gossip(host, cfg, metrics: P2PMetrics,
         # All peers of a loopback or single-LAN swarm share one IP; the IP-diversity rule
         # would then prune honest peers from the mesh.
         eclipse_protection_enabled=False,
+        # py-libp2p's "adaptive gossip" rewrites the configured parameters every 30 s from
+        # a health score that connection churn (our trims) and meshes below D pull down:
+        # below 0.7 it sets the heartbeat to at least 30 s (meant to be "more frequent"
+        # than its 120 s default), which stalls IHAVE gossip, mesh repair and the message
+        # cache's window, and it raises D_low up to D_high + 2. The configured values hold.
+        adaptive_gossip_enabled=False,
     )
     pubsub = Pubsub(
         host, router,

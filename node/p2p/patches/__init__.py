@@ -116,6 +116,7 @@ def patch_pubsub(pubsub, router, *, on_fault: FaultHook, metrics, queues: QueueL
     if flood_publish_own:
         flood_publish.patch_flood_publish(router, pubsub.my_id)
     mesh_backoff.patch_heartbeat_prune_backoff(router)
+    mesh_backoff.patch_ihave_to_backed_off(router)
     return tuned
 
 

@@ -211,6 +211,22 @@ async def test_own_messages_flood_published_beside_an_empty_mesh(make_node):
     assert a.metrics["publish_no_mesh"] == 0
 
 
+async def test_configured_heartbeat_and_mesh_bounds_hold_at_poor_health(make_node):
+    # py-libp2p's adaptive gossip, given a health score below 0.7 (connection churn and
+    # meshes below D do that within the first 30 s of a bounded swarm), set the heartbeat to
+    # 30-60 s and D_low to up to D_high + 2: IHAVE gossip and mesh repair all but stopped.
+    node = await make_node(heartbeat_interval_s=1)
+    router = node.context.router
+
+    async def poor_health() -> float:
+        router.network_health_score = 0.3
+        router._adapt_gossip_parameters()  # what each heartbeat runs after a health update
+        return router.heartbeat_interval
+
+    assert await node.context.bridge.call(poor_health) == 1
+    assert not router.adaptive_gossip_enabled  # the degrees are the configured ones
+
+
 async def test_replay_cache_is_safe_to_share_between_the_two_threads(make_node):
     # The topic validator (libp2p thread) and pulled payload bodies (asyncio thread) check
     # nonces against one replay cache. Unguarded, an insert during the other thread's sweep

@@ -423,6 +423,32 @@ def test_needed_heartbeat_prune_backoff():
         assert len(pruned) == 4 and grafted and not grafted & pruned
 
 
+def test_needed_ihave_to_backed_off_peers():
+    """A node that pruned its extra mesh peers (backed off on both sides for a minute) still
+    sends them IHAVE for the messages it holds: they may have no other way to get them."""
+    def gossiped_to(patched: bool) -> set:
+        router, _ = raw_pubsub(raw_host(), degree=2)
+        peers = [ID(b"\x00\x01p%d" % i) for i in range(4)]
+        router.pubsub = SimpleNamespace(peer_topics={"t": set(peers)})
+        router.peer_protocol = dict.fromkeys(peers, PROTOCOL_ID_V11)
+        router.mesh["t"] = set(peers[:2])
+        for peer in peers[2:]:  # pruned by us: both sides back off (mesh_backoff above)
+            router._add_back_off(peer, "t", False)
+        router.mcache.put(rpc_pb2.Message(from_id=b"o", seqno=b"\x01", data=b"x",
+                                          topicIDs=["t"]))
+        if patched:
+            mesh_backoff.patch_ihave_to_backed_off(router)
+        gossip = {p for p, topics in router.gossip_heartbeat().items() if "t" in topics}
+        router.mesh["t"] = set()  # below D_low: the heartbeat grafts, never a backed-off peer
+        grafted, _ = router.mesh_heartbeat()
+        assert set(grafted) == set(peers[:2])
+        return gossip
+
+    peers = [ID(b"\x00\x01p%d" % i) for i in range(4)]
+    assert gossiped_to(False) == set()  # upstream: no IHAVE over a pruned link
+    assert gossiped_to(True) == set(peers[2:])  # the non-mesh peers, backed off or not
+
+
 def test_needed_counted_subscription_channel():
     async def main() -> tuple[int, int]:
         send, recv = trio.open_memory_channel(1)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from .test_operator import Node, free_port, status, trainer_config, wait_for
+from .test_operator import Node, free_port, get, status, trainer_config, wait_for
 
 BIN = Path(sys.executable).parent / "swarm-node"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -261,6 +261,12 @@ def test_join_line_full_disk_and_history(swarm, tiny_model_dir, small_disk, tmp_
         peer.stop()
 
 
+def _gauges(text: str, family: str) -> dict[str, float]:
+    """{label value: value} of one metric family in a /metrics text."""
+    return {m.group(1): float(m.group(2)) for m in re.finditer(
+        rf'^{family}{{\w+="([^"]*)"}} (\S+)$', text, re.MULTILINE)}
+
+
 def _codes(doc: dict) -> list[str]:
     return [a["code"] for a in doc.get("alerts") or []]
 
@@ -408,6 +414,19 @@ def test_relay_counters_and_a_relay_with_nothing_to_follow(swarm, tmp_path):
         assert 'data-role="relay"' in dom and banners(dom) == []
         assert int(element_text(dom, "c-mirrored")) >= 3
         assert any(v["here"] == "complete" for v in after["swarm"]["versions"])
+        # what the first download loaded was frozen too (before: 144,562 objects tracked,
+        # 121,230 frozen; after: ~1k tracked, 265k frozen)
+        heap = _gauges(get(relay.admin_port, "/metrics").decode(), "swarm_node_gc_objects")
+        assert heap["tracked"] < heap["frozen"] / 2, heap
+        # the trainer knows the relay holds its versions (it ignored adverts of its own
+        # policy: "versions known" showed 0 peers advertising what it published)
+        relay_id = after["peer_id"]
+        wait_for(lambda: any(r["peer"] == relay_id and r.get("version") is not None
+                             for r in swarm.status()["swarm"]["peers"]), 120,
+                 "the trainer's swarm view: the relay's newest version", swarm.proc, swarm.log)
+        mine = swarm.status()["swarm"]["versions"]
+        assert any(v["policy_id"] == trainer_id and v["here"] == "complete"
+                   and v["holders"] >= 1 for v in mine), mine
 
         # restarted, it serves what it stored at once (not counted as mirrored again)
         held = relay.status()["policy_version"]

@@ -131,7 +131,11 @@ async def _main(cfg: Config) -> None:
 
 async def _run(cfg: Config, stop: asyncio.Event) -> None:
     route_library_logs()  # py-libp2p's import reconfigured its loggers
+    created = not cfg.key_path.exists()
     identity = Identity.load_or_create(cfg.key_path)
+    if created:  # a key other than the one `swarm-node keygen`/`id` showed, maybe
+        log.info("created this node's key %s (peer id %s): its identity in the swarm; keep "
+                 "it with the data dir", cfg.key_path, identity.peer_id)
     state = NodeState(peer_id=identity.peer_id, role=cfg.node.role, swarm_id=cfg.node.swarm_id)
     state.software_version = software_version()
     state.protocol_version = PROTOCOL_VERSION

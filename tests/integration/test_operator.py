@@ -353,6 +353,10 @@ def test_ctrl_c_says_what_it_waits_for_and_max_steps_survives_restart(trainer):
              "max_steps message after restart", trainer.proc, trainer.log)
     assert trainer.status()["policy_version"] == MAX_STEPS
     assert f"train step -> v{MAX_STEPS + 1}" not in trainer.log.read_text()
+    # its key was created (and said so, with the peer id) at the first start only
+    created = re.findall(r"created this node's key (\S+) \(peer id (\S+)\)",
+                         trainer.log.read_text())
+    assert created == [(str(trainer.data / "node_key.pem"), trainer.status()["peer_id"])]
 
     trainer.proc.send_signal(signal.SIGINT)
     wait_for(lambda: trainer.log.read_text().count("Ctrl-C again") >= 2, 30, "stopping")

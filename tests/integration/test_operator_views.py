@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from rich.text import Text
 
 from .test_operator import Node, free_port, get, status, trainer_config, wait_for
 
@@ -498,3 +499,37 @@ async def test_every_stuck_state_is_a_banner_in_chromium(tmp_path):
         # a configuration difference the trainer rejects for, once nothing else is wrong
         assert banners(dom) == ["settings_differ"]
 
+
+
+async def test_honest_rejects_are_not_shown_as_cheating(tmp_path):
+    """A fresh honest peer's rounds rejected as stale (walkthrough: 32 of its first 512, the
+    trainer 4+ versions ahead by the time it verified them) are amber and explained; a
+    proof mismatch is red."""
+    from swarm_node.node.admin import AdminServer, render_tables
+    from swarm_node.node.metrics import NodeState
+    from swarm_node.verifier.reasons import HONEST_MISTAKES
+
+    assert "stale_policy" in HONEST_MISTAKES and "proof_index_mismatch" not in HONEST_MISTAKES
+    honest, strict = "12D3KooWTrainerHonest00000000000", "12D3KooWTrainerStrict00000000000"
+    state = NodeState("12D3KooWInferencePeer0000000000", "inference", "my-swarm")
+    state.phase = "running"
+    state.own_verdicts.add(honest, True, "accepted", 480)
+    state.own_verdicts.add(honest, False, "stale_policy", 32)
+    state.own_verdicts.add(strict, False, "proof_index_mismatch", 5)
+    async with AdminServer(state, port=0) as server:
+        doc = await asyncio.to_thread(status, server.port)
+        assert doc["reasons"]["stale_policy"]["held_against"] is False
+        assert doc["reasons"]["proof_index_mismatch"]["held_against"] is True
+        held = {t["trainer"]: t["rejected_held_against"]
+                for t in doc["contribution"]["trainers"]}
+        assert held == {honest: 0, strict: 5}
+        dom = await asyncio.to_thread(dashboard, server.port, tmp_path)
+    cells = re.findall(r'<td class="n (\w*)">(\d+)</td>', dom.split('id="contribution"')[1]
+                       .split("</table>")[0])
+    assert ("warn", "32") in cells and ("bad", "5") in cells, cells
+    notes = dom.split('id="verdict-notes"')[1].split("</div></div>")[0]
+    assert "stale_policy" in notes and "not held against the sender" in notes
+    assert "proof_index_mismatch" in notes
+    printed = "\n".join(str(t) for t in render_tables(doc) if isinstance(t, str | Text))
+    assert "stale_policy: policy version older" in printed
+    assert "not held against the sender" in printed

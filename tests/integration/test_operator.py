@@ -449,3 +449,27 @@ def test_second_ctrl_c_exits_at_once_while_the_first_waits(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_ctrl_c_while_starting_stops_without_joining(tmp_path):
+    """Ctrl-C in the first seconds (the host or the role starting): the node stops there,
+    never announced as joined (it used to load the model, log `joined swarm`, then stop)."""
+    env = {**os.environ, "HOME": str(tmp_path), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    log = tmp_path / "node.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([str(BIN), "join", "--role", "inference", "--data-dir",
+                                 str(tmp_path / "d"), "--listen", "/ip4/127.0.0.1/tcp/0",
+                                 "--admin-port", "0"], stdout=out, stderr=subprocess.STDOUT,
+                                env=env)
+    try:
+        wait_for(lambda: "starting the libp2p host" in log.read_text(), 120,
+                 "the host starting", proc, log)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 0, log.read_text()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert "stopping: waiting for" in text and text.rstrip().endswith("stopped"), text[-2000:]
+    assert "joined swarm" not in text and "inference peer ready" not in text, text[-2000:]

@@ -371,3 +371,20 @@ def test_doctor_asks_torch_only_where_a_gpu_is_possible():
     assert gpu_possible({})  # an unreadable build: torch is asked
     nodes = any(Path("/").glob(p.lstrip("/")) for p in GPU_DEVICE_NODES)
     assert gpu_possible({"__version__": "2.13.0", "cuda": "12.8"}) == nodes
+
+
+def test_ctrl_c_before_the_node_started_says_so(tmp_path, monkeypatch):
+    """Ctrl-C in the first second (still importing, before the node's own handler): one
+    line and code 130, not a silent exit."""
+    from swarm_node.cli.main import app
+    from swarm_node.node import runner
+    from typer.testing import CliRunner
+
+    def interrupted(cfg, new_model=False):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "run_node", interrupted)
+    result = CliRunner().invoke(app, ["join", "--data-dir", str(tmp_path / "d")],
+                                env={"NO_COLOR": "1", "HOME": str(tmp_path)})
+    assert result.exit_code == 130
+    assert "interrupted before the node started" in result.output

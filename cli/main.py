@@ -193,6 +193,14 @@ def join(
         typer.echo("# config ok")
         return
     try:
+        _start(cfg, new_model, as_json)
+    except KeyboardInterrupt:  # before the node's own handler is in place (its imports)
+        _fail("interrupted before the node started; nothing was started or changed", 130,
+              as_json)
+
+
+def _start(cfg, new_model: bool, as_json: bool) -> None:
+    try:
         from ..node.runner import run_node
     except ImportError as e:
         _fail(f"this build cannot run a node yet: {e}", 1, as_json)
@@ -204,8 +212,6 @@ def join(
         run_node(cfg, new_model=new_model)
     except NodeError as e:
         _fail(str(e), 1, as_json)
-    except KeyboardInterrupt:
-        raise typer.Exit(130) from None
 
 
 @app.command()
@@ -345,7 +351,9 @@ def group_keygen(
 def main() -> None:
     try:
         app()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C while a command still imports or reads its config
+        typer.secho("interrupted (Ctrl-C); nothing was started", fg=typer.colors.RED,
+                    err=True)
         sys.exit(130)
 
 

@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING, Any, Self
 from prometheus_client import generate_latest
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from .dashboard import page
-from .dashboard.views import alerts, contribution, swarm
+from .dashboard.views import alerts, contribution, reason_notes, swarm
 from .errors import NodeError
 
 if TYPE_CHECKING:
@@ -158,6 +159,7 @@ def status_document(state: NodeState) -> dict[str, Any]:
     doc["alerts"] = alerts(doc)
     doc["contribution"] = contribution(doc)
     doc["swarm"] = swarm(doc)
+    doc["reasons"] = reason_notes(doc)
     return doc
 
 
@@ -370,14 +372,17 @@ def render_tables(doc: dict[str, Any]) -> list:
             t.add_row(str(tr["trainer"]), str(tr["accepted"]), str(tr["rejected"]), share,
                       why or "-")
         tables.append(t)
+        tables.extend(_reason_lines(doc))
 
     rejected = doc.get("rollouts_rejected") or {}
     if rejected:
         t = Table(title="rejected rollouts by reason")
         t.add_column("reason")
         t.add_column("count", justify="right")
+        t.add_column("meaning")
+        notes = _notes(doc)
         for reason, n in sorted(rejected.items(), key=lambda kv: -kv[1]):
-            t.add_row(str(reason), str(n))
+            t.add_row(str(reason), str(n), Text(_meaning(notes.get(reason) or {})))
         tables.append(t)
 
     by_peer = doc.get("accepted_by_peer") or {}
@@ -422,6 +427,21 @@ def _swarm_tables(view: dict[str, Any]) -> list:
                       str(v.get("here") or "-"))
         tables.append(t)
     return tables
+
+
+def _reason_lines(doc: dict[str, Any]) -> list[str]:
+    """One line per reject reason seen: its meaning, and whether it counts against the
+    node (an honest node's stale or duplicate rounds are not cheating)."""
+    return [Text(f"  {r}: {_meaning(n)}") for r, n in _notes(doc).items()]
+
+
+def _notes(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return doc["reasons"] if isinstance(doc.get("reasons"), dict) else reason_notes(doc)
+
+
+def _meaning(note: dict[str, Any]) -> str:
+    return (str(note.get("text") or "?") + ("" if note.get("held_against") else
+                                            " (not held against the sender: honest nodes hit it too)"))
 
 
 def _contribution_rows(c: dict[str, Any]) -> list[tuple[str, Any]]:

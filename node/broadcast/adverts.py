@@ -25,6 +25,9 @@ from .store import ShardStore, VersionEntry, advert_shards
 
 log = logging.getLogger(__name__)
 
+MAX_OWN_HOLDERS = 256
+"""Advertisers remembered per version of this node's own policy (the swarm view's holders)."""
+
 
 class Adverts:
     def __init__(self, node: Transport, cfg, store: ShardStore, records: VersionRecords,
@@ -44,6 +47,8 @@ class Adverts:
         ad: ShardAdvert = env.message
         self.counters["adverts_received"] += 1
         if not self.follows(ad.policy_id):
+            if ad.policy_id == getattr(self.node, "peer_id", None):
+                self._own_holder(env.sender, ad)
             return
         rec = self.records.track((ad.policy_id, ad.version))
         if rec is None:
@@ -58,6 +63,17 @@ class Adverts:
         rec.remember(env.sender, advert_shards(ad, n))
         if self.on_source is not None:
             self.on_source(rec, env.sender)
+
+    def _own_holder(self, peer: str, ad: ShardAdvert) -> None:
+        """`peer` holds (part of) a version this node published: remembered for the swarm
+        view only (its holders, a trainer's table of who holds what), never as a source.
+        Only versions still stored here, and at most MAX_OWN_HOLDERS advertisers each
+        (advertisers' keys cost nothing)."""
+        entry = self.store.get(ad.policy_id, ad.version)
+        rec = self.records.track((ad.policy_id, ad.version)) if entry is not None else None
+        if rec is None or (peer not in rec.holders and len(rec.holders) >= MAX_OWN_HOLDERS):
+            return
+        rec.remember(peer, advert_shards(ad, entry.manifest.num_shards))
 
     def _admit(self, rec: VersionRecord, peer: str, endpoint: str) -> bool:
         """Whether `peer`'s advert makes it a candidate source of the version. The trainer

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...verifier.reasons import HONEST_MISTAKES, REASONS
+
 ERROR, WARNING = "error", "warning"
 MIB = 2**20
 
@@ -119,11 +121,29 @@ def contribution(doc: dict[str, Any]) -> dict[str, Any]:
                          "trainer_accepted": theirs,
                          "share": round(_int(rec.get("accepted")) / theirs, 4)
                          if theirs else None})
+    for t in trainers:  # rejects that count against this node (not an honest mistake)
+        reasons = _dict(_dict(_dict(mine.get("by_trainer")).get(t["trainer"])).get("reasons"))
+        t["rejected_held_against"] = sum(_int(n) for r, n in reasons.items()
+                                         if r not in HONEST_MISTAKES)
     hour = _dict(mine.get("per_hour"))
     return {"role": "inference", "sent": _int(doc.get("rollouts_sent")),
             "accepted": _int(mine.get("accepted")),
             "rejected": sum(_int(n) for n in _dict(mine.get("rejected")).values()),
             "per_hour": hour.get("rate"), "trainers": trainers}
+
+
+def reason_notes(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """What each reject reason in `doc` means, and whether it counts against the peer
+    (`held_against`: evidence of cheating) or is an honest mistake (a stale policy, a
+    setting, a duplicate: never penalised). The views show a reason's code with it, so an
+    honest node's `stale_policy` is not read as cheating."""
+    mine = _dict(doc.get("verdicts_about_me"))
+    seen = set(_dict(mine.get("rejected"))) | set(_dict(doc.get("rollouts_rejected")))
+    for rec in [*_dict(mine.get("by_trainer")).values(),
+                *_dict(doc.get("accepted_by_peer")).values()]:
+        seen |= set(_dict(_dict(rec).get("reasons")))
+    return {str(r): {"text": REASONS.get(str(r), ""), "held_against": r not in HONEST_MISTAKES}
+            for r in sorted(seen, key=str)}
 
 
 def swarm(doc: dict[str, Any], max_peers: int = 64) -> dict[str, Any]:

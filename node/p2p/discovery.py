@@ -144,6 +144,9 @@ class Discovery:
                 return reached
             if time.monotonic() + delay >= deadline:
                 break
+            if delay == 0.5:  # said at once, not only when the deadline ends the retries
+                log.warning("no bootstrap peer reached yet (%s); retrying for up to %.0fs",
+                            "; ".join(f"{a}: {last[a]}" for a in addrs), remaining)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 8.0)
         lines = "\n".join(f"  - {a}: {last[a]}" for a in addrs)

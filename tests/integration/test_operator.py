@@ -251,11 +251,14 @@ def test_a_bootstrap_failure_is_one_line_with_the_cause(tmp_path):
     dead = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{FAKE_PEER}"
     proc = run_cli("join", "--data-dir", str(tmp_path / "d"), "--listen",
                    "/ip4/127.0.0.1/tcp/0", "--admin-port", "0", "--bootstrap", dead,
-                   "--set", "p2p.bootstrap_timeout_s=2", home=tmp_path, timeout=120)
+                   "--set", "p2p.bootstrap_timeout_s=5", home=tmp_path, timeout=120)
     assert proc.returncode not in (0, None) and "Traceback" not in proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     logged = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+ (INFO|WARNING) ")
     assert all(logged.match(ln) for ln in lines[:-1]), proc.stderr  # the node's own log
+    # the first failed round is said at once, not after the whole timeout in silence
+    assert any(f"no bootstrap peer reached yet ({dead}: connection refused" in ln
+               for ln in lines[:-1]), proc.stderr
     assert lines[-1].startswith("error: could not reach any bootstrap peer"), proc.stderr
     assert f"{dead}: connection refused" in lines[-1]  # the address and the cause
 
@@ -350,6 +353,10 @@ def test_ctrl_c_says_what_it_waits_for_and_max_steps_survives_restart(trainer):
              "max_steps message after restart", trainer.proc, trainer.log)
     assert trainer.status()["policy_version"] == MAX_STEPS
     assert f"train step -> v{MAX_STEPS + 1}" not in trainer.log.read_text()
+    # its key was created (and said so, with the peer id) at the first start only
+    created = re.findall(r"created this node's key (\S+) \(peer id (\S+)\)",
+                         trainer.log.read_text())
+    assert created == [(str(trainer.data / "node_key.pem"), trainer.status()["peer_id"])]
 
     trainer.proc.send_signal(signal.SIGINT)
     wait_for(lambda: trainer.log.read_text().count("Ctrl-C again") >= 2, 30, "stopping")
@@ -442,3 +449,27 @@ def test_second_ctrl_c_exits_at_once_while_the_first_waits(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_ctrl_c_while_starting_stops_without_joining(tmp_path):
+    """Ctrl-C in the first seconds (the host or the role starting): the node stops there,
+    never announced as joined (it used to load the model, log `joined swarm`, then stop)."""
+    env = {**os.environ, "HOME": str(tmp_path), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    log = tmp_path / "node.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([str(BIN), "join", "--role", "inference", "--data-dir",
+                                 str(tmp_path / "d"), "--listen", "/ip4/127.0.0.1/tcp/0",
+                                 "--admin-port", "0"], stdout=out, stderr=subprocess.STDOUT,
+                                env=env)
+    try:
+        wait_for(lambda: "starting the libp2p host" in log.read_text(), 120,
+                 "the host starting", proc, log)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 0, log.read_text()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert "stopping: waiting for" in text and text.rstrip().endswith("stopped"), text[-2000:]
+    assert "joined swarm" not in text and "inference peer ready" not in text, text[-2000:]

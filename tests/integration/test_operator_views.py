@@ -21,8 +21,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from rich.text import Text
 
-from .test_operator import Node, free_port, status, trainer_config, wait_for
+from .test_operator import Node, free_port, get, status, trainer_config, wait_for
 
 BIN = Path(sys.executable).parent / "swarm-node"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -261,6 +262,12 @@ def test_join_line_full_disk_and_history(swarm, tiny_model_dir, small_disk, tmp_
         peer.stop()
 
 
+def _gauges(text: str, family: str) -> dict[str, float]:
+    """{label value: value} of one metric family in a /metrics text."""
+    return {m.group(1): float(m.group(2)) for m in re.finditer(
+        rf'^{family}{{\w+="([^"]*)"}} (\S+)$', text, re.MULTILINE)}
+
+
 def _codes(doc: dict) -> list[str]:
     return [a["code"] for a in doc.get("alerts") or []]
 
@@ -408,6 +415,19 @@ def test_relay_counters_and_a_relay_with_nothing_to_follow(swarm, tmp_path):
         assert 'data-role="relay"' in dom and banners(dom) == []
         assert int(element_text(dom, "c-mirrored")) >= 3
         assert any(v["here"] == "complete" for v in after["swarm"]["versions"])
+        # what the first download loaded was frozen too (before: 144,562 objects tracked,
+        # 121,230 frozen; after: ~1k tracked, 265k frozen)
+        heap = _gauges(get(relay.admin_port, "/metrics").decode(), "swarm_node_gc_objects")
+        assert heap["tracked"] < heap["frozen"] / 2, heap
+        # the trainer knows the relay holds its versions (it ignored adverts of its own
+        # policy: "versions known" showed 0 peers advertising what it published)
+        relay_id = after["peer_id"]
+        wait_for(lambda: any(r["peer"] == relay_id and r.get("version") is not None
+                             for r in swarm.status()["swarm"]["peers"]), 120,
+                 "the trainer's swarm view: the relay's newest version", swarm.proc, swarm.log)
+        mine = swarm.status()["swarm"]["versions"]
+        assert any(v["policy_id"] == trainer_id and v["here"] == "complete"
+                   and v["holders"] >= 1 for v in mine), mine
 
         # restarted, it serves what it stored at once (not counted as mirrored again)
         held = relay.status()["policy_version"]
@@ -479,3 +499,37 @@ async def test_every_stuck_state_is_a_banner_in_chromium(tmp_path):
         # a configuration difference the trainer rejects for, once nothing else is wrong
         assert banners(dom) == ["settings_differ"]
 
+
+
+async def test_honest_rejects_are_not_shown_as_cheating(tmp_path):
+    """A fresh honest peer's rounds rejected as stale (walkthrough: 32 of its first 512, the
+    trainer 4+ versions ahead by the time it verified them) are amber and explained; a
+    proof mismatch is red."""
+    from swarm_node.node.admin import AdminServer, render_tables
+    from swarm_node.node.metrics import NodeState
+    from swarm_node.verifier.reasons import HONEST_MISTAKES
+
+    assert "stale_policy" in HONEST_MISTAKES and "proof_index_mismatch" not in HONEST_MISTAKES
+    honest, strict = "12D3KooWTrainerHonest00000000000", "12D3KooWTrainerStrict00000000000"
+    state = NodeState("12D3KooWInferencePeer0000000000", "inference", "my-swarm")
+    state.phase = "running"
+    state.own_verdicts.add(honest, True, "accepted", 480)
+    state.own_verdicts.add(honest, False, "stale_policy", 32)
+    state.own_verdicts.add(strict, False, "proof_index_mismatch", 5)
+    async with AdminServer(state, port=0) as server:
+        doc = await asyncio.to_thread(status, server.port)
+        assert doc["reasons"]["stale_policy"]["held_against"] is False
+        assert doc["reasons"]["proof_index_mismatch"]["held_against"] is True
+        held = {t["trainer"]: t["rejected_held_against"]
+                for t in doc["contribution"]["trainers"]}
+        assert held == {honest: 0, strict: 5}
+        dom = await asyncio.to_thread(dashboard, server.port, tmp_path)
+    cells = re.findall(r'<td class="n (\w*)">(\d+)</td>', dom.split('id="contribution"')[1]
+                       .split("</table>")[0])
+    assert ("warn", "32") in cells and ("bad", "5") in cells, cells
+    notes = dom.split('id="verdict-notes"')[1].split("</div></div>")[0]
+    assert "stale_policy" in notes and "not held against the sender" in notes
+    assert "proof_index_mismatch" in notes
+    printed = "\n".join(str(t) for t in render_tables(doc) if isinstance(t, str | Text))
+    assert "stale_policy: policy version older" in printed
+    assert "not held against the sender" in printed

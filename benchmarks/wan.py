@@ -602,7 +602,8 @@ async def _gossip_worker(args) -> None:
     emit(event="done", peer_id=node.peer_id, records=records,
          metrics=node.metrics.snapshot()["counters"], links=links,
          mesh=node.gossip.mesh_peers("rollouts"), reach=node.reach.current.verdict.value,
-         cpu_s=time.process_time(), announced=announced, traces=traces)
+         cpu_s=time.process_time(), announced=announced, traces=traces,
+         heartbeat_s=node.context.router.heartbeat_interval)
     await asyncio.to_thread(sys.stdin.readline)
     await node.close()
 
@@ -659,6 +660,9 @@ def gossip_figures(args, n: int, work: Path) -> dict:
     summary.update(announce_pull_split(results))
     summary["bodies"] = body_breakdown(results)
     summary["topic_peers"] = statistics.fmean(m["topic_peers"] for m in meshed)
+    # the GossipSub heartbeat each worker ran at the end (py-libp2p's adaptive gossip, off
+    # since the meshgossip fix, had set it to 30-60 s from a health score)
+    summary["heartbeats_s"] = sorted(r.get("heartbeat_s", 0) for r in results)
     summary["nodes"] = n
     return summary
 
@@ -734,6 +738,7 @@ def section_gossip(args, work: Path) -> tuple[str, dict]:
             f"{args.batch_kib} KiB per peer per round; workers bootstrap through the trainer's "
             "host; NAT'd workers wait up to --mesh-wait for a mesh.\n\n"
             + table(GOSSIP_HEAD, [gossip_row(s)]) + "\n\n" + bound_line(s, args)
+            + f" GossipSub heartbeat at the end (s, per worker): {s['heartbeats_s']}."
             + f"\n\nDelay stage: {s['stage']}.")
     return body, s
 

@@ -15,6 +15,7 @@ from swarm_node.node.p2p.gossip_push import (
     FRAME_FORWARD,
     KIND,
     MAX_FORWARD,
+    PUSH_WAIT_S,
     SEND,
     UNCLAIMED_PER_PEER,
 )
@@ -185,3 +186,28 @@ async def test_a_public_peer_forwards_a_body_between_two_peers_that_cannot_link(
     assert c.metrics["payload_push_claimed"] == 1 and c.metrics["payload_push_forwarded"] == 1
     assert a.metrics["payload_push_claimed"] == 1
     assert a.metrics["payload_pulled_bulk"] + a.metrics["payload_pulled_libp2p"] == 0
+
+
+async def test_no_push_is_waited_for_from_an_origin_we_are_not_connected_to(make_node):
+    # An origin pushes, and names to its forwarders, only its topic peers (the subscribers
+    # it is connected to). a (behind NAT, a link from c) is not connected to d: an announce
+    # of d's is pulled at once, not after PUSH_WAIT_S for a push that cannot come.
+    c = await make_node()
+    a = await make_node(bootstrap=c.listen_addrs, bulk_listen="off", discovery=False)
+    d = await make_node(bootstrap=c.listen_addrs, discovery=False)
+    got = []
+
+    async def on_msg(env, peer):
+        got.append(env)
+
+    for n in (a, c, d):
+        await n.subscribe(TOPIC, on_msg if n is a else (lambda env, peer: asyncio.sleep(0)))
+    await wait_until(lambda: a.gossip.pusher.pushes_to_us(c.peer_id)
+                     and d.peer_id in c.gossip.topic_peers(TOPIC)
+                     and a.peer_id in c.gossip.mesh_peers(TOPIC), 30, what="the links")
+    assert d.peer_id not in a.connected_peers()
+    assert a.gossip.pusher.push_wait(c.peer_id) == PUSH_WAIT_S  # c may push or forward
+    assert a.gossip.pusher.push_wait(d.peer_id) == 0
+    await d.publish(TOPIC, batch(d.peer_id, 8192, 1))
+    await wait_until(lambda: len(got) == 1, 30, what="the batch")
+    assert a.metrics["payload_pulled_bulk"] + a.metrics["payload_pulled_libp2p"] == 1

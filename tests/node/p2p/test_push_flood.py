@@ -13,6 +13,7 @@ import hashlib
 import os
 import types
 
+import pytest
 from swarm_node.node.p2p.bulk import BulkError
 from swarm_node.node.p2p.gossip_push import (
     UNCLAIMED_BYTES_MAX,
@@ -51,6 +52,7 @@ async def _honest_round(a, b, conn, got, k: int, flood_pushed) -> bool:
     return a.metrics["payload_push_claimed"] > claimed
 
 
+@pytest.mark.slow
 async def test_many_identities_pushing_junk_cannot_evict_an_honest_push(make_node):
     # the bulk plane takes pushes from any authenticated peer, libp2p connection or not
     # (256 connections, 64 per address for unknown peers): here the sybils come from one

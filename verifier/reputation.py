@@ -13,7 +13,7 @@ established one `ALARM_PENALTY` (the score cap: banned unless it was at the cap)
 intake discards the alarmed batch, so an alarm always costs more than the batch earned.
 An alarm also restarts the peer's probation and raises what ends it: only completions
 accepted after its last alarm count, and it needs `probation_accepts` x
-`REPROBATION_FACTOR`^alarms of them (8, 32, 128, then 512 at most). Until then it is a
+`REPROBATION_FACTOR`^alarms of them (8, 64, then 512 at most). Until then it is a
 probation sender (one-batch and pooled tests, and its next alarm bans it): a caught
 steerer cannot buy its standing back with one honest batch (issue 30).
 
@@ -79,10 +79,11 @@ PENALTIES: dict[str, float] = {
 ALARM_PENALTY = -MAX_SCORE
 # After an alarm, probation needs this many times more accepted completions (per alarm on
 # record, at most REPROBATION_MAX_POWER times): a false alarm of an honest peer (~1e-4 per
-# batch) costs it 4 batches of 8 of full verification, a steerer 4x more honest work per
-# round of steering it is caught at.
-REPROBATION_FACTOR = 4
-REPROBATION_MAX_POWER = 3
+# batch) costs it 8 batches of 8 under full verification. x4 was too little against the
+# real bf16 trainer: one honest batch and one weakly steered batch that slipped under the
+# restarted tests (16 + 16 completions) made a caught steerer established again.
+REPROBATION_FACTOR = 8
+REPROBATION_MAX_POWER = 2
 
 
 @dataclass

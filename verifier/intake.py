@@ -483,6 +483,7 @@ class Intake:
         self.batches[f"alarm_{alarm.test}"] += 1
         for peer in alarm.peers:
             self.reputation.record_alarm(peer, alarm.reason)
+            self.monitor.condemned(peer)  # its tests restart with a head start
             dropped = await self.ports.work(self.sink.drop_sender, peer)
             self.state.count(f"sequential_{alarm.reason}")
             log.warning("peer %s failed the %s test (%s%s); %d of its waiting groups dropped",

@@ -11,6 +11,11 @@ A per-peer test's alarm (sequential.py: `logprob_bias`, `tie_steering`) is not o
 reject: `record_alarm` bans a peer without verified history outright and costs an
 established one `ALARM_PENALTY` (the score cap: banned unless it was at the cap), and the
 intake discards the alarmed batch, so an alarm always costs more than the batch earned.
+An alarm also restarts the peer's probation and raises what ends it: only completions
+accepted after its last alarm count, and it needs `probation_accepts` x
+`REPROBATION_FACTOR`^alarms of them (8, 64, then 512 at most). Until then it is a
+probation sender (one-batch and pooled tests, and its next alarm bans it): a caught
+steerer cannot buy its standing back with one honest batch (issue 30).
 
 Verdicts received from other peers are hints only, and only from a peer the caller trusts
 (`hint(..., trusted=...)`: one with verified history here, or a followed trainer): such a
@@ -72,6 +77,13 @@ PENALTIES: dict[str, float] = {
 # 0 (probation again, not banned: an honest false alarm costs it its standing, ~1e-4 per
 # batch); any peer with a shorter history falls below the ban threshold.
 ALARM_PENALTY = -MAX_SCORE
+# After an alarm, probation needs this many times more accepted completions (per alarm on
+# record, at most REPROBATION_MAX_POWER times): a false alarm of an honest peer (~1e-4 per
+# batch) costs it 8 batches of 8 under full verification. x4 was too little against the
+# real bf16 trainer: one honest batch and one weakly steered batch that slipped under the
+# restarted tests (16 + 16 completions) made a caught steerer established again.
+REPROBATION_FACTOR = 8
+REPROBATION_MAX_POWER = 2
 
 
 @dataclass
@@ -82,6 +94,8 @@ class PeerRecord:
     rejected: int = 0
     banned_until: float = 0.0
     last_reason: str = ""
+    alarms: int = 0  # per-peer test alarms on record
+    accepted_at_alarm: int = 0  # `accepted` at the last alarm (only later ones count)
 
 
 class Reputation:
@@ -177,11 +191,17 @@ class Reputation:
             rec.score = min(rec.score, self.ban_threshold - 1.0)
         rec.updated, rec.last_reason = now, reason
         rec.rejected += 1
+        rec.alarms += 1
+        rec.accepted_at_alarm = rec.accepted  # probation again, longer (established)
         self._dirty.add(peer)
         if rec.score < self.ban_threshold and rec.banned_until <= now:
             rec.banned_until = now + self.ban_seconds
             log.warning("banned peer %s for %.0f s (%s alarm, score %.2f)", peer,
                         self.ban_seconds, reason, rec.score)
+        else:
+            log.warning("peer %s on probation again (%s alarm %d, score %.2f; needs %d "
+                        "accepted completions)", peer, reason, rec.alarms, rec.score,
+                        self.probation_needs(peer))
         self.save()
         return rec.score
 
@@ -202,12 +222,20 @@ class Reputation:
             self.save()
 
     def established(self, peer: str) -> bool:
-        """Out of probation: at least `probation_accepts` accepted, model-checked rollouts
-        and a positive score (verified history here; hints from others play no part). The
-        verification queue serves established peers first (intake.py)."""
+        """Out of probation: `probation_needs(peer)` accepted, model-checked rollouts since
+        its last alarm and a positive score (verified history here; hints from others play
+        no part). The verification queue serves established peers first (intake.py)."""
         rec = self.peers.get(peer)
-        return (rec is not None and rec.accepted >= self.probation_accepts
+        return (rec is not None
+                and rec.accepted - rec.accepted_at_alarm >= self.probation_needs(peer)
                 and self._decayed(rec, self.clock()) > 0)
+
+    def probation_needs(self, peer: str) -> int:
+        """Accepted completions since its last alarm that end `peer`'s probation:
+        `probation_accepts`, times REPROBATION_FACTOR per alarm on record (capped)."""
+        rec = self.peers.get(peer)
+        alarms = min(rec.alarms if rec is not None else 0, REPROBATION_MAX_POWER)
+        return self.probation_accepts * REPROBATION_FACTOR ** alarms
 
     def _suspect(self, peer: str, now: float) -> bool:
         until = self.suspects.get(peer)
@@ -369,8 +397,9 @@ class Reputation:
 
 
 def _record(r: dict) -> PeerRecord:
-    fields = {k: (str(v) if k == "last_reason" else int(v) if k in ("accepted", "rejected")
-                  else float(v)) for k, v in r.items() if k != "suspect_until"}
+    ints = ("accepted", "rejected", "alarms", "accepted_at_alarm")
+    fields = {k: (str(v) if k == "last_reason" else int(v) if k in ints else float(v))
+              for k, v in r.items() if k != "suspect_until"}
     return PeerRecord(**fields)
 
 

@@ -47,6 +47,14 @@ that no single completion reveals:
   drift would hide a sender steering only narrow ones.
 
 CUSUM: g = max(0, g + LLR(observation)); an alarm when g > h, then g restarts at 0.
+A peer an alarm condemned (`condemned`) is on probation again (reputation.py); until it
+is out (`observe_batch(..., probation=False)`) its statistics start at, and never fall
+below, `head_start` x h (a "fast initial response" CUSUM, Lucas & Crosier 1982, with
+that as its floor): a steerer that goes on needs 40% of the evidence for its next alarm
+(which bans it), and honest batches in between do not wash the head start out. An
+honest peer falsely alarmed walks at its negative drift just above the floor: at the
+measured bf16 rates it alarms again with about 1.3% over its probation (unit test), so
+about 1e-6 per batch of honest peers are banned this way.
 For the steering test h = 12 (log-likelihood units) bounds false alarms by about e^-12
 per start (~6e-6; bf16 15; fp32 one flip, above); for the bias test an honest peer needs
 a run of clipped 4-sigma completions to reach h. Measured, not only bounded: benchmarks/verifier_real.py `bootstrap`
@@ -106,6 +114,11 @@ class SequentialSettings:
     pooled: bool = True  # the cohort CUSUMs over every probation sender
     max_blame: int = 1024  # senders remembered per pooled excursion
     blame_min: float = 3.0  # a pooled alarm condemns senders whose own share exceeds this
+    # a condemned peer's CUSUMs restart at (and stay above) this fraction of h: 0.5 let a
+    # weakly steered batch (11 positions) slip through on the real bf16 trainer; 0.6 makes
+    # one with 5-12 steered narrow ties alarm 79% of the time (0.5: 53%) at 1.3% re-alarms
+    # of honest condemned peers over their 64-completion probation (0.5: 0.2%; unit test)
+    head_start: float = 0.6
 
     @classmethod
     def for_dtype(cls, dtype: str) -> SequentialSettings:
@@ -154,6 +167,7 @@ class _PeerState:
     outlier: float = 0.0
     observed: int = 0
     alarms: dict = field(default_factory=dict)
+    condemned: bool = False  # floors at head_start x h until out of probation
 
 
 @dataclass(frozen=True)
@@ -197,6 +211,7 @@ class PeerMonitor:
         self._clean = math.log((1 - s.outlier_p1) / (1 - s.outlier_p0))
         self._steer_h = s.steer_h or s.h
         self._wide = s.wide_min or s.tie_eps / 4
+        self._floors = {k: s.head_start * h for k, h in self._thresholds().items()}
         # narrow bins: (upper margin, LLR of a flip, LLR of a kept tie); uninformative skipped
         self._narrow = [(edge * s.tie_eps, math.log(s.narrow_p1 / p0),
                          math.log((1 - s.narrow_p1) / (1 - p0)))
@@ -247,25 +262,31 @@ class PeerMonitor:
         change it made, 0 where it was clamped at 0) and leaves an alarming one above h."""
         s = self.s
         before = {k: getattr(st, k) for k in _STATS}
+        low = self._floors if st.condemned else dict.fromkeys(_STATS, 0.0)
         st.observed += 1
         if ev.z is not None:
-            st.bias_up = max(0.0, st.bias_up + ev.z - s.bias_k)
-            st.bias_down = max(0.0, st.bias_down - ev.z - s.bias_k)
-        st.steer = max(0.0, st.steer + ev.steer)
-        st.narrow = max(0.0, st.narrow + ev.narrow)
+            st.bias_up = max(low["bias_up"], st.bias_up + ev.z - s.bias_k)
+            st.bias_down = max(low["bias_down"], st.bias_down - ev.z - s.bias_k)
+        st.steer = max(low["steer"], st.steer + ev.steer)
+        st.narrow = max(low["narrow"], st.narrow + ev.narrow)
         if ev.outlier is not None:
-            st.outlier = max(0.0, st.outlier + ev.outlier)
+            st.outlier = max(low["outlier"], st.outlier + ev.outlier)
         return {k: getattr(st, k) - before[k] for k in _STATS}
 
+    def _thresholds(self) -> dict[str, float]:
+        return {"bias_up": self.s.h, "bias_down": self.s.h, "steer": self._steer_h,
+                "narrow": self.s.h, "outlier": self.s.h}
+
     def _fired(self, st: _PeerState) -> list[str]:
-        """Statistics above their threshold (reset to 0)."""
-        h = {"bias_up": self.s.h, "bias_down": self.s.h, "steer": self._steer_h,
-             "narrow": self.s.h, "outlier": self.s.h}
+        """Statistics above their threshold (restarted at 0, or a condemned peer's
+        floor)."""
+        h = self._thresholds()
+        low = self._floors if st.condemned else dict.fromkeys(_STATS, 0.0)
         out = [k for k in _STATS if getattr(st, k) > h[k]]
         if "bias_up" in out or "bias_down" in out:
-            st.bias_up = st.bias_down = 0.0
+            st.bias_up, st.bias_down = low["bias_up"], low["bias_down"]
         for k in out:
-            setattr(st, k, 0.0)
+            setattr(st, k, low[k])
         return out
 
     # public --------------------------------------------------------------------------------
@@ -289,6 +310,8 @@ class PeerMonitor:
         peers of every alarm of the batch."""
         evidence = [self._evidence(x) for x in stats]
         st = self._state(peer)
+        if not probation:
+            st.condemned = False  # out of probation again (reputation.py): no floor
         fired: list[tuple[str, str, tuple[str, ...]]] = []
         for ev in evidence:
             self._update(st, ev)
@@ -308,6 +331,15 @@ class PeerMonitor:
         # lose the other senders it blames
         peers = tuple(dict.fromkeys(p for _, _, condemned in fired for p in condemned))
         return Alarm(reason, peers, test)
+
+    def condemned(self, peer: str) -> None:
+        """An alarm condemned `peer` (whichever test fired): each of its statistics
+        restarts at `head_start` x its threshold (or stays where it is if higher) and
+        stays at or above that until a batch of it is observed out of probation."""
+        st = self._state(peer)
+        st.condemned = True
+        for k, low in self._floors.items():
+            setattr(st, k, max(getattr(st, k), low))
 
     def _one_batch(self, evidence: list[_Evidence]) -> str | None:
         s = self.s

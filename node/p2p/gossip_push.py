@@ -22,8 +22,11 @@ accepts (more: `too_large`, charged to the pusher, link closed); the hash must m
 (`hash_mismatch`, the same); the body is then held, unclaimed, until a signed announce of
 that hash arrives (pubsub.py opens it as if pulled: a bad body is the origin's fault, the
 pusher only carried bytes the origin signed). Unclaimed bodies are bounded per pusher
-(UNCLAIMED_PER_PEER, oldest dropped, counted `payload_push_unclaimed_dropped`) and in all
-(UNCLAIMED_MAX); a body held already is counted `payload_push_duplicate` and dropped.
+(UNCLAIMED_PER_PEER bodies and UNCLAIMED_BYTES_PER_PEER bytes, its oldest dropped, counted
+`payload_push_unclaimed_dropped`) and in all (UNCLAIMED_MAX, UNCLAIMED_BYTES_MAX); past
+the bound in all, the oldest body of the pusher holding the most bytes goes, so N fresh
+identities pushing junk evict each other, not an honest pusher's one body waiting for its
+announce; a body held already is counted `payload_push_duplicate` and dropped.
 """
 
 from __future__ import annotations
@@ -51,6 +54,10 @@ MAX_FORWARD = 64  # peers one forward frame may name
 # Pushed bodies held before their announce: per pusher and in all (oldest dropped first).
 UNCLAIMED_PER_PEER = 32
 UNCLAIMED_MAX = 1024
+# ... and in bytes: a body may be as large as the largest envelope (16 MiB), so the counts
+# alone let one pusher park 512 MiB and N of them 16 GiB (two 16-MiB batches per pusher)
+UNCLAIMED_BYTES_PER_PEER = 32 << 20
+UNCLAIMED_BYTES_MAX = 256 << 20
 UNCLAIMED_TTL_S = 60.0
 # An announce waits this long for its body's push (from the announcer, or forwarded) to
 # start before pulling; a push started is waited for until it ends or fails. In the 12-node
@@ -95,6 +102,8 @@ class BodyPusher:
         self.inn: dict[str, list[_Link]] = {}  # links we read from, by peer
         self.unclaimed: OrderedDict[bytes, _Unclaimed] = OrderedDict()
         self._per_peer: dict[str, int] = {}
+        self._bytes: dict[str, int] = {}  # unclaimed bytes by pusher
+        self.unclaimed_bytes = 0
         self._arrived: dict[bytes, asyncio.Event] = {}  # a push of that hash started/ended
         self._incoming: dict[bytes, asyncio.Future] = {}  # a push being read
         self._opening: set[str] = set()
@@ -324,26 +333,36 @@ class BodyPusher:
     def _hold(self, pusher: str, digest: bytes, data: bytes,
               names: tuple[str, ...] = ()) -> None:
         now = time.monotonic()
-        if self._per_peer.get(pusher, 0) >= UNCLAIMED_PER_PEER:
-            oldest = next(d for d, u in self.unclaimed.items() if u.pusher == pusher)
-            self._forget(oldest)
-            self.metrics.inc("payload_push_unclaimed_dropped")
+        while self._per_peer.get(pusher, 0) and (
+                self._per_peer[pusher] >= UNCLAIMED_PER_PEER
+                or self._bytes[pusher] + len(data) > UNCLAIMED_BYTES_PER_PEER):
+            self._evict(pusher)
         self.unclaimed[digest] = _Unclaimed(pusher, data, now, names)
         self._per_peer[pusher] = self._per_peer.get(pusher, 0) + 1
-        while self.unclaimed and (len(self.unclaimed) > UNCLAIMED_MAX or
-                                  next(iter(self.unclaimed.values())).at
-                                  < now - UNCLAIMED_TTL_S):
+        self._bytes[pusher] = self._bytes.get(pusher, 0) + len(data)
+        self.unclaimed_bytes += len(data)
+        while self.unclaimed and next(iter(self.unclaimed.values())).at < now - UNCLAIMED_TTL_S:
             self._forget(next(iter(self.unclaimed)))
             self.metrics.inc("payload_push_unclaimed_dropped")
+        while (len(self.unclaimed) > UNCLAIMED_MAX
+               or self.unclaimed_bytes > UNCLAIMED_BYTES_MAX):
+            self._evict(max(self._bytes, key=self._bytes.__getitem__))  # the largest holder
+
+    def _evict(self, pusher: str) -> None:
+        """Drop `pusher`'s oldest unclaimed body (counted)."""
+        self._forget(next(d for d, u in self.unclaimed.items() if u.pusher == pusher))
+        self.metrics.inc("payload_push_unclaimed_dropped")
 
     def _forget(self, digest: bytes) -> _Unclaimed | None:
         entry = self.unclaimed.pop(digest, None)
         if entry is not None:
             left = self._per_peer[entry.pusher] - 1
+            self.unclaimed_bytes -= len(entry.data)
             if left:
                 self._per_peer[entry.pusher] = left
+                self._bytes[entry.pusher] -= len(entry.data)
             else:
-                del self._per_peer[entry.pusher]
+                del self._per_peer[entry.pusher], self._bytes[entry.pusher]
         return entry
 
     def claim(self, digest: bytes, size: int) -> bytes | None:

@@ -141,6 +141,28 @@ async def test_10_an_alarm_costs_more_than_the_batch_could_earn(tmp_path):
     assert rep.is_banned("12D3KooWsybil")
 
 
+async def test_10_a_caught_steerer_does_not_buy_its_standing_back(tmp_path):
+    """After its alarm, one honest batch used to make a steerer established again (16
+    accepted before the alarm, score > 0), so each later alarm cost it a penalty, not a
+    ban. Now only work accepted after the alarm counts, 4x more of it: the honest batch
+    leaves it on probation, and its next steered batch bans it, nothing of it stored."""
+    clock = Clock()
+    rep = Reputation(None)
+    establish(rep, "12D3KooWsteerer", accepted=16)
+    v = Scripted(clock, stats=STEER)
+    intake = make(tmp_path, v, reputation=rep)
+    await send(intake, "12D3KooWsteerer", batch(0, n=8))  # alarm: probation again
+    assert not rep.is_banned("12D3KooWsteerer") and intake.sink.stored == []
+    v.stats = {}
+    await send(intake, "12D3KooWsteerer", batch(1, n=8))  # honest: accepted, not enough
+    assert intake.sink.stored == [("12D3KooWsteerer", 8)]
+    assert rep.score("12D3KooWsteerer") > 0 and not intake.established("12D3KooWsteerer")
+    v.stats = STEER
+    await send(intake, "12D3KooWsteerer", batch(2, n=8))
+    assert rep.is_banned("12D3KooWsteerer")
+    assert intake.sink.stored == [("12D3KooWsteerer", 8)]
+
+
 # 11: a fresh key's verdict does not demote an established peer ------------------------------
 
 

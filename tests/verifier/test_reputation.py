@@ -174,3 +174,52 @@ def test_saves_are_incremental_journal_lines(tmp_path):
         f.write('{"peer": "torn", "rec')  # a crash mid-write
     again = Reputation(path)
     assert again.is_banned("bad") and len(again.peers) == 201
+
+
+def test_an_alarm_restarts_probation_and_raises_what_ends_it():
+    """Issue 30: a caught steerer with 16 accepted completions was established again after
+    one accepted batch (score > 0, accepted >= 8). An alarm now restarts the count (only
+    completions accepted after it) and multiplies what is needed: 8 -> 64 -> 512
+    (capped); a second alarm before that bans it."""
+    rep = Reputation(None, probation_accepts=8)
+    for _ in range(16):
+        rep.record("steerer", True)
+    assert rep.established("steerer") and rep.probation_needs("steerer") == 8
+    rep.record_alarm("steerer", "tie_steering")
+    assert not rep.is_banned("steerer") and not rep.established("steerer")
+    assert rep.probation_needs("steerer") == 64
+    for _ in range(32):  # two batches of 16: enough before, not now
+        rep.record("steerer", True)
+    assert rep.score("steerer") > 0 and not rep.established("steerer")
+    for _ in range(32):
+        rep.record("steerer", True)
+    assert rep.established("steerer")  # 64 accepted since the alarm
+    rep.record_alarm("steerer", "tie_steering")  # established again: not banned, longer
+    assert rep.probation_needs("steerer") == 512 and not rep.established("steerer")
+    rep.record_alarm("steerer", "tie_steering")  # on probation: banned
+    assert rep.is_banned("steerer")
+    rep.peers["steerer"].alarms = 9
+    assert rep.probation_needs("steerer") == 512
+
+
+def test_alarm_record_persists(tmp_path):
+    path = tmp_path / "rep.json"
+    rep = Reputation(path, probation_accepts=8)
+    for _ in range(16):
+        rep.record("steerer", True)
+    rep.record_alarm("steerer", "tie_steering")  # saves at once
+    for _ in range(8):
+        rep.record("steerer", True)
+    rep.save()
+    again = Reputation(path, probation_accepts=8)
+    assert again.peers["steerer"].alarms == 1
+    assert again.peers["steerer"].accepted_at_alarm == 16
+    assert not again.established("steerer") and again.probation_needs("steerer") == 64
+    # a snapshot written before these fields existed still loads
+    state = json.loads(path.read_text())
+    for rec in state["peers"].values():
+        rec.pop("alarms", None)
+        rec.pop("accepted_at_alarm", None)
+    path.write_text(json.dumps(state))
+    (tmp_path / "rep.json.log").unlink(missing_ok=True)
+    assert Reputation(path).peers["steerer"].alarms == 0

@@ -326,3 +326,46 @@ def test_8_narrow_tie_steering_through_the_real_intake_in_bf16(tiny_model_dir, t
     honest = intake.state.by_peer["honest"]
     assert honest.rejected == 0 and honest.accepted == 8 * alarmed_at
     assert not intake.state.by_peer["cheat"].reasons.keys() - {"tie_steering"}
+
+
+def test_a_condemned_peer_restarts_with_a_head_start():
+    """Issue 30: after an alarm a peer's CUSUMs restart at 0.6 of their threshold and do
+    not fall below it while it is on probation (fast initial response with a floor), so a
+    steerer that goes on is caught by 40% of the evidence (here: 4 flipped wide ties in
+    bf16, h 15, instead of 10), even after honest batches in between; out of probation
+    the floor is gone."""
+    s = SequentialSettings.for_dtype("bfloat16")
+    m = PeerMonitor(s)
+    m.condemned("cheat")
+    assert m.peers["cheat"].steer == pytest.approx(9.0)
+    assert m.peers["cheat"].narrow == pytest.approx(7.2)
+    honest = [_ties(6, 0, narrow=2, narrow_flips=0)] * 8
+    assert m.observe_batch("cheat", honest, probation=True) is None
+    assert m.peers["cheat"].steer == pytest.approx(9.0)
+    steer = [m.observe("cheat", {"wide_ties": 1, "wide_flips": 1}) for _ in range(4)]
+    assert steer[:3] == [None] * 3 and steer[3] == "tie_steering"
+    assert m.observe_batch("cheat", honest, probation=False) is None
+    assert m.peers["cheat"].steer == 0.0 and m.peers["cheat"].narrow == 0.0
+
+
+def test_a_condemned_honest_peer_rarely_alarms_again():
+    """What the floor costs an honest peer a false alarm put back on probation: at the
+    measured bf16 honest flip rates (wide 4%, narrow 25%), over the 64 completions its
+    probation needs after one alarm (reputation.py: 8 x 8), it alarms again (and is
+    banned) in under 2.5% of 4,000 trials (measured 1.3%: with the ~1e-4 false alarms
+    per batch that put it there, ~1e-6 per batch)."""
+    s = SequentialSettings.for_dtype("bfloat16")
+    rng = random.Random(7)
+    again = 0
+    for t in range(4000):
+        m = PeerMonitor(s)
+        m.condemned("p")
+        for _ in range(8):
+            comps = [_ties(6, int(rng.random() < 0.04), narrow=2,
+                           narrow_flips=sum(rng.random() < 0.25 for _ in range(2)))
+                     for _ in range(8)]
+            if m.observe_batch("p", comps, probation=True) is not None:
+                again += 1
+                break
+    print(f"condemned honest peers alarming again within their probation: {again} / 4000")
+    assert again <= 100

@@ -206,7 +206,7 @@ async def main(argv: list[str] | None = None) -> int:
                      held=[list(k) for k, e in bc.store.entries.items() if e.complete],
                      counters=bc.counters(), cpu_s=cpu_seconds(),
                      cpu_threads=thread_cpu(), p2p=dict(node.metrics.counters),
-                     peers=node.connected_peers())
+                     peers=node.connected_peers(), trace=list(bc.server.trace))
     finally:
         await bc.close()
         await node.close()

@@ -77,6 +77,9 @@ async def test_a_seeded_answer_sends_the_follower_to_a_peer(tmp_path, trainer, c
     assert book.sources["first"].shards_ok == acc.manifest.num_shards
     assert not book.sources[trainer.peer_id].failures  # `seeded` is no fault
     assert d.metrics["seeded"] >= acc.manifest.num_shards
+    outcomes = [(shard, outcome) for _s, _e, _v, shard, _p, outcome in origin.trace]
+    assert sorted(sh for sh, o in outcomes if o == "sent") == list(range(acc.manifest.num_shards))
+    assert sum(o == "seeded" for _sh, o in outcomes) == origin.metrics["error_seeded"]
 
 
 async def test_followers_carry_the_checkpoint_not_the_trainer(tmp_path, swarm):

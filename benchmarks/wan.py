@@ -851,6 +851,8 @@ def ours_broadcast(lab: Lab, plan: WanPlan, ckpt: Path, work: Path, timeout: flo
             traces[p.host] = st.get("trace", [])
             if p is origin:
                 served = st["server"]
+                released = {k: v for k, v in st.get("counters", {}).items()
+                            if k.startswith("seed_released_")}
         shard = -(-pub["total"] // pub["shards"])
         by = {"trainer": 0, "relays": 0, "peers": 0}  # whose uplinks carried the copies
         for d in done:
@@ -872,7 +874,7 @@ def ours_broadcast(lab: Lab, plan: WanPlan, ckpt: Path, work: Path, timeout: flo
                 "receivers_cpu_s": sum(d.get("cpu_s", 0.0) - c for d, c in
                                        zip(each, cpu0, strict=True) if d),
                 "cores": os.cpu_count(),
-                "trainer_seeded": served.get("error_seeded", 0),
+                "trainer_seeded": served.get("error_seeded", 0), "seed_released": released,
                 "shards": shard_account(traces, hosts_of, plan, verdicts, t_cmd)}
     finally:
         for p in procs:

@@ -36,6 +36,8 @@ class Adverts:
         self.endpoint = endpoint  # this node's bulk-plane endpoint ("": none), for adverts
         # the follower: `peer` was admitted as a source of the record's version
         self.on_source: Callable[[VersionRecord, str], None] | None = None
+        # the trainer: `peer` advertised holdings of a version it published (seeding.py)
+        self.on_own: Callable[[str, ShardAdvert, int], None] | None = None
         self._wake = asyncio.Event()
 
     # Incoming ------------------------------------------------------------------------
@@ -43,6 +45,11 @@ class Adverts:
     async def on_advert(self, env: Envelope, from_peer: str) -> None:
         ad: ShardAdvert = env.message
         self.counters["adverts_received"] += 1
+        if self.on_own is not None and ad.policy_id == self.node.peer_id:
+            entry = self.store.get(ad.policy_id, ad.version)
+            if entry is not None:
+                self.on_own(env.sender, ad, entry.manifest.num_shards)
+            return
         if not self.follows(ad.policy_id):
             return
         rec = self.records.track((ad.policy_id, ad.version))

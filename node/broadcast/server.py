@@ -168,7 +168,7 @@ class ShardServer:
                 or length > self.cfg.max_shard_size:
             await self._error(stream, "bad_range")
             return False
-        if self.seeding is not None and not self.seeding.take(entry.key, req.shard):
+        if self.seeding is not None and not self.seeding.take(entry.key, req.shard, peer):
             now = time.time()
             self.trace.append((now, now, req.version, req.shard, peer, "seeded"))
             await self._error(stream, "seeded")
@@ -199,7 +199,9 @@ class ShardServer:
         finally:
             self.trace.append((t0, time.time(), req.version, req.shard, peer,
                                "sent" if done else "cut"))
-            if copy and not done:
+            if copy and done:
+                self.seeding.delivered(entry.key, req.shard)
+            elif copy:
                 self.seeding.give_back(entry.key, req.shard)
             self.active[peer] -= 1
             if self.active[peer] <= 0:

@@ -38,9 +38,10 @@ from ...protocol.messages import ShardAdvert
 
 MAX_VERSIONS = 4
 """Versions whose copies are counted (the newest; an older one's shards go out freely)."""
-MAX_PEERS = 4096
-"""Advertisers (per version) whose last holdings are remembered; one forgotten and heard
-again counts as new holders once (a release of its shards `hold_s` later, no more)."""
+MAX_PEERS = 1024
+"""Advertisers (per version) whose holdings are remembered, as one bit per shard (at most
+2 KiB each for 16384 shards: 2 MiB per version); one forgotten and heard again counts as a
+new holder of its shards once (their asks wait `hold_s` more, no more)."""
 MAX_WAITING = 65536
 """(asker, shard) pairs whose first `seeded` answer is remembered (per version); a
 forgotten one waits its `ASKER_WAIT_HOLDS` again."""

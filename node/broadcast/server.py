@@ -75,8 +75,17 @@ class ShardServer:
         self.zero_copy = True  # TCP uploads with sendfile(2) when not paced
         self.seeding: Seeding | None = None  # a trainer's rule for its own versions
         # (start, end (wall time), version, shard, peer, outcome): each whole answer
-        # ("sent"), `seeded` answer and upload that did not complete ("cut"); bounded
-        self.trace: deque[tuple[float, float, int, int, str, str]] = deque(maxlen=MAX_TRACE)
+        # ("sent"), `seeded` answer and upload that did not complete ("cut"); bounded, and
+        # only once `enable_trace` was called (benchmarks: ~1.5 MiB at MAX_TRACE)
+        self.trace: deque[tuple[float, float, int, int, str, str]] | None = None
+
+    def enable_trace(self) -> None:
+        """Keep the newest MAX_TRACE served shards in `trace` (benchmark harnesses)."""
+        self.trace = deque(maxlen=MAX_TRACE)
+
+    def _traced(self, *row) -> None:
+        if self.trace is not None:
+            self.trace.append(row)
 
     async def handle(self, peer: str, stream: ByteStream) -> None:
         """One request on one stream, then close it (how a node before stream reuse served;
@@ -170,7 +179,7 @@ class ShardServer:
             return False
         if self.seeding is not None and not self.seeding.take(entry.key, req.shard, peer):
             now = time.time()
-            self.trace.append((now, now, req.version, req.shard, peer, "seeded"))
+            self._traced(now, now, req.version, req.shard, peer, "seeded")
             await self._error(stream, "seeded")
             return True  # not an error of the stream: it may carry the next request
         copy = self.seeding is not None
@@ -197,8 +206,8 @@ class ShardServer:
             await _abort(stream)
             return False
         finally:
-            self.trace.append((t0, time.time(), req.version, req.shard, peer,
-                               "sent" if done else "cut"))
+            self._traced(t0, time.time(), req.version, req.shard, peer,
+                         "sent" if done else "cut")
             if copy and done:
                 self.seeding.delivered(entry.key, req.shard)
             elif copy:

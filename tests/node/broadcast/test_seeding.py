@@ -115,6 +115,7 @@ async def test_a_seeded_answer_sends_the_follower_to_a_peer(tmp_path, trainer, c
     tstore, _ = _store(tmp_path, "trainer", acc, ckpt)
     origin = ShardServer(tstore, cfg)
     origin.seeding = Seeding(trainer.peer_id, copies=1, hold_s=60.0)
+    origin.enable_trace()
     t = MemoryTransport()
     t.register(trainer.peer_id, origin.serve_connection)
     total = acc.manifest.total_size

@@ -830,11 +830,15 @@ def ours_broadcast(lab: Lab, plan: WanPlan, ckpt: Path, work: Path, timeout: flo
         ready = [r.event("ready", 120) for r in relays]
         relay_ids = {r["peer_id"] for r in ready}
         cpu0 = [r.get("cpu_s", 0.0) for r in ready]
+        hosts_of = {o["peer_id"]: plan.trainer} | {
+            r["peer_id"]: h for r, h in zip(ready, plan.relays, strict=True)}
         boots = [x for r in ready for x in ("--bootstrap", r["addrs"][0])]
         followers = [start(h, "inference", "--follow", o["peer_id"], *boots)
                      for h in plan.peers]
         for f in followers:
-            cpu0.append(f.event("ready", 120 + 5 * len(followers)).get("cpu_s", 0.0))
+            ev = f.event("ready", 120 + 5 * len(followers))
+            cpu0.append(ev.get("cpu_s", 0.0))
+            hosts_of[ev["peer_id"]] = f.host
         time.sleep(5)  # gossip mesh
         verdicts = reachability_verdicts([*relays, *followers], 120)
         tx0 = lab.link_bytes(plan.trainer)["tx"]
@@ -845,8 +849,15 @@ def ours_broadcast(lab: Lab, plan: WanPlan, ckpt: Path, work: Path, timeout: flo
         each = wait_all([*relays, *followers], "complete", t_cmd + timeout)
         done = [d for d in each if d is not None]
         t_all = max(d["t"] for d in done) - t_cmd if len(done) == len(each) else None
-        origin.send("stats")
-        served = origin.event("stats", 60)["server"]
+        traces = {}
+        for p in procs:  # every node's served shards, for the per-shard account
+            p.send("stats")
+            st = p.event("stats", 60)
+            traces[p.host] = st.get("trace", [])
+            if p is origin:
+                served = st["server"]
+                released = {k: v for k, v in st.get("counters", {}).items()
+                            if k.startswith("seed_released_")}
         shard = -(-pub["total"] // pub["shards"])
         by = {"trainer": 0, "relays": 0, "peers": 0}  # whose uplinks carried the copies
         for d in done:
@@ -868,10 +879,54 @@ def ours_broadcast(lab: Lab, plan: WanPlan, ckpt: Path, work: Path, timeout: flo
                 "receivers_cpu_s": sum(d.get("cpu_s", 0.0) - c for d, c in
                                        zip(each, cpu0, strict=True) if d),
                 "cores": os.cpu_count(),
-                "trainer_seeded": served.get("error_seeded", 0)}
+                "trainer_seeded": served.get("error_seeded", 0), "seed_released": released,
+                "shards": shard_account(traces, hosts_of, plan, verdicts, t_cmd)}
     finally:
         for p in procs:
             p.stop()
+
+
+def shard_account(traces: dict[str, list], hosts_of: dict[str, str], plan: WanPlan,
+                  verdicts: dict[str, str], t0: float) -> dict:
+    """Per shard, from every node's served-shard trace (server.py `trace`): the trainer's
+    copies (when, to whom, of which reachability), its `seeded` answers, and whether the
+    holders served on: for each copy after a shard's first, how many peers held the shard
+    then and how many uploads of it the other holders completed in the `hold` seconds
+    before it (uploads going on mean the swarm was carrying it when the trainer gave it
+    again)."""
+    trainer = plan.trainer
+    sent = []  # (start, end, shard, from host, to host) of every whole upload
+    seeded = Counter()
+    for host, rows in traces.items():
+        for start, end, _v, shard, peer, outcome in rows:
+            to = hosts_of.get(peer, peer[-6:])
+            if outcome == "sent":
+                sent.append((start - t0, end - t0, shard, host, to))
+            elif outcome == "seeded" and host == trainer:
+                seeded[shard] += 1
+
+    def kind(h: str) -> str:
+        return "relay" if h in plan.relays else verdicts.get(h, "?")
+    copies: dict[int, list] = {}
+    for start, end, shard, src, to in sorted(sent):
+        if src == trainer:
+            copies.setdefault(shard, []).append((start, end, to))
+    again = []
+    for shard, cs in copies.items():
+        for k, (start, _end, to) in enumerate(cs[1:], 1):
+            held = {t for s, e, sh, _f, t in sent if sh == shard and e <= start}
+            busy = sum(1 for s, e, sh, f, _t in sent
+                       if sh == shard and f != trainer and e > start - 5 and s < start)
+            served_on = {c[2]: sum(1 for _s, e, sh, f, _t in sent if sh == shard and f == c[2]
+                                   and e <= start) for c in cs[:k]}
+            again.append({"shard": shard, "copy": k + 1, "t": round(start, 2), "to": to,
+                          "to_kind": kind(to), "gap_s": round(start - cs[k - 1][0], 2),
+                          "holders": len(held), "other_uploads_5s": busy,
+                          "earlier_holders_served": served_on})
+    return {"copies": {s: [(round(a, 2), round(b, 2), t, kind(t)) for a, b, t in cs]
+                       for s, cs in sorted(copies.items())},
+            "seeded": dict(seeded), "again": again,
+            "served_by": dict(Counter(f for _s, _e, _sh, f, _t in sent))}
 
 
 SHARDCAST_WRAPPER = """
@@ -985,6 +1040,23 @@ def endgame_line(ours: dict | None, size: int) -> str:
             f"{f.get('endgame_bytes_wasted', 0) / size:.2f}x.")
 
 
+def seed_line(ours: dict | None) -> str:
+    """The trainer's copies per shard, and of the copies after a shard's first, how many
+    went out while other holders were uploading that shard (shard_account)."""
+    acc = (ours or {}).get("shards")
+    if not acc or not acc.get("copies"):
+        return ""
+    per = sorted(len(c) for c in acc["copies"].values())
+    again = acc["again"]
+    busy = sum(1 for a in again if a["other_uploads_5s"])
+    kinds = Counter(a["to_kind"] for a in again)
+    return (f" Trainer copies per shard: {min(per)}-{max(per)} (median "
+            f"{statistics.median(per):g}, {len(per)} shards); {len(again)} copies after a "
+            f"shard's first, {busy} of them while other holders had uploads of that shard in "
+            f"the 5 s before; to " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items()))
+            + f"; `seeded` answers {sum(acc['seeded'].values())}.")
+
+
 def broadcast_body(args, out: dict, pending: str = "not run (no .venv-shardcast)") -> str:
     size, bound = out["size"], out["bound_s"]
     rows = []
@@ -1006,7 +1078,8 @@ def broadcast_body(args, out: dict, pending: str = "not run (no .venv-shardcast)
             f"bandwidth lower bound {bound:.1f} s. Time from the publish command until every "
             "receiver verified its copy (shardcast: every client; its middles on the relays report "
             "nothing); egress counted on the trainer's access link."
-            + verdict_line(out.get("ours")) + endgame_line(out.get("ours"), size) + "\n\n"
+            + verdict_line(out.get("ours")) + endgame_line(out.get("ours"), size)
+            + seed_line(out.get("ours")) + "\n\n"
             + table(["system", "copies verified", "time s", "x lower bound (goal <= 1.5)",
                      "trainer egress / checkpoint (goal <= 2)",
                      "copies served by trainer / relays / peers"], rows))

@@ -338,8 +338,9 @@ class BroadcastSection(Section):
     """Trainer: copies of each shard of its own checkpoint it hands out before it answers
     `seeded` (the swarm carries the rest; 0: serve every request)."""
     seed_hold_s: float = Field(5.0, ge=0)
-    """Trainer: how long after a shard's last copy it answers `seeded` for it; then the next
-    asker gets one more copy (its holders may have left or be out of reach)."""
+    """Trainer: how long an ask answered `seeded` may go without a sign that the shard
+    spreads (a new holder advertised, a copy completed); then the next asker gets one more
+    copy (its holders stalled, left or are out of reach). broadcast/seeding.py."""
     endgame: bool = True
     """Race the last transfers of a download with a second copy from a faster source
     (downloader.py; bounded extra bytes, counted). Off: for side-by-side measurements."""

@@ -39,6 +39,8 @@ class Adverts:
         self.endpoint = endpoint  # this node's bulk-plane endpoint ("": none), for adverts
         # the follower: `peer` was admitted as a source of the record's version
         self.on_source: Callable[[VersionRecord, str], None] | None = None
+        # the trainer: `peer` advertised holdings of a version it published (seeding.py)
+        self.on_own: Callable[[str, ShardAdvert, int], None] | None = None
         self._wake = asyncio.Event()
 
     # Incoming ------------------------------------------------------------------------
@@ -46,9 +48,15 @@ class Adverts:
     async def on_advert(self, env: Envelope, from_peer: str) -> None:
         ad: ShardAdvert = env.message
         self.counters["adverts_received"] += 1
+        if ad.policy_id == getattr(self.node, "peer_id", None):
+            # adverts of this node's own policy: never sources; the trainer's seeding hears
+            # the swarm carry its shards on (on_own), and its views count the holders
+            entry = self.store.get(ad.policy_id, ad.version)
+            if entry is not None and self.on_own is not None:
+                self.on_own(env.sender, ad, entry.manifest.num_shards)
+            self._own_holder(env.sender, ad)
+            return
         if not self.follows(ad.policy_id):
-            if ad.policy_id == getattr(self.node, "peer_id", None):
-                self._own_holder(env.sender, ad)
             return
         rec = self.records.track((ad.policy_id, ad.version))
         if rec is None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 
 from ...protocol.errors import ProtocolError
 from ...protocol.messages import ShardRequest, ShardResponseHeader
@@ -58,6 +58,9 @@ async def _abort(stream: ByteStream) -> None:
 
 
 MAX_SERVED_PEERS = 4096  # peers counted one by one in `served_to`
+MAX_TRACE = 8192
+"""Served shards remembered in `ShardServer.trace` (the newest), for benchmarks' per-shard
+accounts of who carried which copy and when."""
 
 
 class ShardServer:
@@ -71,6 +74,18 @@ class ShardServer:
         self.served_to: Counter[str] = Counter()  # bytes of whole answers, per peer (bounded)
         self.zero_copy = True  # TCP uploads with sendfile(2) when not paced
         self.seeding: Seeding | None = None  # a trainer's rule for its own versions
+        # (start, end (wall time), version, shard, peer, outcome): each whole answer
+        # ("sent"), `seeded` answer and upload that did not complete ("cut"); bounded, and
+        # only once `enable_trace` was called (benchmarks: ~1.5 MiB at MAX_TRACE)
+        self.trace: deque[tuple[float, float, int, int, str, str]] | None = None
+
+    def enable_trace(self) -> None:
+        """Keep the newest MAX_TRACE served shards in `trace` (benchmark harnesses)."""
+        self.trace = deque(maxlen=MAX_TRACE)
+
+    def _traced(self, *row) -> None:
+        if self.trace is not None:
+            self.trace.append(row)
 
     async def handle(self, peer: str, stream: ByteStream) -> None:
         """One request on one stream, then close it (how a node before stream reuse served;
@@ -162,7 +177,9 @@ class ShardServer:
                 or length > self.cfg.max_shard_size:
             await self._error(stream, "bad_range")
             return False
-        if self.seeding is not None and not self.seeding.take(entry.key, req.shard):
+        if self.seeding is not None and not self.seeding.take(entry.key, req.shard, peer):
+            now = time.time()
+            self._traced(now, now, req.version, req.shard, peer, "seeded")
             await self._error(stream, "seeded")
             return True  # not an error of the stream: it may carry the next request
         copy = self.seeding is not None
@@ -175,6 +192,7 @@ class ShardServer:
         self.active[peer] += 1
         self.active_total += 1
         done = False
+        t0 = time.time()
         try:
             done = await self._upload(stream, entry, req, length)
             if done:
@@ -188,7 +206,11 @@ class ShardServer:
             await _abort(stream)
             return False
         finally:
-            if copy and not done:
+            self._traced(t0, time.time(), req.version, req.shard, peer,
+                         "sent" if done else "cut")
+            if copy and done:
+                self.seeding.delivered(entry.key, req.shard)
+            elif copy:
                 self.seeding.give_back(entry.key, req.shard)
             self.active[peer] -= 1
             if self.active[peer] <= 0:

@@ -71,6 +71,8 @@ class Broadcaster:
                                  choice=choice, settings_check=settings_check,
                                  interactive=interactive)
         self.follower.on_complete = on_complete
+        if self.server.seeding is not None:  # holders' adverts say the swarm carries a shard
+            self.adverts.on_own = self.server.seeding.heard
         # called once the store is loaded, before unfinished downloads resume: a feed hands
         # the stored versions over here (roles/interfaces.py BroadcastFeed)
         self.on_loaded: Callable[[], None] | None = None
@@ -169,6 +171,9 @@ class Broadcaster:
             out[f"manifests_rejected_{reason}"] += n
         for name, n in self.server.metrics.items():
             out[f"served_{name}"] += n
+        if self.server.seeding is not None:  # copies beyond a shard's first, by reason
+            for why, n in self.server.seeding.released.items():
+                out[f"seed_released_{why}"] += n
         if isinstance(self.transport, RoutingTransport):  # shard streams by path, reuse
             for path, n in self.transport.opened.items():
                 out[f"streams_{path}"] += n

@@ -164,6 +164,7 @@ async def main(argv: list[str] | None = None) -> int:
             proven(peer)
             emit(event="shard", source=peer, t=time.time())
         bc.proven.add = verified
+    bc.server.enable_trace()  # the benchmarks' per-shard accounts (`stats` says it)
     if args.corrupt_shards:
         corrupting(bc.store, args.corrupt_shards)
         bc.server.zero_copy = False  # sendfile would bypass the corrupting reader
@@ -206,7 +207,7 @@ async def main(argv: list[str] | None = None) -> int:
                      held=[list(k) for k, e in bc.store.entries.items() if e.complete],
                      counters=bc.counters(), cpu_s=cpu_seconds(),
                      cpu_threads=thread_cpu(), p2p=dict(node.metrics.counters),
-                     peers=node.connected_peers())
+                     peers=node.connected_peers(), trace=list(bc.server.trace or ()))
     finally:
         await bc.close()
         await node.close()

@@ -7,33 +7,96 @@ from __future__ import annotations
 import asyncio
 
 from swarm_node.node.broadcast.downloader import Downloader
-from swarm_node.node.broadcast.seeding import Seeding
+from swarm_node.node.broadcast.seeding import ASKER_WAIT_HOLDS, Seeding
 from swarm_node.node.broadcast.server import RateLimiter, ShardServer
 from swarm_node.node.broadcast.sources import SourceBook
 from swarm_node.node.broadcast.store import ShardStore
 from swarm_node.node.broadcast.transport import MemoryTransport
+from swarm_node.protocol.messages import ShardAdvert
 
 from tests.waiting import async_wait_until
 
 from .conftest import make_checkpoint, publish, read_dir, wait_mesh
 
 
-def test_each_shard_once_then_again_only_after_the_hold():
+def _advert(version: int, shards: set[int] | None, n: int = 8) -> ShardAdvert:
+    if shards is None:
+        return ShardAdvert(policy_id="trainer", version=version, complete=True)
+    have = bytearray((n + 7) // 8)
+    for i in shards:
+        have[i // 8] |= 1 << (i % 8)
+    return ShardAdvert(policy_id="trainer", version=version, complete=False, have=bytes(have))
+
+
+def test_each_shard_once_then_again_only_once_the_swarm_stopped_carrying_it():
     now = [0.0]
     s = Seeding("trainer", copies=1, hold_s=5.0, clock=lambda: now[0])
     key = ("trainer", 1)
-    assert s.take(key, 0) and not s.take(key, 0)  # one copy, then `seeded`
-    assert s.take(key, 1)
+    assert s.take(key, 0, "a") and not s.take(key, 0, "b")  # one copy, then `seeded`
+    assert s.take(key, 1, "a")
     s.give_back(key, 1)  # that upload failed: the next asker gets it
-    assert s.take(key, 1)
-    now[0] = 4.9
-    assert not s.take(key, 0)
-    now[0] = 5.0  # nobody carried it within the hold: one more copy, then a new hold
-    assert s.take(key, 0) and not s.take(key, 0)
-    assert s.copies_of(key) == 3
+    assert s.take(key, 1, "b")
+    now[0] = 9.0
+    assert not s.take(key, 0, "c")  # its upload is still going: held whatever the time
+    s.delivered(key, 0)
+    s.delivered(key, 1)
+    now[0] = 100.0  # long after: nobody asked since, so nothing says the swarm stalled
+    assert not s.take(key, 0, "d")  # this ask starts the hold
+    s.heard("a", _advert(1, {0}), 8)  # the peer given the copy: no sign of spreading
+    now[0] = 104.9
+    assert not s.take(key, 0, "e")
+    now[0] = 105.0  # nobody carried it within the hold of the first unanswered ask
+    assert s.take(key, 0, "e") and not s.take(key, 0, "f")
+    assert s.copies_of(key) == 3 and s.released == {"stalled": 1, "waited": 0}
     assert s.take(("someone else", 1), 0) and s.take(("someone else", 1), 0)  # not its own
     off = Seeding("trainer", copies=0, hold_s=5.0)
     assert all(off.take(key, 0) for _ in range(3))
+
+
+def test_no_copy_again_while_holders_serve_it_on():
+    """New holders of a shard (advertised by peers the trainer did not give it to) restart
+    its hold: the trainer does not hand it out while the swarm carries it."""
+    now = [0.0]
+    s = Seeding("trainer", copies=1, hold_s=5.0, clock=lambda: now[0])
+    key = ("trainer", 1)
+    assert s.take(key, 0, "a")
+    s.delivered(key, 0)
+    for t, peer in ((0.0, "b"), (4.0, "c"), (8.0, "d")):  # each got it from a holder
+        now[0] = t
+        assert not s.take(key, 0, "x" + peer)  # 4 s apart: never 5 s unanswered
+        now[0] = t + 4.0
+        s.heard(peer, _advert(1, {0}), 8)
+    now[0] = 12.0
+    assert not s.take(key, 0, "y")  # a new hold starts
+    s.heard("d", _advert(1, {0}), 8)  # a readvert names nothing new: no sign
+    now[0] = 16.0
+    s.heard("e", _advert(1, None), 8)  # a complete version names shard 0 anew
+    now[0] = 20.9
+    assert not s.take(key, 0, "y")  # the hold restarted at 20.9
+    now[0] = 25.9
+    assert s.take(key, 0, "y") and s.copies_of(key) == 2
+    assert s.released == {"stalled": 1, "waited": 0}
+
+
+def test_an_asker_that_waited_long_enough_gets_a_copy():
+    """Whatever the adverts claim (holders it cannot reach, or advertisers that never
+    serve), an asker answered `seeded` for ASKER_WAIT_HOLDS holds gets its copy."""
+    now = [0.0]
+    s = Seeding("trainer", copies=1, hold_s=5.0, clock=lambda: now[0])
+    key = ("trainer", 1)
+    assert s.take(key, 0, "a")
+    s.delivered(key, 0)
+    assert not s.take(key, 0, "nat")  # its wait starts
+    wait = ASKER_WAIT_HOLDS * 5.0
+    for i in range(int(wait)):  # a new (sybil) holder every second keeps the shard held
+        now[0] = float(i)
+        s.heard(f"sybil{i}", _advert(1, {0}), 8)
+        assert not s.take(key, 0, "other")
+    now[0] = wait
+    s.heard("sybil-last", _advert(1, {0}), 8)
+    assert s.take(key, 0, "nat")  # its wait is over
+    assert not s.take(key, 0, "nat2")  # the others' is not
+    assert s.released == {"stalled": 0, "waited": 1}
 
 
 def _store(tmp_path, name, acc, ckpt=None):
@@ -52,6 +115,7 @@ async def test_a_seeded_answer_sends_the_follower_to_a_peer(tmp_path, trainer, c
     tstore, _ = _store(tmp_path, "trainer", acc, ckpt)
     origin = ShardServer(tstore, cfg)
     origin.seeding = Seeding(trainer.peer_id, copies=1, hold_s=60.0)
+    origin.enable_trace()
     t = MemoryTransport()
     t.register(trainer.peer_id, origin.serve_connection)
     total = acc.manifest.total_size
@@ -77,6 +141,9 @@ async def test_a_seeded_answer_sends_the_follower_to_a_peer(tmp_path, trainer, c
     assert book.sources["first"].shards_ok == acc.manifest.num_shards
     assert not book.sources[trainer.peer_id].failures  # `seeded` is no fault
     assert d.metrics["seeded"] >= acc.manifest.num_shards
+    outcomes = [(shard, outcome) for _s, _e, _v, shard, _p, outcome in origin.trace]
+    assert sorted(sh for sh, o in outcomes if o == "sent") == list(range(acc.manifest.num_shards))
+    assert sum(o == "seeded" for _sh, o in outcomes) == origin.metrics["error_seeded"]
 
 
 async def test_followers_carry_the_checkpoint_not_the_trainer(tmp_path, swarm):

@@ -106,6 +106,12 @@ class InferenceRole(Role):
         if ckpt.policy_id == self.policy_id and ckpt.version > self.sampler.version and newer:
             self.pending = (ckpt.version, ckpt.path)
             self.new_version.set()
+        elif (ckpt.policy_id == self.policy_id and ckpt.version == self.sampler.version
+              and self.pending is None):
+            # the trainer's current version is the one held here (its v0: the base model):
+            # the first round's wait for its announcement (run) ends now, not after
+            # version_wait_s (a peer started beside a new trainer waited it out in full)
+            self.new_version.set()
 
     async def _maybe_reload(self) -> None:
         if self.pending is None:

@@ -108,6 +108,14 @@ class Node:
     def status(self) -> dict:
         return status(self.admin_port)
 
+    def wait_listening(self, timeout: float = 300) -> dict:
+        """Until the node said it listens (its first notice: host up, admin up, node.json
+        written, the model not loaded yet); returns node.json (peer_id, listen_addrs). A
+        peer that bootstraps from this node can start now: both load meanwhile."""
+        self.notices.wait(self.proc, timeout, "STATUS=listening",
+                          details=lambda: self.log.read_text()[-3000:])
+        return json.loads((self.data / "node.json").read_text())
+
     def wait_joined(self, timeout: float = 300) -> None:
         """Until the node said it joined (READY=1, after its "joined swarm" line); the
         deadline is a ceiling for a loaded machine (CI's 2 cores), not an expectation."""

@@ -6,7 +6,6 @@ processes on loopback (trainer + inference peer) with the tiny model.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -26,9 +25,8 @@ def test_peer_with_another_task_mix_sees_why_in_its_status(tmp_path, tiny_model_
     trainer = Node(tmp_path / "t", tcfg).start()
     peer = None
     try:
-        trainer.wait_joined()
-        info = trainer.status()
-        boot = json.loads((trainer.data / "node.json").read_text())["listen_addrs"][0]
+        info = trainer.wait_listening()  # the peer starts while the trainer loads
+        boot = info["listen_addrs"][0]
         pcfg = {
             "node": {"role": "inference", "swarm_id": tcfg["node"]["swarm_id"],
                      "data_dir": str(tmp_path / "p" / "data"),
@@ -42,6 +40,7 @@ def test_peer_with_another_task_mix_sees_why_in_its_status(tmp_path, tiny_model_
                         "batches_per_version": 1, "version_wait_s": 5.0},
         }
         peer = Node(tmp_path / "p", pcfg).start()
+        trainer.wait_joined()
         peer.wait_joined()
 
         def rejected():

@@ -75,6 +75,9 @@ def test_swarm_trains_bans_cheater_and_survives_trainer_kill(tmp_path, tiny_mode
     swarm = "itest"
     try:
         tcfg = node_config(trainer, tiny_model_dir, [], [], swarm)
+        # a step waits at most 5 s for a peer batch (the demo's 20 s): after the restart the
+        # peers may have sent every round of the version it resumed at, and wait for the next
+        tcfg["trainer"]["peer_wait_s"] = 5.0
         start_node(trainer, tcfg)
         info = wait_info(trainer)
         tid, boot = info["peer_id"], [info["listen_addrs"][0]]

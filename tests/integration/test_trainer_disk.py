@@ -39,11 +39,8 @@ def test_13_a_trainer_on_a_full_disk_pauses_and_resumes(tmp_path, small_disk, ti
     trainer = Node(tmp_path / "t", tcfg).start()
     peer = None
     try:
-        trainer.wait_joined()
-        doc = trainer.status()
-        tid = doc["peer_id"]
-        boot = next(a for a in (Path(tcfg["node"]["data_dir"]) / "node.json").read_text()
-                    .split('"') if a.startswith("/ip4/127.0.0.1/tcp/"))
+        info = trainer.wait_listening()  # the peer starts while the trainer loads
+        tid, boot = info["peer_id"], info["listen_addrs"][0]
         peer = Node(tmp_path / "p", {
             "node": {"role": "inference", "swarm_id": tcfg["node"]["swarm_id"],
                      "data_dir": str(tmp_path / "p" / "data"),
@@ -52,6 +49,7 @@ def test_13_a_trainer_on_a_full_disk_pauses_and_resumes(tmp_path, small_disk, ti
             "model": {"name": str(tiny_model_dir)}, "admin": {"port": free_port()},
             "tasks": tcfg["tasks"], "sampler": {**tcfg["sampler"], "version_wait_s": 5.0},
         }).start()
+        trainer.wait_joined()
         peer.wait_joined()
 
         def accepted() -> int:

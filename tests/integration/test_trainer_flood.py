@@ -95,15 +95,16 @@ async def honest_pair(tmp_path, tiny_model_dir, dtype: str = "float32", **traine
     trainer = Node(tmp_path / "t", tcfg).start()
     peer = None
     try:
-        trainer.wait_joined()
-        tid = trainer.status()["peer_id"]
+        info = trainer.wait_listening()  # the peer loads while the trainer does
+        tid = info["peer_id"]
         peer = Node(tmp_path / "p", {
             "node": {"role": "inference", "swarm_id": tcfg["node"]["swarm_id"],
                      "data_dir": str(tmp_path / "p" / "data"), "listen": ["/ip4/127.0.0.1/tcp/0"],
-                     "bootstrap": [trainer_address(trainer)], "follow": [tid]},
+                     "bootstrap": [info["listen_addrs"][0]], "follow": [tid]},
             "model": tcfg["model"], "admin": {"port": free_port()},
             "tasks": tcfg["tasks"], "sampler": {**tcfg["sampler"], "version_wait_s": 5.0},
         }).start()
+        trainer.wait_joined()
         peer.wait_joined()
         hid = peer.status()["peer_id"]
 

@@ -126,10 +126,8 @@ async def test_6_a_restarted_trainer_treats_honest_rounds_as_before(tmp_path, ti
     trainer = Node(tmp_path / "t", tcfg).start()
     peer = observer = None
     try:
-        trainer.wait_joined()
-        tid = trainer.status()["peer_id"]
+        tid = trainer.wait_listening()["peer_id"]  # the others start while it loads
         boot = f"/ip4/127.0.0.1/tcp/{port}/p2p/{tid}"
-        observer = await recorder(tcfg["node"]["swarm_id"], boot)
         pcfg = {
             "node": {"role": "inference", "swarm_id": tcfg["node"]["swarm_id"],
                      "data_dir": str(tmp_path / "p" / "data"),
@@ -141,6 +139,8 @@ async def test_6_a_restarted_trainer_treats_honest_rounds_as_before(tmp_path, ti
             "p2p": {"reconnect_max_backoff_s": 2.0},
         }
         peer = Node(tmp_path / "p", pcfg).start()
+        observer = await recorder(tcfg["node"]["swarm_id"], boot)
+        trainer.wait_joined()
         peer.wait_joined()
         pid = peer.status()["peer_id"]
         await until(lambda: accepted_from(trainer, pid) >= 8 and len(observer.kept) >= 2,

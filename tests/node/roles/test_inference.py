@@ -122,6 +122,28 @@ async def test_a_trainer_chosen_after_start_is_followed_from_then_on(
         await role.close()
 
 
+async def test_a_trainer_at_the_version_held_here_ends_the_first_wait_at_once(
+        tmp_path, tiny_model_dir):
+    """A peer started beside a new trainer: the trainer's v0 (the base model held here) is
+    its current version, so its arrival ends the first round's wait for the announcement.
+    The peer used to wait out sampler.version_wait_s (here 10x the hang guard) first."""
+    cfg = make_cfg(tiny_model_dir, tmp_path / "data").with_overrides(
+        {"sampler.version_wait_s": 10 * HANG_GUARD_S})
+    feed, stop = FakeFeed(tmp_path, follow=[TRAINER], chosen=TRAINER), asyncio.Event()
+    sink = RecordingSink(lambda batch, n: stop.set())
+    role = await started_role(cfg, feed, sink)
+    try:
+        run = asyncio.create_task(role.run(stop))
+        await async_wait_until(lambda: stop._waiters, HANG_GUARD_S,
+                               "the role to wait for the trainer's version")
+        feed.deliver(TRAINER, 0, tiny_model_dir)
+        await asyncio.wait_for(run, HANG_GUARD_S)
+    finally:
+        await role.close()
+    assert [(b.policy_id, b.policy_version) for b in sink.batches] == [(TRAINER, 0)]
+    assert role.sampler.version == 0 and role.pending is None
+
+
 async def test_stops_on_stop_while_waiting_for_a_version(tmp_path, tiny_model_dir):
     feed, sink = FakeFeed(tmp_path, follow=[TRAINER], chosen=TRAINER), RecordingSink()
     role = await started_role(make_cfg(tiny_model_dir, tmp_path / "data"), feed, sink)

@@ -379,3 +379,36 @@ async def test_no_hedge_when_off_or_nobody_else_holds_it(make_node):
     await wait_until(lambda: c.peer_id in hedging.connected_peers(), 30, what="the connection")
     assert await hedging.gossip.fetch_payload(ann, a.peer_id, sources=[c.peer_id]) == body
     assert hedging.metrics["payload_pull_hedges"] == 0
+
+
+async def test_a_stalled_pull_over_libp2p_is_hedged_and_its_stream_reset(make_node):
+    """The slow source has no bulk plane (a NAT'd origin: libp2p streams): the hedge wins
+    the same way, and the cancelled request's stream is reset, not left half-open in the
+    muxer (one per stalled pull would pile up)."""
+    from libp2p.peer.id import ID
+    from swarm_node.protocol.ids import FETCH_PROTOCOL
+
+    a = await make_node(bulk_listen="off")
+    c = await make_node(bootstrap=a.listen_addrs)
+    b = await make_node(bootstrap=a.listen_addrs, payload_pull_hedge_s=0.3)
+    await wait_until(lambda: {a.peer_id, c.peer_id} <= set(b.connected_peers()), 30,
+                     what="b connected to a and c")
+    asked = asyncio.Event()
+
+    async def stall(peer, request):
+        asked.set()
+        await asyncio.Event().wait()
+
+    await a.requests.set_request_handler(FETCH_PROTOCOL, stall)
+    body, ann, _ = announce_of(a, batch(a.peer_id, 8192, 1))
+    c.gossip.store_payload(ann.content_hash, body)
+
+    def fetches_to_a() -> int:  # b's FETCH streams to a still open
+        conns = b.gossip.ctx.host.get_network().connections.get(ID.from_base58(a.peer_id), [])
+        return sum(str(stream.get_protocol()) == FETCH_PROTOCOL
+                   for conn in conns for stream in list(conn.streams))
+
+    assert await b.gossip.fetch_payload(ann, a.peer_id, sources=[a.peer_id, c.peer_id]) == body
+    assert asked.is_set() and b.metrics["payload_pull_hedge_won"] == 1
+    await wait_until(lambda: fetches_to_a() == 0, 10, what="the cancelled stream reset")
+    assert b.metrics["rejected"] == 0 and b.penalties.score(a.peer_id) == 0

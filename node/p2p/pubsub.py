@@ -53,6 +53,11 @@ RELAYED_AFTER_S = 1.0
 # it may be any of the connected ones: the others are asked after them, PULL_PASS at a time).
 PULL_OTHERS = 3
 PULL_PASS = 4
+# A pull's ask is hedged after p2p.payload_pull_hedge_s, or after HEDGE_FACTOR times the
+# median of this node's last HEDGE_SAMPLES answered asks if that is longer: on a machine
+# or uplink where every pull is slow, a fixed deadline would double most pulls' requests.
+HEDGE_FACTOR = 2.0
+HEDGE_SAMPLES = 64
 
 Handler = Callable[[Envelope, str], Awaitable[None]]
 
@@ -104,6 +109,7 @@ class GossipService:
         self._payloads: OrderedDict[bytes, bytes] = OrderedDict()
         self._payload_bytes = 0
         self.pull_slots = PullSlots(ctx.cfg.payload_fetch_parallel)
+        self._ask_s: deque[float] = deque(maxlen=HEDGE_SAMPLES)  # answered asks' durations
         self._outbox: deque[tuple[str, Envelope, str]] = deque()  # libp2p thread -> asyncio
         self._flush_pending = False
         # bodies over the bulk plane (bodies.py), set by start_bodies: served and pulled
@@ -471,7 +477,7 @@ class GossipService:
             todo, spare = self._pull_candidates(origin)
         else:
             todo, spare = list(sources), []
-        hedger = (_Hedge(self.cfg.payload_pull_hedge_s, todo + spare)
+        hedger = (_Hedge(self.hedge_after_s(), todo + spare)
                   if hedge and self.cfg.payload_pull_hedge_s > 0 else None)
         connected = set(peers.connected_peers())
         relayed = [p for p in todo if p in connected and peers.is_relayed(p)]
@@ -528,15 +534,23 @@ class GossipService:
                 again.append(source)
         return None, again
 
+    def hedge_after_s(self) -> float:
+        """How long an ask may go unanswered before its pull is hedged (HEDGE_FACTOR)."""
+        times = sorted(self._ask_s)
+        typical = times[len(times) // 2] if times else 0.0
+        return max(self.cfg.payload_pull_hedge_s, HEDGE_FACTOR * typical)
+
     async def _ask(self, source: str, ann: PayloadAnnounce, origin: str,
                    trace: BodyTrace | None) -> tuple[bytes | None, bool]:
         """One source asked once: (the checked body or None, whether to ask it again)."""
         if trace is not None:
             trace.asks += 1
+        t0 = time.monotonic()
         try:
             data = await self._pull_from(source, ann)
         except PullFailed as e:
             return None, self._pull_failed(source, origin, e)
+        self._ask_s.append(time.monotonic() - t0)
         if len(data) != ann.size or hashlib.sha256(data).digest() != ann.content_hash:
             self._reject_body(source, "hash_mismatch")
             return None, False

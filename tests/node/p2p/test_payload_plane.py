@@ -379,6 +379,11 @@ async def test_no_hedge_when_off_or_nobody_else_holds_it(make_node):
     await wait_until(lambda: c.peer_id in hedging.connected_peers(), 30, what="the connection")
     assert await hedging.gossip.fetch_payload(ann, a.peer_id, sources=[c.peer_id]) == body
     assert hedging.metrics["payload_pull_hedges"] == 0
+    # the deadline follows this node's answered asks when they are slow (all pulls slow:
+    # a fixed 0.2 s would hedge nearly every one)
+    assert hedging.gossip.hedge_after_s() == 0.2  # one fast ask on loopback
+    hedging.gossip._ask_s.extend([0.1] * 10 + [3.0] * 20)
+    assert hedging.gossip.hedge_after_s() == 6.0
 
 
 async def test_a_stalled_pull_over_libp2p_is_hedged_and_its_stream_reset(make_node):

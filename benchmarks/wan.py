@@ -570,7 +570,7 @@ async def _gossip_worker(args) -> None:
 
     def on_body(t):
         traces.append([t.via, t.push_waited, t.queued, t.pulling, t.asks,
-                       t.source == t.origin])
+                       t.source == t.origin, t.hedged, t.hedge_won])
 
     node.gossip.on_body = on_body
     await node.start(bootstrap=args.bootstrap)
@@ -620,7 +620,7 @@ def gossip_figures(args, n: int, work: Path) -> dict:
               str(args.drain), "--mesh-wait", str(args.mesh_wait),
               *(x for kv in args.set for x in ("--set", kv))]
     procs: list[LabProc] = []
-    with Lab(topo, prefix="wanb", seed=args.seed) as lab:
+    with Lab(topo, prefix=args.lab_prefix, seed=args.seed) as lab:
         try:
             first = LabProc(lab, hosts[0], [*worker, "--listen",
                                             f"/ip4/{lab.addr(hosts[0])}/tcp/4001"],
@@ -702,7 +702,11 @@ def body_breakdown(results: list[dict]) -> dict:
             "pulling_p95": pct([t[3] for t in pulled], 95),
             "asks_mean": statistics.fmean([t[4] for t in pulled]) if pulled else 0.0,
             "asks_max": max((t[4] for t in pulled), default=0),
-            "from_origin": sum(bool(t[5]) for t in pulled)}
+            "from_origin": sum(bool(t[5]) for t in pulled),
+            # pulls whose ask stalled past p2p.payload_pull_hedge_s, and those another
+            # holder then served first (traces of workers before 291ab0f: 6 fields)
+            "hedged": sum(bool(t[6]) for t in traces if len(t) > 7),
+            "hedge_won": sum(bool(t[7]) for t in traces if len(t) > 7)}
 
 
 def body_line(b: dict) -> str:
@@ -716,7 +720,10 @@ def body_line(b: dict) -> str:
             f"{b['pull_push_wait_p95']:.2f} s (p95) for a push that did not come, "
             f"{b['queued_p50']:.2f} / {b['queued_p95']:.2f} s (p50 / p95) for a pull slot, "
             f"then took {b['pulling_p50']:.2f} / {b['pulling_p95']:.2f} s, asking "
-            f"{b['asks_mean']:.1f} sources on average (at most {b['asks_max']}).")
+            f"{b['asks_mean']:.1f} sources on average (at most {b['asks_max']}); "
+            f"{b.get('hedged', 0)} hedged (an ask unanswered after "
+            f"p2p.payload_pull_hedge_s), {b.get('hedge_won', 0)} of them served by the "
+            f"hedge.")
 
 
 def gossip_row(s: dict) -> list:
@@ -1216,7 +1223,7 @@ def parse(argv=None):
                     help="seconds each half (ours, shardcast) may take from its publish "
                          "command; then it is recorded as not finished")
     ap.add_argument("--lab-prefix", default="wanb",
-                    help="netns name prefix of the broadcast section's labs (<= 8 chars)")
+                    help="netns name prefix of the broadcast and gossip sections' labs (<= 8 chars)")
     # the gossip worker (run by the benchmark inside lab hosts)
     ap.add_argument("--worker", choices=["gossip"])
     ap.add_argument("--listen")

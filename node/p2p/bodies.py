@@ -137,6 +137,9 @@ class BodyPuller:
         try:
             async with asyncio.timeout(self.cfg.payload_pull_timeout_s):
                 data = await self._ask(conn, digest, size)
+        except asyncio.CancelledError:  # a hedged pull won elsewhere: the answer may be
+            conn.abort()  # half read, so the connection carries no other
+            raise
         except TimeoutError:
             conn.abort()
             raise PullFailed(f"pull from {peer} timed out after "

@@ -53,6 +53,11 @@ RELAYED_AFTER_S = 1.0
 # it may be any of the connected ones: the others are asked after them, PULL_PASS at a time).
 PULL_OTHERS = 3
 PULL_PASS = 4
+# A pull's ask is hedged after p2p.payload_pull_hedge_s, or after HEDGE_FACTOR times the
+# median of this node's last HEDGE_SAMPLES answered asks if that is longer: on a machine
+# or uplink where every pull is slow, a fixed deadline would double most pulls' requests.
+HEDGE_FACTOR = 2.0
+HEDGE_SAMPLES = 64
 
 Handler = Callable[[Envelope, str], Awaitable[None]]
 
@@ -70,6 +75,18 @@ class BodyTrace:
     pulling: float = 0.0  # asking sources until one served it
     asks: int = 0  # sources asked (each a request round trip)
     source: str = ""  # who served the pull (the origin: one hop; another: two or more)
+    hedged: bool = False  # an ask stalled past p2p.payload_pull_hedge_s: others were asked
+    hedge_won: bool = False  # ... and one of them served first
+
+
+@dataclass
+class _Hedge:
+    """One pull's hedge (at most one): `candidates` are the sources a hedge asks, less the
+    one whose ask stalled."""
+
+    after_s: float
+    candidates: list[str]
+    used: bool = False
 
 
 class GossipService:
@@ -92,6 +109,7 @@ class GossipService:
         self._payloads: OrderedDict[bytes, bytes] = OrderedDict()
         self._payload_bytes = 0
         self.pull_slots = PullSlots(ctx.cfg.payload_fetch_parallel)
+        self._ask_s: deque[float] = deque(maxlen=HEDGE_SAMPLES)  # answered asks' durations
         self._outbox: deque[tuple[str, Envelope, str]] = deque()  # libp2p thread -> asyncio
         self._flush_pending = False
         # bodies over the bulk plane (bodies.py), set by start_bodies: served and pulled
@@ -434,7 +452,8 @@ class GossipService:
 
     async def fetch_payload(self, ann: PayloadAnnounce, origin: str,
                             sources: list[str] | None = None,
-                            trace: BodyTrace | None = None) -> bytes | None:
+                            trace: BodyTrace | None = None,
+                            hedge: bool = True) -> bytes | None:
         """The announced body from the first source that serves it, checked against the
         announce's size and hash (before anything decodes it); None if no source did.
         A source that serves other bytes, or an announcer that does not serve, is counted
@@ -446,12 +465,20 @@ class GossipService:
         Sources reached only through a relay are asked once, when no direct source is left
         to ask or after RELAYED_AFTER_S; a source not connected at all (a dial, which may
         take `dial_timeout_s`) once, last. `sources`: exactly these, in this order;
-        `trace`: counts the asks and names the source that served."""
+        `trace`: counts the asks and names the source that served.
+
+        Hedged (`hedge`, `p2p.payload_pull_hedge_s` > 0): an ask that has not answered after
+        that long does not hold up the pull. The other sources are asked meanwhile (a second
+        fetch_payload over them, not hedged again); the first verified body wins and the
+        other side is cancelled. A cancelled ask is not charged: a slow source (a NAT'd
+        origin on a home uplink) is no offence, and its pull is bounded by the timeout."""
         peers = self.ctx.peers
         if sources is None:
             todo, spare = self._pull_candidates(origin)
         else:
             todo, spare = list(sources), []
+        hedger = (_Hedge(self.hedge_after_s(), todo + spare)
+                  if hedge and self.cfg.payload_pull_hedge_s > 0 else None)
         connected = set(peers.connected_peers())
         relayed = [p for p in todo if p in connected and peers.is_relayed(p)]
         dial = [p for p in todo if p not in connected]
@@ -470,12 +497,12 @@ class GossipService:
                 return pushed
             if line:
                 ask = [line.popleft() for _ in range(min(PULL_PASS, len(line)))]
-                data, again = await self._pull_pass(ann, origin, ask, trace)
+                data, again = await self._pull_pass(ann, origin, ask, trace, hedger)
                 if data is not None:
                     return data
                 line.extend(again)
             if relayed and (not line or loop.time() >= relay_at):
-                data, _ = await self._pull_pass(ann, origin, relayed, trace)
+                data, _ = await self._pull_pass(ann, origin, relayed, trace, hedger)
                 if data is not None:
                     return data
                 relayed = []  # the direct ones may hold it now: one more ask at least
@@ -483,31 +510,88 @@ class GossipService:
             if not line or deadline - loop.time() <= pause:
                 # last: a dial (it may wait out dial_timeout_s) to an announcer we are not
                 # connected to, once nobody else is left to ask
-                data, _ = await self._pull_pass(ann, origin, dial, trace) if dial else (None, [])
+                if not dial:
+                    return None
+                data, _ = await self._pull_pass(ann, origin, dial, trace, hedger)
                 return data
             self.metrics.inc("payload_pull_retries")
             await asyncio.sleep(pause)
             pause = min(pause * 2, PULL_RETRY_MAX_S)
 
     async def _pull_pass(self, ann: PayloadAnnounce, origin: str, sources: list[str],
-                         trace: BodyTrace | None = None) -> tuple[bytes | None, list[str]]:
+                         trace: BodyTrace | None = None, hedge: _Hedge | None = None
+                         ) -> tuple[bytes | None, list[str]]:
         """Ask each source in turn: the checked body, or None and the sources to ask again."""
         again = []
         for source in sources:
-            if trace is not None:
-                trace.asks += 1
-                trace.source = source
-            try:
-                data = await self._pull_from(source, ann)
-            except PullFailed as e:
-                if self._pull_failed(source, origin, e):
-                    again.append(source)
-                continue
-            if len(data) != ann.size or hashlib.sha256(data).digest() != ann.content_hash:
-                self._reject_body(source, "hash_mismatch")
-                continue
-            return data, []
+            if hedge is None or hedge.used:
+                data, retry = await self._ask(source, ann, origin, trace)
+            else:
+                data, retry = await self._ask_hedged(source, ann, origin, trace, hedge)
+            if data is not None:
+                return data, []
+            if retry:
+                again.append(source)
         return None, again
+
+    def hedge_after_s(self) -> float:
+        """How long an ask may go unanswered before its pull is hedged (HEDGE_FACTOR)."""
+        times = sorted(self._ask_s)
+        typical = times[len(times) // 2] if times else 0.0
+        return max(self.cfg.payload_pull_hedge_s, HEDGE_FACTOR * typical)
+
+    async def _ask(self, source: str, ann: PayloadAnnounce, origin: str,
+                   trace: BodyTrace | None) -> tuple[bytes | None, bool]:
+        """One source asked once: (the checked body or None, whether to ask it again)."""
+        if trace is not None:
+            trace.asks += 1
+        t0 = time.monotonic()
+        try:
+            data = await self._pull_from(source, ann)
+        except PullFailed as e:
+            return None, self._pull_failed(source, origin, e)
+        self._ask_s.append(time.monotonic() - t0)
+        if len(data) != ann.size or hashlib.sha256(data).digest() != ann.content_hash:
+            self._reject_body(source, "hash_mismatch")
+            return None, False
+        if trace is not None:
+            trace.source = source
+        return data, False
+
+    async def _ask_hedged(self, source: str, ann: PayloadAnnounce, origin: str,
+                          trace: BodyTrace | None, hedge: _Hedge) -> tuple[bytes | None, bool]:
+        """`_ask`, and if it has not answered within `hedge.after_s`, the other candidates
+        too (a fetch_payload over them, one more ask at a time at most): the first verified
+        body wins, the other side is cancelled (no charge for a cancelled ask)."""
+        ask = asyncio.ensure_future(self._ask(source, ann, origin, trace))
+        second: asyncio.Future | None = None
+        try:
+            done, _ = await asyncio.wait({ask}, timeout=hedge.after_s)
+            others = [p for p in hedge.candidates if p != source]
+            if done or not others:
+                return await ask
+            hedge.used = True
+            self.metrics.inc("payload_pull_hedges")
+            if trace is not None:
+                trace.hedged = True
+            second = asyncio.ensure_future(
+                self.fetch_payload(ann, origin, sources=others, trace=trace, hedge=False))
+            pending: set[asyncio.Future] = {ask, second}
+            while pending:
+                done, pending = await asyncio.wait(pending,
+                                                   return_when=asyncio.FIRST_COMPLETED)
+                if ask in done and ask.result()[0] is not None:
+                    return ask.result()
+                if second in done and second.result() is not None:
+                    self.metrics.inc("payload_pull_hedge_won")
+                    if trace is not None:
+                        trace.hedge_won = True
+                    return second.result(), False
+            return None, ask.result()[1]
+        finally:
+            for task in (ask, second):
+                if task is not None and not task.done():
+                    task.cancel()
 
     async def _pull_from(self, source: str, ann: PayloadAnnounce) -> bytes:
         """Over the bulk plane when the source has one, else over libp2p."""

@@ -192,6 +192,11 @@ async def client_request(host, peer_id, protocol_id: str, payload: bytes, *,
         if stream is not None:
             await reset_quietly(stream)
         raise
+    except trio.Cancelled:  # the caller gave up (a hedged pull served elsewhere): reset the
+        if stream is not None:  # stream, or the muxer keeps it half-open for good
+            with trio.CancelScope(shield=True, deadline=trio.current_time() + 1.0):
+                await reset_quietly(stream)
+        raise
     await close_quietly(stream)
     if status == STATUS_OK:
         return body

@@ -297,3 +297,123 @@ async def test_a_node_behind_nat_offers_no_plane_but_dials_out(make_node):
     assert public.metrics["payload_pulled_libp2p"] == 1  # from the NAT'd node
     assert natted.metrics["payload_pulled_bulk"] == 1  # out to the public one
     assert public.metrics["rejected"] == natted.metrics["rejected"] == 0
+
+
+async def _hedge_setup(make_node, n_holders: int, **p2p):
+    """b pulls from a, whose plane takes the request and never answers (a NAT'd origin on a
+    stalled uplink), and from `n_holders` other peers; returns (a, b, holders, the event
+    set when a's stalled connection is closed by b)."""
+    a = await make_node()
+    holders = [await make_node(bootstrap=a.listen_addrs) for _ in range(n_holders)]
+    p2p = {"payload_pull_hedge_s": 0.3, "payload_pull_timeout_s": 20.0, **p2p}
+    b = await make_node(bootstrap=a.listen_addrs, **p2p)
+    want = {a.peer_id, *(h.peer_id for h in holders)}
+    await wait_until(lambda: want <= set(b.connected_peers()), 30, what="b connected to all")
+    let_go = asyncio.Event()
+
+    async def stall(peer, conn):  # reads the request, answers nothing, notices the close
+        await conn.readexactly(32)
+        try:
+            await conn.readexactly(1)
+        except Exception:  # noqa: BLE001 - closed by b: EOF or a broken connection
+            let_go.set()
+
+    a.bulk.register(BODY, stall)
+    await drop_warm_connection(b, a)
+    return a, b, holders, let_go
+
+
+async def test_a_stalled_pull_is_hedged_to_another_holder(make_node):
+    """The first source does not answer within p2p.payload_pull_hedge_s: the other holder is
+    asked meanwhile, its verified body wins, the stalled ask is cancelled (its connection
+    closed) and not charged; one extra ask, counted."""
+    from swarm_node.node.p2p.pubsub import BodyTrace
+
+    a, b, (c,), let_go = await _hedge_setup(make_node, 1)
+    body, ann, _ = announce_of(a, batch(a.peer_id, 8192, 1))
+    c.gossip.store_payload(ann.content_hash, body)
+    trace = BodyTrace(a.peer_id, 0.0)
+    assert await b.gossip.fetch_payload(ann, a.peer_id, sources=[a.peer_id, c.peer_id],
+                                        trace=trace) == body
+    assert trace.hedged and trace.hedge_won and trace.source == c.peer_id
+    assert trace.asks == 2
+    assert b.metrics["payload_pull_hedges"] == 1 and b.metrics["payload_pull_hedge_won"] == 1
+    await wait_until(let_go.is_set, 10, what="the stalled ask let go")
+    # cancelled, not timed out: no miss, no reject, no penalty for the slow holder
+    assert b.metrics["payload_pull_misses"] == 0 and b.metrics["rejected"] == 0
+    assert b.penalties.score(a.peer_id) == 0 and c.metrics["payload_bulk_served"] == 1
+
+
+async def test_junk_from_a_hedge_is_rejected_and_charged(make_node):
+    """The hedge's first source serves other bytes than announced: rejected (hash_mismatch),
+    charged to it; the next holder's verified body wins; the stalled origin is not charged."""
+    from swarm_node.node.p2p.pubsub import BodyTrace
+
+    a, b, (c, d), _ = await _hedge_setup(make_node, 2)
+    body, ann, _ = announce_of(a, batch(a.peer_id, 8192, 1))
+    forged = bytearray(body)
+    forged[-1] ^= 1
+    c.gossip.store_payload(ann.content_hash, bytes(forged))
+    d.gossip.store_payload(ann.content_hash, body)
+    trace = BodyTrace(a.peer_id, 0.0)
+    assert await b.gossip.fetch_payload(ann, a.peer_id,
+                                        sources=[a.peer_id, c.peer_id, d.peer_id],
+                                        trace=trace) == body
+    assert trace.hedge_won and trace.source == d.peer_id
+    assert b.metrics["rejected.hash_mismatch"] == 1 and b.penalties.score(c.peer_id) > 0
+    assert b.metrics["payload_pull_hedges"] == 1
+    assert b.penalties.score(a.peer_id) == 0 and b.penalties.score(d.peer_id) == 0
+
+
+async def test_no_hedge_when_off_or_nobody_else_holds_it(make_node):
+    """p2p.payload_pull_hedge_s = 0: the stalled ask is waited out (its timeout, charged as
+    before), then the other holder is asked. With one source only, nothing to hedge to."""
+    a, b, (c,), _ = await _hedge_setup(make_node, 1, payload_pull_hedge_s=0.0,
+                                       payload_pull_timeout_s=1.0)
+    body, ann, _ = announce_of(a, batch(a.peer_id, 8192, 1))
+    c.gossip.store_payload(ann.content_hash, body)
+    assert await b.gossip.fetch_payload(ann, a.peer_id, sources=[a.peer_id, c.peer_id]) == body
+    assert b.metrics["payload_pull_hedges"] == 0
+    assert b.metrics["rejected.unserved_announce"] == 1  # a direct announcer that timed out
+    hedging = await make_node(bootstrap=c.listen_addrs, payload_pull_hedge_s=0.2)
+    await wait_until(lambda: c.peer_id in hedging.connected_peers(), 30, what="the connection")
+    assert await hedging.gossip.fetch_payload(ann, a.peer_id, sources=[c.peer_id]) == body
+    assert hedging.metrics["payload_pull_hedges"] == 0
+    # the deadline follows this node's answered asks when they are slow (all pulls slow:
+    # a fixed 0.2 s would hedge nearly every one)
+    assert hedging.gossip.hedge_after_s() == 0.2  # one fast ask on loopback
+    hedging.gossip._ask_s.extend([0.1] * 10 + [3.0] * 20)
+    assert hedging.gossip.hedge_after_s() == 6.0
+
+
+async def test_a_stalled_pull_over_libp2p_is_hedged_and_its_stream_reset(make_node):
+    """The slow source has no bulk plane (a NAT'd origin: libp2p streams): the hedge wins
+    the same way, and the cancelled request's stream is reset, not left half-open in the
+    muxer (one per stalled pull would pile up)."""
+    from libp2p.peer.id import ID
+    from swarm_node.protocol.ids import FETCH_PROTOCOL
+
+    a = await make_node(bulk_listen="off")
+    c = await make_node(bootstrap=a.listen_addrs)
+    b = await make_node(bootstrap=a.listen_addrs, payload_pull_hedge_s=0.3)
+    await wait_until(lambda: {a.peer_id, c.peer_id} <= set(b.connected_peers()), 30,
+                     what="b connected to a and c")
+    asked = asyncio.Event()
+
+    async def stall(peer, request):
+        asked.set()
+        await asyncio.Event().wait()
+
+    await a.requests.set_request_handler(FETCH_PROTOCOL, stall)
+    body, ann, _ = announce_of(a, batch(a.peer_id, 8192, 1))
+    c.gossip.store_payload(ann.content_hash, body)
+
+    def fetches_to_a() -> int:  # b's FETCH streams to a still open
+        conns = b.gossip.ctx.host.get_network().connections.get(ID.from_base58(a.peer_id), [])
+        return sum(str(stream.get_protocol()) == FETCH_PROTOCOL
+                   for conn in conns for stream in list(conn.streams))
+
+    assert await b.gossip.fetch_payload(ann, a.peer_id, sources=[a.peer_id, c.peer_id]) == body
+    assert asked.is_set() and b.metrics["payload_pull_hedge_won"] == 1
+    await wait_until(lambda: fetches_to_a() == 0, 10, what="the cancelled stream reset")
+    assert b.metrics["rejected"] == 0 and b.penalties.score(a.peer_id) == 0

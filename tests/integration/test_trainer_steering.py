@@ -102,6 +102,16 @@ class Steerers:
             self.streams[identity.peer_id] = (node, await node.open_stream(self.tid, MESHSUB))
         return self.streams[identity.peer_id]
 
+    async def established(self):
+        """A new identity whose first two (honest) batches the trainer verified: 16+
+        accepted, established (`probation_accepts` 8)."""
+        from swarm_node.node.identity import Identity
+
+        cheat = Identity.generate()
+        for i in range(2):
+            await self.send(cheat, 0.0, 0.0, seed=i)
+        return cheat
+
     def verified(self, sender: str) -> dict:
         return (self.trainer.status().get("accepted_by_peer") or {}).get(
             sender, {"accepted": 0, "rejected": 0, "reasons": {}})
@@ -224,17 +234,14 @@ async def test_8_to_10_an_established_steerer_is_caught_and_pays(tmp_path, tiny_
     `tie_steering`, none accepted). (10) The alarm costs it all it earned: established
     before, on probation (score <= 0) after; steering on, the next alarm bans it. The
     honest peer beside it keeps its acceptance."""
-    from swarm_node.node.identity import Identity
 
     async with honest_pair(tmp_path, tiny_model_dir, dtype=BF16, max_staleness=LAG) as (
             trainer, tcfg, honest, tid, boot):
         attack = Steerers(tcfg, tiny_model_dir, trainer, tid, boot)
         try:
-            cheat = Identity.generate()
-            cid = cheat.peer_id
             h0 = honest()
-            for i in range(2):  # honest work first: established (probation_accepts 8)
-                await attack.send(cheat, 0.0, 0.0, seed=i)
+            cheat = await attack.established()  # honest work first
+            cid = cheat.peer_id
             est = attack.verified(cid)
             assert est["rejected"] == 0 and est["accepted"] >= 16, est
             # the trainer journals reputation changes at most every 5 s (reputation.py
@@ -292,16 +299,13 @@ async def test_10_a_caught_steerer_does_not_buy_its_standing_back(tmp_path, tiny
     (sequential.py): after the alarm, one honest batch is accepted but leaves it on
     probation, its next alarm bans it, and at most one weakly steered batch slips through
     before that. The honest peer beside it loses nothing."""
-    from swarm_node.node.identity import Identity
 
     async with honest_pair(tmp_path, tiny_model_dir, dtype=BF16, max_staleness=LAG) as (
             trainer, tcfg, honest, tid, boot):
         attack = Steerers(tcfg, tiny_model_dir, trainer, tid, boot)
         try:
-            cheat = Identity.generate()
+            cheat = await attack.established()
             cid = cheat.peer_id
-            for i in range(2):  # established (probation_accepts 8)
-                await attack.send(cheat, 0.0, 0.0, seed=i)
             h0, t0 = honest(), time.monotonic()
             caught = None
             for i in range(8):

@@ -21,24 +21,13 @@ from swarm_node.node.p2p.gossip_push import (
 )
 
 from .conftest import rejects_by_sender, wait_until
-from .test_payload_plane import announce_of, batch
-
-TOPIC = "rollouts"
+from .test_payload_plane import KIND as TOPIC  # the topic meshed() subscribes both to
+from .test_payload_plane import announce_of, batch, meshed
 
 
 async def linked(make_node, **p2p):
-    """Two meshed nodes subscribed to TOPIC with push links both ways; (a, b, what a got)."""
-    a = await make_node(**p2p)
-    b = await make_node(bootstrap=a.listen_addrs, **p2p)
-    got = []
-
-    async def on_msg(env, peer):
-        got.append((peer, env))
-
-    await a.subscribe(TOPIC, on_msg)
-    await b.subscribe(TOPIC, on_msg)
-    await wait_until(lambda: b.peer_id in a.gossip.mesh_peers(TOPIC)
-                     and a.peer_id in b.gossip.mesh_peers(TOPIC), 30, what="the mesh")
+    """Two meshed nodes subscribed to TOPIC with push links both ways; (a, b, what they got)."""
+    a, b, got = await meshed(make_node, **p2p)
     await wait_until(lambda: a.peer_id in b.gossip.pusher.out
                      and a.gossip.pusher.pushes_to_us(b.peer_id), 30, what="the push links")
     return a, b, got

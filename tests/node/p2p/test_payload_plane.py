@@ -26,6 +26,12 @@ async def pair(make_node, **p2p):
     """Two meshed nodes subscribed to KIND; returns (a, b, messages a received). These
     tests are of the pull path: publishers push nothing unless a test says so."""
     p2p.setdefault("payload_push_fanout", 0)
+    return await meshed(make_node, **p2p)
+
+
+async def meshed(make_node, **p2p):
+    """Two nodes with these p2p settings, subscribed to KIND and in each other's mesh;
+    (a, b, messages a and b received)."""
     a = await make_node(**p2p)
     b = await make_node(bootstrap=a.listen_addrs, **p2p)
     got = []

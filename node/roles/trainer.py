@@ -150,8 +150,10 @@ class TrainerRole(Role):
 
     async def _publish_version(self) -> None:
         """Announce the current checkpoint (what leaves the node, and how many versions are
-        kept, is the publisher's business)."""
-        await self.own.publish_latest()
+        kept, is the publisher's business). Storing it for the broadcast writes (links or
+        copies, a manifest): on a full disk that pauses like the trainer's other writes
+        instead of ending the node (a retry reuses what the first attempt stored)."""
+        await until_written(self.disk, self.own.publish_latest)
         self.state.versions_published += 1
 
     # verification -----------------------------------------------------------------------

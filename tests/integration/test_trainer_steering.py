@@ -64,15 +64,19 @@ class Steerers:
     def checkpoint(self, version: int):
         """The trainer's published checkpoint of `version` (as a follower has it), or None
         while it is not complete (or no longer kept)."""
-        found = [p.parent for p in (self.trainer.data / "broadcast").rglob(
-            f"{self.tid}/{version:012d}/COMPLETE")]
-        return found[0] / "checkpoint" if found else None
+        # a direct look-up: walking broadcast/ (rglob) races the store's pruning of old
+        # versions (a CI run failed on a directory removed mid-walk)
+        path = self.trainer.data / "broadcast" / self.tid / f"{version:012d}"
+        return path / "checkpoint" if (path / "COMPLETE").exists() else None
 
     def model(self, version: int):
         from swarm_node.node.models import load_model
 
         if version not in self.models:
-            self.models = {version: load_model(self.checkpoint(version), dtype=BF16)[0]}
+            path = self.checkpoint(version)
+            if path is None:
+                raise FileNotFoundError(f"v{version} is no longer kept")
+            self.models = {version: load_model(path, dtype=BF16)[0]}
         return self.models[version]
 
     def _batch(self, sender: str, version: int, k: int, rate: float, narrow_rate: float,
@@ -126,8 +130,11 @@ class Steerers:
                                   f"a version with a round left for {sender[-8:]}",
                                   self.trainer) - 1  # (_free_version: version + 1)
             k = self.rounds[(sender, version)]
-            batch, steered = await asyncio.to_thread(self._batch, sender, version, k, rate,
-                                                     narrow_rate, seed)
+            try:
+                batch, steered = await asyncio.to_thread(self._batch, sender, version, k,
+                                                         rate, narrow_rate, seed)
+            except FileNotFoundError:  # the store pruned `version` while it loaded
+                continue
             if self.trainer.status().get("policy_version", 0) <= version + 1 \
                     and self.checkpoint(version) is not None:
                 break

@@ -68,6 +68,7 @@ class Discovery:
         self._turn = 0  # which connected peer a quiet round asks
         self.strays: dict[str, float] = {}  # peers of another swarm we refused -> when
         self.refused_by: dict[str, str] = {}  # peers that refused us -> their swarm id
+        self._bootstrapping = False  # bootstrap() says the mismatches of its own dials
         self._dht_looked = -DHT_LOOKUP_INTERVAL_S
         self._paused: dict[str, float] = {}  # peer -> until: not redialled early (trimmed)
         self.roles: dict[str, str] = {}  # peer -> the role its Hello named (the swarm view)
@@ -138,9 +139,16 @@ class Discovery:
                 if not peer:
                     last[a] = why
             if reached:
-                await self.exchange_all()
-                if all(p in self.refused_by for p in reached):
+                self._bootstrapping = True  # _refused leaves the saying to us
+                try:
+                    await self.exchange_all()
+                finally:
+                    self._bootstrapping = False
+                refused = [p for p in reached if p in self.refused_by]
+                if len(refused) == len(reached):  # the error says it (once, not also logged)
                     raise BootstrapError(self._mismatch_line(reached[0]))
+                for peer in refused:
+                    log.error(self._mismatch_line(peer))
                 return reached
             if time.monotonic() + delay >= deadline:
                 break
@@ -267,7 +275,7 @@ class Discovery:
         first = peer not in self.refused_by
         self.refused_by[peer] = refusal.swarm_id
         self.known.pop(peer, None)
-        if first:
+        if first and not self._bootstrapping:
             log.error(self._mismatch_line(peer))
 
     async def exchange_all(self) -> int:

@@ -20,8 +20,8 @@ async def test_swarm_id_mismatch_is_one_error_line_at_once(make_node, caplog):
         await stray.start(bootstrap=boot.listen_addrs)
     text = str(e.value)
     assert "'my-swarm'" in text and "'default'" in text and "--swarm my-swarm" in text
-    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
-    assert [r.getMessage() for r in errors] == [text]
+    # said once: by the error the command prints, not also by an ERROR log line before it
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert not any("failed" in r.getMessage() for r in caplog.records
                    if r.name.endswith("requests"))
     assert boot.discovery.is_stray(stray.peer_id)

@@ -224,7 +224,7 @@ class GossipService:
             self.store_payload(digest, data)
             if self.pusher is not None:  # the bodies start before their announce
                 self.pusher.push(digest, data, self.cfg.payload_push_fanout,
-                                 set(self.topic_peers(kind)))
+                                 set(self.topic_peers(kind)), via=self.cfg.payload_push_via)
             data = self._seal(PayloadAnnounce(inner_type=message.TYPE, content_hash=digest,
                                               size=len(data)))
             self.metrics.inc("payload_announced")

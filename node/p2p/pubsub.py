@@ -458,7 +458,9 @@ class GossipService:
         connection before those reached only through a relay (a body over a relay crosses
         two links and the relay's circuit limits, and a relayed announcer's slow home uplink
         is shared by everyone pulling from it: a direct peer that pulled it already is
-        faster). An announcer we hold no connection to goes last: it came through the mesh
+        faster). The forwarder goes before an announcer whose bulk plane we cannot use
+        (behind NAT: libp2p streams through its home uplink) if we can use the forwarder's.
+        An announcer we hold no connection to goes last: it came through the mesh
         because we cannot reach it (both behind NAT, no relayed path), and a pull from it
         waits out a dial."""
         return self._pull_candidates(origin)[0]
@@ -468,10 +470,17 @@ class GossipService:
         PULL_OTHERS more at a time, while the first ones do not hold the body yet)."""
         peers = self.ctx.peers
         connected = peers.connected_peers()
-        first = [p for p in dict.fromkeys([origin, self.validator.carried_by.get(origin)]) if p]
+        puller = self.puller
+        carrier = self.validator.carried_by.get(origin)
+        first = [p for p in dict.fromkeys([origin, carrier]) if p]
+        if (len(first) == 2 and puller is not None and puller.usable(carrier)
+                and not puller.usable(origin)):
+            # an origin whose plane we cannot use (behind NAT) serves over libp2p streams
+            # through its home uplink; the carrier on a plane we can use (a public peer it
+            # pushed to, or fetching it itself: answered when it lands) first
+            first.reverse()
         # of the others, public ones first (a plane we can use): an announcer behind NAT
         # dials out to them, so they pull its body first-hand
-        puller = self.puller
         others = sorted((p for p in connected if p not in first),
                         key=lambda p: (peers.is_relayed(p),
                                        puller is not None and not puller.usable(p)))

@@ -443,3 +443,21 @@ async def test_a_body_on_its_way_is_served_when_it_lands_not_refused(make_node):
     assert await asyncio.wait_for(pull, 10) == body
     assert a.metrics["payload_bulk_served_on_arrival"] == 1
     assert a.metrics["payload_bulk_not_held"] == 1
+
+
+async def test_the_forwarder_is_asked_before_an_announcer_without_a_plane(make_node):
+    # a (its plane unusable: as behind NAT) would serve over libp2p streams through its home
+    # uplink; c, which brought us a's messages and whose plane we can use, is asked first.
+    a = await make_node(bulk_listen="off")
+    c = await make_node(bootstrap=a.listen_addrs)
+    b = await make_node(bootstrap=a.listen_addrs)
+    await wait_until(lambda: {a.peer_id, c.peer_id} <= set(b.connected_peers()), 30,
+                     what="b connected to a and c")
+    b.bulk.client.mark_down(a.peer_id, BODY, "no plane (test)")  # as a failed pull does
+    b.gossip.validator.carried_by[a.peer_id] = c.peer_id
+    assert b.gossip.pull_sources(a.peer_id)[:2] == [c.peer_id, a.peer_id]
+    body, ann, _ = announce_of(a, batch(a.peer_id, 8192, 1))
+    a.gossip.store_payload(ann.content_hash, body)
+    c.gossip.store_payload(ann.content_hash, body)
+    assert await b.gossip.fetch_payload(ann, a.peer_id) == body
+    assert b.metrics["payload_pulled_bulk"] == 1 and b.metrics["payload_pulled_libp2p"] == 0

@@ -573,6 +573,15 @@ async def _gossip_worker(args) -> None:
                        t.source == t.origin, t.hedged, t.hedge_won])
 
     node.gossip.on_body = on_body
+    lags: list[float] = []  # event-loop lag: how late a 10 ms sleep wakes (CPU queueing)
+
+    async def loop_lag():
+        while True:
+            t0 = time.monotonic()
+            await asyncio.sleep(0.01)
+            lags.append(time.monotonic() - t0 - 0.01)
+
+    lag_task = asyncio.create_task(loop_lag())
     await node.start(bootstrap=args.bootstrap)
     await node.subscribe("rollouts", on_batch)
     emit(event="ready", peer_id=node.peer_id, addrs=node.listen_addrs)
@@ -584,6 +593,7 @@ async def _gossip_worker(args) -> None:
             and len(node.gossip.topic_peers("rollouts")) >= min(n_others, cfg.p2p.target_peers)):
         await asyncio.sleep(0.1)
     batches = [make_batch(node.peer_id, r, args.batch_kib * 1024) for r in range(args.rounds)]
+    lags.clear()  # the rounds' lag only
     emit(event="meshed", topic_peers=len(node.gossip.topic_peers("rollouts")),
          mesh_peers=len(node.gossip.mesh_peers("rollouts")))
     start = json.loads(await asyncio.to_thread(sys.stdin.readline))["start"]
@@ -603,7 +613,9 @@ async def _gossip_worker(args) -> None:
          metrics=node.metrics.snapshot()["counters"], links=links,
          mesh=node.gossip.mesh_peers("rollouts"), reach=node.reach.current.verdict.value,
          cpu_s=time.process_time(), announced=announced, traces=traces,
-         heartbeat_s=node.context.router.heartbeat_interval)
+         heartbeat_s=node.context.router.heartbeat_interval,
+         loop_lag=[pct(lags, 50), pct(lags, 95), pct(lags, 99), max(lags, default=0.0)])
+    lag_task.cancel()
     await asyncio.to_thread(sys.stdin.readline)
     await node.close()
 

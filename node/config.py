@@ -446,6 +446,11 @@ class P2PSection(Section):
     """Most subscribers a publisher pushes each body it announces to, over the push links
     of the bulk plane, before the announce (0: none; every subscriber pulls). Each copy
     is one a subscriber would otherwise pull, most often from the announcer itself."""
+    payload_push_via: int = Field(2, ge=0)
+    """While this node is not publicly reachable (a home uplink), it pushes each body it
+    announces to at most this many public peers, which push it on to its other
+    subscribers (0: to every subscriber itself, up to `payload_push_fanout`). All the
+    copies at once queued in a 10 Mbit/s uplink for ~0.4 s, the announce behind them."""
     dialback_peers: int = Field(3, ge=1, le=16)
     """Reachability check: how many connected peers are asked to dial this node back at
     its observed IP (it is public when more of them reached it than failed to)."""

@@ -8,7 +8,9 @@ does not rest on the channel alone: the puller checks length and SHA-256 against
 signed announce before decoding.
 
 On a connection, any number of pulls, one at a time: request = the 32-byte content hash;
-answer = u8 status (0 ok, 1 not held) + u32 BE length + body. The server closes a
+answer = u8 status (0 ok, 1 not held) + u32 BE length + body. A body the server is
+fetching itself (it forwarded the announce before the body arrived) is answered when it
+lands, within HOLD_S, instead of "not held". The server closes a
 connection idle for `bulk.idle_s` and cuts a reader that does not take an answer within
 `p2p.payload_pull_timeout_s`; the client bounds each pull by the announced size and that
 timeout, and pulls at most `p2p.payload_pulls_per_peer` bodies from one peer at once.
@@ -20,7 +22,7 @@ import asyncio
 import logging
 import struct
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from .bulk import BulkBusy, BulkClient, BulkConn, BulkError, BulkUnavailable
 from .metrics import P2PMetrics
@@ -48,9 +50,13 @@ class BodyServer:
     again before every request)."""
 
     def __init__(self, lookup: Callable[[bytes], bytes | None], idle_s: float,
-                 pull_timeout_s: float, metrics: P2PMetrics):
+                 pull_timeout_s: float, metrics: P2PMetrics,
+                 coming: Callable[[bytes], Awaitable[bytes | None]] | None = None):
         self.lookup, self.idle_s, self.pull_timeout_s = lookup, idle_s, pull_timeout_s
         self.metrics = metrics
+        # a body this node is fetching itself (its announce came first): answered once it
+        # lands (bounded by the caller), not "not held" and asked again after a back-off
+        self.coming = coming
 
     async def serve(self, peer: str, conn: BulkConn) -> None:
         while True:
@@ -59,6 +65,10 @@ class BodyServer:
             except (TimeoutError, asyncio.IncompleteReadError, BulkError):
                 return  # idle, closed by the client, or the peer is refused now
             data = self.lookup(digest)
+            if data is None and self.coming is not None:
+                data = await self.coming(digest)
+                if data is not None:
+                    self.metrics.inc("payload_bulk_served_on_arrival")
             try:
                 async with asyncio.timeout(self.pull_timeout_s):
                     if data is None:

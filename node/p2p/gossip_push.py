@@ -193,14 +193,28 @@ class BodyPusher:
 
     # Sending -------------------------------------------------------------------------
 
-    def push(self, digest: bytes, data: bytes, fanout: int, to: set[str]) -> int:
+    def push(self, digest: bytes, data: bytes, fanout: int, to: set[str],
+             via: int = 0) -> int:
         """Push a body we announce to up to `fanout` of the peers `to` (its topic's
         subscribers) we have a link with; how many. Each subscriber we have no link with
         (both of us behind NAT) is named to one public peer we push to (rendezvous hash of
         body and subscriber), which forwards it once it checked the announce, if it has a
-        link with that subscriber; else the subscriber pulls."""
+        link with that subscriber; else the subscriber pulls.
+
+        `via` > 0 while we are not publicly reachable (a home uplink): the body goes to at
+        most `via` public peers only (rendezvous hash of the body: spread over them), and
+        every other subscriber is named to one of them to forward. Writing it to every
+        subscriber at once queued all the copies (and the announce behind them) in the
+        slow uplink: 8 copies of 64 KiB take 0.42 s at 10 Mbit/s, one 52 ms."""
         links = [link for link in list(self.out.values())
-                 if link.peer in to and not link.closed.is_set()][:fanout]
+                 if link.peer in to and not link.closed.is_set()]
+        public_links = [link for link in links if link.dialled]
+        if via > 0 and public_links and not self.reachable():
+            links = sorted(public_links, key=lambda link: hashlib.sha256(
+                digest + link.peer.encode()).digest())[:via]
+            self.metrics.inc("payload_push_via_public")
+        else:
+            links = links[:fanout]
         for peer in to.difference(self.out).difference(self._opening):
             self.spawn(self.connect(peer), "push link")  # lost (evicted, broken): again
         public = [link.peer for link in links if link.dialled]

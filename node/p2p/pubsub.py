@@ -58,6 +58,9 @@ PULL_PASS = 4
 # or uplink where every pull is slow, a fixed deadline would double most pulls' requests.
 HEDGE_FACTOR = 2.0
 HEDGE_SAMPLES = 64
+# A pull of a body this node is fetching itself is answered when it lands, within this
+# (then "not held"): below the hedge (p2p.payload_pull_hedge_s, 1 s by default).
+HOLD_S = 0.8
 
 Handler = Callable[[Envelope, str], Awaitable[None]]
 
@@ -107,6 +110,7 @@ class GossipService:
         self._queues: dict[str, asyncio.Queue] = {}
         self._published_topics: set[str] = set()
         self._payloads: OrderedDict[bytes, bytes] = OrderedDict()
+        self._coming: dict[bytes, asyncio.Event] = {}  # bodies being fetched: set on arrival
         self._payload_bytes = 0
         self.pull_slots = PullSlots(ctx.cfg.payload_fetch_parallel)
         self._ask_s: deque[float] = deque(maxlen=HEDGE_SAMPLES)  # answered asks' durations
@@ -224,7 +228,7 @@ class GossipService:
             self.store_payload(digest, data)
             if self.pusher is not None:  # the bodies start before their announce
                 self.pusher.push(digest, data, self.cfg.payload_push_fanout,
-                                 set(self.topic_peers(kind)))
+                                 set(self.topic_peers(kind)), via=self.cfg.payload_push_via)
             data = self._seal(PayloadAnnounce(inner_type=message.TYPE, content_hash=digest,
                                               size=len(data)))
             self.metrics.inc("payload_announced")
@@ -312,6 +316,9 @@ class GossipService:
     def store_payload(self, digest: bytes, data: bytes) -> None:
         """Keep `data` as the body announced under `digest`, for the peers that pull it (a
         bounded cache, oldest out first; a digest already held keeps its first body)."""
+        event = self._coming.get(digest)
+        if event is not None:
+            event.set()
         if digest in self._payloads:
             return
         self._payloads[digest] = data
@@ -319,6 +326,17 @@ class GossipService:
         while self._payload_bytes > self.cfg.payload_cache_bytes and len(self._payloads) > 1:
             _, old = self._payloads.popitem(last=False)
             self._payload_bytes -= len(old)
+
+    async def body_coming(self, digest: bytes) -> bytes | None:
+        """The body of `digest` if this node is fetching it and it lands within HOLD_S."""
+        event = self._coming.get(digest)
+        if event is None:
+            return None
+        self.metrics.inc("payload_bulk_holds")
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(HOLD_S):
+                await event.wait()
+        return self._payloads.get(digest)
 
     async def serve_payload(self, peer: str, body: bytes) -> bytes:
         """FETCH_PROTOCOL: the payload held under the 32-byte hash `body` (libp2p path)."""
@@ -332,7 +350,8 @@ class GossipService:
         announcers that served us have its reserve of connections."""
         bulk, cfg = self.bulk, self.ctx.config.bulk
         self.body_server = BodyServer(self._payloads.get, cfg.idle_s,
-                                  self.cfg.payload_pull_timeout_s, self.metrics)
+                                      self.cfg.payload_pull_timeout_s, self.metrics,
+                                      coming=self.body_coming)
         bulk.register(BODY_KIND, self.body_server.serve)
         bulk.client.add_kind(BODY_KIND, "gossip bodies", self.cfg.payload_pulls_per_peer,
                              cfg.idle_s / 2)
@@ -376,6 +395,18 @@ class GossipService:
         if ann.size > self.ctx.limits.max_for(ann.inner_type) + 4096:
             self._reject_body(origin, "too_large")  # refused before a byte is pulled
             return
+        digest = ann.content_hash
+        if digest in self._coming or digest in self._payloads:
+            await self._fetch_announced(kind, env, origin)
+            return
+        self._coming[digest] = asyncio.Event()
+        try:
+            await self._fetch_announced(kind, env, origin)
+        finally:
+            self._coming.pop(digest).set()  # a failed fetch: its waiting pulls end now
+
+    async def _fetch_announced(self, kind: str, env: Envelope, origin: str) -> None:
+        ann: PayloadAnnounce = env.message
         clock = time.monotonic
         trace = BodyTrace(origin, clock())
         data = None
@@ -427,7 +458,9 @@ class GossipService:
         connection before those reached only through a relay (a body over a relay crosses
         two links and the relay's circuit limits, and a relayed announcer's slow home uplink
         is shared by everyone pulling from it: a direct peer that pulled it already is
-        faster). An announcer we hold no connection to goes last: it came through the mesh
+        faster). The forwarder goes before an announcer whose bulk plane we cannot use
+        (behind NAT: libp2p streams through its home uplink) if we can use the forwarder's.
+        An announcer we hold no connection to goes last: it came through the mesh
         because we cannot reach it (both behind NAT, no relayed path), and a pull from it
         waits out a dial."""
         return self._pull_candidates(origin)[0]
@@ -437,10 +470,17 @@ class GossipService:
         PULL_OTHERS more at a time, while the first ones do not hold the body yet)."""
         peers = self.ctx.peers
         connected = peers.connected_peers()
-        first = [p for p in dict.fromkeys([origin, self.validator.carried_by.get(origin)]) if p]
+        puller = self.puller
+        carrier = self.validator.carried_by.get(origin)
+        first = [p for p in dict.fromkeys([origin, carrier]) if p]
+        if (len(first) == 2 and puller is not None and puller.usable(carrier)
+                and not puller.usable(origin)):
+            # an origin whose plane we cannot use (behind NAT) serves over libp2p streams
+            # through its home uplink; the carrier on a plane we can use (a public peer it
+            # pushed to, or fetching it itself: answered when it lands) first
+            first.reverse()
         # of the others, public ones first (a plane we can use): an announcer behind NAT
         # dials out to them, so they pull its body first-hand
-        puller = self.puller
         others = sorted((p for p in connected if p not in first),
                         key=lambda p: (peers.is_relayed(p),
                                        puller is not None and not puller.usable(p)))

@@ -19,6 +19,7 @@ from swarm_node.node.p2p.gossip_push import (
     SEND,
     UNCLAIMED_PER_PEER,
 )
+from swarm_node.node.p2p.reachability import Verdict
 
 from .conftest import rejects_by_sender, wait_until
 from .test_payload_plane import KIND as TOPIC  # the topic meshed() subscribes both to
@@ -200,3 +201,39 @@ async def test_no_push_is_waited_for_from_an_origin_we_are_not_connected_to(make
     await d.publish(TOPIC, batch(d.peer_id, 8192, 1))
     await wait_until(lambda: len(got) == 1, 30, what="the batch")
     assert a.metrics["payload_pulled_bulk"] + a.metrics["payload_pulled_libp2p"] == 1
+
+
+
+async def test_a_publisher_behind_nat_pushes_through_public_peers_only(make_node):
+    # b behind NAT (a home uplink) pushes its body to p2p.payload_push_via (here 1) of the
+    # public peers c and d, and names the other one to it to forward: one copy leaves b's
+    # uplink instead of two, and both still get the body pushed, neither pulls it.
+    c = await make_node()
+    d = await make_node(bootstrap=c.listen_addrs)
+    b = await make_node(bootstrap=c.listen_addrs, bulk_listen="off", payload_push_via=1)
+    got = {n.peer_id: [] for n in (c, d)}
+
+    def on_msg(node):
+        async def handle(env, peer):
+            got[node.peer_id].append(env)
+        return handle
+
+    for n in (b, c, d):
+        await n.subscribe(TOPIC, on_msg(n) if n is not b else (lambda e, p: asyncio.sleep(0)))
+    public = (c, d)
+    # on loopback every node passes the dial-back check: b is told it did not, as if NAT'd
+    await wait_until(lambda: b.reach.current.verdict is not Verdict.UNKNOWN, 30,
+                     what="b's first reachability check")
+    b.reach.set_dialback(False, [], "as if behind NAT (test)")
+    await wait_until(lambda: {c.peer_id, d.peer_id} <= set(b.gossip.topic_peers(TOPIC))
+                     and all(p.peer_id in b.gossip.pusher.out for p in public)
+                     and c.peer_id in d.gossip.pusher.out and d.peer_id in c.gossip.pusher.out,
+                     30, what="the links")
+    assert not b.gossip._public()
+    await b.publish(TOPIC, batch(b.peer_id, 8192, 1))
+    await wait_until(lambda: all(len(v) == 1 for v in got.values()), 30, what="the batch")
+    assert b.metrics["payload_pushed"] == 1 and b.metrics["payload_push_via_public"] == 1
+    assert sum(p.metrics["payload_push_forwarded"] for p in public) == 1
+    for n in public:
+        assert n.metrics["payload_push_claimed"] == 1
+        assert n.metrics["payload_pulled_bulk"] + n.metrics["payload_pulled_libp2p"] == 0

@@ -423,3 +423,41 @@ async def test_a_stalled_pull_over_libp2p_is_hedged_and_its_stream_reset(make_no
     assert asked.is_set() and b.metrics["payload_pull_hedge_won"] == 1
     await wait_until(lambda: fetches_to_a() == 0, 10, what="the cancelled stream reset")
     assert b.metrics["rejected"] == 0 and b.penalties.score(a.peer_id) == 0
+
+
+async def test_a_body_on_its_way_is_served_when_it_lands_not_refused(make_node):
+    # a forwarded the announce before the body reached it (it is fetching it): b's pull is
+    # answered when the body lands there, not "not held" and asked again after a back-off.
+    from swarm_node.node.p2p.bodies import PullFailed
+
+    a, b, _ = await pair(make_node)
+    body, ann, _ = announce_of(a, batch(a.peer_id, 8192, 1))
+    with pytest.raises(PullFailed) as refused:  # nothing on its way: refused at once
+        await b.gossip.puller.pull(a.peer_id, ann.content_hash, ann.size)
+    assert refused.value.reason == "not_held"
+    a.gossip._coming[ann.content_hash] = asyncio.Event()  # as _pull_announced registers it
+    pull = asyncio.create_task(b.gossip.puller.pull(a.peer_id, ann.content_hash, ann.size))
+    await wait_until(lambda: a.metrics["payload_bulk_holds"] == 1, 10,
+                     what="the pull to wait at a")
+    a.gossip.store_payload(ann.content_hash, body)
+    assert await asyncio.wait_for(pull, 10) == body
+    assert a.metrics["payload_bulk_served_on_arrival"] == 1
+    assert a.metrics["payload_bulk_not_held"] == 1
+
+
+async def test_the_forwarder_is_asked_before_an_announcer_without_a_plane(make_node):
+    # a (its plane unusable: as behind NAT) would serve over libp2p streams through its home
+    # uplink; c, which brought us a's messages and whose plane we can use, is asked first.
+    a = await make_node(bulk_listen="off")
+    c = await make_node(bootstrap=a.listen_addrs)
+    b = await make_node(bootstrap=a.listen_addrs)
+    await wait_until(lambda: {a.peer_id, c.peer_id} <= set(b.connected_peers()), 30,
+                     what="b connected to a and c")
+    b.bulk.client.mark_down(a.peer_id, BODY, "no plane (test)")  # as a failed pull does
+    b.gossip.validator.carried_by[a.peer_id] = c.peer_id
+    assert b.gossip.pull_sources(a.peer_id)[:2] == [c.peer_id, a.peer_id]
+    body, ann, _ = announce_of(a, batch(a.peer_id, 8192, 1))
+    a.gossip.store_payload(ann.content_hash, body)
+    c.gossip.store_payload(ann.content_hash, body)
+    assert await b.gossip.fetch_payload(ann, a.peer_id) == body
+    assert b.metrics["payload_pulled_bulk"] == 1 and b.metrics["payload_pulled_libp2p"] == 0

@@ -64,7 +64,7 @@ async def test_a_pushed_body_is_delivered_without_a_pull(make_node):
 async def test_without_a_push_link_the_body_is_pulled(make_node):
     a, b, got = await linked(make_node)
     b.gossip.pusher.close()  # b's links go, both ways: it pushes to nobody now
-    await wait_until(lambda: not a.gossip.pusher.pushes_to_us(b.peer_id), 10,
+    await wait_until(lambda: not a.gossip.pusher.pushes_to_us(b.peer_id), 30,
                      what="a to see the links closed")
     await b.publish(TOPIC, batch(b.peer_id, 8192, 1))
     await wait_until(lambda: len(got) == 1, 30, what="the batch")

@@ -915,7 +915,7 @@ def shard_account(traces: dict[str, list], hosts_of: dict[str, str], plan: WanPl
     again)."""
     trainer = plan.trainer
     sent = []  # (start, end, shard, from host, to host) of every whole upload
-    seeded = Counter()
+    seeded, seeded_to = Counter(), Counter()
     for host, rows in traces.items():
         for start, end, _v, shard, peer, outcome in rows:
             to = hosts_of.get(peer, peer[-6:])
@@ -923,6 +923,7 @@ def shard_account(traces: dict[str, list], hosts_of: dict[str, str], plan: WanPl
                 sent.append((start - t0, end - t0, shard, host, to))
             elif outcome == "seeded" and host == trainer:
                 seeded[shard] += 1
+                seeded_to[to] += 1
 
     def kind(h: str) -> str:
         return "relay" if h in plan.relays else verdicts.get(h, "?")
@@ -944,7 +945,7 @@ def shard_account(traces: dict[str, list], hosts_of: dict[str, str], plan: WanPl
                           "earlier_holders_served": served_on})
     return {"copies": {s: [(round(a, 2), round(b, 2), t, kind(t)) for a, b, t in cs]
                        for s, cs in sorted(copies.items())},
-            "seeded": dict(seeded), "again": again,
+            "seeded": dict(seeded), "seeded_to": dict(seeded_to), "again": again,
             "served_by": dict(Counter(f for _s, _e, _sh, f, _t in sent))}
 
 

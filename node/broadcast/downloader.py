@@ -65,6 +65,12 @@ HOLD_BACK_S = 1.0
 """After a `seeded` answer, the source is not asked for that shard for this long (doubling
 with each such answer, up to HOLD_BACK_MAX_S)."""
 HOLD_BACK_MAX_S = 8.0
+SWARM_PATIENCE_S = 30.0
+"""After the trainer answered `seeded` for a shard, it is not asked for that shard again
+while another source (not dropped, not failed on it) holds it, for up to this long from its
+first such answer: the follower waits for those holders (trial transfers included) instead.
+Then the trainer is asked again as after any hold (its own rule serves an asker that waited
+3 holds: seeding.py), so advertisers that hold a shard back cost at most this."""
 ENDGAME_MIN_S = 2.0
 """A transfer is raced by a second copy only once it ran this long and is expected to need
 this long again (short transfers are not worth the bytes)."""
@@ -105,6 +111,7 @@ class Downloader:
         self.tried: dict[int, set[str]] = {}  # sources that failed a shard (this round)
         # sources that answered `seeded` for a shard: shard -> {peer: (until, answers)}
         self.held: dict[int, dict[str, tuple[float, int]]] = {}
+        self.swarm_since: dict[int, float] = {}  # shard -> the trainer's first `seeded`
         self._held_until: list[float] = []  # heap of the `until`s, for waking idle workers
         self.metrics: Counter[str] = Counter()
         self.last_progress = time.monotonic()
@@ -188,18 +195,31 @@ class Downloader:
         return None
 
     def _held_back(self, shard: int, now: float) -> frozenset[str]:
-        """Sources that answered `seeded` for `shard` and are not asked for it yet."""
+        """Sources that answered `seeded` for `shard` and are not asked for it yet: while
+        their hold-back runs, and the trainer also while other sources hold the shard
+        (SWARM_PATIENCE_S)."""
         held = self.held.get(shard)
         if not held:
             return frozenset()
-        return frozenset(p for p, (until, _) in held.items() if until > now)
+        out = {p for p, (until, _) in held.items() if until > now}
+        since = self.swarm_since.get(shard)
+        if since is not None and now - since < SWARM_PATIENCE_S:
+            tried = self.tried.get(shard, set())
+            origins = {p for p in held if p not in out and self.book.sources[p].origin}
+            if origins and self.book.holders(shard, tried | origins) > 0:
+                out |= origins  # the swarm carries it: wait for its holders
+        return frozenset(out)
 
     def _hold_back(self, shard: int, peer: str) -> None:
         held = self.held.setdefault(shard, {})
         answers = held.get(peer, (0.0, 0))[1] + 1
-        until = time.monotonic() + min(HOLD_BACK_MAX_S, HOLD_BACK_S * 2 ** (answers - 1))
+        now = time.monotonic()
+        until = now + min(HOLD_BACK_MAX_S, HOLD_BACK_S * 2 ** (answers - 1))
         held[peer] = (until, answers)
         heapq.heappush(self._held_until, until)
+        if self.book.sources[peer].origin and shard not in self.swarm_since:
+            self.swarm_since[shard] = now
+            heapq.heappush(self._held_until, now + SWARM_PATIENCE_S)
 
     def _next_hold_end(self, now: float) -> float | None:
         while self._held_until and self._held_until[0] <= now:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+from swarm_node.node.broadcast import downloader
 from swarm_node.node.broadcast.downloader import Downloader
 from swarm_node.node.broadcast.seeding import ASKER_WAIT_HOLDS, Seeding
 from swarm_node.node.broadcast.server import RateLimiter, ShardServer
@@ -144,6 +145,84 @@ async def test_a_seeded_answer_sends_the_follower_to_a_peer(tmp_path, trainer, c
     outcomes = [(shard, outcome) for _s, _e, _v, shard, _p, outcome in origin.trace]
     assert sorted(sh for sh, o in outcomes if o == "sent") == list(range(acc.manifest.num_shards))
     assert sum(o == "seeded" for _sh, o in outcomes) == origin.metrics["error_seeded"]
+
+
+async def test_a_follower_waits_for_holders_on_trial_instead_of_asking_again(
+        tmp_path, trainer, cfg):
+    """Through the shard protocol: the trainer answered `seeded` for every shard; the one
+    holder is unproven and slow, so its trial (one transfer at a time) outlasts the
+    follower's hold-back on the trainer. The follower waits for that holder rather than
+    asking the trainer again, whose own rule would then hand it copies (an asker waiting
+    ASKER_WAIT_HOLDS holds, here 0.3 s; at 30 nodes in the simulated WAN 64 of the
+    trainer's 82 extra copies). The trainer sent the checkpoint once in all."""
+    ckpt = make_checkpoint(tmp_path / "ckpt", {"model.safetensors": 3 * cfg.shard_size})
+    acc = publish(trainer, ckpt, 1, cfg.shard_size)
+    tstore, _ = _store(tmp_path, "trainer", acc, ckpt)
+    origin = ShardServer(tstore, cfg)
+    origin.seeding = Seeding(trainer.peer_id, copies=1, hold_s=0.1)
+    t = MemoryTransport()
+    t.register(trainer.peer_id, origin.serve_connection)
+    total, n = acc.manifest.total_size, acc.manifest.num_shards
+
+    pstore, pentry = _store(tmp_path, "first", acc)
+    book = SourceBook(per_source=cfg.per_source_downloads, max_corrupt=1)
+    book.add(trainer.peer_id, None, origin=True)
+    await Downloader(pstore, pentry, t, book, cfg).run()
+    slow = ShardServer(pstore, cfg)
+    slow.limiter = RateLimiter(32 * 1024)  # a shard: ~2 s, twice the follower's hold-back
+    t.register("first", slow.serve_connection)
+
+    store, entry = _store(tmp_path, "second", acc)
+    book = SourceBook(per_source=cfg.per_source_downloads, max_corrupt=1, trial_slots=1)
+    book.add(trainer.peer_id, None, origin=True)
+    d = Downloader(store, entry, t, book, cfg)
+    task = asyncio.create_task(d.run())
+    await async_wait_until(lambda: origin.metrics["error_seeded"] >= n, 30,
+                           "a `seeded` answer for every shard")
+    book.add("first", None)  # its advert arrives: an advertiser on trial
+    d.sources_changed()
+    assert read_dir(await asyncio.wait_for(task, 60)) == read_dir(ckpt)
+    assert origin.metrics["bytes_sent"] == total, (
+        f"the trainer sent {origin.metrics['bytes_sent'] / total:.1f}x the checkpoint "
+        f"({origin.seeding.released})")
+    assert book.sources["first"].shards_ok == n
+    assert d.metrics["seeded"] == n  # asked once per shard, not again
+
+
+async def test_a_holder_too_slow_for_the_patience_leaves_the_shard_to_the_trainer(
+        tmp_path, trainer, cfg, monkeypatch):
+    """The wait for the swarm is bounded: a holder that sends, but too slowly, holds the
+    follower back at most SWARM_PATIENCE_S (here 0.5 s) from the trainer's first `seeded`
+    answer; then the trainer is asked again and, its asker rule met, serves."""
+    monkeypatch.setattr(downloader, "SWARM_PATIENCE_S", 0.5)
+    ckpt = make_checkpoint(tmp_path / "ckpt", {"model.safetensors": 3 * cfg.shard_size})
+    acc = publish(trainer, ckpt, 1, cfg.shard_size)
+    tstore, _ = _store(tmp_path, "trainer", acc, ckpt)
+    origin = ShardServer(tstore, cfg)
+    origin.seeding = Seeding(trainer.peer_id, copies=1, hold_s=0.1)
+    t = MemoryTransport()
+    t.register(trainer.peer_id, origin.serve_connection)
+
+    pstore, pentry = _store(tmp_path, "first", acc)
+    book = SourceBook(per_source=cfg.per_source_downloads, max_corrupt=1)
+    book.add(trainer.peer_id, None, origin=True)
+    await Downloader(pstore, pentry, t, book, cfg).run()
+    slow = ShardServer(pstore, cfg)
+    slow.limiter = RateLimiter(40 * 1024)  # a shard: ~1.6 s, within the chunk timeout
+    t.register("first", slow.serve_connection)
+
+    store, entry = _store(tmp_path, "second", acc)
+    book = SourceBook(per_source=cfg.per_source_downloads, max_corrupt=1, trial_slots=1)
+    book.add(trainer.peer_id, None, origin=True)
+    d = Downloader(store, entry, t, book, cfg)
+    task = asyncio.create_task(d.run())
+    await async_wait_until(lambda: origin.metrics["error_seeded"] >= acc.manifest.num_shards,
+                           30, "a `seeded` answer for every shard")
+    book.add("first", None)
+    d.sources_changed()
+    assert read_dir(await asyncio.wait_for(task, 60)) == read_dir(ckpt)
+    assert book.sources[trainer.peer_id].shards_ok >= 1  # the trainer served after the wait
+    assert sum(origin.seeding.released.values()) >= 1
 
 
 async def test_followers_carry_the_checkpoint_not_the_trainer(tmp_path, swarm):

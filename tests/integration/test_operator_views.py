@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -281,11 +282,26 @@ def _downloads_match_disk(doc: dict, store: Path) -> None:
     checked = 0
     for d in downloads:
         ckpt = store / f"{d['version']:012d}" / "checkpoint"
-        if ckpt.is_dir():
-            on_disk = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
+        on_disk = _size_on_disk(ckpt)
+        # the node runs on and its store prunes old versions (rmtree, a file at a time): a
+        # short count is a prune under way when the directory is gone moments later
+        deadline = time.monotonic() + 10
+        while on_disk is not None and on_disk != d["bytes"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+            on_disk = _size_on_disk(ckpt)
+        if on_disk is not None:
             assert d["bytes"] == on_disk, d
             checked += 1
     assert checked >= 1
+
+
+def _size_on_disk(ckpt: Path) -> int | None:
+    """Bytes of the files under `ckpt`; None when it is not there (or vanished mid-walk)."""
+    try:
+        size = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
+    except FileNotFoundError:
+        return None
+    return size if ckpt.is_dir() else None
 
 
 # banned, the trainer's own view ---------------------------------------------------------------

@@ -65,8 +65,14 @@ def wait_for(pred, timeout: float, what: str, proc=None, log: Path | None = None
     return wait_until(check, timeout, what, interval=0.25, details=tail)
 
 
+# A node answering its admin port slowly (a train step or a model load holding the GIL, on a
+# loaded machine) is not a failure: only a refused connection (not up yet) returns at once.
+ADMIN_TIMEOUT_S = 30
+
+
 def get(port: int, path: str) -> bytes:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}",
+                                timeout=ADMIN_TIMEOUT_S) as r:
         return r.read()
 
 

@@ -65,8 +65,14 @@ def wait_for(pred, timeout: float, what: str, proc=None, log: Path | None = None
     return wait_until(check, timeout, what, interval=0.25, details=tail)
 
 
+# A node answering its admin port slowly (a train step or a model load holding the GIL, on a
+# loaded machine) is not a failure: only a refused connection (not up yet) returns at once.
+ADMIN_TIMEOUT_S = 30
+
+
 def get(port: int, path: str) -> bytes:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}",
+                                timeout=ADMIN_TIMEOUT_S) as r:
         return r.read()
 
 
@@ -75,6 +81,15 @@ def status(port: int) -> dict:
         return json.loads(get(port, "/status"))
     except OSError:
         return {}
+
+
+def taken_admin_port(data_dir: Path, proc: subprocess.Popen | None) -> int | None:
+    """The admin port `proc` (started with admin port 0) took: its node.json's, once written."""
+    try:
+        info = json.loads((data_dir / "node.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return info.get("admin_port") if proc is not None and info.get("pid") == proc.pid else None
 
 
 class Node:
@@ -102,11 +117,15 @@ class Node:
         return self
 
     @property
-    def admin_port(self) -> int:
-        return self.cfg["admin"]["port"]
+    def admin_port(self) -> int | None:
+        """The configured port, or (port 0: the tests' default, no free_port() race with
+        other processes binding meanwhile) the one this process took, from its node.json
+        (None until written; a previous run's file names another pid)."""
+        return self.cfg["admin"]["port"] or taken_admin_port(self.data, self.proc)
 
     def status(self) -> dict:
-        return status(self.admin_port)
+        port = self.admin_port
+        return status(port) if port else {}
 
     def wait_listening(self, timeout: float = 300) -> dict:
         """Until the node said it listens (its first notice: host up, admin up, node.json
@@ -140,7 +159,7 @@ def trainer_config(root: Path, model_dir: Path, **trainer) -> dict:
         "node": {"role": "trainer", "swarm_id": "optest", "data_dir": str(root / "data"),
                  "listen": ["/ip4/127.0.0.1/tcp/0"]},
         "model": {"name": str(model_dir)},
-        "admin": {"port": free_port()},
+        "admin": {"port": 0},
         "tasks": {"mix": {"toy/digit_successor": 1.0}, "tasks_per_round": 4},
         "sampler": {"completions_per_task": 4, "max_new_tokens": 2},
         "trainer": {"local_items": 4, "external_items": 0, **trainer},

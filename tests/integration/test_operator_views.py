@@ -18,12 +18,13 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from rich.text import Text
 
-from .test_operator import Node, free_port, get, status, trainer_config, wait_for
+from .test_operator import Node, get, status, taken_admin_port, trainer_config, wait_for
 
 BIN = Path(sys.executable).parent / "swarm-node"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -75,8 +76,13 @@ class Peer:
     def __init__(self, root: Path, argv: list[str]):
         self.root, self.argv = root, argv
         self.log = root / "node.log"
-        self.admin_port = int(argv[argv.index("--admin-port") + 1])
+        self.data = Path(argv[argv.index("--data-dir") + 1])
         self.proc: subprocess.Popen | None = None
+
+    @property
+    def admin_port(self) -> int | None:
+        """The port it took (--admin-port 0): from its node.json, once written."""
+        return taken_admin_port(self.data, self.proc)
 
     def start(self) -> Peer:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -88,7 +94,8 @@ class Peer:
         return self
 
     def status(self) -> dict:
-        return status(self.admin_port)
+        port = self.admin_port
+        return status(port) if port else {}
 
     def text(self) -> str:
         return self.log.read_text()
@@ -111,7 +118,7 @@ class Peer:
 def peer_argv(line: str, root: Path, model: Path, *extra: str) -> list[str]:
     """The pasted join line, plus what differs per machine: data dir, ports, model files."""
     return [*shlex.split(line), "--data-dir", str(root / "data"), "--listen",
-            "/ip4/127.0.0.1/tcp/0", "--admin-port", str(free_port()), "--model", str(model),
+            "/ip4/127.0.0.1/tcp/0", "--admin-port", "0", "--model", str(model),
             *extra]
 
 
@@ -281,11 +288,26 @@ def _downloads_match_disk(doc: dict, store: Path) -> None:
     checked = 0
     for d in downloads:
         ckpt = store / f"{d['version']:012d}" / "checkpoint"
-        if ckpt.is_dir():
-            on_disk = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
+        on_disk = _size_on_disk(ckpt)
+        # the node runs on and its store prunes old versions (rmtree, a file at a time): a
+        # short count is a prune under way when the directory is gone moments later
+        deadline = time.monotonic() + 10
+        while on_disk is not None and on_disk != d["bytes"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+            on_disk = _size_on_disk(ckpt)
+        if on_disk is not None:
             assert d["bytes"] == on_disk, d
             checked += 1
     assert checked >= 1
+
+
+def _size_on_disk(ckpt: Path) -> int | None:
+    """Bytes of the files under `ckpt`; None when it is not there (or vanished mid-walk)."""
+    try:
+        size = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
+    except FileNotFoundError:
+        return None
+    return size if ckpt.is_dir() else None
 
 
 # banned, the trainer's own view ---------------------------------------------------------------
@@ -382,11 +404,11 @@ def test_relay_counters_and_a_relay_with_nothing_to_follow(swarm, tmp_path):
     relay = Peer(tmp_path / "relay", [*shlex.split(line), "--data-dir",
                                       str(tmp_path / "relay" / "data"), "--listen",
                                       "/ip4/127.0.0.1/tcp/0", "--admin-port",
-                                      str(free_port())]).start()
+                                      "0"]).start()
     lonely = Peer(tmp_path / "lonely", ["swarm-node", "join", "--role", "relay",
                                         "--data-dir", str(tmp_path / "lonely" / "data"),
                                         "--listen", "/ip4/127.0.0.1/tcp/0",
-                                        "--admin-port", str(free_port())]).start()
+                                        "--admin-port", "0"]).start()
     try:
         lonely.wait(lambda: "nothing_to_follow" in _codes(lonely.status()),
                     "the nothing-to-follow banner", timeout=120)

@@ -54,10 +54,10 @@ def wait_swarm(pred, timeout: float, nodes: list[DemoNode], what: str) -> None:
 def assert_admin_is_loopback_only(node: DemoNode) -> None:
     """The admin endpoint answers on 127.0.0.1 and nowhere else."""
     port = node.info["admin_port"]
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=10) as r:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=30) as r:
         st = json.loads(r.read())
     assert st["role"] == node.role and st["peer_id"] == node.info["peer_id"]
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
         assert b"# TYPE" in r.read()
     addrs = {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None)
              if a[0] == socket.AF_INET} - {"127.0.0.1", "127.0.1.1"}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from .test_operator import Node, free_port, trainer_config, wait_for
+from .test_operator import Node, trainer_config, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -46,7 +46,7 @@ def test_13_a_trainer_on_a_full_disk_pauses_and_resumes(tmp_path, small_disk, ti
                      "data_dir": str(tmp_path / "p" / "data"),
                      "listen": ["/ip4/127.0.0.1/tcp/0"], "bootstrap": [boot],
                      "follow": [tid]},
-            "model": {"name": str(tiny_model_dir)}, "admin": {"port": free_port()},
+            "model": {"name": str(tiny_model_dir)}, "admin": {"port": 0},
             "tasks": tcfg["tasks"], "sampler": {**tcfg["sampler"], "version_wait_s": 5.0},
         }).start()
         trainer.wait_joined()

@@ -133,7 +133,7 @@ async def test_6_a_restarted_trainer_treats_honest_rounds_as_before(tmp_path, ti
                      "data_dir": str(tmp_path / "p" / "data"),
                      "listen": ["/ip4/127.0.0.1/tcp/0"], "bootstrap": [boot], "follow": [tid]},
             "model": {"name": str(tiny_model_dir)},
-            "admin": {"port": free_port()},
+            "admin": {"port": 0},
             "tasks": tcfg["tasks"],
             "sampler": {**tcfg["sampler"], "version_wait_s": 5.0},
             "p2p": {"reconnect_max_backoff_s": 2.0},

@@ -290,7 +290,7 @@ def test_node_exits_non_zero_with_one_line_when_its_host_dies(tmp_path):
     try:
         notices.wait(proc, 120, details=lambda: log.read_text()[-3000:])  # READY=1: running
         port = int((data / "admin.port").read_text())
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=5) as r:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=30) as r:
             status = json.loads(r.read())
         assert status["phase"] == "running" and status["p2p"]["alive"] is True
         proc.send_signal(signal.SIGUSR1)

@@ -68,6 +68,7 @@ PENALTIES: dict[str, float] = {
     "already_accepted": 0.0,  # the same batch again: a re-delivery, not the sender's doing
     "verifier_error": 0.0,  # our fault, not the peer's
     "over_budget": 0.0,  # not verified at all
+    "queue_expired": 0.0,  # waited in our queue too long: our doing, not the peer's
     "group_member_rejected": 0.0,  # collateral of a sibling's reject, which is penalised
     "batch_member_rejected": 0.0,  # not checked: the batch's probe group failed (penalised)
     **{reason: 0.0 for reason in CONFIG_REASONS},  # honest misconfiguration: never punished

@@ -41,7 +41,13 @@ class Scripted:
         self.clock, self.reason, self.stats, self.cost = clock, reason, stats or {}, cost
         self.calls: list[tuple[str, bool]] = []
 
-    def verify(self, batch, sender, spot_check=None, probe=False) -> list[RolloutResult]:
+    version = 0  # the policy's latest version here
+
+    def latest_version(self) -> int:
+        return self.version
+
+    def verify(self, batch, sender, spot_check=None, probe=False,
+               as_of=None) -> list[RolloutResult]:
         self.calls.append((sender, probe))
         self.clock.t += self.cost
         ok = self.reason in ("ok", "unchecked")

@@ -475,6 +475,10 @@ class Intake:
             log.debug("round %d from %s again (accepted before): ignored", batch.round,
                       sender[-8:])
             return
+        if not established and self.reputation.reprobation(sender):
+            # the head start of a condemned peer's tests, from its persisted record: a
+            # restart (or the tests' LRU) must not give a caught steerer a clean slate
+            self.monitor.condemned(sender)
         alarm = self.monitor.observe_batch(
             sender, [r.stats for r in results if r.reason == "ok"], probation=not established)
         if alarm is not None and sender in alarm.peers:

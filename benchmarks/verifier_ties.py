@@ -209,6 +209,55 @@ def persistent(recs: list[dict], settings, batch: int, cheat: dict, established:
             "steered_share": steered / max(1, positions)}
 
 
+def _synthetic(rng, wide: int = 6, narrow: int = 2, p_wide: float = 0.04,
+               p_narrow: float = 0.25, steered: int = 0) -> dict:
+    """bf16 stats of one honest completion at the measured rates (wide ties flip 3.6-4%,
+    narrow 24-25%: the tables below), plus `steered` narrow ties taken flipped."""
+    wf = [rng.random() < p_wide for _ in range(wide)]
+    nf = [rng.random() < p_narrow for _ in range(narrow)] + [True] * steered
+    return {"tie_margins": [0.3] * wide + [0.05] * len(nf), "tie_flipped": wf + nf}
+
+
+def reprobation(head_starts, trials: int, batch: int = 8, needs: int = 64,
+                steered=(5, 8, 11), seed: int = 3) -> list[list]:
+    """Issue 30 (newcomers item 4): what the head start of a condemned peer's tests costs.
+    Honest: a peer put back on probation by a false alarm sends `needs` completions (its
+    re-probation, reputation.py 8 x 8) at the measured honest bf16 rates; the share of
+    such probations that alarm again (which bans it). Steerer: a condemned peer sends one
+    honest batch, then one with `k` steered narrow ties spread over it; the share caught
+    by that batch (its own tests, the one-batch test; no pooled cohort)."""
+    import random
+
+    from swarm_node.verifier.sequential import PeerMonitor, SequentialSettings
+
+    rows = []
+    for hs in head_starts:
+        s = SequentialSettings(**{**SequentialSettings.for_dtype("bfloat16").__dict__,
+                                  "head_start": hs, "pooled": False})
+        rng = random.Random(seed)
+        again = 0
+        for _ in range(trials):
+            m = PeerMonitor(s)
+            m.condemned("p")
+            for _ in range(needs // batch):
+                if m.observe_batch("p", [_synthetic(rng) for _ in range(batch)], True):
+                    again += 1
+                    break
+        caught = []
+        for k in steered:
+            hit = 0
+            for _ in range(trials // 4):
+                m = PeerMonitor(s)
+                m.condemned("c")
+                m.observe_batch("c", [_synthetic(rng) for _ in range(batch)], True)
+                comps = [_synthetic(rng, steered=k // batch + (i < k % batch))
+                         for i in range(batch)]
+                hit += m.observe_batch("c", comps, True) is not None
+            caught.append(f"{hit / (trials // 4):.0%}")
+        rows.append([hs, f"{again / trials:.2%} ({again} / {trials})", *caught])
+    return rows
+
+
 def tie_table(recs: list[dict], tie_eps: float) -> list[list]:
     edges = [1 / 64, 1 / 16, 1 / 4, 1.0]
     rows = []
@@ -295,7 +344,16 @@ def main() -> None:
     ap.add_argument("--report", metavar="LOAD")
     ap.add_argument("--batches", type=int, default=40_000)
     ap.add_argument("--no-record", action="store_true")
+    ap.add_argument("--reprobation", type=int, metavar="TRIALS",
+                    help="head start sweep (synthetic bf16 rates): honest re-alarms over a "
+                         "re-probation, weak steering caught; prints a table")
     args = ap.parse_args()
+    if args.reprobation:
+        from benchmarks.results import table
+
+        print(table(["head_start", "honest re-alarm over 64 completions",
+                     "5 steered narrow ties caught", "8", "11"],
+                    reprobation((0.3, 0.4, 0.45, 0.5, 0.55, 0.6), args.reprobation)))
     if args.collect_tiny:
         print(collect_tiny(args.collect_tiny, args.budget_s))
     if args.report is not None:

@@ -5,8 +5,11 @@ accepted or rejected with a stable reason code (`reasons.py`). Everything withou
 pass runs first, so a bogus batch costs no model compute (NODE_SPEC.md §5.2):
 
 batch:       swarm id; followed policy id; policy version known and within
-             [latest - max_policy_lag, latest]; prover dtype; sampling parameters; round in
-             the version's window (BatchRules); round not used before (persisted).
+             [latest - max_policy_lag, latest], `latest` as of the batch's arrival (`as_of`:
+             time in the verifier's queue is not the sender's lag; at most `queue_grace`
+             versions of it are forgiven, then `queue_expired`, no penalty); prover dtype;
+             sampling parameters; round in the version's window (BatchRules); round not
+             used before (persisted).
 cheap:       shapes and limits (context = min(config, model)); proof length for the
              verifier's own T and H; vocabulary; duplicates (persisted); the task among the
              first tasks_per_round of the sender's draw; the prompt; the seed index j;
@@ -44,6 +47,7 @@ from ..protocol import noise
 from ..protocol.messages import BatchRules, Completion, RolloutBatch, SamplingParams, Verdict
 from .prefill import PromptCache, prefill, prefill_group, prefill_groups  # noqa: F401
 from .proof import ProofThresholds, proof_size, verify_proof
+from .rules import QUEUE_GRACE
 from .seen import SeenStore, batch_digest
 
 log = logging.getLogger(__name__)
@@ -64,6 +68,9 @@ class CheckSettings:
     benchmarks/verifier.py and NODE_SPEC.md §5)."""
 
     max_policy_lag: int = 2
+    # versions a batch may have waited in the verifier's queue and still be judged as of its
+    # arrival (rules.QUEUE_GRACE; checkpoints are kept that much longer: rules.retention)
+    queue_grace: int = QUEUE_GRACE
     logprob_tol: float = 1e-3
     tie_eps: float = 1e-3
     # at most one position per completion may trail by more than tie_eps, up to this (0: off)
@@ -179,7 +186,8 @@ class RolloutVerifier:
     # public ------------------------------------------------------------------------------
 
     def verify(self, batch: RolloutBatch, sender: str,
-               spot_check: SpotCheck | None = None, probe: bool = False) -> list[RolloutResult]:
+               spot_check: SpotCheck | None = None, probe: bool = False,
+               as_of: int | None = None) -> list[RolloutResult]:
         """One result per completion. `spot_check(group_ids)` (optional) decides per task
         group whether its model checks run; a group it skips passes the cheap checks only and
         is accepted as `unchecked` (no recomputed logprobs). `probe`: model-check one group,
@@ -188,10 +196,14 @@ class RolloutVerifier:
         one group's forward pass. Accepted and unchecked rollout ids are remembered on disk
         with the round and the batch's digest (replays fail, also after a restart; the same
         batch again is `already_accepted`, not a new choice). A full disk raises DiskFull
-        before anything is remembered: the call can be repeated as it was."""
+        before anything is remembered: the call can be repeated as it was.
+        `as_of`: `latest_version()` when the batch arrived (the intake's queue; None: now):
+        staleness is judged against it, so the sender is not charged for the wait (at most
+        `queue_grace` versions of it, then `queue_expired`, no penalty). The sender cannot
+        move it: a batch held back arrives, and is judged, later."""
         ids = [rollout_id(batch, c) for c in batch.completions]
         try:
-            results = self._verify(batch, sender, ids, spot_check, probe)
+            results = self._verify(batch, sender, ids, spot_check, probe, as_of)
         except _Reject as r:
             results = [RolloutResult(i, rid, False, r.reason, r.detail)
                        for i, rid in enumerate(ids)]
@@ -205,14 +217,16 @@ class RolloutVerifier:
         for r in results:
             self.counts[r.reason] = self.counts.get(r.reason, 0) + 1
         try:
-            self.seen.prune(self.latest_version() - self.settings.max_policy_lag)
+            self.seen.prune(self.latest_version() - self.settings.max_policy_lag
+                            - self.settings.queue_grace)
         except DiskFull:
             pass  # what it would delete is rejected as stale anyway; the next call retries
         return results
 
     # batch checks ------------------------------------------------------------------------
 
-    def _batch_checks(self, batch: RolloutBatch, sender: str, ids: list[bytes]):
+    def _batch_checks(self, batch: RolloutBatch, sender: str, ids: list[bytes],
+                      as_of: int | None = None):
         s = self.settings
         if batch.swarm_id != self.swarm_id:
             raise _Reject("wrong_swarm", f"swarm {batch.swarm_id!r}")
@@ -227,9 +241,16 @@ class RolloutVerifier:
         latest = self.latest_version()
         if batch.policy_version > latest:
             raise _Reject("unknown_policy", f"version {batch.policy_version} > latest {latest}")
-        if batch.policy_version < latest - s.max_policy_lag:
-            raise _Reject("stale_policy", f"version {batch.policy_version}, latest {latest}, "
+        arrived = latest if as_of is None else min(as_of, latest)
+        if batch.policy_version < arrived - s.max_policy_lag:
+            raise _Reject("stale_policy", f"version {batch.policy_version}, latest {arrived}"
+                                          f"{' at arrival' if arrived != latest else ''}, "
                                           f"lag limit {s.max_policy_lag}")
+        # fresh when it arrived, stale now: the time in our queue is not the sender's doing
+        queued = batch.policy_version < latest - s.max_policy_lag
+        if queued and batch.policy_version < latest - s.max_policy_lag - s.queue_grace:
+            raise _Reject("queue_expired", f"version {batch.policy_version} was within the lag "
+                                           f"limit at arrival (latest {arrived}); now {latest}")
         if batch.dtype != self.dtype:
             raise _Reject("config_dtype", f"batch sampled in {batch.dtype}; this verifier "
                                           f"checks {self.dtype} (set model.dtype = "
@@ -245,11 +266,13 @@ class RolloutVerifier:
             raise _Reject("round_reused", f"round {batch.round} already accepted")
         model = self.model_for(batch.policy_version)
         if model is None:
-            raise _Reject("unknown_policy", f"no model for version {batch.policy_version}")
+            raise _Reject("queue_expired" if queued else "unknown_policy",
+                          f"no model for version {batch.policy_version}")
         return model
 
-    def _verify(self, batch, sender, ids, spot_check, probe=False) -> list[RolloutResult]:
-        model = self._batch_checks(batch, sender, ids)
+    def _verify(self, batch, sender, ids, spot_check, probe=False,
+                as_of=None) -> list[RolloutResult]:
+        model = self._batch_checks(batch, sender, ids, as_of)
 
         limits = (context_limit(model.config, self.max_context), model.config.hidden_size)
         results: list[RolloutResult | None] = [None] * len(batch.completions)

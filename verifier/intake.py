@@ -35,6 +35,10 @@ most `probation_time_share` of its time (plus what it lends while idle), establi
 peers are served first throughout, and the flood's own batches mostly expire in the
 probation queue unverified. `established` is also what the gossip layer may use to give
 peers with verified history priority (a plain callable: peer id -> bool).
+
+A batch is judged stale as of its arrival: `offer` records the policy's latest version then
+(`as_of`, checks.py), so the wait in this queue, which is ours, never counts as the sender's
+lag (for up to `queue_grace` versions; beyond, `queue_expired`: not verified, no penalty).
 """
 
 from __future__ import annotations
@@ -249,8 +253,12 @@ class VerificationQueue:
 
 class Verifier(Protocol):
     def verify(self, batch: RolloutBatch, sender: str, spot_check=None,
-               probe: bool = False) -> list[RolloutResult]:
-        """One result per completion, in order (worker thread)."""
+               probe: bool = False, as_of: int | None = None) -> list[RolloutResult]:
+        """One result per completion, in order (worker thread). `as_of`: `latest_version()`
+        when the batch arrived (staleness is judged against it)."""
+
+    def latest_version(self) -> int:
+        """The newest version of the verifier's policy known here."""
 
 
 class GroupSink(Protocol):
@@ -365,7 +373,11 @@ class Intake:
         if self.reputation.is_banned(sender):
             self.state.reject(sender, "banned", len(env.message.completions))
             return
-        if not self.queue.put(sender, (env.message, origin)):
+        # the version a batch is judged against: the one when it arrived (the wait in this
+        # queue is ours, not the sender's lag; checks.py `as_of`)
+        verifier = self.verifier_for(env.message.policy_id)
+        as_of = verifier.latest_version() if verifier is not None else None
+        if not self.queue.put(sender, (env.message, origin, as_of)):
             self.state.count("rollout_queue_full")
             log.debug("verification queue: dropped a batch from %s (not verified, not "
                       "accepted)", sender[-8:])
@@ -417,8 +429,8 @@ class Intake:
             nxt = self._next(idle)
             if nxt is None:
                 break
-            sender, (batch, origin) = nxt
-            await self._one(sender, batch, origin, lent)
+            sender, (batch, origin, as_of) = nxt
+            await self._one(sender, batch, origin, lent, as_of)
             done += 1
             self._update_view()
             if idle:
@@ -426,7 +438,7 @@ class Intake:
         return done
 
     async def _one(self, sender: str, batch: RolloutBatch, origin: str,
-                   lent: bool = False) -> None:
+                   lent: bool = False, as_of: int | None = None) -> None:
         n = len(batch.completions)
         if self.reputation.is_banned(sender):
             self.state.reject(sender, "banned", n)
@@ -443,7 +455,8 @@ class Intake:
             t0 = self.clock()
             results = await until_written(  # disk full: pause, keep the batch
                 self.disk, self.ports.work, verifier.verify, batch, sender,
-                lambda ids: self.reputation.should_verify_group(sender, ids), not established)
+                lambda ids: self.reputation.should_verify_group(sender, ids), not established,
+                as_of)
             spent = self.clock() - t0
             tier = "established" if established else "probation_lent" if lent \
                 else "probation"
@@ -452,6 +465,9 @@ class Intake:
             self.seconds[tier] = self.seconds.get(tier, 0.0) + spent
             self.batches[tier] += 1
             self.state.observe("verify_batch_seconds", spent)
+        if all(r.reason == "queue_expired" for r in results):  # not verified: our wait
+            self.budget.refund(sender, tokens, established)
+            self.batches["queue_expired"] += 1
         if all(r.reason in NOT_JUDGED for r in results):  # this very batch, accepted before
             self.budget.refund(sender, tokens, established)
             self.batches["already_accepted"] += 1
@@ -459,6 +475,10 @@ class Intake:
             log.debug("round %d from %s again (accepted before): ignored", batch.round,
                       sender[-8:])
             return
+        if not established and self.reputation.reprobation(sender):
+            # the head start of a condemned peer's tests, from its persisted record: a
+            # restart (or the tests' LRU) must not give a caught steerer a clean slate
+            self.monitor.condemned(sender)
         alarm = self.monitor.observe_batch(
             sender, [r.stats for r in results if r.reason == "ok"], probation=not established)
         if alarm is not None and sender in alarm.peers:

@@ -32,6 +32,9 @@ BATCH_REASONS = {
     "config_dtype": "the batch states a prover dtype this verifier does not check in (config; "
                     "no penalty)",
     "round_out_of_range": "the round is outside the policy version's window (config; no penalty)",
+    "queue_expired": "the version was within the lag limit when the batch arrived, but the "
+                     "batch waited in the verifier's queue longer than queue_grace versions "
+                     "(or its model is gone): not verified, not counted against the sender",
     "round_reused": "the sender already had another batch of this round accepted",
     "already_accepted": "this very batch was accepted before (a gossip re-delivery or a "
                         "replay, e.g. after the verifier restarted): a duplicate, not counted "
@@ -84,7 +87,8 @@ CONFIG_REASONS = {"sampling_params", "config_dtype", "config_task_mix", "config_
                   "round_out_of_range"}
 
 # Reasons an honest peer can produce without cheating.
-HONEST_MISTAKES = CONFIG_REASONS | {"unknown_policy", "stale_policy", "wrong_swarm", "duplicate",
+HONEST_MISTAKES = CONFIG_REASONS | {"unknown_policy", "stale_policy", "queue_expired",
+                                    "wrong_swarm", "duplicate",
                                     "round_reused", "verifier_error", "over_budget",
                                     "group_member_rejected", "batch_member_rejected",
                                     "already_accepted"}

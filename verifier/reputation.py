@@ -15,7 +15,11 @@ An alarm also restarts the peer's probation and raises what ends it: only comple
 accepted after its last alarm count, and it needs `probation_accepts` x
 `REPROBATION_FACTOR`^alarms of them (8, 64, then 512 at most). Until then it is a
 probation sender (one-batch and pooled tests, and its next alarm bans it): a caught
-steerer cannot buy its standing back with one honest batch (issue 30).
+steerer cannot buy its standing back with one honest batch (issue 30). One alarm on record
+is forgiven per `alarm_forgive_s` (a day) since the last one, so an honest peer's rare false
+alarm does not keep it on a long probation for good (ALARM_FORGIVE_S). `reprobation(peer)`
+(an alarm on record, probation not yet served) is what keeps its sequential tests at their
+head start: derived from the persisted record, it survives a restart.
 
 Verdicts received from other peers are hints only, and only from a peer the caller trusts
 (`hint(..., trusted=...)`: one with verified history here, or a followed trainer): such a
@@ -68,6 +72,7 @@ PENALTIES: dict[str, float] = {
     "already_accepted": 0.0,  # the same batch again: a re-delivery, not the sender's doing
     "verifier_error": 0.0,  # our fault, not the peer's
     "over_budget": 0.0,  # not verified at all
+    "queue_expired": 0.0,  # waited in our queue too long: our doing, not the peer's
     "group_member_rejected": 0.0,  # collateral of a sibling's reject, which is penalised
     "batch_member_rejected": 0.0,  # not checked: the batch's probe group failed (penalised)
     **{reason: 0.0 for reason in CONFIG_REASONS},  # honest misconfiguration: never punished
@@ -84,6 +89,14 @@ ALARM_PENALTY = -MAX_SCORE
 # restarted tests (16 + 16 completions) made a caught steerer established again.
 REPROBATION_FACTOR = 8
 REPROBATION_MAX_POWER = 2
+# One alarm on record is forgiven per this many seconds since the peer's last alarm. Honest
+# false alarms are <= ~1e-4 per batch (sequential.py; fp32 measured 7.5e-5): a peer sending
+# a batch every 10 s (8,640 a day) collects <= ~0.9 a day, so forgiving one a day keeps an
+# honest record at about one (re-probation 64 completions) instead of climbing to the 512 of
+# the cap and staying there. An attacker gains nothing by waiting: a fresh key (free) starts
+# with no alarm on record anyway; what an alarm costs it at once (ban or the score cap,
+# its batch and its waiting groups) is unchanged.
+ALARM_FORGIVE_S = 86_400.0
 
 
 @dataclass
@@ -94,8 +107,9 @@ class PeerRecord:
     rejected: int = 0
     banned_until: float = 0.0
     last_reason: str = ""
-    alarms: int = 0  # per-peer test alarms on record
+    alarms: int = 0  # per-peer test alarms on record (one forgiven per alarm_forgive_s)
     accepted_at_alarm: int = 0  # `accepted` at the last alarm (only later ones count)
+    alarm_at: float = 0.0  # time of the last alarm
 
 
 class Reputation:
@@ -105,6 +119,7 @@ class Reputation:
                  trust_score: float = 5.0, suspect_seconds: float = 600.0,
                  max_peers: int = 100_000, save_interval_s: float = 5.0,
                  max_suspects: int = 4096, probation_accepts: int = 8,
+                 alarm_forgive_s: float = ALARM_FORGIVE_S,
                  clock: Callable[[], float] = time.time):
         self.path = Path(path) if path is not None else None
         self.ban_threshold = ban_threshold
@@ -118,6 +133,7 @@ class Reputation:
         self.save_interval_s = save_interval_s
         self.max_suspects = max_suspects
         self.probation_accepts = probation_accepts
+        self.alarm_forgive_s = alarm_forgive_s
         self.clock = clock
         self.peers: OrderedDict[str, PeerRecord] = OrderedDict()  # least recently used first
         self.suspects: OrderedDict[str, float] = OrderedDict()  # subject -> suspect until
@@ -186,12 +202,14 @@ class Reputation:
             self._make_room()
             rec = self.peers[peer] = PeerRecord(updated=now)
         self.peers.move_to_end(peer)
+        rec.alarms = self._alarms(rec, now)  # what is left of the earlier ones
         rec.score = self._decayed(rec, now) + ALARM_PENALTY
         if not established:
             rec.score = min(rec.score, self.ban_threshold - 1.0)
         rec.updated, rec.last_reason = now, reason
         rec.rejected += 1
         rec.alarms += 1
+        rec.alarm_at = now
         rec.accepted_at_alarm = rec.accepted  # probation again, longer (established)
         self._dirty.add(peer)
         if rec.score < self.ban_threshold and rec.banned_until <= now:
@@ -230,12 +248,30 @@ class Reputation:
                 and rec.accepted - rec.accepted_at_alarm >= self.probation_needs(peer)
                 and self._decayed(rec, self.clock()) > 0)
 
+    def _alarms(self, rec: PeerRecord, now: float) -> int:
+        if rec.alarms <= 0 or self.alarm_forgive_s <= 0:
+            return max(0, rec.alarms)
+        forgiven = int(max(0.0, now - rec.alarm_at) // self.alarm_forgive_s)
+        return max(0, rec.alarms - forgiven)
+
+    def alarms(self, peer: str) -> int:
+        """Alarms on `peer`'s record, less one per `alarm_forgive_s` since its last."""
+        rec = self.peers.get(peer)
+        return self._alarms(rec, self.clock()) if rec is not None else 0
+
     def probation_needs(self, peer: str) -> int:
         """Accepted completions since its last alarm that end `peer`'s probation:
         `probation_accepts`, times REPROBATION_FACTOR per alarm on record (capped)."""
+        return self.probation_accepts * REPROBATION_FACTOR ** min(self.alarms(peer),
+                                                                  REPROBATION_MAX_POWER)
+
+    def reprobation(self, peer: str) -> bool:
+        """On probation because of an alarm on record (not yet forgiven) and not yet out of
+        it: the per-peer tests keep it at their head start (sequential.py `condemned`).
+        Derived from the persisted record, so a restart or the tests' LRU forgets nothing."""
         rec = self.peers.get(peer)
-        alarms = min(rec.alarms if rec is not None else 0, REPROBATION_MAX_POWER)
-        return self.probation_accepts * REPROBATION_FACTOR ** alarms
+        return (rec is not None and self.alarms(peer) > 0
+                and rec.accepted - rec.accepted_at_alarm < self.probation_needs(peer))
 
     def _suspect(self, peer: str, now: float) -> bool:
         until = self.suspects.get(peer)
@@ -400,6 +436,8 @@ def _record(r: dict) -> PeerRecord:
     ints = ("accepted", "rejected", "alarms", "accepted_at_alarm")
     fields = {k: (str(v) if k == "last_reason" else int(v) if k in ints else float(v))
               for k, v in r.items() if k != "suspect_until"}
+    if "alarm_at" not in fields:  # a record from before alarms were forgiven
+        fields["alarm_at"] = fields.get("updated", 0.0)
     return PeerRecord(**fields)
 
 

@@ -97,6 +97,9 @@ async def test_honest_batches_accepted_during_a_fresh_key_flood(tmp_path, tiny_m
             def __init__(self, real):
                 self.real = real
 
+            def latest_version(self):
+                return self.real.latest_version()
+
             def verify(self, batch, sender, *args):
                 order.append(sender)
                 return self.real.verify(batch, sender, *args)

@@ -41,7 +41,13 @@ class Scripted:
         self.clock, self.reason, self.stats, self.cost = clock, reason, stats or {}, cost
         self.calls: list[tuple[str, bool]] = []
 
-    def verify(self, batch, sender, spot_check=None, probe=False) -> list[RolloutResult]:
+    version = 0  # the policy's latest version here
+
+    def latest_version(self) -> int:
+        return self.version
+
+    def verify(self, batch, sender, spot_check=None, probe=False,
+               as_of=None) -> list[RolloutResult]:
         self.calls.append((sender, probe))
         self.clock.t += self.cost
         ok = self.reason in ("ok", "unchecked")
@@ -161,6 +167,37 @@ async def test_10_a_caught_steerer_does_not_buy_its_standing_back(tmp_path):
     await send(intake, "12D3KooWsteerer", batch(2, n=8))
     assert rep.is_banned("12D3KooWsteerer")
     assert intake.sink.stored == [("12D3KooWsteerer", 8)]
+
+
+async def test_10_a_restart_keeps_a_caught_steerers_head_start(tmp_path):
+    """The condemned peer's head start (its tests restart at 0.6 h and stay above that
+    until its probation is served) lived only in the trainer's memory: after a restart a
+    caught steerer faced tests from 0 again. It is derived from the persisted reputation
+    now. bf16: a batch with 6 steered wide ties (LLR 9.7) alarms nobody from 0 (h 15,
+    one batch 11), but does from the head start (9)."""
+    bf16 = SequentialSettings.for_dtype("bfloat16")
+    weak = {"lp_n": 0.0, "wide_ties": 6.0, "wide_flips": 6.0}
+    clock = Clock()
+    path = tmp_path / "reputation.json"
+    rep = Reputation(path)
+    establish(rep, "12D3KooWsteerer", accepted=16)
+    caught = make(tmp_path, Scripted(clock, stats={"wide_ties": 20.0, "wide_flips": 20.0}),
+                  reputation=rep, settings=bf16)
+    await send(caught, "12D3KooWsteerer", batch(0, n=1))  # an alarm: probation again
+    assert rep.peers["12D3KooWsteerer"].alarms == 1 and not rep.is_banned("12D3KooWsteerer")
+    caught.close()
+    # the trainer restarts: its reputation from disk, its sequential tests new
+    rep = Reputation(path)
+    restarted = make(tmp_path, Scripted(clock, stats=weak), reputation=rep, settings=bf16)
+    await send(restarted, "12D3KooWsteerer", batch(1, n=1))
+    assert restarted.batches["alarm_peer"] == 1  # its own tests, from the head start
+    assert rep.is_banned("12D3KooWsteerer")  # its next alarm, on probation: banned
+    assert restarted.sink.stored == []
+    # control: the same batch from a sender without an alarm on record alarms nobody
+    control = make(tmp_path, Scripted(clock, stats=weak), settings=bf16)
+    await send(control, "12D3KooWnewcomer", batch(0, n=1))
+    assert control.sink.stored == [("12D3KooWnewcomer", 1)]
+    assert not [k for k in control.batches if k.startswith("alarm")]
 
 
 # 11: a fresh key's verdict does not demote an established peer ------------------------------

@@ -223,3 +223,44 @@ def test_alarm_record_persists(tmp_path):
     path.write_text(json.dumps(state))
     (tmp_path / "rep.json.log").unlink(missing_ok=True)
     assert Reputation(path).peers["steerer"].alarms == 0
+
+
+def test_alarms_are_forgiven_one_a_day_and_that_persists(tmp_path):
+    """Issue 30: alarms never decayed, so an honest peer with one false alarm long ago was
+    still on a 64-completion probation after each later one (512 after two). One alarm is
+    forgiven per ALARM_FORGIVE_S since the last; the time is persisted with the record."""
+    from swarm_node.verifier.reputation import ALARM_FORGIVE_S
+
+    clock = Clock()
+    path = tmp_path / "rep.json"
+    rep = Reputation(path, probation_accepts=8, clock=clock)
+    for _ in range(16):
+        rep.record("peer", True)
+    rep.record_alarm("peer", "tie_steering")  # saves at once
+    alarmed = clock.t
+    assert rep.probation_needs("peer") == 64 and rep.reprobation("peer")
+    clock.t += ALARM_FORGIVE_S - 1
+    assert rep.alarms("peer") == 1 and rep.reprobation("peer")
+    assert Reputation(path, probation_accepts=8, clock=clock).probation_needs("peer") == 64
+    clock.t += 1
+    assert rep.alarms("peer") == 0 and rep.probation_needs("peer") == 8
+    assert not rep.reprobation("peer")
+    again = Reputation(path, probation_accepts=8, clock=clock)  # a restart: the same
+    assert again.alarms("peer") == 0 and again.peers["peer"].alarm_at == alarmed
+    # two on record: one a day; a new alarm adds to what is left, from its own time
+    rec = rep.peers["peer"]
+    rec.alarms, rec.alarm_at = 2, clock.t
+    clock.t += ALARM_FORGIVE_S
+    assert rep.probation_needs("peer") == 64
+    rep.record_alarm("peer", "tie_steering")
+    assert rep.alarms("peer") == 2 and rep.probation_needs("peer") == 512
+    clock.t += 2 * ALARM_FORGIVE_S
+    assert rep.alarms("peer") == 0
+    # a record from before `alarm_at`: its last update stands for the alarm's time
+    rep.save()
+    rep._snapshot()
+    state = json.loads(path.read_text())
+    state["peers"]["peer"].pop("alarm_at")
+    path.write_text(json.dumps(state))
+    old = Reputation(path, clock=clock)
+    assert old.peers["peer"].alarm_at == old.peers["peer"].updated

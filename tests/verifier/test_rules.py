@@ -90,12 +90,13 @@ def test_3_context_limit_is_min_of_config_and_model(kit):
 
 def test_4_retention_covers_max_staleness():
     """Finding 4: the trainer keeps max_staleness + 1 versions of its own and of followed
-    policies, whatever keep_checkpoints / keep_versions say."""
+    policies, plus QUEUE_GRACE for batches that waited in its verification queue (issue 30),
+    whatever keep_checkpoints / keep_versions say."""
     from swarm_node.node.config import Config
-    from swarm_node.verifier.rules import retention
+    from swarm_node.verifier.rules import QUEUE_GRACE, retention
 
     cfg = Config.model_validate({"trainer": {"max_staleness": 4, "keep_checkpoints": 3}})
-    assert retention(cfg, cfg.trainer.keep_checkpoints) == 5
+    assert retention(cfg, cfg.trainer.keep_checkpoints) == 5 + QUEUE_GRACE == 7
     cfg = cfg.with_overrides({"trainer.keep_checkpoints": 9})
     assert retention(cfg, cfg.trainer.keep_checkpoints) == 9
 
@@ -178,6 +179,26 @@ def test_7_trainer_gets_recomputed_logprobs_not_claimed_ones(kit, honest):
 
 
 # 9-11: no replays, spot checks per group, no cherry-picking ---------------------------------
+
+
+def test_the_wait_in_the_verifiers_queue_is_not_the_senders_lag(kit, honest):
+    """Issue 30 (newcomers): staleness is judged as of the batch's arrival (`as_of`, set by
+    the intake), for at most `queue_grace` versions of waiting; past that the batch is
+    `queue_expired`, which costs its sender nothing. A batch that arrives stale is stale
+    (holding it back gains nothing). The real trainer role: test_queue_wait.py."""
+    from swarm_node.verifier.reputation import PENALTIES
+
+    s = CheckSettings()
+    now = {"v": VERSION + s.max_policy_lag + 1}
+    v = verifier(kit, latest_version=lambda: now["v"])
+    assert reasons(v.verify(honest, SENDER)) == {"stale_policy"}  # arrives now: stale
+    assert reasons(v.verify(honest, SENDER, as_of=now["v"])) == {"stale_policy"}
+    now["v"] = VERSION + s.max_policy_lag + s.queue_grace + 1
+    assert reasons(v.verify(honest, SENDER, as_of=VERSION)) == {"queue_expired"}
+    now["v"] -= 1  # waited queue_grace versions past its lag limit: verified
+    assert reasons(v.verify(honest, SENDER, as_of=VERSION + s.max_policy_lag)) == {"ok"}
+    assert reasons(v.verify(honest, SENDER, as_of=VERSION)) == {"already_accepted"}
+    assert PENALTIES["queue_expired"] == 0 and "queue_expired" in HONEST_MISTAKES
 
 
 def test_9_replay_after_restart_rejected(kit, honest, tmp_path):

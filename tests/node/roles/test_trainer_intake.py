@@ -32,7 +32,11 @@ class ScriptedVerifier:
         self.accept, self.reject_as = accept, reject_as
         self.calls: list[tuple[str, int]] = []
 
-    def verify(self, batch, sender, spot_check=None, probe=False) -> list[RolloutResult]:
+    def latest_version(self) -> int:
+        return 0
+
+    def verify(self, batch, sender, spot_check=None, probe=False,
+               as_of=None) -> list[RolloutResult]:
         self.calls.append((batch.policy_id, batch.round))
         out = []
         for i, c in enumerate(batch.completions):

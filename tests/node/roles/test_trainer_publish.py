@@ -1,6 +1,6 @@
 """The trainer role's checkpoint publication through its `CheckpointPublisher`: the loop
 announces each checkpointed version once and nothing else, and the real publisher
-(`OwnCheckpoints`) keeps trainer.max_staleness + 1 versions, own and followed, and
+(`OwnCheckpoints`) keeps trainer.max_staleness + 1 + QUEUE_GRACE versions, own and followed, and
 announces only the policy directory with its parent version. Real trainer processes
 publishing to real followers: tests/integration (the swarm and operator tests)."""
 
@@ -101,8 +101,10 @@ def test_the_publisher_keeps_versions_for_the_largest_allowed_lag(tmp_path):
     trainer = CheckpointedTrainer(tmp_path / "checkpoints", keep=cfg.trainer.keep_checkpoints)
     own = OwnCheckpoints.create(trainer, FakeP2P(), cfg, tmp_path / "broadcast", follow=[],
                                 settings=None)
-    assert trainer.store.keep == 6  # own versions: max_staleness + 1
-    assert own.broadcaster.store.keep_versions == 6  # followed policies' versions too
+    # own versions: max_staleness + 1, + 2 (rules.QUEUE_GRACE: batches that waited in the
+    # verification queue are judged as of their arrival)
+    assert trainer.store.keep == 8
+    assert own.broadcaster.store.keep_versions == 8  # followed policies' versions too
     big = config(tmp_path, max_staleness=1, keep_checkpoints=9)
     trainer = CheckpointedTrainer(tmp_path / "checkpoints-big", keep=9)
     OwnCheckpoints.create(trainer, FakeP2P(), big, tmp_path / "broadcast-big", follow=[],

@@ -408,6 +408,11 @@ class SwarmRun:
         self.out["steady"] = {"seconds": round(dt, 1), "usage": usage,
                               "versions": self.trainer.status.get("policy_version", 0) - v0,
                               "connected_pairs": self.connected_pairs(),
+                              # per NAT'd peer: DCUtR's direct / failed / gave_up (for --json)
+                              "hole_punch": {n.name: ((n.status.get("p2p") or {}).get("relay")
+                                                      or {}).get("hole_punch")
+                                             for n in self.peers()
+                                             if self.plan.nat_of(n.host) != "public"},
                               "reachable": self.reachable()}
 
     def connected_pairs(self) -> dict:
@@ -537,6 +542,10 @@ def usage_rows(out: dict) -> list[list]:
 
 def section_swarm(args, work: Path, model_dir: Path) -> tuple[str, dict]:
     out = swarm_figures(args, args.nodes, work, model_dir, steady_only=False)
+    return swarm_body(args, out), out
+
+
+def swarm_body(args, out: dict) -> str:
     after = out.get("accepted_after_running_s", {})
     contrib = []
     for k, v in sorted(out["first_accepted_s"].items()):
@@ -570,7 +579,7 @@ def section_swarm(args, work: Path, model_dir: Path) -> tuple[str, dict]:
                           m["trainer_versions"], m["downloads"], m["download_p95_s"]]
                          for m in out["churn"]]), "",
                   ("Newcomers' first accepted rollout, s from launch (None: not by the end, or "
-                  f"left first): {out.get('joined_first_accepted_s')}")]
+                  f"left first): {out.get('joined_first_accepted_s', 'not recorded')}")]
     if "partition" in out:
         p = out["partition"]
         lines += ["", (f"Partition for {p['seconds']} s (trainer + relay1 + half the peers | "
@@ -578,11 +587,13 @@ def section_swarm(args, work: Path, model_dir: Path) -> tuple[str, dict]:
                   f"rollouts sent during it: {p['rollouts_sent_during']}; after the heal every "
                   f"peer on the trainer's lineage in {p['converged_after_heal_s']} s.")]
     t = out["trainer"]
-    lines += ["", (f"Trainer: v{t['version']}, reward first 3 versions {t['reward_first3']}, "
-              f"last 3 {t['reward_last3']}; versions skipped (rounds lost) {t['rounds_lost']}; "
+    r3 = [f"{x:.3f}" if isinstance(x, float) else x for x in (t["reward_first3"],
+                                                              t["reward_last3"])]
+    lines += ["", (f"Trainer: v{t['version']}, reward first 3 versions {r3[0]}, "
+              f"last 3 {r3[1]}; versions skipped (rounds lost) {t['rounds_lost']}; "
               f"rollouts accepted {t['rollouts_accepted']}. Log "
               f"lines: {out['log_signals']}. Delay stage: {out['stage']}.")]
-    return "\n".join(lines), out
+    return "\n".join(lines)
 
 
 # gossip (P2PNode workers) -------------------------------------------------------------------
@@ -1163,18 +1174,31 @@ def broadcast_body(args, out: dict, pending: str = "not run (no .venv-shardcast)
 # scaling --------------------------------------------------------------------------------------
 
 def section_scaling(args, work: Path, model_dir: Path) -> tuple[str, dict]:
-    out, rows, grows = {}, [], []
+    out, rows, grows, starts = {}, [], [], []
     for n in args.scaling:
-        sw = swarm_figures(args, n, work / f"scale{n}", model_dir, steady_only=True)
-        g = gossip_figures(args, n, work / f"scale{n}")
+        try:
+            sw = swarm_figures(args, n, work / f"scale{n}", model_dir, steady_only=True)
+            g = gossip_figures(args, n, work / f"scale{n}")
+        except Exception as e:  # noqa: BLE001 - a size this machine cannot hold is a figure
+            out[n] = {"failed": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+            starts.append([n, "failed", out[n]["failed"], "-", "-", "-", "-"])
+            continue
         g["rounds"] = args.rounds
         out[n] = {"swarm": sw, "gossip": g}
         for row in usage_rows(sw):
             rows.append([n, *row])
         grows.append(gossip_row(g))
+        firsts = [t for v in sw["first_accepted_s"].values() for t in v]
+        ok = [t for t in firsts if t is not None]
+        starts.append([n, sw.get("all_started_s"), f"{len(ok)}/{len(firsts)}",
+                       sum(t <= 60 for t in ok), pct(ok, 50), max(ok, default=float("nan")),
+                       sw["steady"]["versions"]])
     body = (f"Load before: {args.load_before}. The swarm section's steady state and the gossip "
             f"section at {', '.join(map(str, args.scaling))} nodes. Per-node figures should stay "
             "flat as N grows.\n\n"
+            + table(["N", "all started s", "peers contributed", "within 60 s of launch",
+                     "first accepted p50 s", "max s", "trainer +versions in steady state"],
+                    starts) + "\n\n"
             + table(["N", "kind", "n", "connections", "RSS MiB", "CPU s/s"], rows) + "\n\n"
             + table(GOSSIP_HEAD, grows))
     return body, out
@@ -1198,14 +1222,16 @@ def headlines(name: str, out: dict, args) -> list[Headline]:
     if name == "swarm":
         natted = [t for k, v in out["first_accepted_s"].items() if k != "public" for t in v]
         ok = [t for t in natted if t is not None and t <= 60]
+        late = sum(t is not None for t in natted) - len(ok)
         pairs = out["steady"]["connected_pairs"]
         d, r, _ = pairs.get("cone/cone", [0, 0, 0])
         reach = out["steady"]["reachable"]
         return [Headline(f"wan: NAT'd peers' first accepted rollout ({out['nodes']} nodes)",
                          "every one within 60 s of its start",
-                         f"{len(ok)}/{len(natted)} within 60 s (max "
+                         f"{len(ok)}/{len(natted)} within 60 s, {late} later (max "
                          f"{max((t for t in natted if t is not None), default=float('nan')):.0f}"
-                         " s)"),
+                         f" s), {len(natted) - len(ok) - late} not within the "
+                         f"{args.contribute_timeout:.0f} s watch"),
                 Headline(f"wan: reachable by any peer, per NAT type ({out['nodes']} nodes)",
                          "100% for every type", ", ".join(
                              f"{k} {100 * c / t:.0f}% ({c}/{t})"
@@ -1236,6 +1262,9 @@ def headlines(name: str, out: dict, args) -> list[Headline]:
     if name == "scaling":
         per_n = []
         for n, o in out.items():
+            if "failed" in o:
+                per_n.append(f"N={n}: failed")
+                continue
             items = [i for v in o["swarm"]["steady"]["usage"].values() for i in v]
             per_n.append(f"N={n}: {statistics.fmean(i['connections'] for i in items):.1f} "
                          f"conns, {statistics.fmean(i['rss_mib'] for i in items):.0f} MiB, "

@@ -1174,17 +1174,26 @@ def broadcast_body(args, out: dict, pending: str = "not run (no .venv-shardcast)
 # scaling --------------------------------------------------------------------------------------
 
 def section_scaling(args, work: Path, model_dir: Path) -> tuple[str, dict]:
-    out, rows, grows, starts = {}, [], [], []
+    out = {}
     for n in args.scaling:
         try:
             sw = swarm_figures(args, n, work / f"scale{n}", model_dir, steady_only=True)
             g = gossip_figures(args, n, work / f"scale{n}")
         except Exception as e:  # noqa: BLE001 - a size this machine cannot hold is a figure
             out[n] = {"failed": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
-            starts.append([n, "failed", out[n]["failed"], "-", "-", "-", "-"])
             continue
         g["rounds"] = args.rounds
         out[n] = {"swarm": sw, "gossip": g}
+    return scaling_body(args, out), out
+
+
+def scaling_body(args, out: dict) -> str:
+    rows, grows, starts = [], [], []
+    for n, o in out.items():
+        if "failed" in o:
+            starts.append([n, "failed", o["failed"], "-", "-", "-", "-"])
+            continue
+        sw, g = o["swarm"], o["gossip"]
         for row in usage_rows(sw):
             rows.append([n, *row])
         grows.append(gossip_row(g))
@@ -1193,15 +1202,14 @@ def section_scaling(args, work: Path, model_dir: Path) -> tuple[str, dict]:
         starts.append([n, sw.get("all_started_s"), f"{len(ok)}/{len(firsts)}",
                        sum(t <= 60 for t in ok), pct(ok, 50), max(ok, default=float("nan")),
                        sw["steady"]["versions"]])
-    body = (f"Load before: {args.load_before}. The swarm section's steady state and the gossip "
-            f"section at {', '.join(map(str, args.scaling))} nodes. Per-node figures should stay "
+    return (f"Load before: {args.load_before}. The swarm section's steady state and the gossip "
+            f"section at {', '.join(map(str, out))} nodes. Per-node figures should stay "
             "flat as N grows.\n\n"
             + table(["N", "all started s", "peers contributed", "within 60 s of launch",
                      "first accepted p50 s", "max s", "trainer +versions in steady state"],
                     starts) + "\n\n"
             + table(["N", "kind", "n", "connections", "RSS MiB", "CPU s/s"], rows) + "\n\n"
             + table(GOSSIP_HEAD, grows))
-    return body, out
 
 
 # headline rows ----------------------------------------------------------------------------------
@@ -1265,10 +1273,14 @@ def headlines(name: str, out: dict, args) -> list[Headline]:
             if "failed" in o:
                 per_n.append(f"N={n}: failed")
                 continue
-            items = [i for v in o["swarm"]["steady"]["usage"].values() for i in v]
-            per_n.append(f"N={n}: {statistics.fmean(i['connections'] for i in items):.1f} "
+            usage = o["swarm"]["steady"]["usage"]
+            # inference peers (every NAT kind) apart from the hubs every peer connects to
+            items = [i for k, v in usage.items() if k not in ("trainer", "relay") for i in v]
+            hubs = [i["connections"] for k in ("trainer", "relay") for i in usage.get(k, [])]
+            per_n.append(f"N={n}: peers {statistics.fmean(i['connections'] for i in items):.1f} "
                          f"conns, {statistics.fmean(i['rss_mib'] for i in items):.0f} MiB, "
-                         f"{statistics.fmean(i['cpu_per_s'] for i in items):.2f} CPU")
+                         f"{statistics.fmean(i['cpu_per_s'] for i in items):.2f} CPU"
+                         + (f"; trainer/relays {min(hubs)}-{max(hubs)} conns" if hubs else ""))
         return [Headline("wan: per-node connections, RSS, CPU as N grows", "flat",
                          "; ".join(per_n))]
     return []

@@ -44,7 +44,7 @@ def test_scaling_headline_says_which_size_failed():
     args = parse(["--sections", "scaling"])
     out = {10: {"swarm": swarm_out({"cone": [40.0]})}, 40: {"failed": "NetlabError: x"}}
     (row,) = headlines("scaling", out, args)
-    assert row.current == "N=10: 8.0 conns, 490 MiB, 0.04 CPU; N=40: failed"
+    assert row.current == "N=10: peers 8.0 conns, 490 MiB, 0.04 CPU; N=40: failed"
 
 
 def test_load_sampler_samples_while_a_section_runs():

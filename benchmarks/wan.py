@@ -445,7 +445,7 @@ class SwarmRun:
         free = list(self.plan.spare)
         minutes = []
         for minute in range(self.args.churn_minutes):
-            t0 = time.monotonic()
+            t0, w0 = time.monotonic(), time.time()
             v0 = self.trainer.status.get("policy_version", 0)
             peers = self.peers()
             k = max(1, len(peers) // 5)
@@ -459,10 +459,15 @@ class SwarmRun:
                 time.sleep(2.0)
                 sw.poll()
                 self.track()
+            # stopping and starting can take longer than the minute on a loaded machine:
+            # the figures below must not come from statuses read before it
+            sw.poll()
+            self.track()
             downloads = [d["seconds"] for n in self.peers() for d in n.status.get("downloads", [])
-                         if d.get("t", 0) >= time.time() - 60 and d.get("seconds") is not None]
+                         if d.get("t", 0) >= w0 and d.get("seconds") is not None]
             self.joined += [n.name for n in joined]
-            minutes.append({"minute": minute + 1, "left": k, "joined": len(joined),
+            minutes.append({"minute": minute + 1, "seconds": round(time.monotonic() - t0, 1),
+                            "left": k, "joined": len(joined),
                             "trainer_versions": self.trainer.status.get("policy_version", 0) - v0,
                             "joined_contributing": sum(n.name in self.first_accepted
                                                        for n in joined),
@@ -573,9 +578,10 @@ def swarm_body(args, out: dict) -> str:
                      out["steady"]["connected_pairs"].items()))]
     if "churn" in out:
         lines += ["", "Churn (every minute a fifth leave, half SIGKILL, and as many join):", "",
-                  table(["minute", "left", "joined", "joined contributing", "trainer +versions",
-                         "downloads", "download p95 s"],
-                        [[m["minute"], m["left"], m["joined"], m["joined_contributing"],
+                  table(["minute", "s", "left", "joined", "joined contributing",
+                         "trainer +versions", "downloads", "download p95 s"],
+                        [[m["minute"], m.get("seconds", "-"), m["left"], m["joined"],
+                          m["joined_contributing"],
                           m["trainer_versions"], m["downloads"], m["download_p95_s"]]
                          for m in out["churn"]]), "",
                   ("Newcomers' first accepted rollout, s from launch (None: not by the end, or "

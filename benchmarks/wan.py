@@ -50,6 +50,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Self
 
 if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -76,6 +77,34 @@ SECTIONS = ("stage", "pair", "swarm", "gossip", "broadcast", "scaling")
 
 def load_avg() -> str:
     return "/".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+class LoadSampler:
+    """The 1-min load average every `every` s while a section runs (the machine is shared:
+    a figure is only as good as the load it was measured under)."""
+
+    def __init__(self, every: float = 10.0):
+        self.every, self.samples = every, [os.getloadavg()[0]]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self.samples.append(os.getloadavg()[0])
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.samples.append(os.getloadavg()[0])
+
+    def summary(self) -> str:
+        xs = self.samples
+        return (f"min {min(xs):.1f} / mean {statistics.fmean(xs):.1f} / max {max(xs):.1f} "
+                f"({len(xs)} samples)")
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -151,7 +180,7 @@ class LabProc:
 def section_stage(args, work: Path) -> tuple[str, dict]:
     topo = Topology(hosts=[Host("a", Link(latency_ms=5)), Host("b", Link(latency_ms=5))])
     rows, out = [], {"udp": [], "tcp": {}}
-    with Lab(topo, prefix="wanb") as lab:
+    with Lab(topo, prefix=args.lab_prefix) as lab:
         for rate in args.stage_rates:
             s0 = lab.stage_stats()
             n = int(rate * 2)
@@ -191,7 +220,7 @@ def section_stage(args, work: Path) -> tuple[str, dict]:
     for loss in args.stage_losses:  # one TCP flow over 80 ms RTT, loss on one leg
         topo = Topology(hosts=[Host("a", Link(latency_ms=20, loss=loss)),
                                Host("b", Link(latency_ms=20))])
-        with Lab(topo, prefix="wanb") as lab:
+        with Lab(topo, prefix=args.lab_prefix) as lab:
             sink = LabProc(lab, "b", [*PROBE, "sink", "0"], work / "stage" / f"loss{loss}")
             port = sink.event("any", 30)["listening"]
             lab.run("a", [*PROBE, "send", lab.addr("b"), str(port), str(20 * MiB)],
@@ -216,13 +245,22 @@ def section_stage(args, work: Path) -> tuple[str, dict]:
 # pair -------------------------------------------------------------------------------------
 
 def section_pair(args, work: Path, model_dir: Path) -> tuple[str, dict]:
-    rows, out = [], {}
+    out = {}
     for nat_a, nat_b in args.pair_nats:
-        with Lab(pair_topology(nat_a, nat_b), prefix="wanb") as lab:
+        with Lab(pair_topology(nat_a, nat_b), prefix=args.lab_prefix) as lab:
             obs = run_pair(lab, work / f"pair-{nat_a}-{nat_b}", model_dir,
                            versions=args.pair_versions, timeout=args.pair_timeout)
         out[f"{nat_a}/{nat_b}"] = obs
+    return pair_body(args, out), out
+
+
+def pair_body(args, out: dict) -> str:
+    rows = []
+    for key, obs in out.items():
+        nat_a, nat_b = key.split("/")
         direct = obs["links"].get("peer1-peer2", "none")
+        if obs.get("links_s", {}).get("peer1-peer2") is not None:
+            direct += f" ({obs['links_s']['peer1-peer2']})"
         sig = {k: sum(s.get(k, 0) for s in obs["log_signals"].values())
                for k in ("payload_plane_unusable", "request_timed_out", "unretrieved_task_error")}
         rows.append([f"{nat_a} / {nat_b}", obs["started_s"], obs["goal_s"] or "missed",
@@ -233,7 +271,7 @@ def section_pair(args, work: Path, model_dir: Path) -> tuple[str, dict]:
                      " / ".join(str(obs[p]["policy_version"]) for p in ("peer1", "peer2")),
                      obs["trainer_version"], direct,
                      ", ".join(f"{k} {v}" for k, v in sig.items())])
-    body = (f"Load before: {args.load_before}. Trainer (5 ms leg), relay (10 ms), peer1 in "
+    return (f"Load before: {args.load_before}. Trainer (5 ms leg), relay (10 ms), peer1 in "
             "home1 (15 ms, 20/100 Mbit/s), peer2 in home2 (25 ms, 10/50 Mbit/s); 0.5% loss "
             f"per leg. Goal: trainer at v{args.pair_versions}, both peers accepted and on "
             f"v{args.pair_versions}, and peer1-peer2 connected as the NATs allow (direct between "
@@ -241,8 +279,7 @@ def section_pair(args, work: Path, model_dir: Path) -> tuple[str, dict]:
             "the trainer's start, 'first accepted' from the peer's own start (goal <= 60).\n\n"
             + table(["NAT peer1 / peer2", "all started", "goal reached", "first accepted",
                      "accepted of sent", "peer versions", "trainer version",
-                     "peer1-peer2 link", "log lines (all nodes)"], rows))
-    return body, out
+                     "peer1-peer2 link (first seen so, s)", "log lines (all nodes)"], rows))
 
 
 # swarm (real nodes) -------------------------------------------------------------------------
@@ -276,7 +313,11 @@ class SwarmRun:
         self.swarm = LabSwarm(lab, work, model_dir)
         self.started: dict[str, float] = {}  # node name -> monotonic start
         self.first_accepted: dict[str, float] = {}  # node name -> s after its start
+        # node name -> s after its start when /status first said "running" (model loaded,
+        # role started: on a loaded machine most of the wait to contribute is start-up)
+        self.running_after: dict[str, float] = {}
         self.generation = 0
+        self.joined: list[str] = []  # peers started by churn
         self.out: dict = {"nodes": len(plan.peers) + 1 + len(plan.relays)}
 
     def start_peer(self, host: str) -> LabNode:
@@ -293,6 +334,8 @@ class SwarmRun:
     def track(self) -> None:
         now = time.monotonic()
         for n in self.peers():
+            if n.name not in self.running_after and n.status.get("phase") == "running":
+                self.running_after[n.name] = round(now - self.started[n.name], 1)
             if n.name not in self.first_accepted and accepted_from(self.trainer, n):
                 self.first_accepted[n.name] = round(now - self.started[n.name], 1)
 
@@ -336,10 +379,15 @@ class SwarmRun:
         except Exception as e:  # noqa: BLE001 - a missed goal is a figure
             self.out["contribute_missed"] = str(e).splitlines()[0]
         by_nat: dict[str, list] = {}
+        after_running: dict[str, list] = {}
         for n in peers:
-            by_nat.setdefault(self.plan.nat_of(n.host), []).append(
-                self.first_accepted.get(n.name))
+            first = self.first_accepted.get(n.name)
+            by_nat.setdefault(self.plan.nat_of(n.host), []).append(first)
+            ran = self.running_after.get(n.name)
+            after_running.setdefault(self.plan.nat_of(n.host), []).append(
+                None if first is None or ran is None else round(max(0.0, first - ran), 1))
         self.out["first_accepted_s"] = by_nat
+        self.out["accepted_after_running_s"] = after_running
 
     def steady(self) -> None:
         sw = self.swarm
@@ -360,6 +408,11 @@ class SwarmRun:
         self.out["steady"] = {"seconds": round(dt, 1), "usage": usage,
                               "versions": self.trainer.status.get("policy_version", 0) - v0,
                               "connected_pairs": self.connected_pairs(),
+                              # per NAT'd peer: DCUtR's direct / failed / gave_up (for --json)
+                              "hole_punch": {n.name: ((n.status.get("p2p") or {}).get("relay")
+                                                      or {}).get("hole_punch")
+                                             for n in self.peers()
+                                             if self.plan.nat_of(n.host) != "public"},
                               "reachable": self.reachable()}
 
     def connected_pairs(self) -> dict:
@@ -392,7 +445,7 @@ class SwarmRun:
         free = list(self.plan.spare)
         minutes = []
         for minute in range(self.args.churn_minutes):
-            t0 = time.monotonic()
+            t0, w0 = time.monotonic(), time.time()
             v0 = self.trainer.status.get("policy_version", 0)
             peers = self.peers()
             k = max(1, len(peers) // 5)
@@ -406,9 +459,15 @@ class SwarmRun:
                 time.sleep(2.0)
                 sw.poll()
                 self.track()
+            # stopping and starting can take longer than the minute on a loaded machine:
+            # the figures below must not come from statuses read before it
+            sw.poll()
+            self.track()
             downloads = [d["seconds"] for n in self.peers() for d in n.status.get("downloads", [])
-                         if d.get("t", 0) >= time.time() - 60]
-            minutes.append({"minute": minute + 1, "left": k, "joined": len(joined),
+                         if d.get("t", 0) >= w0 and d.get("seconds") is not None]
+            self.joined += [n.name for n in joined]
+            minutes.append({"minute": minute + 1, "seconds": round(time.monotonic() - t0, 1),
+                            "left": k, "joined": len(joined),
                             "trainer_versions": self.trainer.status.get("policy_version", 0) - v0,
                             "joined_contributing": sum(n.name in self.first_accepted
                                                        for n in joined),
@@ -450,21 +509,30 @@ class SwarmRun:
 
     def finish(self) -> None:
         self.swarm.poll()
+        self.track()
+        # churn's newcomers: s from launch to first accepted (None: not yet, or it left)
+        self.out["joined_first_accepted_s"] = [self.first_accepted.get(n) for n in self.joined]
         hist = self.trainer.status.get("reward_history", [])
         rewards = [r for _, r in hist]
+        versions = [v for v, _ in hist]
+        # a round lost: a version the trainer skipped (no step recorded for it)
+        lost = (versions[-1] - versions[0] + 1 - len(set(versions))) if versions else 0
         self.out["trainer"] = {
             "version": self.trainer.status.get("policy_version", 0),
             "reward_first3": statistics.fmean(rewards[:3]) if rewards else None,
             "reward_last3": statistics.fmean(rewards[-3:]) if rewards else None,
-            "versions_recorded": len(hist),
-            "rollouts_accepted": self.trainer.status.get("rollouts_accepted", 0)}
+            "versions_recorded": len(hist), "rounds_lost": lost,
+            "rollouts_accepted": self.trainer.status.get("rollouts_accepted", 0),
+            # the intake's queues and probation budget (verifier/intake.py), for the --json
+            "buffer": self.trainer.status.get("buffer"),
+            "counters": self.trainer.status.get("counters")}
         self.out["stage"] = self.lab.stage_stats()
 
 
 def swarm_figures(args, n: int, work: Path, model_dir: Path, steady_only: bool) -> dict:
     plan = wan_plan(n, seed=args.seed, spare=0 if steady_only else max(1, (n - 3) // 5),
                     trainer_mbit=args.trainer_mbit)
-    with Lab(plan.topology, prefix="wanb", seed=args.seed) as lab:
+    with Lab(plan.topology, prefix=args.lab_prefix, seed=args.seed) as lab:
         return SwarmRun(args, lab, plan, work / f"swarm{n}", model_dir).run(steady_only)
 
 
@@ -479,14 +547,25 @@ def usage_rows(out: dict) -> list[list]:
 
 def section_swarm(args, work: Path, model_dir: Path) -> tuple[str, dict]:
     out = swarm_figures(args, args.nodes, work, model_dir, steady_only=False)
-    contrib = [[k, len(v), sum(x is not None for x in v),
-                pct([x for x in v if x is not None], 50),
-                max((x for x in v if x is not None), default=float("nan"))]
-               for k, v in sorted(out["first_accepted_s"].items())]
+    return swarm_body(args, out), out
+
+
+def swarm_body(args, out: dict) -> str:
+    after = out.get("accepted_after_running_s", {})
+    contrib = []
+    for k, v in sorted(out["first_accepted_s"].items()):
+        ok = [x for x in v if x is not None]
+        ran = [x for x in after.get(k, []) if x is not None]
+        contrib.append([k, len(v), len(ok), sum(x <= 60 for x in ok), pct(ok, 50),
+                        max(ok, default=float("nan")), pct(ran, 50),
+                        max(ran, default=float("nan"))])
     lines = [(f"Load before: {args.load_before}. {out['nodes']} nodes (wan_plan seed "
              f"{args.seed}), all started after {out.get('all_started_s')} s."),
-             "", "Time from a peer's start to its first accepted rollout (goal <= 60 s):", "",
-             table(["peers", "n", "contributed", "p50 s", "max s"], contrib), "",
+             "", ("Time from a peer's start (process launched) to its first accepted rollout "
+                  "(goal <= 60 s), and from its /status first saying 'running' (model loaded, "
+                  "role started; polled every 2 s) to that rollout:"), "",
+             table(["peers", "n", "contributed", "within 60 s", "p50 s", "max s",
+                    "from running p50 s", "from running max s"], contrib), "",
              (f"Steady state ({out['steady']['seconds']} s, trainer +"
              f"{out['steady']['versions']} versions), mean per node:"), "",
              table(["kind", "n", "connections", "RSS MiB", "CPU s/s"], usage_rows(out)), "",
@@ -499,11 +578,14 @@ def section_swarm(args, work: Path, model_dir: Path) -> tuple[str, dict]:
                      out["steady"]["connected_pairs"].items()))]
     if "churn" in out:
         lines += ["", "Churn (every minute a fifth leave, half SIGKILL, and as many join):", "",
-                  table(["minute", "left", "joined", "joined contributing", "trainer +versions",
-                         "downloads", "download p95 s"],
-                        [[m["minute"], m["left"], m["joined"], m["joined_contributing"],
+                  table(["minute", "s", "left", "joined", "joined contributing",
+                         "trainer +versions", "downloads", "download p95 s"],
+                        [[m["minute"], m.get("seconds", "-"), m["left"], m["joined"],
+                          m["joined_contributing"],
                           m["trainer_versions"], m["downloads"], m["download_p95_s"]]
-                         for m in out["churn"]])]
+                         for m in out["churn"]]), "",
+                  ("Newcomers' first accepted rollout, s from launch (None: not by the end, or "
+                  f"left first): {out.get('joined_first_accepted_s', 'not recorded')}")]
     if "partition" in out:
         p = out["partition"]
         lines += ["", (f"Partition for {p['seconds']} s (trainer + relay1 + half the peers | "
@@ -511,10 +593,13 @@ def section_swarm(args, work: Path, model_dir: Path) -> tuple[str, dict]:
                   f"rollouts sent during it: {p['rollouts_sent_during']}; after the heal every "
                   f"peer on the trainer's lineage in {p['converged_after_heal_s']} s.")]
     t = out["trainer"]
-    lines += ["", (f"Trainer: v{t['version']}, reward first 3 versions {t['reward_first3']}, "
-              f"last 3 {t['reward_last3']}; rollouts accepted {t['rollouts_accepted']}. Log "
+    r3 = [f"{x:.3f}" if isinstance(x, float) else x for x in (t["reward_first3"],
+                                                              t["reward_last3"])]
+    lines += ["", (f"Trainer: v{t['version']}, reward first 3 versions {r3[0]}, "
+              f"last 3 {r3[1]}; versions skipped (rounds lost) {t['rounds_lost']}; "
+              f"rollouts accepted {t['rollouts_accepted']}. Log "
               f"lines: {out['log_signals']}. Delay stage: {out['stage']}.")]
-    return "\n".join(lines), out
+    return "\n".join(lines)
 
 
 # gossip (P2PNode workers) -------------------------------------------------------------------
@@ -1108,21 +1193,42 @@ def broadcast_body(args, out: dict, pending: str = "not run (no .venv-shardcast)
 # scaling --------------------------------------------------------------------------------------
 
 def section_scaling(args, work: Path, model_dir: Path) -> tuple[str, dict]:
-    out, rows, grows = {}, [], []
+    out = {}
     for n in args.scaling:
-        sw = swarm_figures(args, n, work / f"scale{n}", model_dir, steady_only=True)
-        g = gossip_figures(args, n, work / f"scale{n}")
+        try:
+            sw = swarm_figures(args, n, work / f"scale{n}", model_dir, steady_only=True)
+            g = gossip_figures(args, n, work / f"scale{n}")
+        except Exception as e:  # noqa: BLE001 - a size this machine cannot hold is a figure
+            out[n] = {"failed": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+            continue
         g["rounds"] = args.rounds
         out[n] = {"swarm": sw, "gossip": g}
+    return scaling_body(args, out), out
+
+
+def scaling_body(args, out: dict) -> str:
+    rows, grows, starts = [], [], []
+    for n, o in out.items():
+        if "failed" in o:
+            starts.append([n, "failed", o["failed"], "-", "-", "-", "-"])
+            continue
+        sw, g = o["swarm"], o["gossip"]
         for row in usage_rows(sw):
             rows.append([n, *row])
         grows.append(gossip_row(g))
-    body = (f"Load before: {args.load_before}. The swarm section's steady state and the gossip "
-            f"section at {', '.join(map(str, args.scaling))} nodes. Per-node figures should stay "
+        firsts = [t for v in sw["first_accepted_s"].values() for t in v]
+        ok = [t for t in firsts if t is not None]
+        starts.append([n, sw.get("all_started_s"), f"{len(ok)}/{len(firsts)}",
+                       sum(t <= 60 for t in ok), pct(ok, 50), max(ok, default=float("nan")),
+                       sw["steady"]["versions"]])
+    return (f"Load before: {args.load_before}. The swarm section's steady state and the gossip "
+            f"section at {', '.join(map(str, out))} nodes. Per-node figures should stay "
             "flat as N grows.\n\n"
+            + table(["N", "all started s", "peers contributed", "within 60 s of launch",
+                     "first accepted p50 s", "max s", "trainer +versions in steady state"],
+                    starts) + "\n\n"
             + table(["N", "kind", "n", "connections", "RSS MiB", "CPU s/s"], rows) + "\n\n"
             + table(GOSSIP_HEAD, grows))
-    return body, out
 
 
 # headline rows ----------------------------------------------------------------------------------
@@ -1143,14 +1249,16 @@ def headlines(name: str, out: dict, args) -> list[Headline]:
     if name == "swarm":
         natted = [t for k, v in out["first_accepted_s"].items() if k != "public" for t in v]
         ok = [t for t in natted if t is not None and t <= 60]
+        late = sum(t is not None for t in natted) - len(ok)
         pairs = out["steady"]["connected_pairs"]
         d, r, _ = pairs.get("cone/cone", [0, 0, 0])
         reach = out["steady"]["reachable"]
         return [Headline(f"wan: NAT'd peers' first accepted rollout ({out['nodes']} nodes)",
                          "every one within 60 s of its start",
-                         f"{len(ok)}/{len(natted)} within 60 s (max "
+                         f"{len(ok)}/{len(natted)} within 60 s, {late} later (max "
                          f"{max((t for t in natted if t is not None), default=float('nan')):.0f}"
-                         " s)"),
+                         f" s), {len(natted) - len(ok) - late} not within the "
+                         f"{args.contribute_timeout:.0f} s watch"),
                 Headline(f"wan: reachable by any peer, per NAT type ({out['nodes']} nodes)",
                          "100% for every type", ", ".join(
                              f"{k} {100 * c / t:.0f}% ({c}/{t})"
@@ -1181,10 +1289,17 @@ def headlines(name: str, out: dict, args) -> list[Headline]:
     if name == "scaling":
         per_n = []
         for n, o in out.items():
-            items = [i for v in o["swarm"]["steady"]["usage"].values() for i in v]
-            per_n.append(f"N={n}: {statistics.fmean(i['connections'] for i in items):.1f} "
+            if "failed" in o:
+                per_n.append(f"N={n}: failed")
+                continue
+            usage = o["swarm"]["steady"]["usage"]
+            # inference peers (every NAT kind) apart from the hubs every peer connects to
+            items = [i for k, v in usage.items() if k not in ("trainer", "relay") for i in v]
+            hubs = [i["connections"] for k in ("trainer", "relay") for i in usage.get(k, [])]
+            per_n.append(f"N={n}: peers {statistics.fmean(i['connections'] for i in items):.1f} "
                          f"conns, {statistics.fmean(i['rss_mib'] for i in items):.0f} MiB, "
-                         f"{statistics.fmean(i['cpu_per_s'] for i in items):.2f} CPU")
+                         f"{statistics.fmean(i['cpu_per_s'] for i in items):.2f} CPU"
+                         + (f"; trainer/relays {min(hubs)}-{max(hubs)} conns" if hubs else ""))
         return [Headline("wan: per-node connections, RSS, CPU as N grows", "flat",
                          "; ".join(per_n))]
     return []
@@ -1236,7 +1351,7 @@ def parse(argv=None):
                     help="seconds each half (ours, shardcast) may take from its publish "
                          "command; then it is recorded as not finished")
     ap.add_argument("--lab-prefix", default="wanb",
-                    help="netns name prefix of the broadcast and gossip sections' labs (<= 8 chars)")
+                    help="netns name prefix of every section's labs (<= 8 chars)")
     # the gossip worker (run by the benchmark inside lab hosts)
     ap.add_argument("--worker", choices=["gossip"])
     ap.add_argument("--listen")
@@ -1275,8 +1390,10 @@ def main(argv=None) -> int:
     figures = {}
     for name in args.sections:
         t0 = time.monotonic()
-        body, figures[name] = runs[name]()
-        body += f"\n\nSection wall time {time.monotonic() - t0:.0f} s; load after {load_avg()}."
+        with LoadSampler() as loads:
+            body, figures[name] = runs[name]()
+        body += (f"\n\nSection wall time {time.monotonic() - t0:.0f} s; load after {load_avg()}; "
+                 f"1-min load during the section {loads.summary()}.")
         print(f"\n## wan: {name}\n\n{body}\n", flush=True)
         if not args.no_record:
             record(f"wan: {name}", body, headline=headlines(name, figures[name], args))

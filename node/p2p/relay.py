@@ -89,7 +89,7 @@ class RelayService:
         self._refused_until: dict[str, float] = {}
         self._looked = -RELAY_LOOKUP_S  # monotonic time of the last DHT lookup of relays
         self._wake = asyncio.Event()
-        self.hole_punch = {"direct": 0, "failed": 0, "gave_up": 0}
+        self.hole_punch = {"direct": 0, "failed": 0, "gave_up": 0, "in_progress": 0}
         self.punched: set[str] = set()  # peers DCUtR upgraded to a direct connection
 
     # trio side: services -------------------------------------------------------------------
@@ -189,15 +189,18 @@ class RelayService:
 
     def _t_hole_punch_stats(self) -> dict[str, int]:
         """Peers upgraded to direct; peers with a failed attempt (`failed`, still trying
-        up to MAX_HOLE_PUNCH_ATTEMPTS) and those whose attempts ran out (`gave_up`)."""
+        up to MAX_HOLE_PUNCH_ATTEMPTS), those whose attempts ran out (`gave_up`), and those
+        with an attempt under way (`in_progress`: py-libp2p drives them one at a time, so
+        one that never ends holds up the others)."""
         d = self.dcutr
         if d is None:
-            return {"direct": 0, "failed": 0, "gave_up": 0}
+            return {"direct": 0, "failed": 0, "gave_up": 0, "in_progress": 0}
         attempts, in_progress, direct = hole_punch_state(d)
         self.punched = {p.to_base58() for p in direct}
         done = [(p, n) for p, n in attempts.items() if p not in in_progress and p not in direct]
         return {"direct": len(direct), "failed": len(done),
-                "gave_up": sum(1 for _p, n in done if n >= MAX_HOLE_PUNCH_ATTEMPTS)}
+                "gave_up": sum(1 for _p, n in done if n >= MAX_HOLE_PUNCH_ATTEMPTS),
+                "in_progress": len(in_progress)}
 
     # asyncio side: the client ---------------------------------------------------------------
 

@@ -107,6 +107,7 @@ class BodyPusher:
         self._arrived: dict[bytes, asyncio.Event] = {}  # a push of that hash started/ended
         self._incoming: dict[bytes, asyncio.Future] = {}  # a push being read
         self._opening: set[str] = set()
+        self._closed = False  # close(): no link is opened or accepted after it
         self._forward: OrderedDict[bytes, tuple[str, ...]] = OrderedDict()  # claimed: to whom
 
     # Links ---------------------------------------------------------------------------
@@ -129,7 +130,8 @@ class BodyPusher:
         """On a new libp2p connection: our SEND link to `peer`, and a RECEIVE link too
         while we are not publicly reachable (it cannot dial ours). Failures leave the
         pulls to do the work (the plane's client marks the peer down)."""
-        if peer in self._opening or not self.client.usable(peer, KIND) or not self.member(peer):
+        if (self._closed or peer in self._opening or not self.client.usable(peer, KIND)
+                or not self.member(peer)):
             return
         self._opening.add(peer)
         try:
@@ -149,6 +151,9 @@ class BodyPusher:
             self.metrics.inc("payload_push_link_failed")
             log.debug("no push link to %s: %s", peer[-8:], e)
             return
+        if self._closed:  # closed while this dial was under way
+            conn.abort()
+            return
         link = _Link(peer, conn, sends=way == SEND, dialled=True)
         self.metrics.inc("payload_push_links")
         if link.sends:
@@ -165,10 +170,14 @@ class BodyPusher:
 
     async def serve(self, peer: str, conn: BulkConn) -> None:
         """Bulk-plane handler of kind "push": the dialler's first byte says which way."""
+        if self._closed:
+            return  # the handler's return closes the connection
         try:
             way = await asyncio.wait_for(conn.readexactly(1),
                                          self.client.cfg.handshake_timeout_s)
         except (TimeoutError, asyncio.IncompleteReadError, BulkError):
+            return
+        if self._closed:
             return
         if way == SEND:
             await self._read_link(_Link(peer, conn, sends=False))
@@ -416,6 +425,9 @@ class BodyPusher:
         return self.claim(digest, size)
 
     def close(self) -> None:
+        """Every link ends, and none opens after (a dial under way, a peer's new link or a
+        reconnection's: one that came after close() left a link the peer kept pushing on)."""
+        self._closed = True
         for link in list(self.out.values()) + [x for v in self.inn.values() for x in v]:
             self._drop(link)
 

@@ -376,7 +376,10 @@ class GossipService:
 
     def _public(self) -> bool:
         """Known to be publicly reachable (peers dial our plane: no RECEIVE links needed)."""
-        return self.ctx.reach.current.verdict == Verdict.PUBLIC
+        # without a plane of our own nobody can dial one: public over libp2p is not enough
+        # (a node with bulk.listen off found public before its first push link went without
+        # the link the other way, and never got pushes: a flaky test's cause)
+        return self.ctx.reach.current.verdict == Verdict.PUBLIC and self.bulk.listening
 
     def peers_connected(self, peers: set[str], warm: bool = True) -> None:
         """New libp2p connections: open one bulk-plane connection to each now

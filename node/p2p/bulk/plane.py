@@ -130,6 +130,12 @@ class BulkPlane:
 
     # Where others dial us --------------------------------------------------------------
 
+    @property
+    def listening(self) -> bool:
+        """Whether this node serves a bulk plane at all (off: bulk.listen "off", or it
+        could not listen)."""
+        return self.server is not None
+
     def _advertised(self) -> Endpoint | None:
         """(host or "" for "the IP you reach me at", port), or None: no plane to offer."""
         if self.server is None or self.bound is None or not self.reachable():

@@ -66,6 +66,14 @@ async def test_without_a_push_link_the_body_is_pulled(make_node):
     b.gossip.pusher.close()  # b's links go, both ways: it pushes to nobody now
     await wait_until(lambda: not a.gossip.pusher.pushes_to_us(b.peer_id), 30,
                      what="a to see the links closed")
+    # and none opens again after close(): not b's own (a reconnection's), nor a's RECEIVE
+    # link into b (a fresh-clone run failed here: a link came back after close)
+    await b.gossip.pusher.connect(a.peer_id)
+    assert not b.gossip.pusher.out and not b.gossip.pusher.inn.get(a.peer_id)
+    a.gossip.pusher.reachable = lambda: False  # a asks b for a RECEIVE link: refused now
+    await a.gossip.pusher.connect(b.peer_id)
+    await wait_until(lambda: not a.gossip.pusher.pushes_to_us(b.peer_id), 30,
+                     what="a's new link into b to end")
     await b.publish(TOPIC, batch(b.peer_id, 8192, 1))
     await wait_until(lambda: len(got) == 1, 30, what="the batch")
     assert b.metrics["payload_pushed"] == 0

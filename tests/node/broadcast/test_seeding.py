@@ -147,6 +147,39 @@ async def test_a_seeded_answer_sends_the_follower_to_a_peer(tmp_path, trainer, c
     assert sum(o == "seeded" for _sh, o in outcomes) == origin.metrics["error_seeded"]
 
 
+async def _seeded_then_slow_holder(tmp_path, trainer, cfg, rate: int):
+    """A trainer that answered `seeded` for every shard to a second follower, whose only
+    other source is a first follower serving at `rate` bytes/s, on trial (its advert came
+    after the answers): (checkpoint, its
+    manifest, trainer's server, the second's book, downloader, its task)."""
+    ckpt = make_checkpoint(tmp_path / "ckpt", {"model.safetensors": 3 * cfg.shard_size})
+    acc = publish(trainer, ckpt, 1, cfg.shard_size)
+    tstore, _ = _store(tmp_path, "trainer", acc, ckpt)
+    origin = ShardServer(tstore, cfg)
+    origin.seeding = Seeding(trainer.peer_id, copies=1, hold_s=0.1)
+    t = MemoryTransport()
+    t.register(trainer.peer_id, origin.serve_connection)
+
+    pstore, pentry = _store(tmp_path, "first", acc)
+    book = SourceBook(per_source=cfg.per_source_downloads, max_corrupt=1)
+    book.add(trainer.peer_id, None, origin=True)
+    await Downloader(pstore, pentry, t, book, cfg).run()
+    slow = ShardServer(pstore, cfg)
+    slow.limiter = RateLimiter(rate)
+    t.register("first", slow.serve_connection)
+
+    store, entry = _store(tmp_path, "second", acc)
+    book = SourceBook(per_source=cfg.per_source_downloads, max_corrupt=1, trial_slots=1)
+    book.add(trainer.peer_id, None, origin=True)
+    d = Downloader(store, entry, t, book, cfg)
+    task = asyncio.create_task(d.run())
+    await async_wait_until(lambda: origin.metrics["error_seeded"] >= acc.manifest.num_shards,
+                           30, "a `seeded` answer for every shard")
+    book.add("first", None)  # its advert arrives: an advertiser on trial
+    d.sources_changed()
+    return ckpt, acc.manifest, origin, book, d, task
+
+
 async def test_a_follower_waits_for_holders_on_trial_instead_of_asking_again(
         tmp_path, trainer, cfg):
     """Through the shard protocol: the trainer answered `seeded` for every shard; the one
@@ -155,32 +188,10 @@ async def test_a_follower_waits_for_holders_on_trial_instead_of_asking_again(
     asking the trainer again, whose own rule would then hand it copies (an asker waiting
     ASKER_WAIT_HOLDS holds, here 0.3 s; at 30 nodes in the simulated WAN 64 of the
     trainer's 82 extra copies). The trainer sent the checkpoint once in all."""
-    ckpt = make_checkpoint(tmp_path / "ckpt", {"model.safetensors": 3 * cfg.shard_size})
-    acc = publish(trainer, ckpt, 1, cfg.shard_size)
-    tstore, _ = _store(tmp_path, "trainer", acc, ckpt)
-    origin = ShardServer(tstore, cfg)
-    origin.seeding = Seeding(trainer.peer_id, copies=1, hold_s=0.1)
-    t = MemoryTransport()
-    t.register(trainer.peer_id, origin.serve_connection)
-    total, n = acc.manifest.total_size, acc.manifest.num_shards
-
-    pstore, pentry = _store(tmp_path, "first", acc)
-    book = SourceBook(per_source=cfg.per_source_downloads, max_corrupt=1)
-    book.add(trainer.peer_id, None, origin=True)
-    await Downloader(pstore, pentry, t, book, cfg).run()
-    slow = ShardServer(pstore, cfg)
-    slow.limiter = RateLimiter(32 * 1024)  # a shard: ~2 s, twice the follower's hold-back
-    t.register("first", slow.serve_connection)
-
-    store, entry = _store(tmp_path, "second", acc)
-    book = SourceBook(per_source=cfg.per_source_downloads, max_corrupt=1, trial_slots=1)
-    book.add(trainer.peer_id, None, origin=True)
-    d = Downloader(store, entry, t, book, cfg)
-    task = asyncio.create_task(d.run())
-    await async_wait_until(lambda: origin.metrics["error_seeded"] >= n, 30,
-                           "a `seeded` answer for every shard")
-    book.add("first", None)  # its advert arrives: an advertiser on trial
-    d.sources_changed()
+    # a shard at 32 KiB/s: ~2 s, twice the follower's hold-back
+    ckpt, manifest, origin, book, d, task = await _seeded_then_slow_holder(
+        tmp_path, trainer, cfg, 32 * 1024)
+    total, n = manifest.total_size, manifest.num_shards
     assert read_dir(await asyncio.wait_for(task, 60)) == read_dir(ckpt)
     assert origin.metrics["bytes_sent"] == total, (
         f"the trainer sent {origin.metrics['bytes_sent'] / total:.1f}x the checkpoint "
@@ -195,31 +206,9 @@ async def test_a_holder_too_slow_for_the_patience_leaves_the_shard_to_the_traine
     follower back at most SWARM_PATIENCE_S (here 0.5 s) from the trainer's first `seeded`
     answer; then the trainer is asked again and, its asker rule met, serves."""
     monkeypatch.setattr(downloader, "SWARM_PATIENCE_S", 0.5)
-    ckpt = make_checkpoint(tmp_path / "ckpt", {"model.safetensors": 3 * cfg.shard_size})
-    acc = publish(trainer, ckpt, 1, cfg.shard_size)
-    tstore, _ = _store(tmp_path, "trainer", acc, ckpt)
-    origin = ShardServer(tstore, cfg)
-    origin.seeding = Seeding(trainer.peer_id, copies=1, hold_s=0.1)
-    t = MemoryTransport()
-    t.register(trainer.peer_id, origin.serve_connection)
-
-    pstore, pentry = _store(tmp_path, "first", acc)
-    book = SourceBook(per_source=cfg.per_source_downloads, max_corrupt=1)
-    book.add(trainer.peer_id, None, origin=True)
-    await Downloader(pstore, pentry, t, book, cfg).run()
-    slow = ShardServer(pstore, cfg)
-    slow.limiter = RateLimiter(40 * 1024)  # a shard: ~1.6 s, within the chunk timeout
-    t.register("first", slow.serve_connection)
-
-    store, entry = _store(tmp_path, "second", acc)
-    book = SourceBook(per_source=cfg.per_source_downloads, max_corrupt=1, trial_slots=1)
-    book.add(trainer.peer_id, None, origin=True)
-    d = Downloader(store, entry, t, book, cfg)
-    task = asyncio.create_task(d.run())
-    await async_wait_until(lambda: origin.metrics["error_seeded"] >= acc.manifest.num_shards,
-                           30, "a `seeded` answer for every shard")
-    book.add("first", None)
-    d.sources_changed()
+    # a shard at 40 KiB/s: ~1.6 s, within the chunk timeout
+    ckpt, _, origin, book, _, task = await _seeded_then_slow_holder(tmp_path, trainer, cfg,
+                                                                    40 * 1024)
     assert read_dir(await asyncio.wait_for(task, 60)) == read_dir(ckpt)
     assert book.sources[trainer.peer_id].shards_ok >= 1  # the trainer served after the wait
     assert sum(origin.seeding.released.values()) >= 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -83,12 +84,29 @@ def test_the_cheaters_numbers_add_up_in_the_summary():
     assert "other 2304 were dropped at the gossip layer" in text  # 2432 - 64 - 64
 
 
-@pytest.mark.slow  # three real node processes (~40 s on a busy machine)
+def test_demo_builds_the_tiny_model_in_its_workdir_once(tmp_path, tiny_model_dir,
+                                                        monkeypatch):
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # demo_model sets it if unset
+    built = demo.demo_model("tiny", tmp_path)
+    assert built == tmp_path / "model"
+    assert sorted(p.name for p in built.iterdir()) == sorted(
+        p.name for p in tiny_model_dir.iterdir())
+    weights = built / "model.safetensors"
+    assert weights.read_bytes() == (tiny_model_dir / "model.safetensors").read_bytes()
+    stamp = weights.stat().st_mtime_ns
+    assert demo.demo_model("tiny", tmp_path) == built  # a second demo reuses it
+    assert weights.stat().st_mtime_ns == stamp
+
+
+@pytest.mark.slow  # three real node processes (~50 s on a busy machine)
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_ctrl_c_stops_the_demo_with_a_summary(tmp_path, sig):
+def test_ctrl_c_stops_the_demo_with_a_summary(tmp_path, tiny_model_dir, sig):
     """Ctrl-C, and SIGTERM (`timeout`, a supervisor): the same clean stop, no node left
     running (they run in their own sessions). SIGINT is ignored on entry, as in a script's
-    background job: Ctrl-C still works."""
+    background job: Ctrl-C still works. The workdir holds the tiny model already (the demo
+    builds it there only when missing: the test above), so the demo process does not
+    import torch to build it (10-16 s of its start on a busy machine)."""
+    shutil.copytree(tiny_model_dir, tmp_path / "w" / "model")
     env = {**os.environ, "HOME": str(tmp_path), "PYTHONUNBUFFERED": "1"}
     demo = shlex.join([str(Path(sys.executable).parent / "swarm-node"), "demo",
                        "--inference-peers", "1", "--no-cheater", "--workdir",

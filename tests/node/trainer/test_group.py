@@ -27,13 +27,19 @@ from swarm_node.node.trainer.group import GroupError, read_group_key, write_grou
 ROOT = Path(__file__).resolve().parents[3]
 TIMEOUT_S = 15.0
 WAIT_S = 2 * TIMEOUT_S + 90  # one round, on a busy machine
+# X (the wrong key) waits out its round's timeout (no member answers it): with the group's
+# 15 s that was the end of step 3. With 4 s (1 s matchmaking) it still looks for a group
+# while A, B and C form theirs: a round key check that let it in fails the test (checked by
+# making the check pass everyone).
+X_TIMEOUT_S = 4.0
 
 
 class Member:
-    def __init__(self, name: str, tmp: Path, model_dir: Path, key: Path, first_task: int):
+    def __init__(self, name: str, tmp: Path, model_dir: Path, key: Path, first_task: int,
+                 timeout_s: float = TIMEOUT_S):
         self.name, self.data = name, tmp / name
         settings = {"data_dir": str(self.data), "model_dir": str(model_dir), "group": "g1",
-                    "key_path": str(key), "timeout_s": TIMEOUT_S, "first_task": first_task}
+                    "key_path": str(key), "timeout_s": timeout_s, "first_task": first_task}
         self.log = open(tmp / f"{name}.log", "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.node.trainer.group_member", json.dumps(settings)],
@@ -118,9 +124,11 @@ def test_group_averages_survives_a_death_and_catches_up_a_late_joiner(tiny_model
     write_group_key(wrong)
     members: list[Member] = []
     try:
-        for name, k, first_task in (("a", key, 0), ("b", key, 100), ("c", key, 200),
-                                    ("x", wrong, 300)):
-            members.append(Member(name, tmp_path, tiny_model_dir, k, first_task))
+        for name, k, first_task, timeout_s in (("a", key, 0, TIMEOUT_S),
+                                               ("b", key, 100, TIMEOUT_S),
+                                               ("c", key, 200, TIMEOUT_S),
+                                               ("x", wrong, 300, X_TIMEOUT_S)):
+            members.append(Member(name, tmp_path, tiny_model_dir, k, first_task, timeout_s))
         a, b, c, x = members
         peers = a.join([])["maddrs"]
         assert a.events.empty()

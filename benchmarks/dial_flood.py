@@ -4,7 +4,7 @@
         [--churn-s 1] [--baseline-s 10] [--flood-s 30] [--after-s 60] [--end close|kill]
 
 A real trainer process (`swarm-node join --role trainer`, tiny model, training on its own
-samples); a flood process (this script, `--flood-child`): `--identities` libp2p peers, each
+samples at a learning rate of ~0 so that its pace, versions/s, holds still across phases); a flood process (this script, `--flood-child`): `--identities` libp2p peers, each
 its own key and its own connection to the trainer (node/testing/flood.py's VerdictFlood),
 each publishing `--rate`
 verdicts (under the per-origin limit of 50/s) straight on its /meshsub stream, for
@@ -14,6 +14,8 @@ the trainer learns of the end only from the kernel). In this process a prober: e
 the trainer (TCP, multistream, Noise, yamux: `connect`) and says hello (the peer exchange:
 Hello out, the trainer's peer list back), each step timed, then closes; a probe is failed
 when either step fails or takes over `--probe-timeout-s`. Phases: baseline, flood, after.
+`--trainer-pythonpath DIR` runs the trainer from another copy of swarm_node (DIR/swarm_node,
+e.g. one with a patch taken out) to compare the same flood.
 Printed: per phase, probes, failures, connect and hello p50/max, the trainer's policy
 versions (it must keep training), its connected peers; the load average at start and end.
 """
@@ -116,8 +118,11 @@ async def run(args) -> dict:
            "model": {"name": str(model_dir)}, "admin": {"port": free_port()},
            "tasks": {"mix": {"toy/digit_successor": 1.0}, "tasks_per_round": 4},
            "sampler": {"completions_per_task": 4, "max_new_tokens": 8},
-           "trainer": {"local_items": 4, "external_items": 0}}
-    trainer = Proc(root / "trainer", cfg)
+           # learning rate ~0: the policy stays put, so versions/s is comparable across the
+           # phases (with learning the toy task is soon solved and the pace drifts down)
+           "trainer": {"local_items": 4, "external_items": 0, "learning_rate": 1e-12}}
+    trainer = Proc(root / "trainer", cfg, env={"PYTHONPATH": args.trainer_pythonpath}
+                   if args.trainer_pythonpath else None)
     child = None
     probes: list[dict] = []
     versions: list[tuple[str, float, int, int]] = []  # phase, t, version, peers
@@ -206,7 +211,8 @@ def summarize(args, r: dict, loads: tuple[float, float]) -> str:
                     f"{max(hello, default=float('nan')):.2f} | {dv} in {dt:.0f} s |")
     errors = sorted({p["error"][:80] for p in r["probes"] if "error" in p})
     churn = f", each replaced by a fresh identity every {args.churn_s:g} s" if args.churn_s else ""
-    return (f"{args.identities} connections x {args.rate:g} verdicts/s for {args.flood_s:g} s"
+    trainer = f"trainer from {args.trainer_pythonpath}; " if args.trainer_pythonpath else ""
+    return (f"{trainer}{args.identities} connections x {args.rate:g} verdicts/s for {args.flood_s:g} s"
             f"{churn}, flood end: {args.end}; probe every {args.probe_every:g} s (timeout "
             f"{args.probe_timeout_s:g} s); flood: {r['flood']}\n\n"
             "| phase | probes | failed | connect p50 / max s | hello p50 / max s | "
@@ -228,6 +234,8 @@ def main() -> None:
     ap.add_argument("--probe-every", type=float, default=2.0)
     ap.add_argument("--probe-timeout-s", type=float, default=10.0)
     ap.add_argument("--workdir", default="")
+    ap.add_argument("--trainer-pythonpath", default="",
+                    help="run the trainer from another copy of swarm_node (DIR/swarm_node)")
     ap.add_argument("--section", default="dial-flood")
     ap.add_argument("--no-record", action="store_true")
     ap.add_argument("--flood-child", action="store_true", help=argparse.SUPPRESS)

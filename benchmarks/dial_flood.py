@@ -4,10 +4,11 @@
         [--churn-s 1] [--baseline-s 10] [--flood-s 30] [--after-s 60] [--end close|kill]
 
 A real trainer process (`swarm-node join --role trainer`, tiny model, training on its own
-samples at a learning rate of ~0 so that its pace, versions/s, holds still across phases); a flood process (this script, `--flood-child`): `--identities` libp2p peers, each
-its own key and its own connection to the trainer (node/testing/flood.py's VerdictFlood),
-each publishing `--rate`
-verdicts (under the per-origin limit of 50/s) straight on its /meshsub stream, for
+samples at a learning rate of ~0 so that its pace, versions/s, holds still across phases);
+a flood process (this script, `--flood-child`, running node/testing/flood.py's
+VerdictFlood): `--identities` connections, each its own key, each publishing `--rate`
+verdicts/s signed by itself (under the per-origin limit of 50/s) straight on its /meshsub
+stream, each replaced by a fresh identity's after `--churn-s` (0: never), for
 `--flood-s`; it then closes its connections (`--end close`) or is killed (`--end kill`:
 the trainer learns of the end only from the kernel). In this process a prober: every
 `--probe-every` seconds a FRESH identity (a new P2PNode, started without bootstrap) dials
@@ -17,7 +18,7 @@ when either step fails or takes over `--probe-timeout-s`. Phases: baseline, floo
 `--trainer-pythonpath DIR` runs the trainer from another copy of swarm_node (DIR/swarm_node,
 e.g. one with a patch taken out) to compare the same flood.
 Printed: per phase, probes, failures, connect and hello p50/max, the trainer's policy
-versions (it must keep training), its connected peers; the load average at start and end.
+versions (it must keep training); the load average at start and end.
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ async def run(args) -> dict:
                    if args.trainer_pythonpath else None)
     child = None
     probes: list[dict] = []
-    versions: list[tuple[str, float, int, int]] = []  # phase, t, version, peers
+    versions: list[tuple[str, float, int]] = []  # phase, t, trainer policy version
     phase = ["baseline"]
     stop = asyncio.Event()
     try:
@@ -148,9 +149,7 @@ async def run(args) -> dict:
         async def watcher() -> None:
             while not stop.is_set():
                 st = await asyncio.to_thread(trainer.status)
-                versions.append((phase[0], time.monotonic(), st.get("policy_version", -1),
-                                 len(st.get("peers") or []) if isinstance(st.get("peers"), list)
-                                 else st.get("connected_peers", -1)))
+                versions.append((phase[0], time.monotonic(), st.get("policy_version", -1)))
                 await asyncio.sleep(1.0)
 
         tasks = [asyncio.create_task(prober()), asyncio.create_task(watcher())]
@@ -185,9 +184,7 @@ async def run(args) -> dict:
         await asyncio.sleep(args.after_s)
         stop.set()
         await asyncio.gather(*tasks)
-        health = trainer.status().get("extra", {})
-        return {"probes": probes, "versions": versions, "flood": {**ready, **end},
-                "t_after": t_after, "health": health}
+        return {"probes": probes, "versions": versions, "flood": {**ready, **end}}
     finally:
         stop.set()
         if child is not None and child.poll() is None:

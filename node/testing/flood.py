@@ -7,6 +7,10 @@ The batches travel as raw gossip messages whose origin is that key, carried over
 `connections` libp2p connections; a carrier the target cuts is replaced by a new one with
 a new key of its own. What the flood costs the attacker is measured per batch
 (`cpu_per_batch`: building, sealing and signing, in this thread).
+
+Also here, on the same carriers: `VerdictFlood` (many identities, each under its own
+per-origin limit, optionally churned: issue 30 item 2, fresh dials after a flood) and
+`GarbageFlood` (random bytes on every protocol: item 13).
 """
 
 from __future__ import annotations
@@ -65,19 +69,22 @@ class _Carriers:
     async def _carrier(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             node = P2PNode(Identity.generate(), self.cfg)
+            done = False  # the carrier ended by itself (not cut, not stopped)
             try:
                 await node.start(bootstrap=[self.bootstrap], discovery=False)
                 self.carriers += 1
-                await self._send(node, stop)
+                done = bool(await self._send(node, stop))
             except Exception as e:  # noqa: BLE001 - refused or cut: a new carrier
                 log.debug("%s carrier ended: %s", type(self).__name__, e)
             finally:
-                self.cut += not stop.is_set()
+                self.cut += not stop.is_set() and not done
                 await node.close()
             if not stop.is_set():
                 await asyncio.sleep(0.1 + random.random() * 0.1)
 
-    async def _send(self, node: P2PNode, stop: asyncio.Event) -> None:
+    async def _send(self, node: P2PNode, stop: asyncio.Event) -> bool | None:
+        """Send until `stop` or a cut; True when the carrier ended by itself (it is then
+        replaced, not counted as cut)."""
         raise NotImplementedError
 
 
@@ -125,6 +132,46 @@ class SybilFlood(_Carriers):
             if self.target not in node.connected_peers():
                 return
             await asyncio.sleep(self.interval_s)
+
+
+class VerdictFlood(_Carriers):
+    """`run(stop)` floods `target` with verdicts (issue 30 item 2): `connections` libp2p
+    connections, each from a fresh identity that signs its own verdicts (so each stays
+    under its own per-origin limit while their sum is far over the topic's) and writes
+    `rate` of them per second on its /meshsub stream. With `churn_s`, each connection is
+    closed after that long and replaced by a new identity's (hundreds of connections come
+    and go); a carrier the target cuts is replaced too. Counters: `sent` verdicts,
+    `carriers` connections opened, `cut` carriers the target dropped."""
+
+    def __init__(self, cfg, bootstrap: str, target: str, connections: int = 20,
+                 rate: float = 30.0, churn_s: float | None = None):
+        self.cfg, self.bootstrap, self.target = cfg, bootstrap, target
+        self.connections, self.rate, self.churn_s = connections, rate, churn_s
+        self.subject = Identity.generate().peer_id  # whom the verdicts are about
+        self.sent = self.carriers = self.cut = 0
+        self._seqno = time.time_ns()
+
+    async def _send(self, node: P2PNode, stop: asyncio.Event) -> bool:
+        stream = await node.open_stream(self.target, MESHSUB)
+        topic = node.topic("verdicts")
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        sent = 0
+        while not stop.is_set():
+            if self.churn_s is not None and loop.time() - start >= self.churn_s:
+                return True
+            self._seqno += 1
+            verdict = Verdict(rollout_id=random.randbytes(32), subject=self.subject,
+                              accept=True, reason="ok", policy_version=0)
+            await stream.write(gossip_frame(topic, node.identity.seal(verdict), node.identity,
+                                            self._seqno))
+            self.sent += 1
+            sent += 1
+            if self.target not in node.connected_peers():
+                return False
+            # the pace (verdict n leaves at n / rate s), not a wait for a condition
+            await asyncio.sleep(max(0.0, start + sent / self.rate - loop.time()))
+        return False
 
 
 GARBAGE_PROTOCOLS = (MESHSUB, "/ipfs/id/1.0.0", "/ipfs/ping/1.0.0", "/ipfs/kad/1.0.0")

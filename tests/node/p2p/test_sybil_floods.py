@@ -148,3 +148,37 @@ async def test_a_followed_trainer_stepping_fast_reaches_its_followers_whole(make
     assert relay.metrics.rejects.get((other.peer_id, "rate_limited"), 0) > 0
     assert relay.metrics.rejects.get((trainer.peer_id, "rate_limited"), 0) == 0
     assert relay.penalties.cuts == 0 and follower.penalties.cuts == 0
+
+
+@pytest.mark.slow  # ~80 identities started and closed: 10-35 s
+async def test_a_newcomer_connects_after_more_flooding_identities_than_a_subnet_holds(make_node):
+    """Issue 30 item 2 at the p2p layer: 8 connections flooding verdicts, each a fresh
+    identity under its own per-origin limit and replaced by a new one every 0.3 s, until
+    more identities came and went from 127.0.0.1 than one subnet may hold at once (64):
+    every slot they took (libp2p's inbound slots, the per-subnet count) is given back, so
+    a newcomer from the same subnet connects and gets its Hello answered, and the victim
+    refused nobody. The same with a real trainer process: tests/integration/
+    test_trainer_dial_flood.py; figures: benchmarks/dial_flood.py."""
+    import asyncio
+
+    from swarm_node.node.testing.flood import VerdictFlood
+
+    victim = await make_node(discovery=False)
+    await victim.subscribe("verdicts", ignore)
+    flood = VerdictFlood(victim.config, victim.listen_addrs[0], victim.peer_id,
+                         connections=8, rate=20.0, churn_s=0.3)
+    stop = asyncio.Event()
+    flooding = asyncio.ensure_future(flood.run(stop))
+    try:
+        await wait_until(lambda: flood.carriers >= 80, 120, what="80 flooding identities")
+    finally:
+        stop.set()
+        await flooding
+    await wait_until(lambda: not victim.connected_peers(), 30, what="the flood gone")
+    newcomer = await make_node(discovery=False)
+    await newcomer.connect(victim.listen_addrs[0])
+    await newcomer.discovery.exchange(victim.peer_id)
+    assert victim.peer_id in newcomer.discovery.known  # the Hello was answered
+    assert victim.metrics["connections_refused_subnet"] == 0
+    assert victim.metrics["connections_refused"] == 0
+    assert flood.sent > 0 and flood.cut == 0

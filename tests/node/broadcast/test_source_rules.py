@@ -54,6 +54,19 @@ async def _until_closed(stream) -> None:
             pass
 
 
+def _count_trials(monkeypatch):
+    """Record the most trial transfers a follower's source book had at once."""
+    started = SourceBook.started
+    trials = type("Trials", (), {"peak": 0})()
+
+    def counting(book, peer: str) -> None:
+        started(book, peer)
+        on_trial = sum(s.in_flight for s in book.sources.values() if not s.good)
+        trials.peak = max(trials.peak, on_trial)
+    monkeypatch.setattr(SourceBook, "started", counting)
+    return trials
+
+
 async def advertiser(bootstrap: list[str]):
     from swarm_node.node.p2p import P2PNode
 
@@ -79,7 +92,9 @@ async def _ignore(env, peer) -> None:
     pass
 
 
-async def test_stalling_and_departed_advertisers_do_not_stall_the_download(tmp_path, swarm):
+async def test_stalling_and_departed_advertisers_do_not_stall_the_download(tmp_path, swarm,
+                                                                           monkeypatch):
+    trials = _count_trials(monkeypatch)
     ckpt = make_checkpoint(tmp_path / "ckpt", {"model.safetensors": 1_000_000})  # 16 shards
     tnode, trainer = await swarm("trainer", "trainer")
     tid = tnode.peer_id
@@ -114,7 +129,9 @@ async def test_stalling_and_departed_advertisers_do_not_stall_the_download(tmp_p
         assert read_dir(done.path) == read_dir(ckpt)
         # a trial each, and again after a cooldown at most `trial_failures` times in all
         assert all(s.requests <= cfg.broadcast.trial_failures for s in stallers)
-        assert Staller.peak <= cfg.broadcast.parallel_downloads // 2  # never every slot
+        # never every slot: the follower's trial transfers at once (a staller may still
+        # hold a request its asker gave up, until it sees the stream's reset)
+        assert trials.peak <= cfg.broadcast.parallel_downloads // 2
         # the trials still held at the end were taken back, not waited for
         assert done.metrics.get("fail_preempted", 0) >= 1 or not Staller.peak
         assert done.sources[tid]["shards_ok"] == m.num_shards - done.metrics.get(

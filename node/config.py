@@ -328,6 +328,11 @@ class BroadcastSection(Section):
     """A download with no verified shard and no usable source for this long fails."""
     max_corrupt_per_source: int = Field(1, ge=1)
     """Corrupt shards after which a source is no longer used for this version."""
+    trial_failures: int = Field(3, ge=1)
+    """Failures to serve (no stream, no header or bytes in time, a broken stream, taken
+    back) after which an advertiser on trial is no longer used for this version; it cools
+    down between them. Any other failure of a trial drops it at once (sources.py; 1: at
+    the first failure, the rule before issue 27's relay finding)."""
     advert_interval_s: float = Field(0.5, gt=0)
     """Minimum time between two holdings adverts (ShardAdvert) while shards arrive."""
     readvertise_s: float = Field(10.0, gt=0)

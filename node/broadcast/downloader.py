@@ -7,10 +7,11 @@ retried elsewhere. Shards already verified on disk (after a restart) are never f
 again. When every shard verified, the store assembles the checkpoint (and, for manifests
 that name a whole-concatenation hash, checks it).
 
-Endgame: a transfer held by a source on trial (sources.py) is taken back (and the source
-dropped) when a worker has nothing else to do and the trial has run longer than a
-known-good source takes for a shard (`_patience`): advertisers that take a request and never
-answer cannot hold the last shards until their timeout.
+Endgame: a transfer held by a source on trial (sources.py) is taken back (a failed trial:
+the source cools down, and is dropped after `trial_failures`) when a worker has nothing
+else to do and the trial has run longer than a known-good source takes for a shard
+(`_patience`): advertisers that take a request and never answer cannot hold the last
+shards until their timeout.
 
 A source that answers `seeded` (the trainer: that shard is in the swarm already; seeding.py)
 is not asked for that shard again for `HOLD_BACK_S`, doubling per answer up to
@@ -285,7 +286,7 @@ class Downloader:
                     self.metrics["endgame_bytes_wasted"] += getattr(flight.writer, "received", 0)
                     continue
                 self.metrics["fail_preempted"] += 1
-                self.book.failure(peer, "preempted", shard)  # on trial: dropped
+                self.book.failure(peer, "preempted", shard)  # on trial: cools down
                 self.tried.setdefault(shard, set()).add(peer)
             finally:
                 self.flights.pop(shard, None)

@@ -223,7 +223,8 @@ class Follower:
         m = accepted.manifest
         rec.book = book = SourceBook(per_source=self.cfg.per_source_downloads,
                                      max_corrupt=self.cfg.max_corrupt_per_source,
-                                     trial_slots=max(1, self.cfg.parallel_downloads // 2))
+                                     trial_slots=max(1, self.cfg.parallel_downloads // 2),
+                                     trial_failures=self.cfg.trial_failures)
         book.add(m.policy_id, None, origin=True)  # the trainer holds its own checkpoint
         if behind_nat(self.node):  # reachable followers take the trainer's first copies
             book.origin_not_before = book.clock() + NAT_HEAD_START_S
@@ -371,4 +372,6 @@ def _download_counters(d: Downloader) -> Counter:
         elif name.startswith("fail_"):
             out["fetch_failed_" + name[5:]] += value
     out["sources_dropped"] += d.book.dropped
+    for reason, n in d.book.drops.items():
+        out["sources_dropped_" + reason] += n
     return out

@@ -14,7 +14,8 @@ class Clock:
 def book(**kw):
     clock = Clock()
     return SourceBook(per_source=kw.get("per_source", 2), max_corrupt=kw.get("max_corrupt", 1),
-                      trial_slots=kw.get("trial_slots", 1), clock=clock), clock
+                      trial_slots=kw.get("trial_slots", 1),
+                      trial_failures=kw.get("trial_failures", 3), clock=clock), clock
 
 
 def test_unmeasured_sources_are_tried_then_the_fastest_wins():
@@ -53,15 +54,81 @@ def test_a_known_source_cools_down_then_recovers():
     assert b.sources["a"].failures == 1 and not b.sources["a"].dropped
 
 
-def test_an_advertiser_on_trial_that_fails_loses_its_place_at_once():
+def test_an_advertiser_on_trial_that_errs_loses_its_place_at_once():
     b, clock = book()
     b.add("trainer", None, origin=True)
-    b.add("staller", None)
-    assert b.pick(0) == "staller"  # unmeasured: tried first, once
-    b.started("staller")
-    b.failure("staller", "timeout")
+    b.add("liar", None)
+    assert b.pick(0) == "liar"  # unmeasured: tried first, once
+    b.started("liar")
+    b.failure("liar", "bad_header")  # not a slow peer's failure: a protocol error
+    b.finished("liar")
     clock.t += 60
-    assert b.sources["staller"].dropped and b.dropped == 1 and b.pick(0) == "trainer"
+    assert b.sources["liar"].dropped and b.dropped == 1 and b.pick(0) == "trainer"
+    assert b.drops == {"bad_header": 1} and b.summary()["liar"]["drop_reason"] == "bad_header"
+
+
+def test_a_slow_advertiser_on_trial_cools_down_and_is_asked_again():
+    """Issue 27: a trial source that did not serve in time (busy, loaded, NAT'd, still
+    downloading) is not lost for the version at its first failure."""
+    b, clock = book()
+    b.add("trainer", None, origin=True)
+    b.add("slow", None)
+    b.started(b.pick(0))
+    b.failure("slow", "timeout")
+    b.finished("slow")
+    assert not b.sources["slow"].dropped and b.dropped == 0
+    assert b.pick(1) == "trainer" and b.next_ready() == clock.t + 1.0  # cooling down
+    clock.t += 1.0
+    assert b.pick(1) == "slow"  # asked again: no known-good source other than the trainer
+    b.started("slow")
+    b.failure("slow", "preempted")
+    b.finished("slow")
+    assert b.next_ready() == clock.t + 2.0  # the cooldown doubles
+    clock.t += 2.0
+    b.started(b.pick(1))
+    b.success("slow", 1_000_000, 1.0)  # it serves after all: known-good now
+    b.finished("slow")
+    assert b.sources["slow"].good and not b.sources["slow"].dropped
+
+
+def test_an_advertiser_on_trial_that_never_serves_is_dropped_after_its_trials():
+    b, clock = book(trial_failures=3)
+    b.add("trainer", None, origin=True)
+    b.add("staller", None)
+    for reason in ("open_failed", "timeout", "short_read"):
+        assert b.pick(0) == "staller"
+        b.started("staller")
+        b.failure("staller", reason)
+        b.finished("staller")
+        clock.t += 60
+    assert b.sources["staller"].dropped and b.drops == {"short_read": 1}
+    assert b.pick(0) == "trainer"
+
+
+def test_with_one_trial_failure_the_first_failure_drops_as_before():
+    b, _ = book(trial_failures=1)
+    b.add("trainer", None, origin=True)
+    b.add("staller", None)
+    b.failure("staller", "timeout")
+    assert b.sources["staller"].dropped and b.pick(0) == "trainer"
+
+
+def test_a_retried_trial_source_comes_after_every_known_good_one():
+    b, clock = book(per_source=1, trial_slots=2)
+    b.add("trainer", None, origin=True)
+    b.add("relay", None, proven=True)
+    b.add("slow", None)
+    b.add("fresh", None)
+    b.success("relay", 1_000, 1.0)  # measured, and slow: a fresh trial still comes first
+    b.failure("slow", "timeout")
+    clock.t += 10
+    assert b.pick(0) == "fresh"
+    b.started("fresh")
+    assert b.pick(1) == "relay"  # before the retried advertiser, however slow
+    b.started("relay")
+    assert b.pick(2) == "slow"  # before the trainer
+    b.started("slow")
+    assert b.pick(3) is None  # trial slots full; the busy relay is waited for, as before
 
 
 def test_trials_never_take_every_slot_from_the_known_good_sources():

@@ -280,6 +280,13 @@ class VerifierSection(Section):
     """Score below which every rollout of a peer is verified (spot checks only above it)."""
     hint_suspect_seconds: float = Field(600.0, ge=0)
     """After another peer's reject verdict (a hint), verify all the subject's rollouts this long."""
+    queue_grace: int = Field(2, ge=0, le=64)
+    """Trainer: versions a batch may wait in the verification queue past its lag limit and
+    still be judged (and trained on) as of its arrival; beyond, `queue_expired` (not verified,
+    no penalty). Each costs one more checkpoint kept per policy (max_staleness + 1 + this)."""
+    alarm_forgive_s: float = Field(86_400.0, ge=0, allow_inf_nan=False)
+    """Trainer: one sequential-test alarm on a peer's record is forgiven per this many seconds
+    since its last alarm (its re-probation shrinks again; 0: never forgiven)."""
 
 
 class BroadcastSection(Section):

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from ..node.config import VerifierSection
 from ..node.diskspace import DiskFull
 from ..node.errors import NodeError
 from ..node.sampler.seeded import completion_seed, mask_logits, ref_bytes
@@ -47,7 +48,6 @@ from ..protocol import noise
 from ..protocol.messages import BatchRules, Completion, RolloutBatch, SamplingParams, Verdict
 from .prefill import PromptCache, prefill, prefill_group, prefill_groups  # noqa: F401
 from .proof import ProofThresholds, proof_size, verify_proof
-from .rules import QUEUE_GRACE
 from .seen import SeenStore, batch_digest
 
 log = logging.getLogger(__name__)
@@ -69,8 +69,9 @@ class CheckSettings:
 
     max_policy_lag: int = 2
     # versions a batch may have waited in the verifier's queue and still be judged as of its
-    # arrival (rules.QUEUE_GRACE; checkpoints are kept that much longer: rules.retention)
-    queue_grace: int = QUEUE_GRACE
+    # arrival (the config's verifier.queue_grace; checkpoints are kept that much longer:
+    # rules.retention)
+    queue_grace: int = VerifierSection.model_fields["queue_grace"].default
     logprob_tol: float = 1e-3
     tie_eps: float = 1e-3
     # at most one position per completion may trail by more than tie_eps, up to this (0: off)

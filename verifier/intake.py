@@ -264,7 +264,10 @@ class Verifier(Protocol):
 class GroupSink(Protocol):
     """Where verified work goes (the trainer; its calls run in the worker thread)."""
 
-    def add_external(self, batch: RolloutBatch, sender: str = "") -> int: ...
+    def add_external(self, batch: RolloutBatch, sender: str = "",
+                     as_of: int | None = None) -> int:
+        """Store `sender`'s verified batch; `as_of`: the policy's latest version when it
+        arrived (its wait in this queue is not staleness: node/trainer/trainer.py)."""
 
     def drop_sender(self, sender: str) -> int:
         """Forget `sender`'s verified groups that no step has used yet; returns how many."""
@@ -487,7 +490,8 @@ class Intake:
                     for r in results if r.accept]
         if accepted:
             await until_written(self.disk, self.ports.work, self.sink.add_external,
-                                batch.model_copy(update={"completions": accepted}), sender)
+                                batch.model_copy(update={"completions": accepted}), sender,
+                                as_of)
             self.budget.earn(sender, sum(batch.completions[r.index].completion_ids.shape[0]
                                          for r in results if r.reason == "ok"))
         if alarm is not None:

@@ -16,10 +16,11 @@ accepted after its last alarm count, and it needs `probation_accepts` x
 `REPROBATION_FACTOR`^alarms of them (8, 64, then 512 at most). Until then it is a
 probation sender (one-batch and pooled tests, and its next alarm bans it): a caught
 steerer cannot buy its standing back with one honest batch (issue 30). One alarm on record
-is forgiven per `alarm_forgive_s` (a day) since the last one, so an honest peer's rare false
-alarm does not keep it on a long probation for good (ALARM_FORGIVE_S). `reprobation(peer)`
-(an alarm on record, probation not yet served) is what keeps its sequential tests at their
-head start: derived from the persisted record, it survives a restart.
+is forgiven per `alarm_forgive_s` (the config's verifier.alarm_forgive_s, a day) since the
+last one, so an honest peer's rare false alarm does not keep it on a long probation for
+good. `reprobation(peer)` (an alarm on record, probation not yet served) is what keeps its
+sequential tests at their head start: derived from the persisted record, it survives a
+restart.
 
 Verdicts received from other peers are hints only, and only from a peer the caller trusts
 (`hint(..., trusted=...)`: one with verified history here, or a followed trainer): such a
@@ -53,6 +54,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..node.config import VerifierSection
 from .reasons import CONFIG_REASONS
 
 log = logging.getLogger(__name__)
@@ -89,14 +91,15 @@ ALARM_PENALTY = -MAX_SCORE
 # restarted tests (16 + 16 completions) made a caught steerer established again.
 REPROBATION_FACTOR = 8
 REPROBATION_MAX_POWER = 2
-# One alarm on record is forgiven per this many seconds since the peer's last alarm. Honest
-# false alarms are <= ~1e-4 per batch (sequential.py; fp32 measured 7.5e-5): a peer sending
+# One alarm on record is forgiven per this many seconds since the peer's last alarm (the
+# default of the config's verifier.alarm_forgive_s). Honest false alarms are <= ~1e-4 per
+# batch (sequential.py; fp32 measured 7.5e-5): a peer sending
 # a batch every 10 s (8,640 a day) collects <= ~0.9 a day, so forgiving one a day keeps an
 # honest record at about one (re-probation 64 completions) instead of climbing to the 512 of
 # the cap and staying there. An attacker gains nothing by waiting: a fresh key (free) starts
 # with no alarm on record anyway; what an alarm costs it at once (ban or the score cap,
 # its batch and its waiting groups) is unchanged.
-ALARM_FORGIVE_S = 86_400.0
+ALARM_FORGIVE_S = VerifierSection.model_fields["alarm_forgive_s"].default
 
 
 @dataclass
@@ -151,7 +154,8 @@ class Reputation:
                    half_life_s=section.reputation_half_life_s,
                    spot_check_fraction=section.spot_check_fraction,
                    new_peer_verdicts=section.new_peer_verdicts,
-                   trust_score=section.trust_score, suspect_seconds=section.hint_suspect_seconds)
+                   trust_score=section.trust_score, suspect_seconds=section.hint_suspect_seconds,
+                   alarm_forgive_s=section.alarm_forgive_s)
 
     # scores ------------------------------------------------------------------------------
 

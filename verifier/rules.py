@@ -1,7 +1,7 @@
 """The swarm's batch rules from a node config (`BatchRules` in protocol/messages.py).
 
 Senders (inference role) and verifiers (trainer role) call this one function, so both read
-the same three settings the same way.
+the same three settings the same way; `retention` is the versions a node keeps to verify.
 """
 
 from __future__ import annotations
@@ -16,14 +16,9 @@ def batch_rules(cfg) -> BatchRules:
                       rounds_per_version=cfg.sampler.batches_per_version)
 
 
-# Versions a batch may wait in the trainer's verification queue and still be judged as of its
-# arrival (checks.CheckSettings.queue_grace): a newcomer's batch waits behind the probation
-# share (intake.py), and the trainer's versions move on meanwhile.
-QUEUE_GRACE = 2
-
-
 def retention(cfg, keep: int) -> int:
     """Versions to keep (own checkpoints or a followed policy's): at least
-    trainer.max_staleness + 1 + QUEUE_GRACE, so an honest peer at the largest allowed lag
-    finds its version, also after its batch waited in the verification queue."""
-    return max(int(keep), cfg.trainer.max_staleness + 1 + QUEUE_GRACE)
+    trainer.max_staleness + 1 + verifier.queue_grace, so an honest peer at the largest
+    allowed lag finds its version, also after its batch waited in the verification queue
+    (a newcomer's waits behind the probation share, intake.py, while our versions move on)."""
+    return max(int(keep), cfg.trainer.max_staleness + 1 + cfg.verifier.queue_grace)

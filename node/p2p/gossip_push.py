@@ -59,6 +59,13 @@ UNCLAIMED_MAX = 1024
 UNCLAIMED_BYTES_PER_PEER = 32 << 20
 UNCLAIMED_BYTES_MAX = 256 << 20
 UNCLAIMED_TTL_S = 60.0
+# Bodies being read: a link reads PUSH_READ_CHUNK at a time into a buffer that holds what
+# has arrived, not what its frame claims (`readexactly(size)` asked the socket for up to the
+# whole 16 MiB at once, per link), and what all links hold so far is bounded: past
+# READING_BYTES_MAX the link reading the most is ended (counted, not charged: it may be an
+# honest pusher's; the body is then pulled). So N links cost at most that, not N x 16 MiB.
+PUSH_READ_CHUNK = 256 << 10
+READING_BYTES_MAX = 64 << 20
 # An announce waits this long for its body's push (from the announcer, or forwarded) to
 # start before pulling; a push started is waited for until it ends or fails. In the 12-node
 # simulated WAN the pushes that came started within 0.16 s (p95) of their announce, on a
@@ -106,6 +113,8 @@ class BodyPusher:
         self.unclaimed_bytes = 0
         self._arrived: dict[bytes, asyncio.Event] = {}  # a push of that hash started/ended
         self._incoming: dict[bytes, asyncio.Future] = {}  # a push being read
+        self._reading: dict[_Link, int] = {}  # body bytes read so far, by link reading one
+        self.reading_bytes = 0
         self._opening: set[str] = set()
         self._closed = False  # close(): no link is opened or accepted after it
         self._forward: OrderedDict[bytes, tuple[str, ...]] = OrderedDict()  # claimed: to whom
@@ -324,15 +333,15 @@ class BodyPusher:
                 and not self.held(digest)):
             fut = self._incoming[digest] = asyncio.get_running_loop().create_future()
             self._wake(digest)
-        data = None
+        data, got = None, b""
         try:
             async with asyncio.timeout(self.cfg.payload_pull_timeout_s):
-                data = await link.conn.readexactly(size)
+                data, got = await self._stream(link, size)
         except (TimeoutError, asyncio.IncompleteReadError, BulkError):
             self.metrics.inc("payload_push_broken")
             return False
         finally:
-            ok = data is not None and hashlib.sha256(data).digest() == digest
+            ok = data is not None and got == digest
             if fut is not None:
                 del self._incoming[digest]
                 if ok and digest not in self.unclaimed:
@@ -347,6 +356,39 @@ class BodyPusher:
         if fut is None:  # held already, or another link was bringing it
             self.metrics.inc("payload_push_duplicate")
         return True
+
+    async def _stream(self, link: _Link, size: int) -> tuple[bytes, bytes]:
+        """(body, its SHA-256): `size` bytes read PUSH_READ_CHUNK at a time, counted in
+        `reading_bytes` while read (READING_BYTES_MAX)."""
+        buf, h = bytearray(), hashlib.sha256()
+        self._reading[link] = 0
+        try:
+            while len(buf) < size:
+                part = await link.conn.read(min(PUSH_READ_CHUNK, size - len(buf)))
+                if not part:
+                    raise asyncio.IncompleteReadError(bytes(buf), size)
+                if link not in self._reading:  # ended for the bound meanwhile
+                    raise BulkError("push read ended (bodies being read)", reason="broken")
+                buf += part
+                h.update(part)
+                self._reading[link] += len(part)
+                self.reading_bytes += len(part)
+                self._bound_reading()
+                if link not in self._reading:  # this link was the one ended
+                    raise BulkError("push read ended (bodies being read)", reason="broken")
+            return bytes(buf), h.digest()
+        finally:
+            self.reading_bytes -= self._reading.pop(link, 0)
+
+    def _bound_reading(self) -> None:
+        """Past READING_BYTES_MAX read in all, end the link that has read the most."""
+        while self.reading_bytes > READING_BYTES_MAX and self._reading:
+            victim = max(self._reading, key=self._reading.__getitem__)
+            self.reading_bytes -= self._reading.pop(victim)
+            self.metrics.inc("payload_push_read_dropped")
+            log.debug("push link of %s ended: %d body bytes being read in all",
+                      victim.peer[-8:], self.reading_bytes)
+            self._drop(victim)
 
     def _wake(self, digest: bytes) -> None:
         event = self._arrived.pop(digest, None)

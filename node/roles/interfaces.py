@@ -235,9 +235,9 @@ class BroadcastFeed:
 
 class CheckpointPublisher(Protocol):
     """A trainer's own versions. Retention is the publisher's: at least
-    trainer.max_staleness + 1 + QUEUE_GRACE versions (verifier/rules.py), so an honest peer
-    at the largest allowed lag still finds the version it sampled with, also after its batch
-    waited in the verification queue."""
+    trainer.max_staleness + 1 + verifier.queue_grace versions (verifier/rules.py), so an
+    honest peer at the largest allowed lag still finds the version it sampled with, also
+    after its batch waited in the verification queue."""
 
     def path(self, policy_id: str, version: int) -> Path | None:
         """The directory of this trainer's own `version`, or None when not (or no longer) kept."""

@@ -209,7 +209,8 @@ class TrainerRole(Role):
             cfg = self.cfg
             model = self.trainer.model
             settings = CheckSettings.for_dtype(cfg.model.dtype,
-                                               max_policy_lag=cfg.trainer.max_staleness)
+                                               max_policy_lag=cfg.trainer.max_staleness,
+                                               queue_grace=cfg.verifier.queue_grace)
             seen = SeenStore(self.data_dir / "verifier" / f"seen-{policy_id[-16:]}.sqlite")
             v = RolloutVerifier(
                 self._model_for(policy_id), self.trainer.tokenizer, self.tasks,

@@ -65,6 +65,9 @@ class RolloutGroup:
     received_version: int = 0   # this trainer's version when the group was accepted
     temperature: float = 1.0
     sender: str = ""            # the peer whose verified batch it came from ("" for own)
+    # versions this trainer moved on while the group's batch waited in its verification
+    # queue (own policy's batches; trainer.py: not counted as staleness)
+    queued: int = 0
     id: int | None = field(default=None, compare=False)
 
     @property
@@ -80,7 +83,7 @@ class RolloutGroup:
             "source": self.source, "task": self.task, "prompt_ids": self.prompt_ids,
             "completions": comps, "policy_id": self.policy_id,
             "policy_version": self.policy_version, "received_version": self.received_version,
-            "temperature": self.temperature, "sender": self.sender,
+            "temperature": self.temperature, "sender": self.sender, "queued": self.queued,
         }, use_bin_type=True)
 
     @classmethod
@@ -92,10 +95,10 @@ class RolloutGroup:
                  for ids, r, lp, fr, text in d["completions"]]
         return cls(d["source"], d["task"], list(d["prompt_ids"]), comps, d["policy_id"],
                    d["policy_version"], d["received_version"], d["temperature"],
-                   str(d.get("sender", "")), id=row_id)
+                   str(d.get("sender", "")), int(d.get("queued", 0)), id=row_id)
 
     def key(self) -> bytes:
-        """Content hash (ignores received_version, the local reward and the sender)."""
+        """Content hash (ignores received_version, queued, the local reward and the sender)."""
         h = hashlib.sha256()
         h.update(msgpack.packb([self.source, self.task, self.policy_id, self.policy_version,
                                 self.prompt_ids,

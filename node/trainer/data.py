@@ -76,8 +76,9 @@ def groups_from_samples(samples, *, decode: Decode, score: Score, policy_id: str
 
 
 def groups_from_verified_batch(batch: RolloutBatch, *, decode: Decode, score: Score,
-                               received_version: int) -> list[RolloutGroup]:
-    """A verified batch of this trainer's own policy, one group per task."""
+                               received_version: int, queued: int = 0) -> list[RolloutGroup]:
+    """A verified batch of this trainer's own policy, one group per task. `queued`: versions
+    the trainer moved on while the batch waited in its verification queue."""
     by_task: dict[str, list] = defaultdict(list)
     for c in batch.completions:
         by_task[c.task.model_dump_json()].append(c)
@@ -90,7 +91,7 @@ def groups_from_verified_batch(batch: RolloutBatch, *, decode: Decode, score: Sc
         groups.append(RolloutGroup("local", ref.model_dump(mode="json"),
                                    [int(x) for x in items[0].prompt_ids.to_numpy()], comps,
                                    batch.policy_id, batch.policy_version, received_version,
-                                   batch.sampling.temperature))
+                                   batch.sampling.temperature, queued=queued))
     return groups
 
 

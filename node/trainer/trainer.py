@@ -2,7 +2,7 @@
 
     trainer = Trainer(config, model_dir, data_dir)
     trainer.add_local(samples)        # own sampler's rollouts (behaviour logprobs kept)
-    trainer.add_external(batch, sender)  # verified peers' rollouts (re-tokenised, re-scored)
+    trainer.add_external(batch, sender, as_of)  # verified peers' rollouts (re-scored)
     stats = trainer.step()            # I local + J external groups -> version + 1
     trainer.latest_checkpoint()       # .policy_dir: what the sampler / broadcaster load
     with trainer.sampling(): ...      # the model in eval mode for this node's own sampler
@@ -10,10 +10,17 @@
     trainer.drop_sender(peer)         # a condemned peer's groups no step has used yet
 
 Staleness: a local group sampled by policy version v is dropped (counted `stale`) once
-`trainer.version - v > max_staleness`; an external group is dropped once it has waited more
-than `max_staleness` steps since it was accepted (other policies' versions are not
-comparable with ours). A RolloutBatch whose `policy_id` is this trainer's own is local
-(inference peers following our policy): its verified behaviour logprobs are used as-is.
+`trainer.version - v - queued > max_staleness`; an external group is dropped once it has
+waited more than `max_staleness` steps since it was accepted (other policies' versions are
+not comparable with ours). A RolloutBatch whose `policy_id` is this trainer's own is local
+(inference peers following our policy): its verified behaviour logprobs are used as-is, and
+`queued` is the versions this trainer moved on while the batch waited in its verification
+queue (`as_of`: its version when the batch arrived). That wait is ours, not the sender's: the
+intake judges the batch as of its arrival (up to `verifier.queue_grace` versions of wait,
+verifier/checks.py) and the trainer ages it from there too, so a batch accepted through that
+grace is stored and trainable like one verified the moment it arrived (its age at acceptance
+is its lag at arrival, <= max_staleness). Groups dropped stale after such a wait are also
+counted `dropped_stale_queued` (buffer counters: /status, /metrics).
 
 Crash safety: see buffer.py; every `checkpoint_every` steps the checkpoint is written first,
 then the groups its steps used are deleted from the buffer. On start the trainer resumes
@@ -179,18 +186,23 @@ class Trainer:
             policy_id=self.policy_id, received_version=self.version,
             temperature=self.temperature))
 
-    def add_external(self, batch_or_samples, sender: str = "") -> int:
+    def add_external(self, batch_or_samples, sender: str = "",
+                     as_of: int | None = None) -> int:
         """Store other policies' rollouts (RolloutBatch or Samples) for SAPO mixing.
 
         Re-tokenised and re-scored here; the sender's reward is ignored. A batch of our own
         policy (policy_id == ours) counts as local, with its behaviour logprobs. `sender`:
         the peer whose verified batch this is (`drop_sender` finds its groups by it).
+        `as_of`: the policy's latest version when the batch arrived (the intake's; None:
+        now); for our own policy, the versions since then are its wait in the verification
+        queue, which does not count as staleness (module docstring).
         """
         if (isinstance(batch_or_samples, RolloutBatch) and self.policy_id
                 and batch_or_samples.policy_id == self.policy_id):
+            queued = 0 if as_of is None else max(0, self.version - int(as_of))
             groups = groups_from_verified_batch(
                 batch_or_samples, decode=self._decode, score=self.rescorer.score,
-                received_version=self.version)
+                received_version=self.version, queued=queued)
         else:
             texts, policy_id, policy_version, temp = texts_of(batch_or_samples)
             groups, rejected = self.rescorer.groups(texts, policy_id, policy_version,
@@ -209,25 +221,46 @@ class Trainer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def _age(self, g: RolloutGroup) -> int:
+        """Steps of staleness: a local group's policy lag less its wait in our verification
+        queue; an external group's steps since it was accepted (module docstring)."""
+        if g.source == "local":
+            return self.version - g.policy_version - g.queued
+        return self.version - g.received_version
+
     def _store(self, groups: list[RolloutGroup]) -> int:
-        keep, stale = [], 0
+        keep, stale = [], []
         for g in groups:
             if g.source == "local":
                 with self._counters_lock:
                     self._counters.local_rewards += g.rewards
-                if self.version - g.policy_version > self.cfg.max_staleness:
-                    stale += 1
+                if self._age(g) > self.cfg.max_staleness:
+                    stale.append(g)
                     continue
             if not has_signal(g.rewards):
                 with self._counters_lock:
                     self._counters.zero_adv += 1
                 continue
             keep.append(g)
+        self._count_stale(stale)
+        if len(keep) < len(groups) - len(stale):
+            self.buffer.bump("dropped_zero_advantage", len(groups) - len(stale) - len(keep))
+        stored = self.buffer.add(keep)
+        queued = sum(1 for g in keep if g.queued and g.id in stored)
+        if queued:  # what the verification queue's grace saved (vs dropped_stale_queued)
+            self.buffer.bump("stored_queued", queued)
+        return len(stored)
+
+    def _count_stale(self, stale: list[RolloutGroup]) -> None:
+        """Stale groups dropped before storing: `dropped_stale`, and those that waited in
+        our verification queue also `dropped_stale_queued` (never silently)."""
         if stale:
-            self.buffer.bump("dropped_stale", stale)
-        if len(keep) < len(groups) - stale:
-            self.buffer.bump("dropped_zero_advantage", len(groups) - stale - len(keep))
-        return len(self.buffer.add(keep))
+            self.buffer.bump("dropped_stale", len(stale))
+        queued = sum(1 for g in stale if g.queued)
+        if queued:
+            self.buffer.bump("dropped_stale_queued", queued)
+            log.warning("%d group(s) that waited in the verification queue were stale on "
+                        "arrival in the buffer: dropped", queued)
 
     # training -----------------------------------------------------------------------------
 
@@ -253,18 +286,21 @@ class Trainer:
     def _drop_stale(self) -> tuple[list[RolloutGroup], list[RolloutGroup], int]:
         local, external, stale = [], [], []
         for g in self.buffer.pending():
-            age = self.version - (g.policy_version if g.source == "local" else g.received_version)
-            (stale if age > self.cfg.max_staleness else
+            (stale if self._age(g) > self.cfg.max_staleness else
              local if g.source == "local" else external).append(g)
         self.buffer.drop([g.id for g in stale], "stale")
+        queued = sum(1 for g in stale if g.queued)
+        if queued:
+            self.buffer.bump("dropped_stale_queued", queued)
         return local, external, len(stale)
 
     def step(self) -> StepStats:
         """One update on up to I local + J external groups; checkpoint per config."""
         t0 = time.perf_counter()
         local, external, stale = self._drop_stale()
-        # freshest local groups first (closest to on-policy), then oldest arrival
-        local.sort(key=lambda g: (-g.policy_version, g.id))
+        # freshest local groups first (closest to on-policy; the wait in our verification
+        # queue is not held against a group), then oldest arrival
+        local.sort(key=lambda g: (self._age(g), g.id))
         chosen_local = local[:self.cfg.local_items]
         chosen_ext = select_groups(external, self.cfg.external_items,
                                    self.cfg.external_selection, self.rng)

@@ -265,3 +265,37 @@ def test_a_loaded_config_is_read_only_and_changed_only_by_copy(tmp_path):
     assert new.trainer.micro_batch_size == 8 and new.tasks.mix == cfg.tasks.mix
     with pytest.raises(ConfigError, match="sampler.temperature"):
         cfg.with_overrides({"sampler.temperature": -1})
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    ("queue_grace", "-1", "greater than or equal to 0"),
+    ("queue_grace", "65", "less than or equal to 64"),
+    ("queue_grace", "1.5", "a valid integer"),
+    ("alarm_forgive_s", "-1.0", "greater than or equal to 0"),
+    ("alarm_forgive_s", "inf", "a finite number"),
+    ("alarm_forgive_s", "nan", "a finite number"),
+])
+def test_queue_grace_and_alarm_forgiveness_are_checked(tmp_path, key, value, expected):
+    """Issue 30: the verification queue's grace and the alarm forgiveness interval are
+    settings; a bad value is one line naming the key, the value and what is expected."""
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, f"[verifier]\n{key} = {value}\n"))
+    msg = str(e.value)
+    assert "\n" not in msg and f"`verifier.{key}` = {value}: Input should be {expected}" in msg
+
+
+
+def test_queue_grace_and_alarm_forgiveness_reach_the_verifier(tmp_path):
+    """Defaults (2 versions, a day) and configured values reach what uses them: the
+    retention (rules.retention), the trainer's checks and the reputation."""
+    from swarm_node.verifier.checks import CheckSettings
+    from swarm_node.verifier.reputation import ALARM_FORGIVE_S, Reputation
+    from swarm_node.verifier.rules import retention
+
+    cfg = load_config(write(tmp_path, NODE_TOML))
+    assert (cfg.verifier.queue_grace, cfg.verifier.alarm_forgive_s) == (2, 86_400.0)
+    assert CheckSettings().queue_grace == 2 and ALARM_FORGIVE_S == 86_400.0
+    cfg = load_config(write(tmp_path, "[verifier]\nqueue_grace = 0\nalarm_forgive_s = 60.0\n"),
+                      {"trainer.max_staleness": 3})
+    assert retention(cfg, 1) == 4
+    assert Reputation.from_config(cfg.verifier, None).alarm_forgive_s == 60.0

@@ -61,7 +61,7 @@ class Sink:
         self.stored: list[tuple[str, int]] = []  # (sender, completions)
         self.dropped: list[str] = []
 
-    def add_external(self, batch, sender: str = "") -> int:
+    def add_external(self, batch, sender: str = "", as_of=None) -> int:
         self.stored.append((sender, len(batch.completions)))
         return 1
 

@@ -14,6 +14,7 @@ from swarm_node.node.identity import Identity
 from swarm_node.node.metrics import NodeState
 from swarm_node.verifier.intake import IntakeLimits
 from swarm_node.verifier.reputation import Reputation
+from swarm_node.verifier.rules import retention
 
 from ..node.roles.fakes import FakeP2P
 from ..node.trainer.helpers import mixed_group
@@ -22,11 +23,11 @@ NEWCOMER = "12D3KooWhonestNewcomer"
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
-def config(tmp_path) -> Config:
+def config(tmp_path, keep: int = 1, **verifier) -> Config:
     return Config.model_validate({
         "node": {"data_dir": str(tmp_path / "trainer"), "role": "trainer", "swarm_id": "unit"},
-        "model": {"device": "cpu"},
-        "trainer": {"max_staleness": 1, "checkpoint_every": 1, "keep_checkpoints": 1,
+        "model": {"device": "cpu"}, "verifier": verifier,
+        "trainer": {"max_staleness": 1, "checkpoint_every": 1, "keep_checkpoints": keep,
                     "local_items": 1, "external_items": 1},
         "tasks": {"mix": {"toy/digit_successor": 1.0}, "tasks_per_round": 2},
         "sampler": {"completions_per_task": 2, "max_new_tokens": 8, "batches_per_version": 4,
@@ -38,7 +39,6 @@ async def trainer_role(cfg, tiny_model_dir):
     from swarm_node.node.roles.trainer import TrainerRole
     from swarm_node.node.tasks import TaskSource
     from swarm_node.node.trainer.trainer import Trainer
-    from swarm_node.verifier.rules import retention
 
     ident = Identity.generate()
     role = TrainerRole(cfg, ident, FakeP2P(), NodeState(ident.peer_id, "trainer", "unit"))
@@ -80,9 +80,10 @@ async def test_1_a_newcomers_batch_is_judged_as_of_its_arrival(tmp_path, tiny_mo
     """The newcomer's batch, fresh when it arrived, waits in the probation queue while the
     trainer steps past its lag limit (max_staleness 1: two versions): it used to be
     rejected `stale_policy` (-0.5, the newcomer charged for our queue) or, once its
-    checkpoint was pruned, `unknown_policy`. Now it is verified and accepted. Holding a
-    batch back gains nothing (judged as of when it arrives), and the accepted one sent
-    again is still a re-delivery."""
+    checkpoint was pruned, `unknown_policy`. Now it is verified and accepted, and its groups
+    reach the trainer's buffer (they used to be dropped there as stale: credit for the
+    sender, the data lost). Holding a batch back gains nothing (judged as of when it
+    arrives), and the accepted one sent again is still a re-delivery."""
     cfg = config(tmp_path)
     role = await trainer_role(cfg, tiny_model_dir)
     try:
@@ -95,10 +96,20 @@ async def test_1_a_newcomers_batch_is_judged_as_of_its_arrival(tmp_path, tiny_mo
             assert (await role.work(trainer.step)).trained
             assert await intake.drain() == 0  # no probation share: it waits
         assert trainer.version == 2 and len(intake.queue) == 1
+        before = trainer.counters()
         assert await intake.drain(idle=True) == 1  # the trainer idles: its turn
         peer = role.state.by_peer[NEWCOMER]
         assert (peer.accepted, dict(peer.reasons)) == (4, {}), dict(peer.reasons)
         assert intake.reputation.score(NEWCOMER) == pytest.approx(4.0, abs=0.01)
+        # both groups reached the trainer: stored (2 versions of queue forgiven), or left
+        # out for want of reward signal; none dropped stale
+        after = trainer.counters()
+        stored = [g for g in trainer.buffer.pending("local") if g.sender == NEWCOMER]
+        assert [g.queued for g in stored] == [2] * len(stored)
+        assert after.get("stored_queued", 0) == len(stored)
+        assert len(stored) + after.get("dropped_zero_advantage", 0) \
+            - before.get("dropped_zero_advantage", 0) == 2, after
+        assert "dropped_stale" not in after
         # a batch of the same version held back until now: stale as of its arrival
         await offer(role, held)
         await intake.drain(idle=True)
@@ -108,5 +119,31 @@ async def test_1_a_newcomers_batch_is_judged_as_of_its_arrival(tmp_path, tiny_mo
         await intake.drain(idle=True)
         assert peer.accepted == 4 and dict(peer.reasons) == {"stale_policy": 4}
         assert intake.batches["already_accepted"] == 1
+    finally:
+        role.trainer.close()
+
+
+@pytest.mark.slow
+async def test_2_the_configured_queue_grace_is_the_trainers(tmp_path, tiny_model_dir):
+    """`verifier.queue_grace` is a setting: at 0 the same newcomer's batch, fresh when it
+    arrived, is `queue_expired` once the trainer stepped past its lag limit (not verified,
+    no penalty, its budget refunded), although its checkpoint is still kept here
+    (keep_checkpoints 4); and the retention follows it (max_staleness + 1 + 0)."""
+    assert retention(config(tmp_path, queue_grace=0), 1) == 2
+    cfg = config(tmp_path, keep=4, queue_grace=0)
+    role = await trainer_role(cfg, tiny_model_dir)
+    try:
+        trainer, intake = role.trainer, role.intake
+        assert trainer.store.keep == 4
+        await offer(role, newcomer_batch(role, 0, 0))
+        for k in range(cfg.trainer.max_staleness + 1):
+            assert trainer.add_local(mixed_group(trainer.tokenizer, k)) == 1
+            assert (await role.work(trainer.step)).trained
+        assert await intake.drain(idle=True) == 1
+        peer = role.state.by_peer[NEWCOMER]
+        assert (peer.accepted, dict(peer.reasons)) == (0, {"queue_expired": 4})
+        assert intake.batches["queue_expired"] == 1
+        assert intake.reputation.score(NEWCOMER) == 0.0
+        assert role.own.path(role.identity.peer_id, 0) is not None  # the model was there
     finally:
         role.trainer.close()

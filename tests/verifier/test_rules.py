@@ -90,13 +90,17 @@ def test_3_context_limit_is_min_of_config_and_model(kit):
 
 def test_4_retention_covers_max_staleness():
     """Finding 4: the trainer keeps max_staleness + 1 versions of its own and of followed
-    policies, plus QUEUE_GRACE for batches that waited in its verification queue (issue 30),
-    whatever keep_checkpoints / keep_versions say."""
+    policies, plus the configured `verifier.queue_grace` (default 2) for batches that waited
+    in its verification queue (issue 30), whatever keep_checkpoints / keep_versions say."""
     from swarm_node.node.config import Config
-    from swarm_node.verifier.rules import QUEUE_GRACE, retention
+    from swarm_node.verifier.rules import retention
 
     cfg = Config.model_validate({"trainer": {"max_staleness": 4, "keep_checkpoints": 3}})
-    assert retention(cfg, cfg.trainer.keep_checkpoints) == 5 + QUEUE_GRACE == 7
+    assert cfg.verifier.queue_grace == 2
+    assert retention(cfg, cfg.trainer.keep_checkpoints) == 5 + 2
+    for grace in (0, 5):
+        other = cfg.with_overrides({"verifier.queue_grace": grace})
+        assert retention(other, other.trainer.keep_checkpoints) == 5 + grace
     cfg = cfg.with_overrides({"trainer.keep_checkpoints": 9})
     assert retention(cfg, cfg.trainer.keep_checkpoints) == 9
 

@@ -279,7 +279,7 @@ def test_8_narrow_tie_steering_through_the_real_intake_in_bf16(tiny_model_dir, t
     verifier = RolloutVerifier(model, tokenizer, source, swarm_id="default",
                                latest_version=lambda: 0, dtype="bfloat16")
     stored = []
-    sink = SimpleNamespace(add_external=lambda b, sender="": stored.append(sender),
+    sink = SimpleNamespace(add_external=lambda b, sender="", as_of=None: stored.append(sender),
                            drop_sender=lambda sender: 0)
 
     async def inline(fn, *args):

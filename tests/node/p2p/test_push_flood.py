@@ -14,6 +14,7 @@ import os
 import types
 
 import pytest
+from swarm_node.node.p2p import gossip_push
 from swarm_node.node.p2p.bulk import BulkError
 from swarm_node.node.p2p.gossip_push import (
     UNCLAIMED_BYTES_MAX,
@@ -24,7 +25,7 @@ from swarm_node.node.p2p.gossip_push import (
 )
 from swarm_node.node.p2p.metrics import P2PMetrics
 
-from .conftest import wait_until
+from .conftest import rejects_by_sender, wait_until
 from .test_gossip_push import frame, linked, raw_link
 from .test_payload_plane import announce_of, batch
 
@@ -152,3 +153,36 @@ def test_unclaimed_bodies_are_bounded_in_bytes():
     assert p.metrics["payload_push_unclaimed_dropped"] == 40 * 32 + 1 - len(p.unclaimed)
     assert p.claim(honest, len(big)) is big and p._bytes.get("honest") is None
 
+
+
+async def test_bodies_being_read_are_bounded_in_all(make_node, monkeypatch):
+    """Issue 30: a pushed body was read with `readexactly(size)`, so each push link could
+    hold (and ask the socket for) up to the largest envelope, 16 MiB, before the hash
+    check: N links, N x 16 MiB. Now a link's buffer holds what arrived and all links
+    together at most READING_BYTES_MAX (here 1 MiB): three links that each claim a 4-MiB
+    body and send ~400 KiB of it lose one, the one that read the most (counted, not
+    charged), and an honest push on another link is still received."""
+    monkeypatch.setattr(gossip_push, "READING_BYTES_MAX", 1 << 20, raising=False)
+    a, b, _ = await linked(make_node)
+    pusher = a.gossip.pusher
+    conns = [await raw_link(b, a) for _ in range(3)]
+    try:
+        for i, conn in enumerate(conns):
+            await conn.write(frame(b"", digest=os.urandom(32), size=4 << 20)
+                             + os.urandom((400 << 10) + 1000 * i))
+        await wait_until(lambda: a.metrics["payload_push_read_dropped"] >= 1, 30,
+                         what="a read ended for the bound")
+        # the two left hold ~800 KiB together: under the bound, so no second one ends
+        assert a.metrics["payload_push_read_dropped"] == 1
+        assert pusher.reading_bytes == sum(pusher._reading.values()) <= 1 << 20
+        assert rejects_by_sender(a.metrics, b.peer_id) == {}
+        received = a.metrics["payload_push_received"]
+        honest = os.urandom(5000)
+        conns.append(await raw_link(b, a))
+        await conns[-1].write(frame(honest))
+        await wait_until(lambda: a.metrics["payload_push_received"] > received, 30,
+                         what="the honest push")
+        assert hashlib.sha256(honest).digest() in pusher.unclaimed
+    finally:
+        for conn in conns:
+            conn.abort()

@@ -53,7 +53,7 @@ class RecordingTrainer:
         self.version = 0
         self.external: list[RolloutBatch] = []
 
-    def add_external(self, batch: RolloutBatch, sender: str = "") -> None:
+    def add_external(self, batch: RolloutBatch, sender: str = "", as_of=None) -> None:
         self.external.append(batch)
 
     def drop_sender(self, sender: str) -> int:

@@ -1,7 +1,7 @@
 """The trainer role's checkpoint publication through its `CheckpointPublisher`: the loop
 announces each checkpointed version once and nothing else, and the real publisher
-(`OwnCheckpoints`) keeps trainer.max_staleness + 1 + QUEUE_GRACE versions, own and followed, and
-announces only the policy directory with its parent version. Real trainer processes
+(`OwnCheckpoints`) keeps trainer.max_staleness + 1 + verifier.queue_grace versions, own and
+followed, and announces only the policy directory with its parent version. Real trainer processes
 publishing to real followers: tests/integration (the swarm and operator tests)."""
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def test_the_publisher_keeps_versions_for_the_largest_allowed_lag(tmp_path):
     trainer = CheckpointedTrainer(tmp_path / "checkpoints", keep=cfg.trainer.keep_checkpoints)
     own = OwnCheckpoints.create(trainer, FakeP2P(), cfg, tmp_path / "broadcast", follow=[],
                                 settings=None)
-    # own versions: max_staleness + 1, + 2 (rules.QUEUE_GRACE: batches that waited in the
+    # own versions: max_staleness + 1, + 2 (verifier.queue_grace: batches that waited in the
     # verification queue are judged as of their arrival)
     assert trainer.store.keep == 8
     assert own.broadcaster.store.keep_versions == 8  # followed policies' versions too

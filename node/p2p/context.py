@@ -44,6 +44,8 @@ class Peers(Protocol):
 
     def advertised_addrs(self) -> list[str]: ...
 
+    def hole_punched_peers(self) -> set[str]: ...
+
 
 class HostContext:
     """One P2PNode's shared parts. Thread use: the handles (`host`, `pubsub`, `router`,

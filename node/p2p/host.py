@@ -241,6 +241,14 @@ class P2PNode:
                            probed=dict(self.dialback.probed))
         return {peer: list(kind) for peer, kind in kinds.items()}
 
+    def hole_punched_peers(self) -> set[str]:
+        """Connected peers behind NAT that we hold a direct connection with (peer_reach
+        `hole-punched`): whichever side's DCUtR attempt made it. Only the side whose own
+        attempt succeeded has the peer in its DCUtR bookkeeping (`relay.punched`); when
+        the other side's attempt won, this node holds the same direct connection."""
+        return {peer for peer, (kind, _why) in self.peer_reach().items()
+                if kind == "hole-punched"}
+
     def peer_roles(self) -> dict[str, str]:
         """For /status (`p2p.peer_roles`): the role each peer named in its peer-exchange
         Hello (connected peers first, at most MAX_PEER_REACH)."""

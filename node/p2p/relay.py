@@ -254,7 +254,10 @@ class RelayService:
         ctx = self.ctx
         reach = ctx.reach.current
         self.hole_punch = await ctx.bridge.call(_async, self._t_hole_punch_stats)
-        ctx.reach.set_direct_peers(self.hole_punch["direct"])
+        # The verdict counts direct connections to NAT'd peers, not only the ones our own
+        # DCUtR attempts made: when the peer's attempt won, ours never started (a NAT pair
+        # test saw `direct` on one side and `relayed` on the other, under load).
+        ctx.reach.set_direct_peers(len(ctx.peers.hole_punched_peers()))
         want = self.cfg.client and not reach.public and reach.verdict.value != "unknown"
         connected = set(ctx.peers.connected_peers())
         for relay in [r for r in self.reservations if r not in connected]:

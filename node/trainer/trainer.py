@@ -256,11 +256,17 @@ class Trainer:
         our verification queue also `dropped_stale_queued` (never silently)."""
         if stale:
             self.buffer.bump("dropped_stale", len(stale))
+        if queued := self._count_queued_stale(stale):
+            log.warning("%d group(s) that waited in the verification queue were stale on "
+                        "arrival in the buffer: dropped", queued)
+
+    def _count_queued_stale(self, stale: list[RolloutGroup]) -> int:
+        """Bump `dropped_stale_queued` by the stale groups that waited in our verification
+        queue; returns how many."""
         queued = sum(1 for g in stale if g.queued)
         if queued:
             self.buffer.bump("dropped_stale_queued", queued)
-            log.warning("%d group(s) that waited in the verification queue were stale on "
-                        "arrival in the buffer: dropped", queued)
+        return queued
 
     # training -----------------------------------------------------------------------------
 
@@ -289,9 +295,7 @@ class Trainer:
             (stale if self._age(g) > self.cfg.max_staleness else
              local if g.source == "local" else external).append(g)
         self.buffer.drop([g.id for g in stale], "stale")
-        queued = sum(1 for g in stale if g.queued)
-        if queued:
-            self.buffer.bump("dropped_stale_queued", queued)
+        self._count_queued_stale(stale)
         return local, external, len(stale)
 
     def step(self) -> StepStats:

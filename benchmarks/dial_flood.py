@@ -18,7 +18,8 @@ when either step fails or takes over `--probe-timeout-s`. Phases: baseline, floo
 `--trainer-pythonpath DIR` runs the trainer from another copy of swarm_node (DIR/swarm_node,
 e.g. one with a patch taken out) to compare the same flood.
 Printed: per phase, probes, failures, connect and hello p50/max, the trainer's policy
-versions (it must keep training); the load average at start and end.
+versions and versions/s (it must keep training) and its longest pause (no new version);
+the load average at start and end.
 """
 
 from __future__ import annotations
@@ -193,8 +194,28 @@ async def run(args) -> dict:
         trainer.stop()
 
 
+def longest_pauses(versions: list[tuple[str, float, int]]) -> dict[str, float]:
+    """Per phase, the longest time the trainer's version stood still (seconds from one new
+    version to the next, given to the phase in which it ended; one still open at the end
+    counts to the last phase): the issue's "training paused 2.6-3.5 min"."""
+    out: dict[str, float] = {}
+    last_t, last_v = None, None
+    for name, t, v in versions:
+        if v < 0:  # /status did not answer: not a version
+            continue
+        if last_v is None or v > last_v:
+            if last_t is not None:
+                out[name] = max(out.get(name, 0.0), t - last_t)
+            last_t, last_v = t, v
+    if versions and last_t is not None:
+        name, t, _ = versions[-1]
+        out[name] = max(out.get(name, 0.0), t - last_t)
+    return out
+
+
 def summarize(args, r: dict, loads: tuple[float, float]) -> str:
     rows = []
+    pauses = longest_pauses(r["versions"])
     for name in ("baseline", "flood", "after"):
         ps = [p for p in r["probes"] if p["phase"] == name]
         ok = [p for p in ps if "error" not in p]
@@ -203,9 +224,11 @@ def summarize(args, r: dict, loads: tuple[float, float]) -> str:
         vs = [v for v in r["versions"] if v[0] == name]
         dv = (vs[-1][2] - vs[0][2]) if len(vs) > 1 else 0
         dt = (vs[-1][1] - vs[0][1]) if len(vs) > 1 else 0
+        rate = dv / dt if dt > 0 else float("nan")
         rows.append(f"| {name} | {len(ps)} | {len(ps) - len(ok)} | {pct(conn, 0.5):.2f} / "
                     f"{max(conn, default=float('nan')):.2f} | {pct(hello, 0.5):.2f} / "
-                    f"{max(hello, default=float('nan')):.2f} | {dv} in {dt:.0f} s |")
+                    f"{max(hello, default=float('nan')):.2f} | {dv} in {dt:.0f} s = "
+                    f"{rate:.2f}/s | {pauses.get(name, 0.0):.0f} s |")
     errors = sorted({p["error"][:80] for p in r["probes"] if "error" in p})
     churn = f", each replaced by a fresh identity every {args.churn_s:g} s" if args.churn_s else ""
     trainer = f"trainer from {args.trainer_pythonpath}; " if args.trainer_pythonpath else ""
@@ -213,7 +236,11 @@ def summarize(args, r: dict, loads: tuple[float, float]) -> str:
             f"{churn}, flood end: {args.end}; probe every {args.probe_every:g} s (timeout "
             f"{args.probe_timeout_s:g} s); flood: {r['flood']}\n\n"
             "| phase | probes | failed | connect p50 / max s | hello p50 / max s | "
-            "trainer versions |\n|---|---|---|---|---|---|\n" + "\n".join(rows)
+            "trainer versions | longest pause |\n|---|---|---|---|---|---|---|\n"
+            + "\n".join(rows)
+            + f"\n\nInbound connections the trainer accepted in all: "
+              f"{r['flood'].get('connections', 0)} flood + {len(r['probes'])} probes "
+              f"(py-libp2p's inbound slots: 250)."
             + f"\n\nErrors: {errors or 'none'}. Load (1 min) {loads[0]:.1f} at start, "
               f"{loads[1]:.1f} at end (2 shared cores).")
 

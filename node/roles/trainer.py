@@ -6,7 +6,8 @@ reputation, sequential tests, bans, penalties and verdicts; the `Trainer`
 policy version:
   1. the intake verifies the batches that arrived and hands the accepted ones to the
      trainer's crash-safe buffer;
-  2. sample this node's own rollouts for the round (SAPO: every trainer also samples);
+  2. sample this node's own rollouts for the round (SAPO: every trainer also samples),
+     unless the local groups waiting (peers' first) already fill the next step;
   3. one GRPO step on I local + J external groups, a checkpoint, and a signed manifest of
      the new version for the inference peers and relays.
 Rollouts of this trainer's own policy are verified against the version that produced them
@@ -244,6 +245,19 @@ class TrainerRole(Role):
         self.trainer.add_local(samples)
         return len(samples)
 
+    async def _own_round_wanted(self) -> bool:
+        """Sample this trainer's own round (SAPO: every trainer samples) unless the local
+        groups already waiting fill the next step's I slots: peers' groups go first
+        (trainer.py), so own samples beyond that would only wait and go stale (counted
+        `sampling_rounds_skipped`). With local_items 0 it samples as before (its reward)."""
+        tc = self.cfg.trainer
+        if not tc.sample_locally:
+            return False
+        if tc.local_items and await self.work(self.trainer.local_room) == 0:
+            self.state.count("sampling_rounds_skipped")
+            return False
+        return True
+
     async def _wait_for_peers(self, stop: asyncio.Event) -> None:
         """Pace steps by the swarm: wait for `peer_batches_per_step` verified peer batches
         (at most `peer_wait_s`), verifying them as they arrive. The trainer is idle here, so
@@ -274,7 +288,7 @@ class TrainerRole(Role):
                 return
             self.progress.set("verifying", "verifying the rollout batches peers sent")
             await self.intake.drain(stop)
-            if self.cfg.trainer.sample_locally and not stop.is_set():
+            if await self._own_round_wanted() and not stop.is_set():
                 self.progress.set("sampling", f"sampling this trainer's own rollouts (round "
                                               f"{self.round})")
                 await until_written(self.disk, self.work_oom_safe, self.sample_local, self.round,

@@ -4,6 +4,7 @@
     trainer.add_local(samples)        # own sampler's rollouts (behaviour logprobs kept)
     trainer.add_external(batch, sender, as_of)  # verified peers' rollouts (re-scored)
     stats = trainer.step()            # I local + J external groups -> version + 1
+    trainer.local_room()              # local groups the next step could still take
     trainer.latest_checkpoint()       # .policy_dir: what the sampler / broadcaster load
     with trainer.sampling(): ...      # the model in eval mode for this node's own sampler
     trainer.undo_failed_step()        # after a step that raised (out of memory): groups back
@@ -21,6 +22,11 @@ verifier/checks.py) and the trainer ages it from there too, so a batch accepted 
 grace is stored and trainable like one verified the moment it arrived (its age at acceptance
 is its lag at arrival, <= max_staleness). Groups dropped stale after such a wait are also
 counted `dropped_stale_queued` (buffer counters: /status, /metrics).
+
+Which local groups a step takes (I of them): peers' verified groups of our policy first,
+while within max_staleness, then the freshest (`_local_order`); the role samples its own
+round only while the pending local groups leave room (`local_room`). So a group a peer was
+credited for is trained on, not crowded out by this trainer's own fresher samples.
 
 Crash safety: see buffer.py; every `checkpoint_every` steps the checkpoint is written first,
 then the groups its steps used are deleted from the buffer. On start the trainer resumes
@@ -298,13 +304,28 @@ class Trainer:
         self._count_queued_stale(stale)
         return local, external, len(stale)
 
+    def _local_order(self, g: RolloutGroup) -> tuple[bool, int, int]:
+        """Which local groups a step takes first: those peers sent (verified, the sender
+        credited; older than our own fresh samples, they would otherwise wait until stale
+        while each round's own samples fill the I slots), then the freshest (closest to
+        on-policy; the wait in our verification queue is not held against a group), then
+        the oldest arrival. The own sampler can make more; a peer's group cannot be
+        replaced."""
+        return (not g.sender, self._age(g), g.id or 0)
+
+    def local_room(self) -> int:
+        """Local groups the next step could take beyond those already waiting (I less the
+        pending local groups still within max_staleness); the role samples its own round
+        only while this is above 0, so its samples do not pile up behind peers' groups."""
+        fresh = sum(1 for g in self.buffer.pending("local")
+                    if self._age(g) <= self.cfg.max_staleness)
+        return max(0, self.cfg.local_items - fresh)
+
     def step(self) -> StepStats:
         """One update on up to I local + J external groups; checkpoint per config."""
         t0 = time.perf_counter()
         local, external, stale = self._drop_stale()
-        # freshest local groups first (closest to on-policy; the wait in our verification
-        # queue is not held against a group), then oldest arrival
-        local.sort(key=lambda g: (self._age(g), g.id))
+        local.sort(key=self._local_order)
         chosen_local = local[:self.cfg.local_items]
         chosen_ext = select_groups(external, self.cfg.external_items,
                                    self.cfg.external_selection, self.rng)

@@ -165,11 +165,11 @@ def test_a_batch_accepted_through_the_queue_grace_is_trained_on(tiny_model_dir, 
     s = t.step()
     assert s.trained and s.group_ids == [g.id] and s.dropped_stale == 0
     assert t.counters()["stored_queued"] == 1 and "dropped_stale" not in t.counters()
-    # another one (v1, arrived at v2, verified at v4), outranked by a fresh group: it has the
-    # same window as a batch verified on arrival (one more step here), then goes stale,
-    # counted; the wait survives a restart (the buffer's payload)
+    # another one (v1, arrived at v2, verified at v4), outranked by a fresher peer group
+    # (v4): it has the same window as a batch verified on arrival (one more step here),
+    # then goes stale, counted; the wait survives a restart (the buffer's payload)
     assert t.add_external(own_batch(tok, 6, version=1), "newcomer", as_of=2) == 1
-    assert t.add_local(mixed_group(tok, 20, version=4)) == 1
+    assert t.add_external(own_batch(tok, 8, version=4), "other", as_of=4) == 1
     t.close()
     t = Trainer(cfg, tiny_model_dir, tmp_path / "d", policy_id="me")
     assert t.version == 4 and sorted(g.queued for g in t.buffer.pending("local")) == [0, 2]
@@ -182,6 +182,37 @@ def test_a_batch_accepted_through_the_queue_grace_is_trained_on(tiny_model_dir, 
     # without `as_of` (no queue: the batch arrived now) its lag is all staleness
     assert t.add_external(own_batch(tok, 7, version=3), "newcomer") == 0
     assert t.counters()["dropped_stale"] == 2 and t.counters()["dropped_stale_queued"] == 1
+    t.close()
+
+
+def test_accepted_peer_groups_are_trained_on_not_crowded_out(tiny_model_dir, tmp_path):
+    """Issue 30 leftover: in a running trainer the own sampler adds `local_items` fresh
+    groups every round; a verified batch of our policy from a peer (the sender credited) is
+    older than those (sampled at an earlier version), so the freshest-first pick never
+    reached it: it waited, aged out and was dropped stale (`dropped_stale_queued` when it
+    had waited in the verification queue) while the own groups were trained at once. Now
+    the groups peers sent go first while they are within max_staleness (still I local)."""
+    cfg = make_config(local_items=2, external_items=0, max_staleness=2)
+    t = Trainer(cfg, tiny_model_dir, tmp_path / "d", policy_id="me")
+    tok = t.tokenizer
+    peer_ids: set[int] = set()
+    trained: set[int] = set()
+    for rnd in range(6):  # the role's loop: intake, own sampling, step
+        v = t.version
+        if v >= 2:  # a peer's batch: sampled at v-2, arrived at v-1, verified now (grace)
+            assert t.add_external(own_batch(tok, 100 + rnd, version=v - 2), "peer",
+                                  as_of=v - 1) == 1
+            peer_ids |= {g.id for g in t.buffer.pending("local") if g.sender == "peer"}
+        for k in range(2):
+            assert t.add_local(mixed_group(tok, 10 * rnd + k, version=v)) == 1
+        s = t.step()
+        assert s.trained and s.groups_local == 2
+        trained |= set(s.group_ids)
+    assert len(peer_ids) == 4 and t.counters()["stored_queued"] == 4
+    # every peer group was trained on while fresh; none went stale
+    assert peer_ids <= trained and "dropped_stale_queued" not in t.counters()
+    # what did not fit is the own sampler's surplus: round 2's spare group, counted stale
+    assert t.counters()["dropped_stale"] == 1
     t.close()
 
 

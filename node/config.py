@@ -349,11 +349,6 @@ class BroadcastSection(Section):
     seed_copies: int = Field(1, ge=0)
     """Trainer: copies of each shard of its own checkpoint it hands out before it answers
     `seeded` (the swarm carries the rest; 0: serve every request)."""
-    seed_first_share: int = Field(2, ge=0)
-    """Trainer: while several peers ask, an asker gets a shard's first copy only while fewer
-    than this many of the first copies it got (in the last `seed_hold_s`) were not seen
-    spreading; others are answered `seeded` (super-seeding per peer; 0: the first asker gets
-    it). broadcast/seeding.py."""
     seed_hold_s: float = Field(5.0, ge=0)
     """Trainer: how long an ask answered `seeded` may go without a sign that the shard
     spreads (a new holder advertised, a copy completed); then the next asker gets one more

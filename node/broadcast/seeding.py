@@ -25,17 +25,6 @@ each shard's first, all 5-8 s after the one before, 10 of them while other holde
 uploading that very shard (one when 10 of the 11 receivers held it already); at 30 nodes
 the runs take longer and it handed out 5.6 copies of the checkpoint.
 
-First copies, shared out (`first_share`, like BitTorrent's super-seeding per peer): while
-other peers ask too, an asker gets the first copy of a shard only while fewer than
-`first_share` of the first copies it got lately have not spread (no advert from a holder we
-did not give the shard to, and given less than `hold_s` ago); otherwise it is answered
-`seeded` and the shard goes to another asker. Measured first (12 nodes in the simulated WAN,
-64 MiB, 17 shards): one relay took 4 first copies and completed no upload of them in 9 s
-(its paths are the longest: the trainer released all four again), one public follower took
-5 and served 50 uploads of them at 16 at once (8 s per shard), and another public follower,
-whose asks came 0.3 s later, took none and served 6 uploads in the whole run. A lone asker
-is never held back (no other peer asked within `hold_s`).
-
 Relays and followers serve every request (their uplinks are what carries the swarm).
 """
 
@@ -70,20 +59,13 @@ class _Copies:
     asked: dict[int, float] = field(default_factory=dict)
     heard: OrderedDict[str, int] = field(default_factory=OrderedDict)  # peer -> shard bits
     waiting: OrderedDict[tuple[str, int], float] = field(default_factory=OrderedDict)
-    # first copies not seen spreading yet: peer -> {shard: when given}; shard -> that peer
-    first: dict[str, dict[int, float]] = field(default_factory=dict)
-    first_to: dict[int, str] = field(default_factory=dict)
-    askers: OrderedDict[str, float] = field(default_factory=OrderedDict)  # peer -> last ask
 
 
 class Seeding:
-    def __init__(self, origin: str, copies: int, hold_s: float, clock=time.monotonic,
-                 first_share: int = 0):
+    def __init__(self, origin: str, copies: int, hold_s: float, clock=time.monotonic):
         self.origin, self.copies, self.hold_s, self.clock = origin, copies, hold_s, clock
-        self.first_share = first_share  # 0: first copies to whoever asks first
         self._versions: OrderedDict[tuple[str, int], _Copies] = OrderedDict()
         self.released: dict[str, int] = {"stalled": 0, "waited": 0}  # copies beyond the first
-        self.first_held = 0  # first copies refused to an asker over its share
 
     def _version(self, key: tuple[str, int]) -> _Copies:
         c = self._versions.get(key)
@@ -100,14 +82,6 @@ class Seeding:
             return True
         c = self._version(key)
         now = self.clock()
-        if self.first_share > 0:
-            c.askers.pop(peer, None)
-            c.askers[peer] = now
-            while len(c.askers) > MAX_PEERS:
-                c.askers.popitem(last=False)
-        if c.count.get(shard, 0) == 0 and self._over_share(c, peer, now):
-            self.first_held += 1
-            return False
         if c.count.get(shard, 0) >= self.copies:
             why = self._release(c, shard, peer, now)
             if why is None:
@@ -121,30 +95,7 @@ class Seeding:
         c.count[shard] = c.count.get(shard, 0) + 1
         c.flying[shard] = c.flying.get(shard, 0) + 1
         c.to.setdefault(shard, set()).add(peer)
-        if self.first_share > 0 and c.count[shard] == 1 and shard not in c.first_to:
-            c.first.setdefault(peer, {})[shard] = now
-            c.first_to[shard] = peer
         return True
-
-    def _over_share(self, c: _Copies, peer: str, now: float) -> bool:
-        """Whether `peer` holds its share of first copies not seen spreading (those given
-        `hold_s` ago or more no longer count), while another peer asked within `hold_s`."""
-        if self.first_share <= 0:
-            return False
-        mine = c.first.get(peer)
-        if not mine:
-            return False
-        for shard in [s for s, t in mine.items() if now - t >= self.hold_s]:
-            del mine[shard]
-        if len(mine) < self.first_share:
-            return False
-        return any(p != peer and now - t < self.hold_s for p, t in c.askers.items())
-
-    def _spread(self, c: _Copies, shard: int) -> None:
-        """`shard` reached a holder we did not give it to: its first copy is shared."""
-        peer = c.first_to.pop(shard, None)
-        if peer is not None:
-            c.first.get(peer, {}).pop(shard, None)
 
     def _release(self, c: _Copies, shard: int, peer: str, now: float) -> str | None:
         """Why one more copy of `shard` goes out now ("stalled": the swarm stopped
@@ -170,8 +121,6 @@ class Seeding:
         if c is not None and c.count.get(shard, 0) > 0:
             c.count[shard] -= 1
             c.flying[shard] = max(0, c.flying.get(shard, 0) - 1)
-            if c.count[shard] == 0:  # the first copy did not arrive: not the asker's share
-                self._spread(c, shard)
 
     def heard(self, peer: str, advert: ShardAdvert, num_shards: int) -> None:
         """`peer` advertised holdings of one of our versions: the shards it names for the
@@ -193,7 +142,6 @@ class Seeding:
             new ^= low
             if peer not in c.to.get(shard, ()):
                 c.asked.pop(shard, None)
-                self._spread(c, shard)
 
     def unanswered(self, key: tuple[str, int]) -> int:
         """Shards of `key` answered `seeded` with no sign of spreading since (tests)."""

@@ -60,8 +60,7 @@ class Broadcaster:
         self.proven = ProvenPeers()  # peers we verified shards from
         self.server = ShardServer(self.store, cfg)
         if role == "trainer":  # each shard of its own checkpoints goes out about once
-            self.server.seeding = Seeding(node.peer_id, cfg.seed_copies, cfg.seed_hold_s,
-                                          first_share=cfg.seed_first_share)
+            self.server.seeding = Seeding(node.peer_id, cfg.seed_copies, cfg.seed_hold_s)
         self.transport = transport or RoutingTransport(P2PTransport(node), bulk=node.bulk)
         self.adverts = Adverts(node, cfg, self.store, self.records, self.counts,
                                self.proven, follows=self._follows, transport=self.transport,
@@ -175,7 +174,6 @@ class Broadcaster:
         if self.server.seeding is not None:  # copies beyond a shard's first, by reason
             for why, n in self.server.seeding.released.items():
                 out[f"seed_released_{why}"] += n
-            out["seed_first_held"] += self.server.seeding.first_held
         if isinstance(self.transport, RoutingTransport):  # shard streams by path, reuse
             for path, n in self.transport.opened.items():
                 out[f"streams_{path}"] += n

@@ -27,9 +27,6 @@ log = logging.getLogger(__name__)
 
 MAX_OWN_HOLDERS = 256
 """Advertisers remembered per version of this node's own policy (the swarm view's holders)."""
-UNPROVEN_REFILLS = 4
-"""Unproven advertisers admitted per version at most: this many times `max_unproven_sources`
-(the slots of those dropped on trial are given back up to this)."""
 
 
 def _dropped(rec: VersionRecord) -> int:
@@ -103,7 +100,7 @@ class Adverts:
         them). An unproven peer becomes proven with its first verified shard.
 
         The slot of an unproven source the download dropped (its trial failed: sources.py)
-        is given back, up to `UNPROVEN_REFILLS` x `max_unproven_sources` admitted per version
+        is given back, up to `unproven_refills` x `max_unproven_sources` admitted per version
         in all: each costs at most its trial. Measured first (30 nodes in the simulated WAN,
         slots kept for the version): a relay had 6 of its 8 slots taken by advertisers it
         could not open a stream to, learnt of no other holder, and sat 45 s with nothing in
@@ -125,7 +122,7 @@ class Adverts:
             same_host = sum(1 for p in rec.unproven if rec.hosts.get(p) == host)
             cap = self.cfg.max_unproven_sources
             if (len(rec.unproven) - _dropped(rec) >= cap
-                    or len(rec.unproven) >= UNPROVEN_REFILLS * cap
+                    or len(rec.unproven) >= self.cfg.unproven_refills * cap
                     or (host and same_host >= self.cfg.max_sources_per_host)):
                 return False
             rec.unproven.add(peer)

@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 from collections import Counter
 
-from swarm_node.node.broadcast.adverts import UNPROVEN_REFILLS, Adverts
+from swarm_node.node.broadcast.adverts import Adverts
 from swarm_node.node.broadcast.downloader import Downloader
 from swarm_node.node.broadcast.records import VersionRecords
 from swarm_node.node.broadcast.server import RateLimiter, ShardServer
@@ -234,7 +234,8 @@ async def test_an_advertiser_on_trial_that_fails_once_is_asked_again_and_serves(
 
 def test_the_slot_of_an_advertiser_dropped_on_trial_is_given_back(tmp_path):
     """max_unproven_sources counts the advertisers still in use: one dropped on trial frees
-    its slot for the next advertiser, up to UNPROVEN_REFILLS x the slots per version."""
+    its slot for the next advertiser, up to `unproven_refills` x the slots per version (1:
+    never, the rule before)."""
     store = ShardStore(tmp_path / "s")
     records = VersionRecords(store)
     cfg = node_config().broadcast.model_copy(update={"max_unproven_sources": 1})
@@ -242,12 +243,15 @@ def test_the_slot_of_an_advertiser_dropped_on_trial_is_given_back(tmp_path):
                       follows=lambda p: True)
     rec = records.track(("trainer", 1))
     rec.book = book = SourceBook(per_source=4, max_corrupt=1, trial_failures=1)
+    before = Adverts(None, cfg.model_copy(update={"unproven_refills": 1}), store, records,
+                     Counter(), ProvenPeers(), follows=lambda p: True)
     assert adverts._admit(rec, "a", "10.0.0.1:4002")
     rec.remember("a", None)
     assert not adverts._admit(rec, "b", "10.0.0.2:4002")  # the one slot is a's
     book.failure("a", "open_failed")  # a's trial failed: dropped for the version
     assert book.sources["a"].dropped
-    for i in range(UNPROVEN_REFILLS - 1):  # each dropped one frees the slot again
+    assert not before._admit(rec, "b", "10.0.0.2:4002")  # the rule before: a's for good
+    for i in range(cfg.unproven_refills - 1):  # each dropped one frees the slot again
         peer = f"p{i}"
         assert adverts._admit(rec, peer, f"10.0.1.{i}:4002")
         rec.remember(peer, None)

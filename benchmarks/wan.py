@@ -1246,28 +1246,28 @@ def seed_line(ours: dict | None) -> str:
             + f"; `seeded` answers {sum(acc['seeded'].values())}.")
 
 
-def machine_line(ours: dict | None, receivers: int, size: int) -> str:
-    """What the lab carried (machine_account) and where the receivers' time went
-    (receiver_timelines): the delay stage's rate, CPU and late packets, the machine's CPU,
-    and the time the receivers' copies alone need at the stage's rate."""
+def machine_line(ours: dict | None) -> str:
+    """What the lab carried (machine_account) and how busy each receiver's download was
+    (receiver_timelines): the delay stage's rate, CPU and late packets, the cores' share
+    used by the nodes and the stage, and the share of each download with a transfer in
+    flight."""
     m = (ours or {}).get("machine")
     if not m or not m.get("window_s"):
         return ""
     st, w = m["stage"], m["window_s"]
-    rate = st.get("bytes", 0) / w
     late = st.get("late_10ms", 0) / max(1, st.get("packets", 0))
-    line = (f" Lab: the delay stage carried {rate / 1e6:.1f} MB/s ({st.get('bytes', 0) / 1e6:.0f}"
-            f" MB in {w:.1f} s) on {st.get('cpu_s', 0.0) / w:.0%} of a core, {late:.0%} of its"
-            f" packets released > 10 ms late; all nodes and the stage used {m['cpu_share']:.0%}"
-            f" of the {m['cores']} cores; the receivers' copies alone ({receivers} x the"
-            f" checkpoint) need {receivers * size / rate:.1f} s at that rate" if rate else "")
+    line = (f" Lab: the delay stage carried {st.get('bytes', 0) / w / 1e6:.1f} MB/s"
+            f" ({st.get('bytes', 0) / 1e6:.0f} MB in {w:.1f} s) on"
+            f" {st.get('cpu_s', 0.0) / w:.0%} of a core, {late:.0%} of its packets released"
+            f" > 10 ms late; the nodes and the stage used {m['cpu_share']:.0%} of the"
+            f" {m['cores']} cores")
     busy = [t["busy_s"] / (t["done"] - t["first_start"]) for t in
             (ours.get("timelines") or {}).values()
             if t.get("done") and t.get("first_start") is not None and t["done"] > t["first_start"]]
     if busy:
         line += (f"; each receiver had a transfer in flight {min(busy):.0%}-{max(busy):.0%} of"
                  " its download")
-    return line + "." if line else ""
+    return line + "."
 
 
 def broadcast_body(args, out: dict, pending: str = "not run (no .venv-shardcast)") -> str:
@@ -1293,7 +1293,7 @@ def broadcast_body(args, out: dict, pending: str = "not run (no .venv-shardcast)
             "nothing); egress counted on the trainer's access link."
             + verdict_line(out.get("ours")) + endgame_line(out.get("ours"), size)
             + seed_line(out.get("ours"))
-            + machine_line(out.get("ours"), out["receivers"], size) + "\n\n"
+            + machine_line(out.get("ours")) + "\n\n"
             + table(["system", "copies verified", "time s", "x lower bound (goal <= 1.5)",
                      "trainer egress / checkpoint (goal <= 2)",
                      "copies served by trainer / relays / peers"], rows))

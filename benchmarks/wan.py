@@ -945,6 +945,8 @@ def ours_broadcast(lab: Lab, plan: WanPlan, ckpt: Path, work: Path, timeout: flo
             hosts_of[ev["peer_id"]] = f.host
         time.sleep(5)  # gossip mesh
         verdicts = reachability_verdicts([*relays, *followers], 120)
+        cpu_pub = cpu_now(procs)  # each node's CPU seconds just before the publish
+        stage0 = lab.stage_stats()
         tx0 = lab.link_bytes(plan.trainer)["tx"]
         t_cmd = time.time()
         origin.send(f"publish {ckpt} 1")
@@ -953,15 +955,17 @@ def ours_broadcast(lab: Lab, plan: WanPlan, ckpt: Path, work: Path, timeout: flo
         each = wait_all([*relays, *followers], "complete", t_cmd + timeout)
         done = [d for d in each if d is not None]
         t_all = max(d["t"] for d in done) - t_cmd if len(done) == len(each) else None
-        traces = {}
+        stage1 = lab.stage_stats()
+        traces, cpu_end = {}, {}
         for p in procs:  # every node's served shards, for the per-shard account
             p.send("stats")
             st = p.event("stats", 60)
             traces[p.host] = st.get("trace", [])
+            cpu_end[p.host] = st.get("cpu_s", 0.0)
             if p is origin:
                 served = st["server"]
                 released = {k: v for k, v in st.get("counters", {}).items()
-                            if k.startswith("seed_released_")}
+                            if k.startswith(("seed_released_", "seed_first_"))}
         shard = -(-pub["total"] // pub["shards"])
         by = {"trainer": 0, "relays": 0, "peers": 0}  # whose uplinks carried the copies
         for d in done:
@@ -984,10 +988,90 @@ def ours_broadcast(lab: Lab, plan: WanPlan, ckpt: Path, work: Path, timeout: flo
                                        zip(each, cpu0, strict=True) if d),
                 "cores": os.cpu_count(),
                 "trainer_seeded": served.get("error_seeded", 0), "seed_released": released,
-                "shards": shard_account(traces, hosts_of, plan, verdicts, t_cmd)}
+                "shards": shard_account(traces, hosts_of, plan, verdicts, t_cmd),
+                "t_publish": round(pub["t"] - t_cmd, 2),
+                "timelines": receiver_timelines(traces, hosts_of, plan, verdicts, t_cmd, {
+                    h: d["t"] - t_cmd for h, d in zip(hosts, each, strict=True) if d}),
+                "metrics_each": {h: d["metrics"] for h, d in zip(hosts, each, strict=True)
+                                 if d},
+                "machine": machine_account(cpu_pub, cpu_end, stage0, stage1,
+                                           time.time() - t_cmd)}
     finally:
         for p in procs:
             p.stop()
+
+
+def cpu_now(procs: list[LabProc]) -> dict[str, float]:
+    """Each node's own CPU seconds now (its `stats` answer)."""
+    out = {}
+    for p in procs:
+        p.send("stats")
+        out[p.host] = p.event("stats", 60).get("cpu_s", 0.0)
+    return out
+
+
+def machine_account(cpu0: dict[str, float], cpu1: dict[str, float], stage0: dict,
+                    stage1: dict, window_s: float) -> dict:
+    """What the broadcast cost the machine, from the publish command until the stats after
+    the last copy: each node's CPU seconds, the delay stage's (and how many packets it
+    released late: it fell behind), against the cores' CPU seconds in that window."""
+    nodes = {h: round(cpu1.get(h, 0.0) - c, 2) for h, c in cpu0.items()}
+    stage = {k: stage1.get(k, 0) - stage0.get(k, 0) for k in
+             ("cpu_s", "packets", "bytes", "lost", "late_2ms", "late_10ms", "tun_drops",
+              "reads")}
+    stage["late_s_max"] = stage1.get("late_s_max")
+    total = sum(nodes.values()) + stage.get("cpu_s", 0.0)
+    cores = os.cpu_count() or 1
+    return {"window_s": round(window_s, 2), "nodes_cpu_s": nodes, "stage": stage,
+            "cpu_s_total": round(total, 2), "cores": cores,
+            "cpu_share": round(total / (cores * window_s), 3) if window_s > 0 else None}
+
+
+def receiver_timelines(traces: dict[str, list], hosts_of: dict[str, str], plan: WanPlan,
+                       verdicts: dict[str, str], t0: float,
+                       done: dict[str, float]) -> dict:
+    """Per receiver, from every node's served-shard trace: each shard it took (start, end,
+    shard, from), when it finished, how much of its download had a transfer in flight
+    (`busy_s`) and how many on average (`mean_flights`), its first and last transfer, and
+    the `seeded` answers the trainer gave it (times). Where a receiver's time went."""
+    rows: dict[str, list] = {}
+    seeded: dict[str, list] = {}
+    for host, trace in traces.items():
+        for start, end, _v, shard, peer, outcome in trace:
+            to = hosts_of.get(peer, peer[-6:])
+            if outcome == "seeded":
+                seeded.setdefault(to, []).append(round(start - t0, 2))
+            else:
+                rows.setdefault(to, []).append(
+                    (round(start - t0, 2), round(end - t0, 2), shard, host, outcome))
+    out = {}
+    for h in [*plan.relays, *plan.peers]:
+        rs = sorted(rows.get(h, []))
+        sent = [r for r in rs if r[4] == "sent"]
+        busy, cur_s, cur_e, total = 0.0, None, None, 0.0
+        for s, e, *_ in sent:
+            total += e - s
+            if cur_e is None or s > cur_e:
+                if cur_e is not None:
+                    busy += cur_e - cur_s
+                cur_s, cur_e = s, e
+            else:
+                cur_e = max(cur_e, e)
+        if cur_e is not None:
+            busy += cur_e - cur_s
+        end = done.get(h)
+        first = sent[0][0] if sent else None
+        span = (end - first) if end is not None and first is not None else None
+        kinds = Counter("trainer" if r[3] == plan.trainer else "relay"
+                        if r[3] in plan.relays else "peer" for r in sent)
+        out[h] = {"kind": "relay" if h in plan.relays else verdicts.get(h, "?"),
+                  "done": round(end, 2) if end is not None else None,
+                  "first_start": first, "last_end": sent[-1][1] if sent else None,
+                  "busy_s": round(busy, 2), "idle_s": round(span - busy, 2) if span else None,
+                  "mean_flights": round(total / span, 2) if span else None,
+                  "from": dict(kinds), "cut": sum(r[4] == "cut" for r in rs),
+                  "seeded": seeded.get(h, []), "shards": sent}
+    return out
 
 
 def shard_account(traces: dict[str, list], hosts_of: dict[str, str], plan: WanPlan,
@@ -1162,6 +1246,30 @@ def seed_line(ours: dict | None) -> str:
             + f"; `seeded` answers {sum(acc['seeded'].values())}.")
 
 
+def machine_line(ours: dict | None) -> str:
+    """What the lab carried (machine_account) and how busy each receiver's download was
+    (receiver_timelines): the delay stage's rate, CPU and late packets, the cores' share
+    used by the nodes and the stage, and the share of each download with a transfer in
+    flight."""
+    m = (ours or {}).get("machine")
+    if not m or not m.get("window_s"):
+        return ""
+    st, w = m["stage"], m["window_s"]
+    late = st.get("late_10ms", 0) / max(1, st.get("packets", 0))
+    line = (f" Lab: the delay stage carried {st.get('bytes', 0) / w / 1e6:.1f} MB/s"
+            f" ({st.get('bytes', 0) / 1e6:.0f} MB in {w:.1f} s) on"
+            f" {st.get('cpu_s', 0.0) / w:.0%} of a core, {late:.0%} of its packets released"
+            f" > 10 ms late; the nodes and the stage used {m['cpu_share']:.0%} of the"
+            f" {m['cores']} cores")
+    busy = [t["busy_s"] / (t["done"] - t["first_start"]) for t in
+            (ours.get("timelines") or {}).values()
+            if t.get("done") and t.get("first_start") is not None and t["done"] > t["first_start"]]
+    if busy:
+        line += (f"; each receiver had a transfer in flight {min(busy):.0%}-{max(busy):.0%} of"
+                 " its download")
+    return line + "."
+
+
 def broadcast_body(args, out: dict, pending: str = "not run (no .venv-shardcast)") -> str:
     size, bound = out["size"], out["bound_s"]
     rows = []
@@ -1184,7 +1292,8 @@ def broadcast_body(args, out: dict, pending: str = "not run (no .venv-shardcast)
             "receiver verified its copy (shardcast: every client; its middles on the relays report "
             "nothing); egress counted on the trainer's access link."
             + verdict_line(out.get("ours")) + endgame_line(out.get("ours"), size)
-            + seed_line(out.get("ours")) + "\n\n"
+            + seed_line(out.get("ours"))
+            + machine_line(out.get("ours")) + "\n\n"
             + table(["system", "copies verified", "time s", "x lower bound (goal <= 1.5)",
                      "trainer egress / checkpoint (goal <= 2)",
                      "copies served by trainer / relays / peers"], rows))

@@ -311,6 +311,10 @@ class BroadcastSection(Section):
     max_unproven_sources: int = Field(8, ge=0)
     """Per version: advertisers we never verified a shard from that are used as sources
     (peers that delivered verified shards before, and the trainer, are not capped)."""
+    unproven_refills: int = Field(4, ge=1)
+    """Per version: unproven advertisers admitted at most, in all, as a multiple of
+    `max_unproven_sources` (the place of one dropped on trial is given back until then;
+    1: never given back, the rule before). broadcast/adverts.py."""
     max_sources_per_host: int = Field(4, ge=1)
     """Per version: sources sharing one TCP endpoint host that are used."""
     keep_versions: int = Field(3, ge=1)

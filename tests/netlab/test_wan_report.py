@@ -3,7 +3,16 @@ run missed instead of hiding it, and a section's load is sampled while it runs."
 
 from __future__ import annotations
 
-from benchmarks.wan import LoadSampler, headlines, parse, swarm_body
+from swarm_node.node.testing.netlab.scenarios import wan_plan
+
+from benchmarks.wan import (
+    LoadSampler,
+    headlines,
+    machine_line,
+    parse,
+    receiver_timelines,
+    swarm_body,
+)
 from tests.waiting import wait_until
 
 
@@ -52,3 +61,26 @@ def test_load_sampler_samples_while_a_section_runs():
         wait_until(lambda: len(loads.samples) >= 3, 10, "two samples while running")
     assert len(loads.samples) >= 4  # one at the start, >= 2 while running, one at the end
     assert loads.summary().endswith(f"({len(loads.samples)} samples)")
+
+
+def test_broadcast_timelines_say_when_each_receiver_had_a_transfer_in_flight():
+    plan = wan_plan(4)  # trainer, relay1, relay2, p1
+    ids = {"T": "trainer", "R1": "relay1", "R2": "relay2", "P1": "p1"}
+    traces = {  # (start, end, version, shard, peer, outcome), wall clock; t0 = 100
+        "trainer": [(100.0, 101.0, 1, 0, "P1", "sent"), (100.5, 100.5, 1, 1, "P1", "seeded"),
+                    (100.0, 102.0, 1, 1, "R1", "sent")],
+        "relay1": [(102.0, 103.0, 1, 1, "P1", "sent"), (104.0, 106.0, 1, 0, "R1", "cut")],
+        "relay2": [], "p1": [(103.0, 104.0, 1, 0, "R2", "sent")]}
+    tl = receiver_timelines(traces, ids, plan, {"p1": "public"}, 100.0,
+                            {"p1": 4.0, "relay1": 3.0})
+    p1 = tl["p1"]
+    assert (p1["done"], p1["first_start"], p1["busy_s"], p1["idle_s"]) == (4.0, 0.0, 2.0, 2.0)
+    assert p1["from"] == {"trainer": 1, "relay": 1} and p1["seeded"] == [0.5]
+    assert tl["relay1"]["cut"] == 1 and tl["relay1"]["from"] == {"trainer": 1}
+    assert tl["relay2"]["done"] is None and tl["relay2"]["shards"] == [(3.0, 4.0, 0, "p1", "sent")]
+    machine = {"window_s": 10.0, "stage": {"bytes": 50e6, "cpu_s": 8.0, "packets": 1000,
+                                           "late_10ms": 100}, "cpu_share": 0.9, "cores": 2}
+    line = machine_line({"machine": machine, "timelines": tl})
+    assert "carried 5.0 MB/s (50 MB in 10.0 s) on 80% of a core, 10% of its packets" in line
+    assert "the stage used 90% of the 2 cores" in line
+    assert "in flight 50%-67% of its download" in line, line  # p1 2 s of 4, relay1 2 of 3

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import Counter
 
+from swarm_node.node.broadcast.adverts import Adverts
 from swarm_node.node.broadcast.downloader import Downloader
+from swarm_node.node.broadcast.records import VersionRecords
 from swarm_node.node.broadcast.server import RateLimiter, ShardServer
-from swarm_node.node.broadcast.sources import SourceBook
+from swarm_node.node.broadcast.sources import ProvenPeers, SourceBook
 from swarm_node.node.broadcast.store import ShardStore
 from swarm_node.node.broadcast.transport import TcpTransport, serve_tcp
 from swarm_node.node.config import load_config
@@ -227,3 +230,69 @@ async def test_an_advertiser_on_trial_that_fails_once_is_asked_again_and_serves(
         for tcp in (origin_tcp, peer_tcp):
             tcp.close()
             await tcp.wait_closed()
+
+
+def test_the_slot_of_an_advertiser_dropped_on_trial_is_given_back(tmp_path):
+    """max_unproven_sources counts the advertisers still in use: one dropped on trial frees
+    its slot for the next advertiser, up to `unproven_refills` x the slots per version (1:
+    never, the rule before)."""
+    store = ShardStore(tmp_path / "s")
+    records = VersionRecords(store)
+    cfg = node_config().broadcast.model_copy(update={"max_unproven_sources": 1})
+    adverts = Adverts(None, cfg, store, records, Counter(), ProvenPeers(),
+                      follows=lambda p: True)
+    rec = records.track(("trainer", 1))
+    rec.book = book = SourceBook(per_source=4, max_corrupt=1, trial_failures=1)
+    before = Adverts(None, cfg.model_copy(update={"unproven_refills": 1}), store, records,
+                     Counter(), ProvenPeers(), follows=lambda p: True)
+    assert adverts._admit(rec, "a", "10.0.0.1:4002")
+    rec.remember("a", None)
+    assert not adverts._admit(rec, "b", "10.0.0.2:4002")  # the one slot is a's
+    book.failure("a", "open_failed")  # a's trial failed: dropped for the version
+    assert book.sources["a"].dropped
+    assert not before._admit(rec, "b", "10.0.0.2:4002")  # the rule before: a's for good
+    for i in range(cfg.unproven_refills - 1):  # each dropped one frees the slot again
+        peer = f"p{i}"
+        assert adverts._admit(rec, peer, f"10.0.1.{i}:4002")
+        rec.remember(peer, None)
+        assert not adverts._admit(rec, "b", "10.0.0.2:4002")
+        book.failure(peer, "timeout")
+    assert not adverts._admit(rec, "b", "10.0.0.2:4002")  # 4 admitted in all: no more
+    assert adverts._admit(rec, "trainer", "")  # the trainer always
+
+
+async def test_a_holder_heard_after_a_dropped_advertiser_serves(tmp_path, swarm):
+    """One unproven slot, taken by an advertiser that never answers: once it is dropped on
+    trial, the slot is given back and a follower that holds shards is admitted and serves
+    some of them. Before, the slot stayed taken for the version: the holder was never a
+    source, and the shards the trainer had handed to it came from the trainer again."""
+    ckpt = make_checkpoint(tmp_path / "ckpt", {"model.safetensors": 600_000})
+    tnode, trainer = await swarm("trainer", "trainer")
+    tid = tnode.peer_id
+    cfg = node_config(broadcast__request_timeout_s=1.0, broadcast__parallel_downloads=2,
+                      broadcast__trial_failures=1, broadcast__max_unproven_sources=1)
+    fnode, follower = await swarm("follower", "inference", follow=[tid],
+                                  bootstrap=tnode.listen_addrs, cfg=cfg)
+    hnode, _ = await swarm("holder", "inference", follow=[tid],
+                           bootstrap=tnode.listen_addrs + fnode.listen_addrs)
+    release = asyncio.Event()
+    node = await advertiser(fnode.listen_addrs)
+    staller = Staller(node, release)
+    node.set_stream_handler(SHARD_PROTOCOL, staller.handle)
+    try:
+        ad = ShardAdvert(policy_id=tid, version=1, complete=True)
+
+        def admitted() -> bool:
+            rec = follower.records.get((tid, 1))
+            return rec is not None and node.peer_id in rec.holders
+        await advertise_until([node], ad, admitted, "the staller's advert")
+        trainer.server.limiter = RateLimiter(128 * 1024)  # ~5 s: the swarm matters
+        await wait_mesh(tnode, "checkpoints", 2)
+        await trainer.publish(ckpt, version=1)
+        done = await follower.done.wait(tid, 1)
+        assert read_dir(done.path) == read_dir(ckpt)
+        assert done.sources[node.peer_id]["dropped"]
+        assert done.sources.get(hnode.peer_id, {}).get("shards_ok", 0) > 0, done.sources
+    finally:
+        release.set()
+        await node.close()

@@ -135,9 +135,11 @@ def route_library_logs() -> None:
         logger = logging.getLogger(name)
         logger.handlers[:] = []
         logger.propagate = True
-        if name.split(".", 1)[0] in LIBRARY_ROOTS and "." in name:
+        if name.split(".", 1)[0] in LIBRARY_ROOTS and "." in name \
+                and logger.level != logging.NOTSET:
             # a module's own level (py-libp2p sets INFO on some) must not override the
-            # library's level set in setup_logging
+            # library's level set in setup_logging. Only where one is set: each setLevel
+            # clears every logger's cache (~800 library loggers once the model is loaded)
             logger.setLevel(logging.NOTSET)
 
 

@@ -56,34 +56,38 @@ def pytest_collection_modifyitems(config, items):
 # Seconds of the longest slow tests (or of a whole module that is one unit), measured with
 # `--durations` on 2 busy cores: only the order of the `slow` tests depends on them, never a
 # result. A stale entry costs some balance at the end of a run, nothing else. Other slow
-# tests count 20 s. From a whole `-n 3` run at 2026-12-03 08:11 UTC (load 6-9; at times
-# another session's test ran beside it): the steering tests, test_trainer_restart and the
-# cone NAT pair had grown far past their old entries (45/35/30/20 s) and ended that run late.
+# tests count 20 s. From a whole `-n 3` run of main a6eebc9 at 2026-12-03 11:15 UTC (load 3-7,
+# 19 min 13 s), a module that is one unit as the sum of its tests (setup included), rounded to
+# 5 s: the cone NAT pair is back to ~25 s since 7b9314d, test_swarm had grown to 112 s.
 LONG_S = {
-    "tests/integration/test_operator_views.py": 395,
-    "tests/integration/test_trainer_steering.py::test_7": 290,
-    "tests/netlab/test_scenarios.py::test_churn": 265,
-    "tests/integration/test_operator.py": 175,
-    "tests/integration/test_trainer_steering.py::test_8": 170,
-    "tests/integration/test_trainer_restart.py": 140,
-    "tests/netlab/test_scenarios.py::test_natted": 125,
-    "tests/node/p2p/test_nat_lab.py::test_hole_punch_through_two_nats[cone": 115,
-    "tests/node/trainer/test_group.py": 110,
-    "tests/integration/test_fresh_clone.py": 110,
-    "tests/integration/test_trainer_disk.py": 95,
-    "tests/integration/test_swarm.py": 70,
-    "tests/integration/test_operator_verdicts.py": 70,
-    "tests/integration/test_trainer_steering.py::test_10": 65,
-    "tests/integration/test_trainer_flood.py::test_recovery": 65,
-    "tests/integration/test_trainer_flood.py::test_13": 60,
-    "tests/node/trainer/test_distributed.py::test_two_ranks": 60,
-    "tests/node/broadcast/test_lifecycle.py::test_a_relay_that_saw_1000": 55,
-    "tests/node/test_demo.py::test_ctrl_c": 55,
+    "tests/integration/test_operator_views.py": 305,
+    "tests/integration/test_trainer_steering.py::test_7": 300,
+    "tests/netlab/test_scenarios.py::test_churn": 165,
+    "tests/netlab/test_scenarios.py::test_natted": 160,
+    "tests/integration/test_fresh_clone.py": 150,
+    "tests/integration/test_operator.py": 150,
+    "tests/integration/test_trainer_steering.py::test_8": 115,
+    "tests/integration/test_swarm.py": 110,
+    "tests/integration/test_trainer_steering.py::test_10": 85,
+    "tests/node/trainer/test_group.py": 85,
+    "tests/integration/test_trainer_flood.py::test_recovery": 80,
+    "tests/integration/test_trainer_restart.py": 70,
+    "tests/integration/test_trainer_flood.py::test_13": 65,
+    "tests/integration/test_trainer_disk.py": 65,
+    "tests/integration/test_operator_verdicts.py": 60,
+    "tests/node/broadcast/test_lifecycle.py::test_a_relay_that_saw_1000": 60,
     "tests/integration/test_trainer_flood.py::test_4": 55,
-    "tests/node/broadcast/test_settings.py::test_inference_peer_with_only": 55,
+    "tests/node/broadcast/test_settings.py::test_inference_peer_with_only": 50,
+    "tests/integration/test_trainer_dial_flood.py::test_2": 50,
     "tests/node/p2p/test_nat_lab.py::test_hole_punch_through_two_nats[symmetric": 45,
+    "tests/node/trainer/test_distributed.py::test_two_ranks": 40,
+    "tests/verifier/test_smollm2.py": 35,
     "tests/integration/test_operator_unreachable.py": 35,
-    "tests/node/broadcast/test_faults.py::test_corrupt_relay": 35,
+    "tests/node/p2p/test_sybil_floods.py::test_a_newcomer": 35,
+    "tests/node/p2p/test_nat_lab.py::test_peers_reconnect": 30,
+    "tests/node/test_demo.py::test_ctrl_c": 30,
+    "tests/node/p2p/test_nat_lab.py::test_hole_punch_through_two_nats[cone": 25,
+    "tests/node/broadcast/test_bulk_shards.py::test_shard_bytes_changed": 25,
 }
 
 _SHARED_SCOPE = re.compile(r"""scope\s*=\s*["'](module|package|class)["']""")

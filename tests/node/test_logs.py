@@ -104,6 +104,27 @@ def test_library_logs_go_through_our_formatter(capture):
     assert {"libp2p.transport.tcp.tcp", "transformers.modeling_utils"} <= names
 
 
+def test_routing_resets_only_the_library_loggers_that_set_a_level(capture, monkeypatch):
+    # each setLevel clears the cache of every logger: done for each of ~800 library loggers
+    # (torch and transformers once a model is loaded), that cost every node process CPU
+    from swarm_node.node.logs import LIBRARY_LOGGERS, route_library_logs
+
+    setup_logging("INFO", stream=capture)
+    quiet = [logging.getLogger(f"torch.routing_probe.m{i}") for i in range(300)]
+    loud = logging.getLogger("libp2p.routing_probe")
+    loud.setLevel(logging.INFO)
+    clears = []
+    real = logging.Logger.manager._clear_cache
+    monkeypatch.setattr(logging.Logger.manager, "_clear_cache",
+                        lambda: (clears.append(1), real())[1])
+    route_library_logs()
+    assert loud.level == logging.NOTSET  # its own level no longer overrides libp2p's
+    assert all(q.level == logging.NOTSET for q in quiet)
+    logging.getLogger("libp2p.routing_probe").critical("still routed")
+    assert "still routed" in capture.getvalue()
+    assert len(clears) < len(LIBRARY_LOGGERS) + 50, len(clears)
+
+
 def test_exact_repeats_of_info_lines_are_rate_limited(capture):
     from swarm_node.node.logs import RateLimit
 

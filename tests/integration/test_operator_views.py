@@ -137,6 +137,16 @@ def swarm(tmp_path_factory, tiny_model_dir):
         node.stop()
 
 
+def _trainer_row(doc: dict, trainer_id: str) -> dict | None:
+    """The trainer's row of `doc`'s swarm view once it holds a version advertised by the
+    trainer that is at least the version this node runs (None before)."""
+    row = next((r for r in (doc.get("swarm") or {}).get("peers") or []
+                if r["peer"] == trainer_id), None)
+    if row is None or row["version"] is None or row["version"] < doc["policy_version"]:
+        return None
+    return row
+
+
 def join_line(trainer: Node) -> str:
     m = re.search(r"others join with: (swarm-node join .*?--follow \S+)", trainer.log.read_text())
     assert m, trainer.log.read_text()[-2000:]
@@ -195,10 +205,14 @@ def test_join_line_full_disk_and_history(swarm, tiny_model_dir, small_disk, tmp_
         assert trainer_share["trainer"] == trainer_id and 0 < trainer_share["share"] <= 1
         assert after["policy_id"] == trainer_id  # not "policy -" beside a checkpoint
         # the swarm as the peer knows it: its trainer, connected directly, and the versions
-        # it advertised, the newest held here too
-        row = next(r for r in after["swarm"]["peers"] if r["peer"] == trainer_id)
+        # it advertised, the newest held here too. A row's version is the newest one the
+        # peer heard the trainer advertise (ARCHITECTURE `swarm`), not the one it
+        # downloaded: a peer that fetched a version whose first advert it missed (it joined
+        # after it) hears it at the trainer's next re-advert (`readvertise_s`, 10 s), so
+        # the row may lag the peer's first accepted rollout (a whole-suite run failed so)
+        row = peer.wait(lambda: _trainer_row(peer.status(), trainer_id),
+                        "the trainer's advertised version in the peer's swarm view", 60)
         assert row["role"] == "trainer" and row["connection"] == "direct", row
-        assert row["version"] is not None and row["version"] >= after["policy_version"], row
         assert any(v["policy_id"] == trainer_id and v["here"] == "complete"
                    and v["holders"] >= 1 for v in after["swarm"]["versions"])
         _downloads_match_disk(after, small_disk / "data" / "broadcast" / trainer_id)

@@ -30,6 +30,11 @@ BF16 = "bfloat16"
 # versions a batch may lag (trainer.max_staleness): the tiny trainer steps several times a
 # second, faster than this process samples and steers a batch on a busy machine
 LAG = 20
+# the trainer steps every PACE_S seconds on what arrived meanwhile (peer_batches_per_step far
+# above what arrives), not on each batch: paced by each batch, the honest peer and the
+# trainer ran flat out (about 4 batches a second, 60% of the CPU of test_7, measured), and
+# nothing here needs versions faster than a steerer's two rounds per version
+PACE = {"peer_batches_per_step": 1000, "peer_wait_s": 3.0}
 
 
 class Steerers:
@@ -190,7 +195,8 @@ async def test_7_steering_spread_over_fresh_identities_is_caught(tmp_path, tiny_
     excursion. The honest peer beside them loses nothing."""
     from swarm_node.node.identity import Identity
 
-    async with honest_pair(tmp_path, tiny_model_dir, dtype=BF16, max_staleness=LAG) as (
+    async with honest_pair(tmp_path, tiny_model_dir, dtype=BF16, max_staleness=LAG,
+                           **PACE) as (
             trainer, tcfg, honest, tid, boot):
         attack = Steerers(tcfg, tiny_model_dir, trainer, tid, boot)
         try:
@@ -242,7 +248,8 @@ async def test_8_to_10_an_established_steerer_is_caught_and_pays(tmp_path, tiny_
     before, on probation (score <= 0) after; steering on, the next alarm bans it. The
     honest peer beside it keeps its acceptance."""
 
-    async with honest_pair(tmp_path, tiny_model_dir, dtype=BF16, max_staleness=LAG) as (
+    async with honest_pair(tmp_path, tiny_model_dir, dtype=BF16, max_staleness=LAG,
+                           **PACE) as (
             trainer, tcfg, honest, tid, boot):
         attack = Steerers(tcfg, tiny_model_dir, trainer, tid, boot)
         try:
@@ -307,7 +314,8 @@ async def test_10_a_caught_steerer_does_not_buy_its_standing_back(tmp_path, tiny
     probation, its next alarm bans it, and at most one weakly steered batch slips through
     before that. The honest peer beside it loses nothing."""
 
-    async with honest_pair(tmp_path, tiny_model_dir, dtype=BF16, max_staleness=LAG) as (
+    async with honest_pair(tmp_path, tiny_model_dir, dtype=BF16, max_staleness=LAG,
+                           **PACE) as (
             trainer, tcfg, honest, tid, boot):
         attack = Steerers(tcfg, tiny_model_dir, trainer, tid, boot)
         try:

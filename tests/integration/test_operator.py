@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 from swarm_node.node.config import dump_toml
 
+from tests.launch import start_join
 from tests.waiting import StartNotices, wait_until
 
 BIN = Path(sys.executable).parent / "swarm-node"
@@ -110,10 +111,8 @@ class Node:
         self.notices = StartNotices()
         env = self.notices.env({**os.environ, "HOME": str(self.root), "OMP_NUM_THREADS": "1",
                                 "PYTHONUNBUFFERED": "1"})
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen([str(BIN), "join", "--config",
-                                          str(self.root / "node.toml")],
-                                         stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.proc = start_join(BIN, ["join", "--config", str(self.root / "node.toml")], env,
+                               self.log)
         return self
 
     @property

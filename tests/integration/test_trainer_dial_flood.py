@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from .pacing import PACE
 from .test_operator import Node, trainer_config
 from .test_trainer_flood import trainer_address
 from .test_trainer_restart import until
@@ -50,7 +51,10 @@ async def test_2_fresh_identities_connect_during_and_after_a_churning_flood(tmp_
     from swarm_node.node.config import Config
     from swarm_node.node.testing.flood import VerdictFlood
 
-    tcfg = trainer_config(tmp_path / "t", tiny_model_dir)
+    # paced (pacing.py): no peer feeds it, so it steps on its own samples every 3 s instead
+    # of flat out, a step on each of its own rounds (the flood, not training, is what
+    # the dials compete with); 3 versions after the flood still prove it trains
+    tcfg = trainer_config(tmp_path / "t", tiny_model_dir, **PACE)
     trainer = Node(tmp_path / "t", tcfg).start()
     stop = asyncio.Event()
     flooding = None

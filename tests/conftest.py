@@ -60,25 +60,27 @@ def pytest_collection_modifyitems(config, items):
 # 19 min 13 s), a module that is one unit as the sum of its tests (setup included), rounded to
 # 5 s: the cone NAT pair is back to ~25 s since 7b9314d, test_swarm had grown to 112 s. The
 # steering tests after their pacing (suite7a: 44 / 26 / 21 s alone, load ~2) at about twice that.
+# suite9a, at about twice their call alone (load 1.3-5): test_swarm 65 s and flood test_13 55 s
+# (paced), dial_flood test_2 56-83 s (paced; its flood is most of it), flood test_4 76 s (now
+# with test_recovery), restart 43-45 s and disk 37-38 s (unchanged).
 LONG_S = {
     "tests/integration/test_operator_views.py": 305,
     "tests/netlab/test_scenarios.py::test_churn": 165,
     "tests/netlab/test_scenarios.py::test_natted": 160,
     "tests/integration/test_fresh_clone.py": 150,
     "tests/integration/test_operator.py": 150,
-    "tests/integration/test_swarm.py": 110,
+    "tests/integration/test_trainer_flood.py::test_4": 150,
+    "tests/integration/test_swarm.py": 130,
+    "tests/integration/test_trainer_dial_flood.py::test_2": 120,
+    "tests/integration/test_trainer_flood.py::test_13": 110,
+    "tests/integration/test_trainer_restart.py": 90,
     "tests/node/trainer/test_group.py": 85,
     "tests/integration/test_trainer_steering.py::test_7": 80,
-    "tests/integration/test_trainer_flood.py::test_recovery": 80,
-    "tests/integration/test_trainer_restart.py": 70,
-    "tests/integration/test_trainer_flood.py::test_13": 65,
-    "tests/integration/test_trainer_disk.py": 65,
+    "tests/integration/test_trainer_disk.py": 75,
     "tests/integration/test_operator_verdicts.py": 60,
     "tests/node/broadcast/test_lifecycle.py::test_a_relay_that_saw_1000": 60,
-    "tests/integration/test_trainer_flood.py::test_4": 55,
     "tests/integration/test_trainer_steering.py::test_8": 50,
     "tests/node/broadcast/test_settings.py::test_inference_peer_with_only": 50,
-    "tests/integration/test_trainer_dial_flood.py::test_2": 50,
     "tests/integration/test_trainer_steering.py::test_10": 45,
     "tests/node/p2p/test_nat_lab.py::test_hole_punch_through_two_nats[symmetric": 45,
     "tests/node/trainer/test_distributed.py::test_two_ranks": 40,

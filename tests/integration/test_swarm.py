@@ -31,6 +31,8 @@ from swarm_node.node.demo import (
 
 from tests.waiting import wait_until
 
+from .pacing import PACE
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
@@ -75,9 +77,11 @@ def test_swarm_trains_bans_cheater_and_survives_trainer_kill(tmp_path, tiny_mode
     swarm = "itest"
     try:
         tcfg = node_config(trainer, tiny_model_dir, [], [], swarm)
-        # a step waits at most 5 s for a peer batch (the demo's 20 s): after the restart the
-        # peers may have sent every round of the version it resumed at, and wait for the next
-        tcfg["trainer"]["peer_wait_s"] = 5.0
+        # paced (pacing.py): a step every 3 s on what arrived, not one per peer batch (the
+        # demo's): stepping per batch, the trainer and three peers sampled flat out. After
+        # the restart the peers may have sent every round of the version it resumed at, and
+        # wait for the next: it comes 3 s later
+        tcfg["trainer"].update(PACE)
         start_node(trainer, tcfg)
         info = wait_info(trainer)
         tid, boot = info["peer_id"], [info["listen_addrs"][0]]

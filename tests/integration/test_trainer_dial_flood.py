@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from .pacing import PACE
 from .test_operator import Node, trainer_config
 from .test_trainer_flood import trainer_address
 from .test_trainer_restart import until
@@ -50,7 +51,11 @@ async def test_2_fresh_identities_connect_during_and_after_a_churning_flood(tmp_
     from swarm_node.node.config import Config
     from swarm_node.node.testing.flood import VerdictFlood
 
-    tcfg = trainer_config(tmp_path / "t", tiny_model_dir)
+    # paced (pacing.py): no peer feeds it, so it samples a round of its own and steps every
+    # 3 s (4 s after a round without reward signal) instead of flat out. The fresh dials
+    # now compete with the flood and a mostly idle trainer, not with a training loop that
+    # took a core; 3 versions after the flood still show that it trains
+    tcfg = trainer_config(tmp_path / "t", tiny_model_dir, **PACE)
     trainer = Node(tmp_path / "t", tcfg).start()
     stop = asyncio.Event()
     flooding = None

@@ -5,8 +5,9 @@ every check before the model runs, each signed by a fresh key that also accuses 
 peer with a reject verdict, over 4 connections that are replaced when cut. Asserted as
 counts from the nodes themselves: every honest batch is accepted during and after the
 flood, the flood's verification time stays within the probation time share the trainer
-reports, and the queue and memory stay bounded. Throughput figures (honest share during
-the flood, recovery time, attacker vs trainer cost): benchmarks/verifier_flood.py."""
+reports, the queue and memory stay bounded, and the honest peer's acceptance rate per CPU
+second returns after it. Throughput figures (honest share during the flood, recovery
+time, attacker vs trainer cost): benchmarks/verifier_flood.py."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import time
 
 import pytest
 
+from .pacing import PACE
 from .test_operator import Node, trainer_config
 from .test_trainer_restart import until
 
@@ -33,6 +35,15 @@ def rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far."""
+    import os
+    from pathlib import Path
+
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def flood_kit(cfg_dict: dict, tiny_model_dir, target: str):
@@ -121,138 +132,22 @@ async def honest_pair(tmp_path, tiny_model_dir, dtype: str = "float32", **traine
         trainer.stop()
 
 
-async def test_4_a_fresh_key_flood_costs_at_most_the_probation_share(tmp_path, tiny_model_dir):
-    from swarm_node.node.testing.flood import SybilFlood
+async def test_4_a_fresh_key_flood_costs_at_most_the_probation_share_and_the_rate_returns(
+        tmp_path, tiny_model_dir):
+    """Issue 30 items 4 and 11 and "Recovery", on one flood of fresh keys (4 connections),
+    each key also accusing the honest peer: the flood's verification time stays within the
+    probation share, the accusations change nothing, the queue and memory stay bounded,
+    and afterwards the honest peer's acceptance rate gets back to >= 80% of its rate
+    before the flood, without a restart.
 
-    stop = asyncio.Event()
-    flooding = None
-    async with honest_pair(tmp_path, tiny_model_dir) as (trainer, tcfg, honest, tid, boot):
-        try:
-            def intake() -> dict:
-                return (trainer.status().get("extra") or {}).get("intake") or {}
-
-            swarm, make_batch = flood_kit(tcfg, tiny_model_dir, tid)
-            version = version_reader(trainer)
-            # each fresh key also accuses the honest peer (item 11): it must stay established
-            flood = SybilFlood(swarm, boot, tid, make_batch, version, connections=4,
-                               interval_s=0.05, accuse=honest()["peer"])
-            rss0, before, view0 = rss_mib(trainer.proc.pid), honest()["accepted"], intake()
-            t0 = trainer.status()["uptime_s"]
-            flooding = asyncio.ensure_future(flood.run(stop))
-            # the flood runs until the honest peer had 4 more batches (64 completions) accepted
-            # and 20 s of the trainer's clock went by (long enough for the share, 2 s, not
-            # the bucket's depth, 0.5 s, to bound what the flood gets)
-            await until(lambda: honest()["accepted"] >= before + 64
-                        and trainer.status().get("uptime_s", 0) >= t0 + 20, 400,
-                        "honest batches accepted during 20 s of flood", trainer)
-            during, view1 = honest()["accepted"] - before, intake()
-            elapsed = trainer.status()["uptime_s"] - t0
-            stop.set()
-            await flooding
-            flooding = None
-            rss1 = rss_mib(trainer.proc.pid)
-            after0 = honest()["accepted"]
-            await until(lambda: honest()["accepted"] >= after0 + 32, 300,
-                        "honest batches accepted after the flood", trainer)
-
-            spent = view1["verify_seconds"]["probation"] - view0["verify_seconds"]["probation"]
-            lent = (view1["verify_seconds"]["probation_lent"]
-                    - view0["verify_seconds"]["probation_lent"])
-            verified = view1["batches"].get("probation", 0) - view0["batches"].get("probation", 0)
-            print(f"flood: {flood.sent} bogus batches and {flood.accusations} verdicts against "
-                  f"the honest peer over {flood.carriers} carriers ({flood.cut} "
-                  f"cut), {verified} verified by the trainer in {spent:.1f} s of {elapsed:.0f} s "
-                  f"(+ {lent:.1f} s of idle time lent); "
-                  f"honest accepted during: {during}; dropped {view1['dropped']}; verdicts "
-                  f"heard {view1.get('verdicts')}; attacker "
-                  f"{flood.cpu_per_batch * 1e3:.1f} ms CPU per batch; trainer RSS {rss0:.0f} -> "
-                  f"{rss1:.0f} MiB")
-            # nothing of the honest peer lost or refused, but for a known rare case: one run of
-            # the full suite in a fresh clone (2 busy workers) saw 8 of 7,160 honest completions
-            # rejected, reason not captured then (printed now); not reproduced in 3 runs since.
-            # The likely cause, reproduced apart and fixed (verifier/checks.py):
-            # `eos_improbable`. 7,160 completions is ~450 versions, and this trainer (lr
-            # 1e-3, toy task) drives p(EOS) at every position down (median 2e-3 at v0,
-            # 1.2e-4 at v400, 8e-5 at v520); the EOS gate then rejected honestly sampled
-            # EOS tokens with their groups of 4 (4 of 9,600 honest completions at v520).
-            # It now applies only to an EOS that was not the seeded choice.
-            print(f"honest peer at the trainer: {honest()}")
-            assert honest()["rejected"] <= honest()["accepted"] // 500, honest()
-            heard = view1.get("verdicts", {})  # the accusations reached the trainer ...
-            assert heard.get("ignored", 0) - view0.get("verdicts", {}).get("ignored", 0) > 0
-            assert heard.get("used", 0) == view0.get("verdicts", {}).get("used", 0)  # ... in vain
-            assert verified > 0  # the flood did reach the model checks ...
-            # ... within the probation share: its refill and its depth (plus the batch in
-            # flight); what the trainer lent while it only waited for peers is counted apart
-            assert spent <= SHARE * elapsed + BURST_S + 2.0
-            assert view1["queued"] <= 16 + 256  # bounded (most of the flood is dropped even
-            # before it: the gossip admission throttles whoever keeps bringing new keys)
-            assert rss1 <= rss0 + 300
-        finally:
-            stop.set()
-            if flooding is not None:
-                await flooding
-
-
-async def test_13_garbage_on_every_protocol_does_not_stop_training(tmp_path, tiny_model_dir):
-    """Issue 30 item 13: random bytes on every protocol the trainer serves (ours and
-    libp2p's: meshsub, identify, ping, kad), from 8 connections of fresh identities replaced
-    when cut: the trainer keeps training on the established honest peer's batches during
-    and after it, and rejects none of them."""
-    from swarm_node.node.config import Config
-    from swarm_node.node.testing.flood import GarbageFlood
-
-    stop = asyncio.Event()
-    flooding = None
-    async with honest_pair(tmp_path, tiny_model_dir) as (trainer, tcfg, honest, tid, boot):
-        try:
-            swarm = Config.model_validate({"node": {"swarm_id": tcfg["node"]["swarm_id"],
-                                                    "listen": ["/ip4/127.0.0.1/tcp/0"]}})
-            flood = GarbageFlood(swarm, boot, tid, connections=8, interval_s=0.1)
-            before, v0 = honest()["accepted"], trainer.status()["policy_version"]
-            t0 = trainer.status()["uptime_s"]
-            flooding = asyncio.ensure_future(flood.run(stop))
-            # 30 s of the trainer's clock with garbage, and 4 more honest batches trained on
-            await until(lambda: honest()["accepted"] >= before + 64
-                        and trainer.status().get("uptime_s", 0) >= t0 + 30, 400,
-                        "honest batches accepted during 30 s of garbage", trainer)
-            v1 = trainer.status()["policy_version"]
-            stop.set()
-            await flooding
-            flooding = None
-            after0 = honest()["accepted"]
-            await until(lambda: honest()["accepted"] >= after0 + 32, 300,
-                        "honest batches accepted after the garbage", trainer)
-            print(f"garbage: {flood.streams} streams over {flood.carriers} carriers "
-                  f"({flood.cut} cut, {flood.refused} refused); versions {v0} -> {v1}")
-            assert flood.streams >= 100  # the garbage did reach the trainer's handlers
-            assert v1 >= v0 + 4 and honest()["rejected"] == 0
-            assert trainer.proc.poll() is None
-        finally:
-            stop.set()
-            if flooding is not None:
-                await flooding
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process `pid` so far."""
-    import os
-    from pathlib import Path
-
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-async def test_recovery_honest_rate_returns_after_a_fresh_key_flood(tmp_path, tiny_model_dir):
-    """Issue 30 "Recovery": after 15 s of the item-4 flood (fresh keys, 4 connections),
-    the honest peer's acceptance rate at the trainer gets back to >= 80% of its rate before
-    the flood, without a restart. The rate asserted is per CPU second of the two honest
-    processes (trainer and peer): on a shared 2-core machine their wall-clock rate follows
-    whatever else runs (measured 122/s and 25/s in two runs minutes apart), their CPU rate
-    follows only what they do; the wall-clock rates are printed beside it. Rates are over a
-    trailing window of 5 s of the trainer's clock, starting after the flood; how long the
-    return took is printed (an upper bound that includes the window), never asserted; the
-    ceiling only ends a hang."""
+    The rate asserted is per CPU second of the two honest processes (trainer and peer): on
+    a shared 2-core machine their wall-clock rate follows whatever else runs (measured 122/s
+    and 25/s in two runs minutes apart), their CPU rate follows only what they do; the
+    wall-clock rates are printed beside it. Before: over 10 s of the trainer's clock before
+    the flood; after: from the flood's end on, once that spans 5 s. How long the return took
+    is printed (an upper bound that includes the window), never asserted; the ceiling only
+    ends a hang. (The recovery had its own pair of processes and a 15 s flood without
+    accusations: one pair and one flood now serve both.)"""
     from swarm_node.node.testing.flood import SybilFlood
 
     window = 5.0  # seconds of the trainer's clock per rate
@@ -261,6 +156,9 @@ async def test_recovery_honest_rate_returns_after_a_fresh_key_flood(tmp_path, ti
     flooding = None
     async with honest_pair(tmp_path, tiny_model_dir) as (trainer, tcfg, honest, tid, boot):
         try:
+            def intake() -> dict:
+                return (trainer.status().get("extra") or {}).get("intake") or {}
+
             peer_pid = json.loads((tmp_path / "p" / "data" / "node.json").read_text())["pid"]
             # (trainer uptime, honest accepted, CPU seconds of trainer + peer)
             samples: list[tuple[float, int, float]] = []
@@ -285,27 +183,117 @@ async def test_recovery_honest_rate_returns_after_a_fresh_key_flood(tmp_path, ti
             start = sample()[0]
             base = await until(lambda: sample()[0] - start >= 2 * window and rates(start),
                                300, "the honest rate before the flood", trainer)
+
             swarm, make_batch = flood_kit(tcfg, tiny_model_dir, tid)
-            flood = SybilFlood(swarm, boot, tid, make_batch, version_reader(trainer),
-                               connections=4, interval_s=0.05)
-            t0 = sample()[0]
+            version = version_reader(trainer)
+            # each fresh key also accuses the honest peer (item 11): it must stay established
+            flood = SybilFlood(swarm, boot, tid, make_batch, version, connections=4,
+                               interval_s=0.05, accuse=honest()["peer"])
+            rss0, view0 = rss_mib(trainer.proc.pid), intake()
+            t0, before = sample()[:2]
             flooding = asyncio.ensure_future(flood.run(stop))
-            await until(lambda: sample()[0] >= t0 + 15, 300, "15 s of flood", trainer)
-            during = rates(t0)
+            # the flood runs until the honest peer had 4 more batches (64 completions) accepted
+            # and 20 s of the trainer's clock went by (long enough for the share, 2 s, not
+            # the bucket's depth, 0.5 s, to bound what the flood gets)
+            await until(lambda: (s := sample())[1] >= before + 64 and s[0] >= t0 + 20, 400,
+                        "honest batches accepted during 20 s of flood", trainer)
+            during, view1 = samples[-1][1] - before, intake()
+            elapsed = samples[-1][0] - t0
+            during_rates = rates(t0) or (0.0, 0.0)
             stop.set()
             await flooding
             flooding = None
+            rss1 = rss_mib(trainer.proc.pid)
             t1 = sample()[0]
             back = await until(lambda: sample() and (rates(t1) or (0, 0))[1] >= 0.8 * base[1]
                                and samples[-1][0], 120,
                                "the honest rate back to 80% of before", trainer)
             after = rates(t1)
+            after0 = honest()["accepted"]
+            await until(lambda: honest()["accepted"] >= after0 + 32, 300,
+                        "honest batches accepted after the flood", trainer)
+
+            spent = view1["verify_seconds"]["probation"] - view0["verify_seconds"]["probation"]
+            lent = (view1["verify_seconds"]["probation_lent"]
+                    - view0["verify_seconds"]["probation_lent"])
+            verified = view1["batches"].get("probation", 0) - view0["batches"].get("probation", 0)
+            print(f"flood: {flood.sent} bogus batches and {flood.accusations} verdicts against "
+                  f"the honest peer over {flood.carriers} carriers ({flood.cut} "
+                  f"cut), {verified} verified by the trainer in {spent:.1f} s of {elapsed:.0f} s "
+                  f"(+ {lent:.1f} s of idle time lent); "
+                  f"honest accepted during: {during}; dropped {view1['dropped']}; verdicts "
+                  f"heard {view1.get('verdicts')}; attacker "
+                  f"{flood.cpu_per_batch * 1e3:.1f} ms CPU per batch; trainer RSS {rss0:.0f} -> "
+                  f"{rss1:.0f} MiB")
             print(f"recovery: honest rate before {base[0]:.1f}/s ({base[1]:.1f} per CPU-s), "
-                  f"during the flood {during[0]:.1f}/s ({during[1]:.1f} per CPU-s; "
-                  f"{flood.sent} bogus batches over {flood.carriers} carriers), after "
-                  f"{after[0]:.1f}/s ({after[1]:.1f} per CPU-s): >= 80% per CPU-s again "
+                  f"during the flood {during_rates[0]:.1f}/s ({during_rates[1]:.1f} per CPU-s), "
+                  f"after {after[0]:.1f}/s ({after[1]:.1f} per CPU-s): >= 80% per CPU-s again "
                   f"{back - t1:.1f} s after the flood (window {window:.0f} s included)")
-            assert honest()["rejected"] == 0
+            # nothing of the honest peer lost or refused, but for a known rare case: one run of
+            # the full suite in a fresh clone (2 busy workers) saw 8 of 7,160 honest completions
+            # rejected, reason not captured then (printed now); not reproduced in 3 runs since.
+            # The likely cause, reproduced apart and fixed (verifier/checks.py):
+            # `eos_improbable`. 7,160 completions is ~450 versions, and this trainer (lr
+            # 1e-3, toy task) drives p(EOS) at every position down (median 2e-3 at v0,
+            # 1.2e-4 at v400, 8e-5 at v520); the EOS gate then rejected honestly sampled
+            # EOS tokens with their groups of 4 (4 of 9,600 honest completions at v520).
+            # It now applies only to an EOS that was not the seeded choice.
+            print(f"honest peer at the trainer: {honest()}")
+            assert honest()["rejected"] <= honest()["accepted"] // 500, honest()
+            heard = view1.get("verdicts", {})  # the accusations reached the trainer ...
+            assert heard.get("ignored", 0) - view0.get("verdicts", {}).get("ignored", 0) > 0
+            assert heard.get("used", 0) == view0.get("verdicts", {}).get("used", 0)  # ... in vain
+            assert verified > 0  # the flood did reach the model checks ...
+            # ... within the probation share: its refill and its depth (plus the batch in
+            # flight); what the trainer lent while it only waited for peers is counted apart
+            assert spent <= SHARE * elapsed + BURST_S + 2.0
+            assert view1["queued"] <= 16 + 256  # bounded (most of the flood is dropped even
+            # before it: the gossip admission throttles whoever keeps bringing new keys)
+            assert rss1 <= rss0 + 300
+            assert trainer.proc.poll() is None
+        finally:
+            stop.set()
+            if flooding is not None:
+                await flooding
+
+
+async def test_13_garbage_on_every_protocol_does_not_stop_training(tmp_path, tiny_model_dir):
+    """Issue 30 item 13: random bytes on every protocol the trainer serves (ours and
+    libp2p's: meshsub, identify, ping, kad), from 8 connections of fresh identities replaced
+    when cut: the trainer keeps training on the established honest peer's batches during
+    and after it, and rejects none of them."""
+    from swarm_node.node.config import Config
+    from swarm_node.node.testing.flood import GarbageFlood
+
+    stop = asyncio.Event()
+    flooding = None
+    # paced (pacing.py): a step every 3 s, so about 10 versions in the 30 s of garbage
+    # (4 asserted); stepping per honest batch, the pair ran flat out beside the garbage.
+    # Garbage is no batch: nothing of it is verified in the trainer's idle time
+    async with honest_pair(tmp_path, tiny_model_dir, **PACE) as (trainer, tcfg, honest, tid,
+                                                                 boot):
+        try:
+            swarm = Config.model_validate({"node": {"swarm_id": tcfg["node"]["swarm_id"],
+                                                    "listen": ["/ip4/127.0.0.1/tcp/0"]}})
+            flood = GarbageFlood(swarm, boot, tid, connections=8, interval_s=0.1)
+            before, v0 = honest()["accepted"], trainer.status()["policy_version"]
+            t0 = trainer.status()["uptime_s"]
+            flooding = asyncio.ensure_future(flood.run(stop))
+            # 30 s of the trainer's clock with garbage, and 4 more honest batches trained on
+            await until(lambda: honest()["accepted"] >= before + 64
+                        and trainer.status().get("uptime_s", 0) >= t0 + 30, 400,
+                        "honest batches accepted during 30 s of garbage", trainer)
+            v1 = trainer.status()["policy_version"]
+            stop.set()
+            await flooding
+            flooding = None
+            after0 = honest()["accepted"]
+            await until(lambda: honest()["accepted"] >= after0 + 32, 300,
+                        "honest batches accepted after the garbage", trainer)
+            print(f"garbage: {flood.streams} streams over {flood.carriers} carriers "
+                  f"({flood.cut} cut, {flood.refused} refused); versions {v0} -> {v1}")
+            assert flood.streams >= 100  # the garbage did reach the trainer's handlers
+            assert v1 >= v0 + 4 and honest()["rejected"] == 0
             assert trainer.proc.poll() is None
         finally:
             stop.set()

@@ -59,13 +59,15 @@ def pytest_collection_modifyitems(config, items):
 # tests count 20 s. From a whole `-n 3` run of main a6eebc9 at 2026-12-03 11:15 UTC (load 3-7,
 # 19 min 13 s), a module that is one unit as the sum of its tests (setup included), rounded to
 # 5 s: the cone NAT pair is back to ~25 s since 7b9314d, test_swarm had grown to 112 s. The
-# steering tests after their pacing (suite7a: 44 / 26 / 21 s alone, load ~2) at about twice that.
+# steering tests after their pacing (suite7a: 44 / 26 / 21 s alone, load ~2) at about twice that,
+# as are the operator files (suite9b, alone at load 1.3-2.7: views 141 s after its pacing,
+# operator 62 s, verdicts 32-34 s, unreachable 27 s).
 LONG_S = {
-    "tests/integration/test_operator_views.py": 305,
+    "tests/integration/test_operator_views.py": 290,
     "tests/netlab/test_scenarios.py::test_churn": 165,
     "tests/netlab/test_scenarios.py::test_natted": 160,
     "tests/integration/test_fresh_clone.py": 150,
-    "tests/integration/test_operator.py": 150,
+    "tests/integration/test_operator.py": 125,
     "tests/integration/test_swarm.py": 110,
     "tests/node/trainer/test_group.py": 85,
     "tests/integration/test_trainer_steering.py::test_7": 80,
@@ -73,9 +75,10 @@ LONG_S = {
     "tests/integration/test_trainer_restart.py": 70,
     "tests/integration/test_trainer_flood.py::test_13": 65,
     "tests/integration/test_trainer_disk.py": 65,
-    "tests/integration/test_operator_verdicts.py": 60,
+    "tests/integration/test_operator_verdicts.py": 65,
     "tests/node/broadcast/test_lifecycle.py::test_a_relay_that_saw_1000": 60,
     "tests/integration/test_trainer_flood.py::test_4": 55,
+    "tests/integration/test_operator_unreachable.py": 55,
     "tests/integration/test_trainer_steering.py::test_8": 50,
     "tests/node/broadcast/test_settings.py::test_inference_peer_with_only": 50,
     "tests/integration/test_trainer_dial_flood.py::test_2": 50,
@@ -83,7 +86,6 @@ LONG_S = {
     "tests/node/p2p/test_nat_lab.py::test_hole_punch_through_two_nats[symmetric": 45,
     "tests/node/trainer/test_distributed.py::test_two_ranks": 40,
     "tests/verifier/test_smollm2.py": 35,
-    "tests/integration/test_operator_unreachable.py": 35,
     "tests/node/p2p/test_sybil_floods.py::test_a_newcomer": 35,
     "tests/node/p2p/test_nat_lab.py::test_peers_reconnect": 30,
     "tests/node/test_demo.py::test_ctrl_c": 30,

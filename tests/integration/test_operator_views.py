@@ -122,14 +122,19 @@ def peer_argv(line: str, root: Path, model: Path, *extra: str) -> list[str]:
             *extra]
 
 
+# the module trainer's step interval: no test needs versions faster (the fastest asks for
+# two more versions, or three mirrored, while it watches a peer)
+PACE_S = 3.0
+
+
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory, tiny_model_dir):
-    """A trainer that keeps training (local sampling) and verifying its peers' batches, a
-    step when a peer's batch arrives or every few seconds (a pace closer to a real
-    trainer's than back-to-back tiny steps, and lighter on a shared machine)."""
+    """A trainer that keeps training (local sampling) and verifying its peers' batches as
+    they arrive, a step every PACE_S seconds on what arrived (paced by each peer batch, the
+    trainer and the test's inference peer ran flat out, in lockstep)."""
     root = tmp_path_factory.mktemp("views-trainer")
-    node = Node(root, trainer_config(root, tiny_model_dir, peer_batches_per_step=1,
-                                     peer_wait_s=4.0)).start()
+    node = Node(root, trainer_config(root, tiny_model_dir, peer_batches_per_step=1000,
+                                     peer_wait_s=PACE_S)).start()
     try:
         node.wait_joined()
         yield node

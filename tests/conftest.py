@@ -60,16 +60,9 @@ def pytest_collection_modifyitems(config, items):
 # 19 min 13 s), a module that is one unit as the sum of its tests (setup included), rounded to
 # 5 s: the cone NAT pair is back to ~25 s since 7b9314d, test_swarm had grown to 112 s. The
 # steering tests after their pacing (suite7a: 44 / 26 / 21 s alone, load ~2) at about twice that.
-# suite9a, at about twice their call alone (load 1.3-5): test_swarm 65 s and flood test_13 55 s
-# (paced), dial_flood test_2 56-83 s (paced; its flood is most of it), flood test_4 76 s (now
-# with test_recovery), restart 43-45 s and disk 37-38 s (unchanged).
-# steering tests after their pacing (suite7a: 44 / 26 / 21 s alone, load ~2) at about twice that,
-# as are the operator files (suite9b, alone at load 1.3-2.7: views 141 s after its pacing,
-# operator 62 s, verdicts 32-34 s, unreachable 27 s).
-LONG_S = {
-    "tests/integration/test_operator_views.py": 290,
-    "tests/netlab/test_scenarios.py::test_churn": 165,
-    "tests/netlab/test_scenarios.py::test_natted": 160,
+    "tests/integration/test_operator_views.py": 305,
+    "tests/netlab/test_scenarios.py::test_churn": 250,
+    "tests/netlab/test_scenarios.py::test_natted": 200,
     "tests/integration/test_fresh_clone.py": 150,
     "tests/integration/test_operator.py": 150,
     "tests/integration/test_trainer_flood.py::test_4": 150,

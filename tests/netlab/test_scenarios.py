@@ -18,11 +18,19 @@ from swarm_node.node.testing.netlab.swarm import LabSwarm, accepted_from
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
+# The trainer steps every 3 s on what arrived meanwhile (peer_batches_per_step far above what
+# arrives, peer_wait_s 3), not on each peer batch: paced by each batch (the lab's default, as in
+# benchmarks/wan.py, which keeps it), the trainer and the peers step as fast as the batches go
+# round, and every version is broadcast through the user-space delay stage. Nothing here needs
+# versions faster than one every few seconds (3.3-7.6 s per version measured, under load).
+PACE = {"trainer": {"peer_batches_per_step": 1000, "peer_wait_s": 3.0}}
+
 
 def test_natted_peers_contribute_hot_load_and_connect_as_their_nats_allow(
         netlab_ok, tmp_path, tiny_model_dir):
     with Lab(pair_topology("cone", "cone", "symmetric"), prefix="netscen") as lab:
-        obs = run_pair(lab, tmp_path, tiny_model_dir, versions=2, timeout=300)
+        obs = run_pair(lab, tmp_path, tiny_model_dir, versions=2, timeout=300,
+                       settings=PACE)
     assert obs["goal_s"] is not None, obs
     # Every pair was connected as its NATs allow (`links_s`: when first seen so). The two
     # cone peers, once hole-punched, stay direct; a pair with the symmetric peer is never
@@ -59,7 +67,7 @@ def test_churn_then_a_partition_that_heals(netlab_ok, tmp_path, tiny_model_dir):
     trainer's lineage again and the cut-off half contributes again."""
     plan = wan_plan(7, seed=3, relays=1, spare=1)
     with Lab(plan.topology, prefix="netscen", seed=3) as lab, \
-            LabSwarm(lab, tmp_path, tiny_model_dir) as sw:
+            LabSwarm(lab, tmp_path, tiny_model_dir, settings=PACE) as sw:
         trainer = sw.start("trainer", plan.trainer, "trainer")
         sw.wait_started(trainer)
         relay = sw.start("relay", plan.relays[0], "relay", bootstrap=[trainer], follow=[trainer])

@@ -127,6 +127,11 @@ async def test_inference_peer_with_only_bootstrap_adopts_and_contributes(tmp_pat
     build_tiny_model(model_dir, seed=0)
     trainer = DemoNode("trainer", "trainer", tmp_path / "trainer")
     cfg = node_config(trainer, model_dir, [], [], "default")
+    # The trainer steps every 3 s on what arrived, verifying batches meanwhile: paced per
+    # peer batch, each step a new version that the adopter downloads and checks again, the
+    # three processes ran flat out. (The adopter's rollouts are accepted from v1 on: it
+    # samples v0 with its own settings.)
+    cfg["trainer"] |= {"peer_batches_per_step": 1000, "peer_wait_s": 3.0}
     start_node(trainer, cfg)
     nodes = [trainer]
     try:

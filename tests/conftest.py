@@ -53,47 +53,35 @@ def pytest_collection_modifyitems(config, items):
         items.sort(key=lambda item: (-weight[_unit(item.nodeid)], order[_unit(item.nodeid)]))
 
 
-# Seconds of the longest slow tests (or of a whole module that is one unit), measured with
-# `--durations` on 2 busy cores: only the order of the `slow` tests depends on them, never a
-# result. A stale entry costs some balance at the end of a run, nothing else. Other slow
-# tests count 20 s. From a whole `-n 3` run of main a6eebc9 at 2026-12-03 11:15 UTC (load 3-7,
-# 19 min 13 s), a module that is one unit as the sum of its tests (setup included), rounded to
-# 5 s: the cone NAT pair is back to ~25 s since 7b9314d, test_swarm had grown to 112 s. The
-# steering tests after their pacing (suite7a: 44 / 26 / 21 s alone, load ~2) at about twice that.
-# suite9d, alone under the lock (load 1-2, call + setup) at about twice that: smollm2 59 s
-# (bf16 32, fp32 22), test_group 50, test_settings 41-44, two_ranks 36, ctrl_c 19 each;
-# unchanged: lifecycle 28-33, sybil newcomer 9-18, bulk shard_bytes 13.
+# Seconds of the longest slow tests (or of a whole module that is one unit): only the order of
+# the `slow` tests depends on them, never a result. A stale entry costs some balance at the end
+# of a run, nothing else. Other slow tests count 20 s. About twice each one's time alone under
+# the lock (2026-12-03, load 1-5; suite9a-d), or its time in a whole `-n 3` run of a6eebc9
+# (11:15 UTC, load 3-7) where it was not re-measured; sorted longest first.
 LONG_S = {
-    "tests/integration/test_operator_views.py": 305,
+    "tests/integration/test_operator_views.py": 290,
     "tests/netlab/test_scenarios.py::test_churn": 250,
     "tests/netlab/test_scenarios.py::test_natted": 200,
     "tests/integration/test_fresh_clone.py": 150,
-    "tests/integration/test_operator.py": 150,
     "tests/integration/test_trainer_flood.py::test_4": 150,
     "tests/integration/test_swarm.py": 130,
+    "tests/integration/test_operator.py": 125,
     "tests/integration/test_trainer_dial_flood.py::test_2": 120,
-    "tests/integration/test_trainer_flood.py::test_13": 110,
-    "tests/integration/test_trainer_restart.py": 90,
-    "tests/node/trainer/test_group.py": 100,
-    "tests/integration/test_trainer_steering.py::test_7": 80,
-    "tests/integration/test_trainer_disk.py": 75,
-    "tests/integration/test_operator_verdicts.py": 65,
     "tests/verifier/test_smollm2.py": 120,
-    "tests/integration/test_trainer_flood.py::test_recovery": 80,
+    "tests/integration/test_trainer_flood.py::test_13": 110,
+    "tests/node/trainer/test_group.py": 100,
+    "tests/integration/test_trainer_restart.py": 90,
+    "tests/integration/test_trainer_steering.py::test_7": 80,
     "tests/node/broadcast/test_settings.py::test_inference_peer_with_only": 80,
+    "tests/integration/test_trainer_disk.py": 75,
     "tests/node/trainer/test_distributed.py::test_two_ranks": 70,
+    "tests/integration/test_operator_verdicts.py": 65,
     "tests/node/broadcast/test_lifecycle.py::test_a_relay_that_saw_1000": 60,
-    "tests/integration/test_trainer_flood.py::test_recovery": 80,
     "tests/integration/test_operator_unreachable.py": 55,
     "tests/integration/test_trainer_steering.py::test_8": 50,
-    "tests/node/broadcast/test_settings.py::test_inference_peer_with_only": 50,
     "tests/integration/test_trainer_steering.py::test_10": 45,
     "tests/node/p2p/test_nat_lab.py::test_hole_punch_through_two_nats[symmetric": 45,
-    "tests/node/trainer/test_distributed.py::test_two_ranks": 40,
-    "tests/verifier/test_smollm2.py": 35,
-    "tests/integration/test_trainer_dial_flood.py::test_2": 50,
     "tests/node/test_demo.py::test_ctrl_c": 40,
-    "tests/integration/test_operator_unreachable.py": 35,
     "tests/node/p2p/test_sybil_floods.py::test_a_newcomer": 35,
     "tests/node/p2p/test_nat_lab.py::test_peers_reconnect": 30,
     "tests/node/p2p/test_nat_lab.py::test_hole_punch_through_two_nats[cone": 25,

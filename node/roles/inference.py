@@ -111,6 +111,13 @@ class InferenceRole(Role):
             # the trainer's current version is the one held here (its v0: the base model):
             # the first round's wait for its announcement (run) ends now, not after
             # version_wait_s (a peer started beside a new trainer waited it out in full)
+            effective = self.settings.effective_for(self.policy_id, ckpt.version)
+            if (effective.adopted, effective.model_id) != (self.effective.adopted,
+                                                           self.effective.model_id):
+                # its manifest carried settings (a model too) adopted here: loaded like a
+                # new version, so the first round samples with them, not with this node's
+                # own (the trainer rejected those rounds: sampling_params)
+                self.pending = (ckpt.version, ckpt.path)
             self.new_version.set()
 
     async def _maybe_reload(self) -> None:

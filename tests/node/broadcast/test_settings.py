@@ -129,8 +129,8 @@ async def test_inference_peer_with_only_bootstrap_adopts_and_contributes(tmp_pat
     cfg = node_config(trainer, model_dir, [], [], "default")
     # The trainer steps every 3 s on what arrived, verifying batches meanwhile: paced per
     # peer batch, each step a new version that the adopter downloads and checks again, the
-    # three processes ran flat out. (The adopter's rollouts are accepted from v1 on: it
-    # samples v0 with its own settings.)
+    # three processes ran flat out. The adopter samples the trainer's v0 (its base model) with
+    # the adopted settings too: none of its rounds is rejected.
     cfg["trainer"] |= {"peer_batches_per_step": 1000, "peer_wait_s": 3.0}
     start_node(trainer, cfg)
     nodes = [trainer]
@@ -167,6 +167,8 @@ async def test_inference_peer_with_only_bootstrap_adopts_and_contributes(tmp_pat
         assert adopted["max_new_tokens"] == 2 and adopted["model_id"] == str(model_dir)
         assert "sampler.max_new_tokens = 5 here, 2 in the swarm" in refused
         assert r.get("rollouts_sent", 0) == 0
+        rejected = fetch_status(trainer).get("accepted_by_peer", {})[a["peer_id"]]["rejected"]
+        assert not rejected, rejected  # a v0 sampled unadopted was rejected: sampling_params
         log = Path(refuser.log_path).read_text()
         assert log.count("refusing the policy of trainer") == 1
     finally:

@@ -258,3 +258,31 @@ async def test_a_round_samples_with_the_settings_of_its_checkpoint(
     assert (batch.sampling.temperature, batch.sampling.top_k) == (0.5, 5)
     assert dict(role.effective.adopted) == {"temperature": 0.5, "top_k": 5}
     assert role.cfg == make_cfg(tiny_model_dir, tmp_path / "data")  # untouched
+
+
+async def test_the_trainers_v0_is_sampled_with_its_adopted_settings(tmp_path, tiny_model_dir):
+    """A peer started beside a new trainer holds the trainer's v0 (the base model) already;
+    when v0's manifest carried settings adopted here, the first round samples with them. It
+    used to sample v0 with this node's own settings, and the trainer rejected every such round
+    (`sampling_params`)."""
+    from swarm_node.node.roles.settings import swarm_settings
+
+    feed, stop = FakeFeed(tmp_path, follow=[TRAINER], chosen=TRAINER), asyncio.Event()
+    sink = RecordingSink(lambda batch, n: stop.set())
+    cfg = make_cfg(tiny_model_dir, tmp_path / "data")
+    role = await started_role(cfg, feed, sink)
+    theirs = swarm_settings(cfg.with_overrides({"sampler.temperature": 0.5,
+                                                "sampler.top_k": 5}))
+    try:
+        assert role.settings.check(theirs, TRAINER, 0) is None  # the manifest gate's check
+        run = asyncio.create_task(role.run(stop))
+        await async_wait_until(lambda: stop._waiters, HANG_GUARD_S,
+                               "the role to wait for the trainer's version")
+        feed.deliver(TRAINER, 0, tiny_model_dir)
+        await asyncio.wait_for(run, HANG_GUARD_S)
+    finally:
+        await role.close()
+    batch = sink.batches[0]
+    assert (batch.policy_id, batch.policy_version) == (TRAINER, 0)
+    assert (batch.sampling.temperature, batch.sampling.top_k) == (0.5, 5)
+    assert dict(role.effective.adopted) == {"temperature": 0.5, "top_k": 5}

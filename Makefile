@@ -34,9 +34,9 @@ demo-smollm2: setup
 	$(VENV)/bin/swarm-node demo --model smollm2
 
 # The suite in TEST_WORKERS pytest-xdist processes (3 on the 2-core machine it is sized for:
-# most of its time is real processes waiting on each other, so 2 workers kept only ~1.1 cores
-# busy; a fresh clone took 9 min 19 s with 3 against 10 min 56 s - 12 min 46 s with 2;
-# `make test TEST_WORKERS=auto` uses one per core). Workers take the longest
+# most of its time is real processes waiting on each other; a fresh clone's tests took 14 min
+# 8 s with 3 on 2 cores on 2026-12-03, 17-19 min before the integration nodes were forked warm
+# (tests/launch.py); `make test TEST_WORKERS=auto` uses one per core). Workers take the longest
 # work first, one unit at a time; the tests of a module that shares a module-scoped fixture
 # (a real process, a model) are one unit, run by one worker (tests/conftest.py).
 # `pytest -q` alone runs it in one process.

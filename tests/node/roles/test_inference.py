@@ -122,6 +122,24 @@ async def test_a_trainer_chosen_after_start_is_followed_from_then_on(
         await role.close()
 
 
+async def first_round_on_v0(cfg, tmp_path, model_dir, before_run=lambda role: None):
+    """A role waiting for its first version is handed the trainer's v0 (`model_dir`, the
+    base model it holds) and runs until its first batch: (the closed role, its batches)."""
+    feed, stop = FakeFeed(tmp_path, follow=[TRAINER], chosen=TRAINER), asyncio.Event()
+    sink = RecordingSink(lambda batch, n: stop.set())
+    role = await started_role(cfg, feed, sink)
+    try:
+        before_run(role)
+        run = asyncio.create_task(role.run(stop))
+        await async_wait_until(lambda: stop._waiters, HANG_GUARD_S,
+                               "the role to wait for the trainer's version")
+        feed.deliver(TRAINER, 0, model_dir)
+        await asyncio.wait_for(run, HANG_GUARD_S)
+    finally:
+        await role.close()
+    return role, sink.batches
+
+
 async def test_a_trainer_at_the_version_held_here_ends_the_first_wait_at_once(
         tmp_path, tiny_model_dir):
     """A peer started beside a new trainer: the trainer's v0 (the base model held here) is
@@ -129,18 +147,8 @@ async def test_a_trainer_at_the_version_held_here_ends_the_first_wait_at_once(
     The peer used to wait out sampler.version_wait_s (here 10x the hang guard) first."""
     cfg = make_cfg(tiny_model_dir, tmp_path / "data").with_overrides(
         {"sampler.version_wait_s": 10 * HANG_GUARD_S})
-    feed, stop = FakeFeed(tmp_path, follow=[TRAINER], chosen=TRAINER), asyncio.Event()
-    sink = RecordingSink(lambda batch, n: stop.set())
-    role = await started_role(cfg, feed, sink)
-    try:
-        run = asyncio.create_task(role.run(stop))
-        await async_wait_until(lambda: stop._waiters, HANG_GUARD_S,
-                               "the role to wait for the trainer's version")
-        feed.deliver(TRAINER, 0, tiny_model_dir)
-        await asyncio.wait_for(run, HANG_GUARD_S)
-    finally:
-        await role.close()
-    assert [(b.policy_id, b.policy_version) for b in sink.batches] == [(TRAINER, 0)]
+    role, batches = await first_round_on_v0(cfg, tmp_path, tiny_model_dir)
+    assert [(b.policy_id, b.policy_version) for b in batches] == [(TRAINER, 0)]
     assert role.sampler.version == 0 and role.pending is None
 
 
@@ -267,22 +275,15 @@ async def test_the_trainers_v0_is_sampled_with_its_adopted_settings(tmp_path, ti
     (`sampling_params`)."""
     from swarm_node.node.roles.settings import swarm_settings
 
-    feed, stop = FakeFeed(tmp_path, follow=[TRAINER], chosen=TRAINER), asyncio.Event()
-    sink = RecordingSink(lambda batch, n: stop.set())
     cfg = make_cfg(tiny_model_dir, tmp_path / "data")
-    role = await started_role(cfg, feed, sink)
     theirs = swarm_settings(cfg.with_overrides({"sampler.temperature": 0.5,
                                                 "sampler.top_k": 5}))
-    try:
-        assert role.settings.check(theirs, TRAINER, 0) is None  # the manifest gate's check
-        run = asyncio.create_task(role.run(stop))
-        await async_wait_until(lambda: stop._waiters, HANG_GUARD_S,
-                               "the role to wait for the trainer's version")
-        feed.deliver(TRAINER, 0, tiny_model_dir)
-        await asyncio.wait_for(run, HANG_GUARD_S)
-    finally:
-        await role.close()
-    batch = sink.batches[0]
+
+    def gate_accepts(role):  # the manifest gate's check of v0
+        assert role.settings.check(theirs, TRAINER, 0) is None
+
+    role, batches = await first_round_on_v0(cfg, tmp_path, tiny_model_dir, gate_accepts)
+    batch = batches[0]
     assert (batch.policy_id, batch.policy_version) == (TRAINER, 0)
     assert (batch.sampling.temperature, batch.sampling.top_k) == (0.5, 5)
     assert dict(role.effective.adopted) == {"temperature": 0.5, "top_k": 5}

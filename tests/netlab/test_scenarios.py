@@ -5,6 +5,10 @@ one symmetric) on 30-100 ms paths with ~1% loss. Every peer contributes accepted
 (how soon, against the 60 s goal: benchmarks/wan.py) and hot-loads the versions as they
 come; the two cone peers end up directly connected (DCUtR hole punch), the symmetric one
 reaches the others only through the relay.
+
+Every node is a real `swarm-node join` process forked warm into its host's namespace
+(tests/launch.py; ~0.5 s of CPU to start instead of ~9 s; `SWARM_TEST_EXEC=1` execs them
+through `ip netns exec` as benchmarks/wan.py does).
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import pytest
 from swarm_node.node.testing.netlab import Lab
 from swarm_node.node.testing.netlab.scenarios import pair_topology, run_pair, wan_plan
 from swarm_node.node.testing.netlab.swarm import LabSwarm, accepted_from
+
+from tests.launch import start_join_in
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -30,7 +36,7 @@ def test_natted_peers_contribute_hot_load_and_connect_as_their_nats_allow(
         netlab_ok, tmp_path, tiny_model_dir):
     with Lab(pair_topology("cone", "cone", "symmetric"), prefix="netscen") as lab:
         obs = run_pair(lab, tmp_path, tiny_model_dir, versions=2, timeout=300,
-                       settings=PACE)
+                       settings=PACE, launch=start_join_in)
     assert obs["goal_s"] is not None, obs
     # Every pair was connected as its NATs allow (`links_s`: when first seen so). The two
     # cone peers, once hole-punched, stay direct; a pair with the symmetric peer is never
@@ -67,7 +73,7 @@ def test_churn_then_a_partition_that_heals(netlab_ok, tmp_path, tiny_model_dir):
     trainer's lineage again and the cut-off half contributes again."""
     plan = wan_plan(7, seed=3, relays=1, spare=1)
     with Lab(plan.topology, prefix="netscen", seed=3) as lab, \
-            LabSwarm(lab, tmp_path, tiny_model_dir, settings=PACE) as sw:
+            LabSwarm(lab, tmp_path, tiny_model_dir, settings=PACE, launch=start_join_in) as sw:
         trainer = sw.start("trainer", plan.trainer, "trainer")
         sw.wait_started(trainer)
         relay = sw.start("relay", plan.relays[0], "relay", bootstrap=[trainer], follow=[trainer])

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .errors import NetlabError
 from .lab import Lab
-from .swarm import LabSwarm, accepted_from, log_signals
+from .swarm import LabSwarm, Launcher, accepted_from, log_signals
 from .topology import Home, Host, Link, NatType, Topology
 
 # one-way latency per leg; a path's RTT is 2 x the sum of its two legs: trainer-relay 30 ms,
@@ -71,7 +71,8 @@ def expected_link(nat_a: str, nat_b: str) -> str:
 
 
 def run_pair(lab: Lab, workdir: Path, model_dir: Path, versions: int = 2,
-             timeout: float = 300.0, settings: dict | None = None) -> dict:
+             timeout: float = 300.0, settings: dict | None = None,
+             launch: Launcher | None = None) -> dict:
     """Start the trainer, the relay and every NAT'd peer of `lab` (a `pair_topology`) and
     watch until the trainer reached `versions`, every peer had rollouts accepted, hot-loaded
     `versions` versions and holds that version, and every two NAT'd peers were connected as
@@ -80,10 +81,11 @@ def run_pair(lab: Lab, workdir: Path, model_dir: Path, versions: int = 2,
     peer's own start, `goal_s` and `links_s` (when a pair was first seen connected as its
     NATs allow) from the trainer's start. `links` is the last snapshot and `link_history`
     every change seen per pair, (s, kind): relayed connections between NAT'd peers come
-    and go on lossy paths (the peers redial), so a snapshot can catch a pair between two."""
+    and go on lossy paths (the peers redial), so a snapshot can catch a pair between two.
+    `launch` starts the node processes (`LabSwarm`'s; default: exec'd)."""
     nats = {h.hosts[0]: h.nat for h in lab.topology.homes}
     obs: dict = {"topology": {"nat": nats}}
-    with LabSwarm(lab, workdir, model_dir, settings=settings) as swarm:
+    with LabSwarm(lab, workdir, model_dir, settings=settings, launch=launch) as swarm:
         t0 = time.monotonic()
         trainer = swarm.start("trainer", "trainer", "trainer")
         swarm.wait_started(trainer)

@@ -10,6 +10,10 @@ namespace, so `status()` reads it from a thread inside that namespace.
 Settings are config sections (dicts) merged over `BASE_SETTINGS`: the tiny model on the toy
 task, small and fast like the demo's swarm. The harness imports no node code; it writes the
 TOML itself (`to_toml`).
+
+How a node process is started is the caller's (`launch`): by default `Lab.popen` execs
+`python -m swarm_node.cli.main join ...` through `ip netns exec` (benchmarks/wan.py); the tests
+pass a launcher that forks a warm interpreter into the host's namespace (tests/launch.py).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +52,12 @@ BASE_SETTINGS: dict[str, dict] = {
     "trainer": {"learning_rate": 3e-3, "local_items": 16, "external_items": 0,
                 "peer_batches_per_step": 1, "peer_wait_s": 20.0},
 }
+
+
+# Starts `swarm-node <argv>` (argv begins with "join") in network namespace `netns` with
+# environment `env`, output appended to `log`; returns its process (what `subprocess.Popen`
+# offers: pid, poll, wait, send_signal, kill, returncode).
+Launcher = Callable[[str, list[str], dict, Path], subprocess.Popen]
 
 
 @dataclass
@@ -87,8 +98,9 @@ class LabSwarm:
     """The nodes of one scenario. Stop them with `stop_all` (a `with` block does it)."""
 
     def __init__(self, lab: Lab, workdir: Path, model_dir: Path, swarm_id: str = "wan",
-                 settings: dict | None = None):
+                 settings: dict | None = None, launch: Launcher | None = None):
         self.lab = lab
+        self.launch = launch
         self.workdir = Path(workdir)
         self.model_dir = Path(model_dir)
         self.swarm_id = swarm_id
@@ -125,10 +137,14 @@ class LabSwarm:
         path.write_text(to_toml(self.config(node, [b.addr for b in bootstrap],
                                             [f.peer_id for f in follow])))
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        with open(node.log_path, "ab") as log:
-            node.proc = self.lab.popen(
-                host, [sys.executable, "-m", "swarm_node.cli.main", "join", "--config",
-                       str(path)], env=env, stdout=log, stderr=subprocess.STDOUT)
+        argv = ["join", "--config", str(path)]
+        if self.launch is not None:
+            node.proc = self.launch(self.lab.ns(host), argv, env, node.log_path)
+        else:
+            with open(node.log_path, "ab") as log:
+                node.proc = self.lab.popen(
+                    host, [sys.executable, "-m", "swarm_node.cli.main", *argv], env=env,
+                    stdout=log, stderr=subprocess.STDOUT)
         self.nodes[name] = node
         return node
 

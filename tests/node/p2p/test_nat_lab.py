@@ -7,11 +7,11 @@ from __future__ import annotations
 import contextlib
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.launch import start_script
 from tests.waiting import wait_until
 
 try:
@@ -28,12 +28,11 @@ pytestmark = pytest.mark.skipif(
 
 
 class Peer:
-    """nat_peer.py in a lab host; `cmd` sends one command and reads its JSON answer."""
+    """nat_peer.py in a lab host (forked warm into its namespace: tests/launch.py);
+    `cmd` sends one command and reads its JSON answer."""
 
     def __init__(self, lab, host: str, *args: str):
-        self.proc = lab.popen(host, [sys.executable, str(PEER), *args],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True)
+        self.proc = start_script(PEER, list(args), netns=lab.ns(host))
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"nat_peer on {host} did not start")

@@ -35,4 +35,4 @@ def test_a_forked_node_runs_in_its_hosts_namespace(netlab_ok, tmp_path, tiny_mod
         assert os.stat(f"/proc/{node.proc.pid}/ns/net").st_ino == ns_inode
         assert os.stat("/proc/self/ns/net").st_ino != ns_inode
         assert node.proc.pid != os.getpid()
-        sw.stop(node)
+        sw.stop(node, kill=True)  # (a SIGTERM waits for the bootstrap to give up)

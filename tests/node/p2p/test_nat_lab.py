@@ -65,10 +65,10 @@ class Peer:
 
 
 @contextlib.contextmanager
-def two_homes(nat: str, prefix: str, *public_flags: str):
-    """A public peer ("pub", started with `public_flags`) and two peers, A and B, each behind
-    its own home router with a `nat` NAT, both bootstrapping from the public peer; yields
-    (lab, pub, a, b) and stops them all at the end."""
+def two_homes(nat: str, prefix: str, *public_flags: str, peer_flags: tuple[str, ...] = ()):
+    """A public peer ("pub", started with `public_flags`) and two peers, A and B (started
+    with `peer_flags`), each behind its own home router with a `nat` NAT, both bootstrapping
+    from the public peer; yields (lab, pub, a, b) and stops them all at the end."""
     link = netlab.Link(latency_ms=10)
     topo = netlab.Topology(hosts=(netlab.Host("pub", link),),
                            homes=(netlab.Home("ha", nat, link, ("a",)),
@@ -82,17 +82,24 @@ def two_homes(nat: str, prefix: str, *public_flags: str):
             boot = f"/ip4/{lab.addr('pub')}/tcp/4001/p2p/{pub.peer_id}"
             for name in ("a", "b"):
                 peers.append(Peer(lab, name, "--listen", "/ip4/0.0.0.0/tcp/4001",
-                                  "--bootstrap", boot))
+                                  "--bootstrap", boot, *peer_flags))
             yield lab, *peers
         finally:
             for p in peers:
                 p.stop()
 
 
+# DCUtR's dials wait 3 s, not py-libp2p's 10 (a direct TCP + Noise + Yamux dial takes
+# well under a second on the lab's 10 ms paths): each attempt through a symmetric NAT first
+# waits out a direct dial that the NAT drops (nat_peer.py). At 10 s the wait for A's failed
+# attempt took 45.6 s (alone, load 1.2).
+PUNCH_FLAGS = ("--punch-dial-timeout", "3")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("nat, direct", [("cone", True), ("symmetric", False)])
 def test_hole_punch_through_two_nats(nat, direct):
-    with two_homes(nat, "p2pnet", "--relay") as (_lab, _relay, a, b):
+    with two_homes(nat, "p2pnet", "--relay", peer_flags=PUNCH_FLAGS) as (_lab, _relay, a, b):
         st = a.wait(lambda s: s["reachability"]["relay_addrs"], 60, "A holds a relay slot")
         assert st["reachability"]["verdict"] == "relayed"
         circuit = st["reachability"]["relay_addrs"][0]

@@ -15,13 +15,15 @@ test_fresh_clone). `SWARM_TEST_EXEC=1` makes every node a plain `exec` again.
 A node of the simulated internet (node/testing/netlab) is forked the same way and enters its
 host's network namespace (`netns`) first, with setns(2) on /var/run/netns/<name>: the child is
 a fresh single-threaded process, so every thread and socket it makes afterwards is in that
-namespace (tests/netlab/test_launch.py checks its /proc/<pid>/ns/net, its sockets and what it
-can reach). One fork server (root namespace) serves every namespace. That is the part of
-`ip netns exec` a node needs; the rest it does not: `ip netns exec` also gives the process a
-mount namespace with /sys remounted (so /sys/class/net lists the namespace's devices) and
-/etc/netns/<name>/* bind-mounted over /etc, and no node code reads /sys/class/net (addresses
-come from the routing table, `route_ip`, and getaddrinfo) and the lab writes no
-/etc/netns/<name>. Such a node runs in its own session, as `Lab.popen` starts its processes.
+namespace (tests/netlab/test_launch.py checks its /proc/<pid>/ns/net, and that it dials out
+from its host's LAN address through the home router's NAT). One fork server (root namespace)
+serves every namespace. That is the part of `ip netns exec` a node needs; the rest it does
+not: `ip netns exec` also gives the process a mount namespace with /sys remounted (so
+/sys/class/net lists the namespace's devices) and /etc/netns/<name>/* bind-mounted over /etc,
+and no node code reads /sys/class/net (addresses come from the routing table, `route_ip`, and
+getaddrinfo) and the lab writes no /etc/netns/<name>. Such a node runs in its own session, as
+`Lab.popen` starts its processes. `start_script` forks a test helper script (nat_peer.py)
+the same way, with pipes to its stdin and stdout.
 """
 
 from __future__ import annotations

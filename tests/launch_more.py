@@ -40,6 +40,7 @@ def start_demo_node(node, cfg: dict) -> None:
     name = f"swarm-demo-{os.getpid()}-{id(node):x}-{node.name}"
     node.notices.bind("\0" + name)
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", NOTIFY_SOCKET="@" + name)
+    node.log_path.touch()  # as the demo's: there before the node (the child opens it later)
     node.proc = start_join(BIN, ["join", "--config", str(path)], env, node.log_path)
 
 

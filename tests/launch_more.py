@@ -11,6 +11,7 @@ environment, working directory and standard streams; only the imports are shared
 
 from __future__ import annotations
 
+import fcntl
 import os
 import runpy
 import socket
@@ -66,7 +67,10 @@ def _run(program: tuple[str, str], argv: list[str], env: dict[str, str], cwd: st
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
-    for target, fd in enumerate(stdio):
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 3) for fd in stdio]  # none is 0-2 while we dup2
+    for fd in stdio:
+        os.close(fd)
+    for target, fd in enumerate(high):
         os.dup2(fd, target)
         os.close(fd)
     sys.stdin = open(0, closefd=False)  # noqa: SIM115 (the process's own)

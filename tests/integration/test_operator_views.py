@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 from rich.text import Text
 
+from tests.launch import start_join
+
 from .test_operator import Node, get, status, taken_admin_port, trainer_config, wait_for
 
 BIN = Path(sys.executable).parent / "swarm-node"
@@ -71,7 +73,8 @@ def element_text(dom: str, element_id: str) -> str:
 
 class Peer:
     """`swarm-node join` started from a command line (the trainer's join line plus this
-    machine's own flags), with its log and admin port."""
+    machine's own flags), with its log and admin port; forked from a warm interpreter
+    (tests/launch.py). The restart on a full disk is a real exec."""
 
     def __init__(self, root: Path, argv: list[str]):
         self.root, self.argv = root, argv
@@ -88,9 +91,10 @@ class Peer:
         self.root.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "HOME": str(self.root), "OMP_NUM_THREADS": "1",
                "PYTHONUNBUFFERED": "1"}
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen([str(BIN), *self.argv[1:]], stdout=log,
-                                         stderr=subprocess.STDOUT, env=env)
+        # forked warm (tests/launch.py): ~9 s of CPU importing torch saved per start. The
+        # log exists before: the forked child opens it a moment later (a read at once failed)
+        self.log.touch()
+        self.proc = start_join(BIN, self.argv[1:], env, self.log)
         return self
 
     def status(self) -> dict:

@@ -82,7 +82,7 @@ def procs():
     started: list[BroadcastProc] = []
 
     def start(name, role, data_dir, *args, **kw):
-        p = BroadcastProc(name, role, data_dir, *COMMON, *args, **kw)
+        p = BroadcastProc(name, role, data_dir, *COMMON, *args, fork=True, **kw)
         started.append(p)
         return p
 

@@ -1,5 +1,7 @@
 """Broadcast peers as real subprocesses (node/testing/broadcast_peer.py), for fault tests and
-the benchmark. Each process is stopped through its own handle."""
+the benchmark. Each process is stopped through its own handle. The tests' peers (`fork=True`)
+are forked warm (tests/launch_more.py: ~2 s of CPU importing py-libp2p saved per peer); the
+benchmark's are exec'd."""
 
 from __future__ import annotations
 
@@ -13,23 +15,30 @@ import tempfile
 import threading
 from pathlib import Path
 
+from tests.launch_more import PIPE, start_program
+
 
 class BroadcastProc:
     def __init__(self, name: str, role: str, data_dir: Path, *args: str, key: Path | None = None,
-                 log_level: str = "WARNING"):
+                 log_level: str = "WARNING", fork: bool = False):
         self.name = name
-        cmd = [sys.executable, "-m", "swarm_node.node.testing.broadcast_peer", "--role", role,
-               "--data-dir", str(data_dir), "--log-level", log_level, *args]
+        module = "swarm_node.node.testing.broadcast_peer"
+        argv = ["--role", role, "--data-dir", str(data_dir), "--log-level", log_level, *args]
         if key is not None:
-            cmd += ["--key", str(key)]
+            argv += ["--key", str(key)]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         # not beside data_dir: a test may put that on a tiny filesystem and fill it, and the
         # "disk full" line the test looks for would then be lost (ENOSPC) with everything else
         self.stderr_path = Path(tempfile.mkdtemp(prefix="bcast-")) / f"{name}.stderr"
         Path(data_dir).parent.mkdir(parents=True, exist_ok=True)
         self._stderr = open(self.stderr_path, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._stderr, text=True, env=env)
+        if fork:
+            self.proc = start_program(module=module, argv=argv, env=env, stdin=PIPE,
+                                      stdout=PIPE, stderr=self._stderr.fileno())
+        else:
+            self.proc = subprocess.Popen([sys.executable, "-m", module, *argv],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=self._stderr, text=True, env=env)
         # read by a thread (the pipe is blocking), handed to the test's event loop
         self._loop = asyncio.get_running_loop()
         self.events: asyncio.Queue[dict] = asyncio.Queue()

@@ -17,6 +17,7 @@ from swarm_node.node.config import BroadcastSection, load_config
 from swarm_node.node.identity import Identity
 from swarm_node.protocol.messages import CheckpointManifest, FileEntry, ShardAdvert
 
+from tests.launch_more import start_demo_node
 from tests.waiting import async_wait_until
 
 from .conftest import SHARD, boot, huge_manifest, make_checkpoint, read_dir
@@ -356,7 +357,7 @@ async def test_trainer_on_a_full_disk_pauses_and_resumes(tmp_path, trainer_fs):
     cfg = demo.node_config(node, model_dir, [], [], "default")
     cfg["node"]["min_free_disk_mib"] = 1
     cfg["trainer"].update(peer_batches_per_step=0, peer_wait_s=0.5)
-    demo.start_node(node, cfg)
+    start_demo_node(node, cfg)  # demo.start_node, forked warm
     try:
         demo.wait_info(node)
 

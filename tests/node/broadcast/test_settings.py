@@ -10,6 +10,7 @@ import pytest
 from swarm_node.node.config import Config, load_config
 from swarm_node.node.roles.settings import SettingsFollower, swarm_settings
 
+from tests.launch_more import start_demo_node
 from tests.waiting import async_wait_until
 
 from .conftest import publish
@@ -121,7 +122,8 @@ async def test_inference_peer_with_only_bootstrap_adopts_and_contributes(tmp_pat
     from swarm_node.node.models import build_tiny_model
 
     DemoNode, fetch_status, wait_info = demo.DemoNode, demo.fetch_status, demo.wait_info
-    node_config, start_node, stop_nodes = demo.node_config, demo.start_node, demo.stop_nodes
+    node_config, stop_nodes = demo.node_config, demo.stop_nodes
+    start_node = start_demo_node  # demo.start_node, forked warm
 
     model_dir = tmp_path / "model"
     build_tiny_model(model_dir, seed=0)

@@ -3,8 +3,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -21,6 +19,7 @@ from swarm_node.protocol.messages import (
     Verdict,
 )
 
+from tests.launch_more import PIPE, start_program
 from tests.waiting import async_wait_until
 
 PEER_PROC = Path(__file__).with_name("peer_proc.py")
@@ -94,9 +93,9 @@ class PeerProcess:
     def __init__(self, *args: str):
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self._log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - read after stop(); GC closes
-        self.proc = subprocess.Popen([sys.executable, str(PEER_PROC), *args],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._log, text=True, env=env)
+        # forked warm (tests/launch_more.py: ~2 s of CPU importing py-libp2p saved)
+        self.proc = start_program(path=PEER_PROC, argv=list(args), env=env, stdin=PIPE,
+                                  stdout=PIPE, stderr=self._log.fileno())
         self.info: dict = {}
 
     def stderr_tail(self, n: int = 3000) -> str:

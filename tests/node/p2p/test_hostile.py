@@ -8,17 +8,21 @@ import asyncio
 import contextlib
 import json
 import os
+from pathlib import Path
 
 import pytest
 from swarm_node.node.identity import Identity
 from swarm_node.node.p2p import DialError, PublishError, RequestError
 from swarm_node.protocol.messages import Hello, ShardAdvert, Status
 
+from tests.launch_more import STDOUT, start_program
 from tests.waiting import StartNotices, async_wait_until
 
 from .attacks import MESHSUB, push_ignoring_window, rss_mib, signed_rpcs
 from .conftest import PeerProcess, ignore, rejects_by_sender, verdict, wait_until
 from .test_gossip import rollout_batch
+
+CRASH_PROC = Path(__file__).with_name("crash_proc.py")
 
 
 async def victim_stats(node, victim: str) -> dict:
@@ -273,20 +277,16 @@ async def test_inbound_bytes_per_stream_are_budgeted(make_node):
 @pytest.mark.slow
 def test_node_exits_non_zero_with_one_line_when_its_host_dies(tmp_path):
     import signal
-    import subprocess
-    import sys
     import urllib.request
-    from pathlib import Path
 
     data = tmp_path / "relay"
-    cmd = [sys.executable, str(Path(__file__).with_name("crash_proc.py")), "join",
-           "--role", "relay", "--data-dir", str(data), "--listen", "/ip4/127.0.0.1/tcp/0",
-           "--admin-port", "0"]
+    argv = ["join", "--role", "relay", "--data-dir", str(data), "--listen",
+            "/ip4/127.0.0.1/tcp/0", "--admin-port", "0"]
     notices = StartNotices()
     env = notices.env(dict(os.environ, HOME=str(tmp_path), PYTHONUNBUFFERED="1"))
     log = tmp_path / "relay.log"  # a file, never an unread pipe (a full one blocks the node)
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    # forked warm (tests/launch_more.py): the relay's ~9 s of CPU importing torch saved
+    proc = start_program(path=CRASH_PROC, argv=argv, env=env, stdout=log, stderr=STDOUT)
     try:
         notices.wait(proc, 120, details=lambda: log.read_text()[-3000:])  # READY=1: running
         port = int((data / "admin.port").read_text())

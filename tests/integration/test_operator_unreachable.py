@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.launch import start_join_in
+
 from .test_operator_views import CHROMIUM, banners
 
 try:
@@ -61,7 +63,7 @@ def test_a_peer_nobody_can_dial_shows_the_unreachable_banner_with_its_fix(tmp_pa
     topo = netlab.Topology(hosts=(netlab.Host("pub", link),),
                            homes=(netlab.Home("home", "symmetric", link, ("peer",)),))
     with netlab.Lab(topo, prefix="o3unr") as lab, \
-            LabSwarm(lab, tmp_path / "swarm", tiny_model_dir) as sw:
+            LabSwarm(lab, tmp_path / "swarm", tiny_model_dir, launch=start_join_in) as sw:
         trainer = sw.start("trainer", "pub", "trainer")  # no relay service: not a relay role
         sw.wait_started(trainer)
         peer = sw.start("peer", "peer", "inference", bootstrap=[trainer], follow=[trainer])

@@ -91,9 +91,7 @@ class Peer:
         self.root.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "HOME": str(self.root), "OMP_NUM_THREADS": "1",
                "PYTHONUNBUFFERED": "1"}
-        # forked warm (tests/launch.py): ~9 s of CPU importing torch saved per start. The
-        # log exists before: the forked child opens it a moment later (a read at once failed)
-        self.log.touch()
+        # forked warm (tests/launch.py): ~9 s of CPU importing torch saved per start
         self.proc = start_join(BIN, self.argv[1:], env, self.log)
         return self
 

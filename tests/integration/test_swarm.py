@@ -1,6 +1,6 @@
 """A real swarm: trainer, relay, two honest inference peers and a cheater, each a
 `swarm-node join` subprocess on loopback with its own key, data dir and admin endpoint
-(forked warm: tests/launch_more.py; the demo itself execs them, tests/node/test_demo.py).
+(forked warm: tests/launch.py; the demo itself execs them, tests/node/test_demo.py).
 
 One swarm serves four checks, in order (its processes cost most of the time on 2 cores):
   0. the admin endpoint (/status, /metrics) answers on 127.0.0.1 and nowhere else;
@@ -29,7 +29,7 @@ from swarm_node.node.demo import (
     wait_info,
 )
 
-from tests.launch_more import start_demo_node as start_node
+from tests.launch import start_demo_node as start_node
 from tests.waiting import wait_until
 
 from .pacing import PACE

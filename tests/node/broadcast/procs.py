@@ -1,6 +1,6 @@
 """Broadcast peers as real subprocesses (node/testing/broadcast_peer.py), for fault tests and
 the benchmark. Each process is stopped through its own handle. The tests' peers (`fork=True`)
-are forked warm (tests/launch_more.py: ~2 s of CPU importing py-libp2p saved per peer); the
+are forked warm (tests/launch.py: ~2 s of CPU importing py-libp2p saved per peer); the
 benchmark's are exec'd."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from tests.launch_more import PIPE, start_program
+from tests.launch import PIPE, start_program
 
 
 class BroadcastProc:

@@ -17,7 +17,7 @@ from swarm_node.node.config import BroadcastSection, load_config
 from swarm_node.node.identity import Identity
 from swarm_node.protocol.messages import CheckpointManifest, FileEntry, ShardAdvert
 
-from tests.launch_more import start_demo_node
+from tests.launch import start_demo_node
 from tests.waiting import async_wait_until
 
 from .conftest import SHARD, boot, huge_manifest, make_checkpoint, read_dir

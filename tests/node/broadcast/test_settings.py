@@ -10,7 +10,7 @@ import pytest
 from swarm_node.node.config import Config, load_config
 from swarm_node.node.roles.settings import SettingsFollower, swarm_settings
 
-from tests.launch_more import start_demo_node
+from tests.launch import start_demo_node
 from tests.waiting import async_wait_until
 
 from .conftest import publish

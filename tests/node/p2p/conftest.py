@@ -19,7 +19,7 @@ from swarm_node.protocol.messages import (
     Verdict,
 )
 
-from tests.launch_more import PIPE, start_program
+from tests.launch import PIPE, start_program
 from tests.waiting import async_wait_until
 
 PEER_PROC = Path(__file__).with_name("peer_proc.py")
@@ -93,7 +93,7 @@ class PeerProcess:
     def __init__(self, *args: str):
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self._log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - read after stop(); GC closes
-        # forked warm (tests/launch_more.py: ~2 s of CPU importing py-libp2p saved)
+        # forked warm (tests/launch.py: ~2 s of CPU importing py-libp2p saved)
         self.proc = start_program(path=PEER_PROC, argv=list(args), env=env, stdin=PIPE,
                                   stdout=PIPE, stderr=self._log.fileno())
         self.info: dict = {}

@@ -15,7 +15,7 @@ from swarm_node.node.identity import Identity
 from swarm_node.node.p2p import DialError, PublishError, RequestError
 from swarm_node.protocol.messages import Hello, ShardAdvert, Status
 
-from tests.launch_more import STDOUT, start_program
+from tests.launch import STDOUT, start_program
 from tests.waiting import StartNotices, async_wait_until
 
 from .attacks import MESHSUB, push_ignoring_window, rss_mib, signed_rpcs
@@ -285,7 +285,7 @@ def test_node_exits_non_zero_with_one_line_when_its_host_dies(tmp_path):
     notices = StartNotices()
     env = notices.env(dict(os.environ, HOME=str(tmp_path), PYTHONUNBUFFERED="1"))
     log = tmp_path / "relay.log"  # a file, never an unread pipe (a full one blocks the node)
-    # forked warm (tests/launch_more.py): the relay's ~9 s of CPU importing torch saved
+    # forked warm (tests/launch.py): the relay's ~9 s of CPU importing torch saved
     proc = start_program(path=CRASH_PROC, argv=argv, env=env, stdout=log, stderr=STDOUT)
     try:
         notices.wait(proc, 120, details=lambda: log.read_text()[-3000:])  # READY=1: running

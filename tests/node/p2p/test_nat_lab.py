@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import start_script
+from tests.launch import PIPE, start_program
 from tests.waiting import wait_until
 
 try:
@@ -32,7 +32,8 @@ class Peer:
     `cmd` sends one command and reads its JSON answer."""
 
     def __init__(self, lab, host: str, *args: str):
-        self.proc = start_script(PEER, list(args), netns=lab.ns(host))
+        self.proc = start_program(path=PEER, argv=list(args), stdin=PIPE, stdout=PIPE,
+                                   netns=lab.ns(host))
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"nat_peer on {host} did not start")

@@ -83,7 +83,6 @@ LONG_S = {
     "tests/node/p2p/test_nat_lab.py::test_hole_punch_through_two_nats[symmetric": 45,
     "tests/node/test_demo.py::test_ctrl_c": 40,
     "tests/node/p2p/test_sybil_floods.py::test_a_newcomer": 35,
-    "tests/test_cli.py::test_doctor_load_prints_progress": 35,
     "tests/node/p2p/test_nat_lab.py::test_peers_reconnect": 30,
     "tests/node/p2p/test_nat_lab.py::test_hole_punch_through_two_nats[cone": 25,
     "tests/node/broadcast/test_bulk_shards.py::test_shard_bytes_changed": 25,

@@ -56,7 +56,7 @@ def pytest_collection_modifyitems(config, items):
 # Seconds of the longest slow tests (or of a whole module that is one unit): only the order of
 # the `slow` tests depends on them, never a result. A stale entry costs some balance at the end
 # of a run, nothing else. Other slow tests count 20 s. About twice each one's time alone under
-# the lock (2026-12-03, load 1-5; suite9a-d), or its time in a whole `-n 3` run of a6eebc9
+# the lock (2026-12-03, load 1-5; suite9a-d, suite10a-c), or its time in a whole `-n 3` run of a6eebc9
 # (11:15 UTC, load 3-7) where it was not re-measured; sorted longest first.
 LONG_S = {
     "tests/integration/test_operator_views.py": 270,
@@ -75,12 +75,12 @@ LONG_S = {
     "tests/node/trainer/test_distributed.py::test_two_ranks": 70,
     "tests/node/p2p/test_nat_lab.py::test_hole_punch_through_two_nats[symmetric": 70,
     "tests/integration/test_operator_verdicts.py": 65,
-    "tests/node/broadcast/test_lifecycle.py::test_a_relay_that_saw_1000": 60,
     "tests/integration/test_operator_unreachable.py": 55,
     "tests/integration/test_swarm.py": 50,
     "tests/integration/test_trainer_steering.py::test_8": 50,
     "tests/node/p2p/test_nat_lab.py::test_hole_punch_through_two_nats[cone": 50,
     "tests/node/broadcast/test_settings.py::test_inference_peer_with_only": 50,
+    "tests/node/broadcast/test_lifecycle.py::test_a_relay_that_saw_1000": 50,
     "tests/integration/test_trainer_steering.py::test_10": 45,
     "tests/node/p2p/test_nat_lab.py::test_peers_reconnect": 45,
     "tests/node/test_demo.py::test_ctrl_c": 40,

@@ -65,13 +65,17 @@ def test_natted_peers_contribute_hot_load_and_connect_as_their_nats_allow(
 
 
 def test_churn_then_a_partition_that_heals(netlab_ok, tmp_path, tiny_model_dir):
-    """One small swarm (a public trainer and relay, five peers: two public, three behind
-    cone/symmetric NATs, 20-200 ms paths, ~2% loss per path) lives through both scenarios.
-    Churn: a fifth of the peers is killed (its adverts stay behind) and a new one joins; the
-    trainer loses no round, the newcomer contributes, downloads do not stall on the departed
-    source. Partition: the trainer's half keeps training; after the heal every peer is on the
-    trainer's lineage again and the cut-off half contributes again."""
-    plan = wan_plan(7, seed=3, relays=1, spare=1)
+    """One small swarm (a public trainer and relay, four peers: one public, two behind
+    symmetric NATs, one behind a cone NAT; 20-200 ms paths, ~2% loss per path; a public
+    spare) lives through both scenarios. Churn: a quarter of the peers (a symmetric one) is
+    killed (its adverts stay behind) and a new one joins on the spare; the trainer loses no
+    round, the newcomer contributes, downloads do not stall on the departed source.
+    Partition: trainer, relay, the other symmetric peer and the newcomer | the public and
+    the cone peer; the trainer's half keeps training (two versions); after the heal every
+    peer is on the trainer's lineage again and the cut-off half contributes again."""
+    # 4 peers, not 5 (a second cone peer in the trainer's half), and two versions in the
+    # partition, not three: alone under the lock 96 -> 77 s CPU, 83 -> 64 s (load ~2)
+    plan = wan_plan(6, seed=3, relays=1, spare=1)
     with Lab(plan.topology, prefix="netscen", seed=3) as lab, \
             LabSwarm(lab, tmp_path, tiny_model_dir, settings=PACE, launch=start_join_in) as sw:
         trainer = sw.start("trainer", plan.trainer, "trainer")
@@ -95,7 +99,6 @@ def test_churn_then_a_partition_that_heals(netlab_ok, tmp_path, tiny_model_dir):
         stayed = [p for p in peers if p is not gone]
         accepted0 = {p.name: accepted_from(trainer, p) for p in stayed}
         sw.wait_until(lambda: accepted_from(trainer, new) > 0
-                      and trainer.status["policy_version"] >= v_churn + 3
                       and all(accepted_from(trainer, p) > accepted0[p.name] for p in stayed)
                       and all(p.status.get("policy_version", 0) >= v_churn + 2
                               for p in (*stayed, new)), 180, "work goes on after the churn",
@@ -118,7 +121,7 @@ def test_churn_then_a_partition_that_heals(netlab_ok, tmp_path, tiny_model_dir):
         accepted_a = {p.name: accepted_from(trainer, p) for p in half_a}
         # the trainer's half trains on; the other half (no trainer: its rounds are bound to
         # the last version it has) waits, connected within itself
-        sw.wait_until(lambda: trainer.status["policy_version"] >= v_cut + 3
+        sw.wait_until(lambda: trainer.status["policy_version"] >= v_cut + 2
                       and all(accepted_from(trainer, p) > accepted_a[p.name] for p in half_a)
                       and half_b[0].peer_id in half_b[1].status.get("peers", []), 120,
                       "the trainer's half working, the other half connected", every=2.0)

@@ -60,7 +60,7 @@ def pytest_collection_modifyitems(config, items):
 # (11:15 UTC, load 3-7) where it was not re-measured; sorted longest first.
 LONG_S = {
     "tests/integration/test_operator_views.py": 270,
-    "tests/netlab/test_scenarios.py::test_natted": 190,
+    "tests/netlab/test_scenarios.py::test_natted": 160,
     "tests/integration/test_fresh_clone.py": 150,
     "tests/integration/test_trainer_flood.py::test_4": 150,
     "tests/netlab/test_scenarios.py::test_churn": 130,

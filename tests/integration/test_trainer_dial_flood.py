@@ -65,22 +65,34 @@ async def test_2_fresh_identities_connect_during_and_after_a_churning_flood(tmp_
         addr = trainer_address(trainer)
         swarm = Config.model_validate({"node": {"swarm_id": tcfg["node"]["swarm_id"],
                                                 "listen": ["/ip4/127.0.0.1/tcp/0"]}})
+        t_joined = time.monotonic()
         assert "error" not in await fresh_dial(swarm, tid, addr)  # the control
-        flood = VerdictFlood(swarm, addr, tid, connections=20, rate=30.0, churn_s=1.0)
+        # the flood's identities are cheaper to build than a default node (the harness's
+        # cost, not the trainer's): no bulk plane (its TLS port and certificate; the flood
+        # is libp2p only), and a carrier the trainer refuses gives up after 2 s instead of
+        # retrying its bootstrap for 30 s (a stopped flood waited on those: 14 s of 61)
+        carriers = Config.model_validate({**swarm.model_dump(), "bulk": {"listen": "off",
+                                                                          "fetch": False},
+                                          "p2p": {"bootstrap_timeout_s": 2.0}})
+        flood = VerdictFlood(carriers, addr, tid, connections=20, rate=30.0, churn_s=0.5)
         flooding = asyncio.ensure_future(flood.run(stop))
         # the flood runs until 150 identities came (and most went): over the 64 peers a
         # subnet may hold at once, and hundreds of accepted connections in all
         await until(lambda: flood.carriers >= 150, 300, "150 flooding identities", trainer)
+        t_flooded = time.monotonic()
         during = await fresh_dial(swarm, tid, addr)
         v0 = trainer.status()["policy_version"]
         stop.set()
         await flooding
         flooding = None
         after = [await fresh_dial(swarm, tid, addr) for _ in range(3)]
+        t_after = time.monotonic()
         await until(lambda: trainer.status()["policy_version"] >= v0 + 3, 120,
                     "training after the flood", trainer)
         print(f"flood: {flood.sent} verdicts from {flood.carriers} identities ({flood.cut} "
-              f"cut); fresh dial during: {during}; after: {after}")
+              f"cut); fresh dial during: {during}; after: {after}; seconds: flood "
+              f"{t_flooded - t_joined:.1f}, its stop and the dials after {t_after - t_flooded:.1f}"
+              f", 3 versions after {time.monotonic() - t_after:.1f}")
         assert "error" not in during, during
         assert all("error" not in a for a in after), after
         assert trainer.proc.poll() is None

@@ -336,7 +336,7 @@ def group_keygen(
                                      "member's data dir."),
 ) -> None:
     """Create a trainer group's shared key (README "Scaling a trainer out")."""
-    from ..node.trainer.group import write_group_key
+    from ..node.trainer.group_key import write_group_key
 
     try:
         write_group_key(path)

@@ -78,6 +78,22 @@ class TaskOwner:
                 task.cancel()
 
 
+async def wait_set(event: asyncio.Event, timeout: float) -> bool:
+    """Wait up to `timeout` seconds for `event`; True if it was set. For the background
+    loops that sleep until woken: `asyncio.wait_for(event.wait(), t)` on Python 3.11
+    returns instead of raising when a cancel arrives as the event is set (gh-86296), so
+    the loop ran one more round and slept again, and the close of its owner waited out
+    CLOSE_TIMEOUT_S (the dht and relay loops, woken by the reachability change of a node
+    that closes soon after start: 10 s, one close in two). `asyncio.timeout` never
+    swallows a cancel."""
+    try:
+        async with asyncio.timeout(timeout):
+            await event.wait()
+    except TimeoutError:
+        return event.is_set()
+    return True
+
+
 class Changed:
     """Wakes everyone waiting for a condition when something it reads changed. `fire()` is
     called in the event loop's thread (e.g. from a callback)."""

@@ -61,7 +61,8 @@ class BodyServer:
     async def serve(self, peer: str, conn: BulkConn) -> None:
         while True:
             try:
-                digest = await asyncio.wait_for(conn.readexactly(HASH_LEN), self.idle_s)
+                async with asyncio.timeout(self.idle_s):  # not wait_for: lifecycle.wait_set
+                    digest = await conn.readexactly(HASH_LEN)
             except (TimeoutError, asyncio.IncompleteReadError, BulkError):
                 return  # idle, closed by the client, or the peer is refused now
             data = self.lookup(digest)
@@ -119,7 +120,8 @@ class BodyPuller:
         # pulls must not hold the pulls queued behind them (and the node's pull slots)
         # uncharged for a pull timeout each.
         try:
-            await asyncio.wait_for(sem.acquire(), self.cfg.payload_pull_timeout_s)
+            async with asyncio.timeout(self.cfg.payload_pull_timeout_s):
+                await sem.acquire()  # not wait_for: a cancel must not be lost (lifecycle.wait_set)
         except TimeoutError:
             self.metrics.inc("payload_bulk_slot_timeouts")
             raise PullFailed(f"no free connection to {peer} within "

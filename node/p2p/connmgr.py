@@ -37,6 +37,7 @@ from libp2p.host.ping import ID as PING_PROTOCOL
 from libp2p.host.ping import PING_LENGTH
 from libp2p.peer.id import ID
 
+from ..lifecycle import wait_set
 from .context import HostContext
 from .dialback import ip_tcp, transport_addrs
 from .discovery import Discovery
@@ -103,11 +104,8 @@ class ConnectionManager:
     async def run(self) -> None:
         while True:
             self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), TRIM_POLL_S)
+            if await wait_set(self._wake, TRIM_POLL_S):
                 await asyncio.sleep(TRIM_DEBOUNCE_S)
-            except TimeoutError:
-                pass
             if len(self._since) <= self.cfg.max_peers:
                 continue
             try:

@@ -43,6 +43,7 @@ from libp2p.peer.peerinfo import PeerInfo
 from libp2p.utils.varint import encode_varint_prefixed
 from multiaddr import Multiaddr
 
+from ..lifecycle import wait_set
 from .context import HostContext
 from .discovery import dial_order
 from .errors import NotRunning, P2PError
@@ -125,10 +126,7 @@ class DHTService:
             except NotRunning:
                 return
             self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), REPROVIDE_S)
-            except TimeoutError:
-                pass
+            await wait_set(self._wake, REPROVIDE_S)
 
     # Providers ------------------------------------------------------------------------
 

@@ -36,6 +36,7 @@ from libp2p.transport.upgrader import TransportUpgrader
 from ...protocol.errors import ProtocolError
 from ...protocol.ids import DIALBACK_PROTOCOL
 from ...protocol.messages import DialbackRequest, DialbackResult
+from ..lifecycle import wait_set
 from .context import HostContext
 from .errors import P2PError
 from .requests import RequestService
@@ -217,10 +218,7 @@ class Dialback:
             wait = (RETRY_UNKNOWN_S if verdict is None
                     else self.cfg.reachability_interval_s)
             self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), wait)
-            except TimeoutError:
-                pass
+            await wait_set(self._wake, wait)
 
 
 # Peers that had nothing to say about us: not counted either way.

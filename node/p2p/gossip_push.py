@@ -182,8 +182,8 @@ class BodyPusher:
         if self._closed:
             return  # the handler's return closes the connection
         try:
-            way = await asyncio.wait_for(conn.readexactly(1),
-                                         self.client.cfg.handshake_timeout_s)
+            async with asyncio.timeout(self.client.cfg.handshake_timeout_s):  # lifecycle.wait_set
+                way = await conn.readexactly(1)
         except (TimeoutError, asyncio.IncompleteReadError, BulkError):
             return
         if self._closed:

@@ -40,6 +40,7 @@ from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 
+from ..lifecycle import wait_set
 from .context import HostContext
 from .dialback import ip_tcp, transport_addrs
 from .errors import DialError, NotRunning, P2PError
@@ -235,10 +236,7 @@ class RelayService:
             except Exception as e:  # noqa: BLE001 - one bad round must not end the client
                 log.warning("relay client round failed: %s: %s", type(e).__name__, e)
             self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), CLIENT_POLL_S)
-            except TimeoutError:
-                pass
+            await wait_set(self._wake, CLIENT_POLL_S)
 
     def wake(self) -> None:
         self._wake.set()

@@ -26,7 +26,6 @@ import logging
 import os
 import queue
 import re
-import secrets
 import subprocess
 import sys
 import tempfile
@@ -35,37 +34,13 @@ from pathlib import Path
 
 import torch
 
-from ..errors import NodeError
+from .group_key import GroupError, read_group_key, write_group_key  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 START_TIMEOUT_S = 120.0   # the child imports hivemind (~6 s) and starts its daemon
 REPLY_MARGIN_S = 30.0     # beyond the averaging timeouts, before the child is declared hung
-
-
-class GroupError(NodeError):
-    """The trainer group cannot be joined or used."""
-
-
-def read_group_key(path: Path) -> bytes:
-    """The group's shared secret: 64 hex chars in a file only its owner can read."""
-    try:
-        if path.stat().st_mode & 0o077:
-            raise GroupError(f"{path} must not be readable by others (chmod 600)")
-        key = bytes.fromhex(path.read_text().strip())
-    except (OSError, ValueError) as e:
-        raise GroupError(f"cannot read the group key {path}: {e}") from None
-    if len(key) < 16:
-        raise GroupError(f"the group key in {path} is shorter than 16 bytes")
-    return key
-
-
-def write_group_key(path: Path) -> None:
-    """Create a new group key (mode 0600); copy the file to every member."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32) + "\n")
 
 
 def schema_id(model) -> str:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -15,6 +13,8 @@ from swarm_node.node.config import Config
 from swarm_node.node.tasks import format_prompt, get_task
 from swarm_node.node.trainer.trainer import Trainer
 from swarm_node.protocol.messages import Completion, RolloutBatch, SamplingParams, TensorData
+
+from tests.launch import PIPE, start_program
 
 from .helpers import mixed_group, ref, right_and_wrong, samples
 
@@ -237,9 +237,10 @@ CHILD = textwrap.dedent("""
 
 
 def _run_child(root, model, data, start, kill_after_step):
-    code = CHILD.format(root=root, model=str(model), data=str(data), start=start)
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                            stderr=subprocess.DEVNULL)
+    script = data.parent / f"child_{start}.py"
+    script.write_text(CHILD.format(root=root, model=str(model), data=str(data), start=start))
+    # forked warm (tests/launch.py): torch, transformers and the trainer already imported
+    proc = start_program(path=script, argv=[], stdout=PIPE)
     events = []
     try:
         for line in proc.stdout:

@@ -20,8 +20,12 @@ async def test_swarm_id_mismatch_is_one_error_line_at_once(make_node, caplog):
         await stray.start(bootstrap=boot.listen_addrs)
     text = str(e.value)
     assert "'my-swarm'" in text and "'default'" in text and "--swarm my-swarm" in text
-    # said once: by the error the command prints, not also by an ERROR log line before it
-    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    # said once: by the error the command prints, not also by an ERROR log line before it.
+    # Both nodes log into this process: only the stray's lines ("this node to 'default'")
+    # count; the boot node may say its side when the stray's peer exchange reaches it first
+    # (seen once in a whole-suite run, load ~4)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR
+                and "this node to 'default'" in r.getMessage()]
     assert not any("failed" in r.getMessage() for r in caplog.records
                    if r.name.endswith("requests"))
     assert boot.discovery.is_stray(stray.peer_id)

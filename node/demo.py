@@ -102,6 +102,15 @@ def smollm2_settings(cfg: dict) -> dict:
 
 
 def start_node(node: DemoNode, cfg: dict) -> None:
+    path, env = prepare_node(node, cfg)
+    with open(node.log_path, "ab") as log:
+        node.proc = subprocess.Popen(
+            [sys.executable, "-m", "swarm_node.cli.main", "join", "--config", str(path)],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def prepare_node(node: DemoNode, cfg: dict) -> tuple[Path, dict[str, str]]:
+    """A node's config file and start-notice socket; its config path and environment."""
     node.dir.mkdir(parents=True, exist_ok=True)
     path = node.dir / "node.toml"
     path.write_text(dump_toml(cfg))
@@ -112,10 +121,7 @@ def start_node(node: DemoNode, cfg: dict) -> None:
     name = f"swarm-demo-{os.getpid()}-{id(node):x}-{node.name}"
     node.notices.bind("\0" + name)
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", NOTIFY_SOCKET="@" + name)
-    with open(node.log_path, "ab") as log:
-        node.proc = subprocess.Popen(
-            [sys.executable, "-m", "swarm_node.cli.main", "join", "--config", str(path)],
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return path, env
 
 
 def wait_info(node: DemoNode, timeout: float = START_TIMEOUT_S) -> dict:

@@ -39,13 +39,12 @@ import multiprocessing
 import os
 import runpy
 import signal
-import socket
 import subprocess
 import sys
 from multiprocessing import reduction
 from pathlib import Path
 
-from swarm_node.node.config import dump_toml
+from swarm_node.node.demo import prepare_node
 
 # What the fork server imports once: the CLI and every role, torch, and the modeling modules of
 # the model families the tests load (the tiny built-in model is Qwen2-shaped; SmolLM2 is Llama).
@@ -261,17 +260,9 @@ def start_join_in(netns: str, argv: list[str], env: dict[str, str], log: Path):
 
 def start_demo_node(node, cfg: dict) -> None:
     """`swarm_node.node.demo.start_node`, the node forked warm (`start_join`): the same
-    config file, start-notice socket, environment and log (`demo.wait_info`,
-    `demo.stop_nodes` and `demo.fetch_status` work on it unchanged)."""
-    node.dir.mkdir(parents=True, exist_ok=True)
-    path = node.dir / "node.toml"
-    path.write_text(dump_toml(cfg))
-    if node.notices is not None:  # a restarted node: a fresh socket
-        node.notices.close()
-    node.notices = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    name = f"swarm-demo-{os.getpid()}-{id(node):x}-{node.name}"
-    node.notices.bind("\0" + name)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", NOTIFY_SOCKET="@" + name)
+    config file, start-notice socket, environment and log (`demo.prepare_node`), so
+    `demo.wait_info`, `demo.stop_nodes` and `demo.fetch_status` work on it unchanged."""
+    path, env = prepare_node(node, cfg)
     node.proc = start_join(BIN, ["join", "--config", str(path)], env, node.log_path)
 
 

@@ -18,8 +18,11 @@ when either step fails or takes over `--probe-timeout-s`. Phases: baseline, floo
 `--trainer-pythonpath DIR` runs the trainer from another copy of swarm_node (DIR/swarm_node,
 e.g. one with a patch taken out) to compare the same flood.
 Printed: per phase, probes, failures, connect and hello p50/max, the trainer's policy
-versions and versions/s (it must keep training) and its longest pause (no new version);
-the load average at start and end.
+versions and versions/s (it must keep training) and its longest pause (no new version),
+its own sampling rounds (one per iteration of its loop: verify, sample, step; a round
+whose groups all lack reward signal, dropped as zero-advantage, makes no version), and the
+CPU seconds the trainer process used per second of the phase; the load average at start
+and end.
 """
 
 from __future__ import annotations
@@ -127,7 +130,8 @@ async def run(args) -> dict:
                    if args.trainer_pythonpath else None)
     child = None
     probes: list[dict] = []
-    versions: list[tuple[str, float, int]] = []  # phase, t, trainer policy version
+    # phase, t, trainer policy version, own rounds, CPU s, zero-advantage groups dropped
+    versions: list[tuple[str, float, int, int, float, int]] = []
     phase = ["baseline"]
     stop = asyncio.Event()
     try:
@@ -150,7 +154,9 @@ async def run(args) -> dict:
         async def watcher() -> None:
             while not stop.is_set():
                 st = await asyncio.to_thread(trainer.status)
-                versions.append((phase[0], time.monotonic(), st.get("policy_version", -1)))
+                versions.append((phase[0], time.monotonic(), st.get("policy_version", -1),
+                                 own_rounds(root / "t"), cpu_s(trainer.proc.pid),
+                                 (st.get("buffer") or {}).get("dropped_zero_advantage", 0)))
                 await asyncio.sleep(1.0)
 
         tasks = [asyncio.create_task(prober()), asyncio.create_task(watcher())]
@@ -194,13 +200,30 @@ async def run(args) -> dict:
         trainer.stop()
 
 
-def longest_pauses(versions: list[tuple[str, float, int]]) -> dict[str, float]:
+def own_rounds(data_dir: Path) -> int:
+    """The trainer's own sampling rounds so far (its round.json)."""
+    try:
+        return json.loads((data_dir / "round.json").read_text())["next_round"]
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) process `pid` used so far."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def longest_pauses(versions: list[tuple]) -> dict[str, float]:
     """Per phase, the longest time the trainer's version stood still (seconds from one new
     version to the next, given to the phase in which it ended; one still open at the end
     counts to the last phase): the issue's "training paused 2.6-3.5 min"."""
     out: dict[str, float] = {}
     last_t, last_v = None, None
-    for name, t, v in versions:
+    for name, t, v, *_ in versions:
         if v < 0:  # /status did not answer: not a version
             continue
         if last_v is None or v > last_v:
@@ -208,8 +231,28 @@ def longest_pauses(versions: list[tuple[str, float, int]]) -> dict[str, float]:
                 out[name] = max(out.get(name, 0.0), t - last_t)
             last_t, last_v = t, v
     if versions and last_t is not None:
-        name, t, _ = versions[-1]
+        name, t, *_ = versions[-1]
         out[name] = max(out.get(name, 0.0), t - last_t)
+    return out
+
+
+WINDOW_S = 10.0
+
+
+def windows(versions: list[tuple], width: float) -> dict[str, list[tuple[int, int]]]:
+    """Per phase, the trainer's (new versions, own rounds) in each `width`-second window
+    from the phase's start (a last partial window included)."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    for name in dict.fromkeys(v[0] for v in versions):
+        vs = [v for v in versions if v[0] == name and v[2] >= 0]
+        if len(vs) < 2:
+            continue
+        ws, start = [], vs[0]
+        for cur in vs[1:]:
+            if cur[1] - start[1] >= width or cur is vs[-1]:
+                ws.append((cur[2] - start[2], cur[3] - start[3]))
+                start = cur
+        out[name] = ws
     return out
 
 
@@ -225,19 +268,28 @@ def summarize(args, r: dict, loads: tuple[float, float]) -> str:
         dv = (vs[-1][2] - vs[0][2]) if len(vs) > 1 else 0
         dt = (vs[-1][1] - vs[0][1]) if len(vs) > 1 else 0
         rate = dv / dt if dt > 0 else float("nan")
+        dr = (vs[-1][3] - vs[0][3]) if len(vs) > 1 else 0
+        dz = (vs[-1][5] - vs[0][5]) if len(vs) > 1 else 0
+        cpu = (vs[-1][4] - vs[0][4]) / dt if dt > 0 else float("nan")
         rows.append(f"| {name} | {len(ps)} | {len(ps) - len(ok)} | {pct(conn, 0.5):.2f} / "
                     f"{max(conn, default=float('nan')):.2f} | {pct(hello, 0.5):.2f} / "
                     f"{max(hello, default=float('nan')):.2f} | {dv} in {dt:.0f} s = "
-                    f"{rate:.2f}/s | {pauses.get(name, 0.0):.0f} s |")
+                    f"{rate:.2f}/s | {pauses.get(name, 0.0):.0f} s | {dr} ({dz}) | "
+                    f"{cpu:.2f} |")
     errors = sorted({p["error"][:80] for p in r["probes"] if "error" in p})
+    series = windows(r["versions"], WINDOW_S)
     churn = f", each replaced by a fresh identity every {args.churn_s:g} s" if args.churn_s else ""
     trainer = f"trainer from {args.trainer_pythonpath}; " if args.trainer_pythonpath else ""
     return (f"{trainer}{args.identities} connections x {args.rate:g} verdicts/s for {args.flood_s:g} s"
             f"{churn}, flood end: {args.end}; probe every {args.probe_every:g} s (timeout "
             f"{args.probe_timeout_s:g} s); flood: {r['flood']}\n\n"
             "| phase | probes | failed | connect p50 / max s | hello p50 / max s | "
-            "trainer versions | longest pause |\n|---|---|---|---|---|---|---|\n"
+            "trainer versions | longest pause | own rounds (zero-advantage groups) | "
+            "trainer CPU s/s |\n|---|---|---|---|---|---|---|---|---|\n"
             + "\n".join(rows)
+            + f"\n\nTrainer versions / own rounds per {WINDOW_S:g} s window (recovery): "
+            + "; ".join(f"{name} " + " ".join(f"{v}/{n}" for v, n in ws)
+                        for name, ws in series.items())
             + f"\n\nInbound connections the trainer accepted in all: "
               f"{r['flood'].get('connections', 0)} flood + {len(r['probes'])} probes "
               f"(py-libp2p's inbound slots: 250)."

@@ -29,12 +29,14 @@ test's one process (relay, victim, honest peer, 20 sybils) let a 3 s dial and a 
 bootstrap run out (a BootstrapError, CI 2026-12-03)."""
 LAG_ROUNDS = 10
 """An honest message reaches the victim before the flood messages sent this many rounds
-of the identities after it (1.25 s of the flood's designed pace; measured 0-2 messages
-on a quiet machine): a relay that queues it behind the flood fails, whatever the load."""
+of the identities after it (1 s of the flood's designed pace; measured: 0 to 2 on a quiet
+machine, -23 to 19 beside two CPU burners): a relay that lets the flood overtake it
+fails, in the flood's own count, not in seconds."""
 FLOOD_DEADLINE_S = 90
-"""How long the flood may run in all (its designed length: 8 s) for the honest messages to
-arrive while it runs (a deadline for a failure, not a pace: on a quiet machine it stops
-with its designed length)."""
+"""How long the flood may run in all for the honest messages to arrive while it runs: a
+deadline for a failure, not a pace. Its designed 1600 messages (8 s at its pace) took
+18-20 s here on a quiet machine, 28-40 s beside two CPU burners, and it stopped ~20-80
+messages past them."""
 
 
 def _message(kind: str, origin: str, i: int):

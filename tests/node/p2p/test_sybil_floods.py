@@ -32,11 +32,12 @@ LAG_ROUNDS = 10
 of the identities after it (1 s of the flood's designed pace; measured: 0 to 2 on a quiet
 machine, -23 to 19 beside two CPU burners): a relay that lets the flood overtake it
 fails, in the flood's own count, not in seconds."""
-FLOOD_DEADLINE_S = 90
-"""How long the flood may run in all for the honest messages to arrive while it runs: a
-deadline for a failure, not a pace. Its designed 1600 messages (8 s at its pace) took
-18-20 s here on a quiet machine, 28-40 s beside two CPU burners, and it stopped ~20-80
-messages past them."""
+OVERTIME_S = 60
+"""How long the flood may run on past its designed messages for the honest ones to arrive
+while it runs: a deadline for a failure, not a pace, counted from the designed end (its
+1600 messages, 8 s at its pace, took 18-20 s here on a quiet machine and 28-40 s beside
+two CPU burners: the test's one process sends them). It stopped ~20-80 messages past
+them."""
 
 
 def _message(kind: str, origin: str, i: int):
@@ -89,6 +90,7 @@ async def test_a_relay_carrying_a_many_identity_flood_is_never_cut(make_node, ki
     joiner = None
     heard_after = None  # flood messages the victim had heard when the last honest one came
     start = loop.time()
+    designed_end = None  # when the designed messages were all sent
     for j in itertools.count():  # identities x rate messages/s in all, round robin
         sybil, i = sybils[j % identities], j // identities
         frame = signed_rpcs(sybil, sybil.topic(kind),
@@ -101,11 +103,13 @@ async def test_a_relay_carrying_a_many_identity_flood_is_never_cut(make_node, ki
             during.append(10_000 + len(during))
             honest_sent_after[during[-1]] = j + 1
             await honest.publish(kind, _message(kind, honest.peer_id, during[-1]))
+        if j + 1 == designed:
+            designed_end = loop.time()
         if j >= designed and heard_after is None and set(during) <= honest_at_victim.keys():
             heard_after = flood_at_victim
         if heard_after is not None and flood_at_victim >= heard_after + identities:
             break  # the flood still reached the victim after the last honest message
-        if loop.time() - start > FLOOD_DEADLINE_S:
+        if designed_end is not None and loop.time() - designed_end > OVERTIME_S:
             missing = sorted(set(during) - honest_at_victim.keys())
             pytest.fail(f"after {j + 1} flood messages ({designed} designed), the victim has "
                         f"{len(during) - len(missing)} of the {len(during)} honest messages "

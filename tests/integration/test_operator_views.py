@@ -234,7 +234,9 @@ def test_join_line_full_disk_and_history(swarm, tiny_model_dir, small_disk, tmp_
                          "the trainer's advertised version in the peer's swarm view", 60)
         row = _trainer_row(view, trainer_id)
         assert row["role"] == "trainer" and row["connection"] == "direct", row
-        _downloads_match_disk(after, small_disk / "data" / "broadcast" / trainer_id)
+        # a /status of now, not `after`: the wait above may have outlasted every version
+        # `after` lists (the store prunes old ones), leaving none of them to check on disk
+        _downloads_match_disk(peer.status(), small_disk / "data" / "broadcast" / trainer_id)
         # the trainer counts what it uploaded: to this peer, at least what it downloaded
         # (a download superseded by a newer version is served but not recorded)
         wait_for(lambda: swarm.status()["served"]["bytes"] >= after["counters"][
@@ -310,6 +312,14 @@ def _gauges(text: str, family: str) -> dict[str, float]:
 
 def _codes(doc: dict) -> list[str]:
     return [a["code"] for a in doc.get("alerts") or []]
+
+
+def _relay_row_and_holders(view: dict, relay_id: str, trainer_id: str) -> bool:
+    """The trainer's swarm view names the relay's newest version, and a version of its own
+    held complete there has a holder."""
+    return (any(r["peer"] == relay_id and r.get("version") is not None for r in view["peers"])
+            and any(v["policy_id"] == trainer_id and v["here"] == "complete"
+                    and v["holders"] >= 1 for v in view["versions"]))
 
 
 def _downloads_match_disk(doc: dict, store: Path) -> None:
@@ -479,13 +489,12 @@ def test_relay_counters_and_a_relay_with_nothing_to_follow(swarm, tmp_path):
         assert heap["tracked"] < heap["frozen"] / 2, heap
         # the trainer knows the relay holds its versions (it ignored adverts of its own
         # policy: "versions known" showed 0 peers advertising what it published)
+        # (one /status where both hold: a version's holders count the adverts heard, which
+        # lag like the row does; a /status read after the wait could still miss them)
         relay_id = after["peer_id"]
-        wait_for(lambda: any(r["peer"] == relay_id and r.get("version") is not None
-                             for r in swarm.status()["swarm"]["peers"]), 120,
-                 "the trainer's swarm view: the relay's newest version", swarm.proc, swarm.log)
-        mine = swarm.status()["swarm"]["versions"]
-        assert any(v["policy_id"] == trainer_id and v["here"] == "complete"
-                   and v["holders"] >= 1 for v in mine), mine
+        wait_for(lambda: _relay_row_and_holders(swarm.status()["swarm"], relay_id, trainer_id),
+                 120, "the trainer's swarm view: the relay's newest version, held",
+                 swarm.proc, swarm.log)
 
         # restarted, it serves what it stored at once (not counted as mirrored again)
         held = relay.status()["policy_version"]

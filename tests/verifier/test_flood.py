@@ -36,7 +36,7 @@ FLOOD_BATCHES = SYBILS * PER_SYBIL
 def config(tmp_path) -> Config:
     return load_config(None, {
         "node.listen": ["/ip4/127.0.0.1/tcp/0"], "node.data_dir": str(tmp_path / "trainer"),
-        "p2p.discovery_interval_s": 0.5, "p2p.bootstrap_timeout_s": 5, "p2p.mesh_wait_s": 5,
+        "p2p.discovery_interval_s": 0.5, "p2p.bootstrap_timeout_s": 30, "p2p.mesh_wait_s": 5,
         "tasks.mix": {"toy/digit_successor": 1.0}, "tasks.tasks_per_round": 2,
         "sampler.completions_per_task": 2, "sampler.max_new_tokens": 8,
         "sampler.batches_per_version": 8, "sampler.temperature": 1.0, "sampler.top_p": 1.0})

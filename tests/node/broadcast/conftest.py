@@ -129,7 +129,7 @@ def node_config(**overrides) -> Config:
     """A test node's config; `overrides` with `__` for the dot (`bulk__listen="off"`)."""
     return load_config(None, {
         "node.listen": ["/ip4/127.0.0.1/tcp/0"], "p2p.discovery_interval_s": 0.5,
-        "p2p.bootstrap_timeout_s": 5, "p2p.dial_timeout_s": 3, "p2p.mesh_wait_s": 3,
+        "p2p.bootstrap_timeout_s": 30, "p2p.dial_timeout_s": 3, "p2p.mesh_wait_s": 3,
         "broadcast.shard_size": 64 * 1024, "broadcast.min_shard_size": 4096,
         "broadcast.chunk_size": 32 * 1024, "broadcast.advert_interval_s": 0.1,
         "broadcast.readvertise_s": 0.5,

@@ -53,7 +53,7 @@ async def _race(tmp_path, trainer, ckpt, cfg, second_store=ShardStore, endgame=T
         # every missing shard in flight (the small last shard may be done already)
         await async_wait_until(lambda: 0 in entry.have and d.flights
                                and len(d.flights) + len(entry.have) == n,
-                               10, "every missing shard in flight")
+                               30, "every missing shard in flight")
         book.add(other_addr, None)  # its advert arrives
         d.sources_changed()
         path = await asyncio.wait_for(task, 30)

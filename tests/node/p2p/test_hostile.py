@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from swarm_node.node.identity import Identity
 from swarm_node.node.p2p import DialError, PublishError, RequestError
+from swarm_node.protocol.limits import DEFAULT_TOPIC_RATES
 from swarm_node.protocol.messages import Hello, ShardAdvert, Status
 
 from tests.launch import STDOUT, start_program
@@ -160,10 +161,12 @@ async def test_a_gossip_flood_is_dropped_before_validation_and_nobody_is_cut(mak
             for frame in frames:
                 await stream.write(frame)
 
+        loop = asyncio.get_running_loop()
+        start = loop.time()
         flooding = asyncio.create_task(flood())
         for i in range(20):
             await honest.publish("verdicts", verdict(100_000 + i))
-        await asyncio.wait_for(flooding, 60)
+        await asyncio.wait_for(flooding, 180)  # a deadline: a few s alone, more under load
         await wait_delivered(honest, info["peer_id"], honest.peer_id, 20)
         stats = await victim_stats(honest, info["peer_id"])
         assert info["peer_id"] in attacker.connected_peers()  # not cut
@@ -171,8 +174,12 @@ async def test_a_gossip_flood_is_dropped_before_validation_and_nobody_is_cut(mak
         report = await victim.stop()
     delivered = report["by_origin"]
     assert delivered.get(honest.peer_id) == 20, delivered
-    # Only the burst (500) plus the refill (50/s) got through, not the flood.
-    assert delivered.get(attacker.peer_id, 0) <= n_flood // 4, delivered
+    # Only the burst (500) plus the refill (50/s) got through, not the flood: the refill
+    # over the time the victim could accept any (the flood's start to its stop; a fixed
+    # n_flood / 4 allowed 50 s, which a loaded machine may exceed)
+    rate = DEFAULT_TOPIC_RATES["verdicts"]
+    allowed = rate.burst + rate.per_s * (loop.time() - start)
+    assert delivered.get(attacker.peer_id, 0) <= allowed, (delivered, allowed)
     assert report["counters"].get("rejected.rate_limited", 0) >= 100
     assert report["health"]["cuts"] == 0 and stats["health"]["cuts"] == 0
 

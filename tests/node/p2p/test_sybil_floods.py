@@ -7,12 +7,13 @@ still connect once the identities came and went."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 from swarm_node.protocol.messages import CheckpointManifest, FileEntry, ShardAdvert
 
 from .attacks import MESHSUB, signed_rpcs
-from .conftest import ignore, verdict, wait_until
+from .conftest import ignore, rejects_by_sender, verdict, wait_until
 from .test_gossip import rollout_batch
 
 FLOODS = {
@@ -22,6 +23,21 @@ FLOODS = {
     "rollouts": (20, 80, 10.0),
     "adverts": (8, 64, 8.0),
 }
+SETUP = {"dial_timeout_s": 10}
+"""A sybil's bootstrap dial is the harness, not the claim: on a loaded CI machine the
+test's one process (relay, victim, honest peer, 20 sybils) let a 3 s dial and a 5 s
+bootstrap run out (a BootstrapError, CI 2026-12-03)."""
+LAG_ROUNDS = 10
+"""An honest message reaches the victim before the flood messages sent this many rounds
+of the identities after it (1 s of the flood's designed pace; measured: 0 to 2 on a quiet
+machine, -23 to 19 beside two CPU burners): a relay that lets the flood overtake it
+fails, in the flood's own count, not in seconds."""
+OVERTIME_S = 60
+"""How long the flood may run on past its designed messages for the honest ones to arrive
+while it runs: a deadline for a failure, not a pace, counted from the designed end (its
+1600 messages, 8 s at its pace, took 18-20 s here on a quiet machine and 28-40 s beside
+two CPU burners: the test's one process sends them). It stopped ~20-80 messages past
+them."""
 
 
 def _message(kind: str, origin: str, i: int):
@@ -35,55 +51,103 @@ def _message(kind: str, origin: str, i: int):
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(FLOODS))
 async def test_a_relay_carrying_a_many_identity_flood_is_never_cut(make_node, kind):
+    """Every honest message published during the flood reaches the victim (through the
+    relay that carries the flood) while flood messages still reach it too: the flood goes
+    on, past its designed length if need be, until the honest messages arrived and the
+    victim heard more of the flood after the last one; a relay that drops, cuts or holds
+    back the honest peer until the flood ends fails at the deadline, and one that queues
+    it behind the flood fails the lag (LAG_ROUNDS). Measured in the flood's own progress,
+    not in seconds: a loaded machine slows both alike (CI failed counting at an instant,
+    the flood's end: 30 of 40 there by then, asked 32)."""
     identities, per_identity, rate = FLOODS[kind]
     victim = await make_node(discovery=False)
     relay = await make_node(bootstrap=victim.listen_addrs, discovery=False)
     honest = await make_node(bootstrap=relay.listen_addrs, discovery=False)
     # each identity its own connection to the relay (as sybil peers): the relay forwards
     # all of them to the victim, which must not take it for the flooder
-    sybils = [await make_node(bootstrap=relay.listen_addrs, discovery=False)
+    sybils = [await make_node(bootstrap=relay.listen_addrs, discovery=False, **SETUP)
               for _ in range(identities)]
-    got: dict[str, int] = {}
+    flood_at_victim = 0
+    honest_at_victim: dict[int, int] = {}  # honest message -> flood messages heard before it
+    honest_sent_after: dict[int, int] = {}  # honest message -> flood messages sent before it
 
-    async def count(env, origin):
-        got[origin] = got.get(origin, 0) + 1
+    async def at_victim(env, origin):
+        nonlocal flood_at_victim
+        if origin == honest.peer_id:
+            honest_at_victim[_index(kind, env.message)] = flood_at_victim
+        else:
+            flood_at_victim += 1
 
-    for node in (victim, relay, honest):
-        await node.subscribe(kind, count)
+    await victim.subscribe(kind, at_victim)
+    for node in (relay, honest):
+        await node.subscribe(kind, ignore)
     await wait_until(lambda: honest.peer_id in relay.gossip.topic_peers(kind)
                      and relay.peer_id in victim.gossip.topic_peers(kind), 30, what="the topic")
-    frames = [(s, signed_rpcs(s, s.topic(kind), [s.identity.seal(_message(kind, s.peer_id, i))])[0])
-              for i in range(per_identity) for s in sybils]  # round robin over identities
     streams = {s.peer_id: await s.open_stream(relay.peer_id, MESHSUB) for s in sybils}
     loop = asyncio.get_running_loop()
-    start = loop.time()
-    sent_honest = 0
+    designed = identities * per_identity
+    during: list[int] = []  # the honest messages published during the flood
     joiner = None
-    for j, (sybil, frame) in enumerate(frames):  # identities x rate messages/s in all
+    heard_after = None  # flood messages the victim had heard when the last honest one came
+    start = loop.time()
+    designed_end = None  # when the designed messages were all sent
+    for j in itertools.count():  # identities x rate messages/s in all, round robin
+        sybil, i = sybils[j % identities], j // identities
+        frame = signed_rpcs(sybil, sybil.topic(kind),
+                            [sybil.identity.seal(_message(kind, sybil.peer_id, i))])[0]
         await streams[sybil.peer_id].write(frame)
-        if j == len(frames) // 3:  # a peer joins mid-flood: the relay's catch-up burst
-            joiner = await make_node(bootstrap=relay.listen_addrs, discovery=False)
+        if j == designed // 3:  # a peer joins mid-flood: the relay's catch-up burst
+            joiner = await make_node(bootstrap=relay.listen_addrs, discovery=False, **SETUP)
             await joiner.subscribe(kind, ignore)
-        if j % (identities * 2) == 0:  # the honest origin: one message per ~0.2 s
-            await honest.publish(kind, _message(kind, honest.peer_id, 10_000 + sent_honest))
-            sent_honest += 1
+        if j < designed and j % (identities * 2) == 0:  # the honest origin: one per ~0.2 s
+            during.append(10_000 + len(during))
+            honest_sent_after[during[-1]] = j + 1
+            await honest.publish(kind, _message(kind, honest.peer_id, during[-1]))
+        if j + 1 == designed:
+            designed_end = loop.time()
+        if j >= designed and heard_after is None and set(during) <= honest_at_victim.keys():
+            heard_after = flood_at_victim
+        if heard_after is not None and flood_at_victim >= heard_after + identities:
+            break  # the flood still reached the victim after the last honest message
+        if designed_end is not None and loop.time() - designed_end > OVERTIME_S:
+            missing = sorted(set(during) - honest_at_victim.keys())
+            pytest.fail(f"after {j + 1} flood messages ({designed} designed), the victim has "
+                        f"{len(during) - len(missing)} of the {len(during)} honest messages "
+                        f"(missing {missing}); {flood_at_victim} flood messages reached it; "
+                        f"rejects of the honest peer at the relay: "
+                        f"{rejects_by_sender(relay.metrics, honest.peer_id)}, at the victim: "
+                        f"{rejects_by_sender(victim.metrics, honest.peer_id)}")
         # the flood's pace (frame j leaves at j / (identities x rate) s), not a wait
         await asyncio.sleep(max(0.0, start + (j + 1) / (identities * rate) - loop.time()))
-    during = got.get(honest.peer_id, 0)
+    # each honest message arrived among the flood messages sent around it, not behind them
+    lag = {i: honest_at_victim[i] - honest_sent_after[i] for i in during}
+    print(f"{kind}: {j + 1} flood messages sent ({designed} designed) in "
+          f"{loop.time() - start:.1f} s, {flood_at_victim} reached the victim; honest "
+          f"messages arrived after {min(lag.values())} to {max(lag.values())} flood messages "
+          f"sent after them")
+    assert max(lag.values()) <= LAG_ROUNDS * identities, lag
     # after: honest traffic is back in full, without a restart
-    for i in range(10):
-        await honest.publish(kind, _message(kind, honest.peer_id, 20_000 + i))
-    await wait_until(lambda: got.get(honest.peer_id, 0) >= sent_honest + 10, 30,
+    after = [20_000 + i for i in range(10)]
+    for i in after:
+        await honest.publish(kind, _message(kind, honest.peer_id, i))
+    await wait_until(lambda: set(after) <= honest_at_victim.keys(), 30,
                      what="every honest message after the flood")
-    assert during >= 0.8 * sent_honest, (during, sent_honest)  # ... and >= 80% during it
     assert relay.peer_id in victim.connected_peers()
     assert victim.penalties.cuts == 0 and relay.penalties.cuts == 0
     assert relay.peer_id not in victim.health()["refused"]
     assert joiner.penalties.cuts == 0 and relay.peer_id in joiner.connected_peers()
-    flooded = sum(n for origin, n in got.items() if origin != honest.peer_id)
-    assert flooded > 0  # the flood was real (each identity under its own limit)
+    assert flood_at_victim >= designed // 4  # the flood was real (each identity under its limit)
     queue = victim.validation_queue
     assert queue.peak_bytes <= queue.max_bytes and queue.peak_messages <= queue.max_messages
+
+
+def _index(kind: str, message) -> int:
+    """The `i` that `_message(kind, origin, i)` made `message` from."""
+    if kind == "verdicts":
+        return message.policy_version
+    if kind == "rollouts":
+        return message.round
+    return message.version - 1000
 
 
 async def test_newcomers_connect_after_many_identities_came_and_went(make_node):

@@ -89,12 +89,16 @@ async def _second_circuit_survives_the_first(hosts, protocols) -> bool:
     await to_a.write(b"hi")
     assert await to_a.read(100) == b"hi"  # C's circuit works before B leaves
     await b.disconnect(a.get_id())
-    with trio.fail_after(10):
+    # deadlines for a failure, not the fault: a loaded machine (CI at load ~4) may take
+    # seconds; upstream's reset came at once (the whole check: 1.7 s here), ours echoes
+    with trio.fail_after(30):
         await protocols[0].one_ended.wait()  # the relay tore B's circuit down
     try:
-        with trio.fail_after(5):
+        with trio.fail_after(30):
             await to_a.write(b"ping")
             return await to_a.read(100) == b"ping"
+    except trio.TooSlowError:
+        raise  # neither an echo nor a reset: not the fault under test
     except Exception:  # noqa: BLE001 - a reset circuit is the fault under test
         return False
 

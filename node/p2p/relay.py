@@ -16,6 +16,7 @@
 - Circuit dials: `t_dial_circuit` for a `.../p2p-circuit/p2p/<peer>` address.
 - DCUtR (`p2p.hole_punching`): py-libp2p's service upgrades relayed connections to direct
   ones (RTT-synchronised TCP simultaneous open); the relayed connection closes 60 s after.
+  Its dials wait at most `p2p.dial_timeout_s`.
 
 Methods named `_t_*` / `t_*` run in the libp2p (trio) thread.
 """
@@ -107,7 +108,10 @@ class RelayService:
                                           RelayConfig(roles=RelayRole.STOP, limits=limits))
         services = [self.protocol]
         if self.ctx.cfg.hole_punching:
-            self.dcutr = DCUtRProtocol(host)
+            # Each attempt first dials the peer's known addresses straight and waits this
+            # long when a NAT drops the SYN (py-libp2p's own default is 10 s, whatever
+            # p2p.dial_timeout_s says); its punch rounds cut their dials at 5 s themselves.
+            self.dcutr = DCUtRProtocol(host, dial_timeout=self.ctx.cfg.dial_timeout_s)
             services.append(self.dcutr)
         return services
 

@@ -90,13 +90,14 @@ def two_homes(nat: str, prefix: str, *public_flags: str, peer_flags: tuple[str, 
                 p.stop()
 
 
-# DCUtR's dials wait 5 s, not py-libp2p's 10: each attempt first dials the peer's known
-# addresses straight, which a home router drops (nat_peer.py), and waits that out. The punch
-# itself is unchanged: its dials were already cut at py-libp2p's 5 s per round (3 rounds 2 s
-# apart: ~21 s of every failed attempt, left as is). The symmetric case alone (2026-12-03,
-# load 1-3): forked peers at 10 s 59 s (one run, 45.6 s of it waiting for A's failed attempt),
-# at 3 or 5 s 35.6-36.0 s (four runs); exec'd peers 41.8 s at 10 s and 42.0 s at 5 s.
-PUNCH_FLAGS = ("--punch-dial-timeout", "5")
+# The peers' dials, DCUtR's among them (p2p.dial_timeout_s reaches it), wait 5 s, not the
+# default 10: each DCUtR attempt first dials the peer's known addresses straight, which a
+# home router drops, and waits that out. The punch itself is unchanged: its dials were
+# already cut at py-libp2p's 5 s per round (3 rounds 2 s apart: ~21 s of every failed
+# attempt, left as is). The symmetric case alone (2026-12-03, load 1-3): forked peers at 10 s
+# 59 s (one run, 45.6 s of it waiting for A's failed attempt), at 3 or 5 s 35.6-36.0 s (four
+# runs); exec'd peers 41.8 s at 10 s and 42.0 s at 5 s.
+PUNCH_FLAGS = ("--dial-timeout", "5")
 
 
 @pytest.mark.slow

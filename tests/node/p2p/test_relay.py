@@ -102,12 +102,14 @@ async def test_reservation_refused_past_the_relays_limit(natted, monkeypatch):
 
 
 async def test_relayed_connection_upgrades_to_direct(natted):
-    """DCUtR on loopback: the NATs are pretend, so its first step (a direct dial to the
-    addresses identify gave) already succeeds. The real hole punch (TCP simultaneous open
+    """DCUtR on loopback (its dials wait p2p.dial_timeout_s): the NATs are pretend, so its
+    first step (a direct dial to the addresses identify gave) already succeeds. The real hole punch (TCP simultaneous open
     through two NATs) is test_hole_punch_through_two_nats in the namespace lab."""
     relay = await start_relay()
     try:
-        a = await natted(2, relay.listen_addrs, target_peers=1)
+        a = await natted(2, relay.listen_addrs, target_peers=1, dial_timeout_s=4.0)
+        # p2p.dial_timeout_s reaches DCUtR (py-libp2p's own default, 10 s, otherwise)
+        assert a.relay.dcutr.dial_timeout == 4.0
         await wait_until(lambda: a.reachability.relay_addrs, 30, what="A relayed")
         b = await natted(3, relay.listen_addrs, discovery=False)
         await b.connect(a.reachability.relay_addrs[0])

@@ -43,6 +43,7 @@ async def start_relay(**relay) -> P2PNode:
 
 
 async def test_relayed_connection_carries_gossip_and_requests(natted):
+    """Also: a dial through the relay is not held up by a direct dial of the same peer."""
     relay = await start_relay()
     try:
         a = await natted(2, relay.listen_addrs, target_peers=1, hole_punching=False)
@@ -68,7 +69,19 @@ async def test_relayed_connection_carries_gossip_and_requests(natted):
             return b"hello " + body + b" from " + a.peer_id.encode()
 
         await a.set_request_handler(HELLO, hello)
-        assert await b.connect(circuit) == a.peer_id
+        # B is still dialling A at an address that never answers (a NAT'd peer's private
+        # address: the dial waits out its timeout); the dial through the relay goes ahead
+        # beside it instead of waiting for it to end
+        held: list = []
+        silent = await asyncio.start_server(lambda _r, w: held.append(w), "127.0.0.1", 0)
+        port = silent.sockets[0].getsockname()[1]
+        stuck = asyncio.create_task(b.connect(f"/ip4/127.0.0.1/tcp/{port}/p2p/{a.peer_id}",
+                                              timeout=60))
+        await wait_until(lambda: held, 10, what="B's first dial under way")
+        assert await asyncio.wait_for(b.connect(circuit, timeout=60), 30) == a.peer_id
+        assert not stuck.done()
+        stuck.cancel()
+        silent.close()
         assert b.is_relayed(a.peer_id)
         await wait_until(lambda: a.is_relayed(b.peer_id), 10, what="A sees B, relayed")
         assert await b.request(a.peer_id, HELLO, b"b") == b"hello b from " + a.peer_id.encode()

@@ -10,7 +10,6 @@ stdin, one JSON line each:
   publish <round>  -> {"ok": bool, "error": str}  (a ~64 KiB RolloutBatch: announced, pulled)
 Exits cleanly when stdin closes.
 Usage: python nat_peer.py --listen MULTIADDR [--bootstrap MULTIADDR]... [--relay] [--fast]
-                          [--dial-timeout S]
 """
 
 from __future__ import annotations
@@ -34,16 +33,12 @@ async def main() -> int:
     ap.add_argument("--relay", action="store_true", help="serve as a relay (hop)")
     ap.add_argument("--fast", action="store_true",
                     help="short liveness and dial timeouts (partition tests)")
-    ap.add_argument("--dial-timeout", type=float, default=None,
-                    help="p2p.dial_timeout_s (DCUtR's dials too)")
     args = ap.parse_args()
     overrides = {"node.listen": [args.listen], "p2p.discovery_interval_s": 0.5,
                  "p2p.bootstrap_timeout_s": 30, "bulk.listen": "off",
                  "p2p.relay.service": "on" if args.relay else "off"}
     if args.fast:
         overrides.update({"p2p.liveness_interval_s": 2.0, "p2p.dial_timeout_s": 3.0})
-    if args.dial_timeout is not None:
-        overrides["p2p.dial_timeout_s"] = args.dial_timeout
     cfg = load_config(None, overrides)
     node = P2PNode(Identity.generate(), cfg)
 

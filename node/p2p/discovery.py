@@ -13,12 +13,13 @@ exponential backoff (1 s doubling up to `p2p.reconnect_max_backoff_s`). So a swa
 members only know node 0 stays connected after node 0 leaves. A round never waits for its
 dials or for a DHT lookup: they run beside it (a dial to a NAT'd peer's private address waits
 out `dial_timeout_s`, a DHT lookup from behind NAT took 20-30 s in the netlab), so the next
-round acts on addresses learned meanwhile (a relay slot a peer just took) at once. While nothing changes (no new
-peer learned, no connection gained or lost, nobody left to dial) the interval doubles, up to
-QUIET_MAX_FACTOR times: each exchange opens a stream per peer, which was most of an idle
-node's CPU (and of a busy one's CPU per gossip message). A quiet round also asks only one
-connected peer, in turn, instead of all of them: asking all 7 peers every round was ~1 ms of
-the ~5 ms CPU per gossip message per hop in the 8-peer benchmark. Any change resets both.
+round acts at once on addresses learned meanwhile (a relay slot a peer just took). While
+nothing changes (no new peer learned, no connection gained or lost, nobody left to dial) the
+interval doubles, up to QUIET_MAX_FACTOR times: each exchange opens a stream per peer, which
+was most of an idle node's CPU (and of a busy one's CPU per gossip message). A quiet round
+also asks only one connected peer, in turn, instead of all of them: asking all 7 peers every
+round was ~1 ms of the ~5 ms CPU per gossip message per hop in the 8-peer benchmark. Any
+change resets both; a change of this node's own addresses also starts the round at once.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ class Discovery:
         self._paused: dict[str, float] = {}  # peer -> until: not redialled early (trimmed)
         self.roles: dict[str, str] = {}  # peer -> the role its Hello named (the swarm view)
         self._readvertise = False  # our addresses changed: ask (and so tell) every peer
-        self._wake = asyncio.Event()  # run the next round now (addresses changed, DHT found)
+        self._wake = asyncio.Event()  # run the next round now (our addresses changed)
         self._dials: dict[str, frozenset[str]] = {}  # peer -> addresses its redial tries
         self._dht_task: asyncio.Task | None = None
 
@@ -326,7 +327,7 @@ class Discovery:
     async def _sleep_until_change(self, seconds: float, peers: frozenset | None) -> None:
         """Sleep `seconds`, but wake at the next base interval once a connection came or
         went (a lost peer is redialled after one interval, not after the quiet backoff), and
-        at once when our addresses changed or a DHT lookup answered (`_wake`)."""
+        at once when our addresses changed (`_wake`)."""
         step = self.cfg.discovery_interval_s
         while seconds > 0:
             if await wait_set(self._wake, min(step, seconds)):
@@ -377,7 +378,12 @@ class Discovery:
         self._dht_task = self.ctx.spawn(self._dial_from_dht(exclude), "discovery dht lookup")
 
     async def _dial_from_dht(self, exclude: set[str]) -> None:
-        found = await self._from_dht(exclude)
+        try:
+            found = await self._from_dht(exclude)
+        except Exception as e:  # noqa: BLE001 - as a failed round: discovery goes on
+            self.ctx.metrics.inc("discovery_task_failures")
+            log.warning("DHT lookup of swarm peers failed: %s: %s", type(e).__name__, e)
+            return
         connected = set(self.ctx.peers.connected_peers())
         missing = self.cfg.target_peers - len(connected | set(self._dials))
         chosen = [(p, a) for p, a in found if p not in connected and p not in self._dials]
@@ -417,6 +423,9 @@ class Discovery:
         key = frozenset(addrs[:MAX_DIAL_ADDRS])
         try:
             await self._dial_in_turn(pid, addrs)
+        except Exception as e:  # noqa: BLE001 - as a failed round: discovery goes on
+            self.ctx.metrics.inc("discovery_task_failures")
+            log.warning("redial of %s failed: %s: %s", pid, type(e).__name__, e)
         finally:
             if self._dials.get(pid) == key:
                 del self._dials[pid]

@@ -38,7 +38,8 @@ PACE = {"trainer": {"peer_batches_per_step": 1000, "peer_wait_s": 3.0}}
 # discovery rounds waited 20-30 s on a DHT lookup and 10 s on dials of private addresses, and
 # DCUtR 10 s on a direct dial, before each step (node/p2p/discovery.py, patches/dcutr.py). With
 # those gone (2026-12-03, one run each, load 2-3): relayed links 1-2 s after the relay slots
-# (were 17-52 s), the hole punch 6 s after (was 29 s), this test's call 80.1 -> 27.3 s.
+# (were 17-52 s), the hole punch 6 s after (was 29 s); this test's call 80.1, 82.7 -> 27.3,
+# 28.6 s (two runs each).
 PAIR_PACE = {"trainer": {"peer_batches_per_step": 1000, "peer_wait_s": 6.0}}
 
 

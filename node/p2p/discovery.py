@@ -10,12 +10,16 @@ Peer exchange protocol PEERS_PROTOCOL (request/response framing of streams.py):
 Every `p2p.discovery_interval_s` a node asks its connected peers for theirs and dials unknown
 ones until it holds `p2p.target_peers` connections; lost peers are redialled with
 exponential backoff (1 s doubling up to `p2p.reconnect_max_backoff_s`). So a swarm whose
-members only know node 0 stays connected after node 0 leaves. While nothing changes (no new
-peer learned, no connection gained or lost, nobody left to dial) the interval doubles, up to
-QUIET_MAX_FACTOR times: each exchange opens a stream per peer, which was most of an idle
-node's CPU (and of a busy one's CPU per gossip message). A quiet round also asks only one
-connected peer, in turn, instead of all of them: asking all 7 peers every round was ~1 ms of
-the ~5 ms CPU per gossip message per hop in the 8-peer benchmark. Any change resets both.
+members only know node 0 stays connected after node 0 leaves. A round never waits for its
+dials or for a DHT lookup: they run beside it (a dial to a NAT'd peer's private address waits
+out `dial_timeout_s`, a DHT lookup from behind NAT took 20-30 s in the netlab), so the next
+round acts at once on addresses learned meanwhile (a relay slot a peer just took). While
+nothing changes (no new peer learned, no connection gained or lost, nobody left to dial) the
+interval doubles, up to QUIET_MAX_FACTOR times: each exchange opens a stream per peer, which
+was most of an idle node's CPU (and of a busy one's CPU per gossip message). A quiet round
+also asks only one connected peer, in turn, instead of all of them: asking all 7 peers every
+round was ~1 ms of the ~5 ms CPU per gossip message per hop in the 8-peer benchmark. Any
+change resets both; a change of this node's own addresses also starts the round at once.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from ...protocol.codec import pack, unpack
 from ...protocol.errors import ProtocolError
 from ...protocol.ids import PEERS_PROTOCOL
 from ...protocol.messages import Hello, PeerRefusal
+from ..lifecycle import wait_set
 from .context import HostContext
 from .errors import BootstrapError, DialError, P2PError, RequestError
 from .requests import RequestService
@@ -73,6 +78,9 @@ class Discovery:
         self._paused: dict[str, float] = {}  # peer -> until: not redialled early (trimmed)
         self.roles: dict[str, str] = {}  # peer -> the role its Hello named (the swarm view)
         self._readvertise = False  # our addresses changed: ask (and so tell) every peer
+        self._wake = asyncio.Event()  # run the next round now (our addresses changed)
+        self._dials: dict[str, frozenset[str]] = {}  # peer -> addresses its redial tries
+        self._dht_task: asyncio.Task | None = None
 
     def install(self):
         """Serve PEERS_PROTOCOL; returns an awaitable done once the handler is live."""
@@ -96,10 +104,11 @@ class Discovery:
 
     def addrs_changed(self) -> None:
         """Our advertised addresses changed (a relay slot taken, a reachability verdict):
-        the next round, at most one base interval away, asks every connected peer, which
+        the next round, started at once, asks every connected peer, which
         gives each our new addresses (the Hello) to pass on. In the quiet backoff a NAT'd
         node's relayed address otherwise reached its peers up to a minute late."""
         self._readvertise = True
+        self._wake.set()
 
     def _new_addrs(self, peer: str) -> None:
         """`peer` has other addresses than those our redials failed on (e.g. it took a relay
@@ -263,6 +272,7 @@ class Discovery:
                     learned += before is None
                     if before is not None and set(before) != set(addrs):
                         self._new_addrs(pid)
+                        log.debug("new addresses of %s (from %s): %s", pid, peer, addrs)
                     self.known[pid] = addrs
         return learned
 
@@ -296,7 +306,10 @@ class Discovery:
         factor, before = 1, None
         while True:
             changed = True
+            self._wake.clear()
             readvertise, self._readvertise = self._readvertise, False
+            if readvertise:
+                log.debug("our addresses changed: telling every connected peer")
             try:
                 learned = await (self.exchange_all() if factor == 1 or readvertise
                                  else self.exchange_one())
@@ -313,39 +326,69 @@ class Discovery:
 
     async def _sleep_until_change(self, seconds: float, peers: frozenset | None) -> None:
         """Sleep `seconds`, but wake at the next base interval once a connection came or
-        went (a lost peer is redialled after one interval, not after the quiet backoff) or
-        our addresses changed."""
+        went (a lost peer is redialled after one interval, not after the quiet backoff), and
+        at once when our addresses changed (`_wake`)."""
         step = self.cfg.discovery_interval_s
         while seconds > 0:
-            await asyncio.sleep(min(step, seconds))
+            if await wait_set(self._wake, min(step, seconds)):
+                return
             seconds -= step
-            if self._readvertise or frozenset(self.ctx.peers.connected_peers()) != peers:
+            if frozenset(self.ctx.peers.connected_peers()) != peers:
                 return
 
     async def fill(self) -> int:
-        """Dial known peers (and the bootstrap addresses) until target_peers are connected;
-        returns how many dials were started."""
+        """Start dials of known peers (and the bootstrap addresses) until target_peers are
+        connected or being dialled; returns how many dials were started. A peer whose redial
+        is under way is dialled again only at other addresses than that redial tries (it
+        took a relay slot meanwhile). Short of peers to dial, a DHT lookup starts beside."""
         connected = set(self.ctx.peers.connected_peers())
-        missing = self.cfg.target_peers - len(connected)
-        if missing <= 0:
-            return 0
+        missing = self.cfg.target_peers - len(connected | set(self._dials))
         now = time.monotonic()
+        fresh: list[tuple[str, list[str]]] = []  # being dialled, at other addresses than now
         candidates: list[tuple[str, list[str]]] = []
         for pid, addrs in self.known.items():
             if (pid not in connected and self._next_try.get(pid, 0) <= now
                     and not self.ctx.penalties.refused(pid) and pid not in self.refused_by):
-                candidates.append((pid, dial_order(addrs)))
+                order = dial_order(addrs)
+                if pid not in self._dials:
+                    candidates.append((pid, order))
+                elif self._dials[pid] != frozenset(order[:MAX_DIAL_ADDRS]):
+                    fresh.append((pid, order))
         for addr in self.bootstrap_addrs:
             pid = addr.rsplit("/p2p/", 1)[-1]
             if (pid not in connected and pid not in self.known and pid not in self.refused_by
-                    and self._next_try.get(pid, 0) <= now):
+                    and pid not in self._dials and self._next_try.get(pid, 0) <= now):
                 candidates.append((pid, [addr]))
-        if len(candidates) < missing:
-            candidates += await self._from_dht(connected | {pid for pid, _ in candidates})
+        if missing <= 0:
+            candidates = []
+        elif len(candidates) < missing:
+            self._lookup_dht(connected | set(self._dials) | {pid for pid, _ in candidates})
         random.shuffle(candidates)
-        chosen = candidates[:missing]
-        await asyncio.gather(*(self._redial(pid, addrs) for pid, addrs in chosen))
+        chosen = fresh + candidates[:max(0, missing)]
+        for pid, addrs in chosen:
+            self._start_redial(pid, addrs)
         return len(chosen)
+
+    def _lookup_dht(self, exclude: set[str]) -> None:
+        """Ask the DHT for swarm peers beside the rounds (one lookup at a time, at most once
+        per DHT_LOOKUP_INTERVAL_S) and dial those it names when it answers."""
+        busy = self._dht_task is not None and not self._dht_task.done()
+        if busy or time.monotonic() - self._dht_looked < DHT_LOOKUP_INTERVAL_S:
+            return
+        self._dht_task = self.ctx.spawn(self._dial_from_dht(exclude), "discovery dht lookup")
+
+    async def _dial_from_dht(self, exclude: set[str]) -> None:
+        try:
+            found = await self._from_dht(exclude)
+        except Exception as e:  # noqa: BLE001 - as a failed round: discovery goes on
+            self.ctx.metrics.inc("discovery_task_failures")
+            log.warning("DHT lookup of swarm peers failed: %s: %s", type(e).__name__, e)
+            return
+        connected = set(self.ctx.peers.connected_peers())
+        missing = self.cfg.target_peers - len(connected | set(self._dials))
+        chosen = [(p, a) for p, a in found if p not in connected and p not in self._dials]
+        for pid, addrs in chosen[:max(0, missing)]:
+            self._start_redial(pid, addrs)
 
     async def _from_dht(self, exclude: set[str]) -> list[tuple[str, list[str]]]:
         """Peers of this swarm from the DHT (its public members), at most once per
@@ -372,7 +415,22 @@ class Discovery:
                 out.append((pid, dial_order(self.known[pid])))
         return out
 
+    def _start_redial(self, pid: str, addrs: list[str]) -> None:
+        self._dials[pid] = frozenset(addrs[:MAX_DIAL_ADDRS])
+        self.ctx.spawn(self._redial(pid, addrs), "redial")
+
     async def _redial(self, pid: str, addrs: list[str]) -> None:
+        key = frozenset(addrs[:MAX_DIAL_ADDRS])
+        try:
+            await self._dial_in_turn(pid, addrs)
+        except Exception as e:  # noqa: BLE001 - as a failed round: discovery goes on
+            self.ctx.metrics.inc("discovery_task_failures")
+            log.warning("redial of %s failed: %s: %s", pid, type(e).__name__, e)
+        finally:
+            if self._dials.get(pid) == key:
+                del self._dials[pid]
+
+    async def _dial_in_turn(self, pid: str, addrs: list[str]) -> None:
         why: P2PError | None = None
         for addr in addrs[:MAX_DIAL_ADDRS]:
             try:
@@ -380,10 +438,13 @@ class Discovery:
             except P2PError as e:
                 why = e
                 continue
+            log.debug("dialled %s at %s", pid, addr)
             self._backoff.pop(pid, None)
             self._next_try.pop(pid, None)
             await self.exchange(pid)
             return
+        if pid in self.ctx.peers.connected_peers():
+            return  # another dial (at addresses learned meanwhile) reached it
         backoff = min(self._backoff.get(pid, 0.5) * 2, self.cfg.reconnect_max_backoff_s)
         self._backoff[pid] = backoff
         self._next_try[pid] = time.monotonic() + backoff

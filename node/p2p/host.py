@@ -90,7 +90,8 @@ class P2PNode:
         self._connected: set[str] = set()
         self._direct_addr: dict[str, str] = {}  # peer -> remote address of a direct conn
         self._outbound: set[str] = set()  # peers with a direct connection this node dialled
-        self._dialing: dict = {}  # peer ID -> trio.Event set when our dial to it ends
+        # peer ID -> (trio.Event set when our dial to it ends, is it a circuit dial)
+        self._dialing: dict = {}
         self.admission = Admission(self.penalties, self.metrics, self_id=self.peer_id)
         self.validation_queue = ValidationQueue(self.admission)  # received, not yet validated
         self.requests = RequestService(ctx)  # request/response seam
@@ -452,16 +453,21 @@ class P2PNode:
         host = self._ctx.host
         network = host.get_network()
         host.peerstore.add_addrs(info.peer_id, info.addrs, 3600)
+        circuit = "/p2p-circuit" in str(info.addrs[0])
         pending = self._dialing.get(info.peer_id)
-        if pending is not None:  # one dial per peer at a time: a second connection is waste
+        # One dial per peer at a time (a second connection is waste), except a circuit dial
+        # beside a direct one: the direct dial of a NAT'd peer (its private address) waits
+        # out the whole timeout, and the relay slot it took meanwhile reaches it now.
+        if pending is not None and not (circuit and not pending[1]):
             with trio.move_on_after(timeout):
-                await pending.wait()
+                await pending[0].wait()
         if network.connections.get(info.peer_id):
             return
-        done = self._dialing[info.peer_id] = trio.Event()
+        done = trio.Event()
+        mine = self._dialing[info.peer_id] = (done, circuit)
         try:
             with trio.fail_after(timeout):
-                if "/p2p-circuit" in str(info.addrs[0]):
+                if circuit:
                     full = info.addrs[0].encapsulate(multiaddr.Multiaddr(f"/p2p/{info.peer_id}"))
                     await self.relay.t_dial_circuit(full, info.peer_id)
                     return
@@ -473,7 +479,7 @@ class P2PNode:
             raise DialError(f"timed out after {timeout:.0f}s", reason="timeout") from None
         finally:
             done.set()
-            if self._dialing.get(info.peer_id) is done:
+            if self._dialing.get(info.peer_id) is mine:
                 del self._dialing[info.peer_id]
 
     def connected_peers(self) -> list[str]:

@@ -16,6 +16,8 @@
 - Circuit dials: `t_dial_circuit` for a `.../p2p-circuit/p2p/<peer>` address.
 - DCUtR (`p2p.hole_punching`): py-libp2p's service upgrades relayed connections to direct
   ones (RTT-synchronised TCP simultaneous open); the relayed connection closes 60 s after.
+  Its dials wait at most `p2p.dial_timeout_s`, the direct dial that starts each attempt at
+  most 3 s (patches/dcutr.py: a NAT'd peer's private addresses never answer from outside).
 
 Methods named `_t_*` / `t_*` run in the libp2p (trio) thread.
 """
@@ -32,7 +34,7 @@ import trio
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
-from libp2p.relay.circuit_v2.dcutr import MAX_HOLE_PUNCH_ATTEMPTS, DCUtRProtocol
+from libp2p.relay.circuit_v2.dcutr import MAX_HOLE_PUNCH_ATTEMPTS
 from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL_ID
 from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
@@ -44,6 +46,7 @@ from ..lifecycle import wait_set
 from .context import HostContext
 from .dialback import ip_tcp, transport_addrs
 from .errors import DialError, NotRunning, P2PError
+from .patches.dcutr import DCUtRService
 from .patches.internals import hole_punch_state, hop_stream_handler
 from .patches.relay import RelayProtocol
 
@@ -83,7 +86,7 @@ class RelayService:
         self.discovery = discovery
         self.dht = dht  # where relays are looked up when the connections hold too few
         self.protocol: RelayProtocol | None = None
-        self.dcutr: DCUtRProtocol | None = None
+        self.dcutr: DCUtRService | None = None
         self._dialer: CircuitV2Transport | None = None
         # relay peer id -> (its dialable address, reservation expiry as unix time)
         self.reservations: dict[str, tuple[str, float]] = {}
@@ -107,7 +110,10 @@ class RelayService:
                                           RelayConfig(roles=RelayRole.STOP, limits=limits))
         services = [self.protocol]
         if self.ctx.cfg.hole_punching:
-            self.dcutr = DCUtRProtocol(host)
+            # Its dials wait p2p.dial_timeout_s (py-libp2p's own default is 10 s, whatever
+            # the config says; its punch rounds cut them at 5 s themselves), except the
+            # direct dial each attempt starts with (patches/dcutr.py: UNILATERAL_DIAL_S).
+            self.dcutr = DCUtRService(host, dial_timeout=self.ctx.cfg.dial_timeout_s)
             services.append(self.dcutr)
         return services
 

@@ -34,7 +34,12 @@ PACE = {"trainer": {"peer_batches_per_step": 1000, "peer_wait_s": 3.0}}
 # and the hole punch came 68-140 s after the start (the goal needs v2; the trainer was at
 # v17-37 by then, each version sent through the delay stage to four nodes). A step every 6 s:
 # alone under the lock, 95.0 -> 72.7 and 70.2 s CPU, the links as soon (goal 67.7 -> 68.2,
-# 67.9 s). A discovery_interval_s of 1 s did not bring the links sooner (75.5, 139.7 s).
+# 67.9 s). A discovery_interval_s of 1 s did not bring the links sooner (75.5, 139.7 s): the
+# discovery rounds waited 20-30 s on a DHT lookup and 10 s on dials of private addresses, and
+# DCUtR 10 s on a direct dial, before each step (node/p2p/discovery.py, patches/dcutr.py). With
+# those gone (2026-12-03, one run each, load 2-3): relayed links 1-2 s after the relay slots
+# (were 17-52 s), the hole punch 6 s after (was 29 s); this test's call 80.1, 82.7 -> 27.3,
+# 28.6 s (two runs each).
 PAIR_PACE = {"trainer": {"peer_batches_per_step": 1000, "peer_wait_s": 6.0}}
 
 

@@ -10,7 +10,6 @@ stdin, one JSON line each:
   publish <round>  -> {"ok": bool, "error": str}  (a ~64 KiB RolloutBatch: announced, pulled)
 Exits cleanly when stdin closes.
 Usage: python nat_peer.py --listen MULTIADDR [--bootstrap MULTIADDR]... [--relay] [--fast]
-                          [--punch-dial-timeout S]
 """
 
 from __future__ import annotations
@@ -34,8 +33,6 @@ async def main() -> int:
     ap.add_argument("--relay", action="store_true", help="serve as a relay (hop)")
     ap.add_argument("--fast", action="store_true",
                     help="short liveness and dial timeouts (partition tests)")
-    ap.add_argument("--punch-dial-timeout", type=float, default=None,
-                    help="timeout of DCUtR's dials (py-libp2p's default: 10 s)")
     args = ap.parse_args()
     overrides = {"node.listen": [args.listen], "p2p.discovery_interval_s": 0.5,
                  "p2p.bootstrap_timeout_s": 30, "bulk.listen": "off",
@@ -56,12 +53,6 @@ async def main() -> int:
     await node.set_request_handler("/test/echo/1.0.0", echo)
     await node.subscribe("rollouts", on_batch)
     await node.start(bootstrap=args.bootstrap)
-    if args.punch_dial_timeout is not None and node.relay.dcutr is not None:
-        # py-libp2p's DCUtR takes its dial timeout (DEFAULT_DIAL_TIMEOUT, 10 s) from its
-        # constructor, not from p2p.dial_timeout_s; it reads the attribute at each dial. Its
-        # first dial of an attempt (straight to the peer's known addresses) waits it out
-        # whenever a NAT drops the SYN, as a symmetric NAT does on every attempt.
-        node.relay.dcutr.dial_timeout = args.punch_dial_timeout
 
     def say(obj) -> None:
         print(json.dumps(obj), flush=True)

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 from swarm_node.node.identity import Identity
+from swarm_node.node.lifecycle import TaskOwner
 from swarm_node.node.p2p import BootstrapError, P2PNode
 from swarm_node.node.p2p.discovery import Discovery
 from swarm_node.node.p2p.errors import DialError
@@ -211,7 +212,7 @@ async def test_other_addresses_of_a_peer_end_its_redial_backoff():
         raise DialError(f"{addr}: timed out", reason="timeout")
 
     ctx = SimpleNamespace(cfg=cfg.p2p, config=cfg, peer_id="me", swarm_id=cfg.node.swarm_id,
-                          peers=SimpleNamespace(advertised_addrs=list,
+                          peers=SimpleNamespace(advertised_addrs=list, connected_peers=list,
                                                 connect=unreachable))
     private = "/ip4/192.168.3.10/tcp/4001/p2p/X"
     circuit = "/ip4/11.0.2.2/tcp/4001/p2p/R/p2p-circuit/p2p/X"
@@ -229,7 +230,7 @@ async def test_other_addresses_of_a_peer_end_its_redial_backoff():
 
 async def test_own_new_addresses_end_the_quiet_backoff():
     """A quiet swarm's exchanges back off (up to discovery_interval_s * 8); when this
-    node's own addresses change (a relay slot) the next round comes after one interval."""
+    node's own addresses change (a relay slot) the next round comes at once."""
     cfg = p2p_config()
     ctx = SimpleNamespace(cfg=cfg.p2p, config=cfg, peer_id="me", swarm_id=cfg.node.swarm_id,
                           peers=SimpleNamespace(connected_peers=lambda: ["T"]))
@@ -237,3 +238,48 @@ async def test_own_new_addresses_end_the_quiet_backoff():
     quiet = asyncio.create_task(d._sleep_until_change(3600, frozenset({"T"})))
     d.addrs_changed()
     await asyncio.wait_for(quiet, 30)  # an hour without the change
+
+
+async def test_a_round_waits_for_neither_its_dials_nor_a_dht_lookup():
+    """A dial of a NAT'd peer's private address waits out dial_timeout_s (its router drops
+    the SYN) and a DHT lookup from behind NAT took 20-30 s in the netlab; the rounds go on
+    beside them. When an exchange names a relayed address for the peer being dialled (it
+    took a relay slot), that address is dialled at once, while the first dial still waits
+    (the netlab NAT pair: relayed links 17-52 s after the reservations before, 1-2 s after)."""
+    cfg = p2p_config()
+    private = "/ip4/192.168.3.10/tcp/4001/p2p/X"
+    circuit = "/ip4/11.0.2.2/tcp/4001/p2p/R/p2p-circuit/p2p/X"
+    connected, dialled, hang = {"T"}, [], asyncio.Event()
+
+    async def connect(addr: str) -> str:
+        dialled.append(addr)
+        if addr == private:
+            await hang.wait()
+            raise DialError(f"{addr}: timed out", reason="timeout")
+        connected.add(addr.rsplit("/p2p/", 1)[1])
+        return addr.rsplit("/p2p/", 1)[1]
+
+    class SlowDHT:
+        async def swarm_peers(self, count: int = 20):
+            await hang.wait()
+            return []
+
+    tasks = TaskOwner("test")
+    ctx = SimpleNamespace(cfg=cfg.p2p, config=cfg, peer_id="me", swarm_id=cfg.node.swarm_id,
+                          spawn=tasks.spawn, penalties=SimpleNamespace(refused=lambda p: False),
+                          peers=SimpleNamespace(advertised_addrs=list, connect=connect,
+                                                connected_peers=lambda: sorted(connected)))
+    answers = _Answers([["T", ["/ip4/11.0.1.2/tcp/4001/p2p/T"]], ["X", [private]]])
+    d = Discovery(ctx, answers, dht=SlowDHT())
+    try:
+        await d.exchange("T")
+        assert await asyncio.wait_for(d.fill(), 30) == 1  # X's dial and the lookup: beside
+        await wait_until(lambda: dialled == [private], 30, what="X dialled (private)")
+        answers.entries[1] = ["X", [circuit, private]]
+        await d.exchange("T")
+        assert await asyncio.wait_for(d.fill(), 30) == 1
+        await wait_until(lambda: "X" in connected, 30, what="X reached through its relay")
+        assert dialled == [private, circuit] and not hang.is_set()
+        assert d._dht_task is not None and not d._dht_task.done()  # the lookup still waits
+    finally:
+        await tasks.close()

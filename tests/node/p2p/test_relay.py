@@ -43,6 +43,7 @@ async def start_relay(**relay) -> P2PNode:
 
 
 async def test_relayed_connection_carries_gossip_and_requests(natted):
+    """Also: a dial through the relay is not held up by a direct dial of the same peer."""
     relay = await start_relay()
     try:
         a = await natted(2, relay.listen_addrs, target_peers=1, hole_punching=False)
@@ -68,7 +69,19 @@ async def test_relayed_connection_carries_gossip_and_requests(natted):
             return b"hello " + body + b" from " + a.peer_id.encode()
 
         await a.set_request_handler(HELLO, hello)
-        assert await b.connect(circuit) == a.peer_id
+        # B is still dialling A at an address that never answers (a NAT'd peer's private
+        # address: the dial waits out its timeout); the dial through the relay goes ahead
+        # beside it instead of waiting for it to end
+        held: list = []
+        silent = await asyncio.start_server(lambda _r, w: held.append(w), "127.0.0.1", 0)
+        port = silent.sockets[0].getsockname()[1]
+        stuck = asyncio.create_task(b.connect(f"/ip4/127.0.0.1/tcp/{port}/p2p/{a.peer_id}",
+                                              timeout=60))
+        await wait_until(lambda: held, 10, what="B's first dial under way")
+        assert await asyncio.wait_for(b.connect(circuit, timeout=60), 30) == a.peer_id
+        assert not stuck.done()
+        stuck.cancel()
+        silent.close()
         assert b.is_relayed(a.peer_id)
         await wait_until(lambda: a.is_relayed(b.peer_id), 10, what="A sees B, relayed")
         assert await b.request(a.peer_id, HELLO, b"b") == b"hello b from " + a.peer_id.encode()
@@ -102,12 +115,14 @@ async def test_reservation_refused_past_the_relays_limit(natted, monkeypatch):
 
 
 async def test_relayed_connection_upgrades_to_direct(natted):
-    """DCUtR on loopback: the NATs are pretend, so its first step (a direct dial to the
-    addresses identify gave) already succeeds. The real hole punch (TCP simultaneous open
+    """DCUtR on loopback (its dials wait p2p.dial_timeout_s): the NATs are pretend, so its
+    first step (a direct dial to the addresses identify gave) already succeeds. The real hole punch (TCP simultaneous open
     through two NATs) is test_hole_punch_through_two_nats in the namespace lab."""
     relay = await start_relay()
     try:
-        a = await natted(2, relay.listen_addrs, target_peers=1)
+        a = await natted(2, relay.listen_addrs, target_peers=1, dial_timeout_s=4.0)
+        # p2p.dial_timeout_s reaches DCUtR (py-libp2p's own default, 10 s, otherwise)
+        assert a.relay.dcutr.dial_timeout == 4.0
         await wait_until(lambda: a.reachability.relay_addrs, 30, what="A relayed")
         b = await natted(3, relay.listen_addrs, discovery=False)
         await b.connect(a.reachability.relay_addrs[0])

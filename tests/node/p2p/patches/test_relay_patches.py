@@ -1,17 +1,20 @@
-"""The relay patches (node/p2p/patches/relay.py): py-libp2p's own CircuitV2Protocol and
-RelayResourceManager still show each fault (the patch is still needed: these tests fail
-once upstream fixes it), ours do not."""
+"""The relay and DCUtR patches (node/p2p/patches/relay.py, dcutr.py): py-libp2p's own
+CircuitV2Protocol, RelayResourceManager and DCUtRProtocol still show each fault (the patch
+is still needed: these tests fail once upstream fixes it), ours do not."""
 
 from __future__ import annotations
 
+import socket
 from contextlib import AsyncExitStack
 from types import SimpleNamespace
 
 import multiaddr
 import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
+from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
 from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage
 from libp2p.relay.circuit_v2.pb.circuit_pb2 import PeerId as CircuitPeerId
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP
@@ -20,6 +23,7 @@ from libp2p.relay.circuit_v2.resources import RelayLimits, RelayResourceManager
 from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 from libp2p.tools.anyio_service import background_trio_service
+from swarm_node.node.p2p.patches.dcutr import DCUtRService
 from swarm_node.node.p2p.patches.relay import RelayProtocol, RelayReservations
 
 from .rawhost import raw_host, running
@@ -138,3 +142,42 @@ async def _reserved_for(hosts, protocols) -> str:
 def test_needed_relay_reserve_own_peer():
     assert trio.run(_with_relay, CircuitV2Protocol, 2, _reserved_for) == "named"
     assert trio.run(_with_relay, RelayProtocol, 2, _reserved_for) == "asker"
+
+
+async def _direct_dial_still_waits_when_ours_gave_up() -> bool:
+    """DCUtR's first step on two hosts, py-libp2p's and ours (both with a 60 s dial timeout),
+    to a peer known at an address that never answers (a NAT'd peer's private address seen
+    from outside its LAN): when ours gives up, is py-libp2p's still waiting?"""
+    silent = socket.socket()  # listens, never accepts: the handshake gets no answer
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    peer = ID.from_pubkey(create_new_key_pair().public_key)
+    addr = multiaddr.Multiaddr(f"/ip4/127.0.0.1/tcp/{silent.getsockname()[1]}")
+    hosts = [raw_host(), raw_host()]
+    try:
+        async with running(*hosts):
+            theirs = DCUtRProtocol(hosts[0], dial_timeout=60)
+            ours = DCUtRService(hosts[1], dial_timeout=60)
+            for host in hosts:
+                host.get_peerstore().add_addrs(peer, [addr], 600)
+            theirs_done = trio.Event()
+
+            async def upstream() -> None:
+                await theirs._try_unilateral_upgrade(peer)
+                theirs_done.set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(upstream)
+                with trio.fail_after(30):
+                    assert await ours._try_unilateral_upgrade(peer) is False
+                still_waiting = not theirs_done.is_set()
+                nursery.cancel_scope.cancel()
+            return still_waiting
+    finally:
+        silent.close()
+
+
+def test_needed_dcutr_direct_dial_wait():
+    """py-libp2p's attempt waits out its whole dial timeout (60 s here) before punching; ours
+    gives up after UNILATERAL_DIAL_S, while py-libp2p's still waits."""
+    assert trio.run(_direct_dial_still_waits_when_ours_gave_up) is True

@@ -37,8 +37,10 @@ def test_honest_real_model_batch_accepted_in_its_dtype(smollm2_dir, source, dtyp
     from swarm_node.node.models import load_model
 
     model, tokenizer = load_model(smollm2_dir, dtype=dtype)
+    # one task's group per generate call: the 36-token prompt is not left-padded to the
+    # 118-token one (a CPU without bf16 units pays ~5x fp32 per bf16 prefill row)
     batch = attacks.sample_batch(model, tokenizer, source, SENDER, round_=0, version=0,
-                                 tasks=2, n=2, params=PARAMS)
+                                 tasks=2, n=2, params=PARAMS, max_batch=2)
     results = check(model, tokenizer, source, dtype, batch)
     assert [r.reason for r in results] == ["ok"] * 4, [(r.reason, r.detail) for r in results]
     if dtype == "float32":

@@ -6,7 +6,14 @@ guard: any exception in a handler (its own pubsub reader on a protobuf DecodeErr
 ends `host.run()`, i.e. the whole libp2p thread. Here `host.multiselect.handlers` is replaced
 by a dict that wraps every handler as it is stored (py-libp2p's and ours, before or after):
 an exception is caught, reported to `on_fault(peer, protocol, error)` (counted and
-penalised by the node) and the stream reset."""
+penalised by the node) and the stream reset.
+
+The same dict closes a race that also ends the host: `Multiselect.negotiate` checks
+`protocol in handlers`, awaits its answer to the opener, then reads `handlers[protocol]`; a
+handler removed during that await (the DHT's `switch_mode` to client, as a NAT'd node learns
+its verdict, removes /ipfs/kad/1.0.0 while peers are opening DHT streams to it) raised
+KeyError out of `host.run()` (seen in the 10-node netlab swarm, 2026-12-03: the node
+exited 34 s after start). A handler looked up after its removal now resets the stream."""
 
 from __future__ import annotations
 
@@ -24,7 +31,8 @@ PATCH = register(Patch(
     name="stream_handler_guard",
     scope="host",
     targets=("libp2p.protocol_muxer.multiselect:Multiselect.handlers",),
-    why="an exception in any stream handler ends host.run() (the libp2p thread)",
+    why="an exception in any stream handler, or a handler removed while a stream negotiates "
+        "it (KeyError in Multiselect.negotiate), ends host.run() (the libp2p thread)",
     upstream="py-libp2p #417 (open: a failed negotiation takes the listener down); "
              "#1120/PR #1117 fixed the same class of fault for pubsub writes only; "
              "none filed for handler exceptions (searched 2026-09)",
@@ -66,6 +74,14 @@ class GuardedHandlers(dict):
         if handler is not None:
             handler = guarded(str(protocol_id), handler, self.on_fault)
         super().__setitem__(protocol_id, handler)
+
+    def __missing__(self, protocol_id):
+        """A handler removed while a stream was negotiating it: refuse that stream."""
+        return _removed
+
+
+async def _removed(stream) -> None:
+    await reset_quietly(stream)
 
 
 def patch_stream_handlers(host, on_fault: FaultHook) -> None:

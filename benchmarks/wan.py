@@ -304,6 +304,19 @@ def proc_usage(node: LabNode) -> dict:
     return {"rss_mib": rss, "cpu_s": cpu}
 
 
+def cpu_times():
+    import psutil
+
+    return psutil.cpu_times()
+
+
+def busy_share(t0, t1) -> float:
+    """The share of the machine's CPU time that was busy between two cpu_times()."""
+    idle = (t1.idle + getattr(t1, "iowait", 0.0)) - (t0.idle + getattr(t0, "iowait", 0.0))
+    total = sum(t1) - sum(t0)
+    return round(1.0 - idle / total, 3) if total > 0 else float("nan")
+
+
 class SwarmRun:
     """The real-node scenario on a wan_plan: start, contribute, steady state, churn,
     partition. Each phase adds to `self.out`."""
@@ -316,6 +329,10 @@ class SwarmRun:
         # node name -> s after its start when /status first said "running" (model loaded,
         # role started: on a loaded machine most of the wait to contribute is start-up)
         self.running_after: dict[str, float] = {}
+        # node name -> its process tree's CPU s when /status first said running, and when its
+        # first rollout was accepted: against the wall time, what was waiting for a core
+        self.running_cpu: dict[str, float] = {}
+        self.accepted_cpu: dict[str, float] = {}
         self.generation = 0
         self.joined: list[str] = []  # peers started by churn
         self.out: dict = {"nodes": len(plan.peers) + 1 + len(plan.relays)}
@@ -336,8 +353,10 @@ class SwarmRun:
         for n in self.peers():
             if n.name not in self.running_after and n.status.get("phase") == "running":
                 self.running_after[n.name] = round(now - self.started[n.name], 1)
+                self.running_cpu[n.name] = round(proc_usage(n)["cpu_s"], 1)
             if n.name not in self.first_accepted and accepted_from(self.trainer, n):
                 self.first_accepted[n.name] = round(now - self.started[n.name], 1)
+                self.accepted_cpu[n.name] = round(proc_usage(n)["cpu_s"], 1)
 
     def run(self, steady_only: bool = False) -> dict:
         try:
@@ -361,6 +380,7 @@ class SwarmRun:
         t0 = time.monotonic()
         self.trainer = sw.start("trainer", plan.trainer, "trainer")
         self.started["trainer"] = t0
+        busy0 = cpu_times()
         sw.wait_started(self.trainer)
         self.relays = [sw.start(r, r, "relay", bootstrap=[self.trainer], follow=[self.trainer])
                        for r in plan.relays]
@@ -388,6 +408,12 @@ class SwarmRun:
                 None if first is None or ran is None else round(max(0.0, first - ran), 1))
         self.out["first_accepted_s"] = by_nat
         self.out["accepted_after_running_s"] = after_running
+        # how busy the machine's cores were from the trainer's start to here (the 2-core
+        # machine's share of the start-up), and each boot peer's own CPU s at running / at
+        # its first accepted rollout
+        self.out["boot_busy"] = busy_share(busy0, cpu_times())
+        self.out["boot_cpu_s"] = {n.name: [self.running_cpu.get(n.name),
+                                           self.accepted_cpu.get(n.name)] for n in peers}
 
     def steady(self) -> None:
         sw = self.swarm
@@ -559,8 +585,12 @@ def swarm_body(args, out: dict) -> str:
         contrib.append([k, len(v), len(ok), sum(x <= 60 for x in ok), pct(ok, 50),
                         max(ok, default=float("nan")), pct(ran, 50),
                         max(ran, default=float("nan"))])
+    cpu = [v for v in out.get("boot_cpu_s", {}).values() if v[0] is not None]
     lines = [(f"Load before: {args.load_before}. {out['nodes']} nodes (wan_plan seed "
-             f"{args.seed}), all started after {out.get('all_started_s')} s."),
+             f"{args.seed}), all started after {out.get('all_started_s')} s. The cores were "
+             f"{out.get('boot_busy', float('nan')):.0%} busy from the trainer's start to the "
+             f"end of the contribute wait; a boot peer's own CPU until 'running': p50 "
+             f"{pct([c[0] for c in cpu], 50)} s (of its wall time in the 'running' column)."),
              "", ("Time from a peer's start (process launched) to its first accepted rollout "
                   "(goal <= 60 s), and from its /status first saying 'running' (model loaded, "
                   "role started; polled every 2 s) to that rollout:"), "",

@@ -590,7 +590,7 @@ def swarm_body(args, out: dict) -> str:
              f"{args.seed}), all started after {out.get('all_started_s')} s. The cores were "
              f"{out.get('boot_busy', float('nan')):.0%} busy from the trainer's start to the "
              f"end of the contribute wait; a boot peer's own CPU until 'running': p50 "
-             f"{pct([c[0] for c in cpu], 50)} s (of its wall time in the 'running' column)."),
+             f"{pct([c[0] for c in cpu], 50)} s of CPU."),
              "", ("Time from a peer's start (process launched) to its first accepted rollout "
                   "(goal <= 60 s), and from its /status first saying 'running' (model loaded, "
                   "role started; polled every 2 s) to that rollout:"), "",

@@ -26,7 +26,8 @@ def swarm_out(first_accepted: dict) -> dict:
                        "reachable": {"cone": [3, 3], "symmetric": [1, 2]}},
             "trainer": {"version": 9, "reward_first3": 0.01, "reward_last3": 0.12,
                         "rounds_lost": 0, "rollouts_accepted": 640},
-            "log_signals": {}, "stage": {}}
+            "log_signals": {}, "stage": {}, "boot_busy": 0.947,
+            "boot_cpu_s": {"p1g1": [12.1, 17.0], "p2g2": [11.5, None], "p3g3": [None, None]}}
 
 
 def test_swarm_headline_counts_late_and_missing_peers_apart():
@@ -47,6 +48,8 @@ def test_swarm_body_renders_a_run_without_churn_or_partition():
     assert "| cone | 2 | 1 | 1 | 40 | 40 | 10 | 10 |" in body, body
     assert "reward first 3 versions 0.010, last 3 0.120" in body
     assert "Churn" not in body and "Partition" not in body
+    assert ("The cores were 95% busy from the trainer's start to the end of the contribute "
+            "wait; a boot peer's own CPU until 'running': p50 11.5 s of CPU") in body, body
 
 
 def test_scaling_headline_says_which_size_failed():

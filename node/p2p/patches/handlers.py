@@ -31,8 +31,7 @@ PATCH = register(Patch(
     name="stream_handler_guard",
     scope="host",
     targets=("libp2p.protocol_muxer.multiselect:Multiselect.handlers",),
-    why="an exception in any stream handler, or a handler removed while a stream negotiates "
-        "it (KeyError in Multiselect.negotiate), ends host.run() (the libp2p thread)",
+    why="an exception in any stream handler ends host.run() (the libp2p thread)",
     upstream="py-libp2p #417 (open: a failed negotiation takes the listener down); "
              "#1120/PR #1117 fixed the same class of fault for pubsub writes only; "
              "none filed for handler exceptions (searched 2026-09)",
@@ -40,6 +39,21 @@ PATCH = register(Patch(
                    + has_signature(BasicHost, "get_mux", ("self",))),
 ))
 
+REMOVED = register(Patch(
+    name="removed_handler_refused",
+    scope="host",
+    targets=("libp2p.protocol_muxer.multiselect:Multiselect.handlers",),
+    why="a handler removed while a stream negotiates its protocol (the DHT's switch to client "
+        "mode removes /ipfs/kad/1.0.0) raises KeyError in Multiselect.negotiate, which ends "
+        "host.run(); GuardedHandlers.__missing__ refuses that stream instead",
+    upstream="none found (searched 2026-12): py-libp2p PR #1266 added remove_handler (a "
+             "plain dict pop) without guarding negotiate's check, await, index",
+    shape=lambda: (sets_attribute(Multiselect, "handlers")
+                   + has_signature(Multiselect, "remove_handler", ("self", "protocol"))
+                   + has_signature(Multiselect, "negotiate",
+                                   ("self", "communicator", "negotiate_timeout"),
+                                   coroutine=True)),
+))
 
 def guarded(protocol_id: str, handler, on_fault: FaultHook):
     """Wrap one libp2p stream handler so that no exception leaves it."""

@@ -72,7 +72,7 @@ class _Stream:
         self.was_reset = True
 
 
-def test_needed_handler_removed_during_negotiation():
+def test_needed_removed_handler_refused():
     async def negotiate(guard: bool):
         mux = Multiselect()
         if guard:

@@ -391,13 +391,25 @@ class SwarmRun:
 
         def all_contributed():
             self.track()
-            return len(self.first_accepted) == len(peers)
+            return all(n.name in self.first_accepted or n.exit_code is not None for n in peers)
 
-        try:
-            sw.wait_until(all_contributed, self.args.contribute_timeout, "every peer accepted",
-                          every=2.0)
-        except Exception as e:  # noqa: BLE001 - a missed goal is a figure
-            self.out["contribute_missed"] = str(e).splitlines()[0]
+        # a peer that exits is a figure (`exited`), not the end of the others' figures (a
+        # host that died at 25 s once emptied a whole run's table); the trainer's or a
+        # relay's exit still ends the wait
+        deadline = time.monotonic() + self.args.contribute_timeout
+        while True:
+            exited = sum(n.exit_code is not None for n in peers)
+            try:
+                sw.wait_until(all_contributed, max(0.0, deadline - time.monotonic()),
+                              "every peer accepted", every=2.0)
+                break
+            except Exception as e:  # noqa: BLE001 - a missed goal is a figure
+                if (sum(n.exit_code is not None for n in peers) > exited
+                        and time.monotonic() < deadline):
+                    self.out.setdefault("exited", []).append(str(e).splitlines()[0])
+                    continue
+                self.out["contribute_missed"] = str(e).splitlines()[0]
+                break
         by_nat: dict[str, list] = {}
         after_running: dict[str, list] = {}
         for n in peers:
@@ -596,6 +608,8 @@ def swarm_body(args, out: dict) -> str:
                   "role started; polled every 2 s) to that rollout:"), "",
              table(["peers", "n", "contributed", "within 60 s", "p50 s", "max s",
                     "from running p50 s", "from running max s"], contrib), "",
+             *([f"Peers that exited during the start: {out['exited']}", ""]
+               if out.get("exited") else []),
              (f"Steady state ({out['steady']['seconds']} s, trainer +"
              f"{out['steady']['versions']} versions), mean per node:"), "",
              table(["kind", "n", "connections", "RSS MiB", "CPU s/s"], usage_rows(out)), "",

@@ -46,10 +46,20 @@ def test_swarm_body_renders_a_run_without_churn_or_partition():
     args.load_before = "1.00/1.00/1.00"
     body = swarm_body(args, swarm_out({"cone": [40.0, None]}))
     assert "| cone | 2 | 1 | 1 | 40 | 40 | 10 | 10 |" in body, body
+    assert "exited during the start" not in body
     assert "reward first 3 versions 0.010, last 3 0.120" in body
     assert "Churn" not in body and "Partition" not in body
     assert ("The cores were 95% busy from the trainer's start to the end of the contribute "
             "wait; a boot peer's own CPU until 'running': p50 11.5 s of CPU") in body, body
+
+
+def test_swarm_body_names_peers_that_exited_during_the_start():
+    args = parse(["--sections", "swarm"])
+    args.load_before = "1.00/1.00/1.00"
+    out = swarm_out({"cone": [40.0, None]})
+    out["exited"] = ["lab node p4g3 exited with 1; its log:"]
+    body = swarm_body(args, out)
+    assert "Peers that exited during the start: ['lab node p4g3 exited with 1" in body, body
 
 
 def test_scaling_headline_says_which_size_failed():

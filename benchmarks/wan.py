@@ -646,6 +646,43 @@ def swarm_body(args, out: dict) -> str:
     return "\n".join(lines)
 
 
+# start-up timeline (node logs) -------------------------------------------------------------
+
+# a peer's start-up stages, by the first log line that says each (node/runner.py, roles)
+TIMELINE = (("imports", None), ("host", "admin endpoint on"), ("verdict", "reachability: "),
+            ("relay slot", "reserved a relay slot"), ("ready", "peer ready"),
+            ("published", "published round"), ("accepted", "verified my round"))
+
+
+def peer_timeline(node_dir: Path) -> dict[str, float]:
+    """s from a peer's launch (its node.toml written just before) to the first log line of
+    each TIMELINE stage; 'accepted' is the first verdict with at least one accepted."""
+    t0 = (node_dir / "node.toml").stat().st_mtime
+    got: dict[str, float] = {}
+    for line in (node_dir / "node.log").read_text(errors="replace").splitlines():
+        if not line[:4].isdigit():
+            continue
+        for stage, needle in TIMELINE:
+            if stage in got or (needle is not None and needle not in line):
+                continue
+            if stage == "accepted" and ": 0 accepted" in line:
+                continue
+            # the logging format's asctime: local time, as mktime reads it
+            at = time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S"))
+            got[stage] = round(at + float(line[19:23]) - t0, 1)
+    return got
+
+
+def timeline_table(work: Path) -> str:
+    """Per peer of a swarm run's workdir (node logs), s from launch to each stage."""
+    rows = []
+    for d in sorted(work.iterdir()):
+        if (d / "node.log").exists() and (d / "node.toml").exists() and d.name.startswith("p"):
+            got = peer_timeline(d)
+            rows.append([d.name, *(got.get(stage, "-") for stage, _ in TIMELINE)])
+    return table(["peer", *(stage for stage, _ in TIMELINE)], rows)
+
+
 # gossip (P2PNode workers) -------------------------------------------------------------------
 
 def gossip_worker(args) -> None:
@@ -1507,6 +1544,9 @@ def parse(argv=None):
                     help="netns name prefix of every section's labs (<= 8 chars)")
     # the gossip worker (run by the benchmark inside lab hosts)
     ap.add_argument("--worker", choices=["gossip"])
+    ap.add_argument("--timeline", type=Path,
+                    help="print where each peer's start went, from a swarm run's node logs "
+                         "(WORKDIR/swarmN), and exit")
     ap.add_argument("--listen")
     ap.add_argument("--bootstrap", action="append", default=[])
     ap.add_argument("--peers", type=int)
@@ -1518,6 +1558,9 @@ def main(argv=None) -> int:
     args = parse(argv)
     if args.worker == "gossip":
         gossip_worker(args)
+        return 0
+    if args.timeline:
+        print(timeline_table(args.timeline))
         return 0
     from swarm_node.node.testing.netlab import unavailable_reason
 

@@ -304,6 +304,19 @@ def proc_usage(node: LabNode) -> dict:
     return {"rss_mib": rss, "cpu_s": cpu}
 
 
+def cpu_times():
+    import psutil
+
+    return psutil.cpu_times()
+
+
+def busy_share(t0, t1) -> float:
+    """The share of the machine's CPU time that was busy between two cpu_times()."""
+    idle = (t1.idle + getattr(t1, "iowait", 0.0)) - (t0.idle + getattr(t0, "iowait", 0.0))
+    total = sum(t1) - sum(t0)
+    return round(1.0 - idle / total, 3) if total > 0 else float("nan")
+
+
 class SwarmRun:
     """The real-node scenario on a wan_plan: start, contribute, steady state, churn,
     partition. Each phase adds to `self.out`."""
@@ -316,6 +329,10 @@ class SwarmRun:
         # node name -> s after its start when /status first said "running" (model loaded,
         # role started: on a loaded machine most of the wait to contribute is start-up)
         self.running_after: dict[str, float] = {}
+        # node name -> its process tree's CPU s when /status first said running, and when its
+        # first rollout was accepted: against the wall time, what was waiting for a core
+        self.running_cpu: dict[str, float] = {}
+        self.accepted_cpu: dict[str, float] = {}
         self.generation = 0
         self.joined: list[str] = []  # peers started by churn
         self.out: dict = {"nodes": len(plan.peers) + 1 + len(plan.relays)}
@@ -336,8 +353,10 @@ class SwarmRun:
         for n in self.peers():
             if n.name not in self.running_after and n.status.get("phase") == "running":
                 self.running_after[n.name] = round(now - self.started[n.name], 1)
+                self.running_cpu[n.name] = round(proc_usage(n)["cpu_s"], 1)
             if n.name not in self.first_accepted and accepted_from(self.trainer, n):
                 self.first_accepted[n.name] = round(now - self.started[n.name], 1)
+                self.accepted_cpu[n.name] = round(proc_usage(n)["cpu_s"], 1)
 
     def run(self, steady_only: bool = False) -> dict:
         try:
@@ -361,6 +380,7 @@ class SwarmRun:
         t0 = time.monotonic()
         self.trainer = sw.start("trainer", plan.trainer, "trainer")
         self.started["trainer"] = t0
+        busy0 = cpu_times()
         sw.wait_started(self.trainer)
         self.relays = [sw.start(r, r, "relay", bootstrap=[self.trainer], follow=[self.trainer])
                        for r in plan.relays]
@@ -371,13 +391,25 @@ class SwarmRun:
 
         def all_contributed():
             self.track()
-            return len(self.first_accepted) == len(peers)
+            return all(n.name in self.first_accepted or n.exit_code is not None for n in peers)
 
-        try:
-            sw.wait_until(all_contributed, self.args.contribute_timeout, "every peer accepted",
-                          every=2.0)
-        except Exception as e:  # noqa: BLE001 - a missed goal is a figure
-            self.out["contribute_missed"] = str(e).splitlines()[0]
+        # a peer that exits is a figure (`exited`), not the end of the others' figures (a
+        # host that died at 25 s once emptied a whole run's table); the trainer's or a
+        # relay's exit still ends the wait
+        deadline = time.monotonic() + self.args.contribute_timeout
+        while True:
+            exited = sum(n.exit_code is not None for n in peers)
+            try:
+                sw.wait_until(all_contributed, max(0.0, deadline - time.monotonic()),
+                              "every peer accepted", every=2.0)
+                break
+            except Exception as e:  # noqa: BLE001 - a missed goal is a figure
+                if (sum(n.exit_code is not None for n in peers) > exited
+                        and time.monotonic() < deadline):
+                    self.out.setdefault("exited", []).append(str(e).splitlines()[0])
+                    continue
+                self.out["contribute_missed"] = str(e).splitlines()[0]
+                break
         by_nat: dict[str, list] = {}
         after_running: dict[str, list] = {}
         for n in peers:
@@ -388,6 +420,12 @@ class SwarmRun:
                 None if first is None or ran is None else round(max(0.0, first - ran), 1))
         self.out["first_accepted_s"] = by_nat
         self.out["accepted_after_running_s"] = after_running
+        # how busy the machine's cores were from the trainer's start to here (the 2-core
+        # machine's share of the start-up), and each boot peer's own CPU s at running / at
+        # its first accepted rollout
+        self.out["boot_busy"] = busy_share(busy0, cpu_times())
+        self.out["boot_cpu_s"] = {n.name: [self.running_cpu.get(n.name),
+                                           self.accepted_cpu.get(n.name)] for n in peers}
 
     def steady(self) -> None:
         sw = self.swarm
@@ -559,13 +597,19 @@ def swarm_body(args, out: dict) -> str:
         contrib.append([k, len(v), len(ok), sum(x <= 60 for x in ok), pct(ok, 50),
                         max(ok, default=float("nan")), pct(ran, 50),
                         max(ran, default=float("nan"))])
+    cpu = [v for v in out.get("boot_cpu_s", {}).values() if v[0] is not None]
     lines = [(f"Load before: {args.load_before}. {out['nodes']} nodes (wan_plan seed "
-             f"{args.seed}), all started after {out.get('all_started_s')} s."),
+             f"{args.seed}), all started after {out.get('all_started_s')} s. The cores were "
+             f"{out.get('boot_busy', float('nan')):.0%} busy from the trainer's start to the "
+             f"end of the contribute wait; a boot peer's own CPU until 'running': p50 "
+             f"{pct([c[0] for c in cpu], 50)} s of CPU."),
              "", ("Time from a peer's start (process launched) to its first accepted rollout "
                   "(goal <= 60 s), and from its /status first saying 'running' (model loaded, "
                   "role started; polled every 2 s) to that rollout:"), "",
              table(["peers", "n", "contributed", "within 60 s", "p50 s", "max s",
                     "from running p50 s", "from running max s"], contrib), "",
+             *([f"Peers that exited during the start: {out['exited']}", ""]
+               if out.get("exited") else []),
              (f"Steady state ({out['steady']['seconds']} s, trainer +"
              f"{out['steady']['versions']} versions), mean per node:"), "",
              table(["kind", "n", "connections", "RSS MiB", "CPU s/s"], usage_rows(out)), "",
@@ -600,6 +644,43 @@ def swarm_body(args, out: dict) -> str:
               f"rollouts accepted {t['rollouts_accepted']}. Log "
               f"lines: {out['log_signals']}. Delay stage: {out['stage']}.")]
     return "\n".join(lines)
+
+
+# start-up timeline (node logs) -------------------------------------------------------------
+
+# a peer's start-up stages, by the first log line that says each (node/runner.py, roles)
+TIMELINE = (("imports", None), ("host", "admin endpoint on"), ("verdict", "reachability: "),
+            ("relay slot", "reserved a relay slot"), ("ready", "peer ready"),
+            ("published", "published round"), ("accepted", "verified my round"))
+
+
+def peer_timeline(node_dir: Path) -> dict[str, float]:
+    """s from a peer's launch (its node.toml written just before) to the first log line of
+    each TIMELINE stage; 'accepted' is the first verdict with at least one accepted."""
+    t0 = (node_dir / "node.toml").stat().st_mtime
+    got: dict[str, float] = {}
+    for line in (node_dir / "node.log").read_text(errors="replace").splitlines():
+        if not line[:4].isdigit():
+            continue
+        for stage, needle in TIMELINE:
+            if stage in got or (needle is not None and needle not in line):
+                continue
+            if stage == "accepted" and ": 0 accepted" in line:
+                continue
+            # the logging format's asctime: local time, as mktime reads it
+            at = time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S"))
+            got[stage] = round(at + float(line[19:23]) - t0, 1)
+    return got
+
+
+def timeline_table(work: Path) -> str:
+    """Per peer of a swarm run's workdir (node logs), s from launch to each stage."""
+    rows = []
+    for d in sorted(work.iterdir()):
+        if (d / "node.log").exists() and (d / "node.toml").exists() and d.name.startswith("p"):
+            got = peer_timeline(d)
+            rows.append([d.name, *(got.get(stage, "-") for stage, _ in TIMELINE)])
+    return table(["peer", *(stage for stage, _ in TIMELINE)], rows)
 
 
 # gossip (P2PNode workers) -------------------------------------------------------------------
@@ -1463,6 +1544,9 @@ def parse(argv=None):
                     help="netns name prefix of every section's labs (<= 8 chars)")
     # the gossip worker (run by the benchmark inside lab hosts)
     ap.add_argument("--worker", choices=["gossip"])
+    ap.add_argument("--timeline", type=Path,
+                    help="print where each peer's start went, from a swarm run's node logs "
+                         "(WORKDIR/swarmN), and exit")
     ap.add_argument("--listen")
     ap.add_argument("--bootstrap", action="append", default=[])
     ap.add_argument("--peers", type=int)
@@ -1474,6 +1558,9 @@ def main(argv=None) -> int:
     args = parse(argv)
     if args.worker == "gossip":
         gossip_worker(args)
+        return 0
+    if args.timeline:
+        print(timeline_table(args.timeline))
         return 0
     from swarm_node.node.testing.netlab import unavailable_reason
 

@@ -3,6 +3,9 @@ run missed instead of hiding it, and a section's load is sampled while it runs."
 
 from __future__ import annotations
 
+import os
+import time
+
 from swarm_node.node.testing.netlab.scenarios import wan_plan
 
 from benchmarks.wan import (
@@ -10,6 +13,7 @@ from benchmarks.wan import (
     headlines,
     machine_line,
     parse,
+    peer_timeline,
     receiver_timelines,
     swarm_body,
 )
@@ -26,7 +30,8 @@ def swarm_out(first_accepted: dict) -> dict:
                        "reachable": {"cone": [3, 3], "symmetric": [1, 2]}},
             "trainer": {"version": 9, "reward_first3": 0.01, "reward_last3": 0.12,
                         "rounds_lost": 0, "rollouts_accepted": 640},
-            "log_signals": {}, "stage": {}}
+            "log_signals": {}, "stage": {}, "boot_busy": 0.947,
+            "boot_cpu_s": {"p1g1": [12.1, 17.0], "p2g2": [11.5, None], "p3g3": [None, None]}}
 
 
 def test_swarm_headline_counts_late_and_missing_peers_apart():
@@ -45,8 +50,20 @@ def test_swarm_body_renders_a_run_without_churn_or_partition():
     args.load_before = "1.00/1.00/1.00"
     body = swarm_body(args, swarm_out({"cone": [40.0, None]}))
     assert "| cone | 2 | 1 | 1 | 40 | 40 | 10 | 10 |" in body, body
+    assert "exited during the start" not in body
     assert "reward first 3 versions 0.010, last 3 0.120" in body
     assert "Churn" not in body and "Partition" not in body
+    assert ("The cores were 95% busy from the trainer's start to the end of the contribute "
+            "wait; a boot peer's own CPU until 'running': p50 11.5 s of CPU") in body, body
+
+
+def test_swarm_body_names_peers_that_exited_during_the_start():
+    args = parse(["--sections", "swarm"])
+    args.load_before = "1.00/1.00/1.00"
+    out = swarm_out({"cone": [40.0, None]})
+    out["exited"] = ["lab node p4g3 exited with 1; its log:"]
+    body = swarm_body(args, out)
+    assert "Peers that exited during the start: ['lab node p4g3 exited with 1" in body, body
 
 
 def test_scaling_headline_says_which_size_failed():
@@ -84,3 +101,21 @@ def test_broadcast_timelines_say_when_each_receiver_had_a_transfer_in_flight():
     assert "carried 5.0 MB/s (50 MB in 10.0 s) on 80% of a core, 10% of its packets" in line
     assert "the stage used 90% of the 2 cores" in line
     assert "in flight 50%-67% of its download" in line, line  # p1 2 s of 4, relay1 2 of 3
+
+
+def test_peer_timeline_reads_each_stage_from_the_first_log_line_that_says_it(tmp_path):
+    lines = ["starting the libp2p host", "admin endpoint on http://127.0.0.1:1",
+             "reachability: unreachable (3 of 3 dial-backs failed: timeout)",
+             "reserved a relay slot on 12D3KooW", "inference peer ready: model m",
+             "published round 4: 64 completions", "published round 5: 64 completions",
+             "trainer x verified my round 4: 0 accepted, 64 rejected (first: queue_expired)",
+             "trainer x verified my round 5: 64 accepted, 0 rejected"]
+    launch = time.mktime((2026, 12, 3, 23, 17, 0, 0, 0, -1))
+    stamp = lambda s: time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(launch + s))
+    (tmp_path / "node.toml").write_text("")
+    os.utime(tmp_path / "node.toml", (launch, launch))
+    (tmp_path / "node.log").write_text("".join(
+        f"{stamp(10 * i + 10)}.250 INFO    swarm_node: {text}\n" for i, text in enumerate(lines)))
+    assert peer_timeline(tmp_path) == {"imports": 10.2, "host": 20.2, "verdict": 30.2,
+                                       "relay slot": 40.2, "ready": 50.2, "published": 60.2,
+                                       "accepted": 90.2}

@@ -6,7 +6,14 @@ guard: any exception in a handler (its own pubsub reader on a protobuf DecodeErr
 ends `host.run()`, i.e. the whole libp2p thread. Here `host.multiselect.handlers` is replaced
 by a dict that wraps every handler as it is stored (py-libp2p's and ours, before or after):
 an exception is caught, reported to `on_fault(peer, protocol, error)` (counted and
-penalised by the node) and the stream reset."""
+penalised by the node) and the stream reset.
+
+The same dict closes a race that also ends the host: `Multiselect.negotiate` checks
+`protocol in handlers`, awaits its answer to the opener, then reads `handlers[protocol]`; a
+handler removed during that await (the DHT's `switch_mode` to client, as a NAT'd node learns
+its verdict, removes /ipfs/kad/1.0.0 while peers are opening DHT streams to it) raised
+KeyError out of `host.run()` (seen in the 10-node netlab swarm, 2026-12-03: the node
+exited 34 s after start). A handler looked up after its removal now resets the stream."""
 
 from __future__ import annotations
 
@@ -32,6 +39,21 @@ PATCH = register(Patch(
                    + has_signature(BasicHost, "get_mux", ("self",))),
 ))
 
+REMOVED = register(Patch(
+    name="removed_handler_refused",
+    scope="host",
+    targets=("libp2p.protocol_muxer.multiselect:Multiselect.handlers",),
+    why="a handler removed while a stream negotiates its protocol (the DHT's switch to client "
+        "mode removes /ipfs/kad/1.0.0) raises KeyError in Multiselect.negotiate, which ends "
+        "host.run(); GuardedHandlers.__missing__ refuses that stream instead",
+    upstream="none found (searched 2026-12): py-libp2p PR #1266 added remove_handler (a "
+             "plain dict pop) without guarding negotiate's check, await, index",
+    shape=lambda: (sets_attribute(Multiselect, "handlers")
+                   + has_signature(Multiselect, "remove_handler", ("self", "protocol"))
+                   + has_signature(Multiselect, "negotiate",
+                                   ("self", "communicator", "negotiate_timeout"),
+                                   coroutine=True)),
+))
 
 def guarded(protocol_id: str, handler, on_fault: FaultHook):
     """Wrap one libp2p stream handler so that no exception leaves it."""
@@ -66,6 +88,14 @@ class GuardedHandlers(dict):
         if handler is not None:
             handler = guarded(str(protocol_id), handler, self.on_fault)
         super().__setitem__(protocol_id, handler)
+
+    def __missing__(self, protocol_id):
+        """A handler removed while a stream was negotiating it: refuse that stream."""
+        return _removed
+
+
+async def _removed(stream) -> None:
+    await reset_quietly(stream)
 
 
 def patch_stream_handlers(host, on_fault: FaultHook) -> None:

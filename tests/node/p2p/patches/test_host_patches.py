@@ -9,6 +9,7 @@ import struct
 import pytest
 import trio
 from libp2p.network.auto_connector import AutoConnector
+from libp2p.protocol_muxer.multiselect import MULTISELECT_PROTOCOL_ID, Multiselect
 from swarm_node.node.p2p.patches import autodial, handlers, inbound_slots, yamux_buffers
 from swarm_node.node.p2p.patches.registry import original
 
@@ -43,6 +44,49 @@ def test_needed_stream_handler_guard():
     assert ended.value.subgroup(ValueError) is not None
     faults = trio.run(main, True)  # guarded: counted, and the host serves the next stream
     assert [(p, type(e)) for _, p, e in faults] == [("/bad/1", ValueError)] * 2
+
+
+class _RemovingOpener:
+    """The opener's side of one multiselect negotiation for `protocol`, in memory: as the
+    listener confirms the protocol (its await), `remove` runs, as another task of the host
+    would (the DHT's switch to client mode removing /ipfs/kad/1.0.0)."""
+
+    def __init__(self, protocol: str, remove):
+        self.lines = [MULTISELECT_PROTOCOL_ID, protocol]
+        self.protocol, self.remove = protocol, remove
+
+    async def read(self) -> str:
+        return self.lines.pop(0)
+
+    async def write(self, line: str) -> None:
+        if line == self.protocol:
+            self.remove()
+        await trio.lowlevel.checkpoint()
+
+
+class _Stream:
+    def __init__(self):
+        self.was_reset = False
+
+    async def reset(self) -> None:
+        self.was_reset = True
+
+
+def test_needed_removed_handler_refused():
+    async def negotiate(guard: bool):
+        mux = Multiselect()
+        if guard:
+            mux.handlers = handlers.GuardedHandlers(mux.handlers, lambda *fault: None)
+        mux.add_handler("/kad/1", _bad_handler)
+        opener = _RemovingOpener("/kad/1", lambda: mux.remove_handler("/kad/1"))
+        return await mux.negotiate(opener)
+
+    with pytest.raises(KeyError):  # py-libp2p: out of host.run(), the libp2p thread ends
+        trio.run(negotiate, False)
+    protocol, handler = trio.run(negotiate, True)  # guarded: that one stream is refused
+    stream = _Stream()
+    trio.run(handler, stream)
+    assert (protocol, stream.was_reset) == ("/kad/1", True)
 
 
 def test_needed_no_auto_connect():

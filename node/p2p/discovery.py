@@ -26,12 +26,15 @@ the order last heard of) holds at most MAX_KNOWN peers. When a new one comes and
 one goes: the one heard of longest ago among those whose last redial failed, else the one
 heard of longest ago; peers connected now and bootstrap peers never go (a new peer is not
 kept when every entry is one of those). A peer is forgotten (dropped from `known` with its
-backoff) after MAX_REDIAL_FAILURES failed redials in a row with no word of it between: word
+backoff) after MAX_REDIAL_FAILURES failed redials in a row with no word of it between, or
+MAX_UNREACHED_FAILURES if no dial of this node ever reached it (it only ever connected to
+us, as every identity of a flood does, or was only heard of): word
 is its own Hello, a connection, or a peer exchange naming it (peers name only peers they are
 connected to). A DHT record naming a forgotten peer at the addresses it was forgotten with is
 not word (records outlive their peers); one naming other addresses is. Bootstrap peers are
 never forgotten. So after a flood of identities that then leave, each is redialled at most
-MAX_REDIAL_FAILURES times (backoff 1, 2, 4, 8, 16 s), then never again unless heard of anew;
+MAX_UNREACHED_FAILURES times (backoff 1, 2 s), then never again unless heard of anew (a peer
+we had dialled, MAX_REDIAL_FAILURES times: backoff 1, 2, 4, 8, 16 s);
 a node cut off from every peer for that long keeps only its bootstrap peers and finds the
 rest again through them (and the DHT).
 """
@@ -67,6 +70,7 @@ STRAY_FORGET_S = 600.0  # and not counted as a member (nor redialled) for this l
 MAX_ROLES = 4096  # peers whose announced role is kept
 MAX_KNOWN = 1024  # peers whose addresses are kept (the rule for what goes: module docstring)
 MAX_REDIAL_FAILURES = 5  # failed redials in a row, with no word of a peer, before it is forgotten
+MAX_UNREACHED_FAILURES = 2  # the same for a peer this node's dials never reached
 
 
 class SwarmPeerLookup(Protocol):
@@ -98,6 +102,7 @@ class Discovery:
         self._dials: dict[str, frozenset[str]] = {}  # peer -> addresses its redial tries
         self._dht_task: asyncio.Task | None = None
         self._failures: dict[str, int] = {}  # peer in known -> failed redials since word of it
+        self._reached: set[str] = set()  # peers in known that a dial of ours reached
         self._forgotten: dict[str, frozenset[str]] = {}  # peer -> its addresses then (bounded)
         self._bootstrap_ids: set[str] = set()
         self.forgotten = 0  # peers dropped after failed redials
@@ -189,6 +194,7 @@ class Discovery:
         connection manager set stays)."""
         self.known.pop(peer, None)
         self._failures.pop(peer, None)
+        self._reached.discard(peer)
         self._backoff.pop(peer, None)
         if self._paused.get(peer, 0) <= time.monotonic():
             self._next_try.pop(peer, None)
@@ -518,12 +524,15 @@ class Discovery:
             self._next_try.pop(pid, None)
             self._failures.pop(pid, None)
             await self.exchange(pid)
+            if pid in self.known:
+                self._reached.add(pid)
             return
         if pid in self.ctx.peers.connected_peers():
             return  # another dial (at addresses learned meanwhile) reached it
         if pid in self.known and pid not in self._bootstrap_ids:
             failures = self._failures[pid] = self._failures.get(pid, 0) + 1
-            if failures >= MAX_REDIAL_FAILURES:
+            if failures >= (MAX_REDIAL_FAILURES if pid in self._reached
+                            else MAX_UNREACHED_FAILURES):
                 self._remember_forgotten(pid)
                 self._drop(pid)
                 self.forgotten += 1

@@ -14,6 +14,7 @@ from swarm_node.node.p2p.discovery import (
     MAX_KNOWN,
     MAX_PEERS_REPLY,
     MAX_REDIAL_FAILURES,
+    MAX_UNREACHED_FAILURES,
     Discovery,
 )
 from swarm_node.node.p2p.errors import DialError
@@ -98,9 +99,9 @@ async def test_known_stays_within_its_bound_when_exchanges_name_more_identities(
 
 
 async def test_bootstrap_peers_are_never_forgotten():
-    """The bootstrap peer and a peer it named both leave: the named peer is forgotten after
-    MAX_REDIAL_FAILURES failed redials; the bootstrap peer is still known and dialled after
-    twice as many."""
+    """The bootstrap peer and a peer it named both leave: the named peer, which no dial of
+    ours ever reached, is forgotten after MAX_UNREACHED_FAILURES failed redials; the
+    bootstrap peer is still known and dialled after 2 x MAX_REDIAL_FAILURES."""
     connected: set[str] = set()
     answers = _Answers([["B", [_addr("B")]], ["X", [_addr("X")]]])
     tasks, reachable = TaskOwner("test"), {"B"}
@@ -110,7 +111,8 @@ async def test_bootstrap_peers_are_never_forgotten():
         assert set(d.known) == {"B", "X"}
         connected.clear()  # both gone
         reachable.clear()
-        for _ in range(2 * MAX_REDIAL_FAILURES):
+        for i in range(2 * MAX_REDIAL_FAILURES):
+            assert ("X" in d.known) == (i < MAX_UNREACHED_FAILURES)
             for pid in list(d.known):
                 await d._redial(pid, [_addr(pid)], frozenset([_addr(pid)]))
         assert "X" not in d.known and d.forgotten == 1
@@ -143,8 +145,8 @@ async def test_a_dht_record_of_a_forgotten_peer_is_not_word_of_it():
 async def test_a_departed_peer_is_forgotten_after_its_redials_and_dialled_again_when_named(
         make_node, tmp_path):
     """Real hosts: A hears of B from C and dials it. B leaves: A redials it at most
-    MAX_REDIAL_FAILURES times (each at most MAX_DIAL_ADDRS addresses), then forgets it and
-    dials it no more. B comes back (same key, new port) and C names it again: A dials it."""
+    MAX_REDIAL_FAILURES times (a peer A's dial reached; each redial at most MAX_DIAL_ADDRS
+    addresses), then forgets it and dials it no more. B comes back (same key, new port) and C names it again: A dials it."""
     a = await make_node(reconnect_max_backoff_s=2)
     c = await make_node(bootstrap=a.listen_addrs, reconnect_max_backoff_s=2)
     key = tmp_path / "b.pem"

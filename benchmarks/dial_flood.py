@@ -22,7 +22,11 @@ versions and versions/s (it must keep training) and its longest pause (no new ve
 its own sampling rounds (one per iteration of its loop: verify, sample, step; a round
 whose groups all lack reward signal, dropped as zero-advantage, makes no version), and the
 CPU seconds the trainer process used per second of the phase; the load average at start
-and end.
+and end; and the trainer's discovery state at the end of each phase (`/status`
+`p2p.discovery`: peers known, redials started, peers forgotten after failed redials or
+evicted from a full `known`; `p2p.peer_reach` entries; connections open) with its outbound
+libp2p dials (`/metrics` `dials`, `dial_failures`), and when its last dial of the "after"
+phase started (the flood's departed identities are redialled until forgotten).
 """
 
 from __future__ import annotations
@@ -31,11 +35,13 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,8 +136,9 @@ async def run(args) -> dict:
                    if args.trainer_pythonpath else None)
     child = None
     probes: list[dict] = []
-    # phase, t, trainer policy version, own rounds, CPU s, zero-advantage groups dropped
-    versions: list[tuple[str, float, int, int, float, int]] = []
+    # phase, t, trainer policy version, own rounds, CPU s, zero-advantage groups dropped,
+    # discovery state (discovery_state)
+    versions: list[tuple[str, float, int, int, float, int, dict]] = []
     phase = ["baseline"]
     stop = asyncio.Event()
     try:
@@ -156,7 +163,8 @@ async def run(args) -> dict:
                 st = await asyncio.to_thread(trainer.status)
                 versions.append((phase[0], time.monotonic(), st.get("policy_version", -1),
                                  own_rounds(root / "t"), cpu_s(trainer.proc.pid),
-                                 (st.get("buffer") or {}).get("dropped_zero_advantage", 0)))
+                                 (st.get("buffer") or {}).get("dropped_zero_advantage", 0),
+                                 await asyncio.to_thread(discovery_state, st, cfg)))
                 await asyncio.sleep(1.0)
 
         tasks = [asyncio.create_task(prober()), asyncio.create_task(watcher())]
@@ -198,6 +206,51 @@ async def run(args) -> dict:
             child.kill()
             child.wait()
         trainer.stop()
+
+
+def discovery_state(st: dict, cfg: dict) -> dict:
+    """The trainer's discovery figures now: /status p2p.discovery (absent on a tree without
+    it), the number of p2p.peer_reach entries, open connections, and the /metrics
+    counters of its outbound libp2p dials."""
+    p2p = st.get("p2p") or {}
+    out = {**(p2p.get("discovery") or {}), "peer_reach": len(p2p.get("peer_reach") or {}),
+           "open": (p2p.get("connections") or {}).get("open", -1)}
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{cfg['admin']['port']}/metrics",
+                                    timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return out
+    for name in ("dials", "dial_failures"):
+        m = re.search(rf'swarm_node_p2p_events_total\{{name="{name}"\}} (\S+)', text)
+        out[name] = int(float(m.group(1))) if m else 0
+    return out
+
+
+def discovery_rows(versions: list[tuple]) -> str:
+    """Per phase, the trainer's discovery state at its end, the dials started in it, and
+    how long after the phase's start its last dial started."""
+    rows = []
+    keys = ("known", "peer_reach", "open", "redials", "forgotten", "evicted")
+    for name in ("baseline", "flood", "after"):
+        vs = [v for v in versions if v[0] == name and len(v) > 6 and "dials" in v[6]]
+        if not vs:
+            continue
+        last, first = vs[-1][6], vs[0][6]
+        prev = [v for v in versions if v[1] < vs[0][1] and len(v) > 6 and "dials" in v[6]]
+        base = prev[-1][6] if prev else first
+        dialled = [v for v, w in zip(vs, [prev[-1] if prev else vs[0]] + vs)
+                   if v[6]["dials"] > w[6]["dials"]]
+        last_dial = f"{dialled[-1][1] - vs[0][1]:.0f} s" if dialled else "none"
+        rows.append(f"| {name} | " + " | ".join(str(last.get(k, "n/a")) for k in keys)
+                    + f" | {last['dials'] - base['dials']} ({last['dial_failures'] - base['dial_failures']})"
+                    + f" | {last_dial} |")
+    if not rows:
+        return ""
+    return ("\n\nTrainer discovery at the end of each phase (n/a: not in /status on this tree):"
+            "\n\n| phase | known | peer_reach | open | redials (all) | forgotten | evicted | "
+            "dials in phase (failed) | last dial started at |\n|---|---|---|---|---|---|---|---|---|\n"
+            + "\n".join(rows))
 
 
 def own_rounds(data_dir: Path) -> int:
@@ -290,6 +343,7 @@ def summarize(args, r: dict, loads: tuple[float, float]) -> str:
             + f"\n\nTrainer versions / own rounds per {WINDOW_S:g} s window (recovery): "
             + "; ".join(f"{name} " + " ".join(f"{v}/{n}" for v, n in ws)
                         for name, ws in series.items())
+            + discovery_rows(r["versions"])
             + f"\n\nInbound connections the trainer accepted in all: "
               f"{r['flood'].get('connections', 0)} flood + {len(r['probes'])} probes "
               f"(py-libp2p's inbound slots: 250)."

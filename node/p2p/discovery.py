@@ -20,6 +20,23 @@ was most of an idle node's CPU (and of a busy one's CPU per gossip message). A q
 also asks only one connected peer, in turn, instead of all of them: asking all 7 peers every
 round was ~1 ms of the ~5 ms CPU per gossip message per hop in the 8-peer benchmark. Any
 change resets both; a change of this node's own addresses also starts the round at once.
+
+Bounds under many identities (issue #30): `known` (peer -> the addresses it was heard at, in
+the order last heard of) holds at most MAX_KNOWN peers. When a new one comes and it is full,
+one goes: the one heard of longest ago among those whose last redial failed, else the one
+heard of longest ago; peers connected now and bootstrap peers never go (a new peer is not
+kept when every entry is one of those). A peer is forgotten (dropped from `known` with its
+backoff) after MAX_REDIAL_FAILURES failed redials in a row with no word of it between, or
+MAX_UNREACHED_FAILURES if no dial of this node ever reached it (it only ever connected to
+us, as every identity of a flood does, or was only heard of): word
+is its own Hello, a connection, or a peer exchange naming it (peers name only peers they are
+connected to). A DHT record naming a forgotten peer at the addresses it was forgotten with is
+not word (records outlive their peers); one naming other addresses is. Bootstrap peers are
+never forgotten. So after a flood of identities that then leave, each is redialled at most
+MAX_UNREACHED_FAILURES times (backoff 1, 2 s), then never again unless heard of anew (a peer
+we had dialled, MAX_REDIAL_FAILURES times: backoff 1, 2, 4, 8, 16 s);
+a node cut off from every peer for that long keeps only its bootstrap peers and finds the
+rest again through them (and the DHT).
 """
 
 from __future__ import annotations
@@ -51,6 +68,9 @@ AGENT = "swarm-node/0.1"
 STRAY_GRACE_S = 2.0  # a refused peer of another swarm is disconnected after this
 STRAY_FORGET_S = 600.0  # and not counted as a member (nor redialled) for this long
 MAX_ROLES = 4096  # peers whose announced role is kept
+MAX_KNOWN = 1024  # peers whose addresses are kept (the rule for what goes: module docstring)
+MAX_REDIAL_FAILURES = 5  # failed redials in a row, with no word of a peer, before it is forgotten
+MAX_UNREACHED_FAILURES = 2  # the same for a peer this node's dials never reached
 
 
 class SwarmPeerLookup(Protocol):
@@ -81,6 +101,13 @@ class Discovery:
         self._wake = asyncio.Event()  # run the next round now (our addresses changed)
         self._dials: dict[str, frozenset[str]] = {}  # peer -> addresses its redial tries
         self._dht_task: asyncio.Task | None = None
+        self._failures: dict[str, int] = {}  # peer in known -> failed redials since word of it
+        self._reached: set[str] = set()  # peers in known that a dial of ours reached
+        self._forgotten: dict[str, frozenset[str]] = {}  # peer -> its addresses then (bounded)
+        self._bootstrap_ids: set[str] = set()
+        self.forgotten = 0  # peers dropped after failed redials
+        self.evicted = 0  # peers dropped from a full `known`
+        self.redials = 0  # redials started
 
     def install(self):
         """Serve PEERS_PROTOCOL; returns an awaitable done once the handler is live."""
@@ -90,6 +117,8 @@ class Discovery:
         """New connections. One from a peer we were backing off from means the network
         came back (a healed partition, a link up again): redial every peer in backoff at
         the next round instead of at the end of its backoff (up to a minute)."""
+        for p in new:
+            self._failures.pop(p, None)
         if not any(p in self._backoff for p in new):
             return
         for p in new:
@@ -127,7 +156,56 @@ class Discovery:
 
     def forget(self, peer: str) -> None:
         """A cut peer: drop its addresses so it is not redialled or handed to others."""
+        self._drop(peer)
+
+    def stats(self) -> dict[str, int]:
+        """For /status (`p2p.discovery`): how many peers are known, being redialled, and
+        were dropped (after failed redials, from a full `known`)."""
+        return {"known": len(self.known), "redialling": len(self._dials),
+                "backing_off": len(self._backoff), "redials": self.redials,
+                "forgotten": self.forgotten, "evicted": self.evicted}
+
+    def _learn(self, peer: str, addrs: list[str]) -> bool:
+        """Word of `peer` at `addrs`: keep them (last in `known`'s order) and restart its
+        count of failed redials. Returns True if it was not known (and is now kept)."""
+        before = self.known.pop(peer, None)
+        if before is None and len(self.known) >= MAX_KNOWN and not self._evict():
+            return False
+        self.known[peer] = addrs
+        self._failures.pop(peer, None)
+        self._forgotten.pop(peer, None)
+        return before is None
+
+    def _evict(self) -> bool:
+        """Make room for one peer in a full `known` (the rule: module docstring); False if
+        every entry is a peer connected now or a bootstrap peer."""
+        keep = set(self.ctx.peers.connected_peers()) | self._bootstrap_ids
+        victim = next((p for p in self.known if p not in keep and p in self._failures), None)
+        if victim is None:
+            victim = next((p for p in self.known if p not in keep), None)
+        if victim is None:
+            return False
+        self._drop(victim)
+        self.evicted += 1
+        return True
+
+    def _drop(self, peer: str) -> None:
+        """Forget `peer`: its addresses, its failed redials and its backoff (a pause the
+        connection manager set stays)."""
         self.known.pop(peer, None)
+        self._failures.pop(peer, None)
+        self._reached.discard(peer)
+        self._backoff.pop(peer, None)
+        if self._paused.get(peer, 0) <= time.monotonic():
+            self._next_try.pop(peer, None)
+
+    def _remember_forgotten(self, peer: str) -> None:
+        """Remember at which addresses `peer` was forgotten (a DHT record naming the same
+        ones is not word of it); bounded: the oldest goes."""
+        self._forgotten.pop(peer, None)
+        self._forgotten[peer] = frozenset(self.known.get(peer, ()))
+        if len(self._forgotten) > MAX_KNOWN:
+            del self._forgotten[next(iter(self._forgotten))]
 
     # Bootstrap ------------------------------------------------------------------------
 
@@ -136,6 +214,7 @@ class Discovery:
         or `p2p.bootstrap_timeout_s` passes; then BootstrapError naming each address and
         its last failure. Returns the peer IDs reached."""
         self.bootstrap_addrs = list(addrs)
+        self._bootstrap_ids = {a.rsplit("/p2p/", 1)[-1] for a in addrs}
         deadline = time.monotonic() + self.cfg.bootstrap_timeout_s
         last: dict[str, str] = {a: "not tried" for a in addrs}
         delay = 0.5
@@ -212,7 +291,7 @@ class Discovery:
             log.info("refused peer %s: it is in swarm %r, this node in %r (it was told)",
                      peer, their_swarm[:64], self.ctx.swarm_id)
         self.strays[peer] = time.monotonic()
-        self.known.pop(peer, None)
+        self._drop(peer)
         self.ctx.spawn(self._drop_stray(peer))
         return PeerRefusal(reason="swarm_mismatch", swarm_id=self.ctx.swarm_id).encode()
 
@@ -235,7 +314,7 @@ class Discovery:
             del self.roles[next(iter(self.roles))]
         addrs = [a for a in hello.listen_addrs if a.endswith(f"/p2p/{peer}")]
         if addrs:
-            self.known[peer] = addrs
+            self._learn(peer, addrs)
         entries = [[self.ctx.peer_id, self.ctx.peers.advertised_addrs()[:MAX_ADDRS_PER_PEER]]]
         others = [p for p in self.ctx.peers.connected_peers() if p != peer and p in self.known]
         random.shuffle(others)
@@ -269,11 +348,10 @@ class Discovery:
                          and a.endswith(f"/p2p/{pid}")]
                 if addrs and pid != self.ctx.peer_id:
                     before = self.known.get(pid)
-                    learned += before is None
                     if before is not None and set(before) != set(addrs):
                         self._new_addrs(pid)
                         log.debug("new addresses of %s (from %s): %s", pid, peer, addrs)
-                    self.known[pid] = addrs
+                    learned += self._learn(pid, addrs)
         return learned
 
     def _refused(self, peer: str, wire: dict) -> None:
@@ -284,7 +362,7 @@ class Discovery:
             return
         first = peer not in self.refused_by
         self.refused_by[peer] = refusal.swarm_id
-        self.known.pop(peer, None)
+        self._drop(peer)
         if first and not self._bootstrapping:
             log.error(self._mismatch_line(peer))
 
@@ -408,7 +486,10 @@ class Discovery:
             if pid in exclude or pid == self.ctx.peer_id or not addrs:
                 continue
             if pid not in self.known:
-                self.known[pid] = addrs
+                if self._forgotten.get(pid) == frozenset(addrs):
+                    continue  # a record that outlived its peer: not word of it
+                if not self._learn(pid, addrs):
+                    continue
                 self.ctx.metrics.inc("dht_peers_found")
             if (self._next_try.get(pid, 0) <= now and not self.ctx.penalties.refused(pid)
                     and pid not in self.refused_by):
@@ -416,11 +497,11 @@ class Discovery:
         return out
 
     def _start_redial(self, pid: str, addrs: list[str]) -> None:
-        self._dials[pid] = frozenset(addrs[:MAX_DIAL_ADDRS])
-        self.ctx.spawn(self._redial(pid, addrs), "redial")
+        key = self._dials[pid] = frozenset(addrs[:MAX_DIAL_ADDRS])
+        self.redials += 1
+        self.ctx.spawn(self._redial(pid, addrs, key), "redial")
 
-    async def _redial(self, pid: str, addrs: list[str]) -> None:
-        key = frozenset(addrs[:MAX_DIAL_ADDRS])
+    async def _redial(self, pid: str, addrs: list[str], key: frozenset[str]) -> None:
         try:
             await self._dial_in_turn(pid, addrs)
         except Exception as e:  # noqa: BLE001 - as a failed round: discovery goes on
@@ -441,10 +522,24 @@ class Discovery:
             log.debug("dialled %s at %s", pid, addr)
             self._backoff.pop(pid, None)
             self._next_try.pop(pid, None)
+            self._failures.pop(pid, None)
             await self.exchange(pid)
+            if pid in self.known:
+                self._reached.add(pid)
             return
         if pid in self.ctx.peers.connected_peers():
             return  # another dial (at addresses learned meanwhile) reached it
+        if pid in self.known and pid not in self._bootstrap_ids:
+            failures = self._failures[pid] = self._failures.get(pid, 0) + 1
+            if failures >= (MAX_REDIAL_FAILURES if pid in self._reached
+                            else MAX_UNREACHED_FAILURES):
+                self._remember_forgotten(pid)
+                self._drop(pid)
+                self.forgotten += 1
+                log.debug("forgot %s after %d failed redials (%s)", pid, failures, why)
+                return
+        elif pid not in self._bootstrap_ids:
+            return  # dropped from `known` meanwhile: no backoff kept for it
         backoff = min(self._backoff.get(pid, 0.5) * 2, self.cfg.reconnect_max_backoff_s)
         self._backoff[pid] = backoff
         self._next_try[pid] = time.monotonic() + backoff

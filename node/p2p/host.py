@@ -223,6 +223,7 @@ class P2PNode:
                                 "dead": self.connmgr.dead,
                                 "relayed_peers": sorted(self._connected - set(self._direct_addr))},
                 "peer_reach": self.peer_reach(),
+                "discovery": self.discovery.stats(),
                 "peer_roles": self.peer_roles(),
                 "stream_faults": c.get("stream_faults", 0),
                 "rate_limited": c.get("rejected.rate_limited", 0),

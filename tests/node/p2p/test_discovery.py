@@ -219,7 +219,7 @@ async def test_other_addresses_of_a_peer_end_its_redial_backoff():
     answers = _Answers([["T", ["/ip4/11.0.1.2/tcp/4001/p2p/T"]], ["X", [private]]])
     d = Discovery(ctx, answers, dht=None)
     await d.exchange("T")
-    await d._redial("X", [private])  # fails: the NAT drops it
+    await d._redial("X", [private], frozenset([private]))  # fails: the NAT drops it
     assert d._next_try["X"] > time.monotonic()
     await d.exchange("T")  # the same address: still backing off
     assert d._next_try["X"] > time.monotonic()

@@ -420,7 +420,7 @@ class Discovery:
         is under way is dialled again only at other addresses than that redial tries (it
         took a relay slot meanwhile). Short of peers to dial, a DHT lookup starts beside."""
         connected = set(self.ctx.peers.connected_peers())
-        missing = self.cfg.target_peers - len(connected | set(self._dials))
+        missing = self._missing(connected)
         now = time.monotonic()
         fresh: list[tuple[str, list[str]]] = []  # being dialled, at other addresses than now
         candidates: list[tuple[str, list[str]]] = []
@@ -447,6 +447,10 @@ class Discovery:
             self._start_redial(pid, addrs)
         return len(chosen)
 
+    def _missing(self, connected: set[str]) -> int:
+        """How many more peers to dial: target_peers less those connected or being dialled."""
+        return self.cfg.target_peers - len(connected | set(self._dials))
+
     def _lookup_dht(self, exclude: set[str]) -> None:
         """Ask the DHT for swarm peers beside the rounds (one lookup at a time, at most once
         per DHT_LOOKUP_INTERVAL_S) and dial those it names when it answers."""
@@ -463,7 +467,7 @@ class Discovery:
             log.warning("DHT lookup of swarm peers failed: %s: %s", type(e).__name__, e)
             return
         connected = set(self.ctx.peers.connected_peers())
-        missing = self.cfg.target_peers - len(connected | set(self._dials))
+        missing = self._missing(connected)
         chosen = [(p, a) for p, a in found if p not in connected and p not in self._dials]
         for pid, addrs in chosen[:max(0, missing)]:
             self._start_redial(pid, addrs)

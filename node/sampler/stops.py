@@ -1,6 +1,7 @@
 """Where a completion stops: the EOS id set and the context limit, one definition shared by
 the samplers (HF, vLLM) and the verifier, so an honest completion is never judged by other
-rules than the ones it was sampled with (NODE_SPEC §4 "Sampler output").
+rules than the ones it was sampled with (ARCHITECTURE.md "Sampler output"; NODE_SPEC 5.2
+`bad_shape`, `tokens_after_eos`).
 """
 
 from __future__ import annotations

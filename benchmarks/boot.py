@@ -11,7 +11,7 @@ of the interpreter: every import counted) joins it, run from this checkout (A) a
 `git archive 0fe0efd | tar -x -C DIR/swarm_node`; the same interpreter and libraries). Each is
 stopped after its first published rollout. Timed from the launch (wall s) with the peer
 process's CPU s (user + system) at the same moment, read from /proc every 50 ms:
-- listening: its node.json is written (host listening, bootstrap done, admin up);
+- node.json: written (host listening and joined through its bootstrap peers, admin up);
 - running: it logs "joined swarm" (model loaded, role started: /status phase 'running');
 - first rollout: it logs "published round" (its first batch gossiped).
 `--silent-bootstrap` adds a second bootstrap address, a socket of this script that accepts
@@ -43,7 +43,7 @@ from benchmarks.verifier_flood import Proc, free_port, process_cpu
 
 SWARM = "bootbench"
 FAKE_PEER = "12D3KooWNgpKH2Luu1kDmhJkc6dRcL7Q5n3mfKxpFDzk9oARbA2S"
-MARKS = ("listening", "running", "first rollout")
+MARKS = ("node.json", "running", "first rollout")
 
 
 def shared(model_dir: Path) -> dict:
@@ -72,7 +72,7 @@ def boot_once(root: Path, model_dir: Path, bootstrap: list[str], trainer_id: str
                 raise RuntimeError(f"timed out, got {got}\n{peer.log.read_text()[-3000:]}")
             cpu = process_cpu(peer.proc.pid)
             text = peer.log.read_text()
-            seen = {"listening": (root / "data" / "node.json").exists(),
+            seen = {"node.json": (root / "data" / "node.json").exists(),
                     "running": "joined swarm" in text, "first rollout": "published round" in text}
             for mark in MARKS:
                 if seen[mark] and mark not in got:

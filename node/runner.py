@@ -1,7 +1,8 @@
 """`swarm-node join`: one process, one role, until SIGINT/SIGTERM.
 
 Start-up order: logging, checks (config, data-dir lock, ports), identity, p2p host (listen,
-bootstrap), admin endpoint, role (loads the model), and only then "joined swarm" (and, under
+bootstrap; meanwhile the role's module is imported and its model loaded), admin endpoint, role
+(the rest of its start), and only then "joined swarm" (and, under
 a supervisor that asks for it, the readiness notice: `notify_supervisor`). Every failure before
 that point is one line naming what failed (a NodeError). Shutdown order is the reverse; the
 role finishes or persists its in-flight work first. A second Ctrl-C exits at once.
@@ -37,7 +38,7 @@ from .logs import route_library_logs, setup_logging
 from .metrics import HISTORY_FILE, NodeState, load_history, save_history
 from .p2p import P2PError, P2PNode, route_ip
 from .preflight import check_config, check_ports, claim_data_dir, record_model
-from .roles import make_role
+from .roles import role_class
 from .roles.interfaces import BroadcastFeed
 from .version import software_version
 
@@ -150,16 +151,29 @@ async def _run(cfg: Config, stop: asyncio.Event) -> None:
              f"; joining through {len(cfg.node.bootstrap)} bootstrap peer(s)"
              if cfg.node.bootstrap else "")
     p2p = P2PNode(identity, cfg)
+    # The role's code is imported and its model loaded while the host starts and dials its
+    # bootstrap peers (issue #27: one after the other, a NAT'd peer in the WAN lab spent
+    # 4-11 s dialling before it began a load as long). What needs the swarm (the checkpoint
+    # feed, the trainer learnt from the bootstrap peer, subscriptions) waits in role.start().
+    preparing = asyncio.create_task(_prepare_role(cfg, identity, p2p, state),
+                                    name="role-prepare")
     try:
         await p2p.start(bootstrap=cfg.node.bootstrap)
         _check_listening(cfg, p2p)
-    except (P2PError, NodeError) as e:
+    except BaseException as e:
+        await _drop_role(preparing)
+        if not isinstance(e, (P2PError, NodeError)):
+            raise
         await p2p.close()
         raise NodeError(str(e)) from None
+    try:
+        role = await preparing
+    except BaseException:
+        await p2p.close()
+        raise
     state.attach_transport(p2p)
     state.metrics.counters("bulk", "Bulk-plane connections this node opened, by kind, and "
                            "the bytes and reads of their bodies.", p2p.bulk.counters)
-    role = make_role(cfg, identity, p2p, state)
     admin = None
     if cfg.admin.enabled:
         admin = AdminServer(state, cfg)
@@ -202,6 +216,26 @@ async def _run(cfg: Config, stop: asyncio.Event) -> None:
             await p2p.close()
             await _save_history(state, history)
     log.info("stopped")
+
+
+async def _prepare_role(cfg: Config, identity, p2p, state: NodeState):
+    """The role, its module imported in a thread (for a model role torch: seconds of CPU
+    that would stop the event loop, and the host's start with it), its model load begun."""
+    cls = await asyncio.to_thread(role_class, cfg.node.role)
+    role = cls(cfg, identity, p2p, state)
+    role.prepare()
+    return role
+
+
+async def _drop_role(preparing: asyncio.Task) -> None:
+    """The role prepared beside a host that did not start: closed (a model load in its
+    worker thread ends first). Its own failure, if any, is moot: the host's is the one said."""
+    try:
+        role = await preparing
+    except Exception as e:  # noqa: BLE001 (the host's failure is the one raised)
+        log.debug("dropped the role prepared beside the host: %s", e)
+        return
+    await role.close()
 
 
 async def _joined_and_run(cfg: Config, identity, p2p, state: NodeState, role, stop,

@@ -61,6 +61,12 @@ class Role:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-work")
         self.background = TaskOwner(self.name,
                                     on_failure=lambda name, e: state.count("task_failed"))
+        self.preparing: asyncio.Future | None = None  # prepare()'s work, until start() takes it
+
+    def prepare(self) -> None:
+        """Begin what `start()` needs no swarm for (a role's model load), while the host
+        still dials its bootstrap peers (the runner calls it before the host has joined);
+        `start()` finishes it, `close()` drops it. A role without such work: nothing."""
 
     async def work(self, fn, *args, **kwargs):
         """Run `fn` in the role's worker thread (its name is what Ctrl-C says it waits for)."""
@@ -217,6 +223,12 @@ class Role:
 
     async def close(self) -> None:
         await self.background.close()
+        if self.preparing is not None:  # prepared, never started (a stop during start-up)
+            self.preparing.cancel()  # a call already in the worker thread ends at the shutdown
+            failed = (await asyncio.gather(self.preparing, return_exceptions=True))[0]
+            if isinstance(failed, Exception):
+                log.debug("dropped the prepared start: %s", failed)
+            self.preparing = None
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     # Small persistent counters (survive restarts) -------------------------------------

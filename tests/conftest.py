@@ -57,7 +57,8 @@ def pytest_collection_modifyitems(config, items):
 # the `slow` tests depends on them, never a result. A stale entry costs some balance at the end
 # of a run, nothing else. Other slow tests count 20 s. About twice each one's time alone under
 # the lock (2026-12-03, load 1-5; suite9a-d, suite10a-c), or its time in a whole `-n 3` run of a6eebc9
-# (11:15 UTC, load 3-7) where it was not re-measured; sorted longest first.
+# (11:15 UTC, load 3-7) where it was not re-measured; dial flood test_2 and flood test_13 from
+# suite28's alone calls (39.4 s, 28.2 s; 2026-12-04, load 1.6-6.9); sorted longest first.
 LONG_S = {
     "tests/integration/test_operator_views.py": 270,
     "tests/netlab/test_scenarios.py::test_natted": 160,
@@ -65,16 +66,16 @@ LONG_S = {
     "tests/integration/test_trainer_flood.py::test_4": 150,
     "tests/netlab/test_scenarios.py::test_churn": 130,
     "tests/integration/test_operator.py": 125,
-    "tests/integration/test_trainer_dial_flood.py::test_2": 120,
     "tests/verifier/test_smollm2.py": 120,
-    "tests/integration/test_trainer_flood.py::test_13": 110,
     "tests/node/trainer/test_group.py": 100,
     "tests/integration/test_trainer_restart.py": 90,
     "tests/integration/test_trainer_steering.py::test_7": 80,
+    "tests/integration/test_trainer_dial_flood.py::test_2": 80,
     "tests/integration/test_trainer_disk.py": 75,
     "tests/node/trainer/test_distributed.py::test_two_ranks": 70,
     "tests/node/p2p/test_nat_lab.py::test_hole_punch_through_two_nats[symmetric": 70,
     "tests/integration/test_operator_verdicts.py": 65,
+    "tests/integration/test_trainer_flood.py::test_13": 60,
     "tests/integration/test_operator_unreachable.py": 55,
     "tests/integration/test_swarm.py": 50,
     "tests/integration/test_trainer_steering.py::test_8": 50,

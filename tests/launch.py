@@ -103,13 +103,16 @@ def _enter_netns(name: str) -> None:
 
 def _become(started: _Fd, env: dict[str, str], cwd: str, netns: str | None,
             stdio: tuple[_Fd, _Fd, _Fd]) -> None:
-    """The child's first steps: tell the parent it runs (its signal handlers are restored by
-    now), enter `netns` in its own session when given, then a fresh process's environment,
-    working directory, standard streams and torch seed."""
-    os.close(started.fd)
-    if netns is not None:
+    """The child's first steps: enter `netns` in its own session when given (its own session
+    alone when `netns` is "": `start_new_session`), tell the parent it runs (its signal
+    handlers are restored by now), then a fresh process's environment, working directory,
+    standard streams, and torch's seed and threads (OMP_NUM_THREADS, which torch read at its
+    import: the fork server's)."""
+    if netns:
         _enter_netns(netns)
+    if netns is not None:
         os.setsid()
+    os.close(started.fd)  # after setsid: os.killpg(pid) reaches it once the start returned
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -123,16 +126,15 @@ def _become(started: _Fd, env: dict[str, str], cwd: str, netns: str | None,
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     if "torch" in sys.modules:  # preloaded: the fork server's generator is every child's
-        sys.modules["torch"].seed()
+        torch = sys.modules["torch"]
+        torch.seed()
+        torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "0")) or torch.get_num_threads())
 
 
 def _join(argv: list[str], env: dict[str, str], started: _Fd, cwd: str, netns: str | None,
           stdio: tuple[_Fd, _Fd, _Fd]) -> None:
     """The child of `start_join`: `swarm-node <argv>`."""
     _become(started, env, cwd, netns, stdio)
-    import torch  # preloaded: free
-
-    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "0")) or torch.get_num_threads())
     sys.argv = ["swarm-node", *argv]
     from swarm_node.cli.main import main
 
@@ -268,21 +270,25 @@ def start_demo_node(node, cfg: dict) -> None:
 
 def start_program(*, module: str | None = None, path: Path | None = None,
                   argv: list[str], env: dict[str, str] | None = None, stdin=None, stdout=None,
-                  stderr=None, netns: str | None = None):
+                  stderr=None, netns: str | None = None, new_session: bool = False):
     """`python -m module argv` (or `python path argv`) forked warm, in network namespace
-    `netns` (own session) when given. env: the environment (default: ours); stdin: PIPE for
-    a text pipe (`.stdin`), else /dev/null; stdout: PIPE (`.stdout`), a file path (appended
-    to) or an open descriptor, else /dev/null; stderr: the same, or STDOUT."""
+    `netns` (own session) when given, in a session of its own when `new_session` (as
+    Popen's `start_new_session`: `os.killpg(proc.pid, ...)` reaches its children). env: the
+    environment (default: ours); stdin: PIPE for a text pipe (`.stdin`), else /dev/null;
+    stdout: PIPE (`.stdout`), a file path (appended to) or an open descriptor, else
+    /dev/null; stderr: the same, or STDOUT."""
     if (module is None) == (path is None):
         raise ValueError("one of module, path")
     env = dict(os.environ) if env is None else env
     if os.environ.get("SWARM_TEST_EXEC") == "1":
-        return _exec(module, path, argv, env, stdin, stdout, stderr, netns)
+        return _exec(module, path, argv, env, stdin, stdout, stderr, netns, new_session)
     program = ("module", module) if module else ("path", str(path))
-    return _fork(_run, (program, list(argv)), env, netns, stdin, stdout, stderr)
+    session = netns if netns is not None else ("" if new_session else None)
+    return _fork(_run, (program, list(argv)), env, session, stdin, stdout, stderr)
 
 
-def _exec(module, path, argv, env, stdin, stdout, stderr, netns) -> subprocess.Popen:
+def _exec(module, path, argv, env, stdin, stdout, stderr, netns,
+          new_session) -> subprocess.Popen:
     """The same program exec'd (SWARM_TEST_EXEC=1)."""
     prefix = ["ip", "netns", "exec", netns] if netns is not None else []
     cmd = [*prefix, sys.executable, *(["-m", module] if module else [str(path)]), *argv]
@@ -297,7 +303,7 @@ def _exec(module, path, argv, env, stdin, stdout, stderr, netns) -> subprocess.P
     try:
         return subprocess.Popen(cmd, stdin=stdin or subprocess.DEVNULL, stdout=stream(stdout),
                                 stderr=stream(stderr), text=True, env=env,
-                                start_new_session=netns is not None)
+                                start_new_session=netns is not None or new_session)
     finally:
         for f in opened:
             f.close()

@@ -13,8 +13,6 @@ import json
 import os
 import queue
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -24,7 +22,8 @@ import torch
 from safetensors.torch import load_file
 from swarm_node.node.trainer.group import GroupError, read_group_key, write_group_key
 
-ROOT = Path(__file__).resolve().parents[3]
+from tests.launch import PIPE, start_program
+
 TIMEOUT_S = 15.0
 WAIT_S = 2 * TIMEOUT_S + 90  # one round, on a busy machine
 # X (the wrong key) waits out its round's timeout (no member answers it): with the group's
@@ -40,11 +39,13 @@ class Member:
         self.name, self.data = name, tmp / name
         settings = {"data_dir": str(self.data), "model_dir": str(model_dir), "group": "g1",
                     "key_path": str(key), "timeout_s": timeout_s, "first_task": first_task}
-        self.log = open(tmp / f"{name}.log", "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.node.trainer.group_member", json.dumps(settings)],
-            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-            text=True, start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        self.log = tmp / f"{name}.log"
+        # forked warm (tests/launch.py: torch, transformers and the trainer already imported,
+        # ~9 s of CPU a member less), in its own session: kill() reaches its hivemind child
+        self.proc = start_program(
+            module="tests.node.trainer.group_member", argv=[json.dumps(settings)],
+            stdin=PIPE, stdout=PIPE, stderr=self.log, new_session=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"})
         self.events: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -60,12 +61,11 @@ class Member:
             try:
                 msg = self.events.get(timeout=max(left, 0.01))
             except queue.Empty:
-                pytest.fail(f"{self.name}: no {event!r} in {timeout:.0f} s; log: "
-                            f"{self.log.name}")
+                pytest.fail(f"{self.name}: no {event!r} in {timeout:.0f} s; log: {self.log}")
             if msg["event"] == event:
                 return msg
             if msg["event"] == "exited":
-                pytest.fail(f"{self.name} exited; log: {self.log.name}")
+                pytest.fail(f"{self.name} exited; log: {self.log}")
 
     def send(self, line: str) -> None:
         self.proc.stdin.write(line + "\n")
@@ -98,7 +98,7 @@ class Member:
         """Clean-up: SIGKILL (the scenario asserts nothing about leaving; a clean exit, which
         waits for hivemind's shutdown, costs seconds per member)."""
         self.kill()
-        self.log.close()
+        self.proc.stdin.close()
 
 
 def assert_same(a: dict, b: dict) -> None:

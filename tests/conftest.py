@@ -118,6 +118,17 @@ def _weight(item) -> float:
     return 20.0
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Two shared cores: one intra-op torch thread is ~10x faster than two under load."""
+    import torch  # here: most tests never need it
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """The built-in tiny model, written with save_pretrained, loaded like a hub model."""

@@ -17,14 +17,6 @@ from swarm_node.verifier.checks import RolloutVerifier
 SENDER = "12D3KooWPrefillPeer"
 
 
-@pytest.fixture(scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def prefill_batches(sampler: HFSampler) -> tuple[list, object]:
     """Batch sizes of the decoder calls that feed more than one position (the prefills)."""
     seen: list[tuple[int, int]] = []

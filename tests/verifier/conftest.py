@@ -3,16 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    """Two shared cores: one intra-op thread is ~10x faster than two under load."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -80,15 +80,25 @@ class TrainerRole(Role):
 
     # start-up ---------------------------------------------------------------------------
 
+    def prepare(self) -> None:
+        """Load the model and the trainer's state (scale-out ranks and group included: none
+        of it needs this node's swarm) while the host joins the swarm."""
+        if self.preparing is None:
+            load = Stage("loading the model and the trainer's state", "model_load",
+                         self.data_dir, self.state.extra.setdefault("starting", {}))
+            self.preparing = asyncio.ensure_future(load.around(self.work(self._load_trainer)))
+
+    def _load_trainer(self) -> Trainer:
+        name = self.cfg.model.name
+        model_dir = ensure_builtin(name) if name.startswith("builtin:") else name
+        return Trainer(self.cfg, model_dir, self.data_dir, policy_id=self.identity.peer_id,
+                       scale_out=self._scale_out)
+
     async def start(self) -> None:
         cfg = self.cfg
-        name = cfg.model.name
-        model_dir = ensure_builtin(name) if name.startswith("builtin:") else name
-        load = Stage("loading the model and the trainer's state", "model_load",
-                     self.data_dir, self.state.extra.setdefault("starting", {}))
-        self.trainer = await load.around(self.work(Trainer, cfg, model_dir, self.data_dir,
-                                                   policy_id=self.identity.peer_id,
-                                                   scale_out=self._scale_out))
+        self.prepare()  # begun by the runner already, unless a test starts the role alone
+        self.trainer = await self.preparing
+        self.preparing = None
         self.sampler = HFSampler(self.trainer.model, self.trainer.tokenizer,
                                  peer_id=self.identity.peer_id, version=self.trainer.version,
                                  max_context=cfg.model.max_context,

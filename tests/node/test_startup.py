@@ -13,6 +13,8 @@ import socket
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.launch import start_join
 from tests.waiting import wait_until
 
@@ -41,11 +43,13 @@ def _model_loaded(data_dir: Path) -> bool:
         return False
 
 
-def test_model_loads_while_a_bootstrap_peer_does_not_answer(tmp_path):
+@pytest.mark.parametrize("role", ["inference", "trainer"])
+def test_model_loads_while_a_bootstrap_peer_does_not_answer(tmp_path, role):
     """Its only bootstrap peer accepts the TCP connection and never answers (the dial waits
-    out its 60 s timeout): the model is loaded while that dial still hangs, and the node is
-    not announced as joined. Before, the role (and its model load) started only once the
-    bootstrap ended, here with the node exiting on the bootstrap error."""
+    out its 60 s timeout): the model (a trainer's: with its state) is loaded while that dial
+    still hangs, and the node is not announced as joined. Before, the role (and its model
+    load) started only once the bootstrap ended, here with the node exiting on the bootstrap
+    error."""
     data = tmp_path / "d"
     log = tmp_path / "node.log"
     env = {**os.environ, "HOME": str(tmp_path), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -54,7 +58,7 @@ def test_model_loads_while_a_bootstrap_peer_does_not_answer(tmp_path):
         silent.listen()
         silent.settimeout(120)
         addr = f"/ip4/127.0.0.1/tcp/{silent.getsockname()[1]}/p2p/{FAKE_PEER}"
-        proc = start_join(BIN, ["join", "--role", "inference", "--data-dir", str(data),
+        proc = start_join(BIN, ["join", "--role", role, "--data-dir", str(data),
                                 "--listen", "/ip4/127.0.0.1/tcp/0", "--admin-port", "0",
                                 "--bootstrap", addr, "--set", "p2p.bootstrap_timeout_s=60",
                                 "--set", "p2p.dial_timeout_s=60"], env, log)
@@ -69,7 +73,7 @@ def test_model_loads_while_a_bootstrap_peer_does_not_answer(tmp_path):
                 text = log.read_text()
                 assert _model_loaded(data), f"the model loaded only after the bootstrap\n{text}"
                 assert not _ended(conn) and proc.poll() is None, text[-3000:]
-                assert "joined swarm" not in text and "inference peer ready" not in text, text
+                assert "joined swarm" not in text and "peer ready" not in text, text
         finally:
             if proc.poll() is None:
                 proc.kill()

@@ -1,5 +1,6 @@
 """The documents' cross-references resolve: every headline row of benchmarks/RESULTS.md links
-to a section that exists, and every NODE_SPEC section the code or the docs cite exists.
+to a section that exists, every NODE_SPEC section the code or the docs cite exists, and every
+relative link between the documents (a file, and a heading in it) exists.
 
 Each check is a function over text, tested once on the real files and once on a broken copy,
 so a check that could never fail is caught too.
@@ -19,7 +20,7 @@ RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 SPEC = ROOT / "NODE_SPEC.md"
 CODE_DIRS = ("node", "protocol", "verifier", "cli", "tests", "benchmarks")
 DOCS = ("README.md", "ARCHITECTURE.md", "NODE_SPEC.md", "benchmarks/RESULTS.md",
-        "benchmarks/CALIBRATION.md")
+        "benchmarks/CALIBRATION.md", "docs/admin-and-metrics.md", "docs/wan-lab.md")
 
 SECTION = re.compile(r"<!-- begin (.+?) -->\n(.*?)<!-- end \1 -->", re.DOTALL)
 LINK = re.compile(r"\]\((#[^)\s]+)\)")
@@ -31,6 +32,8 @@ SPEC_REF = re.compile(
     rf"(?P<nums>{_NUM}(?:(?:, ?| and )(?!\d+ ){_NUM})*)?"
     r"(?:,? \"(?P<name>[^\"\n]+)\")?")
 SPEC_HEADING = re.compile(r"^#{2,4} (\d+[a-z]?(?:\.\d+)*)\.? ", re.MULTILINE)
+FILE_LINK = re.compile(r"\]\(([^)\s#]+\.md)(#[^)\s]*)?\)")
+HEADING = re.compile(r"^#{1,6} (.+?)\s*$", re.MULTILINE)
 
 
 def results_problems(text: str) -> list[str]:
@@ -73,6 +76,21 @@ def spec_ref_problems(source: str, spec: str, where: str = "") -> list[str]:
     return problems
 
 
+def link_problems(text: str, here: Path, read=Path.read_text) -> list[str]:
+    """Relative links `[..](path.md#heading)` in `text` (a file in folder `here`) whose file
+    or heading does not exist."""
+    problems = []
+    for target, frag in FILE_LINK.findall(text):
+        if "://" in target:
+            continue
+        path = (here / target).resolve()
+        if not path.is_file():
+            problems.append(f"{target}: no such file")
+        elif frag and frag not in {anchor(h) for h in HEADING.findall(read(path))}:
+            problems.append(f"{target}{frag}: no such heading")
+    return problems
+
+
 def _sources() -> list[Path]:
     files = [p for d in CODE_DIRS for p in (ROOT / d).rglob("*.py")
              if p != Path(__file__).resolve()]  # this file's broken examples are on purpose
@@ -90,6 +108,23 @@ def test_node_spec_references_resolve():
     for path in _sources():
         problems += spec_ref_problems(path.read_text(), spec, str(path.relative_to(ROOT)))
     assert problems == []
+
+
+def test_links_between_documents_resolve():
+    problems = []
+    for doc in DOCS:
+        path = ROOT / doc
+        problems += [f"{doc}: {p}" for p in link_problems(path.read_text(), path.parent)]
+    assert problems == []
+
+
+def test_a_broken_document_link_is_found():
+    text = (ROOT / "ARCHITECTURE.md").read_text()
+    assert link_problems(text, ROOT) == []
+    moved = text.replace("(docs/wan-lab.md)", "(docs/no-such-file.md)", 1)
+    assert link_problems(moved, ROOT) == ["docs/no-such-file.md: no such file"]
+    renamed = "[x](ARCHITECTURE.md#no-such-heading)"
+    assert link_problems(renamed, ROOT) == ["ARCHITECTURE.md#no-such-heading: no such heading"]
 
 
 def test_a_broken_headline_link_is_found():

@@ -113,7 +113,8 @@ async def test_honest_batches_accepted_during_a_fresh_key_flood(tmp_path, tiny_m
         honest = [attacks.sample_batch(model, tokenizer, source, honest_node.peer_id,
                                        round_=rules.round_for(0, k), version=0, tasks=2, n=2,
                                        params=params, policy_id=trainer_id.peer_id)
-                  for k in range(HONEST_BATCHES)]
+                  for k in range(HONEST_BATCHES + 1)]
+        honest, after = honest[:HONEST_BATCHES], honest[HONEST_BATCHES]
         rng = random.Random(0)
 
         def flood_batches(sybil):
@@ -158,14 +159,20 @@ async def test_honest_batches_accepted_during_a_fresh_key_flood(tmp_path, tiny_m
         # probation share 0.2: at most about one flood batch per four honest ones
         assert flood_before <= 2, order
         assert len(role.intake.queue) <= role.intake.queue.limits.max_probation
-        # the flood did arrive; what was not verified was dropped from the probation queue
-        await async_wait_until(lambda: len(role.arrivals) >= FLOOD_BATCHES + HONEST_BATCHES, 30,
-                         "the flood to arrive")
+        # after the flood (every sybil done sending, what it left still queued): the honest
+        # peer is still connected and not refused, and its next batch is verified and
+        # accepted, without a restart
+        assert honest_id in hub.connected_peers() and not hub.penalties.refused(honest_id)
+        await honest_node.publish("rollouts", after)
+        await async_wait_until(lambda: role.arrivals.count(honest_id) == HONEST_BATCHES + 1
+                               and len(role.arrivals) >= FLOOD_BATCHES + HONEST_BATCHES + 1,
+                               30, "the flood and the honest batch after it to arrive")
         await role.intake.drain()  # what is left: every flood batch verified fails ...
+        assert counts.accepted == (HONEST_BATCHES + 1) * 4 and not counts.rejected
         flood_ids = {s for s in order if s != honest_id}
         assert flood_ids and all(not role.state.by_peer[s].accepted for s in flood_ids)
         # a sybil's first bogus batch bans its key; its queued rest is never verified
-        assert len(order) - HONEST_BATCHES <= 2 * SYBILS, order
+        assert len(order) - HONEST_BATCHES - 1 <= 2 * SYBILS, order
         # ... and the connections that carried them are penalised
         assert all(hub.penalties.score(s) > 0 or hub.penalties.refused(s) for s in flood_ids), \
             [(s[-6:], hub.penalties.score(s), hub.penalties.refused(s)) for s in flood_ids]

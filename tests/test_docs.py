@@ -20,7 +20,8 @@ RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 SPEC = ROOT / "NODE_SPEC.md"
 CODE_DIRS = ("node", "protocol", "verifier", "cli", "tests", "benchmarks")
 DOCS = ("README.md", "ARCHITECTURE.md", "NODE_SPEC.md", "benchmarks/RESULTS.md",
-        "benchmarks/CALIBRATION.md", "docs/admin-and-metrics.md", "docs/wan-lab.md")
+        "benchmarks/CALIBRATION.md", *sorted(str(p.relative_to(ROOT))
+                                             for p in (ROOT / "docs").glob("*.md")))
 
 SECTION = re.compile(r"<!-- begin (.+?) -->\n(.*?)<!-- end \1 -->", re.DOTALL)
 LINK = re.compile(r"\]\((#[^)\s]+)\)")

@@ -98,7 +98,7 @@ NEW_INBOUND_BURST = 16.0
 """New inbound connections one subnet (/24, /48) may have upgraded: per second, and at
 once. Counted at TCP accept, before the Noise handshake (AcceptGate)."""
 INBOUND_WAITING = 64
-INBOUND_WAIT_S = 5.0
+INBOUND_WAIT_S = 8.0
 """Accepted connections of one subnet that may wait for a token, and for how long (under
 the dialer's 10 s dial timeout); past either they are closed."""
 TRUSTED_IPS = 1024

@@ -27,7 +27,7 @@ its own sampling rounds (one per iteration of its loop: verify, sample, step; a 
 whose groups all lack reward signal, dropped as zero-advantage, makes no version), the
 CPU seconds the trainer process used per second of the phase and those of the flood
 process; the inbound connections the trainer refused at accept (`/metrics`
-`connections_refused_accept`); the load average at start
+`connections_deferred_accept`, `connections_refused_accept`); the load average at start
 and end; and the trainer's discovery state at the end of each phase (`/status`
 `p2p.discovery`: peers known, redials started, peers forgotten after failed redials or
 evicted from a full `known`; `p2p.peer_reach` entries; connections open) with its outbound
@@ -229,7 +229,8 @@ def discovery_state(st: dict, cfg: dict) -> dict:
             text = r.read().decode()
     except OSError:
         return out
-    for name in ("dials", "dial_failures", "connections_refused_accept"):
+    for name in ("dials", "dial_failures", "connections_refused_accept",
+                 "connections_deferred_accept"):
         m = re.search(rf'swarm_node_p2p_events_total\{{name="{name}"\}} (\S+)', text)
         out[name] = int(float(m.group(1))) if m else 0
     return out
@@ -333,13 +334,13 @@ def summarize(args, r: dict, loads: tuple[float, float]) -> str:
         dz = (vs[-1][5] - vs[0][5]) if len(vs) > 1 else 0
         cpu = (vs[-1][4] - vs[0][4]) / dt if dt > 0 else float("nan")
         fcpu = (vs[-1][7] - vs[0][7]) / dt if dt > 0 and len(vs[0]) > 7 else float("nan")
-        ref = ((vs[-1][6].get("connections_refused_accept", 0)
-                - vs[0][6].get("connections_refused_accept", 0)) if len(vs) > 1 else 0)
+        ref, dfr = ((vs[-1][6].get(k, 0) - vs[0][6].get(k, 0)) if len(vs) > 1 else 0
+                    for k in ("connections_refused_accept", "connections_deferred_accept"))
         rows.append(f"| {name} | {len(ps)} | {len(ps) - len(ok)} | {pct(conn, 0.5):.2f} / "
                     f"{max(conn, default=float('nan')):.2f} | {pct(hello, 0.5):.2f} / "
                     f"{max(hello, default=float('nan')):.2f} | {dv} in {dt:.0f} s = "
                     f"{rate:.2f}/s | {pauses.get(name, 0.0):.0f} s | {dr} ({dz}) | "
-                    f"{cpu:.2f} | {fcpu:.2f} | {ref} |")
+                    f"{cpu:.2f} | {fcpu:.2f} | {dfr} / {ref} |")
     errors = sorted({p["error"][:80] for p in r["probes"] if "error" in p})
     series = windows(r["versions"], WINDOW_S)
     churn = f", each replaced by a fresh identity every {args.churn_s:g} s" if args.churn_s else ""
@@ -350,7 +351,7 @@ def summarize(args, r: dict, loads: tuple[float, float]) -> str:
             f"{args.probe_timeout_s:g} s); flood: {r['flood']}\n\n"
             "| phase | probes | failed | connect p50 / max s | hello p50 / max s | "
             "trainer versions | longest pause | own rounds (zero-advantage groups) | "
-            "trainer CPU s/s | flood CPU s/s | refused at accept |\n"
+            "trainer CPU s/s | flood CPU s/s | waited / refused at accept |\n"
             "|---|---|---|---|---|---|---|---|---|---|---|\n"
             + "\n".join(rows)
             + f"\n\nTrainer versions / own rounds per {WINDOW_S:g} s window (recovery): "

@@ -490,7 +490,7 @@ class AcceptGate:
         thread only."""
         subnet = subnet_of(ip)
         queue = self._queues.get(subnet)
-        if queue is None and self.allow(ip):  # nobody waiting: no need to queue
+        if (queue is None or self.trusted(ip)) and self.allow(ip):  # no need to queue
             return True
         if (queue[1] if queue else 0) >= self.waiting:
             return self._refuse(subnet, "connections_refused_accept")
@@ -512,6 +512,10 @@ class AcceptGate:
             queue[1] -= 1
             if queue[1] == 0 and self._queues.get(subnet) is queue:
                 del self._queues[subnet]
+
+    def trusted(self, ip: str | None) -> bool:
+        with self._lock:
+            return ip is not None and ip in self._trusted
 
     def trust(self, ip: str | None) -> None:
         """A peer with verified history connected from `ip`: never make it wait."""

@@ -108,3 +108,27 @@ def test_the_allowance_is_per_subnet_and_trusted_addresses_skip_it():
     assert not gate.allow("10.0.0.8")
     now[0] += 1.0
     assert gate.allow("10.0.0.8") and not gate.allow("10.0.0.9")  # 1 a second
+
+
+def test_a_trusted_address_skips_its_subnets_waiting_line():
+    import trio
+    import trio.testing
+
+    async def main() -> list[str]:
+        gate = AcceptGate(P2PMetrics(), per_s=0.01, burst=1, wait_s=5.0)
+        gate.trust("10.0.0.7")
+        order: list[str] = []
+
+        async def dial(ip: str) -> None:
+            if await gate.t_admit(ip, lambda: False):
+                order.append(ip)
+
+        async with trio.open_nursery() as nursery:
+            assert await gate.t_admit("10.0.0.1", lambda: False)  # the one token
+            nursery.start_soon(dial, "10.0.0.2")  # waits ~100 s for the next
+            await trio.testing.wait_all_tasks_blocked()
+            await dial("10.0.0.7")  # at once, though its subnet has a waiter
+            nursery.cancel_scope.cancel()
+        return order
+
+    assert trio.run(main) == ["10.0.0.7"]

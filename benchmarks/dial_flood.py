@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/dial_flood.py [--identities 20] [--rate 30]
         [--churn-s 1] [--baseline-s 10] [--flood-s 30] [--after-s 60] [--end close|kill]
+        [--pin]
 
 A real trainer process (`swarm-node join --role trainer`, tiny model, training on its own
 samples at a learning rate of ~0 so that its pace, versions/s, holds still across phases);
@@ -16,12 +17,17 @@ the trainer (TCP, multistream, Noise, yamux: `connect`) and says hello (the peer
 Hello out, the trainer's peer list back), each step timed, then closes; a probe is failed
 when either step fails or takes over `--probe-timeout-s`. Phases: baseline, flood, after.
 `--trainer-pythonpath DIR` runs the trainer from another copy of swarm_node (DIR/swarm_node,
-e.g. one with a patch taken out) to compare the same flood.
+e.g. one with a patch taken out) to compare the same flood. `--pin` (2 cores or more): the
+trainer runs on core 0 alone (`taskset -c 0`), this process and the flood on core 1, so the
+trainer's loss during the flood is what the flood costs the trainer itself, not a share of
+the CPU the flooder took.
 Printed: per phase, probes, failures, connect and hello p50/max, the trainer's policy
 versions and versions/s (it must keep training) and its longest pause (no new version),
 its own sampling rounds (one per iteration of its loop: verify, sample, step; a round
-whose groups all lack reward signal, dropped as zero-advantage, makes no version), and the
-CPU seconds the trainer process used per second of the phase; the load average at start
+whose groups all lack reward signal, dropped as zero-advantage, makes no version), the
+CPU seconds the trainer process used per second of the phase and those of the flood
+process; the inbound connections the trainer refused at accept (`/metrics`
+`connections_deferred_accept`, `connections_refused_accept`); the load average at start
 and end; and the trainer's discovery state at the end of each phase (`/status`
 `p2p.discovery`: peers known, redials started, peers forgotten after failed redials or
 evicted from a full `known`; `p2p.peer_reach` entries; connections open) with its outbound
@@ -49,7 +55,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.results import record
-from benchmarks.verifier_flood import Proc, free_port
+from benchmarks.verifier_flood import BIN, Proc, free_port
 
 
 def p2p_config(**p2p):
@@ -133,12 +139,13 @@ async def run(args) -> dict:
            # phases (with learning the toy task is soon solved and the pace drifts down)
            "trainer": {"local_items": 4, "external_items": 0, "learning_rate": 1e-12}}
     trainer = Proc(root / "trainer", cfg, env={"PYTHONPATH": args.trainer_pythonpath}
-                   if args.trainer_pythonpath else None)
+                   if args.trainer_pythonpath else None,
+                   prefix=["taskset", "-c", "0", str(BIN)] if args.pin else None)
     child = None
     probes: list[dict] = []
     # phase, t, trainer policy version, own rounds, CPU s, zero-advantage groups dropped,
-    # discovery state (discovery_state)
-    versions: list[tuple[str, float, int, int, float, int, dict]] = []
+    # discovery state (discovery_state), the flood process's CPU s
+    versions: list[tuple[str, float, int, int, float, int, dict, float]] = []
     phase = ["baseline"]
     stop = asyncio.Event()
     try:
@@ -164,7 +171,8 @@ async def run(args) -> dict:
                 versions.append((phase[0], time.monotonic(), st.get("policy_version", -1),
                                  own_rounds(root / "t"), cpu_s(trainer.proc.pid),
                                  (st.get("buffer") or {}).get("dropped_zero_advantage", 0),
-                                 await asyncio.to_thread(discovery_state, st, cfg)))
+                                 await asyncio.to_thread(discovery_state, st, cfg),
+                                 cpu_s(child.pid) if child is not None else 0.0))
                 await asyncio.sleep(1.0)
 
         tasks = [asyncio.create_task(prober()), asyncio.create_task(watcher())]
@@ -221,7 +229,8 @@ def discovery_state(st: dict, cfg: dict) -> dict:
             text = r.read().decode()
     except OSError:
         return out
-    for name in ("dials", "dial_failures"):
+    for name in ("dials", "dial_failures", "connections_refused_accept",
+                 "connections_deferred_accept"):
         m = re.search(rf'swarm_node_p2p_events_total\{{name="{name}"\}} (\S+)', text)
         out[name] = int(float(m.group(1))) if m else 0
     return out
@@ -324,21 +333,26 @@ def summarize(args, r: dict, loads: tuple[float, float]) -> str:
         dr = (vs[-1][3] - vs[0][3]) if len(vs) > 1 else 0
         dz = (vs[-1][5] - vs[0][5]) if len(vs) > 1 else 0
         cpu = (vs[-1][4] - vs[0][4]) / dt if dt > 0 else float("nan")
+        fcpu = (vs[-1][7] - vs[0][7]) / dt if dt > 0 and len(vs[0]) > 7 else float("nan")
+        ref, dfr = ((vs[-1][6].get(k, 0) - vs[0][6].get(k, 0)) if len(vs) > 1 else 0
+                    for k in ("connections_refused_accept", "connections_deferred_accept"))
         rows.append(f"| {name} | {len(ps)} | {len(ps) - len(ok)} | {pct(conn, 0.5):.2f} / "
                     f"{max(conn, default=float('nan')):.2f} | {pct(hello, 0.5):.2f} / "
                     f"{max(hello, default=float('nan')):.2f} | {dv} in {dt:.0f} s = "
                     f"{rate:.2f}/s | {pauses.get(name, 0.0):.0f} s | {dr} ({dz}) | "
-                    f"{cpu:.2f} |")
+                    f"{cpu:.2f} | {fcpu:.2f} | {dfr} / {ref} |")
     errors = sorted({p["error"][:80] for p in r["probes"] if "error" in p})
     series = windows(r["versions"], WINDOW_S)
     churn = f", each replaced by a fresh identity every {args.churn_s:g} s" if args.churn_s else ""
     trainer = f"trainer from {args.trainer_pythonpath}; " if args.trainer_pythonpath else ""
+    trainer += "pinned: trainer core 0, flood and prober core 1; " if args.pin else ""
     return (f"{trainer}{args.identities} connections x {args.rate:g} verdicts/s for {args.flood_s:g} s"
             f"{churn}, flood end: {args.end}; probe every {args.probe_every:g} s (timeout "
             f"{args.probe_timeout_s:g} s); flood: {r['flood']}\n\n"
             "| phase | probes | failed | connect p50 / max s | hello p50 / max s | "
             "trainer versions | longest pause | own rounds (zero-advantage groups) | "
-            "trainer CPU s/s |\n|---|---|---|---|---|---|---|---|---|\n"
+            "trainer CPU s/s | flood CPU s/s | waited / refused at accept |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|\n"
             + "\n".join(rows)
             + f"\n\nTrainer versions / own rounds per {WINDOW_S:g} s window (recovery): "
             + "; ".join(f"{name} " + " ".join(f"{v}/{n}" for v, n in ws)
@@ -366,6 +380,8 @@ def main() -> None:
     ap.add_argument("--workdir", default="")
     ap.add_argument("--trainer-pythonpath", default="",
                     help="run the trainer from another copy of swarm_node (DIR/swarm_node)")
+    ap.add_argument("--pin", action="store_true",
+                    help="trainer on core 0, this process and the flood on core 1")
     ap.add_argument("--section", default="dial-flood")
     ap.add_argument("--no-record", action="store_true")
     ap.add_argument("--flood-child", action="store_true", help=argparse.SUPPRESS)
@@ -378,6 +394,8 @@ def main() -> None:
     if args.flood_child:
         asyncio.run(flood_child(args))
         return
+    if args.pin:  # before any thread or child: all of them inherit it
+        os.sched_setaffinity(0, {1})
     load0 = os.getloadavg()[0]
     result = asyncio.run(run(args))
     text = summarize(args, result, (load0, os.getloadavg()[0]))

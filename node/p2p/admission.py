@@ -93,6 +93,15 @@ FLOW_QUEUE_MESSAGES = 512
 """What one (connection, origin) flow may have waiting (an honest burst: the per-origin
 bucket's 500): a flood waits behind its own flow's cap and is dropped there, while every
 other flow is served in turn."""
+NEW_INBOUND_PER_S = 4.0
+NEW_INBOUND_BURST = 16.0
+"""New inbound connections one subnet (/24, /48) may have upgraded: per second, and at
+once. Counted at TCP accept, before the Noise handshake (AcceptGate)."""
+INBOUND_WAITING = 64
+INBOUND_WAIT_S = 8.0
+"""Accepted connections of one subnet that may wait for a token, and for how long (under
+the dialer's 10 s dial timeout); past either they are closed."""
+TRUSTED_IPS = 1024
 
 
 def topic_kind(topic: str) -> str:
@@ -284,6 +293,7 @@ class Admission:
         self._known: OrderedDict[str, None] = OrderedDict()
         self._introduced_by: OrderedDict[str, str] = OrderedDict()  # new origin -> conn
         self._log = _Throttled(clock)
+        self.accept_gate = AcceptGate(metrics, clock=clock)
 
     def set_established(self, fn: Callable[[str], bool] | None) -> None:
         """`fn(peer) -> bool`: True for peers with verified history (fast, thread-safe)."""
@@ -348,9 +358,12 @@ class Admission:
         MAX_CONNECTIONS_PER_SUBNET other peers and `conn` has no verified history (then the
         caller closes it). Fair shares are per subnet, too."""
         subnet = subnet_of(ip)
+        priority = self.is_priority(conn)
+        if priority:
+            self.accept_gate.trust(ip)
         with self._lock:
             peers = self._by_subnet.setdefault(subnet, set())
-            if not self.is_priority(conn):  # known peers use the reserve: never counted
+            if not priority:  # known peers use the reserve: never counted
                 if conn not in peers and len(peers) >= self.max_per_subnet:
                     return False
                 peers.add(conn)
@@ -429,6 +442,107 @@ class Admission:
 
 
 _NEW_ORIGINS = TopicRate(per_s=NEW_ORIGINS_PER_S, burst=NEW_ORIGINS_BURST)
+
+
+class AcceptGate:
+    """Which new inbound TCP connections this node upgrades, and when (patches/accept_gate.py
+    calls `t_admit` at accept, before multistream and the Noise handshake).
+
+    Each subnet (/24, /48: `subnet_of`) may have NEW_INBOUND_BURST new inbound connections
+    upgraded at once and NEW_INBOUND_PER_S more per second (a token bucket per subnet).
+    Past that a connection waits, in arrival order behind its subnet's other waiters, for
+    its subnet's next token: at most INBOUND_WAITING of them, each at most INBOUND_WAIT_S;
+    past either, or when the dialer gave up meanwhile, it is closed unread (counted
+    `connections_refused_accept`, `connections_gone_waiting`). A refused or waiting
+    connection costs an accept and a sleeping task, not a handshake, identify, pubsub's hello
+    and a peer-exchange Hello. Many identities behind one address or subnet share its pace,
+    so fresh keys buy an attacker nothing: a churning flood gets NEW_INBOUND_PER_S
+    identities a second in, and a dialer that waits its turn (an honest newcomer behind the
+    flood's address) connects within INBOUND_WAIT_S instead of being refused. An honest
+    subnet (a home router, a lab host) never meets the bound; a joiner's burst fits in it.
+    Exempt: addresses from which a peer with verified history (`Admission.established`)
+    connected (`trust`), so such a peer reconnects whatever a flood from its subnet does.
+    Connections already open are never touched; our own dials are not gated."""
+
+    def __init__(self, metrics, *, per_s: float = NEW_INBOUND_PER_S,
+                 burst: float = NEW_INBOUND_BURST, waiting: int = INBOUND_WAITING,
+                 wait_s: float = INBOUND_WAIT_S, clock: Callable[[], float] = time.monotonic):
+        self.metrics = metrics
+        self.rate = TopicRate(per_s=per_s, burst=burst)
+        self.waiting, self.wait_s = waiting, wait_s
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._buckets = TokenBuckets(clock=clock, max_buckets=16384)
+        self._trusted: OrderedDict[str, None] = OrderedDict()
+        self._queues: dict[str, list] = {}  # subnet -> [trio.Lock (FIFO), waiters]
+        self._refused: dict[str, list] = {}  # subnet -> [last log line's time, refused since]
+
+    def allow(self, ip: str | None) -> bool:
+        """A token for a new inbound connection from `ip` now, without waiting (trusted
+        addresses need none)."""
+        with self._lock:
+            return (ip is not None and ip in self._trusted) or self._buckets.take(
+                subnet_of(ip), self.rate)
+
+    async def t_admit(self, ip: str | None, gone: Callable[[], bool]) -> bool:
+        """May the connection just accepted from `ip` be upgraded? Waits for its subnet's
+        turn (see the class); `gone()` says whether the dialer closed it meanwhile. Libp2p
+        thread only."""
+        subnet = subnet_of(ip)
+        queue = self._queues.get(subnet)
+        if (queue is None or self.trusted(ip)) and self.allow(ip):  # no need to queue
+            return True
+        if (queue[1] if queue else 0) >= self.waiting:
+            return self._refuse(subnet, "connections_refused_accept")
+        if queue is None:
+            queue = self._queues[subnet] = [trio.Lock(), 0]
+        queue[1] += 1
+        self.metrics.inc("connections_deferred_accept")
+        try:
+            with trio.move_on_after(self.wait_s):
+                async with queue[0]:  # trio's Lock is fair: arrival order
+                    while True:
+                        if gone():
+                            return self._refuse(subnet, "connections_gone_waiting")
+                        if self.allow(ip):
+                            return True
+                        await trio.sleep(1.0 / self.rate.per_s)
+            return self._refuse(subnet, "connections_refused_accept")
+        finally:
+            queue[1] -= 1
+            if queue[1] == 0 and self._queues.get(subnet) is queue:
+                del self._queues[subnet]
+
+    def trusted(self, ip: str | None) -> bool:
+        with self._lock:
+            return ip is not None and ip in self._trusted
+
+    def trust(self, ip: str | None) -> None:
+        """A peer with verified history connected from `ip`: never make it wait."""
+        if ip is None:
+            return
+        with self._lock:
+            self._trusted[ip] = None
+            self._trusted.move_to_end(ip)
+            while len(self._trusted) > TRUSTED_IPS:
+                self._trusted.popitem(last=False)
+
+    def _refuse(self, subnet: str, counter: str) -> bool:
+        self.metrics.inc(counter)
+        now = self.clock()
+        entry = self._refused.get(subnet)
+        if entry is None:
+            if len(self._refused) > 4096:
+                self._refused.clear()
+            entry = self._refused[subnet] = [now - LOG_EVERY_S, 0]
+        entry[1] += 1
+        if now - entry[0] >= LOG_EVERY_S:
+            log.warning("closed %d new inbound connection(s) from %s unread in the last %.0fs "
+                        "(over %g new connections/s per subnet, burst %g, %d waiting at "
+                        "most %gs)", entry[1], subnet, now - entry[0], self.rate.per_s,
+                        self.rate.burst, self.waiting, self.wait_s)
+            entry[0], entry[1] = now, 0
+        return False
 
 
 class ValidationQueue:

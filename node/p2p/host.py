@@ -391,7 +391,8 @@ class P2PNode:
         # One attempt per dial: discovery.py retries with its own backoff and reports why.
         host.get_network().retry_config.max_retries = 0
         patches.install()  # the py-libp2p version gate and the process-wide patches
-        patches.patch_host(host, self._t_stream_fault)  # before pubsub adds its handlers
+        # before pubsub adds its handlers; new inbound connections per subnet at accept
+        patches.patch_host(host, self._t_stream_fault, self.admission.accept_gate.t_admit)
         router, pubsub = build_gossip(host, self.cfg, self.metrics, self._t_stream_fault)
         ctx.host, ctx.router, ctx.pubsub = host, router, pubsub
         host.get_network().register_notifee(_Notifee(self._t_connected, self._t_disconnected))

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import libp2p
 
 from . import (
+    accept_gate,
     autodial,
     flood_publish,
     handlers,
@@ -84,12 +85,15 @@ def install() -> None:
     noise_io.install()
 
 
-def patch_host(host, on_fault: FaultHook) -> None:
-    """Stream handlers guarded, the AutoConnector off, inbound slots released on close.
-    Before the host listens and before pubsub adds its handlers."""
+def patch_host(host, on_fault: FaultHook, accept: accept_gate.Admit | None = None) -> None:
+    """Stream handlers guarded, the AutoConnector off, inbound slots released on close,
+    and (given `accept`: accept_gate.Admit) new inbound connections paced at TCP accept. Before
+    the host listens and before pubsub adds its handlers."""
     handlers.patch_stream_handlers(host, on_fault)
     autodial.patch_auto_connector(host)
     inbound_slots.patch_inbound_slots(host.get_network())
+    if accept is not None:
+        accept_gate.patch_accept_gate(host.get_network(), accept)
 
 
 @dataclass(frozen=True)

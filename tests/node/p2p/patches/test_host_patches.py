@@ -1,5 +1,5 @@
 """The per-host and per-connection patches (node/p2p/patches: handlers, autodial,
-yamux_buffers) against plain py-libp2p hosts on loopback: py-libp2p alone still shows each
+yamux_buffers, inbound_slots, accept_gate) against plain py-libp2p hosts on loopback: py-libp2p alone still shows each
 problem (the patch is still needed), and the patched object behaves."""
 
 from __future__ import annotations
@@ -10,7 +10,13 @@ import pytest
 import trio
 from libp2p.network.auto_connector import AutoConnector
 from libp2p.protocol_muxer.multiselect import MULTISELECT_PROTOCOL_ID, Multiselect
-from swarm_node.node.p2p.patches import autodial, handlers, inbound_slots, yamux_buffers
+from swarm_node.node.p2p.patches import (
+    accept_gate,
+    autodial,
+    handlers,
+    inbound_slots,
+    yamux_buffers,
+)
 from swarm_node.node.p2p.patches.registry import original
 
 from .rawhost import connect, raw_host, running, until
@@ -185,3 +191,35 @@ def test_needed_inbound_slot_released_on_close():
     # py-libp2p: each closed connection keeps its slot (250 of them, then no newcomer)
     assert trio.run(main, False) == [1, 2, 3]
     assert trio.run(main, True) == [0, 0, 0]
+
+
+def test_needed_inbound_gated_at_accept():
+    async def main(gated: bool) -> tuple[int, list]:
+        a = raw_host()
+        asked: list = []
+
+        async def admit(ip, gone) -> bool:  # 2 allowed, then every one refused
+            asked.append((ip, gone()))
+            return len(asked) <= 2
+
+        inbound_slots.patch_inbound_slots(a.get_network())
+        if gated:
+            accept_gate.patch_accept_gate(a.get_network(), admit)
+        dialers = [raw_host() for _ in range(4)]
+        for b in dialers:
+            b.get_network().retry_config.max_retries = 0  # one TCP connection per dial
+        async with running(a, *dialers):
+            for b in dialers:
+                with trio.move_on_after(5):
+                    try:
+                        await connect(b, a)
+                    except Exception:  # noqa: BLE001, S110 - a refused dial: counted below
+                        pass
+            await until(lambda: len(asked) >= 4 if gated else
+                        len(a.get_network().connections) == 4, what="every dial answered")
+            return len(a.get_network().connections), asked
+
+    # py-libp2p: every accepted TCP connection gets its Noise handshake, nothing asked first
+    assert trio.run(main, False) == (4, [])
+    n, asked = trio.run(main, True)
+    assert n == 2 and len(asked) >= 4 and set(asked) == {("127.0.0.1", False)}

@@ -30,9 +30,9 @@ New identities are free, so budgets bind work, not keys. Senders are split in tw
   sender's only one (more fresh senders waiting than slots). To hold a larger share, an
   attacker must send batches that verify: sampling with the policy, which costs more than
   the verification costs the trainer. Idle time, when the trainer only waits for peers, is
-  lent to them one batch at a time, and counted apart (`lent`); so is one newcomer's first
-  batch before each of the trainer's own sampling rounds while the share is raised
-  (`lend_to_newcomer`). Each probation sender starts with a
+  lent to them one batch at a time, and counted apart (`lent`); so are up to
+  `newcomer_lend` senders' first batches before each of the trainer's own sampling rounds
+  while the share is raised (`lend_to_newcomer`). Each probation sender starts with a
   credit of `probation_tokens` verified tokens that does not grow with time, only with
   accepted work (`credit_per_accepted` per accepted, model-checked token); a sender past
   its budget is answered `over_budget` (no penalty, not verified). Its batch's groups are
@@ -90,6 +90,7 @@ class IntakeLimits:
     # back to `probation_time_share` at the first bogus, over-budget or flood-evicted batch
     probation_time_share_max: float = 0.5
     probation_share_step: float = 0.1
+    newcomer_lend: int = 4  # first batches lent time before each of the trainer's own rounds
     # verification seconds they may spend at once: short, so the share is spread over the
     # trainer's loop instead of stalling one step for seconds (a 2-s burst cut an honest
     # peer's acceptance to 18-60% of its baseline in benchmarks/verifier_flood.py)
@@ -502,17 +503,20 @@ class Intake:
         return self.share.raised and nxt is not None and self.queue.served(nxt) == 0
 
     async def lend_to_newcomer(self, stop: asyncio.Event | None = None) -> int:
-        """Verify ONE waiting first batch of a probation sender beyond the share (counted
-        as lent), only while the share is raised (`newcomer_waiting`): the trainer defers
-        its own sampling for it. Priced: the share rises only with accepted probation
-        batches and falls to its floor at the first bogus one, so a flood gets at most one
-        lent batch per accepted one. Returns the batches verified (0 or 1)."""
-        if (stop is not None and stop.is_set()) or not self.newcomer_waiting():
-            return 0
-        sender, (batch, origin, as_of) = self.queue.get_probation()
-        await self._one(sender, batch, origin, True, as_of)
-        self._update_view()
-        return 1
+        """Verify waiting first batches of probation senders beyond the share (counted as
+        lent), at most `newcomer_lend`, each only while the share is raised
+        (`newcomer_waiting`): the trainer defers its own sampling for them. Priced: the
+        share rises only with accepted probation batches and falls to its floor at the
+        first bogus one, so a flood gets at most one lent batch per accepted one. Returns
+        the batches verified."""
+        done = 0
+        while (done < self.limits.newcomer_lend and self.newcomer_waiting()
+               and not (stop is not None and stop.is_set())):
+            sender, (batch, origin, as_of) = self.queue.get_probation()
+            await self._one(sender, batch, origin, True, as_of)
+            self._update_view()
+            done += 1
+        return done
 
     def servable(self, idle: bool = False) -> bool:
         """Whether `drain` would verify something now."""

@@ -21,8 +21,9 @@ async def offer(intake, sender: str, round_: int) -> None:
 
 async def trainer_loop(intake, clock: Clock, until, sample_s: float = 3.0,
                        step_s: float = 1.0, max_iterations: int = 200) -> int:
-    """The trainer role's loop (node/roles/trainer.py) on a simulated clock: drain, lend one
-    newcomers' first batches, sample its own round, drain, train. Iterations until `until()`."""
+    """The trainer role's loop (node/roles/trainer.py) on a simulated clock: drain, lend
+    newcomers' first batches, sample its own round, drain, train. Iterations until
+    `until()`."""
     for i in range(max_iterations):
         if until():
             return i

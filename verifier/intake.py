@@ -17,13 +17,22 @@ New identities are free, so budgets bind work, not keys. Senders are split in tw
 
 - established senders are served first, round-robin, each with a short queue of its own,
   and each verifies at most `established_tokens` completion tokens per `window_s`;
-- probation senders (new or unproven keys) share ONE small queue (a random queued batch is
-  evicted when it is full, so no arrival order wins), get at most `probation_share` of the
-  batches served while established work waits, and together at most
-  `probation_time_share` of the worker's time (`TimeShare`: a bucket of verification
-  seconds that refills with wall time, `probation_burst_s` deep; idle time, when the
-  trainer only waits for peers, is lent to them one batch at a time, and counted apart:
-  `lent`). Each probation sender starts with a
+- probation senders (new or unproven keys) share ONE small bounded queue, fair per sender
+  (`VerificationQueue`: fewest served first, so every sender's first batch goes before
+  anyone's second; when it is full, a batch of the sender with the most queued is evicted,
+  never a newcomer's only one for it), get at most `probation_share` of the batches served
+  while established work waits (or the time share, if larger), and together at most a
+  time share of the worker's time (`TimeShare`: a bucket of verification seconds that
+  refills with wall time). The share is priced: it starts at `probation_time_share`, rises
+  by `probation_share_step` per accepted probation batch up to `probation_time_share_max`
+  (the bucket, `probation_burst_s` deep at the floor, deepens with it), and falls back to
+  the floor at the first probation batch found bogus or over budget, or evicted as its
+  sender's only one (more fresh senders waiting than slots). To hold a larger share, an
+  attacker must send batches that verify: sampling with the policy, which costs more than
+  the verification costs the trainer. Idle time, when the trainer only waits for peers, is
+  lent to them one batch at a time, and counted apart (`lent`); so are up to
+  `newcomer_lend` senders' first batches before each of the trainer's own sampling rounds
+  while the share is raised (`lend_to_newcomer`). Each probation sender starts with a
   credit of `probation_tokens` verified tokens that does not grow with time, only with
   accepted work (`credit_per_accepted` per accepted, model-checked token); a sender past
   its budget is answered `over_budget` (no penalty, not verified). Its batch's groups are
@@ -31,10 +40,11 @@ New identities are free, so budgets bind work, not keys. Senders are split in tw
   forward pass.
 
 A flood of bogus batches from any number of fresh keys therefore costs the trainer at
-most `probation_time_share` of its time (plus what it lends while idle), established
-peers are served first throughout, and the flood's own batches mostly expire in the
-probation queue unverified. `established` is also what the gossip layer may use to give
-peers with verified history priority (a plain callable: peer id -> bool).
+most `probation_time_share` of its time once it is seen (plus what was banked while the
+share was raised: at most the raised bucket and one lent batch, and what it lends while
+idle), established peers are served first throughout, and the flood's own batches mostly
+expire in the probation queue unverified. `established` is also what the gossip layer may
+use to give peers with verified history priority (a plain callable: peer id -> bool).
 
 A batch is judged stale as of its arrival: `offer` records the policy's latest version then
 (`as_of`, checks.py), so the wait in this queue, which is ours, never counts as the sender's
@@ -44,6 +54,7 @@ lag (for up to `queue_grace` versions; beyond, `queue_expired`: not verified, no
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import random
 import time
@@ -75,6 +86,11 @@ class IntakeLimits:
     max_probation: int = 16  # queued batches of probation senders, in total
     probation_share: float = 0.2  # of the batches served while established work waits
     probation_time_share: float = 0.1  # of the worker's wall time, all probation senders
+    # the share's ceiling and its rise per accepted probation batch (`TimeShare`): it falls
+    # back to `probation_time_share` at the first bogus, over-budget or flood-evicted batch
+    probation_time_share_max: float = 0.5
+    probation_share_step: float = 0.1
+    newcomer_lend: int = 4  # first batches lent time before each of the trainer's own rounds
     # verification seconds they may spend at once: short, so the share is spread over the
     # trainer's loop instead of stalling one step for seconds (a 2-s burst cut an honest
     # peer's acceptance to 18-60% of its baseline in benchmarks/verifier_flood.py)
@@ -144,12 +160,29 @@ class TimeShare:
     """A bucket of verification seconds for probation senders: refills at `share` seconds
     per second of wall time up to `burst_s`; work spends it (a batch in flight may overdraw
     it: the debt is repaid in full before the next, so a long batch costs its own time,
-    whatever `burst_s`)."""
+    whatever `burst_s`).
+
+    Adaptive between `share` (the floor) and `top`: each accepted probation batch raises it
+    by `step` (`rise`), the first bogus, over-budget or flood-evicted one drops it back to
+    the floor (`fall`). The burst scales with it (`burst_s` at the floor), so a raised share
+    may verify several newcomers' batches between two of the trainer's steps, and a fallen
+    one is back to short turns at once."""
 
     def __init__(self, share: float, burst_s: float,
-                 clock: Callable[[], float] = time.monotonic):
-        self.share, self.burst_s, self.clock = share, burst_s, clock
+                 clock: Callable[[], float] = time.monotonic, *, top: float | None = None,
+                 step: float = 0.0):
+        self.floor, self.top, self.step = share, max(share, top or share), step
+        self.share, self.clock, self._burst_s = share, clock, burst_s
         self._level, self._at = burst_s, clock()
+
+    @property
+    def burst_s(self) -> float:
+        return self._burst_s * (self.share / self.floor if self.floor > 0 else 1.0)
+
+    @property
+    def raised(self) -> bool:
+        """Above the floor: recent probation work was verified and accepted."""
+        return self.share > self.floor
 
     def level(self) -> float:
         now = self.clock()
@@ -168,9 +201,29 @@ class TimeShare:
     def spend(self, seconds: float) -> None:
         self._level = self.level() - seconds
 
+    def rise(self) -> None:
+        """An accepted probation batch: the share rises a step (up to `top`)."""
+        self.level()  # the refill so far at the old rate
+        self.share = min(self.top, self.share + self.step)
+
+    def fall(self) -> None:
+        """A bogus, over-budget or flood-evicted probation batch: back to the floor."""
+        self.level()
+        self.share = self.floor
+        self._level = min(self._level, self.burst_s)
+
 
 class VerificationQueue:
-    """Fair, bounded queue of (sender, item). Not thread-safe: one event loop owns it."""
+    """Fair, bounded queue of (sender, item). Not thread-safe: one event loop owns it.
+
+    Probation senders each have a short queue too (at most `per_sender`, `max_probation`
+    for all): the next served is the sender served fewest times so far (its oldest batch;
+    ties by arrival), so a sender's first batch goes before anyone's second. When the
+    probation queue is full, the victim is a batch of the sender with the most queued (its
+    oldest; ties at random, the most served first), so a newcomer's only batch is never
+    evicted for a sender with several, and arrival order wins nothing. Evicting a sender's
+    only batch (more distinct probation senders waiting than slots: a fresh-key flood's
+    shape) is counted in `flood_evictions`."""
 
     def __init__(self, is_established: Callable[[str], bool],
                  limits: IntakeLimits | None = None, rng: random.Random | None = None):
@@ -179,18 +232,29 @@ class VerificationQueue:
         self.rng = rng or random.Random()
         self._est: OrderedDict[str, deque] = OrderedDict()
         self._est_count = 0
-        self._prob: list[tuple[str, object]] = []
-        self._prob_by: Counter = Counter()
+        self._prob: dict[str, deque] = {}  # sender -> deque of (arrival, item)
+        self._prob_count = 0
+        self._prob_served: OrderedDict[str, int] = OrderedDict()  # LRU, max_budget_peers
+        self._arrivals = itertools.count()
         self._served_est = 0
         self._served_prob = 0
+        self.flood_evictions = 0
         self.dropped: dict[str, int] = {}
 
     def __len__(self) -> int:
-        return self._est_count + len(self._prob)
+        return self._est_count + self._prob_count
 
     @property
     def established_waiting(self) -> int:
         return self._est_count
+
+    @property
+    def probation_waiting(self) -> int:
+        return self._prob_count
+
+    def served(self, sender: str) -> int:
+        """Probation batches of `sender` served so far (LRU-bounded memory)."""
+        return self._prob_served.get(sender, 0)
 
     def _drop(self, why: str) -> None:
         self.dropped[why] = self.dropped.get(why, 0) + 1
@@ -208,37 +272,40 @@ class VerificationQueue:
             q.append(item)
             self._est_count += 1
             return True
-        if self._prob_by[sender] >= lim.per_sender:
+        q = self._prob.setdefault(sender, deque())
+        if len(q) >= lim.per_sender:
             self._drop("probation_sender_full")
             return False
-        self._prob.append((sender, item))
-        self._prob_by[sender] += 1
-        if len(self._prob) > lim.max_probation:
-            victim = self.rng.randrange(len(self._prob))  # random: arrival order wins nothing
-            self._forget(self._prob[victim][0])
-            self._prob[victim] = self._prob[-1]
-            self._prob.pop()
-            self._drop("probation_evicted")
-            return victim != len(self._prob)  # False when the new item itself went
-        return True
+        q.append((next(self._arrivals), item))
+        self._prob_count += 1
+        if self._prob_count <= lim.max_probation:
+            return True
+        most = max(len(v) for v in self._prob.values())
+        heavy = [s for s, v in self._prob.items() if len(v) == most]
+        top = max(self.served(s) for s in heavy)
+        victim = self.rng.choice([s for s in heavy if self.served(s) == top])
+        vq = self._prob[victim]
+        vq.popleft()  # its oldest: the nearest to `queue_grace`
+        self._prob_count -= 1
+        if not vq:
+            del self._prob[victim]
+        self._drop("probation_evicted")
+        if most == 1:
+            self.flood_evictions += 1
+        return not (victim == sender and most == 1)  # False when the new item itself went
 
-    def _forget(self, sender: str) -> None:
-        self._prob_by[sender] -= 1
-        if self._prob_by[sender] <= 0:
-            del self._prob_by[sender]
-
-    def get(self, probation_ok: bool = True) -> tuple[str, object] | None:
+    def get(self, probation_ok: bool = True,
+            probation_share: float | None = None) -> tuple[str, object] | None:
         """The next (sender, item), or None when nothing may be served now (probation
-        batches only when `probation_ok`)."""
-        take_prob = probation_ok and bool(self._prob) and (
+        batches only when `probation_ok`; `probation_share`: of the batches served while
+        established work waits, `limits.probation_share` by default)."""
+        share = self.limits.probation_share if probation_share is None else probation_share
+        take_prob = probation_ok and bool(self._prob_count) and (
             not self._est_count
-            or self._served_prob < self.limits.probation_share * (self._served_est
-                                                                   + self._served_prob + 1))
+            or self._served_prob < share * (self._served_est + self._served_prob + 1))
         if take_prob:
             self._served_prob += 1
-            sender, item = self._prob.pop(0)
-            self._forget(sender)
-            return sender, item
+            return self.get_probation()
         if not self._est_count:
             return None
         sender, q = next(iter(self._est.items()))
@@ -248,6 +315,28 @@ class VerificationQueue:
         if q:
             self._est[sender] = q  # back of the round
         self._served_est += 1
+        return sender, item
+
+    def next_probation(self) -> str | None:
+        """The probation sender served next: fewest served, then the oldest batch."""
+        if not self._prob:
+            return None
+        return min(self._prob, key=lambda s: (self.served(s), self._prob[s][0][0]))
+
+    def get_probation(self) -> tuple[str, object] | None:
+        """The next probation (sender, item) (`next_probation`), whatever the shares."""
+        sender = self.next_probation()
+        if sender is None:
+            return None
+        q = self._prob[sender]
+        _, item = q.popleft()
+        self._prob_count -= 1
+        if not q:
+            del self._prob[sender]
+        self._prob_served[sender] = self.served(sender) + 1
+        self._prob_served.move_to_end(sender)
+        while len(self._prob_served) > self.limits.max_budget_peers:
+            self._prob_served.popitem(last=False)
         return sender, item
 
 
@@ -308,7 +397,8 @@ class Intake:
         self.queue = VerificationQueue(self.established, self.limits)
         self.budget = Budget(self.limits, clock)
         self.share = TimeShare(self.limits.probation_time_share, self.limits.probation_burst_s,
-                               clock)
+                               clock, top=self.limits.probation_time_share_max,
+                               step=self.limits.probation_share_step)
         self.arrived = asyncio.Event()
         self.verified_batches = 0  # batches with accepted rollouts (the caller resets it)
         self._told_banned: OrderedDict[str, float] = OrderedDict()
@@ -327,6 +417,7 @@ class Intake:
             verify_seconds={k: round(v, 2) for k, v in self.seconds.items()},
             batches=dict(self.batches), verdicts=dict(self.verdicts),
             probation_share_s=round(self.share.level(), 2),
+            probation_time_share=round(self.share.share, 3),
             pooled_alarms=self.monitor.pooled_alarms)
 
     @classmethod
@@ -380,10 +471,13 @@ class Intake:
         # queue is ours, not the sender's lag; checks.py `as_of`)
         verifier = self.verifier_for(env.message.policy_id)
         as_of = verifier.latest_version() if verifier is not None else None
+        flood = self.queue.flood_evictions
         if not self.queue.put(sender, (env.message, origin, as_of)):
             self.state.count("rollout_queue_full")
             log.debug("verification queue: dropped a batch from %s (not verified, not "
                       "accepted)", sender[-8:])
+        if self.queue.flood_evictions > flood:  # more fresh senders than slots: a flood
+            self.share.fall()
         self.arrived.set()
         self._update_view()
 
@@ -398,7 +492,31 @@ class Intake:
     # serving ------------------------------------------------------------------------------
 
     def _next(self, idle: bool) -> tuple[str, object] | None:
-        return self.queue.get(probation_ok=idle or self.share.ready())
+        return self.queue.get(probation_ok=idle or self.share.ready(),
+                              probation_share=max(self.limits.probation_share,
+                                                  self.share.share))
+
+    def newcomer_waiting(self) -> bool:
+        """A first batch of a probation sender waits while the share is raised (the latest
+        probation work was accepted): what `lend_to_newcomer` would verify."""
+        nxt = self.queue.next_probation()
+        return self.share.raised and nxt is not None and self.queue.served(nxt) == 0
+
+    async def lend_to_newcomer(self, stop: asyncio.Event | None = None) -> int:
+        """Verify waiting first batches of probation senders beyond the share (counted as
+        lent), at most `newcomer_lend`, each only while the share is raised
+        (`newcomer_waiting`): the trainer defers its own sampling for them. Priced: the
+        share rises only with accepted probation batches and falls to its floor at the
+        first bogus one, so a flood gets at most one lent batch per accepted one. Returns
+        the batches verified."""
+        done = 0
+        while (done < self.limits.newcomer_lend and self.newcomer_waiting()
+               and not (stop is not None and stop.is_set())):
+            sender, (batch, origin, as_of) = self.queue.get_probation()
+            await self._one(sender, batch, origin, True, as_of)
+            self._update_view()
+            done += 1
+        return done
 
     def servable(self, idle: bool = False) -> bool:
         """Whether `drain` would verify something now."""
@@ -454,6 +572,8 @@ class Intake:
         tokens = sum(c.completion_ids.shape[0] for c in batch.completions)
         if not self.budget.charge(sender, tokens, established):
             results = _all(batch, "over_budget", "verification budget of this sender is spent")
+            if not established:
+                self.share.fall()
         else:
             t0 = self.clock()
             results = await until_written(  # disk full: pause, keep the batch
@@ -488,6 +608,11 @@ class Intake:
             results = _condemned(results, alarm)
         accepted = [_verified_completion(batch.completions[r.index], r)
                     for r in results if r.accept]
+        if not established:  # the adaptive share: priced by verified work
+            if any(not r.accept and r.reason not in HONEST_MISTAKES for r in results):
+                self.share.fall()
+            elif accepted:
+                self.share.rise()
         if accepted:
             await until_written(self.disk, self.ports.work, self.sink.add_external,
                                 batch.model_copy(update={"completions": accepted}), sender,

@@ -7,7 +7,8 @@ policy version:
   1. the intake verifies the batches that arrived and hands the accepted ones to the
      trainer's crash-safe buffer;
   2. sample this node's own rollouts for the round (SAPO: every trainer also samples),
-     unless the local groups waiting (peers' first) already fill the next step;
+     unless the local groups waiting (peers' first) already fill the next step; before
+     it, a few newcomers' first batches while the intake's probation share is raised;
   3. one GRPO step on I local + J external groups, a checkpoint, and a signed manifest of
      the new version for the inference peers and relays.
 Rollouts of this trainer's own policy are verified against the version that produced them
@@ -298,6 +299,9 @@ class TrainerRole(Role):
                 return
             self.progress.set("verifying", "verifying the rollout batches peers sent")
             await self.intake.drain(stop)
+            # newcomers' first batches before this trainer's own round, while recent
+            # probation work verified (the intake's priced newcomer lane, issue 27)
+            await self.intake.lend_to_newcomer(stop)
             if await self._own_round_wanted() and not stop.is_set():
                 self.progress.set("sampling", f"sampling this trainer's own rollouts (round "
                                               f"{self.round})")

@@ -86,8 +86,7 @@ class InferenceRole(Role):
             self.feed = BroadcastFeed.create(
                 self.p2p, self.cfg.broadcast, self.data_dir / "broadcast",
                 follow=self.cfg.node.follow, role="inference", choice=trainer_choice(self.cfg),
-                settings_check=self._check_settings)
-        self._loop = asyncio.get_running_loop()
+                settings_check=self.settings.check)
         self.feed.listen(self._on_checkpoint)
         self.policy_id = self.feed.chosen()
         self.state.policy_id = self.policy_id or ""
@@ -106,17 +105,6 @@ class InferenceRole(Role):
         log.info("inference peer ready: model %s, policy version %d", self.cfg.model.name,
                  self.sampler.version)
         freeze_heap()
-
-    def _check_settings(self, settings, trainer: str = "", version: int = -1) -> str | None:
-        """The feed's settings gate (SettingsFollower.check). A newer version of the followed
-        trainer refused here wakes the round loop as a checkpoint does: the announcement its
-        waits are for came (a refusing peer waited out version_wait_s before it said sampling
-        was held, 30 s by default), and sampling may now be held (`_held`)."""
-        before = self.settings.refused_version
-        refusal = self.settings.check(settings, trainer, version)
-        if refusal and trainer == self.policy_id and self.settings.refused_version > before:
-            self._loop.call_soon_threadsafe(self.new_version.set)  # (the gate may be off-loop)
-        return refusal
 
     def _on_checkpoint(self, ckpt: VerifiedCheckpoint) -> None:
         if self.policy_id is None:  # the explicit choice (follow.py) was made meanwhile

@@ -412,20 +412,18 @@ def test_a_peer_that_refuses_the_policy_sends_no_stale_rounds(swarm, tiny_model_
     says so once, and shows the refusal as a banner."""
     lag = 1  # the peer's own staleness bound: the module trainer is far past v0 + 1
     wait_for(lambda: swarm.status()["policy_version"] > lag + 1, 120, "the trainer past v2")
-    # version_wait_s, how long a peer waits for the trainer's announcement before sampling
-    # what it has, far beyond this test: the refused announcement itself must end the wait
-    # (it once ran out in full before sampling was held; with 2 s, a whole-suite run's peer
-    # ran out of it before it heard the trainer, sampled v0 and sent it)
     argv = peer_argv(join_line(swarm), tmp_path, tiny_model_dir, "--set",
-                     "sampler.temperature=0.7", "--set", "sampler.version_wait_s=3600",
+                     "sampler.temperature=0.7", "--set", "sampler.version_wait_s=12",
                      "--set", f"trainer.max_staleness={lag}")
     peer = Peer(tmp_path / "refusing", argv).start()
     try:
         peer.wait(lambda: "sampling held: the trainer's" in peer.text(), "sampling held")
         assert "settings_refused" in _codes(peer.status())
         version = swarm.status()["policy_version"]
-        # five paced trainer versions (>= 15 s; each one refused here wakes the held peer)
-        # later: still nothing sent
+        # a version wait (12 s: a peer hears the trainer's version at its next announcement,
+        # a new version every PACE_S or a re-advert every 10 s; with 2 s, a whole-suite run's
+        # peer ran out of its first wait, sampled v0 and sent it) and five paced trainer
+        # versions (>= 15 s) later: still nothing sent
         wait_for(lambda: swarm.status()["policy_version"] >= version + 5, 120,
                  "five more trainer versions while the peer holds")
         doc = peer.status()

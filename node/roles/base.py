@@ -24,6 +24,7 @@ from ..errors import NodeError
 from ..lifecycle import TaskOwner
 from ..p2p import Transport
 from ..runtime import BatchLimit
+from ..trainer.progress import Stage
 from .interfaces import CheckpointFeed, VerifiedCheckpoint
 
 log = logging.getLogger("swarm_node")
@@ -67,6 +68,22 @@ class Role:
         """Begin what `start()` needs no swarm for (a role's model load), while the host
         still dials its bootstrap peers (the runner calls it before the host has joined);
         `start()` finishes it, `close()` drops it. A role without such work: nothing."""
+
+    def begin_load(self, what: str, fn, *args, **kwargs) -> None:
+        """`prepare()`'s work, once: `fn` in the worker thread as the start-up stage
+        "model_load" (said with an ETA from the last start); `loaded()` waits for it."""
+        if self.preparing is None:
+            load = Stage(what, "model_load", self.data_dir,
+                         self.state.extra.setdefault("starting", {}))
+            self.preparing = asyncio.ensure_future(load.around(self.work(fn, *args, **kwargs)))
+
+    async def loaded(self):
+        """What `begin_load` loaded (begun now, by `prepare()`, if the runner did not)."""
+        self.prepare()
+        try:
+            return await self.preparing
+        finally:
+            self.preparing = None
 
     async def work(self, fn, *args, **kwargs):
         """Run `fn` in the role's worker thread (its name is what Ctrl-C says it waits for)."""

@@ -23,7 +23,6 @@ from ..sampler import make_sampler
 from ..sampler.factory import sampling_params
 from ..sampler.rounds import sample_round, to_batch
 from ..tasks import PromptStyle, TaskSource, get_task
-from ..trainer.progress import Stage
 from .base import Role, freeze_heap, wait_any
 from .interfaces import (
     BroadcastFeed,
@@ -63,13 +62,10 @@ class InferenceRole(Role):
         self._held_said: str | None = None  # the reason sampling is held, logged once
 
     def prepare(self) -> None:
-        """Load the model (the base one, as `start` did) while the host joins the swarm."""
-        if self.preparing is None:
-            # seconds to minutes (a one-time conversion too): said with an ETA from the last run
-            load = Stage("loading the model", "model_load", self.data_dir,
-                         self.state.extra.setdefault("starting", {}))
-            self.preparing = asyncio.ensure_future(load.around(
-                self.work(make_sampler, self.cfg, peer_id=self.identity.peer_id)))
+        """Load the model (the base one, as `start` did) while the host joins the swarm
+        (seconds to minutes, a one-time conversion too)."""
+        self.begin_load("loading the model", make_sampler, self.cfg,
+                        peer_id=self.identity.peer_id)
 
     async def start(self) -> None:
         self.tasks = TaskSource.of(self.cfg.tasks, self.cfg.node.swarm_id)
@@ -77,9 +73,7 @@ class InferenceRole(Role):
         # the settings of the loaded checkpoint: swapped with it, handed to every round
         self.effective = self.settings.local
         self.state.extra["settings"] = self.settings.view
-        self.prepare()  # begun by the runner already, unless a test starts the role alone
-        self.sampler = await self.preparing
-        self.preparing = None
+        self.sampler = await self.loaded()  # begun by the runner unless a test starts it
         self.tokenizer = self.sampler.tokenizer
         self.state.policy_version = self.sampler.version
         if self.feed is None:

@@ -42,7 +42,7 @@ from ..tasks import PromptStyle, TaskSource
 from ..trainer.distributed import attach_ranks
 from ..trainer.group import attach_group
 from ..trainer.hooks import StepHooks
-from ..trainer.progress import Stage, StepProgress, duration
+from ..trainer.progress import StepProgress, duration
 from ..trainer.trainer import Trainer
 from .base import Role, freeze_heap
 from .interfaces import CheckpointFeed, CheckpointPublisher, OwnCheckpoints, Verifier
@@ -84,10 +84,7 @@ class TrainerRole(Role):
     def prepare(self) -> None:
         """Load the model and the trainer's state (scale-out ranks and group included: none
         of it needs this node's swarm) while the host joins the swarm."""
-        if self.preparing is None:
-            load = Stage("loading the model and the trainer's state", "model_load",
-                         self.data_dir, self.state.extra.setdefault("starting", {}))
-            self.preparing = asyncio.ensure_future(load.around(self.work(self._load_trainer)))
+        self.begin_load("loading the model and the trainer's state", self._load_trainer)
 
     def _load_trainer(self) -> Trainer:
         name = self.cfg.model.name
@@ -97,9 +94,7 @@ class TrainerRole(Role):
 
     async def start(self) -> None:
         cfg = self.cfg
-        self.prepare()  # begun by the runner already, unless a test starts the role alone
-        self.trainer = await self.preparing
-        self.preparing = None
+        self.trainer = await self.loaded()  # begun by the runner unless a test starts it
         self.sampler = HFSampler(self.trainer.model, self.trainer.tokenizer,
                                  peer_id=self.identity.peer_id, version=self.trainer.version,
                                  max_context=cfg.model.max_context,

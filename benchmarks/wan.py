@@ -36,6 +36,7 @@ crosses one user-space delay stage (one core; the stage section says how much it
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import logging
@@ -55,7 +56,7 @@ from typing import Self
 if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from swarm_node.node.testing.netlab import Host, Lab, Link, Topology, probe
+from swarm_node.node.testing.netlab import Host, Lab, Link, NetlabError, Topology, probe
 from swarm_node.node.testing.netlab.scenarios import (
     WanPlan,
     link_kind,
@@ -317,6 +318,11 @@ def busy_share(t0, t1) -> float:
     return round(1.0 - idle / total, 3) if total > 0 else float("nan")
 
 
+LAUNCH_RUNNING_MAX_S = 180.0
+"""`--launch-gap running`: the longest wait for a boot peer's 'running' before the next
+launch (a peer that never gets there does not stop the others)."""
+
+
 class SwarmRun:
     """The real-node scenario on a wan_plan: start, contribute, steady state, churn,
     partition. Each phase adds to `self.out`."""
@@ -385,7 +391,13 @@ class SwarmRun:
         self.relays = [sw.start(r, r, "relay", bootstrap=[self.trainer], follow=[self.trainer])
                        for r in plan.relays]
         sw.wait_started(*self.relays)
-        peers = [self.start_peer(h) for h in plan.peers]
+        peers: list[LabNode] = []
+        self.out["launched_s"] = {}  # peer -> s after the trainer's launch
+        for h in plan.peers:
+            if peers:
+                self.launch_gap(peers[-1])
+            peers.append(self.start_peer(h))
+            self.out["launched_s"][peers[-1].name] = round(time.monotonic() - t0, 1)
         sw.wait_started(*peers, timeout=120 + 10 * len(peers))
         self.out["all_started_s"] = round(time.monotonic() - t0, 1)
 
@@ -427,11 +439,36 @@ class SwarmRun:
         self.out["boot_cpu_s"] = {n.name: [self.running_cpu.get(n.name),
                                            self.accepted_cpu.get(n.name)] for n in peers}
 
+    def launch_gap(self, prev: LabNode) -> None:
+        """Between two boot peers' launches (`--launch-gap`): nothing ('0', all at once), S
+        seconds, or until `prev`'s /status says 'running' (at most LAUNCH_RUNNING_MAX_S, or
+        it exited). Peers already up are tracked meanwhile (their first accepted rollout)."""
+        gap, sw = self.args.launch_gap, self.swarm
+        if gap in ("0", "0.0"):
+            return
+        t0 = time.monotonic()
+        if gap == "running":
+            limit = LAUNCH_RUNNING_MAX_S
+            try:
+                sw.wait_started(prev)
+            except NetlabError:  # it died at start: launch the next
+                return
+        else:
+            limit = float(gap)
+        while time.monotonic() - t0 < limit:
+            with contextlib.suppress(NetlabError):  # a peer exited: boot() reports it
+                sw.poll()
+            self.track()
+            if gap == "running" and (prev.exit_code is not None
+                                     or prev.status.get("phase") == "running"):
+                return
+            time.sleep(min(1.0, max(0.0, limit - (time.monotonic() - t0))))
+
     def steady(self) -> None:
         sw = self.swarm
         nodes = sw.running()
         u0 = {n.name: proc_usage(n) for n in nodes}
-        t0 = time.monotonic()
+        t0, busy0 = time.monotonic(), cpu_times()
         v0 = self.trainer.status.get("policy_version", 0)
         time.sleep(self.args.steady_s)
         sw.poll()
@@ -444,6 +481,7 @@ class SwarmRun:
                 "connections": n.status.get("connected_peers", 0), "rss_mib": u["rss_mib"],
                 "cpu_per_s": (u["cpu_s"] - u0[n.name]["cpu_s"]) / dt})
         self.out["steady"] = {"seconds": round(dt, 1), "usage": usage,
+                              "busy": busy_share(busy0, cpu_times()),
                               "versions": self.trainer.status.get("policy_version", 0) - v0,
                               "connected_pairs": self.connected_pairs(),
                               # per NAT'd peer: DCUtR's direct / failed / gave_up (for --json)
@@ -598,8 +636,10 @@ def swarm_body(args, out: dict) -> str:
                         max(ok, default=float("nan")), pct(ran, 50),
                         max(ran, default=float("nan"))])
     cpu = [v for v in out.get("boot_cpu_s", {}).values() if v[0] is not None]
+    launched = list(out.get("launched_s", {}).values())
     lines = [(f"Load before: {args.load_before}. {out['nodes']} nodes (wan_plan seed "
-             f"{args.seed}), all started after {out.get('all_started_s')} s. The cores were "
+             f"{args.seed}). {launch_line(args, launched)} All started after "
+             f"{out.get('all_started_s')} s. The cores were "
              f"{out.get('boot_busy', float('nan')):.0%} busy from the trainer's start to the "
              f"end of the contribute wait; a boot peer's own CPU until 'running': p50 "
              f"{pct([c[0] for c in cpu], 50)} s of CPU."),
@@ -611,7 +651,8 @@ def swarm_body(args, out: dict) -> str:
              *([f"Peers that exited during the start: {out['exited']}", ""]
                if out.get("exited") else []),
              (f"Steady state ({out['steady']['seconds']} s, trainer +"
-             f"{out['steady']['versions']} versions), mean per node:"), "",
+             f"{out['steady']['versions']} versions; the machine's cores "
+             f"{out['steady'].get('busy', float('nan')):.0%} busy), mean per node:"), "",
              table(["kind", "n", "connections", "RSS MiB", "CPU s/s"], usage_rows(out)), "",
              "Reachable by any peer (verdict public, relayed or direct; goal 100% for every NAT "
              "type): " + ", ".join(f"{k} {c}/{t}" for k, (c, t) in sorted(
@@ -644,6 +685,23 @@ def swarm_body(args, out: dict) -> str:
               f"rollouts accepted {t['rollouts_accepted']}. Log "
               f"lines: {out['log_signals']}. Delay stage: {out['stage']}.")]
     return "\n".join(lines)
+
+
+def launch_line(args, launched: list[float]) -> str:
+    """What `--launch-gap` did, in the section's words."""
+    span = (f" (launched {min(launched):.1f}-{max(launched):.1f} s after the trainer)"
+            if launched else "")
+    if args.launch_gap in ("0", "0.0"):
+        return (f"Launch: the trainer, then the 2 relays once they listen, then every "
+                f"inference peer at once{span}.")
+    how = ("as soon as the one before it said 'running' in its /status (model loaded, role "
+           f"started; polled every ~1 s, at most {LAUNCH_RUNNING_MAX_S:.0f} s)"
+           if args.launch_gap == "running" else f"{float(args.launch_gap):g} s after the one "
+           "before it")
+    return (f"Launch (`--launch-gap {args.launch_gap}`): the trainer, the relays, then one "
+            f"inference peer at a time, each {how}{span}, so a peer boots beside a running "
+            "swarm rather than beside all the others booting; every time below counts from "
+            "that peer's own launch.")
 
 
 # start-up timeline (node logs) -------------------------------------------------------------
@@ -1523,6 +1581,10 @@ def parse(argv=None):
     ap.add_argument("--churn-minutes", type=int, default=3)
     ap.add_argument("--partition-s", type=float, default=60.0)
     ap.add_argument("--converge-timeout", type=float, default=300.0)
+    ap.add_argument("--launch-gap", default="0", metavar="S|running",
+                    help="swarm: launch the boot peers one at a time, S s apart, or each "
+                         "once the one before says 'running' in its /status (at most "
+                         f"{LAUNCH_RUNNING_MAX_S:.0f} s); '0' (default): all at once")
     # gossip
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--interval", type=float, default=1.0)

@@ -17,13 +17,23 @@ nobody can reach, show as no new holders, and the shard is released `hold_s` aft
 first unanswered ask. An asker that was answered `seeded` for a shard for
 `ASKER_WAIT_HOLDS * hold_s` gets a copy whatever the adverts say: it reaches no holder
 (behind NAT, or its sources full of unreachable ones), or advertisers name shards they
-never serve (sybil keys cost nothing; this bounds what they can hold back to that wait).
+never serve (sybil keys cost nothing; this bounds what they can hold back to that wait,
+MAX_ASKER_WAIT_S once copies of the shard went out that way).
 
 Measured first (the timer it replaces: one more copy `hold_s` after the last, whatever
 the swarm did): 12 nodes in the simulated WAN, 64 MiB, the trainer gave 11 copies beyond
 each shard's first, all 5-8 s after the one before, 10 of them while other holders were
 uploading that very shard (one when 10 of the 11 receivers held it already); at 30 nodes
 the runs take longer and it handed out 5.6 copies of the checkpoint.
+
+Each copy released beyond `copies` makes the next one of that shard harder to get: the
+hold and the asker's wait are multiplied by EXTRA_BACKOFF per such copy (up to
+MAX_ASKER_WAIT_S). Measured first (30 nodes in the simulated WAN, 64 MiB, 2026-12-04):
+the trainer sent 6.1x the checkpoint, 79 copies beyond the shards' first (60 waited, 19
+stalled), 75 of them while other holders had uploads of that shard in the 5 s before, in
+bursts (4 copies of one shard within 0.8 s: every asker whose 15 s ran out at once),
+76 of them to public followers and relays (reachable by everyone). A copy given makes a
+holder that serves on; the next one of that shard waits for it.
 
 Relays and followers serve every request (their uplinks are what carries the swarm).
 """
@@ -48,6 +58,12 @@ forgotten one waits its `ASKER_WAIT_HOLDS` again."""
 ASKER_WAIT_HOLDS = 3.0
 """An asker answered `seeded` for a shard this many `hold_s` ago (15 s by default) gets a
 copy: a follower that asks the trainer knows no usable holder of the shard."""
+EXTRA_BACKOFF = 4.0
+"""Per copy of a shard already released beyond `copies`, its hold and the asker's wait are
+this many times longer (15 s, 60 s, then MAX_ASKER_WAIT_S for the asker by default)."""
+MAX_ASKER_WAIT_S = 120.0
+"""The longest an asker waits for its copy (unless ASKER_WAIT_HOLDS holds are longer):
+what advertisers that never serve can hold a follower back at most."""
 
 
 @dataclass
@@ -59,6 +75,7 @@ class _Copies:
     asked: dict[int, float] = field(default_factory=dict)
     heard: OrderedDict[str, int] = field(default_factory=OrderedDict)  # peer -> shard bits
     waiting: OrderedDict[tuple[str, int], float] = field(default_factory=OrderedDict)
+    extra: dict[int, int] = field(default_factory=dict)  # shard -> copies released beyond
 
 
 class Seeding:
@@ -90,6 +107,7 @@ class Seeding:
                     c.waiting.popitem(last=False)
                 return False
             self.released[why] += 1
+            c.extra[shard] = c.extra.get(shard, 0) + 1
         c.waiting.pop((peer, shard), None)
         c.asked.pop(shard, None)
         c.count[shard] = c.count.get(shard, 0) + 1
@@ -100,11 +118,14 @@ class Seeding:
     def _release(self, c: _Copies, shard: int, peer: str, now: float) -> str | None:
         """Why one more copy of `shard` goes out now ("stalled": the swarm stopped
         carrying it; "waited": this asker waited long enough), or None."""
+        scale = EXTRA_BACKOFF ** c.extra.get(shard, 0)
+        base = ASKER_WAIT_HOLDS * self.hold_s
+        wait = min(base * scale, max(base, MAX_ASKER_WAIT_S))
         first = c.waiting.get((peer, shard))
-        if first is not None and now - first >= ASKER_WAIT_HOLDS * self.hold_s:
+        if first is not None and now - first >= wait:
             return "waited"
         asked = c.asked.setdefault(shard, now)
-        if c.flying.get(shard, 0) == 0 and now - asked >= self.hold_s:
+        if c.flying.get(shard, 0) == 0 and now - asked >= min(self.hold_s * scale, wait):
             return "stalled"
         return None
 

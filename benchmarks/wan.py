@@ -4,6 +4,7 @@
     sudo .venv/bin/python benchmarks/wan.py                       # every section, 30 nodes
     sudo .venv/bin/python benchmarks/wan.py --sections stage pair --no-record
     sudo .venv/bin/python benchmarks/wan.py --sections swarm --nodes 8 --churn-minutes 1
+    sudo .venv/bin/python benchmarks/wan.py --sections swarm --nodes 20 --launch-gap running
 
 Sections (each writes its own part of RESULTS.md, "wan: <section>"):
 - stage: what the lab itself sustains: the delay stage's packets/s and CPU per packet (UDP
@@ -14,8 +15,10 @@ Sections (each writes its own part of RESULTS.md, "wan: <section>"):
 - swarm: `--nodes` real `swarm-node join` nodes (netlab.scenarios.wan_plan: a public trainer,
   2 public relays, a third of the peers public, the rest each behind its own home NAT, half
   symmetric): time from each peer's start to its first accepted rollout (goal: 60 s), per-
-  node connections, RSS, CPU; then churn (every minute a fifth of the peers leave, half
-  SIGKILL, half SIGTERM, and as many fresh ones join) and a partition that heals.
+  node connections, RSS, CPU (`--launch-gap S|running`: the boot peers one at a time, S s
+  apart or each once the one before is 'running', instead of all at once; docs/wan-lab.md);
+  then churn (every minute a fifth of the peers leave, half SIGKILL, half SIGTERM, and as
+  many fresh ones join) and a partition that heals.
 - gossip: `--nodes` gossip workers (our P2PNode, one per host, benchmarks/gossip.py's
   batches): rounds fully delivered and their p95, against the slowest path's RTT plus
   the batch's transfer time on the slowest uplink.
@@ -462,7 +465,7 @@ class SwarmRun:
             if gap == "running" and (prev.exit_code is not None
                                      or prev.status.get("phase") == "running"):
                 return
-            time.sleep(min(1.0, max(0.0, limit - (time.monotonic() - t0))))
+            time.sleep(min(2.0, max(0.0, limit - (time.monotonic() - t0))))
 
     def steady(self) -> None:
         sw = self.swarm
@@ -695,7 +698,7 @@ def launch_line(args, launched: list[float]) -> str:
         return (f"Launch: the trainer, then the 2 relays once they listen, then every "
                 f"inference peer at once{span}.")
     how = ("as soon as the one before it said 'running' in its /status (model loaded, role "
-           f"started; polled every ~1 s, at most {LAUNCH_RUNNING_MAX_S:.0f} s)"
+           f"started; polled every 2 s, at most {LAUNCH_RUNNING_MAX_S:.0f} s)"
            if args.launch_gap == "running" else f"{float(args.launch_gap):g} s after the one "
            "before it")
     return (f"Launch (`--launch-gap {args.launch_gap}`): the trainer, the relays, then one "

@@ -57,6 +57,20 @@ def test_swarm_body_renders_a_run_without_churn_or_partition():
             "wait; a boot peer's own CPU until 'running': p50 11.5 s of CPU") in body, body
 
 
+def test_swarm_body_says_how_the_boot_peers_were_launched():
+    for gap, says in (("0", "every inference peer at once (launched 3.0-3.1 s"),
+                      ("running", "each as soon as the one before it said 'running'"),
+                      ("20", "each 20 s after the one before it (launched 3.0-3.1 s")):
+        args = parse(["--sections", "swarm", "--launch-gap", gap])
+        args.load_before = "1.00/1.00/1.00"
+        out = swarm_out({"cone": [40.0]})
+        out["launched_s"] = {"p1g1": 3.0, "p2g2": 3.1}
+        out["steady"]["busy"] = 0.81
+        body = swarm_body(args, out)
+        assert says in body, body
+        assert "the machine's cores 81% busy" in body, body
+
+
 def test_swarm_body_names_peers_that_exited_during_the_start():
     args = parse(["--sections", "swarm"])
     args.load_before = "1.00/1.00/1.00"

@@ -142,6 +142,8 @@ class Seeding:
         if c is not None and c.count.get(shard, 0) > 0:
             c.count[shard] -= 1
             c.flying[shard] = max(0, c.flying.get(shard, 0) - 1)
+            # an extra copy that made no holder does not lengthen the next one's wait
+            c.extra[shard] = max(0, min(c.extra.get(shard, 0), c.count[shard] - self.copies))
 
     def heard(self, peer: str, advert: ShardAdvert, num_shards: int) -> None:
         """`peer` advertised holdings of one of our versions: the shards it names for the

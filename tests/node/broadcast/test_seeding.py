@@ -291,7 +291,11 @@ def test_each_copy_beyond_the_first_makes_the_next_one_wait_longer():
     assert not stalled.take(key, 1, "c")
     now[0] = 5.0 + 4 * 5.0
     assert stalled.take(key, 1, "c")
-    assert stalled.released == {"stalled": 2, "waited": 0}
+    stalled.give_back(key, 1)  # that upload failed, no new holder: the next waits 4x, not 16x
+    assert not stalled.take(key, 1, "d")
+    now[0] += 4 * 5.0
+    assert stalled.take(key, 1, "d")
+    assert stalled.released == {"stalled": 3, "waited": 0}
 
 
 async def test_followers_that_reach_no_holder_share_one_copy(tmp_path, trainer, ckpt, cfg):

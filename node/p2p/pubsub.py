@@ -551,6 +551,8 @@ class GossipService:
             pushed = self.pusher.claim(ann.content_hash, ann.size) if self.pusher else None
             if pushed is not None:  # a push that came while we pulled
                 return pushed
+            if self.pull_slots.stalled(origin):  # it did not serve (see _pull_pass)
+                return None
             if line:
                 ask = [line.popleft() for _ in range(min(PULL_PASS, len(line)))]
                 data, again = await self._pull_pass(ann, origin, ask, trace, hedger)
@@ -580,6 +582,8 @@ class GossipService:
         """Ask each source in turn: the checked body, or None and the sources to ask again."""
         again = []
         for source in sources:
+            if self.pull_slots.stalled(origin):  # it did not serve its own body: nor will
+                return None, []  # the others, who could only have pulled it from it
             if hedge is None or hedge.used:
                 data, retry = await self._ask(source, ann, origin, trace)
             else:
@@ -638,6 +642,8 @@ class GossipService:
                                                    return_when=asyncio.FIRST_COMPLETED)
                 if ask in done and ask.result()[0] is not None:
                     return ask.result()
+                if ask in done and self.pull_slots.stalled(origin):
+                    return None, False  # the announcer did not serve: the other side ends
                 if second in done and second.result() is not None:
                     self.metrics.inc("payload_pull_hedge_won")
                     if trace is not None:

@@ -3,22 +3,23 @@ what a receiver still delivers of an established announcer's bodies, and how lon
 newcomer's first body takes, before, during and after.
 
 In this process, real libp2p hosts on 127.0.0.1: a receiver with default pull settings;
-an established honest announcer (its bodies served: proven before the flood); an honest
-newcomer; --identities stalling announcers, each its own key and connection to the
+an established honest announcer (its bodies served: proven before the flood); one honest
+newcomer per --newcomer-at time; --identities stalling announcers, each its own key and connection to the
 receiver, announcing a new body every 1/--rate s and taking every pull of it without ever
 answering. Every body is pulled (publishers push nothing: --push 0, the path of a peer with
 no push link to the receiver). The established announcer publishes --honest-rate bodies/s
-throughout; the newcomer publishes one body a second from --newcomer-at s into the flood
-on. Phases of --phase seconds: baseline, flood, after.
+throughout; each newcomer publishes one body a second from its --newcomer-at s into the
+flood on (the default 5 and 45: one while the stallers' first pulls are under way, one
+after them). Phases of --phase seconds: baseline, flood, after.
 
 Figures: the established bodies delivered per second per phase and as a share of the
 baseline; recovery = seconds from the flood's end until a 1 s window delivers >= 95% of
-the baseline rate; the newcomer's first delivery = seconds from its first publish to the
+the baseline rate; a newcomer's first delivery = seconds from its first publish to the
 first of its bodies delivered; the receiver's pulls of the stallers' bodies from them and
 the announces it did not pull (`payload_pull_stalled_announcer`), and its cuts.
 
-    .venv/bin/python benchmarks/body_stall_flood.py [--identities 24] [--phase 30]
-        [--rate 1] [--newcomer-at 5] [--json OUT]
+    .venv/bin/python benchmarks/body_stall_flood.py [--identities 24] [--phase 60]
+        [--rate 1] [--newcomer-at 5,45] [--json OUT]
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ async def run(args) -> dict:
     try:
         receiver = await node([])
         established = await node(receiver.listen_addrs)
-        newcomer = await node(receiver.listen_addrs)
+        newcomers = [await node(receiver.listen_addrs) for _ in args.newcomer_at]
         stallers = [await node(receiver.listen_addrs) for _ in range(args.identities)]
         got: dict[str, list[float]] = {}  # origin -> delivery times
 
@@ -70,13 +71,13 @@ async def run(args) -> dict:
             got.setdefault(origin, []).append(time.monotonic())
 
         await receiver.subscribe(KIND, on_msg)
-        for n in (established, newcomer):
+        for n in (established, *newcomers):
             await n.subscribe(KIND, lambda env, peer: asyncio.sleep(0))
-        while not {established.peer_id, newcomer.peer_id} <= set(
+        while not {n.peer_id for n in (established, *newcomers)} <= set(
                 receiver.gossip.mesh_peers(KIND)):
             await asyncio.sleep(0.05)
         while (receiver.metrics["payload_bulk_warmed"]
-               + receiver.metrics["payload_bulk_warm_failed"] < args.identities + 2):
+               + receiver.metrics["payload_bulk_warm_failed"] < len(nodes) - 1):
             await asyncio.sleep(0.05)
 
         own: dict[str, set[bytes]] = {s.peer_id: set() for s in stallers}
@@ -97,7 +98,7 @@ async def run(args) -> dict:
             streams[s.peer_id] = await s.open_stream(receiver.peer_id, MESHSUB)
 
         stop, flood_on = asyncio.Event(), asyncio.Event()
-        newcomer_sent: list[float] = []
+        newcomer_sent: list[list[float]] = [[] for _ in newcomers]
 
         async def publish(who: P2PNode, rate: float, out: list[float] | None = None,
                           start_after: asyncio.Event | None = None, delay: float = 0.0):
@@ -128,8 +129,9 @@ async def run(args) -> dict:
                                         - loop.time()))
 
         tasks = [asyncio.create_task(publish(established, args.honest_rate)),
-                 asyncio.create_task(publish(newcomer, 1.0, newcomer_sent, flood_on,
-                                             args.newcomer_at))]
+                 *(asyncio.create_task(publish(n, 1.0, sent, flood_on, at))
+                   for n, sent, at in zip(newcomers, newcomer_sent, args.newcomer_at,
+                                          strict=True))]
         await asyncio.sleep(2)  # the established flow settles (and is proven)
         marks = {"baseline": time.monotonic()}
         await asyncio.sleep(args.phase)
@@ -147,7 +149,8 @@ async def run(args) -> dict:
         await asyncio.gather(*tasks)
         m = receiver.metrics
         return {"marks": marks, "established": got.get(established.peer_id, []),
-                "newcomer": got.get(newcomer.peer_id, []), "newcomer_sent": newcomer_sent,
+                "newcomers": [got.get(n.peer_id, []) for n in newcomers],
+                "newcomer_sent": newcomer_sent,
                 "asked": sorted(asked.values()), "announced": sum(map(len, own.values())),
                 "skipped": m["payload_pull_stalled_announcer"],
                 "unserved": m["rejected.unserved_announce"],
@@ -173,11 +176,17 @@ def summarize(args, r: dict) -> tuple[str, dict]:
         if rate(a, a + 1) >= 0.95 * base:
             recovery = k + 1.0
             break
-    first = (r["newcomer"][0] - r["newcomer_sent"][0]
-             if r["newcomer"] and r["newcomer_sent"] else None)
+    firsts = [got[0] - sent[0] if got and sent else None
+              for got, sent in zip(r["newcomers"], r["newcomer_sent"], strict=True)]
+    newcomer_text = "; ".join(
+        f"published {at:g} s into the flood: first body after "
+        f"{'never' if first is None else f'{first:.1f} s'}, {len(got)} of its {len(sent)} "
+        f"delivered" for at, first, got, sent in zip(args.newcomer_at, firsts, r["newcomers"],
+                                                     r["newcomer_sent"], strict=True))
     figures = {"baseline": base, "during": during, "after": after, "recovery_s": recovery,
-               "newcomer_first_s": first, "newcomer_delivered": len(r["newcomer"]),
-               "newcomer_sent": len(r["newcomer_sent"]), "asked": r["asked"],
+               "newcomer_at": args.newcomer_at, "newcomer_first_s": firsts,
+               "newcomer_delivered": [len(x) for x in r["newcomers"]],
+               "newcomer_sent": [len(x) for x in r["newcomer_sent"]], "asked": r["asked"],
                "announced": r["announced"], "skipped": r["skipped"],
                "unserved": r["unserved"], "cut": r["cuts"]}
     text = (f"{args.identities} stalling identities x {args.rate:g} announces/s, established "
@@ -185,9 +194,7 @@ def summarize(args, r: dict) -> tuple[str, dict]:
             f"established bodies/s: baseline {base:.1f}, flood {during:.1f} "
             f"({100 * during / base:.0f}%), after {after:.1f} ({100 * after / base:.0f}%); "
             f"recovery {'none within the phase' if recovery is None else f'{recovery:.0f} s'}; "
-            f"newcomer's first body (published {args.newcomer_at:g} s into the flood): "
-            f"{'never' if first is None else f'{first:.1f} s'}, "
-            f"{len(r['newcomer'])} of its {len(r['newcomer_sent'])} delivered; stallers' "
+            f"newcomers: {newcomer_text}; stallers' "
             f"bodies pulled from them {sum(r['asked'])} of {r['announced']} announced "
             f"(per staller {min(r['asked'])}-{max(r['asked'])}), not pulled "
             f"{r['skipped']}, unserved charges {r['unserved']}, stallers cut {r['cuts']}")
@@ -199,8 +206,9 @@ def main() -> None:
     ap.add_argument("--identities", type=int, default=24)
     ap.add_argument("--rate", type=float, default=1.0, help="announces/s per staller")
     ap.add_argument("--honest-rate", type=float, default=10.0)
-    ap.add_argument("--phase", type=float, default=30.0)
-    ap.add_argument("--newcomer-at", type=float, default=5.0)
+    ap.add_argument("--phase", type=float, default=60.0)
+    ap.add_argument("--newcomer-at", type=lambda v: [float(x) for x in v.split(",")],
+                    default=[5.0, 45.0], help="seconds into the flood, one newcomer each")
     ap.add_argument("--push", type=int, default=0, help="p2p.payload_push_fanout")
     ap.add_argument("--json", default="", help="also write the figures here")
     args = ap.parse_args()

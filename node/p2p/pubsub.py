@@ -551,11 +551,10 @@ class GossipService:
             pushed = self.pusher.claim(ann.content_hash, ann.size) if self.pusher else None
             if pushed is not None:  # a push that came while we pulled
                 return pushed
-            if self.pull_slots.stalled(origin):  # it did not serve (see _pull_pass)
-                return None
             if line:
                 ask = [line.popleft() for _ in range(min(PULL_PASS, len(line)))]
-                data, again = await self._pull_pass(ann, origin, ask, trace, hedger)
+                data, again = await self._pull_pass(ann, origin, ask, trace, hedger,
+                                                    until=deadline)
                 if data is not None:
                     return data
                 line.extend(again)
@@ -577,13 +576,15 @@ class GossipService:
             pause = min(pause * 2, PULL_RETRY_MAX_S)
 
     async def _pull_pass(self, ann: PayloadAnnounce, origin: str, sources: list[str],
-                         trace: BodyTrace | None = None, hedge: _Hedge | None = None
-                         ) -> tuple[bytes | None, list[str]]:
-        """Ask each source in turn: the checked body, or None and the sources to ask again."""
+                         trace: BodyTrace | None = None, hedge: _Hedge | None = None,
+                         until: float | None = None) -> tuple[bytes | None, list[str]]:
+        """Ask each source in turn (none after the loop time `until`): the checked body, or
+        None and the sources to ask again."""
         again = []
         for source in sources:
-            if self.pull_slots.stalled(origin):  # it did not serve its own body: nor will
-                return None, []  # the others, who could only have pulled it from it
+            if until is not None and asyncio.get_running_loop().time() >= until:
+                break  # past the pull's deadline: asks of stalling peers in a row held a
+                # slot a pull timeout each (20 stallers: ~4 timeouts per pull)
             if hedge is None or hedge.used:
                 data, retry = await self._ask(source, ann, origin, trace)
             else:

@@ -116,6 +116,8 @@ async def test_many_stalling_announcers_lose_their_place_and_a_newcomer_is_serve
                          what="a pull of every staller's body unserved")
         # the newcomer's first body, while the stallers go on announcing
         await newcomer.publish(KIND, batch(newcomer.peer_id, 8192, 0))
+        # (on the code before, its pull queued behind the stallers' next pulls in the
+        # unproven half: 'timed out after 60 s waiting for the newcomer's body')
         await wait_until(lambda: (newcomer.peer_id, 0) in got, 60, what="the newcomer's body")
         asks = dict(asked)
         announced = sum(map(len, own.values()))
@@ -128,8 +130,7 @@ async def test_many_stalling_announcers_lose_their_place_and_a_newcomer_is_serve
           f"skipped {receiver.metrics['payload_pull_stalled_announcer']}; established "
           f"bodies/s before {base:.1f}, during {during:.1f}, after {after:.1f}")
     # each staller's bodies were pulled from it once: its first unserved pull cost it its
-    # place (before: one pull per announce, one at a time, until the queue of 256 was
-    # full; 'assert [1, 2] == [1]')
+    # place (before: one pull per announce, one at a time, until its queue of 256 was full)
     assert sorted(set(asks.values())) == [1]
     assert receiver.metrics["payload_pull_stalled_announcer"] > 0  # announces not pulled
     assert not any(slots.proven(s.peer_id) for s in stallers)

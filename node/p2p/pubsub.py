@@ -553,8 +553,7 @@ class GossipService:
                 return pushed
             if line:
                 ask = [line.popleft() for _ in range(min(PULL_PASS, len(line)))]
-                data, again = await self._pull_pass(ann, origin, ask, trace, hedger,
-                                                    until=deadline)
+                data, again = await self._pull_pass(ann, origin, ask, trace, hedger)
                 if data is not None:
                     return data
                 line.extend(again)
@@ -576,15 +575,15 @@ class GossipService:
             pause = min(pause * 2, PULL_RETRY_MAX_S)
 
     async def _pull_pass(self, ann: PayloadAnnounce, origin: str, sources: list[str],
-                         trace: BodyTrace | None = None, hedge: _Hedge | None = None,
-                         until: float | None = None) -> tuple[bytes | None, list[str]]:
-        """Ask each source in turn (none after the loop time `until`): the checked body, or
-        None and the sources to ask again."""
+                         trace: BodyTrace | None = None, hedge: _Hedge | None = None
+                         ) -> tuple[bytes | None, list[str]]:
+        """Ask each source in turn: the checked body, or None and the sources to ask again."""
         again = []
         for source in sources:
-            if until is not None and asyncio.get_running_loop().time() >= until:
-                break  # past the pull's deadline: asks of stalling peers in a row held a
-                # slot a pull timeout each (20 stallers: ~4 timeouts per pull)
+            if hedge is not None and hedge.used and self.pull_slots.stalled(origin):
+                # the hedge asked the others already and the announcer did not serve:
+                # asking them again in a row held a slot a pull timeout per stalling peer
+                return None, []
             if hedge is None or hedge.used:
                 data, retry = await self._ask(source, ann, origin, trace)
             else:

@@ -46,7 +46,7 @@ PULL_QUEUE_PER_ANNOUNCER = 256
 # place at once: none of its announces is pulled for STALL_S, then one trial pull; each
 # further unserved trial doubles the wait, up to STALL_MAX_S; a served body ends it. (5
 # points per unserved pull, scores halving every 60 s: 24 stalling identities sharing 8
-# unproven slots were each pulled once per 30 s and never reached the cut at 100.)
+# unproven slots are pulled once per ~30 s each and never reached the cut at 100.)
 STALL_S = 30.0
 STALL_MAX_S = 600.0
 # A source that does not hold an announced body yet (a forwarder that is pulling it itself:

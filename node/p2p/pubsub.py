@@ -42,6 +42,13 @@ MESH_POLL_S = 0.02
 # Announced pulls of one announcer waiting for its pull slots; more are dropped (counted
 # payload_pull_queue_full). An announce is ~150 bytes plus its waiting task.
 PULL_QUEUE_PER_ANNOUNCER = 256
+# An announcer that did not serve a pull of its own body (`unserved_announce`) loses its
+# place at once: none of its announces is pulled for STALL_S, then one trial pull; each
+# further unserved trial doubles the wait, up to STALL_MAX_S; a served body ends it. (5
+# points per unserved pull, scores halving every 60 s: 24 stalling identities sharing 8
+# unproven slots are pulled once per ~30 s each and never reached the cut at 100.)
+STALL_S = 30.0
+STALL_MAX_S = 600.0
 # A source that does not hold an announced body yet (a forwarder that is pulling it itself:
 # announces travel ahead of their bodies) is asked again after this, doubling up to the max.
 PULL_RETRY_S = 0.05
@@ -418,12 +425,18 @@ class GossipService:
                                           self.pusher.push_wait(origin))
             trace.push_waited, trace.via = clock() - trace.announced, "push"
         if data is None:
+            if self.pull_slots.stalled(origin):  # it did not serve: no pull till STALL_S
+                self.metrics.inc("payload_pull_stalled_announcer")
+                return
             slot = self.pull_slots.claim(origin)
             if slot is None:  # this announcer already has that many pulls waiting
                 self.metrics.inc("payload_pull_queue_full")
                 return
             t0 = clock()
-            async with slot:
+            async with slot as go:
+                if not go:  # it failed to serve another pull while this one waited
+                    self.metrics.inc("payload_pull_stalled_announcer")
+                    return
                 trace.queued, t0 = clock() - t0, clock()
                 data = await self.fetch_payload(ann, origin, trace=trace)
                 trace.pulling = clock() - t0
@@ -567,6 +580,10 @@ class GossipService:
         """Ask each source in turn: the checked body, or None and the sources to ask again."""
         again = []
         for source in sources:
+            if hedge is not None and hedge.used and self.pull_slots.stalled(origin):
+                # the hedge asked the others already and the announcer did not serve:
+                # asking them again in a row held a slot a pull timeout per stalling peer
+                return None, []
             if hedge is None or hedge.used:
                 data, retry = await self._ask(source, ann, origin, trace)
             else:
@@ -625,6 +642,8 @@ class GossipService:
                                                    return_when=asyncio.FIRST_COMPLETED)
                 if ask in done and ask.result()[0] is not None:
                     return ask.result()
+                if ask in done and self.pull_slots.stalled(origin):
+                    return None, False  # the announcer did not serve: the other side ends
                 if second in done and second.result() is not None:
                     self.metrics.inc("payload_pull_hedge_won")
                     if trace is not None:
@@ -673,6 +692,7 @@ class GossipService:
             if e.reason == "not_held" or (origin in peers.connected_peers()
                                           and not peers.is_relayed(origin)):
                 self._reject_body(origin, "unserved_announce")  # announced it, did not serve
+                self.pull_slots.unserved(origin)  # ... and loses its place (STALL_S)
             else:  # no connection but through a relay, or none (behind NAT): a slow or
                 self.metrics.inc("payload_pull_misses")  # failed path is no offence
             return False
@@ -704,9 +724,17 @@ class PullSlots:
     unproves them, `failed`). An unproven announcer holds one slot at a time, and all of
     them together at most half of the slots: many identities that announce and stall (new
     identities cost nothing) can no longer hold every slot, the announcers that served us
-    keep the other half, and one stalling newcomer leaves room for another newcomer."""
+    keep the other half, and one stalling newcomer leaves room for another newcomer.
+
+    An announcer that did not serve a pull of its own body (`unserved`) is "stalled": for
+    STALL_S (doubling with each further unserved pull, up to STALL_MAX_S) no pull of its
+    goes ahead (`stalled`; a pull of its that waited for a slot meanwhile gives its place
+    up without taking one), so N stalling identities cost the unproven half one pull
+    timeout each, not one per announce, and a newcomer's first body waits behind at most
+    their first pulls. A served body ends it (`served`)."""
 
     PROVEN_MAX = 4096  # announcers remembered as proven (oldest forgotten first)
+    STALLED_MAX = 4096  # stalled announcers remembered (oldest forgotten first)
 
     def __init__(self, total: int, queued: int = PULL_QUEUE_PER_ANNOUNCER):
         self.per_announcer = max(1, total // 2)
@@ -715,6 +743,8 @@ class PullSlots:
         self._unproven = asyncio.Semaphore(max(1, total // 2))
         self._announcers: dict[str, _AnnouncerPulls] = {}
         self._proven: OrderedDict[str, None] = OrderedDict()
+        # announcer -> (monotonic time its stall ends, the stall's length)
+        self._stalled: OrderedDict[str, tuple[float, float]] = OrderedDict()
 
     def pulls(self, announcer: str) -> int:
         """Pulls of `announcer` holding or waiting for a slot."""
@@ -724,8 +754,23 @@ class PullSlots:
     def proven(self, announcer: str) -> bool:
         return announcer in self._proven
 
+    def stalled(self, announcer: str) -> bool:
+        """`announcer` did not serve a pull within the last stall: pull nothing of it."""
+        entry = self._stalled.get(announcer)
+        return entry is not None and time.monotonic() < entry[0]
+
+    def unserved(self, announcer: str) -> None:
+        """`announcer` did not serve a pull of its own body: it is stalled for STALL_S, or
+        twice its last stall (up to STALL_MAX_S) if it had one."""
+        last = self._stalled.pop(announcer, None)
+        length = STALL_S if last is None else min(2 * last[1], STALL_MAX_S)
+        self._stalled[announcer] = (time.monotonic() + length, length)
+        while len(self._stalled) > self.STALLED_MAX:
+            self._stalled.popitem(last=False)
+
     def served(self, announcer: str) -> None:
         """A pull of `announcer`'s payload gave a verified body."""
+        self._stalled.pop(announcer, None)
         self._proven[announcer] = None
         self._proven.move_to_end(announcer)
         while len(self._proven) > self.PROVEN_MAX:
@@ -735,10 +780,11 @@ class PullSlots:
         """A pull of `announcer`'s payload gave nothing usable."""
         self._proven.pop(announcer, None)
 
-    def claim(self, announcer: str) -> contextlib.AbstractAsyncContextManager | None:
+    def claim(self, announcer: str) -> contextlib.AbstractAsyncContextManager[bool] | None:
         """A context that holds one slot for a pull of `announcer`'s payload (waiting for
         it first), or None if `announcer` already has its share and a full queue. Enter
-        it at once: the place in the queue is taken here."""
+        it at once: the place in the queue is taken here. It gives False, holding no slot,
+        if `announcer` was stalled while the pull waited: do not pull then."""
         entry = self._announcers.get(announcer)
         if entry is None:
             entry = _AnnouncerPulls(asyncio.Semaphore(self.per_announcer))
@@ -749,16 +795,20 @@ class PullSlots:
         return self._hold(announcer, entry)
 
     @contextlib.asynccontextmanager
-    async def _hold(self, announcer: str, entry: _AnnouncerPulls) -> AsyncIterator[None]:
+    async def _hold(self, announcer: str, entry: _AnnouncerPulls) -> AsyncIterator[bool]:
         try:
-            async with entry.slots:
+            async with entry.slots, contextlib.AsyncExitStack() as held:
                 # whether it needs the unproven share is decided once it is its turn
-                if self.proven(announcer):
-                    async with self._all:
-                        yield
-                else:
-                    async with entry.unproven, self._unproven, self._all:
-                        yield
+                sems = ((self._all,) if self.proven(announcer)
+                        else (entry.unproven, self._unproven, self._all))
+                for sem in sems:
+                    if self.stalled(announcer):
+                        break
+                    await held.enter_async_context(sem)
+                go = not self.stalled(announcer)
+                if not go:
+                    await held.aclose()  # its slots to the next pull at once
+                yield go
         finally:
             entry.users -= 1
             if entry.users == 0:

@@ -263,10 +263,15 @@ async def test_13_garbage_on_every_protocol_does_not_stop_training(tmp_path, tin
     """Issue 30 item 13: random bytes on every protocol the trainer serves (ours and
     libp2p's: meshsub, identify, ping, kad), from 8 connections of fresh identities replaced
     when cut: the trainer keeps training on the established honest peer's batches during
-    and after it, and rejects none of them."""
+    and after it, and rejects none of them; its memory stays bounded, and the honest
+    peer's acceptance rate (per second of the trainer's clock) stays at half its rate
+    before at least during the garbage and gets back to 80% of it after (the issue: 67/s
+    to 9.6/s, measured at the p2p layer only). How long the return took is printed, never
+    asserted; the ceiling only ends a hang."""
     from swarm_node.node.config import Config
     from swarm_node.node.testing.flood import GarbageFlood
 
+    window = 10.0  # seconds of the trainer's clock per rate (3 paced versions at least)
     stop = asyncio.Event()
     flooding = None
     # paced (pacing.py): a step every 3 s, so the 4 versions waited for take ~15 s of
@@ -277,29 +282,52 @@ async def test_13_garbage_on_every_protocol_does_not_stop_training(tmp_path, tin
     async with honest_pair(tmp_path, tiny_model_dir, **PACE) as (trainer, tcfg, honest, tid,
                                                                  boot):
         try:
+            samples: list[tuple[float, int]] = []  # (trainer uptime, honest accepted)
+
+            def sample() -> tuple[float, int]:
+                samples.append((trainer.status()["uptime_s"], honest()["accepted"]))
+                return samples[-1]
+
+            def rate(since: float) -> float | None:
+                """Honest completions accepted per second from `since` on, once that
+                spans `window`."""
+                first = next((x for x in samples if x[0] >= since), None)
+                if first is None or samples[-1][0] - first[0] < window:
+                    return None
+                return (samples[-1][1] - first[1]) / (samples[-1][0] - first[0])
+
+            start = sample()[0]
+            base = await until(lambda: sample() and rate(start), 300,
+                               "the honest rate before the garbage", trainer)
             swarm = Config.model_validate({"node": {"swarm_id": tcfg["node"]["swarm_id"],
                                                     "listen": ["/ip4/127.0.0.1/tcp/0"]}})
             flood = GarbageFlood(swarm, boot, tid, connections=8, interval_s=0.1)
-            before, v0 = honest()["accepted"], trainer.status()["policy_version"]
-            t0 = trainer.status()["uptime_s"]
+            rss0 = rss_mib(trainer.proc.pid)
+            (t0, before), v0 = sample(), trainer.status()["policy_version"]
             flooding = asyncio.ensure_future(flood.run(stop))
             # 15 s of the trainer's clock with garbage at least, 4 more honest batches and 4
             # versions trained on meanwhile
-            await until(lambda: honest()["accepted"] >= before + 64
-                        and (s := trainer.status()).get("uptime_s", 0) >= t0 + 15
-                        and s.get("policy_version", 0) >= v0 + 4, 400,
+            await until(lambda: (s := sample())[1] >= before + 64 and s[0] >= t0 + 15
+                        and trainer.status().get("policy_version", 0) >= v0 + 4, 400,
                         "honest batches accepted and 4 versions during the garbage", trainer)
-            v1 = trainer.status()["policy_version"]
+            during, v1 = rate(t0) or 0.0, trainer.status()["policy_version"]
             stop.set()
             await flooding
             flooding = None
-            after0 = honest()["accepted"]
-            await until(lambda: honest()["accepted"] >= after0 + 32, 300,
-                        "honest batches accepted after the garbage", trainer)
+            rss1 = rss_mib(trainer.proc.pid)
+            t1 = sample()[0]
+            back = await until(lambda: sample() and (rate(t1) or 0.0) >= 0.8 * base
+                               and samples[-1][0], 300,
+                               "the honest rate back to 80% of before", trainer)
             print(f"garbage: {flood.streams} streams over {flood.carriers} carriers "
-                  f"({flood.cut} cut, {flood.refused} refused); versions {v0} -> {v1}")
+                  f"({flood.cut} cut, {flood.refused} refused); versions {v0} -> {v1}; honest "
+                  f"rate before {base:.1f}/s, during {during:.1f}/s, >= 80% again "
+                  f"{back - t1:.1f} s after (window {window:.0f} s included); trainer RSS "
+                  f"{rss0:.0f} -> {rss1:.0f} MiB")
             assert flood.streams >= 100  # the garbage did reach the trainer's handlers
             assert v1 >= v0 + 4 and honest()["rejected"] == 0
+            assert during >= 0.5 * base
+            assert rss1 <= rss0 + 300  # as test_4: bounded, whatever the garbage held
             assert trainer.proc.poll() is None
         finally:
             stop.set()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+from swarm_node.node.p2p import pubsub
 from swarm_node.node.p2p.bodies import KIND as BODY
 from swarm_node.node.p2p.pubsub import PullSlots
 
@@ -161,3 +162,33 @@ async def test_unproven_announcers_share_half_the_slots_and_a_failure_unproves()
     slots.failed("honest")
     assert not slots.proven("honest")
     assert [PullSlots(n)._unproven._value for n in (1, 2, 4, 9)] == [1, 1, 2, 4]
+
+
+async def test_an_unserved_announcer_loses_its_place_at_once_until_it_serves(monkeypatch):
+    slots = PullSlots(2)  # one unproven slot
+    release = asyncio.Event()
+    went: list[bool] = []
+
+    async def pull(announcer: str) -> None:
+        async with slots.claim(announcer) as go:
+            went.append(go)
+            if go:
+                await release.wait()
+
+    first = asyncio.create_task(pull("x"))
+    await wait_until(lambda: went == [True], 5, what="x's first pull")
+    queued = asyncio.create_task(pull("x"))  # waits for x's one unproven slot
+    await wait_until(lambda: slots.pulls("x") == 2, 5, what="x's second pull queued")
+    slots.unserved("x")  # the first pull was not served
+    release.set()
+    await asyncio.gather(first, queued)
+    assert went == [True, False]  # the queued pull gave its place up, holding no slot
+    assert slots.stalled("x") and slots._unproven._value == 1
+    length = slots._stalled["x"][1]
+    slots.unserved("x")  # a trial after the stall, unserved again: twice as long
+    assert slots._stalled["x"][1] == 2 * length
+    slots.served("x")  # a body it served (pushed or pulled elsewhere) ends it
+    assert not slots.stalled("x")
+    monkeypatch.setattr(pubsub, "STALL_S", 0.0)  # a stall that has run out: one trial
+    slots.unserved("y")
+    assert not slots.stalled("y")

@@ -60,6 +60,8 @@ class InferenceRole(Role):
         # a round is sampled only when its counter can be persisted: a full disk pauses it
         self.disk = DiskWatch("sampling", self.data_dir)
         self._held_said: str | None = None  # the reason sampling is held, logged once
+        self._hold_seen = False  # whether the round loop last found sampling held
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def prepare(self) -> None:
         """Load the model (the base one, as `start` did) while the host joins the swarm
@@ -74,13 +76,14 @@ class InferenceRole(Role):
         self.effective = self.settings.local
         self.state.extra["settings"] = self.settings.view
         self.sampler = await self.loaded()  # begun by the runner unless a test starts it
+        self._loop = asyncio.get_running_loop()
         self.tokenizer = self.sampler.tokenizer
         self.state.policy_version = self.sampler.version
         if self.feed is None:
             self.feed = BroadcastFeed.create(
                 self.p2p, self.cfg.broadcast, self.data_dir / "broadcast",
                 follow=self.cfg.node.follow, role="inference", choice=trainer_choice(self.cfg),
-                settings_check=self.settings.check)
+                settings_check=self.check_settings)
         self.feed.listen(self._on_checkpoint)
         self.policy_id = self.feed.chosen()
         self.state.policy_id = self.policy_id or ""
@@ -99,6 +102,29 @@ class InferenceRole(Role):
         log.info("inference peer ready: model %s, policy version %d", self.cfg.model.name,
                  self.sampler.version)
         freeze_heap()
+
+    def check_settings(self, settings, trainer: str = "", version: int = -1) -> str | None:
+        """The feed's settings gate (`SettingsFollower.check`). When its verdict holds
+        sampling (`_held`: a refused version more than trainer.max_staleness ahead) or
+        releases it, the round loop is woken at once, not at the end of its version wait
+        (version_wait_s, 30 s by default). A refusal that does neither (a version still
+        within the staleness bound) wakes nothing: a round of the loaded version is still
+        accepted, and the loop's wait for the trainer's current version goes on."""
+        refusal = self.settings.check(settings, trainer, version)
+        if self._loop is not None:
+            try:
+                on_loop = asyncio.get_running_loop() is self._loop
+            except RuntimeError:  # a gate called from a worker thread
+                on_loop = False
+            if on_loop:
+                self._wake_if_hold_changed()
+            else:
+                self._loop.call_soon_threadsafe(self._wake_if_hold_changed)
+        return refusal
+
+    def _wake_if_hold_changed(self) -> None:
+        if (self._held() is not None) != self._hold_seen:
+            self.new_version.set()
 
     def _on_checkpoint(self, ckpt: VerifiedCheckpoint) -> None:
         if self.policy_id is None:  # the explicit choice (follow.py) was made meanwhile
@@ -162,7 +188,9 @@ class InferenceRole(Role):
                 self.new_version.clear()
                 continue
             self.state.policy_id = self.policy_id
-            if held := self._held():
+            held = self._held()
+            self._hold_seen = held is not None  # a change from now on wakes the waits below
+            if held:
                 # a round now would be stale at the trainer (rejected and counted against
                 # this node): wait for a checkpoint instead of sampling the old one
                 why, line = held
@@ -207,6 +235,13 @@ class InferenceRole(Role):
                 self.state.count("stale_batches_discarded")
                 log.info("discarded round %d: sampled with v%d, v%d already here", batch.round,
                          batch.policy_version, self.pending[0])
+                continue
+            if held := self._held():
+                # sampling was held while this round sampled (the trainer is now too far
+                # ahead): the trainer would reject it as stale and count it against us
+                self.state.count("stale_batches_discarded")
+                log.info("discarded round %d of v%d: %s", batch.round, batch.policy_version,
+                         held[1])
                 continue
             try:
                 await self.sink.publish(batch)

@@ -412,18 +412,20 @@ def test_a_peer_that_refuses_the_policy_sends_no_stale_rounds(swarm, tiny_model_
     says so once, and shows the refusal as a banner."""
     lag = 1  # the peer's own staleness bound: the module trainer is far past v0 + 1
     wait_for(lambda: swarm.status()["policy_version"] > lag + 1, 120, "the trainer past v2")
+    # version_wait_s, how long a peer waits for the trainer's announcement before sampling
+    # what it has, far beyond this test: the refusal that holds sampling ends that wait (the
+    # gate wakes the round loop once the refused version is more than `lag` ahead; with 2 s,
+    # a whole-suite run's peer ran out of its wait before it heard the trainer and sent v0)
     argv = peer_argv(join_line(swarm), tmp_path, tiny_model_dir, "--set",
-                     "sampler.temperature=0.7", "--set", "sampler.version_wait_s=12",
+                     "sampler.temperature=0.7", "--set", "sampler.version_wait_s=3600",
                      "--set", f"trainer.max_staleness={lag}")
     peer = Peer(tmp_path / "refusing", argv).start()
     try:
         peer.wait(lambda: "sampling held: the trainer's" in peer.text(), "sampling held")
         assert "settings_refused" in _codes(peer.status())
         version = swarm.status()["policy_version"]
-        # a version wait (12 s: a peer hears the trainer's version at its next announcement,
-        # a new version every PACE_S or a re-advert every 10 s; with 2 s, a whole-suite run's
-        # peer ran out of its first wait, sampled v0 and sent it) and five paced trainer
-        # versions (>= 15 s) later: still nothing sent
+        # five paced trainer versions (>= 15 s; each one refused here, none wakes the held
+        # peer into a round) later: still nothing sent
         wait_for(lambda: swarm.status()["policy_version"] >= version + 5, 120,
                  "five more trainer versions while the peer holds")
         doc = peer.status()

@@ -287,3 +287,75 @@ async def test_the_trainers_v0_is_sampled_with_its_adopted_settings(tmp_path, ti
     assert (batch.policy_id, batch.policy_version) == (TRAINER, 0)
     assert (batch.sampling.temperature, batch.sampling.top_k) == (0.5, 5)
     assert dict(role.effective.adopted) == {"temperature": 0.5, "top_k": 5}
+
+
+def refusing_cfg(model_dir, data_dir) -> Config:
+    """A peer whose explicit temperature differs from the trainer's (its policy is refused
+    here), with a staleness bound of 1 and a version wait far beyond the hang guard: only
+    a wake ends that wait within the test."""
+    return make_cfg(model_dir, data_dir).with_overrides({
+        "sampler.temperature": 0.7, "trainer.max_staleness": 1,
+        "sampler.version_wait_s": 10 * HANG_GUARD_S})
+
+
+def trainer_settings(cfg, temperature: float):
+    from swarm_node.node.roles.settings import swarm_settings
+
+    return swarm_settings(cfg.with_overrides({"sampler.temperature": temperature}))
+
+
+async def test_a_refusal_that_makes_rounds_stale_holds_sampling_at_once(
+        tmp_path, tiny_model_dir):
+    """The manifest gate refuses the followed trainer's policy. Its v1 is within the peer's
+    staleness bound (a v0 round is still accepted): nothing wakes the wait for the trainer's
+    version. Its v3 is not: sampling is held at once, not when the version wait runs out (it
+    used to: the hold took effect at the next round, up to version_wait_s later). A later
+    acceptance releases the hold at once too, and the next round goes out."""
+    cfg = refusing_cfg(tiny_model_dir, tmp_path / "data")
+    feed, stop = FakeFeed(tmp_path, follow=[TRAINER], chosen=TRAINER), asyncio.Event()
+    sink = RecordingSink(lambda batch, n: stop.set())
+    role = await started_role(cfg, feed, sink)
+    theirs = trainer_settings(cfg, 0.5)
+    try:
+        run = asyncio.create_task(role.run(stop))
+        await until(lambda: stop._waiters, "the role to wait for the trainer's version")
+        assert role.check_settings(theirs, TRAINER, 1) is not None  # refused, within bound
+        assert not role.new_version.is_set() and "sampling_held" not in role.state.extra
+        assert role.check_settings(theirs, TRAINER, 3) is not None  # 3 - 0 > 1: stale
+        await until(lambda: "sampling_held" in role.state.extra, "sampling held")
+        assert "v3 is refused" in role.state.extra["sampling_held"] and sink.batches == []
+        # the trainer's settings now match this node's (its next manifest is accepted)
+        assert role.check_settings(trainer_settings(cfg, 0.7), TRAINER, 1) is None
+        await asyncio.wait_for(run, HANG_GUARD_S)
+    finally:
+        await role.close()
+    assert [(b.policy_id, b.policy_version) for b in sink.batches] == [(TRAINER, 0)]
+    assert "sampling_held" not in role.state.extra
+
+
+async def test_a_hold_that_comes_while_a_round_samples_drops_that_round(
+        tmp_path, tiny_model_dir):
+    """Sampling is held (a refused v3, more than max_staleness past v0) while a round of
+    v0 samples: that round is stale at the trainer and is not sent. It used to be."""
+    cfg = refusing_cfg(tiny_model_dir, tmp_path / "data")
+    feed = FakeFeed(tmp_path, follow=[TRAINER], chosen=TRAINER)
+    sink, stop = RecordingSink(), asyncio.Event()
+    role = await started_role(cfg, feed, sink)
+    sample = role.work_oom_safe
+
+    async def refused_while_sampling(fn, *args, **kwargs):
+        batch = await sample(fn, *args, **kwargs)
+        assert role.check_settings(trainer_settings(cfg, 0.5), TRAINER, 3) is not None
+        return batch
+
+    role.work_oom_safe = refused_while_sampling
+    try:
+        feed.deliver(TRAINER, 0, tiny_model_dir)  # ends the first wait: v0 is current
+        run = asyncio.create_task(role.run(stop))
+        await until(lambda: "sampling_held" in role.state.extra, "sampling held")
+        stop.set()
+        await asyncio.wait_for(run, HANG_GUARD_S)
+    finally:
+        await role.close()
+    assert sink.batches == [] and role.state.rollouts_sent == 0
+    assert role.state.counters["stale_batches_discarded"] == 1

@@ -38,6 +38,7 @@ import itertools
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -227,6 +228,14 @@ async def run(args) -> dict:
             return {"name": name, "kind": kind, "samples": samples, "built": built,
                     "ended": time.monotonic(), "flood": flood}
 
+        if args.newcomer:
+            trials = []
+            for i in range(args.newcomer):
+                flooded = (i % 2 == 0) == args.flood_first
+                trials.append(await newcomer_trial(args, i, flooded, root, pcfg, trainer,
+                                                   new_flood, version))
+            return {"trials": trials, "trainer_rss_mib": _rss(trainer.proc.pid)}
+
         # baseline, [control,] flood, ... , baseline: every flood (and control) window has a
         # baseline window of the same length just before and just after it
         cycle = ["baseline"] + (["control"] if args.control else []) + ["flood"]
@@ -241,6 +250,145 @@ async def run(args) -> dict:
         if peer is not None:
             peer.stop()
         trainer.stop()
+
+
+class LogTail:
+    """The lines a process's log gained since the last `new()` (a line ends in a newline)."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.rest = path, 0, b""
+
+    def new(self) -> list[str]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                got = f.read()
+        except OSError:
+            return []
+        self.offset += len(got)
+        *lines, self.rest = (self.rest + got).split(b"\n")
+        return [line.decode(errors="replace") for line in lines]
+
+
+def log_time(line: str) -> float | None:
+    """Seconds since the epoch of a node log line's timestamp (local time), or None."""
+    import datetime
+
+    try:
+        return datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S.%f").timestamp()
+    except ValueError:
+        return None
+
+
+PUBLISHED = re.compile(r"published round (\d+): (\d+) completions")
+VERIFIED = re.compile(r"verified round (\d+) from (\S+): (\d+) accepted, (\d+) rejected"
+                      r"(?: \(first: (\w+)\))?")
+
+
+async def newcomer_trial(args, i: int, flooded: bool, root: Path, pcfg: dict, trainer: Proc,
+                         new_flood, version: list[int]) -> dict:
+    """One honest newcomer: a fresh `swarm-node join` (a fresh key, same settings as the
+    established peer) started `args.lead_s` after a flood began (`flooded`), or with none;
+    followed until its first accepted batch and its first `args.minute_s` of publishing
+    (at most `args.newcomer_max_s` after its first publish). Times from the nodes' logs:
+    the newcomer's `published round`, the trainer's `verified round ... from <it>`."""
+    import copy
+
+    stop = asyncio.Event()
+    flood = task = None
+    start = {"t": time.monotonic(), "intake": _intake(trainer),
+             "cpu": process_cpu(trainer.proc.pid), "own_cpu": time.process_time()}
+    if flooded:
+        flood = new_flood()
+        task = asyncio.ensure_future(flood.run(stop))
+    tlog = LogTail(trainer.log)
+    tlog.new()  # from now on
+    await asyncio.sleep(args.lead_s)
+    cfg = copy.deepcopy(pcfg)
+    cfg["node"]["data_dir"] = str(root / f"newcomer-{i}" / "data")
+    cfg["admin"] = {**cfg["admin"], "port": free_port()}
+    new = Proc(root / f"newcomer-{i}", cfg)
+    started = time.time()
+    nlog = LogTail(new.log)
+    nid, published, lines = None, [], []  # (wall time, round, completions); trainer's
+    verified: list = []  # (wall time, round, accepted, rejected, first reason) of the newcomer
+    try:
+        while True:
+            await asyncio.sleep(0.5)
+            if new.proc.poll() is not None:
+                raise RuntimeError(f"newcomer {i} exited\n{new.log.read_text()[-2000:]}")
+            nid = nid or new.status().get("peer_id")
+            version[0] = trainer.status().get("policy_version", version[0])
+            for line in nlog.new():
+                if (m := PUBLISHED.search(line)) and (t := log_time(line)) is not None:
+                    published.append((t, int(m[1]), int(m[2])))
+            lines += [line for line in tlog.new() if "verified round" in line]
+            if nid:  # its lines, also those logged before its id was known here
+                verified = [(t, int(m[1]), int(m[3]), int(m[4]), m[5] or "")
+                            for line in lines if (m := VERIFIED.search(line))
+                            and m[2] == nid[-8:] and (t := log_time(line)) is not None]
+            now = time.time()
+            if not published:
+                if now - started > args.newcomer_start_s:
+                    raise RuntimeError(f"newcomer {i} published nothing in "
+                                       f"{args.newcomer_start_s:.0f} s")
+                continue
+            since = now - published[0][0]
+            accepted = any(v[2] > 0 for v in verified)
+            if since >= args.minute_s and (accepted or since >= args.newcomer_max_s):
+                break
+    finally:
+        end = {"t": time.monotonic(), "intake": _intake(trainer),
+               "cpu": process_cpu(trainer.proc.pid), "own_cpu": time.process_time()}
+        stop.set()
+        if task is not None:
+            await task
+        new.stop()
+    return newcomer_figures(args, i, flooded, started, published, verified, start, end, flood)
+
+
+def _intake(trainer: Proc) -> dict:
+    return (trainer.status().get("extra") or {}).get("intake") or {}
+
+
+def newcomer_figures(args, i, flooded, started, published, verified, start, end,
+                     flood) -> dict:
+    """A newcomer trial's figures (`newcomer_trial`)."""
+    first_pub = published[0][0]
+    first_acc = next((v for v in verified if v[2] > 0), None)
+    minute = first_pub + args.minute_s
+    before = [v for v in verified if first_acc is None or v[0] <= first_acc[0]]
+
+    def intake(*keys) -> float:
+        def get(view):
+            for k in keys:
+                view = (view or {}).get(k, 0)
+            return view or 0
+        return get(end["intake"]) - get(start["intake"])
+
+    return {
+        "trial": i + 1, "flood": flooded, "seconds": end["t"] - start["t"],
+        "start_to_publish_s": first_pub - started,
+        "publish_to_accept_s": None if first_acc is None else first_acc[0] - first_pub,
+        "accept_round": None if first_acc is None else first_acc[1],
+        # its batches published up to its first accept, and how many of them were verified
+        "published_before_accept": sum(1 for p in published
+                                       if first_acc is None or p[0] <= first_acc[0]),
+        "verified_before_accept": len(before),
+        "reasons_before_accept": sorted({v[4] for v in before if v[4]}),
+        "minute_offered": sum(p[2] for p in published if p[0] <= minute),
+        "minute_accepted": sum(v[2] for v in verified if v[0] <= minute),
+        "minute_rejected": sum(v[3] for v in verified if v[0] <= minute),
+        "probation_batches": intake("batches", "probation")
+        + intake("batches", "probation_lent"),
+        "probation_s": intake("verify_seconds", "probation"),
+        "probation_lent_s": intake("verify_seconds", "probation_lent"),
+        "dropped": sum(v - (start["intake"].get("dropped") or {}).get(k, 0)
+                       for k, v in (end["intake"].get("dropped") or {}).items()),
+        "trainer_cpu_s": end["cpu"] - start["cpu"],
+        "bench_cpu_s": end["own_cpu"] - start["own_cpu"],
+        "sent": flood.sent if flood else 0, "carriers": flood.carriers if flood else 0,
+        "attacker_cpu_s": flood.cpu_s if flood else 0.0}
 
 
 def training_gap(samples: list[Sample]) -> float:
@@ -457,6 +605,136 @@ def report(res: dict, load: str, args) -> str:
     return "\n".join(text)
 
 
+def newcomer_costs(trials: list[dict]) -> dict:
+    """What the flood trials cost the attacker and the trainer. The trainer's verification
+    of bogus batches: its probation seconds (share + lent) in a flood trial less what the
+    newcomer's own probation batches took there (their count times the mean cost of one in
+    the flood-free trials, where only the newcomer is on probation)."""
+    calm = [t for t in trials if not t["flood"]]
+    flood = [t for t in trials if t["flood"]]
+    calm_batches = sum(t["probation_batches"] for t in calm)
+    honest_batch_s = (sum(t["probation_s"] + t["probation_lent_s"] for t in calm)
+                      / calm_batches) if calm_batches else 0.0
+    bogus_s = sum(max(0.0, t["probation_s"] + t["probation_lent_s"]
+                      - t["verified_before_accept"] * honest_batch_s) for t in flood)
+    bogus_verified = sum(max(0, t["probation_batches"] - t["verified_before_accept"])
+                         for t in flood)
+    sent = sum(t["sent"] for t in flood)
+    seconds = sum(t["seconds"] for t in flood)
+
+    def per_s(ts, key):
+        return sum(t[key] for t in ts) / max(1e-9, sum(t["seconds"] for t in ts))
+
+    return {"sent": sent, "identities": sent + sum(t["carriers"] for t in flood),
+            "attacker_ms": sum(t["attacker_cpu_s"] for t in flood) / max(1, sent) * 1e3,
+            "attacker_cpu_s": sum(t["attacker_cpu_s"] for t in flood),
+            "bench_cpu_per_s": (per_s(flood, "bench_cpu_s"), per_s(calm, "bench_cpu_s")),
+            "trainer_cpu_per_s": (per_s(flood, "trainer_cpu_s"), per_s(calm, "trainer_cpu_s")),
+            "honest_batch_ms": honest_batch_s * 1e3, "bogus_s": bogus_s,
+            "bogus_verified": bogus_verified, "flood_seconds": seconds,
+            "bogus_ms_per_verified": bogus_s / max(1, bogus_verified) * 1e3,
+            "bogus_ms_per_sent": bogus_s / max(1, sent) * 1e3}
+
+
+def report_newcomer(res: dict, load: str, args) -> str:
+    import statistics
+
+    from benchmarks.results import table
+
+    trials = res["trials"]
+    rows = [[t["trial"], "flood" if t["flood"] else "none", f"{t['seconds']:.0f}",
+             f"{t['start_to_publish_s']:.1f}",
+             "**not accepted**" if t["publish_to_accept_s"] is None
+             else f"**{t['publish_to_accept_s']:.1f}**",
+             f"{t['published_before_accept']} / {t['verified_before_accept']}"
+             + (f" ({', '.join(t['reasons_before_accept'])})" if t["reasons_before_accept"]
+                else ""),
+             f"{t['minute_offered']} / {t['minute_accepted']} / {t['minute_rejected']}",
+             f"{t['minute_accepted'] / args.minute_s:.1f}",
+             f"{t['sent']} ({t['sent'] + t['carriers']})",
+             f"{t['probation_batches']} ({t['probation_s']:.1f} + {t['probation_lent_s']:.1f} s)",
+             t["dropped"], f"{t['trainer_cpu_s']:.1f}",
+             f"{t['attacker_cpu_s'] / max(1, t['sent']) * 1e3:.1f}" if t["flood"] else "-"]
+            for t in trials]
+    c = newcomer_costs(trials)
+
+    def delays(flooded: bool) -> str:
+        got = [t["publish_to_accept_s"] for t in trials if t["flood"] == flooded]
+        ok = [x for x in got if x is not None]
+        text = ", ".join("none" if x is None else f"{x:.1f}" for x in got)
+        return (f"{text} s (median {statistics.median(ok):.1f} s)" if ok else
+                f"none accepted in {len(got)} trial(s)")
+
+    def rate(flooded: bool) -> str:
+        got = [t["minute_accepted"] / args.minute_s for t in trials if t["flood"] == flooded]
+        return ", ".join(f"{x:.1f}" for x in got) or "-"
+
+    text = [(f"Load average: {load} (2 shared cores). The same swarm as `verifier-flood` "
+             "(tiny model, trainer learning rate 1e-12, an established honest peer); then "
+             f"{len(trials)} trials, alternately with and without a flood "
+             f"({'flood' if args.flood_first else 'none'} first): a NEWCOMER (a fresh "
+             "`swarm-node join`, a fresh key, the honest peer's settings: 4 tasks x 4 "
+             "completions x 8 tokens, 2 rounds per version) starts "
+             f"{args.lead_s:.0f} s after the flood does (at most {args.rate:.0f} bogus "
+             "batches/s over 4 connections, a fresh key per batch; it lasts the whole trial) "
+             "or at the same point of a flood-free trial, and is followed until its first "
+             f"accepted batch and its first {args.minute_s:.0f} s of publishing (at most "
+             f"{args.newcomer_max_s:.0f} s). Times from the nodes' own log lines "
+             "(the newcomer's `published round`, the trainer's `verified round ... from` it); "
+             "one accepted batch (16 completions, >= 8 accepted) makes a sender established "
+             "(NODE_SPEC 5.5), so its first accepted batch ends its probation.\n"),
+            table(["trial", "flood", "s", "newcomer start -> first publish, s",
+                   "first publish -> first accepted batch, s",
+                   "its batches published / verified up to then (reasons)",
+                   "first minute: completions offered / accepted / rejected",
+                   "first minute: accepted / s", "flood batches sent (keys used)",
+                   "probation batches verified (share + lent s)",
+                   "dropped unverified", "trainer CPU s", "attacker CPU ms / batch"], rows),
+            "",
+            (f"- first publish -> first accepted batch: with the flood {delays(True)}; "
+             f"without {delays(False)}."),
+            (f"- accepted completions / s in its first minute: with the flood {rate(True)}; "
+             f"without {rate(False)}."),
+            (f"- the attacker: {c['sent']} bogus batches in {c['flood_seconds']:.0f} s of "
+             f"flood trials, {c['identities']} identities (a key per batch, plus its "
+             f"carriers'), {c['attacker_ms']:.1f} ms CPU per batch (a key, a batch, two "
+             f"signatures: {c['attacker_cpu_s']:.1f} s in all); this process's whole CPU "
+             f"(flood, transport and the benchmark's polling) {c['bench_cpu_per_s'][0]:.2f} "
+             f"s/s with the flood, {c['bench_cpu_per_s'][1]:.2f} s/s without."),
+            (f"- the trainer: {c['bogus_verified']} bogus batches verified, "
+             f"{c['bogus_s']:.1f} s of verification on them "
+             f"({c['bogus_ms_per_verified']:.0f} ms each verified, "
+             f"{c['bogus_ms_per_sent']:.1f} ms per batch sent; the newcomer's own probation "
+             f"batches, {c['honest_batch_ms']:.0f} ms each in the flood-free trials, "
+             f"subtracted); its process CPU {c['trainer_cpu_per_s'][0]:.2f} s/s with the "
+             f"flood, {c['trainer_cpu_per_s'][1]:.2f} s/s without."),
+            f"- trainer RSS at the end: {res['trainer_rss_mib']:.0f} MiB"]
+    return "\n".join(text)
+
+
+def headline_newcomer(res: dict, load: str):
+    """The verifier-flood-newcomer row of RESULTS.md's headline table from a run."""
+    import statistics
+
+    from benchmarks.results import Headline
+
+    def med(flooded: bool) -> str:
+        got = [t["publish_to_accept_s"] for t in res["trials"] if t["flood"] == flooded]
+        ok = [x for x in got if x is not None]
+        starved = len(got) - len(ok)
+        return ((f"median {statistics.median(ok):.1f} s" if ok else "never")
+                + (f", {starved} of {len(got)} not accepted" if starved else "")
+                + f" ({len(got)} trials)")
+
+    return Headline(
+        figure="verifier: an honest newcomer's first accepted batch during a fresh-key flood "
+               "(tiny model)",
+        goal="accepted during the flood (not starved); delay measured",
+        current=f"first publish -> first accepted batch: {med(True)}",
+        baseline=f"no flood: {med(False)}",
+        load=load.split(" -> ")[0].split(" / ")[0] + "-" + load.split(" -> ")[-1].split(" / ")[0])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--window-s", type=float, default=15.0)
@@ -476,17 +754,31 @@ def main() -> None:
     ap.add_argument("--profile", default="", help="py-spy the trainer: collapsed stacks "
                     "per phase into this folder")
     ap.add_argument("--py-spy", default="py-spy", help="the py-spy executable")
+    ap.add_argument("--newcomer", type=int, default=0, help="instead of the windows: this "
+                    "many honest-newcomer trials, alternately with and without a flood "
+                    "(recorded as section verifier-flood-newcomer)")
+    ap.add_argument("--flood-first", action="store_true", help="the first newcomer trial "
+                    "has the flood (default: the first has none)")
+    ap.add_argument("--lead-s", type=float, default=8.0, help="the flood's head start over "
+                    "the newcomer")
+    ap.add_argument("--minute-s", type=float, default=60.0, help="the newcomer's first "
+                    "stretch of publishing that is counted")
+    ap.add_argument("--newcomer-max-s", type=float, default=120.0, help="how long after its "
+                    "first publish a newcomer is waited for when not accepted yet")
+    ap.add_argument("--newcomer-start-s", type=float, default=180.0)
     args = ap.parse_args()
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
     res = asyncio.run(run(args))
     load += " -> " + " / ".join(f"{x:.1f}" for x in os.getloadavg())
-    text = report(res, load, args)
+    text = report_newcomer(res, load, args) if args.newcomer else report(res, load, args)
     print(text)
     print(json.dumps(res, indent=1))
     if not args.no_record:
         from benchmarks.results import record
 
-        if args.garbage:
+        if args.newcomer:
+            record("verifier-flood-newcomer", text, headline=[headline_newcomer(res, load)])
+        elif args.garbage:
             record("verifier-garbage", text)
         else:
             record("verifier-flood", text, headline=[headline(res, load)])

@@ -194,7 +194,8 @@ async def run(args) -> dict:
             if args.garbage:  # garbage on every protocol, from fresh identities
                 return GarbageFlood(swarm, boot, tid, connections=8, interval_s=8.0 / args.rate)
             return SybilFlood(swarm, boot, tid, make_batch, lambda: version[0],
-                              connections=4, interval_s=4.0 / args.rate)
+                              connections=args.connections,
+                              interval_s=args.connections / args.rate)
 
         async def window(name: str, kind: str) -> dict:
             """One window of `args.window_s`: `kind` baseline (nothing), control (the
@@ -745,6 +746,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-12, help="the trainer's learning rate "
                     "(default: a policy that stays put, so the baseline is steady)")
     ap.add_argument("--rate", type=float, default=50.0)
+    ap.add_argument("--connections", type=int, default=4, help="the sybil flood's carrier "
+                    "connections (each introduces at most 2 new origins/s: "
+                    "node/p2p/admission.py NEW_ORIGINS_PER_S)")
     ap.add_argument("--workdir", default="/tmp/verifier-flood")
     ap.add_argument("--no-record", action="store_true")
     ap.add_argument("--garbage", action="store_true",

@@ -566,7 +566,8 @@ def report(res: dict, load: str, args) -> str:
                 f"trainer serves, at most {args.rate:.0f} streams/s over 8 connections, each "
                 "from a fresh identity, replaced when cut. " if args.garbage else
                 f"Flood: at most {args.rate:.0f} bogus batches/s (they pass every check "
-                "before the model runs) over 4 connections, a fresh key per batch. ")
+                f"before the model runs) over {args.connections} connections, a fresh key per "
+                "batch. ")
              + f"Windows of {args.window_s:.0f} s: {args.cycles} x (baseline"
              + (", control (the attacker's CPU work, nothing sent)" if args.control else "")
              + ", flood), then a last baseline.\n"),

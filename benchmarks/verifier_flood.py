@@ -28,6 +28,13 @@ intake's probation seconds). Honest share of a flood window = its honest accepta
 mean of the baseline windows just before and after it. Recovery: from the flood's end to
 the first `--recovery-window-s` stretch back at >= 80% of that baseline. The machine is
 shared: the load average is recorded.
+
+`--newcomer N` (section verifier-flood-newcomer) replaces the windows by N trials,
+alternately with and without the flood (`--flood-first`; `--connections` carriers): in each,
+an honest NEWCOMER (a fresh `swarm-node join`, a fresh key) joins `--lead-s` after the
+flood starts; its first publish -> first accepted batch and its first `--minute-s` of
+acceptance, from the nodes' logs, and the attacker's CPU and keys against the trainer's
+verification of bogus batches (`newcomer_trial`, `newcomer_costs`).
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ UNILATERAL_DIAL_S; the hole punch's own dials keep `dial_timeout`.
 
 dcutr_drive_one_at_a_time: `DCUtRProtocol._auto_drive_loop` awaits each relayed peer's
 attempt before it looks at the next, with no bound on an attempt. An attempt that cannot
-work (the other side behind a symmetric NAT) takes ~25 s (the direct dial, the exchange,
+work (the other side behind a symmetric NAT) takes ~22 s (the direct dial, the exchange,
 three 5 s punch rounds 2 s apart) and is made 3 times, so a cone peer relayed to two
-symmetric ones reached a cone peer that connected a little later only after ~50 s per
+symmetric ones reached a cone peer that connected a little later only after ~43 s per
 pass: in the 10-node WAN swarm of 2026-12-04 19:46 UTC (main 46e8f92) one cone/cone pair
 was still relayed at the end of the steady state, 78 s after the other two went direct.
 Fixed: each relayed peer gets its own attempt task (at most DRIVE_PARALLEL at once), each
@@ -42,8 +42,9 @@ log = logging.getLogger(__name__)
 UNILATERAL_DIAL_S = 3.0
 DRIVE_EVERY_S = 2.0  # as upstream: how often relayed peers are looked at
 DRIVE_PARALLEL = 8  # attempts under way at once (p2p.target_peers is 8)
-# One attempt, all of it: ~25 s when the punch fails (3 s direct dial, the CONNECT/SYNC
-# exchange over the relay, three 5 s rounds 2 s apart); its stream reads may wait 30 s.
+# One attempt, all of it: ~22 s when the punch fails (21.5-21.7 s traced in the netlab: up
+# to 3 s direct dial, the CONNECT/SYNC exchange over the relay, three 5 s rounds 2 s
+# apart); its stream reads may wait 30 s each.
 ATTEMPT_LIMIT_S = 60.0
 
 _DCUTR = "libp2p.relay.circuit_v2.dcutr:DCUtRProtocol"

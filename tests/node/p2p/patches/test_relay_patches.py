@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import multiaddr
 import trio
+import trio.testing
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
@@ -181,3 +182,60 @@ def test_needed_dcutr_direct_dial_wait():
     """py-libp2p's attempt waits out its whole dial timeout (60 s here) before punching; ours
     gives up after UNILATERAL_DIAL_S, while py-libp2p's still waits."""
     assert trio.run(_direct_dial_still_waits_when_ours_gave_up) is True
+
+
+class _Conn:
+    """A connection as DCUtR's drive loop sees it: its transport addresses."""
+
+    def __init__(self, relayed: bool):
+        self.addr = multiaddr.Multiaddr("/ip4/11.0.3.2/tcp/4001/p2p-circuit" if relayed
+                                        else "/ip4/11.0.5.2/tcp/4001")
+
+    def get_transport_addresses(self):
+        return [self.addr]
+
+
+def _drive_host(peers: dict[ID, bool]) -> SimpleNamespace:
+    """A host whose network holds one connection to each of `peers` (relayed or not)."""
+    me = ID.from_pubkey(create_new_key_pair().public_key)
+    network = SimpleNamespace(connections={p: [_Conn(r)] for p, r in peers.items()})
+    return SimpleNamespace(get_id=lambda: me, get_network=lambda: network)
+
+
+async def _second_peer_waits_for_the_first(cls) -> tuple[int, bool]:
+    """The drive loop of `cls` over two relayed peers (and a direct one), the first peer's
+    attempt never ending (as one whose stream went silent): how many attempts with the
+    second peer start in 10 virtual minutes, and was the first peer's attempt cut?"""
+    stuck, other, direct = (ID.from_pubkey(create_new_key_pair().public_key)
+                            for _ in range(3))
+    started: list[ID] = []
+    cut: list[bool] = []  # the stuck attempt ended before the 10 minutes did
+    run = trio.CancelScope(deadline=trio.current_time() + 600)
+
+    class Recording(cls):
+        async def initiate_hole_punch(self, peer_id: ID) -> bool:
+            started.append(peer_id)
+            if peer_id == stuck:
+                try:
+                    await trio.sleep_forever()
+                finally:
+                    cut.append(not run.cancel_called)
+            await trio.sleep(25)  # a punch that fails, as with a symmetric NAT
+            self._hole_punch_attempts[peer_id] = self._hole_punch_attempts.get(peer_id, 0) + 1
+            return False
+
+    dcutr = Recording(_drive_host({stuck: True, other: True, direct: False}))
+    with run:
+        await dcutr._auto_drive_loop()
+    assert direct not in started  # a direct peer is never driven, either way
+    return started.count(other), any(cut)
+
+
+def test_needed_dcutr_drive_one_at_a_time():
+    """py-libp2p's loop waits on the stuck peer's attempt for ever and never reaches the
+    other; ours tries the other beside it (its 3 attempts) and cuts the stuck one after
+    ATTEMPT_LIMIT_S. Virtual time (trio's MockClock): no wall-clock wait."""
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    assert trio.run(_second_peer_waits_for_the_first, DCUtRProtocol, clock=clock) == (0, False)
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    assert trio.run(_second_peer_waits_for_the_first, DCUtRService, clock=clock) == (3, True)

@@ -49,6 +49,19 @@ PULL_QUEUE_PER_ANNOUNCER = 256
 # unproven slots are pulled once per ~30 s each and never reached the cut at 100.)
 STALL_S = 30.0
 STALL_MAX_S = 600.0
+# An unproven announcer (none of its bodies verified here yet) asked for its own body on a
+# direct connection must begin its answer within this (or HEDGE_FACTOR times the hedge
+# deadline, if longer: a node whose every ask is slow), the wait for a connection included;
+# else the ask ends as any timeout of an announcer does (`unserved_announce`, a stall), so a
+# fresh stalling identity holds an unproven pull slot this long, not a pull timeout (10 s).
+# An honest announcer on the WAN lab's worst path (200 ms RTT, 0.5% loss per leg, 100 ms
+# TBF queues) answers on a warm connection in 1 RTT + 2 queues = 0.4 s; on a fresh one (an
+# endpoint query on a libp2p stream, TCP, TLS 1.3, the hello, the request: ~7 RTT) in ~1.6
+# s, 2.6 s with its SYN lost once (1 s initial RTO), ~3.2 s with a data segment lost too;
+# the answer's header goes out ahead of the body, so the body's size (up to 16 MiB) does
+# not count. A relayed or dialled announcer gets no such deadline (a slow path is no
+# offence there), nor does a proven one.
+FIRST_ANSWER_S = 4.0
 # A source that does not hold an announced body yet (a forwarder that is pulling it itself:
 # announces travel ahead of their bodies) is asked again after this, doubling up to the max.
 PULL_RETRY_S = 0.05
@@ -607,7 +620,7 @@ class GossipService:
             trace.asks += 1
         t0 = time.monotonic()
         try:
-            data = await self._pull_from(source, ann)
+            data = await self._pull_from(source, ann, self._first_answer_by(source, origin))
         except PullFailed as e:
             return None, self._pull_failed(source, origin, e)
         self._ask_s.append(time.monotonic() - t0)
@@ -655,12 +668,24 @@ class GossipService:
                 if task is not None and not task.done():
                     task.cancel()
 
-    async def _pull_from(self, source: str, ann: PayloadAnnounce) -> bytes:
-        """Over the bulk plane when the source has one, else over libp2p."""
+    def _first_answer_by(self, source: str, origin: str) -> float | None:
+        """The event loop's time by which `source` must begin its answer (FIRST_ANSWER_S):
+        only an unproven announcer asked for its own body on a direct connection."""
+        peers = self.ctx.peers
+        if (source != origin or self.pull_slots.proven(origin)
+                or origin not in peers.connected_peers() or peers.is_relayed(origin)):
+            return None
+        wait = max(FIRST_ANSWER_S, HEDGE_FACTOR * self.hedge_after_s())
+        return asyncio.get_running_loop().time() + wait
+
+    async def _pull_from(self, source: str, ann: PayloadAnnounce,
+                         first_by: float | None = None) -> bytes:
+        """Over the bulk plane when the source has one, else over libp2p. `first_by`: the
+        event loop's time by which the answer must have begun (PullFailed `timeout`)."""
         puller = self.puller
         if puller is not None and puller.usable(source):
             try:
-                data = await puller.pull(source, ann.content_hash, ann.size)
+                data = await puller.pull(source, ann.content_hash, ann.size, first_by)
             except PullFailed as e:
                 if e.reason != "unavailable":
                     raise
@@ -669,10 +694,15 @@ class GossipService:
                 return data
         elif puller is not None:
             puller.say_libp2p(source)
+        first_answer = None
+        if first_by is not None:
+            first_answer = first_by - asyncio.get_running_loop().time()
+            if first_answer <= 0:
+                raise PullFailed(f"{source} did not begin its answer in time", "timeout")
         try:
             data = await self.requests.request(source, FETCH_PROTOCOL, ann.content_hash,
                                            timeout=self.cfg.payload_pull_timeout_s,
-                                           max_response=ann.size)
+                                           max_response=ann.size, first_answer=first_answer)
         except RequestError as e:
             reason = "not_held" if e.reason == "remote_error" else e.reason
             raise PullFailed(str(e), reason) from None

@@ -759,9 +759,10 @@ class PullSlots:
     An announcer that did not serve a pull of its own body (`unserved`) is "stalled": for
     STALL_S (doubling with each further unserved pull, up to STALL_MAX_S) no pull of its
     goes ahead (`stalled`; a pull of its that waited for a slot meanwhile gives its place
-    up without taking one), so N stalling identities cost the unproven half one pull
-    timeout each, not one per announce, and a newcomer's first body waits behind at most
-    their first pulls. A served body ends it (`served`)."""
+    up without taking one), so N stalling identities cost the unproven half one pull each,
+    not one per announce, and a newcomer's first body waits behind at most their first
+    pulls; each of those ends at its first-answer deadline (FIRST_ANSWER_S, 4 s), not its
+    pull timeout (10 s). A served body ends it (`served`)."""
 
     PROVEN_MAX = 4096  # announcers remembered as proven (oldest forgotten first)
     STALLED_MAX = 4096  # stalled announcers remembered (oldest forgotten first)

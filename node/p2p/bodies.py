@@ -15,8 +15,8 @@ connection idle for `bulk.idle_s` and cuts a reader that does not take an answer
 `p2p.payload_pull_timeout_s`; the client bounds each pull by the announced size and that
 timeout, and pulls at most `p2p.payload_pulls_per_peer` bodies from one peer at once. A
 pull may carry a first-answer deadline (an unproven announcer asked for its own body,
-pubsub.FIRST_ANSWER_S): the answer's header must arrive by then, the wait for a slot and a
-connection included.
+pubsub.FIRST_ANSWER_S): once the pull has one of the peer's slots, the answer's header must
+arrive within it, the connection's set-up included.
 """
 
 from __future__ import annotations
@@ -116,26 +116,25 @@ class BodyPuller:
                         if self.client.cfg.fetch else "bulk.fetch is off")
 
     async def pull(self, peer: str, digest: bytes, size: int,
-                   first_by: float | None = None) -> bytes:
+                   first_answer_s: float | None = None) -> bytes:
         """The `size` bytes the peer holds under `digest` (not yet hash-checked: the caller
         does). PullFailed on anything else; reason `unavailable` means: use libp2p.
-        `first_by`: the event loop's time by which the answer must have begun (the wait for
-        a slot and a connection included), else PullFailed `timeout`."""
+        `first_answer_s`: once this pull has one of the peer's slots, the answer must begin
+        within this (the connection's set-up included), else PullFailed `timeout`."""
         sem = self._slots(peer)
-        loop = asyncio.get_running_loop()
-        timeout = self.cfg.payload_pull_timeout_s
-        if first_by is not None:
-            timeout = min(timeout, first_by - loop.time())
         # The wait for a free slot counts as much as the pull: a source that stalls its
         # pulls must not hold the pulls queued behind them (and the node's pull slots)
         # uncharged for a pull timeout each.
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(self.cfg.payload_pull_timeout_s):
                 await sem.acquire()  # not wait_for: a cancel must not be lost (lifecycle.wait_set)
         except TimeoutError:
             self.metrics.inc("payload_bulk_slot_timeouts")
             raise PullFailed(f"no free connection to {peer} within "
-                             f"{timeout:.1f}s", "timeout") from None
+                             f"{self.cfg.payload_pull_timeout_s:.0f}s", "timeout") from None
+        # not from the ask's start: the wait for our own slot is no fault of the peer's
+        first_by = (None if first_answer_s is None
+                    else asyncio.get_running_loop().time() + first_answer_s)
         try:
             for fresh in (False, True):
                 try:

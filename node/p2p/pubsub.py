@@ -51,7 +51,9 @@ STALL_S = 30.0
 STALL_MAX_S = 600.0
 # An unproven announcer (none of its bodies verified here yet) asked for its own body on a
 # direct connection must begin its answer within this (or HEDGE_FACTOR times the hedge
-# deadline, if longer: a node whose every ask is slow), the wait for a connection included;
+# deadline, if longer: a node whose every ask is slow) from the moment the ask has one of
+# the peer's connection slots (payload_pulls_per_peer: a wait for our own slot is not the
+# peer's fault), the connection's set-up included;
 # else the ask ends as any timeout of an announcer does (`unserved_announce`, a stall), so a
 # fresh stalling identity holds an unproven pull slot this long, not a pull timeout (10 s).
 # An honest announcer on the WAN lab's worst path (200 ms RTT, 0.5% loss per leg, 100 ms
@@ -620,7 +622,7 @@ class GossipService:
             trace.asks += 1
         t0 = time.monotonic()
         try:
-            data = await self._pull_from(source, ann, self._first_answer_by(source, origin))
+            data = await self._pull_from(source, ann, self._first_answer_s(source, origin))
         except PullFailed as e:
             return None, self._pull_failed(source, origin, e)
         self._ask_s.append(time.monotonic() - t0)
@@ -668,24 +670,24 @@ class GossipService:
                 if task is not None and not task.done():
                     task.cancel()
 
-    def _first_answer_by(self, source: str, origin: str) -> float | None:
-        """The event loop's time by which `source` must begin its answer (FIRST_ANSWER_S):
-        only an unproven announcer asked for its own body on a direct connection."""
+    def _first_answer_s(self, source: str, origin: str) -> float | None:
+        """Within how long `source` must begin its answer (FIRST_ANSWER_S): only an
+        unproven announcer asked for its own body on a direct connection."""
         peers = self.ctx.peers
         if (source != origin or self.pull_slots.proven(origin)
                 or origin not in peers.connected_peers() or peers.is_relayed(origin)):
             return None
-        wait = max(FIRST_ANSWER_S, HEDGE_FACTOR * self.hedge_after_s())
-        return asyncio.get_running_loop().time() + wait
+        return max(FIRST_ANSWER_S, HEDGE_FACTOR * self.hedge_after_s())
 
     async def _pull_from(self, source: str, ann: PayloadAnnounce,
-                         first_by: float | None = None) -> bytes:
-        """Over the bulk plane when the source has one, else over libp2p. `first_by`: the
-        event loop's time by which the answer must have begun (PullFailed `timeout`)."""
+                         first_answer_s: float | None = None) -> bytes:
+        """Over the bulk plane when the source has one, else over libp2p. `first_answer_s`:
+        within how long the answer must begin once the ask has a connection slot
+        (PullFailed `timeout`)."""
         puller = self.puller
         if puller is not None and puller.usable(source):
             try:
-                data = await puller.pull(source, ann.content_hash, ann.size, first_by)
+                data = await puller.pull(source, ann.content_hash, ann.size, first_answer_s)
             except PullFailed as e:
                 if e.reason != "unavailable":
                     raise
@@ -694,15 +696,11 @@ class GossipService:
                 return data
         elif puller is not None:
             puller.say_libp2p(source)
-        first_answer = None
-        if first_by is not None:
-            first_answer = first_by - asyncio.get_running_loop().time()
-            if first_answer <= 0:
-                raise PullFailed(f"{source} did not begin its answer in time", "timeout")
         try:
             data = await self.requests.request(source, FETCH_PROTOCOL, ann.content_hash,
                                            timeout=self.cfg.payload_pull_timeout_s,
-                                           max_response=ann.size, first_answer=first_answer)
+                                           max_response=ann.size,
+                                           first_answer=first_answer_s)
         except RequestError as e:
             reason = "not_held" if e.reason == "remote_error" else e.reason
             raise PullFailed(str(e), reason) from None

@@ -139,7 +139,8 @@ class RequestService:
                       first_answer: float | None = None) -> bytes:
         """Send one framed request and return the response body. RequestError.reason is one
         of timeout, open_failed, too_large, busy, remote_error, no_handler, eof, reset.
-        `first_answer`: seconds within which the response must begin (else `timeout`)."""
+        `first_answer`: seconds within which the response must begin once the request has
+        one of the peer's request slots (else `timeout`)."""
         timeout = self.cfg.request_timeout_s if timeout is None else timeout
         max_response = self.cfg.max_response_bytes if max_response is None else max_response
         slots = self._client_slots.get(peer_id)

@@ -571,6 +571,11 @@ class GossipService:
                 data, again = await self._pull_pass(ann, origin, ask, trace, hedger)
                 if data is not None:
                     return data
+                if hedger is not None and hedger.used and self.pull_slots.stalled(origin):
+                    # the announcer did not serve and the hedge asked the others: done now
+                    # (going on through the line asked nobody, one back-off sleep per
+                    # PULL_PASS of it: 2.55 s of a slot per stalling identity's pull)
+                    return None
                 line.extend(again)
             if relayed and (not line or loop.time() >= relay_at):
                 data, _ = await self._pull_pass(ann, origin, relayed, trace, hedger)

@@ -66,6 +66,8 @@ async def run(args) -> dict:
         newcomers = [await node(receiver.listen_addrs) for _ in args.newcomer_at]
         stallers = [await node(receiver.listen_addrs) for _ in range(args.identities)]
         got: dict[str, list[float]] = {}  # origin -> delivery times
+        traces: list = []  # the receiver's BodyTrace of every announced body
+        receiver.gossip.on_body = traces.append
 
         async def on_msg(env, origin):
             got.setdefault(origin, []).append(time.monotonic())
@@ -148,7 +150,12 @@ async def run(args) -> dict:
         stop.set()
         await asyncio.gather(*tasks)
         m = receiver.metrics
-        return {"marks": marks, "established": got.get(established.peer_id, []),
+        staller_ids = {s.peer_id for s in stallers}
+        # how long each staller pull held its slot, and where a newcomer's first body waited
+        held = sorted(t.pulling for t in traces if t.origin in staller_ids and t.pulling > 0)
+        firsts = [next(((t.queued, t.pulling) for t in traces if t.origin == n.peer_id
+                        and t.via == "pull"), None) for n in newcomers]
+        return {"marks": marks, "staller_pull_s": held, "newcomer_first_trace": firsts, "established": got.get(established.peer_id, []),
                 "newcomers": [got.get(n.peer_id, []) for n in newcomers],
                 "newcomer_sent": newcomer_sent,
                 "asked": sorted(asked.values()), "announced": sum(map(len, own.values())),
@@ -188,7 +195,14 @@ def summarize(args, r: dict) -> tuple[str, dict]:
                "newcomer_delivered": [len(x) for x in r["newcomers"]],
                "newcomer_sent": [len(x) for x in r["newcomer_sent"]], "asked": r["asked"],
                "announced": r["announced"], "skipped": r["skipped"],
-               "unserved": r["unserved"], "cut": r["cuts"]}
+               "unserved": r["unserved"], "cut": r["cuts"],
+               "staller_pull_s": r["staller_pull_s"],
+               "newcomer_first_trace": r["newcomer_first_trace"]}
+    held = r["staller_pull_s"]
+    held_text = (f"{len(held)} staller pulls held a slot {held[len(held) // 2]:.1f} s "
+                 f"median, {held[-1]:.1f} s max" if held else "no staller pull held a slot")
+    trace_text = ", ".join("?" if t is None else f"queued {t[0]:.1f} s + pulling {t[1]:.1f} s"
+                           for t in r["newcomer_first_trace"])
     text = (f"{args.identities} stalling identities x {args.rate:g} announces/s, established "
             f"announcer at {args.honest_rate:g} bodies/s, phases of {args.phase:g} s; "
             f"established bodies/s: baseline {base:.1f}, flood {during:.1f} "
@@ -197,7 +211,8 @@ def summarize(args, r: dict) -> tuple[str, dict]:
             f"newcomers: {newcomer_text}; stallers' "
             f"bodies pulled from them {sum(r['asked'])} of {r['announced']} announced "
             f"(per staller {min(r['asked'])}-{max(r['asked'])}), not pulled "
-            f"{r['skipped']}, unserved charges {r['unserved']}, stallers cut {r['cuts']}")
+            f"{r['skipped']}, unserved charges {r['unserved']}, stallers cut {r['cuts']}; "
+            f"{held_text}; newcomers' first bodies: {trace_text}")
     return text, figures
 
 

@@ -13,7 +13,10 @@ fetching itself (it forwarded the announce before the body arrived) is answered 
 lands, within HOLD_S, instead of "not held". The server closes a
 connection idle for `bulk.idle_s` and cuts a reader that does not take an answer within
 `p2p.payload_pull_timeout_s`; the client bounds each pull by the announced size and that
-timeout, and pulls at most `p2p.payload_pulls_per_peer` bodies from one peer at once.
+timeout, and pulls at most `p2p.payload_pulls_per_peer` bodies from one peer at once. A
+pull may carry a first-answer deadline (an unproven announcer asked for its own body,
+pubsub.FIRST_ANSWER_S): once the pull has one of the peer's slots, the answer's header must
+arrive within it, the connection's set-up included.
 """
 
 from __future__ import annotations
@@ -112,9 +115,12 @@ class BodyPuller:
         self.client.say(peer, KIND, "libp2p streams", "bulk plane down for 60 s"
                         if self.client.cfg.fetch else "bulk.fetch is off")
 
-    async def pull(self, peer: str, digest: bytes, size: int) -> bytes:
+    async def pull(self, peer: str, digest: bytes, size: int,
+                   first_answer_s: float | None = None) -> bytes:
         """The `size` bytes the peer holds under `digest` (not yet hash-checked: the caller
-        does). PullFailed on anything else; reason `unavailable` means: use libp2p."""
+        does). PullFailed on anything else; reason `unavailable` means: use libp2p.
+        `first_answer_s`: once this pull has one of the peer's slots, the answer must begin
+        within this (the connection's set-up included), else PullFailed `timeout`."""
         sem = self._slots(peer)
         # The wait for a free slot counts as much as the pull: a source that stalls its
         # pulls must not hold the pulls queued behind them (and the node's pull slots)
@@ -126,11 +132,19 @@ class BodyPuller:
             self.metrics.inc("payload_bulk_slot_timeouts")
             raise PullFailed(f"no free connection to {peer} within "
                              f"{self.cfg.payload_pull_timeout_s:.0f}s", "timeout") from None
+        # not from the ask's start: the wait for our own slot is no fault of the peer's
+        first_by = (None if first_answer_s is None
+                    else asyncio.get_running_loop().time() + first_answer_s)
         try:
             for fresh in (False, True):
-                conn = await self._open(peer, fresh)
                 try:
-                    return await self._pull_on(peer, conn, digest, size)
+                    async with asyncio.timeout_at(first_by):
+                        conn = await self._open(peer, fresh)
+                except TimeoutError:
+                    raise PullFailed(f"no connection to {peer} before its first answer "
+                                     "was due", "timeout") from None
+                try:
+                    return await self._pull_on(peer, conn, digest, size, first_by)
                 except PullFailed as e:
                     # a pooled connection the server closed meanwhile: once more, fresh
                     if fresh or not conn.reused or e.reason != "broken":
@@ -145,17 +159,20 @@ class BodyPuller:
         except (BulkUnavailable, BulkBusy) as e:
             raise PullFailed(f"bulk plane of {peer[-8:]}: {e}", "unavailable") from None
 
-    async def _pull_on(self, peer: str, conn: BulkConn, digest: bytes, size: int) -> bytes:
+    async def _pull_on(self, peer: str, conn: BulkConn, digest: bytes, size: int,
+                       first_by: float | None = None) -> bytes:
         try:
             async with asyncio.timeout(self.cfg.payload_pull_timeout_s):
-                data = await self._ask(conn, digest, size)
+                data = await self._ask(conn, digest, size, first_by)
         except asyncio.CancelledError:  # a hedged pull won elsewhere: the answer may be
             conn.abort()  # half read, so the connection carries no other
             raise
         except TimeoutError:
             conn.abort()
-            raise PullFailed(f"pull from {peer} timed out after "
-                             f"{self.cfg.payload_pull_timeout_s:.0f}s", "timeout") from None
+            raise PullFailed(f"pull from {peer} timed out (its answer due within "
+                             f"{self.cfg.payload_pull_timeout_s:.0f}s, its first bytes "
+                             "by the first-answer deadline if it had one)",
+                             "timeout") from None
         except PullFailed as e:
             if e.reason == "not_held":
                 conn.reusable()
@@ -177,9 +194,11 @@ class BodyPuller:
         await conn.close()  # back to the pool
         return data
 
-    async def _ask(self, conn: BulkConn, digest: bytes, size: int) -> bytes:
-        await conn.write(digest)
-        status, length = _ANSWER.unpack(await conn.readexactly(_ANSWER.size))
+    async def _ask(self, conn: BulkConn, digest: bytes, size: int,
+                   first_by: float | None = None) -> bytes:
+        async with asyncio.timeout_at(first_by):  # None: no deadline of its own
+            await conn.write(digest)
+            status, length = _ANSWER.unpack(await conn.readexactly(_ANSWER.size))
         if status == STATUS_NOT_HELD:
             raise PullFailed("not held there", "not_held")
         if status != STATUS_OK or length != size:

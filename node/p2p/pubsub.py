@@ -49,6 +49,21 @@ PULL_QUEUE_PER_ANNOUNCER = 256
 # unproven slots are pulled once per ~30 s each and never reached the cut at 100.)
 STALL_S = 30.0
 STALL_MAX_S = 600.0
+# An unproven announcer (none of its bodies verified here yet) asked for its own body on a
+# direct connection must begin its answer within this (or HEDGE_FACTOR times the hedge
+# deadline, if longer: a node whose every ask is slow) from the moment the ask has one of
+# the peer's connection slots (payload_pulls_per_peer: a wait for our own slot is not the
+# peer's fault), the connection's set-up included;
+# else the ask ends as any timeout of an announcer does (`unserved_announce`, a stall), so a
+# fresh stalling identity holds an unproven pull slot this long, not a pull timeout (10 s).
+# An honest announcer on the WAN lab's worst path (200 ms RTT, 0.5% loss per leg, 100 ms
+# TBF queues) answers on a warm connection in 1 RTT + 2 queues = 0.4 s; on a fresh one (an
+# endpoint query on a libp2p stream, TCP, TLS 1.3, the hello, the request: ~7 RTT) in ~1.6
+# s, 2.6 s with its SYN lost once (1 s initial RTO), ~3.2 s with a data segment lost too;
+# the answer's header goes out ahead of the body, so the body's size (up to 16 MiB) does
+# not count. A relayed or dialled announcer gets no such deadline (a slow path is no
+# offence there), nor does a proven one.
+FIRST_ANSWER_S = 4.0
 # A source that does not hold an announced body yet (a forwarder that is pulling it itself:
 # announces travel ahead of their bodies) is asked again after this, doubling up to the max.
 PULL_RETRY_S = 0.05
@@ -556,6 +571,11 @@ class GossipService:
                 data, again = await self._pull_pass(ann, origin, ask, trace, hedger)
                 if data is not None:
                     return data
+                if hedger is not None and hedger.used and self.pull_slots.stalled(origin):
+                    # the announcer did not serve and the hedge asked the others: done now
+                    # (going on through the line asked nobody, one back-off sleep per
+                    # PULL_PASS of it: 2.55 s of a slot per stalling identity's pull)
+                    return None
                 line.extend(again)
             if relayed and (not line or loop.time() >= relay_at):
                 data, _ = await self._pull_pass(ann, origin, relayed, trace, hedger)
@@ -607,7 +627,7 @@ class GossipService:
             trace.asks += 1
         t0 = time.monotonic()
         try:
-            data = await self._pull_from(source, ann)
+            data = await self._pull_from(source, ann, self._first_answer_s(source, origin))
         except PullFailed as e:
             return None, self._pull_failed(source, origin, e)
         self._ask_s.append(time.monotonic() - t0)
@@ -655,12 +675,24 @@ class GossipService:
                 if task is not None and not task.done():
                     task.cancel()
 
-    async def _pull_from(self, source: str, ann: PayloadAnnounce) -> bytes:
-        """Over the bulk plane when the source has one, else over libp2p."""
+    def _first_answer_s(self, source: str, origin: str) -> float | None:
+        """Within how long `source` must begin its answer (FIRST_ANSWER_S): only an
+        unproven announcer asked for its own body on a direct connection."""
+        peers = self.ctx.peers
+        if (source != origin or self.pull_slots.proven(origin)
+                or origin not in peers.connected_peers() or peers.is_relayed(origin)):
+            return None
+        return max(FIRST_ANSWER_S, HEDGE_FACTOR * self.hedge_after_s())
+
+    async def _pull_from(self, source: str, ann: PayloadAnnounce,
+                         first_answer_s: float | None = None) -> bytes:
+        """Over the bulk plane when the source has one, else over libp2p. `first_answer_s`:
+        within how long the answer must begin once the ask has a connection slot
+        (PullFailed `timeout`)."""
         puller = self.puller
         if puller is not None and puller.usable(source):
             try:
-                data = await puller.pull(source, ann.content_hash, ann.size)
+                data = await puller.pull(source, ann.content_hash, ann.size, first_answer_s)
             except PullFailed as e:
                 if e.reason != "unavailable":
                     raise
@@ -672,7 +704,8 @@ class GossipService:
         try:
             data = await self.requests.request(source, FETCH_PROTOCOL, ann.content_hash,
                                            timeout=self.cfg.payload_pull_timeout_s,
-                                           max_response=ann.size)
+                                           max_response=ann.size,
+                                           first_answer=first_answer_s)
         except RequestError as e:
             reason = "not_held" if e.reason == "remote_error" else e.reason
             raise PullFailed(str(e), reason) from None
@@ -729,9 +762,10 @@ class PullSlots:
     An announcer that did not serve a pull of its own body (`unserved`) is "stalled": for
     STALL_S (doubling with each further unserved pull, up to STALL_MAX_S) no pull of its
     goes ahead (`stalled`; a pull of its that waited for a slot meanwhile gives its place
-    up without taking one), so N stalling identities cost the unproven half one pull
-    timeout each, not one per announce, and a newcomer's first body waits behind at most
-    their first pulls. A served body ends it (`served`)."""
+    up without taking one), so N stalling identities cost the unproven half one pull each,
+    not one per announce, and a newcomer's first body waits behind at most their first
+    pulls; each of those ends at its first-answer deadline (FIRST_ANSWER_S, 4 s), not its
+    pull timeout (10 s). A served body ends it (`served`)."""
 
     PROVEN_MAX = 4096  # announcers remembered as proven (oldest forgotten first)
     STALLED_MAX = 4096  # stalled announcers remembered (oldest forgotten first)

@@ -135,9 +135,12 @@ class RequestService:
         self.ctx.host.set_stream_handler(protocol_id, on_stream)
 
     async def request(self, peer_id: str, protocol_id: str, payload: bytes,
-                      timeout: float | None = None, *, max_response: int | None = None) -> bytes:
+                      timeout: float | None = None, *, max_response: int | None = None,
+                      first_answer: float | None = None) -> bytes:
         """Send one framed request and return the response body. RequestError.reason is one
-        of timeout, open_failed, too_large, busy, remote_error, no_handler, eof, reset."""
+        of timeout, open_failed, too_large, busy, remote_error, no_handler, eof, reset.
+        `first_answer`: seconds within which the response must begin once the request has
+        one of the peer's request slots (else `timeout`)."""
         timeout = self.cfg.request_timeout_s if timeout is None else timeout
         max_response = self.cfg.max_response_bytes if max_response is None else max_response
         slots = self._client_slots.get(peer_id)
@@ -148,7 +151,7 @@ class RequestService:
             try:
                 return await self.bridge.call(
                     _client_request_kw, self.ctx.host, ID.from_base58(peer_id), protocol_id,
-                    bytes(payload), timeout, max_response)
+                    bytes(payload), timeout, max_response, first_answer)
             except RequestError:
                 self.metrics.inc("requests_failed")
                 raise
@@ -165,6 +168,7 @@ class _Live:
 _LIVE = _Live()
 
 
-async def _client_request_kw(host, peer, protocol_id, payload, timeout, max_response):
+async def _client_request_kw(host, peer, protocol_id, payload, timeout, max_response,
+                             first_answer):
     return await client_request(host, peer, protocol_id, payload, timeout=timeout,
-                                max_response=max_response)
+                                max_response=max_response, first_answer=first_answer)

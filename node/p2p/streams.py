@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import struct
 import threading
@@ -161,18 +162,27 @@ class PeerSlots:
 
 
 async def client_request(host, peer_id, protocol_id: str, payload: bytes, *,
-                         timeout: float, max_response: int) -> bytes:
-    """Open a stream, send one framed request, read one framed response (trio side)."""
+                         timeout: float, max_response: int,
+                         first_answer: float | None = None) -> bytes:
+    """Open a stream, send one framed request, read one framed response (trio side).
+    `first_answer`: seconds within which the response's header must arrive (the stream's
+    opening included), else RequestError `timeout`."""
     stream = None
     try:
         with trio.fail_after(timeout):
-            try:
-                stream = await host.new_stream(peer_id, [protocol_id])
-            except Exception as e:
-                raise RequestError(f"cannot open {protocol_id} to {peer_id}: "
-                                   f"{type(e).__name__}: {e}", reason="open_failed") from e
-            await write_all(stream, _LEN.pack(len(payload)) + payload)
-            status, length = _RESP.unpack(await read_exactly(stream, _RESP.size))
+            first = trio.CancelScope(deadline=trio.current_time() + first_answer
+                                     if first_answer is not None else math.inf)
+            with first:
+                try:
+                    stream = await host.new_stream(peer_id, [protocol_id])
+                except Exception as e:
+                    raise RequestError(f"cannot open {protocol_id} to {peer_id}: "
+                                       f"{type(e).__name__}: {e}", reason="open_failed") from e
+                await write_all(stream, _LEN.pack(len(payload)) + payload)
+                status, length = _RESP.unpack(await read_exactly(stream, _RESP.size))
+            if first.cancelled_caught:
+                raise RequestError(f"{protocol_id} request to {peer_id}: no answer within "
+                                   f"{first_answer:.1f}s", reason="timeout")
             limit = max_response if status == STATUS_OK else MAX_ERROR_TEXT
             if length > limit:
                 raise RequestError(f"response of {length} bytes from {peer_id} exceeds "

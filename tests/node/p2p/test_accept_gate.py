@@ -41,12 +41,18 @@ async def test_fresh_identities_past_the_allowance_are_refused_before_the_handsh
     scale_down(victim, burst=3, per_s=1e-6, waiting=0)
     established = await make_node(discovery=False)
     await established.connect(victim.listen_addrs[0])
+    # Its connection must be tracked before it counts as established: a connection of an
+    # established peer makes its address trusted (every identity here shares 127.0.0.1),
+    # and under load the victim's notice of the connection can come after the dial returns.
+    await wait_until(lambda: established.peer_id in victim.connected_peers(),
+                     what="the victim tracked the established peer's connection")
     victim.set_established(lambda p: p == established.peer_id)
     newcomer = await make_node(discovery=False)
     await newcomer.connect(victim.listen_addrs[0])
     await newcomer.discovery.exchange(victim.peer_id)
     assert victim.peer_id in newcomer.discovery.known  # the Hello was answered
 
+    assert not victim.admission.accept_gate.trusted("127.0.0.1")
     fresh = [await make_node(discovery=False) for _ in range(6)]
     await asyncio.gather(*(f.connect(victim.listen_addrs[0], timeout=10) for f in fresh),
                          return_exceptions=True)  # a refused dial may fail late or not at all

@@ -571,10 +571,9 @@ class GossipService:
                 data, again = await self._pull_pass(ann, origin, ask, trace, hedger)
                 if data is not None:
                     return data
-                if hedger is not None and hedger.used and self.pull_slots.stalled(origin):
-                    # the announcer did not serve and the hedge asked the others: done now
-                    # (going on through the line asked nobody, one back-off sleep per
-                    # PULL_PASS of it: 2.55 s of a slot per stalling identity's pull)
+                if self._hedged_and_stalled(hedger, origin):
+                    # going on through the line asked nobody, one back-off sleep per
+                    # PULL_PASS of it: 2.55 s of a slot per stalling identity's pull
                     return None
                 line.extend(again)
             if relayed and (not line or loop.time() >= relay_at):
@@ -594,13 +593,18 @@ class GossipService:
             await asyncio.sleep(pause)
             pause = min(pause * 2, PULL_RETRY_MAX_S)
 
+    def _hedged_and_stalled(self, hedge: _Hedge | None, origin: str) -> bool:
+        """The announcer did not serve (stalled) and the hedge asked the others already:
+        the pull is over."""
+        return hedge is not None and hedge.used and self.pull_slots.stalled(origin)
+
     async def _pull_pass(self, ann: PayloadAnnounce, origin: str, sources: list[str],
                          trace: BodyTrace | None = None, hedge: _Hedge | None = None
                          ) -> tuple[bytes | None, list[str]]:
         """Ask each source in turn: the checked body, or None and the sources to ask again."""
         again = []
         for source in sources:
-            if hedge is not None and hedge.used and self.pull_slots.stalled(origin):
+            if self._hedged_and_stalled(hedge, origin):
                 # the hedge asked the others already and the announcer did not serve:
                 # asking them again in a row held a slot a pull timeout per stalling peer
                 return None, []

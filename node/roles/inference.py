@@ -111,15 +111,8 @@ class InferenceRole(Role):
         within the staleness bound) wakes nothing: a round of the loaded version is still
         accepted, and the loop's wait for the trainer's current version goes on."""
         refusal = self.settings.check(settings, trainer, version)
-        if self._loop is not None:
-            try:
-                on_loop = asyncio.get_running_loop() is self._loop
-            except RuntimeError:  # a gate called from a worker thread
-                on_loop = False
-            if on_loop:
-                self._wake_if_hold_changed()
-            else:
-                self._loop.call_soon_threadsafe(self._wake_if_hold_changed)
+        if self._loop is not None:  # (the gate may be called off the loop)
+            self._loop.call_soon_threadsafe(self._wake_if_hold_changed)
         return refusal
 
     def _wake_if_hold_changed(self) -> None:

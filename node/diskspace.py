@@ -134,17 +134,25 @@ class DiskWatch:
         self._update()
 
     async def wait_for_space(self, need: int, stop: asyncio.Event | None = None) -> bool:
-        """Wait until `need` bytes fit; False as soon as `stop` is set (at once, not at the
-        next check). Free space is looked at every `poll_s`: nothing signals that a
-        filesystem gained space (an operator deletes files, another process ends), so an
-        interval is how to see it. Without `stop` only cancelling the task ends the wait."""
+        """Wait until `need` bytes fit, then count the writer resumed; False as soon as
+        `stop` is set (at once, not at the next check). Free space is looked at every
+        `poll_s`: nothing signals that a filesystem gained space (an operator deletes files,
+        another process ends), so an interval is how to see it. Without `stop` only
+        cancelling the task ends the wait."""
+        if not await self.until_space(need, stop):
+            return False
+        self.resumed()
+        return True
+
+    async def until_space(self, need: int, stop: asyncio.Event | None) -> bool:
+        """Wait until `need` bytes fit, still paused (the writer's retry says whether it
+        resumed); False as soon as `stop` is set."""
         while True:
             try:
                 ensure_free(self.path, need)
             except DiskFull as e:
                 self.hit(e)
             else:
-                self.resumed()
                 return True
             if await _stopped_within(stop, self.poll_s):
                 return False
@@ -163,8 +171,12 @@ async def until_written(watch: DiskWatch, call, *args, need: int = 0,
     """`await call(*args, **kwargs)`, and while it fails because the disk is full: pause
     (logged once, shown in /status through `watch`), wait for space, and try again. For
     writes that must not be lost (buffer, checkpoint, counters): the caller's work pauses,
-    the node stays up. Raises WaitStopped as soon as `stop` (default: the node's,
-    `configure`) is set while it waits: the write did not happen."""
+    the node stays up. The retry waits until the space the failed write said it needs
+    (`DiskFull.need`, else `need`) is free, and the writer counts as resumed only once a
+    write succeeds: a few freed MiB (a partial checkpoint removed) neither start a retry
+    bound to fail nor show the node resumed while its writes still fail. Raises
+    WaitStopped as soon as `stop` (default: the node's, `configure`) is set while it
+    waits: the write did not happen."""
     stop = stop if stop is not None else _stop
     while True:
         try:
@@ -173,9 +185,10 @@ async def until_written(watch: DiskWatch, call, *args, need: int = 0,
             if not is_disk_full(e):
                 raise
             watch.hit(e)
+            wanted = max(need, e.need if isinstance(e, DiskFull) else 0)
             # one check interval first: the write itself found the disk full just now
             if (await _stopped_within(stop, watch.poll_s)
-                    or not await watch.wait_for_space(need, stop)):
+                    or not await watch.until_space(wanted, stop)):
                 raise WaitStopped(f"stopped while {watch.name} waited for disk space "
                                   f"({watch.detail})") from None
             continue

@@ -113,7 +113,8 @@ class CheckpointStore:
         if target.exists():
             raise CheckpointError(f"checkpoint {target} already exists")
         # weights + optimizer state (~2x for Adam); DiskFull: the caller pauses (diskspace.py)
-        ensure_free(self.root, 3 * sum(p.numel() * p.element_size() for p in model.parameters()))
+        need = 3 * sum(p.numel() * p.element_size() for p in model.parameters())
+        ensure_free(self.root, need)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step-{version:08d}-", dir=self.root))
         try:
             pol, tr = tmp / POLICY, tmp / TRAINER
@@ -142,7 +143,7 @@ class CheckpointStore:
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
             if is_disk_full(e):
-                raise as_disk_full(e, self.root) from e
+                raise as_disk_full(e, self.root, need) from e  # the retry waits for `need`
             raise
         self._prune()
         return Checkpoint(target, version)

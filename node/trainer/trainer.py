@@ -160,6 +160,7 @@ class Trainer:
             latest = self._checkpoint()
         released, returned = self.buffer.recover(self.version)
         self._last_checkpoint: Checkpoint = latest
+        self._unsaved: StepStats | None = None  # a step trained, its checkpoint not written
         log.info("trainer at version %d (%s); buffer: %d released, %d returned, %d pending",
                  self.version, latest.path, released, returned, self.buffer.count())
         if scale_out is not None:
@@ -322,8 +323,14 @@ class Trainer:
         return max(0, self.cfg.local_items - fresh)
 
     def step(self) -> StepStats:
-        """One update on up to I local + J external groups; checkpoint per config."""
+        """One update on up to I local + J external groups; checkpoint per config. When the
+        checkpoint fails (a full disk: the caller retries), the next call writes that
+        checkpoint and trains nothing: a retry never trains the version a second time."""
         t0 = time.perf_counter()
+        if self._unsaved is not None:
+            stats = self._unsaved
+            self._save_checkpoint(stats)
+            return stats
         local, external, stale = self._drop_stale()
         local.sort(key=self._local_order)
         chosen_local = local[:self.cfg.local_items]
@@ -346,11 +353,24 @@ class Trainer:
                 self.after_step(self)
             stats.groups_local, stats.groups_external = len(chosen_local), len(chosen_ext)
             if self.version % self.cfg.checkpoint_every == 0:
-                stats.checkpoint = str(self._checkpoint().policy_dir)
+                stats.seconds = time.perf_counter() - t0  # + the checkpoint's, once written
+                self._unsaved = stats
+                self._save_checkpoint(stats)
+                return stats
         stats.pending_local = self.buffer.count("local")
         stats.pending_external = self.buffer.count("external")
         stats.seconds = time.perf_counter() - t0
         return stats
+
+    def _save_checkpoint(self, stats: StepStats) -> None:
+        """The checkpoint of the version `stats` trained (raises as `_checkpoint` does, the
+        step then still unsaved); the step's figures completed once it is written."""
+        t0 = time.perf_counter()
+        stats.checkpoint = str(self._checkpoint().policy_dir)
+        self._unsaved = None
+        stats.pending_local = self.buffer.count("local")
+        stats.pending_external = self.buffer.count("external")
+        stats.seconds += time.perf_counter() - t0
 
     def _logprobs(self, model, rows: list[TrainRow]):
         """(logprobs [N], entropy [N]) of the rows' completion tokens, concatenated."""

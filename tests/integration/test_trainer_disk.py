@@ -64,6 +64,9 @@ def test_13_a_trainer_on_a_full_disk_pauses_and_resumes(tmp_path, small_disk, ti
 
         wait_for(paused, 300, "the trainer to pause on the full disk", trainer.proc,
                  trainer.log)
+        # what the failed write gave back (a partial checkpoint removed: a few MiB) is taken
+        # too, so the disk stays full: a retry then waits for space, it never gets it
+        fill(small_disk / "filler2")
         since = trainer.status()["uptime_s"]
         # the disk stays full for 15 s of the trainer's own clock (the finding's trainer
         # died at the next verified batch, seconds after the first failed commit; 15 space
@@ -74,6 +77,7 @@ def test_13_a_trainer_on_a_full_disk_pauses_and_resumes(tmp_path, small_disk, ti
         assert trainer.proc.poll() is None and paused()
         during = accepted()
         (small_disk / "filler").unlink()
+        (small_disk / "filler2").unlink()
         wait_for(lambda: not paused() and accepted() > during, 300,
                  "the trainer to resume and accept again", trainer.proc, trainer.log)
         log = trainer.log.read_text()

@@ -106,3 +106,72 @@ async def test_a_paused_write_resumes_when_space_returns(tmp_path, full_disk, ca
     text = [r.getMessage() for r in caplog.records]
     assert sum("sampling paused" in t for t in text) == 1
     assert sum("sampling resumed" in t for t in text) == 1
+
+
+class Watched(DiskWatch):
+    """A DiskWatch that counts its space checks (hits while waiting) and resumes."""
+
+    def __init__(self, *a, **kw):
+        self.hits = self.resumes = 0
+        super().__init__(*a, **kw)
+
+    def hit(self, e):
+        self.hits += 1
+        super().hit(e)
+
+    def resumed(self):
+        self.resumes += 1
+        super().resumed()
+
+
+async def test_a_retry_waits_for_the_space_the_failed_write_needs(tmp_path):
+    """A write that needs more than is free (a checkpoint after its partial file was removed:
+    a few MiB back, not the checkpoint's size) is not retried, and the writer not shown
+    resumed, until that much is free. It used to be retried (and shown resumed) as soon as
+    the margin was free."""
+    saved = diskspace.margin()
+    diskspace.configure(0)  # the margin alone is free at every check
+    try:
+        stop = asyncio.Event()
+        watch = Watched("training writes", tmp_path, poll_s=0.01)
+        attempts = []
+
+        async def write():
+            attempts.append(watch.paused)
+            raise DiskFull("checkpoint: no room", path=tmp_path, need=2**62)
+
+        waiting = asyncio.create_task(until_written(watch, write, stop=stop))
+        await async_wait_until(lambda: watch.hits >= 10, HANG_GUARD_S, "ten space checks")
+        assert attempts == [False] and watch.paused and watch.resumes == 0
+        stop.set()
+        with pytest.raises(WaitStopped):
+            await asyncio.wait_for(waiting, HANG_GUARD_S)
+    finally:
+        diskspace.configure(saved)
+
+
+async def test_the_writer_shows_resumed_only_once_a_write_succeeds(tmp_path, caplog):
+    """Space comes back (the check passes) but the retried write fails again: the writer
+    stays paused, one 'paused' line and one 'resumed' line in all, when the write is done."""
+    saved = diskspace.margin()
+    diskspace.configure(0)
+    try:
+        watch = DiskWatch("sampling", tmp_path, poll_s=0.01)
+        seen_paused = []
+
+        async def write():
+            seen_paused.append(watch.paused)
+            if len(seen_paused) < 3:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return "written"
+
+        with caplog.at_level(logging.INFO, logger="swarm_node"):
+            done = await asyncio.wait_for(until_written(watch, write, stop=asyncio.Event()),
+                                          HANG_GUARD_S)
+        assert done == "written" and seen_paused == [False, True, True]
+        assert not watch.paused
+        text = [r.getMessage() for r in caplog.records]
+        assert sum("sampling paused" in t for t in text) == 1
+        assert sum("sampling resumed" in t for t in text) == 1
+    finally:
+        diskspace.configure(saved)

@@ -9,7 +9,9 @@ import textwrap
 
 import pytest
 import torch
+from swarm_node.node import diskspace
 from swarm_node.node.config import Config
+from swarm_node.node.diskspace import DiskFull
 from swarm_node.node.tasks import format_prompt, get_task
 from swarm_node.node.trainer.trainer import Trainer
 from swarm_node.protocol.messages import Completion, RolloutBatch, SamplingParams, TensorData
@@ -46,6 +48,35 @@ def test_step_updates_weights_and_version(trainer):
     # nothing left: the next step trains on nothing and keeps the version
     stats = trainer.step()
     assert not stats.trained and stats.version == 1
+
+
+def test_a_step_whose_checkpoint_hit_a_full_disk_is_saved_not_trained_again(tiny_model_dir,
+                                                                              tmp_path):
+    """The checkpoint of a trained step fails (the disk is full: the role retries the step
+    once space returns): the retry writes that version's checkpoint and trains nothing. It
+    used to train again on the next groups and never write the failed version."""
+    # one group a step: a second is there for a retry to train on
+    trainer = Trainer(make_config(local_items=1), tiny_model_dir, tmp_path / "data")
+    tok = trainer.tokenizer
+    trainer.add_local(mixed_group(tok, 0))
+    trainer.add_local(mixed_group(tok, 1))
+    saved = diskspace.margin()
+    diskspace.configure(2**62)  # every space check fails, as on a full disk
+    try:
+        with pytest.raises(DiskFull) as failed:
+            trainer.step()
+    finally:
+        diskspace.configure(saved)
+    assert failed.value.need > 0  # what the retry waits for (the checkpoint's estimate)
+    assert trainer.version == 1 and trainer.latest_checkpoint().version == 0
+    trained = {k: v.clone() for k, v in trainer.state_dict().items()}
+    stats = trainer.step()  # the retry, space back
+    assert stats.trained and stats.version == 1 == trainer.version
+    assert stats.checkpoint and trainer.latest_checkpoint().version == 1
+    assert stats.groups_local == 1 and stats.pending_local == 1
+    assert all(torch.equal(trained[k], v) for k, v in trainer.state_dict().items())
+    assert trainer.step().version == 2  # then training goes on as before
+    trainer.close()
 
 
 def test_zero_advantage_groups_are_filtered(trainer):

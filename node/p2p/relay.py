@@ -194,18 +194,25 @@ class RelayService:
                 out.append(pid.to_base58())
         return out
 
-    def _t_hole_punch_stats(self) -> dict[str, int]:
-        """Peers upgraded to direct; peers with a failed attempt (`failed`, still trying
-        up to MAX_HOLE_PUNCH_ATTEMPTS), those whose attempts ran out (`gave_up`), and those
-        with an attempt under way (`in_progress`: py-libp2p drives them one at a time, so
-        one that never ends holds up the others)."""
-        d = self.dcutr
-        if d is None:
-            return {"direct": 0, "failed": 0, "gave_up": 0, "in_progress": 0}
-        attempts, in_progress, direct = hole_punch_state(d)
-        self.punched = {p.to_base58() for p in direct}
-        done = [(p, n) for p, n in attempts.items() if p not in in_progress and p not in direct]
-        return {"direct": len(direct), "failed": len(done),
+    def _t_hole_punch_state(self) -> tuple[dict[str, int], set[str], set[str]]:
+        """DCUtR's bookkeeping as peer ids: attempts per peer, peers with an attempt under
+        way, peers its own attempts upgraded to a direct connection."""
+        if self.dcutr is None:
+            return {}, set(), set()
+        attempts, in_progress, direct = hole_punch_state(self.dcutr)
+        return ({p.to_base58(): n for p, n in attempts.items()},
+                {p.to_base58() for p in in_progress}, {p.to_base58() for p in direct})
+
+    def _hole_punch_stats(self, attempts: dict[str, int], in_progress: set[str],
+                          direct: set[str]) -> dict[str, int]:
+        """For /status: peers behind NAT held over a direct connection (`direct`: whichever
+        side's attempt made it; py-libp2p counts only the side whose own dial won), peers
+        whose attempts failed and that are not direct by the other side's (`failed`, still
+        tried up to MAX_HOLE_PUNCH_ATTEMPTS), those whose attempts ran out (`gave_up`), and
+        attempts under way (`in_progress`)."""
+        punched = direct | self.ctx.peers.hole_punched_peers()
+        done = [(p, n) for p, n in attempts.items() if p not in in_progress and p not in punched]
+        return {"direct": len(punched), "failed": len(done),
                 "gave_up": sum(1 for _p, n in done if n >= MAX_HOLE_PUNCH_ATTEMPTS),
                 "in_progress": len(in_progress)}
 
@@ -257,7 +264,9 @@ class RelayService:
     async def _round(self) -> None:
         ctx = self.ctx
         reach = ctx.reach.current
-        self.hole_punch = await ctx.bridge.call(_async, self._t_hole_punch_stats)
+        attempts, in_progress, self.punched = await ctx.bridge.call(
+            _async, self._t_hole_punch_state)
+        self.hole_punch = self._hole_punch_stats(attempts, in_progress, self.punched)
         # The verdict counts direct connections to NAT'd peers, not only the ones our own
         # DCUtR attempts made: when the peer's attempt won, ours never started (a NAT pair
         # test saw `direct` on one side and `relayed` on the other, under load).

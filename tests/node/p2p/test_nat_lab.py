@@ -113,6 +113,12 @@ def test_hole_punch_through_two_nats(nat, direct):
             # the swarm view's kind: B reached A directly, and A announced a relay address
             b.wait(lambda s: (s["peer_reach"].get(a.peer_id) or [""])[0] == "hole-punched",
                    30, "B sees A as hole-punched")
+            # both sides count the punched peer as direct, not failed, whichever side's
+            # dial won (py-libp2p's own count has it only on the winning side)
+            for side in (a, b):
+                side.wait(lambda s: s["relay"]["hole_punch"]["direct"] == 1
+                          and s["relay"]["hole_punch"]["failed"] == 0, 60,
+                          "the punched peer counted direct on both sides")
         else:
             a.wait(lambda s: s["relay"]["hole_punch"]["failed"] >= 1, 90,
                    "a failed DCUtR attempt (driven by A, the side the relay connected "

@@ -176,3 +176,21 @@ async def test_a_relay_slot_is_advertised_before_the_lookup_for_more(natted, mon
     finally:
         release.set()
         await relay.close()
+
+
+def test_hole_punch_counters_count_a_peer_punched_by_either_side():
+    """/status `relay.hole_punch`: py-libp2p's DCUtR bookkeeping has a peer as direct only on
+    the side whose own dial won; on the other side that peer's attempt looks failed. The
+    counters take the node's own view of its connections (a NAT'd peer held over a direct
+    connection: `hole-punched`) as well. Logic over given bookkeeping; the punches themselves
+    are test_relayed_connection_upgrades_to_direct and the namespace lab's."""
+    from types import SimpleNamespace
+
+    config = p2p_config()
+    ctx = SimpleNamespace(cfg=config.p2p, config=config,
+                          peers=SimpleNamespace(hole_punched_peers=lambda: {"won-there"}))
+    service = relay_mod.RelayService(ctx, discovery=None)
+    attempts = {"won-here": 1, "won-there": 1, "failing": 1,
+                "ran-out": relay_mod.MAX_HOLE_PUNCH_ATTEMPTS, "trying": 2}
+    stats = service._hole_punch_stats(attempts, {"trying"}, {"won-here"})
+    assert stats == {"direct": 2, "failed": 2, "gave_up": 1, "in_progress": 1}

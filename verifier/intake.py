@@ -22,10 +22,10 @@ New identities are free, so budgets bind work, not keys. Senders are split in tw
   the connections that introduced the keys, then keys, so a newcomer's first batch goes at
   the head of the next round however many keys one connection brings; when it is full,
   the newest batch of the subnet, connection and sender with the most queued is evicted,
-  so a flood over a few connections evicts its own), get at most `probation_share` of the batches served
-  while established work waits (or the time share, if larger), and together at most a
-  time share of the worker's time (`TimeShare`: a bucket of verification seconds that
-  refills with wall time). The share is priced: it starts at `probation_time_share`, rises
+  so a flood over a few connections evicts its own), get at most `probation_share` of
+  the batches served while established work waits (or the time share, if larger), and
+  together at most a time share of the worker's time (`TimeShare`: a bucket of
+  verification seconds that refills with wall time). The share is priced: it starts at `probation_time_share`, rises
   by `probation_share_step` per accepted probation batch up to `probation_time_share_max`
   (the bucket, `probation_burst_s` deep at the floor, deepens with it), and falls back to
   the floor at the first probation batch found bogus or over budget, or evicted as its

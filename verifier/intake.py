@@ -25,10 +25,10 @@ New identities are free, so budgets bind work, not keys. Senders are split in tw
   so a flood over a few connections evicts its own), get at most `probation_share` of
   the batches served while established work waits (or the time share, if larger), and
   together at most a time share of the worker's time (`TimeShare`: a bucket of
-  verification seconds that refills with wall time). The share is priced: it starts at `probation_time_share`, rises
-  by `probation_share_step` per accepted probation batch up to `probation_time_share_max`
-  (the bucket, `probation_burst_s` deep at the floor, deepens with it), and falls back to
-  the floor at the first probation batch found bogus or over budget, or evicted as its
+  verification seconds that refills with wall time). The share is priced: it starts at
+  `probation_time_share`, rises by `probation_share_step` per accepted probation batch up
+  to `probation_time_share_max` (the bucket, `probation_burst_s` deep at the floor, deepens
+  with it), and falls back to the floor at the first probation batch found bogus or over budget, or evicted as its
   sender's only one (more fresh senders waiting than slots). To hold a larger share, an
   attacker must send batches that verify: sampling with the policy, which costs more than
   the verification costs the trainer. Idle time, when the trainer only waits for peers, is

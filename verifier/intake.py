@@ -17,11 +17,13 @@ New identities are free, so budgets bind work, not keys. Senders are split in tw
 
 - established senders are served first, round-robin, each with a short queue of its own,
   and each verifies at most `established_tokens` completion tokens per `window_s`;
-- probation senders (new or unproven keys) share ONE small bounded queue, fair per sender
-  (`VerificationQueue`: fewest served first, so every sender's first batch goes before
-  anyone's second; when it is full, a batch of the sender with the most queued is evicted,
-  never a newcomer's only one for it), get at most `probation_share` of the batches served
-  while established work waits (or the time share, if larger), and together at most a
+- probation senders (new or unproven keys) share ONE small bounded queue, fair per
+  introducing connection, not per key (`VerificationQueue`: round-robin over subnets, then
+  the connections that introduced the keys, then keys, so a newcomer's first batch goes at
+  the head of the next round however many keys one connection brings; when it is full, the
+  newest batch of the subnet, connection and sender with the most queued is evicted, so a
+  flood over a few connections evicts its own), get at most `probation_share` of the batches
+  served while established work waits (or the time share, if larger), and together at most a
   time share of the worker's time (`TimeShare`: a bucket of verification seconds that
   refills with wall time). The share is priced: it starts at `probation_time_share`, rises
   by `probation_share_step` per accepted probation batch up to `probation_time_share_max`
@@ -30,14 +32,13 @@ New identities are free, so budgets bind work, not keys. Senders are split in tw
   sender's only one (more fresh senders waiting than slots). To hold a larger share, an
   attacker must send batches that verify: sampling with the policy, which costs more than
   the verification costs the trainer. Idle time, when the trainer only waits for peers, is
-  lent to them one batch at a time, and counted apart (`lent`); so are up to
-  `newcomer_lend` senders' first batches before each of the trainer's own sampling rounds
-  while the share is raised (`lend_to_newcomer`). Each probation sender starts with a
-  credit of `probation_tokens` verified tokens that does not grow with time, only with
-  accepted work (`credit_per_accepted` per accepted, model-checked token); a sender past
-  its budget is answered `over_budget` (no penalty, not verified). Its batch's groups are
-  checked one at a time until one fails (`probe`), so a bogus batch costs one group's
-  forward pass.
+  lent to them one batch at a time, and counted apart (`lent`); so are up to `newcomer_lend`
+  senders' first batches before each of the trainer's own sampling rounds while the share is
+  raised (`lend_to_newcomer`). Each probation sender starts with a credit of
+  `probation_tokens` verified tokens that does not grow with time, only with accepted work
+  (`credit_per_accepted` per accepted, model-checked token); a sender past its budget is
+  answered `over_budget` (no penalty, not verified). Its batch's groups are checked one at a
+  time until one fails (`probe`), so a bogus batch costs one group's forward pass.
 
 A flood of bogus batches from any number of fresh keys therefore costs the trainer at
 most `probation_time_share` of its time once it is seen (plus what was banked while the
@@ -213,17 +214,41 @@ class TimeShare:
         self._level = min(self._level, self.burst_s)
 
 
+Via = tuple[str, str]
+"""(connection, subnet) that introduced a sender (`Intake.offer`): the libp2p peer that first
+brought its key to this node, and that peer's /24 (IPv4) or /48 (IPv6); "?" if unknown."""
+
+_SUBNET, _CONN, _KEY = range(3)  # the probation lane's levels of fairness
+
+
+@dataclass
+class _Waiting:
+    arrival: int
+    path: tuple[str, str, str]  # (subnet, connection, sender)
+    item: object
+
+
 class VerificationQueue:
     """Fair, bounded queue of (sender, item). Not thread-safe: one event loop owns it.
 
-    Probation senders each have a short queue too (at most `per_sender`, `max_probation`
-    for all): the next served is the sender served fewest times so far (its oldest batch;
-    ties by arrival), so a sender's first batch goes before anyone's second. When the
-    probation queue is full, the victim is a batch of the sender with the most queued (its
-    oldest; ties at random, the most served first), so a newcomer's only batch is never
-    evicted for a sender with several, and arrival order wins nothing. Evicting a sender's
-    only batch (more distinct probation senders waiting than slots: a fresh-key flood's
-    shape) is counted in `flood_evictions`."""
+    Established senders: round-robin, each with its own short queue (`per_sender`).
+
+    Probation senders share one queue (at most `per_sender` each, `max_probation` in all),
+    fair per INTRODUCING CONNECTION, not per key: keys are free, connections are not
+    (new inbound ones per subnet and second, few new keys per connection: admission.py). A
+    batch's path is (subnet, connection, sender) (`Via`); at each level in turn the group
+    served next is the one with the fewest turns, then the fewest batches ever served, then
+    the oldest batch. A group that had nothing waiting starts at the fewest turns among
+    its waiting siblings (it cannot bank turns while quiet), so the lane is a round-robin
+    over subnets, then their connections, then their keys, and a newcomer's first batch
+    goes at the head of the next round. When the queue is full, the victim comes from the
+    group with the most queued at each level (ties: the most served, then at random), and
+    is its newest batch: a group keeps its place and its oldest batch, the next it would
+    be served. So a flood of fresh keys over a few connections evicts its own batches, not
+    a newcomer's on another connection. Evicting a sender's only batch (a fresh-key
+    flood's shape) is counted in `flood_evictions`.
+
+    Without a `via`, a sender is its own connection in subnet "?" (fair per key)."""
 
     def __init__(self, is_established: Callable[[str], bool],
                  limits: IntakeLimits | None = None, rng: random.Random | None = None):
@@ -232,9 +257,10 @@ class VerificationQueue:
         self.rng = rng or random.Random()
         self._est: OrderedDict[str, deque] = OrderedDict()
         self._est_count = 0
-        self._prob: dict[str, deque] = {}  # sender -> deque of (arrival, item)
-        self._prob_count = 0
-        self._prob_served: OrderedDict[str, int] = OrderedDict()  # LRU, max_budget_peers
+        self._prob: list[_Waiting] = []  # at most max_probation (+1 while putting)
+        # (level, name) -> batches ever served / turns taken (LRU, 3 x max_budget_peers)
+        self._prob_served: OrderedDict[tuple[int, str], int] = OrderedDict()
+        self._turns: OrderedDict[tuple[int, str], int] = OrderedDict()
         self._arrivals = itertools.count()
         self._served_est = 0
         self._served_prob = 0
@@ -242,7 +268,7 @@ class VerificationQueue:
         self.dropped: dict[str, int] = {}
 
     def __len__(self) -> int:
-        return self._est_count + self._prob_count
+        return self._est_count + len(self._prob)
 
     @property
     def established_waiting(self) -> int:
@@ -250,17 +276,24 @@ class VerificationQueue:
 
     @property
     def probation_waiting(self) -> int:
-        return self._prob_count
+        return len(self._prob)
 
     def served(self, sender: str) -> int:
         """Probation batches of `sender` served so far (LRU-bounded memory)."""
-        return self._prob_served.get(sender, 0)
+        return self._prob_served.get((_KEY, sender), 0)
 
     def _drop(self, why: str) -> None:
         self.dropped[why] = self.dropped.get(why, 0) + 1
 
-    def put(self, sender: str, item) -> bool:
-        """Queue `item`; False if it was dropped (counted in `dropped`)."""
+    def _tally(self, table: OrderedDict, key: tuple[int, str], value: int) -> None:
+        table[key] = value
+        table.move_to_end(key)
+        while len(table) > 3 * self.limits.max_budget_peers:
+            table.popitem(last=False)
+
+    def put(self, sender: str, item, via: Via | None = None) -> bool:
+        """Queue `item`; False if it was dropped (counted in `dropped`). `via`: the
+        (connection, subnet) that introduced `sender` (probation senders only)."""
         lim = self.limits
         if self.is_established(sender):
             q = self._est.setdefault(sender, deque())
@@ -272,27 +305,57 @@ class VerificationQueue:
             q.append(item)
             self._est_count += 1
             return True
-        q = self._prob.setdefault(sender, deque())
-        if len(q) >= lim.per_sender:
+        if sum(w.path[_KEY] == sender for w in self._prob) >= lim.per_sender:
             self._drop("probation_sender_full")
             return False
-        q.append((next(self._arrivals), item))
-        self._prob_count += 1
-        if self._prob_count <= lim.max_probation:
+        conn, subnet = via or (sender, "?")
+        new = _Waiting(next(self._arrivals), (subnet, conn, sender), item)
+        self._start_turns(new.path)
+        self._prob.append(new)
+        if len(self._prob) <= lim.max_probation:
             return True
-        most = max(len(v) for v in self._prob.values())
-        heavy = [s for s, v in self._prob.items() if len(v) == most]
-        top = max(self.served(s) for s in heavy)
-        victim = self.rng.choice([s for s in heavy if self.served(s) == top])
-        vq = self._prob[victim]
-        vq.popleft()  # its oldest: the nearest to `queue_grace`
-        self._prob_count -= 1
-        if not vq:
-            del self._prob[victim]
+        victim, only = self._victim()
+        self._prob.remove(victim)
         self._drop("probation_evicted")
-        if most == 1:
+        if only:
             self.flood_evictions += 1
-        return not (victim == sender and most == 1)  # False when the new item itself went
+        return victim is not new
+
+    def _start_turns(self, path: tuple[str, str, str]) -> None:
+        """A group with nothing waiting starts at the fewest turns of its waiting siblings."""
+        for level in (_SUBNET, _CONN, _KEY):
+            siblings = [w for w in self._prob if w.path[:level] == path[:level]]
+            if not siblings or any(w.path[level] == path[level] for w in siblings):
+                continue
+            floor = min(self._turns.get((level, w.path[level]), 0) for w in siblings)
+            key = (level, path[level])
+            self._tally(self._turns, key, max(self._turns.get(key, 0), floor))
+
+    def _victim(self) -> tuple[_Waiting, bool]:
+        """The batch a full probation queue evicts, and whether it was its sender's only."""
+        cands = self._prob
+        for level in (_SUBNET, _CONN, _KEY):
+            counts = Counter(w.path[level] for w in cands)
+            weight = {g: (n, self._prob_served.get((level, g), 0)) for g, n in counts.items()}
+            top = max(weight.values())
+            group = self.rng.choice(sorted(g for g, w in weight.items() if w == top))
+            cands = [w for w in cands if w.path[level] == group]
+        return max(cands, key=lambda w: w.arrival), len(cands) == 1
+
+    def _head(self) -> _Waiting | None:
+        """The probation batch served next (see the class docstring)."""
+        cands = self._prob
+        for level in (_SUBNET, _CONN, _KEY):
+            if not cands:
+                return None
+            oldest: dict[str, int] = {}
+            for w in cands:
+                oldest[w.path[level]] = min(oldest.get(w.path[level], w.arrival), w.arrival)
+            group = min(oldest, key=lambda g: (self._turns.get((level, g), 0),
+                                               self._prob_served.get((level, g), 0),
+                                               oldest[g]))
+            cands = [w for w in cands if w.path[level] == group]
+        return min(cands, key=lambda w: w.arrival)
 
     def get(self, probation_ok: bool = True,
             probation_share: float | None = None) -> tuple[str, object] | None:
@@ -300,7 +363,7 @@ class VerificationQueue:
         batches only when `probation_ok`; `probation_share`: of the batches served while
         established work waits, `limits.probation_share` by default)."""
         share = self.limits.probation_share if probation_share is None else probation_share
-        take_prob = probation_ok and bool(self._prob_count) and (
+        take_prob = probation_ok and bool(self._prob) and (
             not self._est_count
             or self._served_prob < share * (self._served_est + self._served_prob + 1))
         if take_prob:
@@ -318,26 +381,21 @@ class VerificationQueue:
         return sender, item
 
     def next_probation(self) -> str | None:
-        """The probation sender served next: fewest served, then the oldest batch."""
-        if not self._prob:
-            return None
-        return min(self._prob, key=lambda s: (self.served(s), self._prob[s][0][0]))
+        """The probation sender served next (see the class docstring)."""
+        head = self._head()
+        return None if head is None else head.path[_KEY]
 
     def get_probation(self) -> tuple[str, object] | None:
         """The next probation (sender, item) (`next_probation`), whatever the shares."""
-        sender = self.next_probation()
-        if sender is None:
+        head = self._head()
+        if head is None:
             return None
-        q = self._prob[sender]
-        _, item = q.popleft()
-        self._prob_count -= 1
-        if not q:
-            del self._prob[sender]
-        self._prob_served[sender] = self.served(sender) + 1
-        self._prob_served.move_to_end(sender)
-        while len(self._prob_served) > self.limits.max_budget_peers:
-            self._prob_served.popitem(last=False)
-        return sender, item
+        self._prob.remove(head)
+        for level in (_SUBNET, _CONN, _KEY):
+            key = (level, head.path[level])
+            self._tally(self._prob_served, key, self._prob_served.get(key, 0) + 1)
+            self._tally(self._turns, key, self._turns.get(key, 0) + 1)
+        return head.path[_KEY], head.item
 
 
 class Verifier(Protocol):
@@ -382,6 +440,7 @@ class Intake:
                  monitor: PeerMonitor | None = None, limits: IntakeLimits | None = None,
                  report: Callable[[str, int, str], object] | None = None,
                  trusted: Callable[[str], bool] = lambda peer: False,
+                 introducer: Callable[[str], Via] | None = None,
                  clock: Callable[[], float] = time.monotonic):
         self.own_id = own_id
         self.reputation = reputation
@@ -393,6 +452,8 @@ class Intake:
         self.monitor = monitor or PeerMonitor()
         self.limits = limits or IntakeLimits()
         self.trusted = trusted  # besides established peers: whose verdicts are hints (trainers)
+        # sender -> (connection, subnet) that introduced it: the probation lane's fairness
+        self.introducer = introducer or (lambda sender: (sender, "?"))
         self.clock = clock
         self.queue = VerificationQueue(self.established, self.limits)
         self.budget = Budget(self.limits, clock)
@@ -426,7 +487,8 @@ class Intake:
                     **ports) -> Intake:
         """A trainer's intake from its node config: the reputation persisted in
         `<data_dir>/reputation.json` (`[verifier]` settings) and the sequential tests'
-        parameters for `model.dtype`. `ports`: publish, work, disk, report, trusted, limits."""
+        parameters for `model.dtype`. `ports`: publish, work, disk, report, trusted,
+        introducer, limits."""
         if reputation is None:
             reputation = Reputation.from_config(cfg.verifier, cfg.data_dir / "reputation.json")
         monitor = PeerMonitor(SequentialSettings.for_dtype(cfg.model.dtype))
@@ -462,7 +524,9 @@ class Intake:
 
     async def offer(self, env, origin: str) -> None:
         """A `RolloutBatch` envelope from the gossip layer; `origin` is its gossip origin (the
-        envelope's signer), whom the transport charges for a bogus probation batch."""
+        envelope's signer), whom the transport charges for a bogus probation batch. A
+        probation sender's batch waits in its introducing connection's and subnet's turn
+        (`introducer`: the transport's `introducer`, admission.py)."""
         sender = env.sender
         if self.reputation.is_banned(sender):
             self.state.reject(sender, "banned", len(env.message.completions))
@@ -472,7 +536,8 @@ class Intake:
         verifier = self.verifier_for(env.message.policy_id)
         as_of = verifier.latest_version() if verifier is not None else None
         flood = self.queue.flood_evictions
-        if not self.queue.put(sender, (env.message, origin, as_of)):
+        via = None if self.established(sender) else self.introducer(sender)
+        if not self.queue.put(sender, (env.message, origin, as_of), via):
             self.state.count("rollout_queue_full")
             log.debug("verification queue: dropped a batch from %s (not verified, not "
                       "accepted)", sender[-8:])

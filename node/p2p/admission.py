@@ -440,6 +440,14 @@ class Admission:
         with self._lock:
             return origin in self._known
 
+    def introducer(self, origin: str) -> tuple[str, str]:
+        """(connection, its subnet) that introduced `origin` here: the connection that first
+        brought it as a new origin, else the origin itself (it came on its own connection,
+        or its introduction was forgotten: LRU); the subnet "?" where it is not known."""
+        with self._lock:
+            conn = self._introduced_by.get(origin, origin)
+            return conn, self._subnet.get(conn, "?")
+
 
 _NEW_ORIGINS = TopicRate(per_s=NEW_ORIGINS_PER_S, burst=NEW_ORIGINS_BURST)
 

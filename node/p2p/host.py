@@ -272,6 +272,13 @@ class P2PNode:
         self.admission.reported(peer_id, n)
         return self.penalties.penalise(peer_id, reason, n)
 
+    def introducer(self, origin: str) -> tuple[str, str]:
+        """(connection, subnet) that introduced gossip origin `origin` here (admission.py):
+        the verifier serves its probation senders fairly per introducing connection and
+        subnet, so fresh keys brought over one connection share one connection's turn. Any
+        thread."""
+        return self.admission.introducer(origin)
+
     def set_established(self, fn: Callable[[str], bool]) -> None:
         """`fn(peer_id) -> bool`: True for peers with a verified history here. Their gossip
         skips the node's fair-share budget (admission.py) and they may use the bulk plane's

@@ -140,7 +140,8 @@ class TrainerRole(Role):
                                   self.trainer, self.state, reputation=reputation,
                                   limits=limits, publish=self._publish_verdict,
                                   work=self.work, disk=self.disk, trusted=self._followed,
-                                  report=self.p2p.report_misbehaviour)
+                                  report=self.p2p.report_misbehaviour,
+                                  introducer=self.p2p.introducer)
 
     def _groups(self) -> tuple[int, int]:
         """Groups (with reward signal: the others are dropped on arrival) waiting in the

@@ -161,6 +161,9 @@ class FakeTransport:
         self.reports.append((peer_id, n, reason))
         return False
 
+    def introducer(self, origin: str) -> tuple[str, str]:
+        return origin, "?"  # one hop: every origin its own connection
+
     def set_peer_filter(self, fn: Callable[[str], bool] | None) -> None:
         self.peer_filter = fn
 

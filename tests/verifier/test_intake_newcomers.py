@@ -48,7 +48,7 @@ def test_a_senders_first_batch_goes_before_anyones_second():
 
 
 def test_a_newcomers_only_batch_is_not_evicted_for_a_sender_with_several():
-    """Full probation queue: the victim is the oldest batch of the sender with the most
+    """Full probation queue: the victim is the newest batch of the sender with the most
     queued, never the only batch of a newcomer (on the old queue: a random one)."""
     for seed in range(50):
         q = VerificationQueue(lambda s: False, IntakeLimits(max_probation=8),
@@ -56,7 +56,7 @@ def test_a_newcomers_only_batch_is_not_evicted_for_a_sender_with_several():
         for r in range(4):
             q.put("busy1", ("busy1", r))
             q.put("busy2", ("busy2", r))
-        assert q.put("new", ("new", 0))  # the queue is full: a busy sender's oldest goes
+        assert q.put("new", ("new", 0))  # the queue is full: a busy sender's newest goes
         assert len(q) == 8 and q.dropped == {"probation_evicted": 1}
         served = [q.get() for _ in range(8)]
         assert ("new", ("new", 0)) in served

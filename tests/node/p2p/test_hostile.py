@@ -230,6 +230,10 @@ async def test_fresh_key_batches_throttle_the_connection_that_brought_them(make_
             await wait_until(lambda n=i - 3: handled() > n, what="the victim to keep up")
     await wait_until(lambda: handled() == len(sybils), what="every sybil handled")
     assert victim.metrics["rejected.new_origin_throttled"] >= 20  # most never got in
+    # the verifier's probation lane groups the keys by the connection that introduced them
+    lan = "127.0.0.0/24"
+    assert {victim.introducer(s) for s in reported} == {(attacker.peer_id, lan)}
+    assert victim.introducer(attacker.peer_id) == (attacker.peer_id, lan)
     assert all(victim.penalties.score(s) > 0 for s in reported)  # each key pays
     assert attacker.peer_id in victim.connected_peers() and victim.penalties.cuts == 0
     own = [attacker.identity.seal(verdict(1000))]  # the carrier's own messages still flow

@@ -112,12 +112,14 @@ class TunedQueues(dict):
 
     def __init__(self, max_size: int, max_message_size: int, initial: dict,
                  metrics, max_bytes: int | None = None):
-        super().__init__(initial)
+        super().__init__()
         self.shorter: Callable[[], None] | None = None
         self.metrics = metrics
         self.max_size = max_size
         self.max_message_size = max_message_size
         self.max_bytes = max_bytes if max_bytes is not None else max_size * max_message_size
+        for peer_id, queue in initial.items():  # normally none: patched before connections
+            self[peer_id] = queue
 
     def __setitem__(self, peer_id, queue) -> None:
         bounded = BoundedQueue(self.max_size, self.max_bytes)
@@ -159,7 +161,7 @@ class TunedQueues(dict):
         out = []
         for peer, queue in list(self.items()):
             bounded = queue._queue
-            if len(bounded) > high_water and not getattr(bounded, "stalled", False):
+            if len(bounded) > high_water and not bounded.stalled:
                 out.append((peer, bounded))
         return out
 

@@ -44,7 +44,7 @@ async def test_a_dead_path_with_a_full_send_buffer_is_closed(make_node):
     py-libp2p's close writes a yamux GO_AWAY before it closes the socket, that write waited
     with the others, and A's liveness round waited on it (no later round ran): B stayed
     "connected" (in the wan benchmark's 60 s partition, ~80 s, past the heal)."""
-    a = await make_node(discovery=False, liveness_interval_s=0.5, dial_timeout_s=0.5)
+    a = await make_node(discovery=False, liveness_interval_s=0.2, dial_timeout_s=0.5)
     b = await make_node(bootstrap=a.listen_addrs, discovery=False)
     await a.subscribe("verdicts", ignore)
     await b.subscribe("verdicts", ignore)

@@ -430,6 +430,9 @@ class P2PSection(Section):
     """`publish` waits while any peer's outbound queue holds more RPCs than this."""
     publish_timeout_s: float = Field(60.0, gt=0)
     """How long `publish` waits for queue capacity before raising PublishError(queue_full)."""
+    publish_stall_s: float = Field(5.0, gt=0)
+    """A peer queue over `publish_high_water` from which no RPC left for this long is not
+    waited for (a dead path the liveness check has not closed yet) until one leaves it."""
     mesh_wait_s: float = Field(10.0, ge=0)
     """How long a publish waits for the topic's mesh to form (counted as publish_no_mesh after)."""
     subscription_queue: int = Field(8192, ge=32)

@@ -42,7 +42,7 @@ from .context import HostContext
 from .dialback import ip_tcp, transport_addrs
 from .discovery import Discovery
 from .errors import NotRunning
-from .patches.internals import reservation_holders
+from .patches.internals import reservation_holders, transport_under
 from .relay import RelayService
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,8 @@ TRIM_POLL_S = 5.0  # look at the count at least this often (grace periods expire
 TRIM_DEBOUNCE_S = 0.5  # after a change, wait this long for more before trimming
 TRIMMED_REDIAL_S = 120.0  # discovery does not redial a peer we trimmed for this long
 LIVENESS_MISSES = 2  # unanswered pings in a row before a connection is declared dead
+DEAD_CLOSE_S = 5.0  # the most a dead peer's close, or a ping stream's reset, may take
+PING_GRACE_S = 1.0  # a liveness round waits this long past the ping timeout, at most
 
 
 class ConnectionManager:
@@ -67,6 +69,7 @@ class ConnectionManager:
         self.trimmed = 0
         self.dead = 0
         self._misses: dict[str, int] = {}
+        self._pinging: set[ID] = set()  # pings started and not returned (libp2p thread)
 
     # Protection -----------------------------------------------------------------------
 
@@ -154,34 +157,39 @@ class ConnectionManager:
         host = self.ctx.host
         peers = [pid for pid, cs in list(host.get_network().connections.items()) if cs]
         answered: set[ID] = set()
+        timeout = self.ping_timeout()
+        # Each ping runs in the node's nursery and the round waits for it `timeout` (plus
+        # a grace) at most: py-libp2p's new_stream resets a stream it could not negotiate
+        # inside a shielded scope, and on a dead path with a full send buffer that reset's
+        # write waits until TCP gives up (minutes), whatever our timeout. A ping still stuck
+        # there from an earlier round is a miss, and no second one is started beside it.
+        pending = {pid for pid in peers if pid not in self._pinging}
+        back = trio.Event()
+        if not pending:
+            back.set()
 
         async def ping(pid: ID) -> None:
-            stream = None
             try:
-                with trio.move_on_after(self.ping_timeout()):
-                    stream = await host.new_stream(pid, [PING_PROTOCOL])
-                    payload = os.urandom(PING_LENGTH)
-                    await stream.write(payload)
-                    got = b""
-                    while len(got) < PING_LENGTH:
-                        chunk = await stream.read(PING_LENGTH - len(got))
-                        if not chunk:
-                            break
-                        got += chunk
-                    if got == payload:
-                        answered.add(pid)
-            except Exception as e:  # noqa: BLE001 - a failed ping is a miss
-                log.debug("ping of %s: %s", pid, e)
+                if await self._t_ping(pid, timeout):
+                    answered.add(pid)
             finally:
-                if stream is not None:
-                    try:
-                        await stream.reset()
-                    except Exception as e:  # noqa: BLE001 - already gone
-                        log.debug("closing a ping stream: %s", e)
+                self._pinging.discard(pid)
+                pending.discard(pid)
+                if not pending:
+                    back.set()
 
-        async with trio.open_nursery() as nursery:
-            for pid in peers:
+        nursery = self.ctx.nursery
+        for pid in list(pending):
+            self._pinging.add(pid)
+            if nursery is not None:
                 nursery.start_soon(ping, pid)
+            else:  # not started or closing: nothing to ping from
+                self._pinging.discard(pid)
+                pending.discard(pid)
+        if not pending:
+            back.set()
+        with trio.move_on_after(timeout + PING_GRACE_S):
+            await back.wait()
         dead = []
         now_connected = {pid.to_base58() for pid in peers}
         for p in list(self._misses):
@@ -195,12 +203,63 @@ class ConnectionManager:
             self._misses[p] = self._misses.get(p, 0) + 1
             if self._misses[p] >= LIVENESS_MISSES:
                 del self._misses[p]
-                dead.append(p)
+                dead.append(pid)
+        async with trio.open_nursery() as nursery:
+            for pid in dead:
+                nursery.start_soon(self._t_close_dead, pid)
+        return [pid.to_base58() for pid in dead]
+
+    async def _t_ping(self, pid: ID, timeout: float) -> bool:
+        """One ping of `pid` within `timeout`: whether it answered."""
+        host = self.ctx.host
+        stream = None
+        try:
+            with trio.move_on_after(timeout):
+                stream = await host.new_stream(pid, [PING_PROTOCOL])
+                payload = os.urandom(PING_LENGTH)
+                await stream.write(payload)
+                got = b""
+                while len(got) < PING_LENGTH:
+                    chunk = await stream.read(PING_LENGTH - len(got))
+                    if not chunk:
+                        break
+                    got += chunk
+                return got == payload
+        except Exception as e:  # noqa: BLE001 - a failed ping is a miss
+            log.debug("ping of %s: %s", pid, e)
+        finally:
+            if stream is not None:
+                # a reset writes a frame: on a dead path it would wait like any write
+                with trio.move_on_after(DEAD_CLOSE_S):
+                    try:
+                        await stream.reset()
+                    except Exception as e:  # noqa: BLE001 - already gone
+                        log.debug("closing a ping stream: %s", e)
+        return False
+
+    async def _t_close_dead(self, pid: ID) -> None:
+        """Close the connections of a peer that stopped answering: their transports first.
+        On a dead path the TCP send buffer is full, and py-libp2p's close writes a yamux
+        GO_AWAY before it closes the socket, so it waited (and this liveness round, and every
+        round after it) until TCP gave up or the path came back: in the wan benchmark's 60 s
+        partition, nodes closed their connections across it ~80 s after it began, 20 s after
+        the heal, or not at all, and discovery does not redial a peer still counted as
+        connected."""
+        host = self.ctx.host
+        for conn in list(host.get_network().connections.get(pid, ())):
+            transport = transport_under(conn.muxed_conn)
+            if transport is None:
+                continue
+            with trio.move_on_after(DEAD_CLOSE_S):
                 try:
-                    await host.disconnect(pid)
+                    await transport.close()
                 except Exception as e:  # noqa: BLE001 - already gone is fine
-                    log.debug("closing dead %s: %s", p, e)
-        return dead
+                    log.debug("closing the transport of dead %s: %s", pid, e)
+        with trio.move_on_after(DEAD_CLOSE_S):
+            try:
+                await host.disconnect(pid)
+            except Exception as e:  # noqa: BLE001 - already gone is fine
+                log.debug("closing dead %s: %s", pid, e)
 
     # Trimming (trio side) ---------------------------------------------------------------
 

@@ -9,9 +9,10 @@ from collections import Counter
 class P2PMetrics:
     """Named counters plus gossip rejects per (sender, reason).
 
-    Counter names (NODE_SPEC.md lists them): published, publish_waits, publish_no_peers,
-    publish_no_mesh, received, delivered, own_skipped, rejected, drop_outbound_queue_full,
-    drop_outbound_oversized, drop_subscription_full, drop_handler_queue_full, handler_errors,
+    Counter names (NODE_SPEC.md lists them): published, publish_waits, publish_stalled_queues,
+    publish_no_peers, publish_no_mesh, received, delivered, own_skipped, rejected,
+    drop_outbound_queue_full, drop_outbound_oversized, drop_subscription_full,
+    drop_handler_queue_full, handler_errors,
     payload_announced, payload_fetched, payload_fetch_failed, payload_pulled_bulk,
     payload_pulled_libp2p, payload_pull_misses, payload_bulk_* (bodies.py),
     payload_push_*, payload_pushed (gossip_push.py),

@@ -294,18 +294,43 @@ class GossipService:
     async def _t_wait_capacity(self) -> None:
         """Until every outbound peer queue is at most `publish_high_water` long, woken by
         each RPC that leaves a queue (TunedQueues.shorter); PublishError after
-        `publish_timeout_s`."""
+        `publish_timeout_s`. A queue over the high water from which nothing left for
+        `publish_stall_s` (a peer behind a partition or a dead path whose connection the
+        liveness check has not closed yet) is marked stalled and not waited for until an RPC
+        leaves it: one dead peer must not hold every publish of this node (issue 27: a
+        trainer held its checkpoints 43 s across a partition's heal). Its queue keeps its
+        bounds; what goes past them is dropped and counted (drop_outbound_queue_full)."""
         queues = self.ctx.pubsub.peer_queues
-        if queues.fullest()[1] <= self.cfg.publish_high_water:
+        high = self.cfg.publish_high_water
+        if not queues.over(high):
             return
         self.metrics.inc("publish_waits")
         queues.shorter = self._t_queue_shorter
-        with trio.move_on_after(self.cfg.publish_timeout_s):
-            while queues.fullest()[1] > self.cfg.publish_high_water:
-                if self._t_shorter is None:
-                    self._t_shorter = trio.Event()
+        deadline = trio.current_time() + self.cfg.publish_timeout_s
+        while True:
+            now = trio.current_time()
+            wake = deadline
+            for peer, queue in queues.over(high):
+                if queue.watched is None or queue.watched[0] != queue.released:
+                    queue.watched = (queue.released, now)  # progress since: watch it afresh
+                stalled_at = queue.watched[1] + self.cfg.publish_stall_s
+                if now < stalled_at:
+                    wake = min(wake, stalled_at)
+                    continue
+                queue.stalled = True
+                self.metrics.inc("publish_stalled_queues")
+                log.info("gossip to %s: nothing left its outbound queue (%d RPCs) for %.0fs; "
+                         "publishes go on without waiting for it (what does not fit is "
+                         "dropped) until it moves or the connection is closed",
+                         str(peer)[-8:], len(queue), now - queue.watched[1])
+            if not queues.over(high):
+                return
+            if now >= deadline:
+                break
+            if self._t_shorter is None:
+                self._t_shorter = trio.Event()
+            with trio.move_on_after(wake - now):
                 await self._t_shorter.wait()
-            return
         peer, fullest = queues.fullest()
         raise PublishError(f"outbound queue to {peer} still holds {fullest} messages after "
                            f"{self.cfg.publish_timeout_s:.0f}s (peer too slow or stalled)",

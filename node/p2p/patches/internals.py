@@ -11,12 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
+from libp2p.io.msgio import BaseMsgReadWriter
 from libp2p.kad_dht.provider_store import ProviderStore
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
 from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
 from libp2p.relay.circuit_v2.resources import RelayResourceManager
+from libp2p.security.noise.io import BaseNoiseMsgReadWriter
+from libp2p.security.secure_session import SecureSession
+from libp2p.stream_muxer.yamux.yamux import Yamux
 
 from .registry import has_signature, sets_attribute
 
@@ -47,6 +51,16 @@ def providers_from_peer(store: ProviderStore, peer: ID,
     return store._get_providers_from_peer_with_closers(peer, key)
 
 
+def transport_under(muxed_conn: object) -> object | None:
+    """The transport under a connection's Noise session (py-libp2p's RawConnection for TCP,
+    a relay stream for a circuit), or None for another shape: closing it ends every read and
+    write of the connection at once, where `Yamux.close` first writes a GO_AWAY frame, which
+    waits as long as the TCP send buffer stays full (a dead path: until TCP gives up)."""
+    noise = getattr(getattr(muxed_conn, "secured_conn", None), "conn", None)
+    packets = getattr(noise, "read_writer", None)
+    return getattr(packets, "read_write_closer", None)
+
+
 def problems() -> list[str]:
     """What no longer has the shape these reads expect (empty on the pinned py-libp2p)."""
     return (has_signature(CircuitV2Protocol, "_handle_hop_stream", ("self", "stream"),
@@ -56,4 +70,8 @@ def problems() -> list[str]:
             + sets_attribute(DCUtRProtocol, "_in_progress")
             + sets_attribute(DCUtRProtocol, "_direct_connections")
             + has_signature(ProviderStore, "_get_providers_from_peer_with_closers",
-                            ("self", "peer_id", "key"), coroutine=True))
+                            ("self", "peer_id", "key"), coroutine=True)
+            + sets_attribute(Yamux, "secured_conn")
+            + sets_attribute(SecureSession, "conn")
+            + sets_attribute(BaseNoiseMsgReadWriter, "read_writer")
+            + sets_attribute(BaseMsgReadWriter, "read_write_closer"))

@@ -72,6 +72,12 @@ class BoundedQueue(PriorityQueue):
         self.max_bytes = max_bytes
         self.bytes = 0
         self.on_release: Callable[[], None] | None = None  # an RPC left the queue
+        self.released = 0  # RPCs that left the queue so far: its progress
+        # Set by a publish that found this queue over the high water and saw nothing leave
+        # it for `p2p.publish_stall_s` (pubsub.py): publishes stop waiting for it until an
+        # RPC leaves it again. `watched`: (`released`, when a publish first saw that count).
+        self.stalled = False
+        self.watched: tuple[int, float] | None = None
 
     def push(self, rpc, priority: bool = False) -> bool:
         n = rpc.ByteSize()
@@ -91,6 +97,8 @@ class BoundedQueue(PriorityQueue):
     def release(self, rpc) -> None:
         """`rpc` (unchanged since its push) left the queue."""
         self.bytes = self.bytes - rpc.ByteSize() if len(self) else 0
+        self.released += 1
+        self.stalled = False
         if self.on_release is not None:
             self.on_release()
 
@@ -104,12 +112,14 @@ class TunedQueues(dict):
 
     def __init__(self, max_size: int, max_message_size: int, initial: dict,
                  metrics, max_bytes: int | None = None):
-        super().__init__(initial)
+        super().__init__()
         self.shorter: Callable[[], None] | None = None
         self.metrics = metrics
         self.max_size = max_size
         self.max_message_size = max_message_size
         self.max_bytes = max_bytes if max_bytes is not None else max_size * max_message_size
+        for peer_id, queue in initial.items():  # normally none: patched before connections
+            self[peer_id] = queue
 
     def __setitem__(self, peer_id, queue) -> None:
         bounded = BoundedQueue(self.max_size, self.max_bytes)
@@ -144,6 +154,16 @@ class TunedQueues(dict):
         queue = super().pop(peer_id, *default)
         self._shorter()
         return queue
+
+    def over(self, high_water: int) -> list[tuple[object, BoundedQueue]]:
+        """(peer, queue) of each queue holding more than `high_water` RPCs that is not
+        marked stalled (BoundedQueue.stalled)."""
+        out = []
+        for peer, queue in list(self.items()):
+            bounded = queue._queue
+            if len(bounded) > high_water and not bounded.stalled:
+                out.append((peer, bounded))
+        return out
 
     def fullest(self) -> tuple[object, int]:
         worst, worst_len = None, 0

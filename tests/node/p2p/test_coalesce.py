@@ -139,8 +139,8 @@ def test_a_publish_over_the_high_water_waits_for_the_queues_not_a_timer():
     """A publish finds a peer queue over `publish_high_water`: it goes on as soon as RPCs
     leave that queue (or the queue goes away), woken by the queue itself, and raises
     queue_full once `publish_timeout_s` passed without that (the clock is trio's mock: no
-    time passes unless the test moves it)."""
-    cfg = P2PSection(publish_high_water=2, publish_timeout_s=5.0)
+    time passes unless the test moves it; the stall rule, below, is out of reach here)."""
+    cfg = P2PSection(publish_high_water=2, publish_timeout_s=5.0, publish_stall_s=50.0)
     metrics = P2PMetrics()
     queues = TunedQueues(64, 1 << 20, {}, metrics)
     ctx = SimpleNamespace(cfg=cfg, metrics=metrics, bridge=None,
@@ -183,3 +183,68 @@ def test_a_publish_over_the_high_water_waits_for_the_queues_not_a_timer():
 
     assert trio.run(main, clock=clock) == ["sent", "queue_full"]
     assert metrics["publish_waits"] == 2
+
+
+def test_a_queue_that_stopped_moving_does_not_hold_the_publishes():
+    """A peer behind a partition (or a dead path the liveness check has not closed yet)
+    takes nothing from its queue: a publish waits for it `publish_stall_s` at most, the
+    queue is then marked stalled and no later publish waits for it, while a slow peer that
+    does move still holds them; once an RPC leaves the stalled queue, it is waited for
+    again. Before: every publish of the node waited `publish_timeout_s` (60 s) and raised
+    queue_full, or until the liveness check closed the connection (the wan benchmark's
+    trainer held a checkpoint 43 s across a partition's heal). Trio's mock clock."""
+    cfg = P2PSection(publish_high_water=2)  # publish_stall_s 5, publish_timeout_s 60
+    metrics = P2PMetrics()
+    queues = TunedQueues(64, 1 << 20, {}, metrics)
+    ctx = SimpleNamespace(cfg=cfg, metrics=metrics, bridge=None,
+                          pubsub=SimpleNamespace(peer_queues=queues))
+    gossip = GossipService(ctx, validator=None, requests=None, bulk=None, report=print)
+    clock = MockClock()
+
+    async def main() -> list:
+        outcomes: list = []
+
+        async def publish(name: str) -> None:
+            try:
+                await gossip._t_wait_capacity()
+                outcomes.append((name, "sent", trio.current_time()))
+            except PublishError as e:
+                outcomes.append((name, e.reason, trio.current_time()))
+
+        for peer in ("dead", "slow"):
+            queues[peer] = RpcQueue()
+            for i in range(6):
+                queues[peer].push(publish_rpc(i))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(publish, "first")
+            await wait_all_tasks_blocked()
+            clock.jump(3.0)
+            await queues["slow"].pop()  # "slow" moves: 5 left, still over the water
+            await wait_all_tasks_blocked()
+            clock.jump(2.0)  # "dead": nothing left it for 5 s
+            await wait_all_tasks_blocked()
+            assert outcomes == []  # "slow" still holds 5, and it moves: waited for
+            for _ in range(3):
+                await queues["slow"].pop()
+            await wait_all_tasks_blocked()
+            assert outcomes == [("first", "sent", 5.0)]
+            assert queues["dead"]._queue.stalled and not queues["slow"]._queue.stalled
+            # the next publish does not wait for the stalled queue at all
+            waits = metrics["publish_waits"]
+            nursery.start_soon(publish, "second")
+            await wait_all_tasks_blocked()
+            assert outcomes[-1] == ("second", "sent", 5.0) and metrics["publish_waits"] == waits
+            # the path is back: an RPC leaves "dead", which is waited for again
+            await queues["dead"].pop()
+            assert not queues["dead"]._queue.stalled
+            nursery.start_soon(publish, "third")
+            await wait_all_tasks_blocked()
+            assert outcomes[-1][0] == "second"
+            for _ in range(3):
+                await queues["dead"].pop()
+            await wait_all_tasks_blocked()
+            assert outcomes[-1] == ("third", "sent", 5.0)
+        return outcomes
+
+    trio.run(main, clock=clock)
+    assert metrics["publish_stalled_queues"] == 1

@@ -309,7 +309,11 @@ class Downloader:
         if not self.cfg.endgame or not self._endgame():
             return None
         now = time.monotonic()
-        origins = {p for p, s in self.book.sources.items() if s.origin}
+        # never the trainer, nor a source not measured yet: both are left out of the pick
+        # (an unmeasured one ranks first there, and once hid every measured holder: the
+        # last shard of a 12-node WAN smoke waited 12 s on a 0.15 MiB/s home uplink while
+        # a relay that held it had served this follower at 1.8 MiB/s)
+        skip = {p for p, s in self.book.sources.items() if s.origin or not s.throughput}
         best, best_left = None, 0.0
         for shard, f in self.flights.items():
             if f.preempted or f.lost or shard in self.spares or f.writer is None:
@@ -321,13 +325,11 @@ class Downloader:
             left = (size - got) * elapsed / got if got else float("inf")
             if left < ENDGAME_MIN_S or left <= best_left:
                 continue
-            peer = self.book.pick(shard, {f.peer} | origins | self.tried.get(shard, set()),
+            peer = self.book.pick(shard, {f.peer} | skip | self.tried.get(shard, set()),
                                   self._held_back(shard, now))
             if peer is None:
                 continue
             alt = self.book.sources[peer]
-            if not alt.throughput:  # unmeasured: often the slow home uplink itself
-                continue
             if ENDGAME_FASTER * size * (1 + alt.in_flight) / alt.throughput > left:
                 continue
             best, best_left = (shard, peer), left

@@ -28,10 +28,11 @@ async def _serve(tmp_path, name, acc, ckpt, cfg, store_cls=ShardStore, **kw):
     return server, tcp, f"127.0.0.1:{tcp.sockets[0].getsockname()[1]}"
 
 
-async def _race(tmp_path, trainer, ckpt, cfg, second_store=ShardStore, endgame=True, **kw):
+async def _race(tmp_path, trainer, ckpt, cfg, second_store=ShardStore, endgame=True,
+                unmeasured=False, **kw):
     """Every shard but 0 in flight from a slow source; shard 0 came from a second source
     (so its rate is measured: unmeasured sources are not raced), which then advertises
-    every shard."""
+    every shard (`unmeasured`: so does a third source, never asked yet)."""
     cfg = cfg.model_copy(update={"parallel_downloads": 8, "per_source_downloads": 8,
                                   "max_uploads_per_peer": 8, "endgame": endgame,
                                   "chunk_timeout_s": 10.0})  # the slow source is slow
@@ -42,6 +43,8 @@ async def _race(tmp_path, trainer, ckpt, cfg, second_store=ShardStore, endgame=T
     other, other_tcp, other_addr = await _serve(tmp_path, "other", acc, ckpt, cfg,
                                                 second_store, **kw)
     other.limiter = RateLimiter(1 << 30)  # not sendfile: its bytes pass `read_shard`
+    third, third_tcp, third_addr = await _serve(tmp_path, "third", acc, ckpt, cfg)
+    third.limiter = RateLimiter(48 * 1024)
     try:
         store = ShardStore(tmp_path / "client")
         entry = store.open_version(acc)
@@ -55,11 +58,13 @@ async def _race(tmp_path, trainer, ckpt, cfg, second_store=ShardStore, endgame=T
                                and len(d.flights) + len(entry.have) == n,
                                30, "every missing shard in flight")
         book.add(other_addr, None)  # its advert arrives
+        if unmeasured:  # an advertiser on trial, also slow if it were asked
+            book.add(third_addr, None)
         d.sources_changed()
         path = await asyncio.wait_for(task, 30)
         return d, book, path, slow_addr, other_addr, acc
     finally:
-        for tcp in (slow_tcp, other_tcp):
+        for tcp in (slow_tcp, other_tcp, third_tcp):
             tcp.close()
             await tcp.wait_closed()
 
@@ -79,6 +84,20 @@ async def test_a_slow_sources_last_shards_are_raced_and_the_first_copy_wins(
     assert d.metrics["shards_ok"] == acc.manifest.num_shards
     wasted = d.metrics["endgame_bytes_wasted"]  # the slow transfers' bytes so far
     assert 0 < wasted < d.metrics["endgame_won"] * cfg.shard_size
+
+
+async def test_a_source_not_measured_yet_does_not_hide_the_measured_one(
+        tmp_path, trainer, ckpt, cfg):
+    """An advertiser on trial that holds the shards ranks first in the source choice; the
+    endgame never races from it, and still races from the measured source. Before, it
+    took the unmeasured one, skipped the shard, and the download waited for the slow
+    source (measured in the simulated WAN: 12 s on a 0.15 MiB/s uplink for the last
+    shard, a relay that held it idle)."""
+    d, book, path, _slow, other, _acc = await _race(tmp_path, trainer, ckpt, cfg,
+                                                    unmeasured=True)
+    assert read_dir(path) == read_dir(ckpt)
+    assert d.metrics["endgame_won"] >= 1, dict(d.metrics)
+    assert book.sources[other].shards_ok == d.metrics["endgame_won"] + 1
 
 
 async def test_a_corrupt_endgame_copy_never_lands(tmp_path, trainer, ckpt, cfg):

@@ -7,8 +7,9 @@ uploads are capped by its own rate limiter (a home uplink serving many peers at 
 from __future__ import annotations
 
 import asyncio
+import time
 
-from swarm_node.node.broadcast.downloader import Downloader
+from swarm_node.node.broadcast.downloader import HOLD_BACK_S, Downloader
 from swarm_node.node.broadcast.server import RateLimiter, ShardServer
 from swarm_node.node.broadcast.sources import SourceBook
 from swarm_node.node.broadcast.store import ShardStore
@@ -119,3 +120,21 @@ async def test_with_the_endgame_off_the_download_waits_for_the_slow_source(
     assert read_dir(path) == read_dir(ckpt)
     assert not any(k.startswith("endgame_") for k in d.metrics), dict(d.metrics)
     assert book.sources[slow].shards_ok == acc.manifest.num_shards - 1
+
+
+def test_a_holders_seeded_is_asked_again_soon_the_trainers_later(tmp_path, trainer, ckpt,
+                                                                 cfg, monkeypatch):
+    """`seeded` from the trainer holds that shard back from it 1 s, doubling per answer; from
+    another holder (its per-shard upload bound) 1 s each time. Before, both doubled."""
+    acc = publish(trainer, ckpt, 1, cfg.shard_size)
+    store = ShardStore(tmp_path / "client")
+    book = SourceBook(per_source=4, max_corrupt=1)
+    book.add("trainer", None, origin=True)
+    book.add("holder", None, proven=True)
+    d = Downloader(store, store.open_version(acc), TcpTransport(), book, cfg)
+    monkeypatch.setattr(time, "monotonic", lambda: 100.0)  # the clock the holds read
+    for _ in range(3):
+        d._hold_back(0, "trainer")
+        d._hold_back(0, "holder")
+    assert d.held[0]["holder"] == (100.0 + HOLD_BACK_S, 3)
+    assert d.held[0]["trainer"] == (100.0 + 4 * HOLD_BACK_S, 3)

@@ -323,6 +323,11 @@ class BroadcastSection(Section):
     """Concurrent shard uploads to one peer; more are answered `busy` at once."""
     max_uploads_total: int = Field(32, ge=1)
     """Concurrent shard uploads in total; more are answered `busy` at once."""
+    max_uploads_per_shard: int = Field(2, ge=0)
+    """Concurrent uploads of one shard of a version this node did not publish; more askers
+    are answered `seeded` (the shard is on its way to peers they can take it from), so a
+    shard few peers hold spreads as a tree, not as one slow copy per asker from its one
+    holder. 0: no bound. broadcast/server.py."""
     upload_rate_mib_s: float = Field(0.0, ge=0)
     """Cap on this node's total upload rate in MiB/s (0: unlimited)."""
     parallel_downloads: int = Field(8, ge=1, le=256)

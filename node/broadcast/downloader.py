@@ -15,7 +15,11 @@ shards until their timeout.
 
 A source that answers `seeded` (the trainer: that shard is in the swarm already; seeding.py)
 is not asked for that shard again for `HOLD_BACK_S`, doubling per answer up to
-`HOLD_BACK_MAX_S`; the shard is taken from a peer that holds it meanwhile. Nothing is held
+`HOLD_BACK_MAX_S`; the shard is taken from a peer that holds it meanwhile. Another holder
+answers `seeded` while it uploads that shard to `max_uploads_per_shard` others (server.py):
+it is asked again after `HOLD_BACK_S` each time, as a place frees when one of those ends
+(doubling, a relay in the simulated WAN had nothing in flight for 34 s of its download
+while the holders it knew of its last shards were busy a few seconds at a time). Nothing is held
 against the source: it stays known-good and serves other shards.
 
 Endgame (like BitTorrent's): once every missing shard is in flight and a worker has
@@ -215,7 +219,9 @@ class Downloader:
         held = self.held.setdefault(shard, {})
         answers = held.get(peer, (0.0, 0))[1] + 1
         now = time.monotonic()
-        until = now + min(HOLD_BACK_MAX_S, HOLD_BACK_S * 2 ** (answers - 1))
+        origin = self.book.sources[peer].origin
+        until = now + min(HOLD_BACK_MAX_S, HOLD_BACK_S * 2 ** (answers - 1) if origin
+                          else HOLD_BACK_S)
         held[peer] = (until, answers)
         heapq.heappush(self._held_until, until)
         if self.book.sources[peer].origin and shard not in self.swarm_since:
@@ -309,7 +315,11 @@ class Downloader:
         if not self.cfg.endgame or not self._endgame():
             return None
         now = time.monotonic()
-        origins = {p for p, s in self.book.sources.items() if s.origin}
+        # never the trainer, nor a source not measured yet: both are left out of the pick
+        # (an unmeasured one ranks first there, and once hid every measured holder: the
+        # last shard of a 12-node WAN smoke waited 12 s on a 0.15 MiB/s home uplink while
+        # a relay that held it had served this follower at 1.8 MiB/s)
+        skip = {p for p, s in self.book.sources.items() if s.origin or not s.throughput}
         best, best_left = None, 0.0
         for shard, f in self.flights.items():
             if f.preempted or f.lost or shard in self.spares or f.writer is None:
@@ -321,13 +331,11 @@ class Downloader:
             left = (size - got) * elapsed / got if got else float("inf")
             if left < ENDGAME_MIN_S or left <= best_left:
                 continue
-            peer = self.book.pick(shard, {f.peer} | origins | self.tried.get(shard, set()),
+            peer = self.book.pick(shard, {f.peer} | skip | self.tried.get(shard, set()),
                                   self._held_back(shard, now))
             if peer is None:
                 continue
             alt = self.book.sources[peer]
-            if not alt.throughput:  # unmeasured: often the slow home uplink itself
-                continue
             if ENDGAME_FASTER * size * (1 + alt.in_flight) / alt.throughput > left:
                 continue
             best, best_left = (shard, peer), left

@@ -4,7 +4,15 @@ Every request gets an answer or a closed stream, never a hang: a malformed reque
 `bad_request`, a shard not held (or not yet verified) `unknown_shard`, a range outside the
 shard `bad_range`, a request over the concurrency limits `busy` at once, and (a trainer, for
 its own checkpoints: seeding.py) a shard already handed to the swarm `seeded`, on a stream
-that stays open for the next request. An upload the
+that stays open for the next request.
+
+Spreading (`max_uploads_per_shard`, 2): a node uploads at most that many copies of one
+shard of a version it did not publish at once, and answers `seeded` to the next askers
+(they take the shard from the peers it is going to, or ask again after their hold-back:
+downloader.py). Measured first (the simulated WAN, 12 nodes): a public follower that took
+the trainer's first copies of 3 shards uploaded each to all 10 other receivers at once,
+~30 flows on its 100 Mbit/s uplink at 0.2 MiB/s each; every receiver's copy of those
+shards ended 15-25 s after it began, together, and nobody else held them before. An upload the
 client does not take (each `chunk_size` bytes within `chunk_timeout_s`) is cut, so a peer
 that asks and never reads cannot hold upload slots that honest peers need.
 """
@@ -69,6 +77,7 @@ class ShardServer:
         self.cfg = cfg
         self.active: Counter[str] = Counter()
         self.active_total = 0
+        self.active_shards: Counter[tuple[str, int, int]] = Counter()  # (policy, version, shard)
         self.limiter = RateLimiter(cfg.upload_rate_mib_s * 2**20)
         self.metrics: Counter[str] = Counter()
         self.served_to: Counter[str] = Counter()  # bytes of whole answers, per peer (bounded)
@@ -183,6 +192,13 @@ class ShardServer:
             await self._error(stream, "seeded")
             return True  # not an error of the stream: it may carry the next request
         copy = self.seeding is not None
+        spread = (*entry.key, req.shard)
+        if not copy and 0 < self.cfg.max_uploads_per_shard <= self.active_shards[spread]:
+            now = time.time()  # its copies are on their way: the asker takes one from them
+            self.metrics["spread_seeded"] += 1
+            self._traced(now, now, req.version, req.shard, peer, "seeded")
+            await self._error(stream, "seeded")
+            return True
         if (self.active[peer] >= self.cfg.max_uploads_per_peer
                 or self.active_total >= self.cfg.max_uploads_total):
             if copy:
@@ -191,6 +207,7 @@ class ShardServer:
             return False
         self.active[peer] += 1
         self.active_total += 1
+        self.active_shards[spread] += 1
         done = False
         t0 = time.time()
         try:
@@ -216,6 +233,9 @@ class ShardServer:
             if self.active[peer] <= 0:
                 del self.active[peer]
             self.active_total -= 1
+            self.active_shards[spread] -= 1
+            if self.active_shards[spread] <= 0:
+                del self.active_shards[spread]
 
     async def _upload(self, stream: ByteStream, entry, req: ShardRequest, length: int) -> bool:
         """Send one answer; TimeoutError if the client does not take it (_take_within)."""

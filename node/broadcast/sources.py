@@ -101,6 +101,7 @@ class SourceStats:
     drop_reason: str | None = None
     origin: bool = False
     proven: bool = False  # delivered verified shards to this node before this version
+    added: float = 0.0  # when the book learnt of it (its clock)
 
     @property
     def good(self) -> bool:
@@ -136,6 +137,7 @@ class SourceBook:
         # the trainer is not asked before this (clock time): a NAT'd follower's head start
         # for reachable ones (NAT_HEAD_START_S)
         self.origin_not_before = 0.0
+        self.t0 = clock()  # the book's start, for `summary`'s `added_s`
 
     def add(self, peer: str, holdings: set[int] | None, *, origin: bool = False,
             proven: bool = False) -> None:
@@ -144,7 +146,7 @@ class SourceBook:
         if s is None:
             s = self.sources[peer] = SourceStats(
                 peer, holdings if holdings is None else set(holdings), origin=origin,
-                proven=proven)
+                proven=proven, added=self.clock())
         elif s.holdings is not None:
             if holdings is None:
                 s.holdings = None
@@ -271,4 +273,5 @@ class SourceBook:
         return {p: {"throughput_mib_s": round((s.throughput or 0) / 2**20, 1),
                     "shards_ok": s.shards_ok, "failures": s.failures, "corrupt": s.corrupt,
                     "dropped": s.dropped, "drop_reason": s.drop_reason,
-                    "good": s.good} for p, s in self.sources.items()}
+                    "good": s.good, "added_s": round(s.added - self.t0, 2)}
+                for p, s in self.sources.items()}

@@ -261,6 +261,59 @@ def test_the_slot_of_an_advertiser_dropped_on_trial_is_given_back(tmp_path):
     assert adverts._admit(rec, "trainer", "")  # the trainer always
 
 
+def test_the_slot_of_an_advertiser_that_delivered_is_given_back(tmp_path):
+    """An advertiser that delivered a verified shard is a known-good source: its slot goes
+    to the next advertiser, and it does not count against the refills bound (only trials
+    that delivered nothing do). Before, it kept its slot for the version."""
+    store = ShardStore(tmp_path / "s")
+    records = VersionRecords(store)
+    cfg = node_config().broadcast.model_copy(update={"max_unproven_sources": 1,
+                                                     "unproven_refills": 1})
+    proven = ProvenPeers()
+    adverts = Adverts(None, cfg, store, records, Counter(), proven, follows=lambda p: True)
+    rec = records.track(("trainer", 1))
+    rec.book = book = SourceBook(per_source=4, max_corrupt=1, trial_failures=1)
+    for i in range(5):  # each delivers a shard: the one slot passes on each time
+        peer = f"p{i}"
+        assert adverts._admit(rec, peer, f"10.0.1.{i}:4002")
+        rec.remember(peer, None)
+        assert not adverts._admit(rec, "b", "10.0.0.2:4002")  # on trial: the slot is taken
+        book.success(peer, 1000, 0.1)
+        proven.add(peer)  # what a verified shard does (Downloader.on_verified)
+    assert adverts._admit(rec, "b", "10.0.0.2:4002")
+    rec.remember("b", None)
+    book.failure("b", "open_failed")  # dropped on trial: the one refill is spent
+    assert not adverts._admit(rec, "c", "10.0.0.3:4002")
+
+
+async def test_holders_beyond_the_slots_serve_once_the_first_delivered(tmp_path, swarm):
+    """One unproven slot and three holders of the version, each uploading slowly: the
+    holder admitted first delivers, its slot passes to the next advertiser, and every
+    holder serves part of the download. Before, the first holder kept the slot for the
+    version and served every shard the trainer did not."""
+    ckpt = make_checkpoint(tmp_path / "ckpt", {"model.safetensors": 1_000_000})  # 16 shards
+    tnode, trainer = await swarm("trainer", "trainer")
+    tid = tnode.peer_id
+    holders = [await swarm(f"h{i}", "inference", follow=[tid], bootstrap=tnode.listen_addrs)
+               for i in range(3)]
+    for node, _ in holders:
+        await wait_mesh(node, "checkpoints", 1)
+    await trainer.publish(ckpt, version=1)
+    for _, bc in holders:
+        await bc.done.wait(tid, 1)
+        bc.server.limiter = RateLimiter(96 * 1024)  # a home uplink: ~11 s for all of it
+    trainer.server.limiter = RateLimiter(16 * 1024)  # the trainer gives it out once
+    cfg = node_config(broadcast__max_unproven_sources=1)
+    boot = [a for node, _ in holders for a in node.listen_addrs]
+    _, follower = await swarm("follower", "inference", follow=[tid], cfg=cfg,
+                              bootstrap=tnode.listen_addrs + boot)
+    done = await follower.done.wait(tid, 1, timeout=90)
+    assert read_dir(done.path) == read_dir(ckpt)
+    served = {node.peer_id[-6:]: done.sources.get(node.peer_id, {}).get("shards_ok", 0)
+              for node, _ in holders}
+    assert all(served.values()), (served, done.sources)
+
+
 async def test_a_holder_heard_after_a_dropped_advertiser_serves(tmp_path, swarm):
     """One unproven slot, taken by an advertiser that never answers: once it is dropped on
     trial, the slot is given back and a follower that holds shards is admitted and serves

@@ -114,3 +114,53 @@ async def test_an_upload_nobody_reads_is_cut_and_frees_its_slot(tmp_path, traine
         result = close()
         if asyncio.iscoroutine(result):
             await result
+
+
+async def test_a_shard_goes_to_two_askers_at_once_the_next_take_it_from_them(tmp_path,
+                                                                              trainer):
+    """A holder (not the trainer) uploads one shard to at most `max_uploads_per_shard` (2)
+    askers at once and answers `seeded` to a third on a stream kept open (that asker takes
+    the shard from the two, or asks again after its hold-back); its other shards are
+    served, and once an upload ends the shard is served again. Before, the holder of a
+    shard few others held uploaded it to every asker at once, each copy slower."""
+    from swarm_node.node.broadcast.errors import ShardFetchError
+    from swarm_node.node.broadcast.server import RateLimiter
+    from swarm_node.node.broadcast.transport import serve_tcp
+    from swarm_node.node.broadcast.wire import fetch
+
+    shard = 1024 * 1024
+    ckpt = make_checkpoint(tmp_path / "ckpt", {"model.safetensors": 2 * shard})
+    cfg = BroadcastSection(shard_size=shard, min_shard_size=4096, chunk_size=16 * 1024)
+    acc = publish(trainer, ckpt, 1, shard)
+    store = ShardStore(tmp_path / "holder")
+    store.add_checkpoint(acc, ckpt)
+    server = ShardServer(store, cfg)
+    server.limiter = RateLimiter(256 * 1024)  # uploads that last while the test asks
+    tcp = await serve_tcp(server.serve_connection)
+    source = f"127.0.0.1:{tcp.sockets[0].getsockname()[1]}"
+    transport = TcpTransport()
+
+    def ask(i: int):
+        req = ShardRequest(policy_id=acc.manifest.policy_id, version=1, shard=i)
+        return fetch(transport, source, req, expected_len=shard, request_timeout=5,
+                     chunk_timeout=30, chunk_size=cfg.chunk_size)
+    uploads = [ask(0), ask(0)]
+    try:
+        for u in uploads:
+            assert await anext(u)  # both under way
+        with pytest.raises(ShardFetchError) as third:
+            await anext(ask(0))
+        assert third.value.reason == "seeded"
+        assert server.metrics["spread_seeded"] == 1 and server.metrics["error_busy"] == 0
+        other = ask(1)
+        assert await anext(other)  # another shard of the same holder: served
+        await other.aclose()
+        await uploads.pop().aclose()  # one of the two ends: shard 0 is served again
+        await async_wait_until(lambda: server.active_shards[(trainer.peer_id, 1, 0)] < 2,
+                               15, "the ended upload's slot")
+        uploads.append(ask(0))
+        assert await anext(uploads[-1])
+    finally:
+        for u in uploads:
+            await u.aclose()
+        tcp.close()

@@ -38,12 +38,14 @@ from libp2p.host.ping import PING_LENGTH
 from libp2p.peer.id import ID
 
 from ..lifecycle import wait_set
+from .closing import t_close_peer
 from .context import HostContext
 from .dialback import ip_tcp, transport_addrs
 from .discovery import Discovery
 from .errors import NotRunning
-from .patches.internals import reservation_holders, transport_under
+from .patches.internals import reservation_holders
 from .relay import RelayService
+from .streams import reset_quietly
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +53,6 @@ TRIM_POLL_S = 5.0  # look at the count at least this often (grace periods expire
 TRIM_DEBOUNCE_S = 0.5  # after a change, wait this long for more before trimming
 TRIMMED_REDIAL_S = 120.0  # discovery does not redial a peer we trimmed for this long
 LIVENESS_MISSES = 2  # unanswered pings in a row before a connection is declared dead
-DEAD_CLOSE_S = 5.0  # the most a dead peer's close, or a ping stream's reset, may take
 PING_GRACE_S = 1.0  # a liveness round waits this long past the ping timeout, at most
 
 
@@ -204,9 +205,11 @@ class ConnectionManager:
             if self._misses[p] >= LIVENESS_MISSES:
                 del self._misses[p]
                 dead.append(pid)
+        # transports first, each bounded (closing.py): py-libp2p's close alone waited on a
+        # dead path until TCP gave up (the wan partition: closed ~80 s in, past the heal)
         async with trio.open_nursery() as nursery:
             for pid in dead:
-                nursery.start_soon(self._t_close_dead, pid)
+                nursery.start_soon(t_close_peer, self.ctx.host, pid)
         return [pid.to_base58() for pid in dead]
 
     async def _t_ping(self, pid: ID, timeout: float) -> bool:
@@ -228,38 +231,9 @@ class ConnectionManager:
         except Exception as e:  # noqa: BLE001 - a failed ping is a miss
             log.debug("ping of %s: %s", pid, e)
         finally:
-            if stream is not None:
-                # a reset writes a frame: on a dead path it would wait like any write
-                with trio.move_on_after(DEAD_CLOSE_S):
-                    try:
-                        await stream.reset()
-                    except Exception as e:  # noqa: BLE001 - already gone
-                        log.debug("closing a ping stream: %s", e)
+            if stream is not None:  # a reset writes a frame: on a dead path, bounded
+                await reset_quietly(stream)
         return False
-
-    async def _t_close_dead(self, pid: ID) -> None:
-        """Close the connections of a peer that stopped answering: their transports first.
-        On a dead path the TCP send buffer is full, and py-libp2p's close writes a yamux
-        GO_AWAY before it closes the socket, so it waited (and this liveness round, and every
-        round after it) until TCP gave up or the path came back: in the wan benchmark's 60 s
-        partition, nodes closed their connections across it ~80 s after it began, 20 s after
-        the heal, or not at all, and discovery does not redial a peer still counted as
-        connected."""
-        host = self.ctx.host
-        for conn in list(host.get_network().connections.get(pid, ())):
-            transport = transport_under(conn.muxed_conn)
-            if transport is None:
-                continue
-            with trio.move_on_after(DEAD_CLOSE_S):
-                try:
-                    await transport.close()
-                except Exception as e:  # noqa: BLE001 - already gone is fine
-                    log.debug("closing the transport of dead %s: %s", pid, e)
-        with trio.move_on_after(DEAD_CLOSE_S):
-            try:
-                await host.disconnect(pid)
-            except Exception as e:  # noqa: BLE001 - already gone is fine
-                log.debug("closing dead %s: %s", pid, e)
 
     # Trimming (trio side) ---------------------------------------------------------------
 
@@ -293,11 +267,9 @@ class ConnectionManager:
                     continue
                 mesh_quota -= 1
             victims.append(p)
-        for p in victims:
-            try:
-                await ctx.host.disconnect(peers[p])
-            except Exception as e:  # noqa: BLE001 - already gone is fine
-                log.debug("trim of %s: %s", p, e)
+        async with trio.open_nursery() as nursery:  # each bounded: one may sit on a dead path
+            for p in victims:
+                nursery.start_soon(t_close_peer, ctx.host, peers[p])
         return victims
 
     def _t_slot_holders(self) -> set[str]:

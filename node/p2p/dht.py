@@ -44,10 +44,12 @@ from libp2p.utils.varint import encode_varint_prefixed
 from multiaddr import Multiaddr
 
 from ..lifecycle import wait_set
+from .closing import t_close_peer
 from .context import HostContext
 from .discovery import dial_order
 from .errors import NotRunning, P2PError
 from .patches.internals import providers_from_peer
+from .streams import close_quietly
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +184,7 @@ class DHTService:
                         log.debug("ADD_PROVIDER to %s: %s", peer, e)
                     finally:
                         if stream is not None:
-                            await stream.close()
+                            await close_quietly(stream)
 
         before = self._t_connected()
         try:
@@ -209,11 +211,9 @@ class DHTService:
         if not new or len(now) - len(new) < self.ctx.cfg.target_peers:
             return
         self.ctx.metrics.inc("dht_connections_closed", len(new))
-        for pid in new:
-            try:
-                await self.ctx.host.disconnect(pid)
-            except Exception as e:  # noqa: BLE001 - already gone is fine
-                log.debug("closing the lookup connection to %s: %s", pid, e)
+        async with trio.open_nursery() as nursery:
+            for pid in new:
+                nursery.start_soon(t_close_peer, self.ctx.host, pid)
 
     async def find_providers(self, key: bytes, count: int = 20) -> list[tuple[str, list[str]]]:
         """Peers other than us that announced `key`, with the addresses their records carry

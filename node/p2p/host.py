@@ -36,6 +36,7 @@ from . import patches
 from .admission import Admission, ValidationQueue
 from .bridge import TrioBridge
 from .bulk import BulkPlane
+from .closing import t_close_peer
 from .connmgr import ConnectionManager
 from .context import HostContext
 from .dht import DHTService
@@ -372,10 +373,7 @@ class P2PNode:
             nursery.start_soon(self._t_disconnect, peer)
 
     async def _t_disconnect(self, peer: str) -> None:
-        try:
-            await self._ctx.host.disconnect(ID.from_base58(peer))
-        except Exception as e:  # noqa: BLE001 - already gone is fine
-            log.debug("disconnect of %s: %s", peer, e)
+        await t_close_peer(self._ctx.host, ID.from_base58(peer))
 
     def _t_stream_fault(self, peer: str, protocol_id: str, error: BaseException) -> None:
         self.metrics.inc("stream_faults")
@@ -427,11 +425,9 @@ class P2PNode:
                 # Quiesce before the services stop: closing under load otherwise
                 # raises "Nursery is closed to new arrivals" inside py-libp2p.
                 with trio.move_on_after(SHUTDOWN_QUIESCE_S):
-                    for peer in list(host.get_connected_peers()):
-                        try:
-                            await host.disconnect(peer)
-                        except Exception as e:  # noqa: BLE001 - best effort at shutdown
-                            log.debug("disconnect of %s at shutdown: %s", peer, e)
+                    async with trio.open_nursery() as closing:  # one dead peer holds no other
+                        for peer in list(host.get_connected_peers()):
+                            closing.start_soon(t_close_peer, host, peer)
                     await trio.sleep(0.05)
         finally:
             # Pubsub's seen-message cache owns a sweeper thread; stop it (none left behind).
@@ -503,7 +499,7 @@ class P2PNode:
         host = self._ctx.host
         if host is None:
             raise NotRunning("the libp2p host is not running")
-        await self._ctx.bridge.call(host.disconnect, ID.from_base58(peer_id))
+        await self._ctx.bridge.call(t_close_peer, host, ID.from_base58(peer_id))
 
     def peer_ip(self, peer: str) -> str | None:
         """The IP of a live libp2p connection to `peer` (a snapshot read from asyncio)."""

@@ -49,6 +49,7 @@ from .errors import DialError, NotRunning, P2PError
 from .patches.dcutr import DCUtRService
 from .patches.internals import hole_punch_state, hop_stream_handler
 from .patches.relay import RelayProtocol
+from .streams import close_quietly, reset_quietly
 
 if TYPE_CHECKING:
     from .discovery import Discovery
@@ -128,10 +129,7 @@ class RelayService:
             peer = stream.muxed_conn.peer_id.to_base58()
             if not self.ctx.allowed(peer):
                 self.ctx.metrics.inc("relay_refused_peer")
-                try:
-                    await stream.reset()
-                except Exception as e:  # noqa: BLE001 - already gone
-                    log.debug("reset of a refused hop stream: %s", e)
+                await reset_quietly(stream)
                 return
             await inner(stream)
 
@@ -170,10 +168,7 @@ class RelayService:
             return False, 0.0, f"{type(e).__name__}: {e}"[:120]
         finally:
             if stream is not None:
-                try:
-                    await stream.close()
-                except Exception as e:  # noqa: BLE001 - best effort
-                    log.debug("closing a reserve stream: %s", e)
+                await close_quietly(stream)
         status = StatusCode(resp.status) if resp.HasField("status") else StatusCode.OK
         if status != StatusCode.OK:
             return False, 0.0, status.name.lower()

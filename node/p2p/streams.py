@@ -91,6 +91,8 @@ async def receive_into(stream, n: int, sink: Callable[[bytes], None], chunk_time
 
 
 SEND_FILE_CHUNK = 1 << 20
+DEAD_CLOSE_S = 5.0  # the most a close, disconnect or reset may take (a dead path: forever)
+STREAM_CLOSE_S = 2.0  # a stream's close (a FIN frame); a failed one is reset instead
 
 
 async def send_file(stream, path, offset: int, count: int) -> None:
@@ -122,20 +124,28 @@ async def write_all(stream, data: bytes) -> None:
         raise StreamError(f"write failed: {type(e).__name__}: {e}", reason="write_failed") from e
 
 
-async def close_quietly(stream) -> None:
-    try:
-        with trio.move_on_after(2):
+async def close_quietly(stream, timeout: float = STREAM_CLOSE_S) -> None:
+    """Close `stream` within `timeout` (past it, its send side counts as closed: py-libp2p
+    marks it so however its FIN write ends); reset it, bounded, if the close failed."""
+    with trio.move_on_after(timeout) as scope:
+        try:
             await stream.close()
-    except Exception as e:  # noqa: BLE001 - closing a broken stream is best effort
-        log.debug("stream close failed (%s); resetting", e)
-        await reset_quietly(stream)
+            return
+        except Exception as e:  # noqa: BLE001 - closing a broken stream is best effort
+            log.debug("stream close failed (%s); resetting", e)
+    if scope.cancelled_caught:
+        log.debug("stream close not done within %.0fs", timeout)
+        return
+    await reset_quietly(stream)
 
 
-async def reset_quietly(stream) -> None:
-    try:
-        await stream.reset()
-    except Exception as e:  # noqa: BLE001 - best effort
-        log.debug("stream reset failed: %s", e)
+async def reset_quietly(stream, timeout: float = DEAD_CLOSE_S) -> None:
+    """Reset `stream` within `timeout`; errors (already gone) are logged, never raised."""
+    with trio.move_on_after(timeout):
+        try:
+            await stream.reset()
+        except Exception as e:  # noqa: BLE001 - best effort
+            log.debug("stream reset failed: %s", e)
 
 
 def remote_peer(stream) -> str:

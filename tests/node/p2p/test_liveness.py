@@ -4,12 +4,17 @@ waits for as long as the path stays dead."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import socket
+import struct
 import threading
 from types import SimpleNamespace
 
+import pytest
 import trio
 from libp2p.peer.id import ID
+from libp2p.stream_muxer.yamux.yamux import TYPE_DATA, YAMUX_HEADER_FORMAT
 from swarm_node.node.config import P2PSection
 from swarm_node.node.identity import Identity
 from swarm_node.node.p2p.connmgr import LIVENESS_MISSES, PING_GRACE_S, ConnectionManager
@@ -79,6 +84,69 @@ async def test_a_dead_path_with_a_full_send_buffer_is_closed(make_node):
         assert b.peer_id not in a.connected_peers()
     finally:
         release.set()
+
+
+STUCK_FRAME = 48 << 20  # bytes: more than both loopback socket buffers can hold (32 + 4 MiB)
+
+
+def _write_stuck_frame(node, peer_id: str) -> None:
+    """Start, in `node`'s nursery, one yamux DATA frame of STUCK_FRAME bytes to `peer_id`
+    (a stream's bulk write; its window is not checked): with the peer's thread stopped the
+    write can never end, and it holds the connection's write lock, as a bulk transfer in
+    flight across a dead path does."""
+    conn = next(c for pid, cs in node.context.host.get_network().connections.items()
+                if pid.to_base58() == peer_id for c in cs).muxed_conn
+    sid = next(iter(conn.streams))
+    header = struct.pack(YAMUX_HEADER_FORMAT, 0, TYPE_DATA, 0, sid, STUCK_FRAME)
+
+    async def write() -> None:
+        with contextlib.suppress(Exception):  # the connection closed under it: the point
+            await conn._write_frame(header + bytes(STUCK_FRAME))
+
+    node.context.nursery.start_soon(write)
+
+
+def _write_locked(node, peer_id: str) -> bool:
+    return any(c.muxed_conn._write_lock.locked()
+               for pid, cs in node.context.host.get_network().connections.items()
+               if pid.to_base58() == peer_id for c in cs)
+
+
+@pytest.mark.parametrize("how", ["disconnect", "penalty_cut"])
+async def test_a_disconnect_on_a_dead_path_with_a_full_send_buffer_is_done(make_node, how):
+    """Every close of ours, not only liveness's, closes a dead path's connection at once
+    (closing.t_close_peer): `P2PNode.disconnect` (discovery's strays) and a penalty's cut
+    (the connection manager's trims and the DHT's lookups take the same call). Liveness is
+    off here (an hour). Before: py-libp2p's disconnect wrote its yamux GO_AWAY first, that
+    write waited behind the one in flight, and B stayed connected until TCP gave up or B
+    ran again. (A's gossip alone did not hold the write here: B's socket took it all within
+    0.3 s of the freeze, hence the one big frame.)"""
+    a = await make_node(discovery=False, liveness_interval_s=3600.0)
+    b = await make_node(bootstrap=a.listen_addrs, discovery=False)
+    await a.subscribe("verdicts", ignore)  # pubsub streams to write on
+    await b.subscribe("verdicts", ignore)
+    await wait_until(lambda: b.peer_id in a.gossip.topic_peers("verdicts"), 20,
+                     what="A's gossip stream to B")
+    release = threading.Event()
+    b.context.bridge.call_soon(release.wait)  # B's libp2p thread stops here
+    closing = None
+    try:
+        a.context.bridge.call_soon(_write_stuck_frame, a, b.peer_id)
+        await wait_until(lambda: a.context.bridge.call(_async(_write_locked), a, b.peer_id),
+                         20, what="A's write to B in flight")
+        if how == "disconnect":
+            closing = asyncio.ensure_future(a.disconnect(b.peer_id))
+        else:
+            assert a.penalties.penalise(b.peer_id, "window_violation")
+        await wait_until(lambda: b.peer_id not in a.connected_peers(), 20,
+                         what="A to close its connection to the frozen B")
+        if closing is not None:
+            await closing  # returned (bounded), raised nothing
+        assert a.metrics["connections_dead"] == 0  # closed by the call, not by liveness
+    finally:
+        release.set()
+        if closing is not None and not closing.done():
+            closing.cancel()
 
 
 def _async(fn):

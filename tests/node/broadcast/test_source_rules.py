@@ -286,6 +286,41 @@ def test_the_slot_of_an_advertiser_that_delivered_is_given_back(tmp_path):
     assert not adverts._admit(rec, "c", "10.0.0.3:4002")
 
 
+def test_slots_go_to_holders_of_what_is_still_missing(tmp_path, trainer, ckpt, cfg):
+    """A slot goes only to an advertiser that holds a shard this follower still misses,
+    and one whose holder holds nothing missing any more is given back. Before, the slots
+    went to the first advertisers whatever they held, and one that held nothing missed
+    here was never asked, so it never proved itself and kept its slot for the version
+    (30-node WAN: the last relay sat 19-34 s with nothing in flight)."""
+    acc = publish(trainer, ckpt, 1, cfg.shard_size)
+    n = acc.manifest.num_shards
+    assert n >= 5
+    store = ShardStore(tmp_path / "s")
+    entry = store.open_version(acc)
+    for i in range(n - 2):
+        entry.mark(i)
+    last, end = n - 2, n - 1  # what the follower still misses
+    records = VersionRecords(store)
+    counters = Counter()
+    bcfg = node_config().broadcast.model_copy(update={"max_unproven_sources": 1})
+    adverts = Adverts(None, bcfg, store, records, counters, ProvenPeers(),
+                      follows=lambda p: True)
+    rec = records.track(entry.key)
+    # holds only what is here: no slot
+    assert not adverts._admit(rec, "a", "10.0.0.1:4002", {0, 1})
+    assert counters["adverts_nothing_missing"] == 1 and not rec.unproven
+    assert adverts._admit(rec, "b", "10.0.0.2:4002", {0, last})
+    rec.remember("b", {0, last})
+    assert not adverts._admit(rec, "c", "10.0.0.3:4002", {end})  # b holds the one slot
+    entry.mark(last)  # verified from another holder: b holds nothing missing now
+    assert adverts._admit(rec, "c", "10.0.0.3:4002", {end})  # b's slot given back
+    rec.remember("c", {end})
+    # b, now holding the last shard too, is admitted again only as a new advertiser is
+    assert not adverts._admit(rec, "b", "10.0.0.2:4002", {last, end})
+    assert rec.holders["b"] == {0, last}
+    assert adverts._admit(rec, rec.policy_id, "", None)  # the trainer always
+
+
 async def test_holders_beyond_the_slots_serve_once_the_first_delivered(tmp_path, swarm):
     """One unproven slot and three holders of the version, each uploading slowly: the
     holder admitted first delivers, its slot passes to the next advertiser, and every

@@ -29,21 +29,34 @@ MAX_OWN_HOLDERS = 256
 """Advertisers remembered per version of this node's own policy (the swarm view's holders)."""
 
 
-def _holds_missing(entry: VersionEntry | None, holdings: set[int] | None) -> bool:
-    """Whether `holdings` (None: all) name a shard this node still misses (any shard while
-    its manifest is not here: `entry` None)."""
-    if entry is None:
-        return holdings is None or bool(holdings)
-    if entry.complete:
-        return False
-    if holdings is None:
-        return len(entry.have) < entry.manifest.num_shards
-    have = entry.have
-    return any(i not in have for i in holdings)
+class _Missing:
+    """What this node still misses of a version (all of it while its manifest is not here:
+    `entry` None), asked of advertisers' holdings for the slot rule (`Adverts._admit`).
+    Each ask costs the smaller of the holdings and the missing shards (the missing ones
+    listed once per admission)."""
+
+    def __init__(self, entry: VersionEntry | None):
+        self.entry = entry
+        self._list: list[int] | None = None
+
+    def held_by(self, holdings: set[int] | None) -> bool:
+        """Whether `holdings` (None: all) name a shard missing here."""
+        e = self.entry
+        if e is None:
+            return holdings is None or bool(holdings)
+        n, have = e.manifest.num_shards, e.have
+        if e.complete or len(have) >= n:
+            return False
+        if holdings is None:
+            return True
+        if len(holdings) <= n - len(have):
+            return any(i not in have for i in holdings)
+        if self._list is None:
+            self._list = [i for i in range(n) if i not in have]
+        return any(i in holdings for i in self._list)
 
 
-def _on_trial(rec: VersionRecord, proven: ProvenPeers,
-              entry: VersionEntry | None) -> tuple[int, int]:
+def _on_trial(rec: VersionRecord, proven: ProvenPeers, missing: _Missing) -> tuple[int, int]:
     """(holding a place, trials spent): of the unproven advertisers admitted for the
     version, those still on trial (not proven since, not dropped by the download in
     flight, holding a shard this node still misses), and those that never delivered a
@@ -53,7 +66,7 @@ def _on_trial(rec: VersionRecord, proven: ProvenPeers,
     holding = sum(
         1 for p in unproven
         if not (book is not None and (s := book.sources.get(p)) is not None and s.dropped)
-        and (p not in rec.holders or _holds_missing(entry, rec.holders[p])))
+        and (p not in rec.holders or missing.held_by(rec.holders[p])))
     return holding, len(unproven)
 
 
@@ -150,23 +163,22 @@ class Adverts:
         simulated WAN, source45): the last relay sat 19-34 s with nothing in flight, the
         holders it knew of its last shards answering 'seeded' (2 uploads a shard) while its
         8 slots were held by advertisers that never held what it missed."""
-        entry = self.store.get(*rec.key)
+        missing = _Missing(self.store.get(*rec.key))
         trial = peer != rec.policy_id and peer not in self.proven
         if peer in rec.holders and not (
-                trial and peer in rec.unproven
-                and not _holds_missing(entry, rec.holders[peer])):
+                trial and peer in rec.unproven and not missing.held_by(rec.holders[peer])):
             return True
         host = endpoint.rpartition(":")[0] if endpoint else ""
         if trial:
             if not endpoint and not self._connected(peer):
                 self.counters["adverts_not_connected"] += 1
                 return False
-            if not _holds_missing(entry, holdings):
+            if not missing.held_by(holdings):
                 self.counters["adverts_nothing_missing"] += 1
                 return False
             same_host = sum(1 for p in rec.unproven if p != peer and rec.hosts.get(p) == host)
             cap = self.cfg.max_unproven_sources
-            holding, spent = _on_trial(rec, self.proven, entry)
+            holding, spent = _on_trial(rec, self.proven, missing)
             spent -= peer in rec.unproven  # given back before: admitted again, not anew
             if (holding >= cap or spent >= self.cfg.unproven_refills * cap
                     or (host and same_host >= self.cfg.max_sources_per_host)):

@@ -11,6 +11,7 @@ from collections import Counter
 
 from swarm_node.node.broadcast.adverts import Adverts
 from swarm_node.node.broadcast.downloader import Downloader
+from swarm_node.node.broadcast.manifest import AcceptedManifest
 from swarm_node.node.broadcast.records import VersionRecords
 from swarm_node.node.broadcast.server import RateLimiter, ShardServer
 from swarm_node.node.broadcast.sources import ProvenPeers, SourceBook
@@ -380,6 +381,54 @@ async def test_a_holder_heard_after_a_dropped_advertiser_serves(tmp_path, swarm)
         done = await follower.done.wait(tid, 1)
         assert read_dir(done.path) == read_dir(ckpt)
         assert done.sources[node.peer_id]["dropped"]
+        assert done.sources.get(hnode.peer_id, {}).get("shards_ok", 0) > 0, done.sources
+    finally:
+        release.set()
+        await node.close()
+
+
+async def test_a_holder_is_admitted_once_the_slot_holder_holds_nothing_missing(tmp_path,
+                                                                               swarm):
+    """One unproven slot, taken by an advertiser that holds one shard and never answers:
+    once that shard came from the trainer, the advertiser holds nothing missing here, its
+    slot is given back, and a holder heard later is admitted and serves some shards.
+    Before, it kept the slot for the version (one failed trial did not drop it, and it was
+    never asked again): the holder was never a source."""
+    ckpt = make_checkpoint(tmp_path / "ckpt", {"model.safetensors": 600_000})  # 10 shards
+    tnode, trainer = await swarm("trainer", "trainer")
+    tid = tnode.peer_id
+    cfg = node_config(broadcast__request_timeout_s=1.0, broadcast__parallel_downloads=2,
+                      broadcast__trial_failures=10, broadcast__max_unproven_sources=1)
+    fnode, follower = await swarm("follower", "inference", follow=[tid],
+                                  bootstrap=tnode.listen_addrs, cfg=cfg)
+    release = asyncio.Event()
+    node = await advertiser(fnode.listen_addrs)
+    staller = Staller(node, release)
+    node.set_stream_handler(SHARD_PROTOCOL, staller.handle)
+    try:
+        ad = ShardAdvert(policy_id=tid, version=1, complete=False, have=b"\x01")  # shard 0
+
+        def admitted() -> bool:
+            rec = follower.records.get((tid, 1))
+            return rec is not None and node.peer_id in rec.holders
+        await advertise_until([node], ad, admitted, "the staller's advert")
+        trainer.server.limiter = RateLimiter(48 * 1024)  # ~12 s: the swarm matters
+        await wait_mesh(tnode, "checkpoints", 1)
+        await trainer.publish(ckpt, version=1)
+
+        def has_first() -> bool:
+            entry = follower.store.get(tid, 1)
+            return entry is not None and entry.has(0)
+        await async_wait_until(has_first, 30, "shard 0 at the follower")
+        # a holder of the whole version heard now (its copy put in its store)
+        hnode, holder = await swarm("holder", "inference",
+                                    bootstrap=tnode.listen_addrs + fnode.listen_addrs)
+        entry = trainer.store.get(tid, 1)
+        holder.store.add_checkpoint(AcceptedManifest(entry.manifest, entry.envelope, tid),
+                                    ckpt)
+        done = await follower.done.wait(tid, 1)
+        assert read_dir(done.path) == read_dir(ckpt)
+        assert not done.sources[node.peer_id]["dropped"]  # it kept its slot before
         assert done.sources.get(hnode.peer_id, {}).get("shards_ok", 0) > 0, done.sources
     finally:
         release.set()

@@ -135,17 +135,23 @@ async def test_a_burst_between_two_hosts_arrives_whole_from_merged_rpcs(make_nod
     assert b.metrics.snapshot()["counters"].get("rejected", 0) == 0
 
 
+def publisher(cfg: P2PSection) -> tuple[P2PMetrics, TunedQueues, GossipService]:
+    """A gossip service over tuned peer queues alone (no host): what publish waits on."""
+    metrics = P2PMetrics()
+    queues = TunedQueues(64, 1 << 20, {}, metrics)
+    ctx = SimpleNamespace(cfg=cfg, metrics=metrics, bridge=None,
+                          pubsub=SimpleNamespace(peer_queues=queues))
+    return metrics, queues, GossipService(ctx, validator=None, requests=None, bulk=None,
+                                          report=print)
+
+
 def test_a_publish_over_the_high_water_waits_for_the_queues_not_a_timer():
     """A publish finds a peer queue over `publish_high_water`: it goes on as soon as RPCs
     leave that queue (or the queue goes away), woken by the queue itself, and raises
     queue_full once `publish_timeout_s` passed without that (the clock is trio's mock: no
     time passes unless the test moves it; the stall rule, below, is out of reach here)."""
     cfg = P2PSection(publish_high_water=2, publish_timeout_s=5.0, publish_stall_s=50.0)
-    metrics = P2PMetrics()
-    queues = TunedQueues(64, 1 << 20, {}, metrics)
-    ctx = SimpleNamespace(cfg=cfg, metrics=metrics, bridge=None,
-                          pubsub=SimpleNamespace(peer_queues=queues))
-    gossip = GossipService(ctx, validator=None, requests=None, bulk=None, report=print)
+    metrics, queues, gossip = publisher(cfg)
     clock = MockClock()
 
     async def main() -> list:
@@ -194,11 +200,7 @@ def test_a_queue_that_stopped_moving_does_not_hold_the_publishes():
     queue_full, or until the liveness check closed the connection (the wan benchmark's
     trainer held a checkpoint 43 s across a partition's heal). Trio's mock clock."""
     cfg = P2PSection(publish_high_water=2)  # publish_stall_s 5, publish_timeout_s 60
-    metrics = P2PMetrics()
-    queues = TunedQueues(64, 1 << 20, {}, metrics)
-    ctx = SimpleNamespace(cfg=cfg, metrics=metrics, bridge=None,
-                          pubsub=SimpleNamespace(peer_queues=queues))
-    gossip = GossipService(ctx, validator=None, requests=None, bulk=None, report=print)
+    metrics, queues, gossip = publisher(cfg)
     clock = MockClock()
 
     async def main() -> list:

@@ -166,8 +166,6 @@ class ConnectionManager:
         # there from an earlier round is a miss, and no second one is started beside it.
         pending = {pid for pid in peers if pid not in self._pinging}
         back = trio.Event()
-        if not pending:
-            back.set()
 
         async def ping(pid: ID) -> None:
             try:

@@ -29,45 +29,15 @@ MAX_OWN_HOLDERS = 256
 """Advertisers remembered per version of this node's own policy (the swarm view's holders)."""
 
 
-class _Missing:
-    """What this node still misses of a version (all of it while its manifest is not here:
-    `entry` None), asked of advertisers' holdings for the slot rule (`Adverts._admit`).
-    Each ask costs the smaller of the holdings and the missing shards (the missing ones
-    listed once per admission)."""
-
-    def __init__(self, entry: VersionEntry | None):
-        self.entry = entry
-        self._list: list[int] | None = None
-
-    def held_by(self, holdings: set[int] | None) -> bool:
-        """Whether `holdings` (None: all) name a shard missing here."""
-        e = self.entry
-        if e is None:
-            return holdings is None or bool(holdings)
-        n, have = e.manifest.num_shards, e.have
-        if e.complete or len(have) >= n:
-            return False
-        if holdings is None:
-            return True
-        if len(holdings) <= n - len(have):
-            return any(i not in have for i in holdings)
-        if self._list is None:
-            self._list = [i for i in range(n) if i not in have]
-        return any(i in holdings for i in self._list)
-
-
-def _on_trial(rec: VersionRecord, proven: ProvenPeers, missing: _Missing) -> tuple[int, int]:
+def _on_trial(rec: VersionRecord, proven: ProvenPeers) -> tuple[int, int]:
     """(holding a place, trials spent): of the unproven advertisers admitted for the
     version, those still on trial (not proven since, not dropped by the download in
-    flight, holding a shard this node still misses), and those that never delivered a
-    verified shard (on trial, dropped, or left holding nothing missed here)."""
+    flight), and those that never delivered a verified shard (on trial or dropped)."""
     book = rec.book
     unproven = [p for p in rec.unproven if p not in proven]
-    holding = sum(
-        1 for p in unproven
-        if not (book is not None and (s := book.sources.get(p)) is not None and s.dropped)
-        and (p not in rec.holders or missing.held_by(rec.holders[p])))
-    return holding, len(unproven)
+    dropped = 0 if book is None else sum(
+        1 for p in unproven if (s := book.sources.get(p)) is not None and s.dropped)
+    return len(unproven) - dropped, len(unproven)
 
 
 class Adverts:
@@ -102,15 +72,14 @@ class Adverts:
         rec = self.records.track((ad.policy_id, ad.version))
         if rec is None:
             return  # older than what is complete here: never fetched
-        entry = self.store.get(*rec.key)
-        n = entry.manifest.num_shards if entry is not None else len(ad.have) * 8
-        holdings = advert_shards(ad, n)
-        if not self._admit(rec, env.sender, ad.endpoint, holdings):
+        if not self._admit(rec, env.sender, ad.endpoint):
             self.counters["adverts_not_admitted"] += 1
             return
         if ad.endpoint and hasattr(self.transport, "set_endpoint"):
             self.transport.set_endpoint(env.sender, ad.endpoint)
-        rec.remember(env.sender, holdings)
+        entry = self.store.get(*rec.key)
+        n = entry.manifest.num_shards if entry is not None else len(ad.have) * 8
+        rec.remember(env.sender, advert_shards(ad, n))
         if self.on_source is not None:
             self.on_source(rec, env.sender)
 
@@ -125,8 +94,7 @@ class Adverts:
             return
         rec.remember(peer, advert_shards(ad, entry.manifest.num_shards))
 
-    def _admit(self, rec: VersionRecord, peer: str, endpoint: str,
-               holdings: set[int] | None = None) -> bool:
+    def _admit(self, rec: VersionRecord, peer: str, endpoint: str) -> bool:
         """Whether `peer`'s advert makes it a candidate source of the version. The trainer
         and peers we verified shards from always; others ("unproven") only up to
         `max_unproven_sources` per version at once, and at most `max_sources_per_host` of
@@ -154,32 +122,17 @@ class Adverts:
         nobody can dial would be reached through a relay circuit or not at all, its trial
         fails, and the slot is lost for the version (measured at 30 nodes: about 5 of each
         follower's 8 slots went to such peers). Refused so, it uses no slot and is admitted
-        at a later advert once connected (it dials out, or a hole punch connects it).
-
-        A slot goes only to an advertiser whose advert (`holdings`, None: all) names a shard
-        this node still misses, and one whose holder holds nothing missed here any more is
-        given back (its holder is never asked, so it would never prove itself and free it):
-        it is admitted again only as a new advertiser is. Measured first (30 nodes in the
-        simulated WAN, source45): the last relay sat 19-34 s with nothing in flight, the
-        holders it knew of its last shards answering 'seeded' (2 uploads a shard) while its
-        8 slots were held by advertisers that never held what it missed."""
-        missing = _Missing(self.store.get(*rec.key))
-        trial = peer != rec.policy_id and peer not in self.proven
-        if peer in rec.holders and not (
-                trial and peer in rec.unproven and not missing.held_by(rec.holders[peer])):
+        at a later advert once connected (it dials out, or a hole punch connects it)."""
+        if peer in rec.holders:
             return True
         host = endpoint.rpartition(":")[0] if endpoint else ""
-        if trial:
+        if peer != rec.policy_id and peer not in self.proven:
             if not endpoint and not self._connected(peer):
                 self.counters["adverts_not_connected"] += 1
                 return False
-            if not missing.held_by(holdings):
-                self.counters["adverts_nothing_missing"] += 1
-                return False
-            same_host = sum(1 for p in rec.unproven if p != peer and rec.hosts.get(p) == host)
+            same_host = sum(1 for p in rec.unproven if rec.hosts.get(p) == host)
             cap = self.cfg.max_unproven_sources
-            holding, spent = _on_trial(rec, self.proven, missing)
-            spent -= peer in rec.unproven  # given back before: admitted again, not anew
+            holding, spent = _on_trial(rec, self.proven)
             if (holding >= cap or spent >= self.cfg.unproven_refills * cap
                     or (host and same_host >= self.cfg.max_sources_per_host)):
                 return False

@@ -129,28 +129,31 @@ async def test_a_newcomer_introduced_by_a_flooding_carrier_gets_its_own_turn_onc
 
 async def test_keys_flooding_from_four_subnets_leave_a_newcomer_its_subnets_turn(
         make_node, tmp_path):
-    """Four carriers, each on its own /24 (127.N.0.1, dialled by the trainer), flood 10
-    fresh keys each (bogus); a newcomer on a fifth /24 offers 3 batches. The lane is fair
-    per subnet first: the newcomer is served within the first 5 turns, gets 1 turn in 5
-    while it has work waiting (all 3 accepted), and each flooding subnet at most its turn."""
-    flooders = {n: [Identity.generate() for _ in range(10)] for n in (2, 3, 4, 5)}
+    """Four /24s flood, each over two carriers (127.N.0.1 and .2, dialled by the trainer),
+    5 fresh keys (bogus) per carrier; a newcomer on a fifth /24 offers 3 batches. The lane
+    is fair per subnet first: the newcomer is served within the first 5 turns and then 1
+    turn in 5 while it has work waiting (per connection it would be 1 in 9), all 3
+    accepted, and the flooding subnets take equal turns meanwhile."""
+    flooders = {(n, h): [Identity.generate() for _ in range(5)]
+                for n in (2, 3, 4, 5) for h in (1, 2)}
     sybils = {s.peer_id for keys in flooders.values() for s in keys}
     victim, intake, judge, offered = await trainer(make_node, tmp_path, sybils)
     carriers = {}
-    for n in flooders:
-        listen = {"listen": [f"/ip4/127.{n}.0.1/tcp/0"]}
-        carriers[n] = await make_node(discovery=False, node=listen)
-        await victim.connect(carriers[n].listen_addrs[0])
+    for n, h in flooders:
+        listen = {"listen": [f"/ip4/127.{n}.0.{h}/tcp/0"]}
+        carriers[n, h] = await make_node(discovery=False, node=listen)
+        await victim.connect(carriers[n, h].listen_addrs[0])
     newcomer = await make_node(discovery=False, node={"listen": ["/ip4/127.9.0.1/tcp/0"]})
     await victim.connect(newcomer.listen_addrs[0])
-    for n, node in carriers.items():
+    for (n, _), node in carriers.items():
         assert victim.introducer(node.peer_id) == (node.peer_id, f"127.{n}.0.0/24")
     rounds = itertools.count(100)
-    for n, keys in flooders.items():
-        await carry(carriers[n], victim, [(s, next(rounds)) for s in keys])
+    for where, keys in flooders.items():
+        await carry(carriers[where], victim, [(s, next(rounds)) for s in keys])
     await carry(newcomer, victim, [(newcomer.identity, r) for r in range(3)])
     await wait_until(lambda: len(offered) == len(sybils) + 3, what="every batch offered")
-    assert {victim.introducer(s.peer_id)[1] for s in flooders[3]} == {"127.3.0.0/24"}
+    assert {victim.introducer(s.peer_id) for s in flooders[3, 2]} == {
+        (carriers[3, 2].peer_id, "127.3.0.0/24")}
     assert victim.introducer(newcomer.peer_id) == (newcomer.peer_id, "127.9.0.0/24")
     await intake.drain()
     order = [s for s, _ in judge.served]
@@ -158,6 +161,6 @@ async def test_keys_flooding_from_four_subnets_leave_a_newcomer_its_subnets_turn
     assert len(mine) == 3 and mine[0] <= 4, order
     assert all(b - a <= 5 for a, b in itertools.pairwise(mine)), mine
     assert intake.state.by_peer[newcomer.peer_id].accepted == 3
-    subnet = {s.peer_id: n for n, keys in flooders.items() for s in keys}
-    first = Counter(subnet[s] for s in order[:mine[-1] + 1] if s in subnet)
-    assert max(first.values()) - min(first.values()) <= 1, first
+    subnet = {s.peer_id: n for (n, _), keys in flooders.items() for s in keys}
+    turns = Counter(subnet[s] for s in order[:mine[-1] + 1] if s in subnet)
+    assert len(turns) == 4 and max(turns.values()) - min(turns.values()) <= 1, turns

@@ -98,7 +98,10 @@ async def test_a_newcomer_introduced_by_a_flooding_carrier_gets_its_own_turn_onc
     16-slot queue evicts the carrier's keys, never the newcomer, and its batches are served
     every other turn (first within 2, all 3 accepted). On the old code it stayed in the
     carrier's turn for good: one key among the carrier's, the key with the most queued, so
-    the full queue evicted its newest batches: none of the 3 was served (accepted: 1 of 4)."""
+    the full queue evicted its newest batches: none of the 3 was served (accepted: 1 of 4).
+    Its batches hold one completion each, so it stays on probation throughout (8 accepted
+    rollouts end it, NODE_SPEC 5.5): where one accepted batch ends it (16 completions, as in
+    benchmarks/verifier_flood.py), only the batches before the first accept wait here."""
     sybils = [Identity.generate() for _ in range(24)]
     victim, intake, judge, offered = await trainer(
         make_node, tmp_path, {s.peer_id for s in sybils})

@@ -450,9 +450,10 @@ class Admission:
         So an honest newcomer whose first message came through a carrier that also brings a
         flood of fresh keys leaves the carrier's turn as soon as it connects here itself. This
         buys an attacker nothing it could not buy before: a key that connects here itself was
-        always its own introducer (had it connected first), and the connection is what costs,
-        paced and capped per subnet (AcceptGate, MAX_CONNECTIONS_PER_SUBNET), and its turn is
-        still within its subnet's. Copies relayed by other connections never move an origin
+        always its own introducer (had it connected first), and the connection is what costs
+        (inbound ones paced per subnet at accept, AcceptGate; all capped per subnet,
+        MAX_CONNECTIONS_PER_SUBNET; our dials are ours to choose), and its turn is still
+        within its subnet's. Copies relayed by other connections never move an origin
         (the first introducer stays, however the flood is re-routed through honest relays)."""
         with self._lock:
             conn = origin if origin in self._subnet else self._introduced_by.get(origin, origin)

@@ -215,8 +215,9 @@ class TimeShare:
 
 
 Via = tuple[str, str]
-"""(connection, subnet) that introduced a sender (`Intake.offer`): the libp2p peer that first
-brought its key to this node, and that peer's /24 (IPv4) or /48 (IPv6); "?" if unknown."""
+"""(connection, subnet) that introduced a sender (`Intake.offer`): the sender itself once it has
+(had) a libp2p connection of its own to this node, else the peer that first brought its key
+(`Admission.introducer`), and that connection's /24 (IPv4) or /48 (IPv6); "?" if unknown."""
 
 _SUBNET, _CONN, _KEY = range(3)  # the probation lane's levels of fairness
 

@@ -441,11 +441,22 @@ class Admission:
             return origin in self._known
 
     def introducer(self, origin: str) -> tuple[str, str]:
-        """(connection, its subnet) that introduced `origin` here: the connection that first
-        brought it as a new origin, else the origin itself (it came on its own connection,
-        or its introduction was forgotten: LRU); the subnet "?" where it is not known."""
+        """(connection, its subnet) in whose turn `origin`'s work waits (the verifier's
+        probation lane): the origin itself once it has (had) a connection of its own to this
+        node, whatever connection its messages take; else the connection that first brought
+        it as a new origin; else itself (its introduction was forgotten: LRU). The subnet is
+        the connection's, "?" where it is not known.
+
+        So an honest newcomer whose first message came through a carrier that also brings a
+        flood of fresh keys leaves the carrier's turn as soon as it connects here itself. This
+        buys an attacker nothing it could not buy before: a key that connects here itself was
+        always its own introducer (had it connected first), and the connection is what costs
+        (inbound ones paced per subnet at accept, AcceptGate; all capped per subnet,
+        MAX_CONNECTIONS_PER_SUBNET; our dials are ours to choose), and its turn is still
+        within its subnet's. Copies relayed by other connections never move an origin
+        (the first introducer stays, however the flood is re-routed through honest relays)."""
         with self._lock:
-            conn = self._introduced_by.get(origin, origin)
+            conn = origin if origin in self._subnet else self._introduced_by.get(origin, origin)
             return conn, self._subnet.get(conn, "?")
 
 

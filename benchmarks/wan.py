@@ -501,6 +501,7 @@ class SwarmRun:
                               "unconnected_pairs": unconnected_pairs(
                                   [(n.name, self.plan.nat_of(n.host), n.status)
                                    for n in self.peers()], seen),
+                              "direct_lost": self.direct_lost(seen),
                               # per NAT'd peer: DCUtR's direct / failed / gave_up (for --json)
                               "hole_punch": {n.name: ((n.status.get("p2p") or {}).get("relay")
                                                       or {}).get("hole_punch")
@@ -521,6 +522,17 @@ class SwarmRun:
             cell[0] += kind == "direct"
             cell[1] += kind == "relayed"
             cell[2] += 1
+        return out
+
+    def direct_lost(self, seen: dict[tuple[str, str], set[str]]) -> dict[str, int]:
+        """Per NAT combination: pairs seen direct at some poll of the steady window and not
+        direct at its end (a hole-punched connection that closed: relayed again, or none)."""
+        out: dict[str, int] = {}
+        for a, b in itertools.combinations(self.peers(), 2):
+            if "direct" in seen.get((a.name, b.name), ()) and link_kind(
+                    a.status, b.status) != "direct":
+                kinds = "/".join(sorted((self.plan.nat_of(a.host), self.plan.nat_of(b.host))))
+                out[kinds] = out.get(kinds, 0) + 1
         return out
 
     def reachable(self) -> dict:
@@ -725,7 +737,10 @@ def swarm_body(args, out: dict) -> str:
              "cone/cone pairs direct): " + ", ".join(
                  f"{k} {d}/{r}/{t}" for k, (d, r, t) in sorted(
                      out["steady"]["connected_pairs"].items())),
-             unconnected_line(out["steady"].get("unconnected_pairs", {}))]
+             unconnected_line(out["steady"].get("unconnected_pairs", {})),
+             "Pairs direct at some poll of the window (every 5 s) and not at its end: " + (
+                 ", ".join(f"{k} {n}" for k, n in sorted(out["steady"]["direct_lost"].items()))
+                 if out["steady"].get("direct_lost") else "none")]
     if "churn" in out:
         lines += ["", "Churn (every minute a fifth leave, half SIGKILL, and as many join):", "",
                   table(["minute", "s", "left", "joined", "joined contributing",

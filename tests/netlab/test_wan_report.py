@@ -92,6 +92,7 @@ def test_swarm_body_renders_a_run_without_churn_or_partition():
     assert "exited during the start" not in body
     assert "reward first 3 versions 0.010, last 3 0.120" in body
     assert "Churn" not in body and "Partition" not in body
+    assert "Pairs direct at some poll of the window (every 5 s) and not at its end: none" in body
     assert ("The cores were 95% busy from the trainer's start to the end of the contribute "
             "wait; a boot peer's own CPU until 'running': p50 11.5 s of CPU") in body, body
 

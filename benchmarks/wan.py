@@ -639,7 +639,8 @@ def unconnected_pairs(peers: list[tuple[str, str, dict]],
     """Inference pairs (`peers`: name, NAT type, /status) not connected now, per NAT
     combination, by why: `full` (both sides hold `p2p.target_peers` connections or more:
     discovery dials only below it, so neither picked the other; by design) or `short` (a
-    side below it did not connect the other: a failure to look at), and how many of them
+    side below it: a connection lost or a dial failed and not replaced yet; look at the
+    node logs), and how many of them
     `seen` (pair -> link kinds polled over the window) had connected earlier (`was`).
     `detail` names each pair: per side its open connections and how it saw the other
     (`side_view`)."""
@@ -773,7 +774,8 @@ def unconnected_line(pairs: dict) -> str:
         return "Every inference pair connected at the end of the steady window."
     return ("Pairs not connected at its end, per combination: full (both sides at "
             "p2p.target_peers connections or more: discovery dials only below it; by design) / "
-            "short (a side below it: a failure) / of them connected earlier in the window: "
+            "short (a side below it: a connection lost or a dial failed, not replaced by then) / of "
+            "them connected earlier in the window: "
             + ", ".join(f"{k} {c['full']}/{c['short']}/{c['was']}"
                         for k, c in sorted(pairs.items())) + ".")
 

@@ -324,6 +324,8 @@ def busy_share(t0, t1) -> float:
 LAUNCH_RUNNING_MAX_S = 180.0
 """`--launch-gap running`: the longest wait for a boot peer's 'running' before the next
 launch (a peer that never gets there does not stop the others)."""
+STEADY_POLL_S = 5.0
+"""How often the steady window reads every node's /status (each pair's links over it)."""
 
 
 class SwarmRun:
@@ -332,7 +334,7 @@ class SwarmRun:
 
     def __init__(self, args, lab: Lab, plan: WanPlan, work: Path, model_dir: Path):
         self.args, self.lab, self.plan = args, lab, plan
-        self.swarm = LabSwarm(lab, work, model_dir)
+        self.swarm = LabSwarm(lab, work, model_dir, settings=node_settings(args.node_set))
         self.started: dict[str, float] = {}  # node name -> monotonic start
         self.first_accepted: dict[str, float] = {}  # node name -> s after its start
         # node name -> s after its start when /status first said "running" (model loaded,
@@ -473,8 +475,17 @@ class SwarmRun:
         u0 = {n.name: proc_usage(n) for n in nodes}
         t0, busy0 = time.monotonic(), cpu_times()
         v0 = self.trainer.status.get("policy_version", 0)
-        time.sleep(self.args.steady_s)
-        sw.poll()
+        # each inference pair's links over the window, polled (not only at its end): a pair
+        # unconnected at the end may have been connected meanwhile
+        seen: dict[tuple[str, str], set[str]] = {}
+        while True:
+            sw.poll()
+            for a, b in itertools.combinations(self.peers(), 2):
+                seen.setdefault((a.name, b.name), set()).add(link_kind(a.status, b.status))
+            left = self.args.steady_s - (time.monotonic() - t0)
+            if left <= 0:
+                break
+            time.sleep(min(STEADY_POLL_S, left))
         dt = time.monotonic() - t0
         usage = {}
         for n in nodes:
@@ -487,6 +498,10 @@ class SwarmRun:
                               "busy": busy_share(busy0, cpu_times()),
                               "versions": self.trainer.status.get("policy_version", 0) - v0,
                               "connected_pairs": self.connected_pairs(),
+                              "unconnected_pairs": unconnected_pairs(
+                                  [(n.name, self.plan.nat_of(n.host), n.status)
+                                   for n in self.peers()], seen),
+                              "direct_lost": self.direct_lost(seen),
                               # per NAT'd peer: DCUtR's direct / failed / gave_up (for --json)
                               "hole_punch": {n.name: ((n.status.get("p2p") or {}).get("relay")
                                                       or {}).get("hole_punch")
@@ -507,6 +522,17 @@ class SwarmRun:
             cell[0] += kind == "direct"
             cell[1] += kind == "relayed"
             cell[2] += 1
+        return out
+
+    def direct_lost(self, seen: dict[tuple[str, str], set[str]]) -> dict[str, int]:
+        """Per NAT combination: pairs seen direct at some poll of the steady window and not
+        direct at its end (a hole-punched connection that closed: relayed again, or none)."""
+        out: dict[str, int] = {}
+        for a, b in itertools.combinations(self.peers(), 2):
+            if "direct" in seen.get((a.name, b.name), ()) and link_kind(
+                    a.status, b.status) != "direct":
+                kinds = "/".join(sorted((self.plan.nat_of(a.host), self.plan.nat_of(b.host))))
+                out[kinds] = out.get(kinds, 0) + 1
         return out
 
     def reachable(self) -> dict:
@@ -608,6 +634,54 @@ class SwarmRun:
         self.out["stage"] = self.lab.stage_stats()
 
 
+def unconnected_pairs(peers: list[tuple[str, str, dict]],
+                      seen: dict[tuple[str, str], set[str]]) -> dict:
+    """Inference pairs (`peers`: name, NAT type, /status) not connected now, per NAT
+    combination, by why: `full` (both sides hold `p2p.target_peers` connections or more:
+    discovery dials only below it, so neither picked the other; by design) or `short` (a
+    side below it: a connection lost or a dial failed and not replaced yet; look at the
+    node logs), and how many of them
+    `seen` (pair -> link kinds polled over the window) had connected earlier (`was`).
+    `detail` names each pair: per side its open connections and how it saw the other
+    (`side_view`)."""
+    out: dict = {}
+    for (a, nat_a, st_a), (b, nat_b, st_b) in itertools.combinations(peers, 2):
+        if link_kind(st_a, st_b) != "none":
+            continue
+        sides = [side_view(st_a, st_b.get("peer_id")), side_view(st_b, st_a.get("peer_id"))]
+        full = all(s["open"] >= s["target"] for s in sides)
+        was = sorted(seen.get((a, b), set()) - {"none"})
+        cell = out.setdefault("/".join(sorted((nat_a, nat_b))),
+                              {"full": 0, "short": 0, "was": 0, "detail": []})
+        cell["full" if full else "short"] += 1
+        cell["was"] += bool(was)
+        cell["detail"].append({"pair": [a, b], "sides": sides, "was": was})
+    return out
+
+
+def side_view(status: dict, other: str | None) -> dict:
+    """One side of an unconnected pair, from its /status: its open connections and target,
+    and how it saw the other (`p2p.peer_reach`; None: not among the peers it knows)."""
+    p2p = status.get("p2p") or {}
+    conns = p2p.get("connections") or {}
+    return {"open": conns.get("open", status.get("connected_peers", 0)),
+            "target": conns.get("target", 8),
+            "knows": (p2p.get("peer_reach") or {}).get(other)}
+
+
+def node_settings(pairs: list[str]) -> dict:
+    """`--node-set section.key=value` (JSON value, else the string) as config sections."""
+    out: dict[str, dict] = {}
+    for kv in pairs:
+        key, _, value = kv.partition("=")
+        section, _, name = key.partition(".")
+        try:
+            out.setdefault(section, {})[name] = json.loads(value)
+        except json.JSONDecodeError:
+            out.setdefault(section, {})[name] = value
+    return out
+
+
 def swarm_figures(args, n: int, work: Path, model_dir: Path, steady_only: bool) -> dict:
     plan = wan_plan(n, seed=args.seed, spare=0 if steady_only else max(1, (n - 3) // 5),
                     trainer_mbit=args.trainer_mbit)
@@ -663,7 +737,11 @@ def swarm_body(args, out: dict) -> str:
              "Inference pairs connected, direct / relayed / pairs (goal: >= 95% of connected "
              "cone/cone pairs direct): " + ", ".join(
                  f"{k} {d}/{r}/{t}" for k, (d, r, t) in sorted(
-                     out["steady"]["connected_pairs"].items()))]
+                     out["steady"]["connected_pairs"].items())),
+             unconnected_line(out["steady"].get("unconnected_pairs", {})),
+             "Pairs direct at some poll of the window (every 5 s) and not at its end: " + (
+                 ", ".join(f"{k} {n}" for k, n in sorted(out["steady"]["direct_lost"].items()))
+                 if out["steady"].get("direct_lost") else "none")]
     if "churn" in out:
         lines += ["", "Churn (every minute a fifth leave, half SIGKILL, and as many join):", "",
                   table(["minute", "s", "left", "joined", "joined contributing",
@@ -688,6 +766,18 @@ def swarm_body(args, out: dict) -> str:
               f"rollouts accepted {t['rollouts_accepted']}. Log "
               f"lines: {out['log_signals']}. Delay stage: {out['stage']}.")]
     return "\n".join(lines)
+
+
+def unconnected_line(pairs: dict) -> str:
+    """The pairs not connected at the end of the steady window, by why (`unconnected_pairs`)."""
+    if not pairs:
+        return "Every inference pair connected at the end of the steady window."
+    return ("Pairs not connected at its end, per combination: full (both sides at "
+            "p2p.target_peers connections or more: discovery dials only below it; by design) / "
+            "short (a side below it: a connection lost or a dial failed, not replaced by then) / of "
+            "them connected earlier in the window: "
+            + ", ".join(f"{k} {c['full']}/{c['short']}/{c['was']}"
+                        for k, c in sorted(pairs.items())) + ".")
 
 
 def launch_line(args, launched: list[float]) -> str:
@@ -1503,6 +1593,7 @@ def headlines(name: str, out: dict, args) -> list[Headline]:
         late = sum(t is not None for t in natted) - len(ok)
         pairs = out["steady"]["connected_pairs"]
         d, r, _ = pairs.get("cone/cone", [0, 0, 0])
+        un = out["steady"].get("unconnected_pairs", {}).get("cone/cone")
         reach = out["steady"]["reachable"]
         return [Headline(f"wan: NAT'd peers' first accepted rollout ({out['nodes']} nodes)",
                          "every one within 60 s of its start",
@@ -1516,7 +1607,9 @@ def headlines(name: str, out: dict, args) -> list[Headline]:
                              for k, (c, t) in sorted(reach.items()) if t)),
                 Headline(f"wan: connected cone-NAT pairs direct ({out['nodes']} nodes)",
                          ">= 95%", f"{d}/{d + r} direct" + (
-                             f" ({100 * d / (d + r):.0f}%)" if d + r else ""))]
+                             f" ({100 * d / (d + r):.0f}%)" if d + r else "") + (
+                             f"; {un['full'] + un['short']} unconnected ({un['full']} both at "
+                             f"target_peers, {un['short']} short)" if un else ""))]
     if name == "gossip":
         return [Headline(f"wan: gossip rounds, p95 / (slowest RTT + transfer) "
                          f"({out['nodes']} nodes)", "100% rounds; <= 2x",
@@ -1584,6 +1677,8 @@ def parse(argv=None):
     ap.add_argument("--churn-minutes", type=int, default=3)
     ap.add_argument("--partition-s", type=float, default=60.0)
     ap.add_argument("--converge-timeout", type=float, default=300.0)
+    ap.add_argument("--node-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="swarm: a config override for every node (node.log_level=DEBUG)")
     ap.add_argument("--launch-gap", default="0", metavar="S|running",
                     help="swarm: launch the boot peers one at a time, S s apart, or each "
                          "once the one before says 'running' in its /status (at most "

@@ -16,6 +16,8 @@ from benchmarks.wan import (
     peer_timeline,
     receiver_timelines,
     swarm_body,
+    unconnected_line,
+    unconnected_pairs,
 )
 from tests.waiting import wait_until
 
@@ -45,6 +47,43 @@ def test_swarm_headline_counts_late_and_missing_peers_apart():
     assert direct.current == "2/3 direct (67%)"
 
 
+def status(pid: str, peers: list[str], relayed: list[str] = (), knows: dict | None = None) -> dict:
+    return {"peer_id": pid, "peers": list(peers), "connected_peers": len(peers),
+            "p2p": {"connections": {"open": len(peers), "target": 3,
+                                    "relayed_peers": list(relayed)},
+                    "peer_reach": knows or {}}}
+
+
+def test_unconnected_pairs_tell_a_full_connection_bound_from_a_failure():
+    # a, b hold target_peers (3) each without each other: neither dials (by design); c holds
+    # 2, below it, and is connected to neither a nor b... a failure
+    peers = [("a", "cone", status("A", ["T", "R", "X"], knows={"B": ["relayed", "relay"]})),
+             ("b", "cone", status("B", ["T", "R", "Y"])),
+             ("c", "symmetric", status("C", ["T", "R"]))]
+    seen = {("a", "b"): {"none"}, ("a", "c"): {"none", "relayed"}, ("b", "c"): {"none"}}
+    out = unconnected_pairs(peers, seen)
+    cone = out["cone/cone"]
+    assert (cone["full"], cone["short"], cone["was"]) == (1, 0, 0)
+    assert cone["detail"][0]["sides"] == [
+        {"open": 3, "target": 3, "knows": ["relayed", "relay"]},
+        {"open": 3, "target": 3, "knows": None}]
+    mixed = out["cone/symmetric"]
+    assert (mixed["full"], mixed["short"], mixed["was"]) == (0, 2, 1)
+    line = unconnected_line(out)
+    assert "cone/cone 1/0/0, cone/symmetric 0/2/1." in line, line
+
+
+def test_the_cone_headline_counts_unconnected_pairs_by_why():
+    args = parse(["--sections", "swarm"])
+    out = swarm_out({"cone": [40.0]})
+    out["steady"]["connected_pairs"] = {"cone/cone": [2, 0, 3]}
+    out["steady"]["unconnected_pairs"] = {"cone/cone": {"full": 1, "short": 0, "was": 0,
+                                                        "detail": []}}
+    direct = headlines("swarm", out, args)[2]
+    assert direct.current == ("2/2 direct (100%); 1 unconnected (1 both at target_peers, "
+                              "0 short)"), direct.current
+
+
 def test_swarm_body_renders_a_run_without_churn_or_partition():
     args = parse(["--sections", "swarm"])
     args.load_before = "1.00/1.00/1.00"
@@ -53,6 +92,7 @@ def test_swarm_body_renders_a_run_without_churn_or_partition():
     assert "exited during the start" not in body
     assert "reward first 3 versions 0.010, last 3 0.120" in body
     assert "Churn" not in body and "Partition" not in body
+    assert "Pairs direct at some poll of the window (every 5 s) and not at its end: none" in body
     assert ("The cores were 95% busy from the trainer's start to the end of the contribute "
             "wait; a boot peer's own CPU until 'running': p50 11.5 s of CPU") in body, body
 

@@ -117,6 +117,25 @@ async def test_swarm_stays_connected_after_bootstrap_node_leaves(make_node):
                      what="gossip to all 8 other nodes")
 
 
+async def test_nodes_at_target_peers_do_not_dial_each_other(make_node):
+    """Discovery dials only below p2p.target_peers (NODE_SPEC 3.10): two nodes that each
+    hold the target without the other never connect, though each knows the other's
+    address; a node below its target dials both. The unconnected pairs of the 10-node WAN
+    swarm (benchmarks/wan.py `unconnected_pairs`: "full") are this rule, not a failed dial.
+    No DHT: its queries open connections of their own."""
+    boot = await make_node(dht=False)
+    a = await make_node(bootstrap=boot.listen_addrs, target_peers=1, dht=False)
+    b = await make_node(bootstrap=boot.listen_addrs, target_peers=1, dht=False)
+    await wait_until(lambda: b.peer_id in a.discovery.known and a.peer_id in b.discovery.known,
+                     30, what="a and b know each other through the bootstrap node")
+    assert await a.discovery.fill() == 0 and await b.discovery.fill() == 0
+    assert a.discovery.redials == 0 and b.discovery.redials == 0
+    c = await make_node(bootstrap=boot.listen_addrs, target_peers=3, dht=False)
+    await wait_until(lambda: {a.peer_id, b.peer_id} <= set(c.connected_peers()), 30,
+                     what="c, below its target, connected to a and b")
+    assert b.peer_id not in a.connected_peers() and a.peer_id not in b.connected_peers()
+
+
 def mesh_spans(nodes, kind: str) -> bool:
     """True when the union of the nodes' topic meshes connects all of them."""
     ids = {x.peer_id: x for x in nodes}

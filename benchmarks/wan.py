@@ -876,17 +876,28 @@ async def _gossip_worker(args) -> None:
 
     handled: list = []  # (origin, announce's ts_ms, when it reached the asyncio handler)
 
+    # pushed bodies: who pushed each one we claimed and when it had arrived; when we pushed
+    # or forwarded one (the first push of a round: from its origin; a forward: after its
+    # announce was checked here)
+    claims: dict[bytes, tuple] = {}
+    bodies: list = []  # (origin, announce handled, body handed over, pusher, pushed at)
+    sends: list = []  # ("push" | "forward", time, copies)
+
     async def timed_pull(kind, env, origin):  # when each announce arrived (before its pull)
-        announced.setdefault(origin, []).append(time.time())
-        handled.append((origin, env.ts_ms, time.time()))
+        t0 = time.time()
+        announced.setdefault(origin, []).append(t0)
+        handled.append((origin, env.ts_ms, t0))
         await pull_announced(kind, env, origin)
+        got = claims.pop(env.message.content_hash, (None, None))
+        bodies.append((origin, t0, time.time(), *got))
 
     node.gossip._pull_announced = timed_pull
     traces = []  # where each announced body's time went here (pubsub.BodyTrace)
 
     def on_body(t):
         traces.append([t.via, t.push_waited, t.queued, t.pulling, t.asks,
-                       t.source == t.origin, t.hedged, t.hedge_won])
+                       t.source == t.origin, t.hedged, t.hedge_won, t.origin,
+                       time.time() - (time.monotonic() - t.announced), t.source])
 
     node.gossip.on_body = on_body
     lags: list[float] = []  # event-loop lag: how late a 10 ms sleep wakes (CPU queueing)
@@ -901,6 +912,28 @@ async def _gossip_worker(args) -> None:
     await node.start(bootstrap=args.bootstrap)
     await node.subscribe("rollouts", on_batch)
     hops = await install_hop_probes(node)
+    pusher = node.gossip.pusher
+    if pusher is not None:
+        claim, push, forward = pusher.claim, pusher.push, pusher.forward
+        wall = time.time() - time.monotonic()
+
+        def timed_claim(digest, size):
+            entry = pusher.unclaimed.get(digest)
+            if entry is not None:
+                claims[digest] = (entry.pusher, entry.at + wall)
+            return claim(digest, size)
+
+        def timed_push(*a, **kw):
+            n = push(*a, **kw)
+            sends.append(("push", time.time(), n))
+            return n
+
+        def timed_forward(*a, **kw):
+            n = forward(*a, **kw)
+            sends.append(("forward", time.time(), n))
+            return n
+
+        pusher.claim, pusher.push, pusher.forward = timed_claim, timed_push, timed_forward
     emit(event="ready", peer_id=node.peer_id, addrs=node.listen_addrs)
     n_others = args.peers - 1
     deadline = time.monotonic() + args.mesh_wait
@@ -939,7 +972,8 @@ async def _gossip_worker(args) -> None:
          mesh=node.gossip.mesh_peers("rollouts"), reach=node.reach.current.verdict.value,
          cpu_s=time.process_time(), announced=announced, traces=traces,
          heartbeat_s=node.context.router.heartbeat_interval,
-         hops={**hops, "handled": handled, "pub_calls": pub_calls,
+         hops={**hops, "handled": handled, "pub_calls": pub_calls, "bodies": bodies,
+               "sends": sends,
                "trio_lag": [pct(hops["trio_lag"], q) for q in (50, 95, 99)]
                + [max(hops["trio_lag"], default=0.0)]},
          loop_lag=[pct(lags, 50), pct(lags, 95), pct(lags, 99), max(lags, default=0.0)])

@@ -860,6 +860,9 @@ async def _gossip_worker(args) -> None:
             over[key] = json.loads(value)
         except json.JSONDecodeError:
             over[key] = value
+    if args.slow_start_after_idle is not None:  # this lab host's namespace only
+        Path("/proc/sys/net/ipv4/tcp_slow_start_after_idle").write_text(
+            f"{args.slow_start_after_idle}\n")
     cfg = load_config(None, over)
     node = P2PNode(Identity.generate(), cfg)
     records = []
@@ -992,7 +995,9 @@ def gossip_figures(args, n: int, work: Path) -> dict:
               "--peers", str(n), "--rounds", str(args.rounds), "--interval",
               str(args.interval), "--batch-kib", str(args.batch_kib), "--drain",
               str(args.drain), "--mesh-wait", str(args.mesh_wait),
-              *(x for kv in args.set for x in ("--set", kv))]
+              *(x for kv in args.set for x in ("--set", kv)),
+              *(["--slow-start-after-idle", str(args.slow_start_after_idle)]
+                if args.slow_start_after_idle is not None else [])]
     procs: list[LabProc] = []
     with Lab(topo, prefix=args.lab_prefix, seed=args.seed) as lab:
         try:
@@ -1839,6 +1844,10 @@ def parse(argv=None):
     ap.add_argument("--mesh-wait", type=float, default=60.0)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for every gossip worker (p2p.mesh_degree=4)")
+    ap.add_argument("--slow-start-after-idle", type=int, choices=[0, 1],
+                    help="gossip: set net.ipv4.tcp_slow_start_after_idle in every worker's "
+                         "namespace (Linux default 1: an idle TCP connection restarts from "
+                         "its initial window, so each body on an idle link pays ~2 RTTs more)")
     # broadcast
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--skip-shardcast", action="store_true")

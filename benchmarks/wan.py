@@ -1043,6 +1043,7 @@ def gossip_figures(args, n: int, work: Path) -> dict:
     summary["hop_split"] = hop_split(
         results, lambda a, b: topo.path_rtt_ms(host_of[a], host_of[b]) / 2000)
     summary["bodies"] = body_breakdown(results)
+    summary["delivery_paths"] = delivery_paths(results, args.interval)
     summary["topic_peers"] = statistics.fmean(m["topic_peers"] for m in meshed)
     # the GossipSub heartbeat each worker ran at the end (py-libp2p's adaptive gossip, off
     # since the meshgossip fix, had set it to 30-60 s from a health score)
@@ -1145,6 +1146,41 @@ def _hop_path(w: dict, rid: str, k: str, origin: str, one_way_s, depth: int) -> 
     return stages
 
 
+def delivery_paths(results: list[dict], interval: float) -> dict:
+    """Each delivery by how its body came (push, pull: the worker's body traces, an origin's
+    k-th in announce order being its round k) and how the receiver was linked to the origin
+    at the end (direct, relayed, none): counts and done-time p50 / p95 from the round's
+    start; `worst`: how each round's slowest delivery came."""
+    start = results[0]["start"]
+    cats: dict[str, list[float]] = {}
+    worst: dict[int, tuple[float, str]] = {}
+    for r in results:
+        done = {(o, rnd): t - (start + rnd * interval) for o, rnd, t, _, _ in r["records"]}
+        by_origin: dict[str, list] = {}
+        for t in r.get("traces", []):
+            if len(t) > 10:
+                by_origin.setdefault(t[8], []).append(t)
+        for origin, traces in by_origin.items():
+            link = r.get("links", {}).get(origin, "none")
+            for k, t in enumerate(sorted(traces, key=lambda t: t[9])):
+                if (origin, k) not in done:
+                    continue
+                cat, d = f"{t[0]}/{link}", done[origin, k]
+                cats.setdefault(cat, []).append(d)
+                if k not in worst or d > worst[k][0]:
+                    worst[k] = (d, cat)
+    return {"paths": {c: [len(v), pct(v, 50), pct(v, 95)] for c, v in sorted(cats.items())},
+            "worst": dict(Counter(c for _, c in worst.values()))}
+
+
+def paths_line(p: dict) -> str:
+    if not p.get("paths"):
+        return ""
+    parts = "; ".join(f"{c} {n}: {a:.2f} / {b:.2f}" for c, (n, a, b) in p["paths"].items())
+    return (f" Deliveries by body path / link to the origin (count: done p50 / p95 s from "
+            f"the round's start): {parts}. Each round's slowest: {p['worst']}.")
+
+
 def hop_line(h: dict) -> str:
     """The announce's trip by stage (hop_split), as a sentence."""
     if not h.get("trips"):
@@ -1237,6 +1273,7 @@ def section_gossip(args, work: Path) -> tuple[str, dict]:
             "host; NAT'd workers wait up to --mesh-wait for a mesh.\n\n"
             + table(GOSSIP_HEAD, [gossip_row(s)]) + "\n\n" + bound_line(s, args)
             + hop_line(s.get("hop_split", {}))
+            + paths_line(s.get("delivery_paths", {}))
             + f" Workers' CPU from their first round to their last delivery: "
               f"{s['cpu_rounds_s']:.1f} s in all ({s['cpu_rounds_s'] / args.rounds:.2f} "
               "CPU-s per round)."

@@ -11,6 +11,7 @@ from swarm_node.node.testing.netlab.scenarios import wan_plan
 from benchmarks.wan import (
     HOP_STAGES,
     LoadSampler,
+    delivery_paths,
     headlines,
     hop_split,
     machine_line,
@@ -161,3 +162,21 @@ def test_hop_split_cuts_each_announce_trip_into_stages_that_add_up_to_it():
     assert abs(out["wire"][2] - (0.07 + 0.15) / 2) < 1e-9  # S: 0.07 + 0.08 over two hops
     assert abs(out["wire_excess"][2] - (0.02 + 0.05) / 2) < 1e-9
     assert abs(out["queue"][2] - (0.02 + 0.03) / 2) < 1e-9  # S: at O, then at R
+
+
+def test_delivery_paths_name_how_each_rounds_slowest_delivery_came():
+    # R got O's round 0 by push (0.3 s) and round 1 by pull (1.5 s); Q, not linked to O,
+    # pulled both (0.8 s, 0.9 s): round 0's slowest is Q's pull, round 1's R's
+    def trace(via, at):  # the worker's body trace: via, ..., origin, announced at, source
+        return [via, 0.0, 0.0, 0.0, 0, False, False, False, "O", at, ""]
+
+    results = [
+        {"start": 100.0, "records": [["O", 0, 100.3, 0, 0], ["O", 1, 102.5, 0, 0]],
+         "links": {"O": "direct"}, "traces": [trace("pull", 101.2), trace("push", 100.2)]},
+        {"records": [["O", 0, 100.8, 0, 0], ["O", 1, 101.9, 0, 0]], "links": {},
+         "traces": [trace("pull", 100.3), trace("pull", 101.3)]},
+    ]
+    out = delivery_paths(results, 1.0)
+    assert {c: n for c, (n, _, _) in out["paths"].items()} == {
+        "push/direct": 1, "pull/direct": 1, "pull/none": 2}
+    assert out["worst"] == {"pull/none": 1, "pull/direct": 1}

@@ -844,6 +844,92 @@ def gossip_worker(args) -> None:
     asyncio.run(_gossip_worker(args))
 
 
+async def install_hop_probes(node) -> dict:
+    """Benchmark probes on the libp2p (trio) side of one gossip worker, for a per-hop split
+    of each announce's trip: per pubsub message (key "origin/seqno"), when its first copy's
+    RPC was read and by whom it came (`read`), when its push_msg task started (`task`),
+    its validation's start and end (`valid`, the first copy only: later ones are dropped
+    as seen), and every write of an RPC carrying it to a peer (`writes`: peer, start, end;
+    our own and the ones we forward); our publishes (`published`: trio start, end, seqno)
+    and the trio loop's lag (`trio_lag`: how late a 10 ms sleep wakes)."""
+    import trio
+    from swarm_node.node.p2p.gossip import origin_b58
+
+    ctx = node.context
+    pubsub, validator = ctx.pubsub, node.gossip.validator
+    now = time.time
+    p: dict = {"read": {}, "task": {}, "valid": {}, "writes": {}, "published": [],
+               "trio_lag": []}
+
+    def key(msg) -> str:
+        return f"{origin_b58(msg.from_id)}/{int.from_bytes(msg.seqno, 'big')}"
+
+    async def install() -> None:
+        me = pubsub.my_id
+        mgr = pubsub.manager
+        run_task = mgr.run_task
+
+        def timed_run_task(fn, *args, **kw):
+            if len(args) == 2 and hasattr(args[1], "seqno"):  # push_msg(forwarder, msg)
+                p["read"].setdefault(key(args[1]), (now(), args[0].to_base58()))
+            return run_task(fn, *args, **kw)
+
+        mgr.run_task = timed_run_task
+        push_msg = pubsub.push_msg
+
+        async def timed_push_msg(fwd, msg):
+            if fwd != me:
+                p["task"].setdefault(key(msg), now())
+            await push_msg(fwd, msg)
+
+        pubsub.push_msg = timed_push_msg
+        validate = validator.validate
+
+        def timed_validate(allowed, fwd, msg, kind=""):
+            t0 = now()
+            ok = validate(allowed, fwd, msg, kind)
+            if msg.from_id != me.to_bytes():
+                env = validator.accepted.get(msg.from_id + msg.seqno)
+                p["valid"].setdefault(key(msg), (t0, now(), fwd.to_base58(), ok,
+                                                 env.ts_ms if env is not None else 0))
+            return ok
+
+        validator.validate = timed_validate
+        write_msg = pubsub.write_msg
+
+        async def timed_write_msg(stream, rpc):
+            if not rpc.publish:
+                return await write_msg(stream, rpc)
+            t0 = now()
+            ok = await write_msg(stream, rpc)
+            t1 = now()
+            peer = stream.muxed_conn.peer_id.to_base58()
+            for m in rpc.publish:
+                p["writes"].setdefault(key(m), []).append((peer, t0, t1))
+            return ok
+
+        pubsub.write_msg = timed_write_msg
+        t_publish = node.gossip._t_publish
+
+        async def timed_t_publish(t, data):
+            t0 = now()
+            await t_publish(t, data)
+            p["published"].append((t0, now(), pubsub.counter))
+
+        node.gossip._t_publish = timed_t_publish
+
+        async def lag() -> None:
+            while True:
+                t0 = trio.current_time()
+                await trio.sleep(0.01)
+                p["trio_lag"].append(trio.current_time() - t0 - 0.01)
+
+        ctx.nursery.start_soon(lag)
+
+    await ctx.bridge.call(install)
+    return p
+
+
 async def _gossip_worker(args) -> None:
     import asyncio
 
@@ -864,6 +950,9 @@ async def _gossip_worker(args) -> None:
             over[key] = json.loads(value)
         except json.JSONDecodeError:
             over[key] = value
+    if args.slow_start_after_idle is not None:  # this lab host's namespace only
+        Path("/proc/sys/net/ipv4/tcp_slow_start_after_idle").write_text(
+            f"{args.slow_start_after_idle}\n")
     cfg = load_config(None, over)
     node = P2PNode(Identity.generate(), cfg)
     records = []
@@ -878,16 +967,30 @@ async def _gossip_worker(args) -> None:
     announced: dict[str, list[float]] = {}  # origin -> arrival times of its announces
     pull_announced = node.gossip._pull_announced
 
+    handled: list = []  # (origin, announce's ts_ms, when it reached the asyncio handler)
+
+    # pushed bodies: who pushed each one we claimed and when it had arrived; when we pushed
+    # or forwarded one (the first push of a round: from its origin; a forward: after its
+    # announce was checked here)
+    claims: dict[bytes, tuple] = {}
+    bodies: list = []  # (origin, announce handled, body handed over, pusher, pushed at)
+    sends: list = []  # ("push" | "forward", time, copies)
+
     async def timed_pull(kind, env, origin):  # when each announce arrived (before its pull)
-        announced.setdefault(origin, []).append(time.time())
+        t0 = time.time()
+        announced.setdefault(origin, []).append(t0)
+        handled.append((origin, env.ts_ms, t0))
         await pull_announced(kind, env, origin)
+        got = claims.pop(env.message.content_hash, (None, None))
+        bodies.append((origin, t0, time.time(), *got))
 
     node.gossip._pull_announced = timed_pull
     traces = []  # where each announced body's time went here (pubsub.BodyTrace)
 
     def on_body(t):
         traces.append([t.via, t.push_waited, t.queued, t.pulling, t.asks,
-                       t.source == t.origin, t.hedged, t.hedge_won])
+                       t.source == t.origin, t.hedged, t.hedge_won, t.origin,
+                       time.time() - (time.monotonic() - t.announced), t.source])
 
     node.gossip.on_body = on_body
     lags: list[float] = []  # event-loop lag: how late a 10 ms sleep wakes (CPU queueing)
@@ -901,6 +1004,29 @@ async def _gossip_worker(args) -> None:
     lag_task = asyncio.create_task(loop_lag())
     await node.start(bootstrap=args.bootstrap)
     await node.subscribe("rollouts", on_batch)
+    hops = await install_hop_probes(node)
+    pusher = node.gossip.pusher
+    if pusher is not None:
+        claim, push, forward = pusher.claim, pusher.push, pusher.forward
+        wall = time.time() - time.monotonic()
+
+        def timed_claim(digest, size):
+            entry = pusher.unclaimed.get(digest)
+            if entry is not None:
+                claims[digest] = (entry.pusher, entry.at + wall)
+            return claim(digest, size)
+
+        def timed_push(*a, **kw):
+            n = push(*a, **kw)
+            sends.append(("push", time.time(), n))
+            return n
+
+        def timed_forward(*a, **kw):
+            n = forward(*a, **kw)
+            sends.append(("forward", time.time(), n))
+            return n
+
+        pusher.claim, pusher.push, pusher.forward = timed_claim, timed_push, timed_forward
     emit(event="ready", peer_id=node.peer_id, addrs=node.listen_addrs)
     n_others = args.peers - 1
     deadline = time.monotonic() + args.mesh_wait
@@ -914,10 +1040,14 @@ async def _gossip_worker(args) -> None:
     emit(event="meshed", topic_peers=len(node.gossip.topic_peers("rollouts")),
          mesh_peers=len(node.gossip.mesh_peers("rollouts")))
     start = json.loads(await asyncio.to_thread(sys.stdin.readline))["start"]
+    hops["trio_lag"].clear()  # the rounds' lag only
+    cpu0 = time.process_time()  # this process's CPU (every thread) from the first round on
+    pub_calls = []
     for r in range(args.rounds):
         delay = start + r * args.interval - time.time()
         if delay > 0:
             await asyncio.sleep(delay)
+        pub_calls.append(time.time())
         await node.publish("rollouts", batches[r])
     expected = n_others * args.rounds
     end = time.time() + args.drain
@@ -926,11 +1056,21 @@ async def _gossip_worker(args) -> None:
     # how this node reached each peer at the end: direct, relayed, or not connected
     links = {p: ("relayed" if node.is_relayed(p) else "direct")
              for p in node.connected_peers()}
+
+    async def snapshot() -> dict:  # in the trio thread, which writes the probes' dicts
+        return json.loads(json.dumps(hops))
+
+    hops = await node.context.bridge.call(snapshot)
     emit(event="done", peer_id=node.peer_id, records=records,
          metrics=node.metrics.snapshot()["counters"], links=links,
          mesh=node.gossip.mesh_peers("rollouts"), reach=node.reach.current.verdict.value,
-         cpu_s=time.process_time(), announced=announced, traces=traces,
+         cpu_s=time.process_time(), cpu_rounds_s=time.process_time() - cpu0,
+         announced=announced, traces=traces,
          heartbeat_s=node.context.router.heartbeat_interval,
+         hops={**hops, "handled": handled, "pub_calls": pub_calls, "bodies": bodies,
+               "sends": sends,
+               "trio_lag": [pct(hops["trio_lag"], q) for q in (50, 95, 99)]
+               + [max(hops["trio_lag"], default=0.0)]},
          loop_lag=[pct(lags, 50), pct(lags, 95), pct(lags, 99), max(lags, default=0.0)])
     lag_task.cancel()
     await asyncio.to_thread(sys.stdin.readline)
@@ -947,7 +1087,9 @@ def gossip_figures(args, n: int, work: Path) -> dict:
               "--peers", str(n), "--rounds", str(args.rounds), "--interval",
               str(args.interval), "--batch-kib", str(args.batch_kib), "--drain",
               str(args.drain), "--mesh-wait", str(args.mesh_wait),
-              *(x for kv in args.set for x in ("--set", kv))]
+              *(x for kv in args.set for x in ("--set", kv)),
+              *(["--slow-start-after-idle", str(args.slow_start_after_idle)]
+                if args.slow_start_after_idle is not None else [])]
     procs: list[LabProc] = []
     with Lab(topo, prefix=args.lab_prefix, seed=args.seed) as lab:
         try:
@@ -987,13 +1129,159 @@ def gossip_figures(args, n: int, work: Path) -> dict:
     summary["bound_parts"] = {"max_rtt_ms": max(rtts), "slowest_up_mbit": slow_up,
                               "transfer_ms": transfer * 1000}
     summary.update(announce_pull_split(results))
+    host_of = {r["peer_id"]: r["host"] for r in results}
+    summary["hop_split"] = hop_split(
+        results, lambda a, b: topo.path_rtt_ms(host_of[a], host_of[b]) / 2000)
     summary["bodies"] = body_breakdown(results)
+    summary["delivery_paths"] = delivery_paths(results, args.interval)
     summary["topic_peers"] = statistics.fmean(m["topic_peers"] for m in meshed)
     # the GossipSub heartbeat each worker ran at the end (py-libp2p's adaptive gossip, off
     # since the meshgossip fix, had set it to 30-60 s from a health score)
     summary["heartbeats_s"] = sorted(r.get("heartbeat_s", 0) for r in results)
+    # the workers' CPU from their first round to their last delivery, all together: on a
+    # 2-core machine the rounds cannot be shorter than this per round over 2
+    summary["cpu_rounds_s"] = sum(r.get("cpu_rounds_s", 0.0) for r in results)
     summary["nodes"] = n
     return summary
+
+
+HOP_STAGES = ("seal_to_trio", "queue", "write", "wire", "wire_excess", "sched", "check",
+              "validate", "handover")
+
+
+def hop_split(results: list[dict], one_way_s) -> dict:
+    """Each announce's trip (its seal at the origin to the receiver's asyncio handler) cut
+    into stages along the path its first copy took (worker probes: install_hop_probes):
+    seal_to_trio (the origin's publish reaching its libp2p thread), then per hop: queue
+    (from the sender's publish start, or its validation of the copy it forwards, to the
+    write of the RPC carrying it to the next peer: the per-peer send queue), write (that
+    write: yamux window, Noise, the socket's send buffer), wire (end of the write to the
+    next peer's read of the RPC: the path's one-way delay, uplink queues, retransmits;
+    wire_excess: less the path's configured one-way delay), sched (the read to its
+    push_msg task running), check (seen cache, signature), validate (our topic validator);
+    at the receiver, handover (validated to the asyncio handler: subscription channel,
+    thread crossing, asyncio loop). `one_way_s(a, b)`: the configured one-way delay between
+    two peer ids. Seconds, p50 / p95 / mean over every delivery whose whole path the probes
+    saw; `tail`: the stages' means over the slowest 5% of trips."""
+    w = {r["peer_id"]: r for r in results if r.get("hops")}
+    trips, missing = [], 0
+    for rid, r in w.items():
+        h = r["hops"]
+        handled = {(o, ts): t for o, ts, t in h["handled"]}
+        for k, (v0, v1, fwd, ok, ts_ms) in h["valid"].items():
+            origin = k.rsplit("/", 1)[0]
+            if not ok or origin not in w or (origin, ts_ms) not in handled:
+                continue
+            stages = _hop_path(w, rid, k, origin, one_way_s, 0)
+            if stages is None:
+                missing += 1
+                continue
+            stages["handover"] = handled[origin, ts_ms] - v1
+            stages["total"] = handled[origin, ts_ms] - ts_ms / 1000
+            trips.append(stages)
+    out = {"trips": len(trips), "missing": missing}
+    if not trips:
+        return out
+    keys = [*HOP_STAGES, "total"]
+    for name in keys:
+        xs = [t.get(name, 0.0) for t in trips]
+        out[name] = [pct(xs, 50), pct(xs, 95), statistics.fmean(xs)]
+    slow = sorted(trips, key=lambda t: t["total"])[-max(1, len(trips) // 20):]
+    out["tail"] = {name: statistics.fmean(t.get(name, 0.0) for t in slow) for name in keys}
+    out["hops"] = dict(sorted(Counter(t["n_hops"] for t in trips).items()))
+    out["relayed_trips"] = sum(t["relayed"] > 0 for t in trips)
+    lags = [r["hops"]["trio_lag"] for r in w.values()]
+    out["trio_lag_p95_max"] = max(x[1] for x in lags)
+    out["trio_lag_max"] = max(x[3] for x in lags)
+    return out
+
+
+def _hop_path(w: dict, rid: str, k: str, origin: str, one_way_s, depth: int) -> dict | None:
+    """The stages of message `k`'s trip from `origin` to `rid` (see hop_split), summed
+    over its hops; None where a probe missed a step."""
+    r = w[rid]["hops"]
+    got = r["valid"].get(k)
+    read = r["read"].get(k)
+    task = r["task"].get(k)
+    if got is None or read is None or task is None or depth > 8:
+        return None
+    fwd = got[2]
+    if fwd not in w:
+        return None
+    x = w[fwd]["hops"]
+    if fwd == origin:
+        seq = int(k.rsplit("/", 1)[1])
+        pub = next((i for i, p in enumerate(x["published"]) if p[2] == seq), None)
+        if pub is None:
+            return None
+        start = x["published"][pub][0]
+        stages = {"seal_to_trio": start - got[4] / 1000, "n_hops": 0, "relayed": 0}
+    else:
+        stages = _hop_path(w, fwd, k, origin, one_way_s, depth + 1)
+        if stages is None:
+            return None
+        start = x["valid"][k][1]
+    write = next((wr for wr in x["writes"].get(k, ()) if wr[0] == rid), None)
+    if write is None:
+        return None
+    _, w0, w1 = write
+    wire = read[0] - w1
+    add = {"queue": w0 - start, "write": w1 - w0, "wire": wire,
+           "wire_excess": wire - one_way_s(fwd, rid), "sched": task - read[0],
+           "check": got[0] - task, "validate": got[1] - got[0]}
+    for name, v in add.items():
+        stages[name] = stages.get(name, 0.0) + v
+    stages["n_hops"] += 1
+    stages["relayed"] += w[fwd].get("links", {}).get(rid) == "relayed"
+    return stages
+
+
+def delivery_paths(results: list[dict], interval: float) -> dict:
+    """Each delivery by how its body came (push, pull: the worker's body traces, an origin's
+    k-th in announce order being its round k) and how the receiver was linked to the origin
+    at the end (direct, relayed, none): counts and done-time p50 / p95 from the round's
+    start; `worst`: how each round's slowest delivery came."""
+    start = results[0]["start"]
+    cats: dict[str, list[float]] = {}
+    worst: dict[int, tuple[float, str]] = {}
+    for r in results:
+        done = {(o, rnd): t - (start + rnd * interval) for o, rnd, t, _, _ in r["records"]}
+        by_origin: dict[str, list] = {}
+        for t in r.get("traces", []):
+            if len(t) > 10:
+                by_origin.setdefault(t[8], []).append(t)
+        for origin, traces in by_origin.items():
+            link = r.get("links", {}).get(origin, "none")
+            for k, t in enumerate(sorted(traces, key=lambda t: t[9])):
+                if (origin, k) not in done:
+                    continue
+                cat, d = f"{t[0]}/{link}", done[origin, k]
+                cats.setdefault(cat, []).append(d)
+                if k not in worst or d > worst[k][0]:
+                    worst[k] = (d, cat)
+    return {"paths": {c: [len(v), pct(v, 50), pct(v, 95)] for c, v in sorted(cats.items())},
+            "worst": dict(Counter(c for _, c in worst.values()))}
+
+
+def paths_line(p: dict) -> str:
+    if not p.get("paths"):
+        return ""
+    parts = "; ".join(f"{c} {n}: {a:.2f} / {b:.2f}" for c, (n, a, b) in p["paths"].items())
+    return (f" Deliveries by body path / link to the origin (count: done p50 / p95 s from "
+            f"the round's start): {parts}. Each round's slowest: {p['worst']}.")
+
+
+def hop_line(h: dict) -> str:
+    """The announce's trip by stage (hop_split), as a sentence."""
+    if not h.get("trips"):
+        return ""
+    parts = ", ".join(f"{name} {h[name][0]:.3f} / {h[name][2]:.3f} / {h['tail'][name]:.3f}"
+                      for name in HOP_STAGES)
+    return (f" An announce's trip, seal to handler, by stage (s; p50 / mean / mean of the "
+            f"slowest 5%; {h['trips']} trips, hops {h['hops']}, {h['relayed_trips']} with a "
+            f"relayed hop): total {h['total'][0]:.3f} / {h['total'][2]:.3f} / "
+            f"{h['tail']['total']:.3f}; {parts}. libp2p (trio) loop lag: p95 up to "
+            f"{h['trio_lag_p95_max']:.3f} s, max {h['trio_lag_max']:.3f} s.")
 
 
 def announce_pull_split(results: list[dict]) -> dict:
@@ -1074,6 +1362,11 @@ def section_gossip(args, work: Path) -> tuple[str, dict]:
             f"{args.batch_kib} KiB per peer per round; workers bootstrap through the trainer's "
             "host; NAT'd workers wait up to --mesh-wait for a mesh.\n\n"
             + table(GOSSIP_HEAD, [gossip_row(s)]) + "\n\n" + bound_line(s, args)
+            + hop_line(s.get("hop_split", {}))
+            + paths_line(s.get("delivery_paths", {}))
+            + f" Workers' CPU from their first round to their last delivery: "
+              f"{s['cpu_rounds_s']:.1f} s in all ({s['cpu_rounds_s'] / args.rounds:.2f} "
+              "CPU-s per round)."
             + f" GossipSub heartbeat at the end (s, per worker): {s['heartbeats_s']}."
             + f"\n\nDelay stage: {s['stage']}.")
     return body, s
@@ -1691,6 +1984,10 @@ def parse(argv=None):
     ap.add_argument("--mesh-wait", type=float, default=60.0)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for every gossip worker (p2p.mesh_degree=4)")
+    ap.add_argument("--slow-start-after-idle", type=int, choices=[0, 1],
+                    help="gossip: set net.ipv4.tcp_slow_start_after_idle in every worker's "
+                         "namespace (Linux default 1: an idle TCP connection restarts from "
+                         "its initial window, so each body on an idle link pays ~2 RTTs more)")
     # broadcast
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--skip-shardcast", action="store_true")

@@ -466,6 +466,26 @@ class BodyPusher:
             await asyncio.shield(fut)  # the reader resolves it however the read ends
         return self.claim(digest, size)
 
+    async def landed(self, digest: bytes, size: int) -> bytes:
+        """The pushed body of that hash and size once a push of it lands (held already,
+        or read to its end from now on), claimed: for a pull under way, which it may
+        overtake (pubsub.py races the two). Waits until then, past pushes that fail; the
+        caller bounds the wait (cancels it)."""
+        while True:
+            data = self.claim(digest, size)
+            if data is not None:
+                return data
+            fut = self._incoming.get(digest)
+            if fut is not None:
+                await asyncio.shield(fut)  # the reader resolves it however the read ends
+                continue
+            event = self._arrived.setdefault(digest, asyncio.Event())
+            try:
+                await event.wait()
+            finally:
+                if self._arrived.get(digest) is event:
+                    del self._arrived[digest]
+
     def close(self) -> None:
         """Every link ends, and none opens after (a dial under way, a peer's new link or a
         reconnection's: one that came after close() left a link the peer kept pushing on)."""

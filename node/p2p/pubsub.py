@@ -478,11 +478,11 @@ class GossipService:
                     self.metrics.inc("payload_pull_stalled_announcer")
                     return
                 trace.queued, t0 = clock() - t0, clock()
-                data = await self.fetch_payload(ann, origin, trace=trace)
+                data, pushed = await self._pull_or_push(ann, origin, trace)
                 trace.pulling = clock() - t0
-            if self.pusher is not None:
+            if self.pusher is not None and not pushed:
                 self.pusher.pulled(ann.content_hash)
-            trace.via = "pull" if data is not None else "failed"
+            trace.via = "push" if pushed else "pull" if data is not None else "failed"
         if self.on_body is not None:
             self.on_body(trace)
         if data is None:
@@ -506,6 +506,31 @@ class GossipService:
             self.pusher.forward(ann.content_hash, data, origin)
         self.metrics.inc("payload_fetched")
         await self._deliver(kind, inner, origin)
+
+    async def _pull_or_push(self, ann: PayloadAnnounce, origin: str,
+                            trace: BodyTrace) -> tuple[bytes | None, bool]:
+        """Pull the announced body, and take a push of it instead if one lands first; the
+        other side is cancelled. (The body or None, whether it came by push.) A push that
+        lands after the announce's push wait (PUSH_WAIT_S) is most often a forward: a
+        public peer pushes a NAT'd origin's body on only once it checked the announce
+        itself. In the 12-node WAN lab forwards landed 0.43 s (p50) / 0.72 s (p95) into
+        the round, while the pulls begun 0.3 s after their announce took 1.1-1.7 s, and
+        fetch_payload looks for a push only between its asks (each a round trip or more):
+        the pulls decided every round's figure (RESULTS "wan: gossip")."""
+        pull = asyncio.ensure_future(self.fetch_payload(ann, origin, trace=trace))
+        if self.pusher is None:
+            return await pull, False
+        push = asyncio.ensure_future(self.pusher.landed(ann.content_hash, ann.size))
+        try:
+            done, _ = await asyncio.wait((pull, push), return_when=asyncio.FIRST_COMPLETED)
+            if push in done:
+                self.metrics.inc("payload_push_overtook_pull")
+                return push.result(), True
+            return pull.result(), False
+        finally:
+            for task in (pull, push):
+                task.cancel()
+            await asyncio.gather(pull, push, return_exceptions=True)
 
     def pull_sources(self, origin: str) -> list[str]:
         """Where to pull an announced payload, best first: the announcer, the peer that

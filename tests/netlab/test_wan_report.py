@@ -9,8 +9,11 @@ import time
 from swarm_node.node.testing.netlab.scenarios import wan_plan
 
 from benchmarks.wan import (
+    HOP_STAGES,
     LoadSampler,
+    delivery_paths,
     headlines,
+    hop_split,
     machine_line,
     parse,
     peer_timeline,
@@ -173,3 +176,47 @@ def test_peer_timeline_reads_each_stage_from_the_first_log_line_that_says_it(tmp
     assert peer_timeline(tmp_path) == {"imports": 10.2, "host": 20.2, "verdict": 30.2,
                                        "relay slot": 40.2, "ready": 50.2, "published": 60.2,
                                        "accepted": 90.2}
+
+
+def test_hop_split_cuts_each_announce_trip_into_stages_that_add_up_to_it():
+    # O publishes seqno 7 (sealed at 9.99 s) and writes it to R; R validates it and writes
+    # it on to S: one trip of one hop (R), one of two (S), each stage where the probes put it
+    def worker(peer, **hops):
+        base = {"read": {}, "task": {}, "valid": {}, "writes": {}, "published": [],
+                "handled": [], "trio_lag": [0.0, 0.0, 0.0, 0.0]}
+        return {"peer_id": peer, "links": {}, "hops": {**base, **hops}}
+
+    results = [
+        worker("O", published=[(10.0, 10.05, 7)], writes={"O/7": [("R", 10.02, 10.03)]}),
+        worker("R", read={"O/7": (10.10, "O")}, task={"O/7": 10.12},
+               valid={"O/7": (10.14, 10.15, "O", True, 9990)}, handled=[("O", 9990, 10.2)],
+               writes={"O/7": [("S", 10.16, 10.17)]}),
+        worker("S", read={"O/7": (10.25, "R")}, task={"O/7": 10.26},
+               valid={"O/7": (10.27, 10.28, "R", True, 9990)}, handled=[("O", 9990, 10.3)]),
+    ]
+    out = hop_split(results, lambda a, b: 0.05)
+    assert out["trips"] == 2 and out["missing"] == 0 and out["hops"] == {1: 1, 2: 1}
+    assert abs(out["total"][2] - (0.21 + 0.31) / 2) < 1e-9
+    parts = sum(out[name][2] for name in HOP_STAGES if name != "wire_excess")
+    assert abs(parts - out["total"][2]) < 1e-9  # the stages add up to the trip
+    assert abs(out["wire"][2] - (0.07 + 0.15) / 2) < 1e-9  # S: 0.07 + 0.08 over two hops
+    assert abs(out["wire_excess"][2] - (0.02 + 0.05) / 2) < 1e-9
+    assert abs(out["queue"][2] - (0.02 + 0.03) / 2) < 1e-9  # S: at O, then at R
+
+
+def test_delivery_paths_name_how_each_rounds_slowest_delivery_came():
+    # R got O's round 0 by push (0.3 s) and round 1 by pull (1.5 s); Q, not linked to O,
+    # pulled both (0.8 s, 0.9 s): round 0's slowest is Q's pull, round 1's R's
+    def trace(via, at):  # the worker's body trace: via, ..., origin, announced at, source
+        return [via, 0.0, 0.0, 0.0, 0, False, False, False, "O", at, ""]
+
+    results = [
+        {"start": 100.0, "records": [["O", 0, 100.3, 0, 0], ["O", 1, 102.5, 0, 0]],
+         "links": {"O": "direct"}, "traces": [trace("pull", 101.2), trace("push", 100.2)]},
+        {"records": [["O", 0, 100.8, 0, 0], ["O", 1, 101.9, 0, 0]], "links": {},
+         "traces": [trace("pull", 100.3), trace("pull", 101.3)]},
+    ]
+    out = delivery_paths(results, 1.0)
+    assert {c: n for c, (n, _, _) in out["paths"].items()} == {
+        "push/direct": 1, "pull/direct": 1, "pull/none": 2}
+    assert out["worst"] == {"pull/none": 1, "pull/direct": 1}

@@ -245,3 +245,37 @@ async def test_a_publisher_behind_nat_pushes_through_public_peers_only(make_node
     for n in public:
         assert n.metrics["payload_push_claimed"] == 1
         assert n.metrics["payload_pulled_bulk"] + n.metrics["payload_pulled_libp2p"] == 0
+
+
+async def test_a_push_that_lands_during_a_pull_is_taken_at_once(make_node):
+    # A forwarded push often lands after the announce's push wait, while the pull begun
+    # then is still waiting on a slow source (RESULTS "wan: gossip": forwards at 0.4-0.7 s,
+    # the pulls they would have spared 1.1-1.7 s). The push is taken as it lands; before,
+    # the pull looked for one only between its asks, so a stalled ask held the delivery.
+    a, b, got = await linked(make_node, payload_pull_hedge_s=0)  # no hedge: one ask
+    c = await make_node(bootstrap=a.listen_addrs)
+    await wait_until(lambda: c.peer_id in a.connected_peers(), 30, what="c's connection")
+    asked, release = asyncio.Event(), asyncio.Event()
+
+    async def stalled(digest):  # b is asked for its body and does not answer yet
+        asked.set()
+        await release.wait()
+
+    b.gossip.body_server.coming = stalled
+    traces = []
+    a.gossip.on_body = traces.append
+    body, _, sealed_ann = announce_of(b, batch(b.peer_id, 8192, 1))
+    await b.gossip.publish_raw(TOPIC, sealed_ann)  # announced, pushed to nobody, not held
+    await asyncio.wait_for(asked.wait(), 30)  # a's push wait is over: it pulls from b
+    conn = await raw_link(c, a)
+    await conn.write(frame(body))  # a forward lands while the ask waits
+    try:
+        await wait_until(lambda: len(got) == 1, 30, what="the batch")
+        assert not release.is_set()  # b's answer never came
+        assert got[0][1].message.round == 1
+        assert [t.via for t in traces] == ["push"] and traces[0].pulling > 0
+        assert a.metrics["payload_push_overtook_pull"] == 1
+        assert a.metrics["payload_pulled_bulk"] + a.metrics["payload_pulled_libp2p"] == 0
+    finally:
+        release.set()
+        conn.abort()

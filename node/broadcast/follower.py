@@ -2,11 +2,12 @@
 choice), and the downloads of the versions it accepts.
 
 One download per followed policy at a time; a newer version supersedes an unfinished one,
-unless that one superseded another itself: then it runs to its end and the newest version
-announced meanwhile waits (`Follower.waiting`) and starts after it. Before (heal47), a
-follower that needs longer for a version than the trainer takes between versions (a home
-peer on a 200 ms path: 3-4 s a version, one every 1.4-2.3 s) had each download cancelled by
-the next and completed none for 48 s, until the trainer's interval happened to be longer.
+unless that one superseded another itself and verified a shard in the last KEEP_STALL_S:
+then it runs to its end and the newest version announced meanwhile waits
+(`Follower.waiting`) and starts after it. Before (heal47), a follower that needs longer
+for a version than the trainer takes between versions (a home peer on a 200 ms path: 3-4 s
+a version, one every 1.4-2.3 s) had each download cancelled by the next and completed none
+for 48 s, until the trainer's interval happened to be longer.
 A version is accepted only if its missing bytes fit the disk beside the other downloads'
 reservations (space.py). A peer that advertises a version this node does not know yet is
 asked for its manifest (MANIFEST_PROTOCOL), one pull per policy at a time.
@@ -41,6 +42,11 @@ from .store import ShardStore, VersionEntry
 log = logging.getLogger(__name__)
 
 PULL_BACKOFF_S = 60.0
+KEEP_STALL_S = 5.0
+"""A download that superseded another is kept (newer versions wait for it) only while it
+verified a shard within this long: one stuck since a partition (its sources gone) is
+superseded as before. Without it (h47 run): half b's stuck downloads held the newest
+version back until their 120 s stall timeout, and the heal took 104 s."""
 PULL_GRACE_S = 1.0
 """A version first seen in an advert is pulled only if its manifest did not arrive by
 gossip this long after (a trainer advertises a version just before gossiping its
@@ -195,7 +201,8 @@ class Follower:
         if current is not None:
             if current.version >= m.version:
                 return
-            if current.superseded:  # runs to its end: the newest version waits for it
+            if current.superseded and not self._stalled(current):
+                # it runs to its end: the newest version waits for it
                 self.waiting[m.policy_id] = accepted
                 self.counters["downloads_deferred"] += 1
                 return
@@ -255,6 +262,12 @@ class Follower:
                           on_shard=(lambda i, k=rec.key: on_shard(k)) if on_shard else None,
                           progress=progress, disk=self.disk, on_verified=self.proven.add,
                           space=self.space)
+
+    @staticmethod
+    def _stalled(job: Job) -> bool:
+        d = job.downloader
+        last = d.last_progress if d is not None else job.started
+        return time.monotonic() - last > KEEP_STALL_S
 
     async def _download_then_next(self, accepted: AcceptedManifest) -> None:
         """Download `accepted`'s version; then start the version that waited for it, if

@@ -10,6 +10,11 @@ the trainer's uploads are rate-limited so that a download takes a few seconds.""
 
 from __future__ import annotations
 
+import time
+
+from swarm_node.node.broadcast.follower import KEEP_STALL_S
+from swarm_node.node.broadcast.server import RateLimiter
+
 from .conftest import make_checkpoint, node_config, until
 
 
@@ -60,3 +65,33 @@ async def test_versions_faster_than_a_download_still_complete(tmp_path, swarm):
     assert c["downloads_superseded"] == 1
     assert c["downloads_completed"] == 2
     assert c["downloads_deferred"] == 2
+
+
+async def test_a_stalled_download_is_still_superseded(tmp_path, swarm):
+    """A download that superseded another but verified nothing for KEEP_STALL_S (its
+    sources gone: a partition) does not hold the newest version back until its stall
+    timeout (the h47 run: 120 s, a 104 s heal)."""
+    cfg = node_config(broadcast__upload_rate_mib_s=0.1)
+    tnode, trainer = await swarm("trainer", "trainer", cfg=cfg)
+    tid = tnode.peer_id
+    _fnode, follower = await swarm("follower", "inference", follow=[tid],
+                                   bootstrap=tnode.listen_addrs)
+
+    async def publish(v):
+        ckpt = make_checkpoint(tmp_path / f"ckpt{v}", {"model.safetensors": 470_000}, seed=v)
+        await trainer.publish(ckpt, version=v)
+
+    await publish(1)
+    await until(lambda: _verified(follower, tid, 1), what="v1 under way")
+    await publish(2)  # supersedes v1: v2 is kept while it makes progress
+    await until(lambda: _verified(follower, tid, 2), what="v2 under way")
+    limiter = trainer.server.limiter
+    trainer.server.limiter = RateLimiter(100)  # the trainer's uploads all but stop
+    job = _job(follower, tid)
+    await until(lambda: time.monotonic() - job.downloader.last_progress > KEEP_STALL_S + 0.5,
+                timeout=60, what="v2 stalled")
+    trainer.server.limiter = limiter
+    await publish(3)
+    await until(lambda: _known(follower, tid, 3), what="v3 known")
+    assert _job(follower, tid).version == 3  # superseded the stalled v2, did not wait
+    await follower.done.wait(tid, 3)

@@ -220,11 +220,11 @@ class Downloader:
         answers = held.get(peer, (0.0, 0))[1] + 1
         now = time.monotonic()
         origin = self.book.sources[peer].origin
-        until = now + min(HOLD_BACK_MAX_S, HOLD_BACK_S * 2 ** (answers - 1) if origin
-                          else HOLD_BACK_S)
+        until = now + (min(HOLD_BACK_MAX_S, HOLD_BACK_S * 2 ** (answers - 1)) if origin
+                       else HOLD_BACK_S)
         held[peer] = (until, answers)
         heapq.heappush(self._held_until, until)
-        if self.book.sources[peer].origin and shard not in self.swarm_since:
+        if origin and shard not in self.swarm_since:
             self.swarm_since[shard] = now
             heapq.heappush(self._held_until, now + SWARM_PATIENCE_S)
 

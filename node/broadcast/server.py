@@ -187,18 +187,12 @@ class ShardServer:
             await self._error(stream, "bad_range")
             return False
         if self.seeding is not None and not self.seeding.take(entry.key, req.shard, peer):
-            now = time.time()
-            self._traced(now, now, req.version, req.shard, peer, "seeded")
-            await self._error(stream, "seeded")
-            return True  # not an error of the stream: it may carry the next request
+            return await self._seeded(stream, req, peer)
         copy = self.seeding is not None
         spread = (*entry.key, req.shard)
         if not copy and 0 < self.cfg.max_uploads_per_shard <= self.active_shards[spread]:
-            now = time.time()  # its copies are on their way: the asker takes one from them
-            self.metrics["spread_seeded"] += 1
-            self._traced(now, now, req.version, req.shard, peer, "seeded")
-            await self._error(stream, "seeded")
-            return True
+            self.metrics["spread_seeded"] += 1  # its copies are on their way: take one there
+            return await self._seeded(stream, req, peer)
         if (self.active[peer] >= self.cfg.max_uploads_per_peer
                 or self.active_total >= self.cfg.max_uploads_total):
             if copy:
@@ -236,6 +230,14 @@ class ShardServer:
             self.active_shards[spread] -= 1
             if self.active_shards[spread] <= 0:
                 del self.active_shards[spread]
+
+    async def _seeded(self, stream: ByteStream, req: ShardRequest, peer: str) -> bool:
+        """Answer `seeded` (the shard is in the swarm: take it from its holders); True: not
+        an error of the stream, which may carry the next request."""
+        now = time.time()
+        self._traced(now, now, req.version, req.shard, peer, "seeded")
+        await self._error(stream, "seeded")
+        return True
 
     async def _upload(self, stream: ByteStream, entry, req: ShardRequest, length: int) -> bool:
         """Send one answer; TimeoutError if the client does not take it (_take_within)."""

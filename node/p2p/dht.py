@@ -23,6 +23,13 @@ our own swarm, which discovery made). Provider records only; the value store is 
 - A node is a DHT server while it is (or may be) publicly reachable, a client behind NAT.
 - `find_providers` walks the network itself: py-libp2p's returns its local records only
   whenever it holds any, and a provider always holds its own.
+- A lookup (a provide, a find) dials the peers it asks; once it is done, the connections
+  its own dials opened are closed again if this node holds `target_peers` without them
+  (`_t_close_transient`). Only those: a connection that anything else opened meanwhile (an
+  inbound one, a discovery dial, a hole punch) is not the lookup's to close. Which
+  connections a lookup's dials opened: the "connected" notifications raised inside its
+  trio tasks (py-libp2p announces an outbound connection from the task that dialled it,
+  and trio tasks inherit the context of the task that started them; `_LOOKUP_DIALS`).
 
 Methods named `_t_*` run in the libp2p (trio) thread.
 """
@@ -32,7 +39,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from contextvars import ContextVar
 
 import trio
 from libp2p.kad_dht import DHTMode, KadDHT
@@ -58,6 +67,10 @@ REPROVIDE_S = 3600.0  # a public anchor re-announces its swarm key this often
 ANCHOR_ROLES = ("trainer", "relay")  # the roles that announce the swarm key when public
 SHA2_256 = b"\x12\x20"  # multihash prefix: sha2-256, 32 bytes
 
+# The connections that the dials of the lookup running in this trio task (and in the tasks
+# it started) opened; None outside a lookup. Filled by _LookupDials.
+_LOOKUP_DIALS: ContextVar[list | None] = ContextVar("dht_lookup_dials", default=None)
+
 
 def dht_key(namespace: str, name: str | bytes) -> bytes:
     """The DHT key of `name` in `namespace` (a sha2-256 multihash)."""
@@ -82,6 +95,7 @@ class DHTService:
         if not self.enabled:
             return None
         self.dht = KadDHT(host, DHTMode.SERVER, enable_values=False, max_peers_per_subnet=0)
+        host.get_network().register_notifee(_LookupDials())
         return self.dht
 
     def t_connections_changed(self, nursery, connected: list[ID]) -> None:
@@ -151,13 +165,10 @@ class DHTService:
         return await self.ctx.bridge.call(self._t_provide_relayed, key, relayed)
 
     async def _t_provide(self, key: bytes) -> bool:
-        before = self._t_connected()
-        try:
+        async with self._t_lookup():
             with trio.move_on_after(QUERY_TIMEOUT * 2):
                 return bool(await self.dht.provider_store.provide(key))
             return False
-        finally:
-            await self._t_close_transient(before)
 
     async def _t_provide_relayed(self, key: bytes, addrs: list[str]) -> bool:
         """py-libp2p's provide with our relayed addresses in the record: kept locally, and
@@ -186,8 +197,7 @@ class DHTService:
                         if stream is not None:
                             await close_quietly(stream)
 
-        before = self._t_connected()
-        try:
+        async with self._t_lookup():
             with trio.move_on_after(QUERY_TIMEOUT * 2):
                 closest = await self.dht.peer_routing.find_closest_peers_network(key)
                 async with trio.open_nursery() as nursery:
@@ -195,25 +205,51 @@ class DHTService:
                         if peer != me:
                             nursery.start_soon(send, peer)
             return bool(sent)
-        finally:
-            await self._t_close_transient(before)
 
     def _t_connected(self) -> set[ID]:
         return {p for p, cs in list(self.ctx.host.get_network().connections.items()) if cs}
 
-    async def _t_close_transient(self, before: set[ID]) -> None:
+    @asynccontextmanager
+    async def _t_lookup(self) -> AsyncIterator[None]:
+        """Around one lookup: record the connections its dials open, then close them
+        (`_t_close_transient`)."""
+        before = self._t_connected()
+        dials: list = []
+        token = _LOOKUP_DIALS.set(dials)
+        try:
+            yield
+        finally:
+            _LOOKUP_DIALS.reset(token)
+            await self._t_close_transient(before, dials)
+
+    async def _t_close_transient(self, before: set[ID], dials: list) -> None:
         """A lookup dials the peers it asks (a provide: the ~20 closest to the key, in a
-        small swarm everyone). Once it is done, connections it opened are closed again if
-        this node has `target_peers` without them: they were for the query, and left open
-        they would only be trimmed later, after costing a mesh peer its place."""
+        small swarm everyone). Once it is done, the peers it connected are disconnected
+        again if this node has `target_peers` without them: they were for the query, and
+        left open they would only be trimmed later, after costing a mesh peer its place.
+        Such a peer: not connected before the lookup, every connection to it now one that
+        the lookup's own dials opened (`dials`), not in a gossip mesh of ours. A peer that
+        also holds another connection (it dialled us, discovery dialled it, a hole punch
+        made a direct one) stays, and so does one that the lookup only found connected."""
+        ours = {id(c) for c in dials}
+        conns = self.ctx.host.get_network().connections
         now = self._t_connected()
-        new = now - before
+        mesh = self._t_mesh_peers()
+        new = [pid for pid in now - before
+               if pid not in mesh and all(id(c) in ours for c in list(conns.get(pid) or ()))]
         if not new or len(now) - len(new) < self.ctx.cfg.target_peers:
             return
         self.ctx.metrics.inc("dht_connections_closed", len(new))
+        log.debug("closing %d connection(s) a DHT lookup opened (%d peers without them): %s",
+                  len(new), len(now) - len(new), ", ".join(str(p)[-8:] for p in new))
         async with trio.open_nursery() as nursery:
             for pid in new:
                 nursery.start_soon(t_close_peer, self.ctx.host, pid)
+
+    def _t_mesh_peers(self) -> set[ID]:
+        router = self.ctx.router
+        return {pid for members in list(getattr(router, "mesh", {}).values())
+                for pid in list(members)}
 
     async def find_providers(self, key: bytes, count: int = 20) -> list[tuple[str, list[str]]]:
         """Peers other than us that announced `key`, with the addresses their records carry
@@ -230,11 +266,8 @@ class DHTService:
         return out
 
     async def _t_find_providers(self, key: bytes, count: int) -> list[tuple[str, list[str]]]:
-        before = self._t_connected()
-        try:
+        async with self._t_lookup():
             return await self._t_walk_providers(key, count)
-        finally:
-            await self._t_close_transient(before)
 
     async def _t_walk_providers(self, key: bytes, count: int) -> list[tuple[str, list[str]]]:
         store = self.dht.provider_store
@@ -310,3 +343,28 @@ class DHTService:
     async def swarm_peers(self, count: int = 20) -> list[tuple[str, list[str]]]:
         """Publicly reachable peers of this swarm, found through the DHT."""
         return await self.find_providers(self.swarm_key, count)
+
+
+class _LookupDials:
+    """py-libp2p network notifee: a connection announced inside a lookup's tasks (an
+    outbound one is announced from the task that dialled it) is that lookup's."""
+
+    async def connected(self, network, conn) -> None:
+        dials = _LOOKUP_DIALS.get()
+        if dials is not None:
+            dials.append(conn)
+
+    async def disconnected(self, network, conn) -> None:
+        pass
+
+    async def opened_stream(self, network, stream) -> None:
+        pass
+
+    async def closed_stream(self, network, stream) -> None:
+        pass
+
+    async def listen(self, network, multiaddr) -> None:
+        pass
+
+    async def listen_close(self, network, multiaddr) -> None:
+        pass

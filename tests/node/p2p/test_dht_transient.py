@@ -1,0 +1,84 @@
+"""Which connections a DHT lookup closes when it is done (dht._t_close_transient): those its
+own queries dialled, never one that something else opened meanwhile (an inbound
+connection, a discovery dial, a hole punch)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import trio
+from libp2p.kad_dht.common import PROTOCOL_ID
+from swarm_node.node.p2p.dht import dht_key
+
+from .conftest import wait_until
+
+
+async def stall_dht(node) -> tuple[list, object]:
+    """Make `node` answer DHT queries only once released: (queries held, release)."""
+    held: list = []
+    gate: dict = {}
+
+    async def install() -> None:
+        gate["open"] = trio.Event()
+
+        async def handler(stream) -> None:
+            held.append(stream)
+            await gate["open"].wait()
+            await stream.reset()
+
+        node.dht.ctx.host.set_stream_handler(PROTOCOL_ID, handler)
+
+    async def release() -> None:
+        gate["open"].set()
+
+    await node.dht.ctx.bridge.call(install)
+    return held, lambda: node.dht.ctx.bridge.call(release)
+
+
+async def connected(node) -> set[str]:
+    """The peers the libp2p side of `node` holds connections to, now."""
+
+    async def read() -> set[str]:
+        return {p.to_base58() for p in node.dht._t_connected()}
+
+    return await node.dht.ctx.bridge.call(read)
+
+
+async def test_a_connection_opened_during_a_lookup_by_someone_else_survives_it(make_node):
+    """A (target_peers 1, its one peer P) looks up a key; P holds the query while B dials
+    A. When the lookup ends A holds target_peers without B, yet B's connection is not the
+    lookup's: it stays (before the fix, every peer connected during a lookup was closed:
+    a hole-punched connection among them)."""
+    p = await make_node(discovery=False)
+    a = await make_node(bootstrap=p.listen_addrs, discovery=False, target_peers=1)
+    ap = a.dht.dht.routing_table
+    await wait_until(lambda: ap.peer_in_table(p.dht.ctx.host.get_id()), 20,
+                     what="P in A's routing table")
+    held, release = await stall_dht(p)
+    lookup = asyncio.create_task(a.find_providers(dht_key("checkpoint", "nobody/v1")))
+    await wait_until(lambda: held, 20, what="A's query held by P")
+    b = await make_node(discovery=False)
+    await b.connect(a.listen_addrs[0])
+    await wait_until(lambda: b.peer_id in a.connected_peers(), 20, what="B connected to A")
+    await release()
+    await asyncio.wait_for(lookup, 60)
+    assert a.metrics["dht_connections_closed"] == 0
+    assert b.peer_id in await connected(a)
+
+
+async def test_a_lookup_closes_the_connections_its_own_queries_opened(make_node):
+    """A (target_peers 1) knows only P; P knows Q. A's lookup walks to Q (a dial of its
+    own): once it is done, A, at target_peers without Q, closes that connection again."""
+    q = await make_node(discovery=False)
+    p = await make_node(bootstrap=q.listen_addrs, discovery=False)
+    a = await make_node(bootstrap=p.listen_addrs, discovery=False, target_peers=1)
+    pid_q = q.dht.ctx.host.get_id()
+    await wait_until(lambda: p.dht.dht.routing_table.peer_in_table(pid_q), 20,
+                     what="Q in P's routing table")
+    await wait_until(lambda: a.dht.dht.routing_table.peer_in_table(p.dht.ctx.host.get_id()),
+                     20, what="P in A's routing table")
+    assert q.peer_id not in a.connected_peers()
+    await a.find_providers(dht_key("checkpoint", "nobody/v2"))
+    assert a.metrics["dht_connections_closed"] >= 1
+    held = await connected(a)
+    assert q.peer_id not in held and p.peer_id in held

@@ -14,6 +14,9 @@ of these:
   module imports patches/internals.py): a stream's close or reset, bounded, errors logged.
 A write cut off by the bound may leave a partial frame behind: the connection is then of no
 further use, which on a path that did not take a dozen bytes in seconds it was not anyway.
+
+Each connection `t_close_peer` closes is marked with why (`closed_by`): the connection log
+(relay.py's ConnectionLog, DEBUG) tells our closes from the other side's and py-libp2p's.
 """
 
 from __future__ import annotations
@@ -29,10 +32,25 @@ from .streams import DEAD_CLOSE_S
 log = logging.getLogger(__name__)
 
 
-async def t_close_peer(host, pid: ID, timeout: float = DEAD_CLOSE_S) -> None:
+CLOSED_BY = "_swarm_node_closed_by"  # attribute set on a connection we close: why
+
+
+def closed_by(conn) -> str | None:
+    """Why this node closed `conn` (t_close_peer's `why`), None if it did not."""
+    return getattr(conn, CLOSED_BY, None)
+
+
+async def t_close_peer(host, pid: ID, timeout: float = DEAD_CLOSE_S, why: str = "") -> None:
     """Close every connection to `pid`: the transports under them first, then py-libp2p's
-    disconnect, each within `timeout`. Errors (already gone) are logged, never raised."""
-    for conn in list(host.get_network().connections.get(pid, ()) or ()):
+    disconnect, each within `timeout`. Errors (already gone) are logged, never raised.
+    `why` marks the connections (closed_by) for the connection log."""
+    conns = list(host.get_network().connections.get(pid, ()) or ())
+    for conn in conns:
+        try:
+            setattr(conn, CLOSED_BY, why or "by this node")
+        except AttributeError:  # a connection type without a __dict__: unmarked
+            pass
+    for conn in conns:
         transport = transport_under(getattr(conn, "muxed_conn", None))
         if transport is None:
             continue

@@ -45,7 +45,7 @@ from .discovery import Discovery
 from .errors import NotRunning
 from .patches.internals import reservation_holders
 from .relay import RelayService
-from .streams import reset_quietly
+from .streams import DEAD_CLOSE_S, reset_quietly
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +207,8 @@ class ConnectionManager:
         # dead path until TCP gave up (the wan partition: closed ~80 s in, past the heal)
         async with trio.open_nursery() as nursery:
             for pid in dead:
-                nursery.start_soon(t_close_peer, self.ctx.host, pid)
+                nursery.start_soon(t_close_peer, self.ctx.host, pid, DEAD_CLOSE_S,
+                                   "liveness: pings unanswered")
         return [pid.to_base58() for pid in dead]
 
     async def _t_ping(self, pid: ID, timeout: float) -> bool:
@@ -267,7 +268,8 @@ class ConnectionManager:
             victims.append(p)
         async with trio.open_nursery() as nursery:  # each bounded: one may sit on a dead path
             for p in victims:
-                nursery.start_soon(t_close_peer, ctx.host, peers[p])
+                nursery.start_soon(t_close_peer, ctx.host, peers[p], DEAD_CLOSE_S,
+                                   "trimmed above max_peers")
         return victims
 
     def _t_slot_holders(self) -> set[str]:

@@ -58,7 +58,7 @@ from .context import HostContext
 from .discovery import dial_order
 from .errors import NotRunning, P2PError
 from .patches.internals import providers_from_peer
-from .streams import close_quietly
+from .streams import DEAD_CLOSE_S, close_quietly
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +244,8 @@ class DHTService:
                   len(new), len(now) - len(new), ", ".join(str(p)[-8:] for p in new))
         async with trio.open_nursery() as nursery:
             for pid in new:
-                nursery.start_soon(t_close_peer, self.ctx.host, pid)
+                nursery.start_soon(t_close_peer, self.ctx.host, pid, DEAD_CLOSE_S,
+                                   "DHT lookup's own")
 
     def _t_mesh_peers(self) -> set[ID]:
         router = self.ctx.router

@@ -18,6 +18,9 @@
   ones (RTT-synchronised TCP simultaneous open); the relayed connection closes 60 s after.
   Its dials wait at most `p2p.dial_timeout_s`, the direct dial that starts each attempt at
   most 3 s (patches/dcutr.py: a NAT'd peer's private addresses never answer from outside).
+- Connection log (`ConnectionLog`, DEBUG): every connection opened and closed, direct or
+  relayed, inbound or outbound, its age at the close and who closed it (a close of ours
+  names its reason, closing.closed_by): where a hole-punched connection went.
 
 Methods named `_t_*` / `t_*` run in the libp2p (trio) thread.
 """
@@ -43,6 +46,7 @@ from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 
 from ..lifecycle import wait_set
+from .closing import closed_by
 from .context import HostContext
 from .dialback import ip_tcp, transport_addrs
 from .errors import DialError, NotRunning, P2PError
@@ -110,6 +114,8 @@ class RelayService:
         self._dialer = CircuitV2Transport(host, self.protocol,
                                           RelayConfig(roles=RelayRole.STOP, limits=limits))
         services = [self.protocol]
+        if log.isEnabledFor(logging.DEBUG):
+            host.get_network().register_notifee(ConnectionLog())
         if self.ctx.cfg.hole_punching:
             # Its dials wait p2p.dial_timeout_s (py-libp2p's own default is 10 s, whatever
             # the config says; its punch rounds cut them at 5 s themselves), except the
@@ -387,3 +393,42 @@ def connection_addr(conn) -> str | None:
         if ip_tcp(str(a)) is not None:
             return str(a)
     return None
+
+
+class ConnectionLog:
+    """py-libp2p network notifee: a DEBUG line per connection opened and closed (libp2p
+    thread)."""
+
+    def __init__(self):
+        self._opened: dict[int, float] = {}  # id(connection) -> monotonic time it opened
+
+    @staticmethod
+    def _describe(conn) -> str:
+        addr = connection_addr(conn)
+        kind = f"direct {addr}" if addr is not None else "relayed"
+        return f"{kind}, {getattr(conn, 'direction', '?')}"
+
+    async def connected(self, network, conn) -> None:
+        self._opened[id(conn)] = time.monotonic()
+        log.debug("connection to %s opened: %s", conn.muxed_conn.peer_id, self._describe(conn))
+
+    async def disconnected(self, network, conn) -> None:
+        t0 = self._opened.pop(id(conn), None)
+        age = f"{time.monotonic() - t0:.1f} s" if t0 is not None else "?"
+        why = closed_by(conn)
+        log.debug("connection to %s closed after %s: %s; %s", conn.muxed_conn.peer_id, age,
+                  self._describe(conn),
+                  f"closed by us ({why})" if why else "not closed by our code (the other "
+                  "side, the path, or py-libp2p)")
+
+    async def opened_stream(self, network, stream) -> None:
+        pass
+
+    async def closed_stream(self, network, stream) -> None:
+        pass
+
+    async def listen(self, network, multiaddr) -> None:
+        pass
+
+    async def listen_close(self, network, multiaddr) -> None:
+        pass

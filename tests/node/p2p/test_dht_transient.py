@@ -1,10 +1,12 @@
-"""Which connections a DHT lookup closes when it is done (dht._t_close_transient): those its
+"""Who closes a connection. A DHT lookup, when it is done (dht._t_close_transient): those its
 own queries dialled, never one that something else opened meanwhile (an inbound
-connection, a discovery dial, a hole punch)."""
+connection, a discovery dial, a hole punch). The connection log (relay.ConnectionLog, DEBUG)
+names each close of ours."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import trio
 from libp2p.kad_dht.common import PROTOCOL_ID
@@ -66,9 +68,11 @@ async def test_a_connection_opened_during_a_lookup_by_someone_else_survives_it(m
     assert b.peer_id in await connected(a)
 
 
-async def test_a_lookup_closes_the_connections_its_own_queries_opened(make_node):
+async def test_a_lookup_closes_the_connections_its_own_queries_opened(make_node, caplog):
     """A (target_peers 1) knows only P; P knows Q. A's lookup walks to Q (a dial of its
-    own): once it is done, A, at target_peers without Q, closes that connection again."""
+    own): once it is done, A, at target_peers without Q, closes that connection again, and
+    the connection logs say who closed it (A: the lookup; Q: not its own code)."""
+    caplog.set_level(logging.DEBUG, logger="swarm_node.node.p2p")
     q = await make_node(discovery=False)
     p = await make_node(bootstrap=q.listen_addrs, discovery=False)
     a = await make_node(bootstrap=p.listen_addrs, discovery=False, target_peers=1)
@@ -82,3 +86,9 @@ async def test_a_lookup_closes_the_connections_its_own_queries_opened(make_node)
     assert a.metrics["dht_connections_closed"] >= 1
     held = await connected(a)
     assert q.peer_id not in held and p.peer_id in held
+    await wait_until(lambda: a.peer_id not in q.connected_peers(), 20, what="Q's side closed")
+    lines = [r.getMessage() for r in caplog.records if r.name.endswith("p2p.relay")]
+    assert any(f"connection to {q.peer_id} closed" in ln and "closed by us (DHT lookup's own)"
+               in ln for ln in lines), lines
+    assert any(f"connection to {a.peer_id} closed" in ln and "not closed by our code" in ln
+               for ln in lines), lines

@@ -10,6 +10,7 @@ import logging
 
 import trio
 from libp2p.kad_dht.common import PROTOCOL_ID
+from multiaddr import Multiaddr
 from swarm_node.node.p2p.dht import dht_key
 
 from .conftest import wait_until
@@ -92,3 +93,32 @@ async def test_a_lookup_closes_the_connections_its_own_queries_opened(make_node,
                in ln for ln in lines), lines
     assert any(f"connection to {a.peer_id} closed" in ln and "not closed by our code" in ln
                for ln in lines), lines
+
+
+async def test_a_peer_the_lookup_dialled_keeps_a_second_connection_made_meanwhile(make_node):
+    """A's lookup dials Q (through P, as above) and Q holds the query; meanwhile Q opens a
+    second connection to A, a fresh dial as DCUtR's hole punch makes. That connection is
+    not the lookup's: Q stays connected once the lookup is done (before the fix, every peer
+    connected since the lookup began was closed)."""
+    q = await make_node(discovery=False)
+    p = await make_node(bootstrap=q.listen_addrs, discovery=False)
+    a = await make_node(bootstrap=p.listen_addrs, discovery=False, target_peers=1)
+    pid_a, pid_q = a.dht.ctx.host.get_id(), q.dht.ctx.host.get_id()
+    await wait_until(lambda: p.dht.dht.routing_table.peer_in_table(pid_q), 20,
+                     what="Q in P's routing table")
+    await wait_until(lambda: a.dht.dht.routing_table.peer_in_table(p.dht.ctx.host.get_id()),
+                     20, what="P in A's routing table")
+    held, release = await stall_dht(q)
+    lookup = asyncio.create_task(a.find_providers(dht_key("checkpoint", "nobody/v3")))
+    await wait_until(lambda: held, 20, what="A's query held by Q")
+
+    async def dial_a() -> None:
+        await q.dht.ctx.host.get_network().dial_addr(Multiaddr(a.listen_addrs[0]), pid_a)
+
+    await q.dht.ctx.bridge.call(dial_a)
+    await wait_until(lambda: len(a.dht.ctx.host.get_network().connections.get(pid_q, ())) >= 2,
+                     20, what="A holding two connections to Q")
+    await release()
+    await asyncio.wait_for(lookup, 60)
+    assert a.metrics["dht_connections_closed"] == 0
+    assert q.peer_id in await connected(a)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import pytest
 import trio
 from libp2p.kad_dht.common import PROTOCOL_ID
 from multiaddr import Multiaddr
@@ -69,10 +70,13 @@ async def test_a_connection_opened_during_a_lookup_by_someone_else_survives_it(m
     assert b.peer_id in await connected(a)
 
 
-async def test_a_lookup_closes_the_connections_its_own_queries_opened(make_node, caplog):
-    """A (target_peers 1) knows only P; P knows Q. A's lookup walks to Q (a dial of its
-    own): once it is done, A, at target_peers without Q, closes that connection again, and
-    the connection logs say who closed it (A: the lookup; Q: not its own code)."""
+@pytest.mark.parametrize("lookup", ["find", "provide"])
+async def test_a_lookup_closes_the_connections_its_own_queries_opened(make_node, caplog,
+                                                                      lookup):
+    """A (target_peers 1) knows only P; P knows Q. A's lookup (a find, a provide) walks to
+    Q (a dial of its own): once it is done, A, at target_peers without Q, closes that
+    connection again, and the connection logs say who closed it (A: the lookup; Q: not its
+    own code)."""
     caplog.set_level(logging.DEBUG, logger="swarm_node.node.p2p")
     q = await make_node(discovery=False)
     p = await make_node(bootstrap=q.listen_addrs, discovery=False)
@@ -83,7 +87,10 @@ async def test_a_lookup_closes_the_connections_its_own_queries_opened(make_node,
     await wait_until(lambda: a.dht.dht.routing_table.peer_in_table(p.dht.ctx.host.get_id()),
                      20, what="P in A's routing table")
     assert q.peer_id not in a.connected_peers()
-    await a.find_providers(dht_key("checkpoint", "nobody/v2"))
+    if lookup == "find":
+        await a.find_providers(dht_key("checkpoint", "nobody/v2"))
+    else:
+        await a.provide(dht_key("checkpoint", "a/v2"))
     assert a.metrics["dht_connections_closed"] >= 1
     held = await connected(a)
     assert q.peer_id not in held and p.peer_id in held

@@ -397,10 +397,42 @@ def connection_addr(conn) -> str | None:
 
 class ConnectionLog:
     """py-libp2p network notifee: a DEBUG line per connection opened and closed (libp2p
-    thread)."""
+    thread). At the close it says how the connection's reads and writes ended (yamux reads
+    its secured connection until that fails: EOF, a reset, a decryption error), recorded by
+    wrapping the secured connection's read and write (this connection only, DEBUG only)."""
 
     def __init__(self):
         self._opened: dict[int, float] = {}  # id(connection) -> monotonic time it opened
+        self._ended: dict[int, list[str]] = {}  # id(connection) -> how reads/writes ended
+
+    def _watch(self, conn) -> None:
+        secured = getattr(conn.muxed_conn, "secured_conn", None)
+        if secured is None:
+            return
+        ended = self._ended.setdefault(id(conn), [])
+        read, write = secured.read, secured.write
+
+        async def watched_read(n=None):
+            try:
+                data = await read(n)
+            except BaseException as e:
+                ended.append(f"read raised {type(e).__name__}: {str(e)[:120]}")
+                raise
+            if not data:
+                ended.append("read EOF")
+            return data
+
+        async def watched_write(data):
+            try:
+                return await write(data)
+            except BaseException as e:
+                ended.append(f"write raised {type(e).__name__}: {str(e)[:120]}")
+                raise
+
+        try:
+            secured.read, secured.write = watched_read, watched_write
+        except AttributeError:  # a secured connection without a __dict__: not watched
+            pass
 
     @staticmethod
     def _describe(conn) -> str:
@@ -410,16 +442,19 @@ class ConnectionLog:
 
     async def connected(self, network, conn) -> None:
         self._opened[id(conn)] = time.monotonic()
+        self._watch(conn)
         log.debug("connection to %s opened: %s", conn.muxed_conn.peer_id, self._describe(conn))
 
     async def disconnected(self, network, conn) -> None:
         t0 = self._opened.pop(id(conn), None)
         age = f"{time.monotonic() - t0:.1f} s" if t0 is not None else "?"
         why = closed_by(conn)
-        log.debug("connection to %s closed after %s: %s; %s", conn.muxed_conn.peer_id, age,
+        ended = self._ended.pop(id(conn), None) or []
+        log.debug("connection to %s closed after %s: %s; %s; %s", conn.muxed_conn.peer_id, age,
                   self._describe(conn),
                   f"closed by us ({why})" if why else "not closed by our code (the other "
-                  "side, the path, or py-libp2p)")
+                  "side, the path, or py-libp2p)",
+                  "; ".join(ended[:3]) or "reads and writes had not failed")
 
     async def opened_stream(self, network, stream) -> None:
         pass

@@ -11,7 +11,9 @@ format exactly (every Noise message <= 65535 bytes) and cut the per-message work
   from the receive buffer (`decrypt_into`), reading the socket only when none is complete;
 - `NoiseTransportReadWriter.write_msg` seals a write's messages into one reused buffer and
   sends them with one socket write;
-- `SecureSession.read` takes exactly n bytes out of the decrypted chunks with one copy."""
+- `SecureSession.read` takes exactly n bytes out of the decrypted chunks with one copy.
+A sealed write is sent whole even when its caller is cancelled (`_send_whole`): half a Noise
+message on the wire loses the connection."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from collections import deque
 import trio
 from cryptography.exceptions import InvalidTag
 from libp2p.io.exceptions import IncompleteReadError
+from libp2p.network.connection.exceptions import RawConnError
 from libp2p.security.noise.io import (
     MAX_PLAINTEXT_LENGTH,
     BaseNoiseMsgReadWriter,
@@ -237,11 +240,34 @@ async def _write_msgs(self, msg, prefix_encoded: bool = False) -> None:
     try:
         n = _seal(self, msg, out)
         with memoryview(out) as view, view[:n] as sealed:
-            await self.read_writer.read_write_closer.write(sealed)
+            await _send_whole(self.read_writer.read_write_closer, sealed)
     finally:
         self._swarm_tx_busy = False
     # keep the buffer for the next write, unless a rare huge write made it big
     self._swarm_tx = out if len(out) <= _TX_KEEP else None
+
+
+WRITE_FINISH_S = 5.0
+"""How long a sealed write may go on after its caller was cancelled (see _send_whole)."""
+
+
+async def _send_whole(conn, sealed) -> None:
+    """Send `sealed` Noise messages whole. Once sealed, their nonces are spent: a socket
+    write cancelled partway (a caller's timeout, the asyncio side of the bridge cancelling)
+    leaves half a message on the wire, and the peer then fails the next tag or waits for
+    bytes that never come: the connection, and every stream on it, is lost (RESULTS "wan:
+    swarm": a 112 s old connection closed on 'Failed authentication of message'). So the
+    caller's cancellation waits until the write is done, for at most WRITE_FINISH_S; a write
+    still unfinished then closes the connection (it cannot be used after a partial message)
+    and raises. Closing the transport (liveness, closing.py) still ends such a write at once."""
+    with trio.CancelScope(shield=True) as scope:
+        scope.deadline = trio.current_time() + WRITE_FINISH_S
+        await conn.write(sealed)
+    if scope.cancelled_caught:
+        with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+            await conn.close()
+        raise RawConnError(f"a Noise write unfinished after {WRITE_FINISH_S:g} s "
+                           "(connection closed: a partial message cannot be followed)")
 
 
 def _seal(self, msg, out: bytearray) -> int:

@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import struct
 
 import libp2p.security.secure_session as secure_session_mod
 import libp2p.stream_muxer.yamux.yamux as yamux_mod
+import pytest
 import trio
+import trio.testing
 from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH, NoiseTransportReadWriter
 from libp2p.security.secure_session import SecureSession
 from swarm_node.node.p2p import patches
+from swarm_node.node.p2p.patches import noise_io
 from swarm_node.node.p2p.patches.registry import original
 
 from .rawhost import Wire, connect, noise_session_pair, raw_host, running, until
@@ -213,3 +217,70 @@ def test_needed_noise_session_read_one_copy(monkeypatch):
         return await ours_session.read(100_000)
 
     assert trio.run(ours) == b"".join(messages)[:100_000] and sum(copied) == 0
+
+
+
+class _Socket:
+    """A raw connection over one end of a real socket pair (py-libp2p's interface)."""
+
+    def __init__(self, sock):
+        self.stream = trio.SocketStream(sock)
+
+    async def write(self, data) -> None:
+        await self.stream.send_all(data)
+
+    async def read(self, n: int | None = None) -> bytes:
+        return await self.stream.receive_some(n or 65536)
+
+    async def close(self) -> None:
+        await self.stream.aclose()
+
+
+async def _write_cut(writer, big: bytes, after: bytes, scopes: list) -> None:
+    with trio.CancelScope() as scope:
+        scopes.append(scope)
+        await writer.write_msg(big)
+    await writer.write_msg(after)
+
+
+async def _read_all(reader, got: bytearray, size: int) -> None:
+    while len(got) < size:  # a broken session waits here for bytes never sent
+        got.extend(await reader.read_msg())
+
+
+@pytest.mark.parametrize("ours", [True, False])
+def test_a_cancelled_noise_write_does_not_break_the_session(ours, monkeypatch):
+    """A write cancelled while the socket is full (its reader not reading yet) must not leave
+    half a Noise message: the reader then gets the whole first write and the next one. With
+    the socket write cancellable anywhere (py-libp2p's, and ours before) the session breaks:
+    the reader waits for the rest of a message that never comes."""
+    patches.install()
+    if not ours:
+        monkeypatch.setattr(noise_io, "_send_whole", lambda conn, data: conn.write(data))
+    big, after = os.urandom(4 * MAX_PLAINTEXT_LENGTH), b"after the cancelled write"
+
+    async def main() -> bytes:
+        left, right = trio.socket.socketpair()
+        for sock in (left, right):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        writer, reader = noise_session_pair(Wire())
+        writer.read_writer.read_write_closer = _Socket(left)
+        reader.read_writer.read_write_closer = _Socket(right)
+        got = bytearray()
+        scopes: list = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_write_cut, writer, big, after, scopes)
+            await trio.testing.wait_all_tasks_blocked()  # the socket buffers are full
+            scopes[0].cancel()
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(_read_all, reader, got, len(big) + len(after))
+            await trio.testing.wait_all_tasks_blocked()  # all read, or stuck for good
+            nursery.cancel_scope.cancel()
+        return bytes(got)
+
+    got = trio.run(main)
+    if ours:
+        assert got == big + after
+    else:  # the problem: the cancelled write's tail is lost, the session stuck
+        assert len(got) < len(big) and not got.endswith(after)

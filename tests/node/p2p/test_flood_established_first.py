@@ -1,0 +1,64 @@
+"""An established peer's batch is verified first when a fresh-key flood starts (issue 30,
+the verifier-flood benchmark's worst windows), on real hosts: the trainer side is the real
+intake (verifier/intake.py) on test_intake's scripted verifier, fed by a real P2PNode's
+`rollouts` handler and its real `introducer`; the established peer and the flood's carrier
+are real hosts connected to it."""
+
+from __future__ import annotations
+
+from swarm_node.node.identity import Identity
+from swarm_node.verifier.intake import IntakeLimits
+from swarm_node.verifier.reputation import Reputation
+
+from ...verifier.test_intake import Clock, establish, make
+from .conftest import wait_until
+from .test_carrier_introducer import Judge, carry
+
+
+async def test_a_flood_start_does_not_catch_up_on_the_quiet_past(make_node, tmp_path):
+    """20 batches of an established peer are verified with nothing else waiting; then a
+    carrier brings 12 fresh keys' bogus batches and the peer its next batch, and the
+    trainer verifies one batch at a time as it does while it waits for its peers
+    (`drain(idle=True)`). The peer's batch goes first, and while both lanes wait the
+    probation lane takes one pick in five (`probation_share` 0.2), the flood's turn coming
+    after established work. On the old code the share was counted over every batch ever
+    served, so the 20 quiet ones were credit: 6 bogus batches went ahead of it (in
+    benchmarks/verifier_flood.py, ~36 at each flood's start: 0.9 s of the trainer's
+    ~0.2-s cycle)."""
+    sybils = [Identity.generate() for _ in range(12)]
+    victim = await make_node(discovery=False)
+    judge = Judge(Clock(), {s.peer_id for s in sybils})
+    rep = Reputation(None)
+    honest = await make_node(bootstrap=victim.listen_addrs, discovery=False)
+    establish(rep, honest.peer_id)
+    intake = make(tmp_path, judge, limits=IntakeLimits(max_probation=16), reputation=rep)
+    intake.introducer = victim.introducer
+    offered: list[str] = []
+
+    async def offer(env, origin):
+        offered.append(env.sender)
+        await intake.offer(env, origin)
+
+    await victim.subscribe("rollouts", offer)
+    for r in range(20):  # the quiet past: nothing else waits
+        await carry(honest, victim, [(honest.identity, r)])
+        await wait_until(lambda: len(offered) == r + 1, what=f"honest batch {r}")
+        await intake.drain(idle=True)
+    assert [s for s, _ in judge.served] == [honest.peer_id] * 20
+    carrier = await make_node(bootstrap=victim.listen_addrs, discovery=False)
+    await carry(carrier, victim, [(s, 100 + k) for k, s in enumerate(sybils)])
+    await wait_until(lambda: len(offered) == 32, what="the flood offered")
+    await carry(honest, victim, [(honest.identity, 20)])
+    await wait_until(lambda: len(offered) == 33, what="the honest batch offered")
+    assert intake.queue.probation_waiting == 12 and intake.queue.established_waiting == 1
+    start = len(judge.served)
+    while (honest.peer_id, 20) not in judge.served:  # the trainer waiting for its peers
+        assert await intake.drain(idle=True) == 1
+    assert judge.served[start:] == [(honest.peer_id, 20)]
+    # both lanes wait: established first, the flood every fifth pick
+    await carry(honest, victim, [(honest.identity, r) for r in range(21, 25)])
+    await wait_until(lambda: len(offered) == 37, what="4 more honest batches")
+    await intake.drain()
+    lanes = ["H" if s == honest.peer_id else "S" for s, _ in judge.served[start + 1:]]
+    assert "".join(lanes[:6]) == "HHHSHS", lanes
+    assert lanes.count("S") == 12 and intake.state.by_peer[honest.peer_id].accepted == 25

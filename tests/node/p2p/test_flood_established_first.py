@@ -42,7 +42,7 @@ async def test_a_flood_start_does_not_catch_up_on_the_quiet_past(make_node, tmp_
     await victim.subscribe("rollouts", offer)
     for r in range(20):  # the quiet past: nothing else waits
         await carry(honest, victim, [(honest.identity, r)])
-        await wait_until(lambda: len(offered) == r + 1, what=f"honest batch {r}")
+        await wait_until(lambda n=r + 1: len(offered) == n, what=f"honest batch {r}")
         await intake.drain(idle=True)
     assert [s for s, _ in judge.served] == [honest.peer_id] * 20
     carrier = await make_node(bootstrap=victim.listen_addrs, discovery=False)

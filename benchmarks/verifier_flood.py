@@ -213,6 +213,7 @@ async def run(args) -> dict:
                 flood = new_flood()
                 task = asyncio.ensure_future(flood.run(stop))
             spy = profile(args, trainer.proc.pid, name)
+            wall = time.time()
             samples = [sample()]
             t_end = samples[0].t + args.window_s
             built = 0
@@ -234,7 +235,7 @@ async def run(args) -> dict:
             if spy is not None:
                 spy.wait()
             return {"name": name, "kind": kind, "samples": samples, "built": built,
-                    "ended": time.monotonic(), "flood": flood}
+                    "ended": time.monotonic(), "flood": flood, "wall": (wall, time.time())}
 
         if args.newcomer:
             trials = []
@@ -250,7 +251,8 @@ async def run(args) -> dict:
         windows = []
         for i, kind in enumerate(cycle * args.cycles + ["baseline"]):
             windows.append(await window(f"{kind} {i // len(cycle) + 1}", kind))
-        return {"windows": [summarize(w) for w in windows],
+        phases = honest_phases(trainer.log, peer.log, hid, [w["wall"] for w in windows])
+        return {"windows": [{**summarize(w), **ph} for w, ph in zip(windows, phases)],
                 "recovery_s": recoveries(windows, args.recovery_window_s),
                 "flood": flood_totals([w["flood"] for w in windows if w["flood"] is not None]),
                 "trainer_rss_mib": _rss(trainer.proc.pid)}
@@ -397,6 +399,46 @@ def newcomer_figures(args, i, flooded, started, published, verified, start, end,
         "bench_cpu_s": end["own_cpu"] - start["own_cpu"],
         "sent": flood.sent if flood else 0, "carriers": flood.carriers if flood else 0,
         "attacker_cpu_s": flood.cpu_s if flood else 0.0}
+
+
+STEP = re.compile(r"train step -> v(\d+)")
+
+
+def honest_phases(trainer_log: Path, peer_log: Path, honest: str,
+                  walls: list[tuple[float, float]]) -> list[dict]:
+    """Per window (wall start, end), from the nodes' logs, where the honest peer's batches
+    spent their time: its batches published and verified in the window, publish -> verified
+    (median, max ms), bogus batches the trainer verified while one of them waited (between
+    its publish and its verification: count, and the longest such run), and the trainer's
+    step cycle (median, max ms, from its `train step` lines)."""
+    import statistics
+
+    published: dict[int, float] = {}
+    for line in peer_log.read_text(errors="replace").splitlines():
+        if (m := PUBLISHED.search(line)) and (t := log_time(line)) is not None:
+            published.setdefault(int(m[1]), t)
+    verified: dict[int, float] = {}
+    bogus: list[float] = []
+    steps: list[float] = []
+    for line in trainer_log.read_text(errors="replace").splitlines():
+        if (m := VERIFIED.search(line)) and (t := log_time(line)) is not None:
+            if m[2] == honest[-8:]:
+                verified.setdefault(int(m[1]), t)
+            else:
+                bogus.append(t)
+        elif STEP.search(line) and (t := log_time(line)) is not None:
+            steps.append(t)
+    out = []
+    for a, b in walls:
+        mine = [(published[r], verified.get(r)) for r in published if a <= published[r] < b]
+        lat = [(v - p) * 1e3 for p, v in mine if v is not None]
+        ahead = [sum(1 for x in bogus if p < x < v) for p, v in mine if v is not None]
+        cyc = [(y - x) * 1e3 for x, y in itertools.pairwise(t for t in steps if a <= t < b)]
+        out.append({"honest_published": len(mine), "honest_verified": len(lat),
+                    "latency_ms": (statistics.median(lat), max(lat)) if lat else (0.0, 0.0),
+                    "bogus_ahead": (sum(ahead), max(ahead, default=0)),
+                    "cycle_ms": (statistics.median(cyc), max(cyc)) if cyc else (0.0, 0.0)})
+    return out
 
 
 def training_gap(samples: list[Sample]) -> float:
@@ -591,6 +633,17 @@ def report(res: dict, load: str, args) -> str:
                    "verification s on them (share + lent)", "flood dropped unverified",
                    "longest gap without a version, s"], rows),
             "",
+            ("Where the honest batches' time went, per window (from the nodes' logs: the "
+             "peer's `published round`, the trainer's `verified round` and `train step` "
+             "lines):\n"),
+            table(["window", "honest batches published / verified",
+                   "publish -> verified, ms (median, max)",
+                   "bogus batches verified while one waited (summed over them, most for one)",
+                   "trainer step cycle, ms (median, max)"],
+                  [[w["window"], f"{w['honest_published']} / {w['honest_verified']}",
+                    _pair(w["latency_ms"]), _pair(w["bogus_ahead"]), _pair(w["cycle_ms"])]
+                   for w in ws]),
+            "",
             (f"- honest share during the flood, per window: {pct}; **median "
              f"{statistics.median(flood):.0%}, lowest {min(flood):.0%}**"
              + (f"; control windows (the attacker's CPU alone): median "
@@ -612,6 +665,10 @@ def report(res: dict, load: str, args) -> str:
              "ms per batch sent.")]),
             f"- trainer RSS at the end: {res['trainer_rss_mib']:.0f} MiB"]
     return "\n".join(text)
+
+
+def _pair(xs) -> str:
+    return ", ".join(f"{x:.0f}" for x in xs)
 
 
 def newcomer_costs(trials: list[dict]) -> dict:

@@ -197,6 +197,9 @@ async def run(args) -> dict:
                                        policy_id=tid, swarm_id=SWARM,
                                        length=params.max_new_tokens)
 
+        if args.subnets:
+            flood_sources(args.subnets, args.connections)
+
         def new_flood():
             if args.garbage:  # garbage on every protocol, from fresh identities
                 return GarbageFlood(swarm, boot, tid, connections=8, interval_s=8.0 / args.rate)
@@ -260,6 +263,31 @@ async def run(args) -> dict:
         if peer is not None:
             peer.stop()
         trainer.stop()
+
+
+def flood_sources(subnets: int, connections: int) -> list[str]:
+    """Make the flood's carriers dial from `subnets` /24s: 127.N.0.x, N = 2 .. subnets + 1,
+    round robin, `connections / subnets` hosts each (the trainer sees each carrier's
+    source address, so its subnet: node/p2p/admission.py `subnet_of`). Patches the TCP
+    transport's dial in THIS process (only the flood's carriers dial from here); the
+    honest peers dial from 127.0.0.1, a subnet of their own. Returns the addresses."""
+    from libp2p.transport.tcp import tcp
+
+    hosts = max(1, -(-connections // subnets))
+    sources = [f"127.{n}.0.{h}" for h in range(1, hosts + 1) for n in range(2, subnets + 2)]
+    cycle = itertools.cycle(sources)
+    real = tcp.trio
+
+    class Sourced:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        async def open_tcp_stream(host, port, **kw):
+            return await tcp._open_tcp_stream_from(host, port, (next(cycle), 0))
+
+    tcp.trio = Sourced()
+    return sources
 
 
 class LogTail:
@@ -742,7 +770,10 @@ def report_newcomer(res: dict, load: str, args) -> str:
              "`swarm-node join`, a fresh key, the honest peer's settings: 4 tasks x 4 "
              "completions x 8 tokens, 2 rounds per version) starts "
              f"{args.lead_s:.0f} s after the flood does (at most {args.rate:.0f} bogus "
-             f"batches/s over {args.connections} connections, a fresh key per batch; it lasts "
+             f"batches/s over {args.connections} connections"
+             + (f" from {args.subnets} /24s (127.N.0.x; the newcomer on 127.0.0.1)"
+                if args.subnets else "")
+             + ", a fresh key per batch; it lasts "
              "the whole trial) "
              "or at the same point of a flood-free trial, and is followed until its first "
              f"accepted batch and its first {args.minute_s:.0f} s of publishing (at most "
@@ -815,6 +846,9 @@ def main() -> None:
     ap.add_argument("--connections", type=int, default=4, help="the sybil flood's carrier "
                     "connections (each introduces at most 2 new origins/s: "
                     "node/p2p/admission.py NEW_ORIGINS_PER_S)")
+    ap.add_argument("--subnets", type=int, default=0, help="the flood's carriers dial from "
+                    "this many /24s (127.N.0.x, N >= 2; the honest peers are on 127.0.0.1): "
+                    "floods from many subnets; 0: all from 127.0.0.1")
     ap.add_argument("--workdir", default="/tmp/verifier-flood")
     ap.add_argument("--no-record", action="store_true")
     ap.add_argument("--garbage", action="store_true",

@@ -23,7 +23,8 @@ New identities are free, so budgets bind work, not keys. Senders are split in tw
   the head of the next round however many keys one connection brings; when it is full, the
   newest batch of the subnet, connection and sender with the most queued is evicted, so a
   flood over a few connections evicts its own), get at most `probation_share` of the batches
-  served while established work waits (or the time share, if larger), and together at most a
+  served while established work waits (or the time share, if larger; a credit capped at one
+  batch, so a quiet stretch banks nothing for a flood's start), and together at most a
   time share of the worker's time (`TimeShare`: a bucket of verification seconds that
   refills with wall time). The share is priced: it starts at `probation_time_share`, rises
   by `probation_share_step` per accepted probation batch up to `probation_time_share_max`

@@ -26,7 +26,7 @@ New identities are free, so budgets bind work, not keys. Senders are split in tw
   served while established work waits (or the time share, if larger; a credit capped at one
   batch, so a quiet stretch banks nothing for a flood's start), and together at most a
   time share of the worker's time (`TimeShare`: a bucket of verification seconds that
-  refills with wall time). The share is priced: it starts at `probation_time_share`, rises
+  refills with wall time while probation work waits). The share is priced: it starts at `probation_time_share`, rises
   by `probation_share_step` per accepted probation batch up to `probation_time_share_max`
   (the bucket, `probation_burst_s` deep at the floor, deepens with it), and falls back to
   the floor at the first probation batch found bogus or over budget, or evicted as its
@@ -160,7 +160,8 @@ class Budget:
 
 class TimeShare:
     """A bucket of verification seconds for probation senders: refills at `share` seconds
-    per second of wall time up to `burst_s`; work spends it (a batch in flight may overdraw
+    per second of wall time up to `burst_s` (only while `waiting()`, and for
+    `quiet_grace_s` after it stopped); work spends it (a batch in flight may overdraw
     it: the debt is repaid in full before the next, so a long batch costs its own time,
     whatever `burst_s`).
 
@@ -172,9 +173,19 @@ class TimeShare:
 
     def __init__(self, share: float, burst_s: float,
                  clock: Callable[[], float] = time.monotonic, *, top: float | None = None,
-                 step: float = 0.0):
+                 step: float = 0.0, waiting: Callable[[], bool] | None = None,
+                 quiet_grace_s: float = 1.0):
         self.floor, self.top, self.step = share, max(share, top or share), step
         self.share, self.clock, self._burst_s = share, clock, burst_s
+        # whether probation work waits (None: always): the bucket refills then and for
+        # `quiet_grace_s` after the lane emptied, so a quiet lane banks next to nothing
+        # for a flood's start (a full 0.5-s bucket let one drain verify ~30 bogus batches
+        # in a row while the trainer's step waited: 0.4-0.7 s in
+        # benchmarks/verifier_flood.py), while a steady stream that the trainer's loop
+        # empties between its turns keeps its share; the caller settles it (`level`)
+        # before work arrives
+        self.waiting, self.quiet_grace_s = waiting, quiet_grace_s
+        self._quiet_since: float | None = None
         self._level, self._at = burst_s, clock()
 
     @property
@@ -187,8 +198,14 @@ class TimeShare:
         return self.share > self.floor
 
     def level(self) -> float:
-        now = self.clock()
-        self._level = min(self.burst_s, self._level + (now - self._at) * self.share)
+        now = end = self.clock()
+        if self.waiting is None or self.waiting():
+            self._quiet_since = None
+        else:
+            if self._quiet_since is None:
+                self._quiet_since = self._at
+            end = max(self._at, min(now, self._quiet_since + self.quiet_grace_s))
+        self._level = min(self.burst_s, self._level + (end - self._at) * self.share)
         self._at = now
         return self._level
 
@@ -468,7 +485,8 @@ class Intake:
         self.budget = Budget(self.limits, clock)
         self.share = TimeShare(self.limits.probation_time_share, self.limits.probation_burst_s,
                                clock, top=self.limits.probation_time_share_max,
-                               step=self.limits.probation_share_step)
+                               step=self.limits.probation_share_step,
+                               waiting=lambda: self.queue.probation_waiting > 0)
         self.arrived = asyncio.Event()
         self.verified_batches = 0  # batches with accepted rollouts (the caller resets it)
         self._told_banned: OrderedDict[str, float] = OrderedDict()
@@ -545,6 +563,7 @@ class Intake:
         verifier = self.verifier_for(env.message.policy_id)
         as_of = verifier.latest_version() if verifier is not None else None
         flood = self.queue.flood_evictions
+        self.share.level()  # settled before the lane changes: no refill while it was empty
         via = None if self.established(sender) else self.introducer(sender)
         if not self.queue.put(sender, (env.message, origin, as_of), via):
             self.state.count("rollout_queue_full")

@@ -62,3 +62,41 @@ async def test_a_flood_start_does_not_catch_up_on_the_quiet_past(make_node, tmp_
     lanes = ["H" if s == honest.peer_id else "S" for s, _ in judge.served[start + 1:]]
     assert "".join(lanes[:6]) == "HHHSHS", lanes
     assert lanes.count("S") == 12 and intake.state.by_peer[honest.peer_id].accepted == 25
+
+
+async def test_a_quiet_lane_banks_no_time_for_a_flood_start(make_node, tmp_path):
+    """The probation lane's time share (0.1 s a second, a 0.5-s bucket) refills while its
+    work waits and for 1 s after it emptied, not through a quiet stretch. A first bogus
+    batch spends the bucket (0.5 s of verification); 30 s pass with nothing waiting; then
+    a carrier brings 16 fresh keys' bogus batches and the trainer drains once, as before
+    its own sampling round (`drain()`, 10 ms a batch): at most the 1 s of grace's 0.1 s
+    (10 batches) and one overdrawn batch are verified, the rest wait for the share to
+    refill. On the old code the quiet 30 s refilled the whole bucket and that one drain
+    verified all 16 while the trainer's step waited (in benchmarks/verifier_flood.py ~30
+    bogus batches, 0.4-0.7 s, at a flood window's start)."""
+    first, *sybils = [Identity.generate() for _ in range(17)]
+    victim = await make_node(discovery=False)
+    judge = Judge(Clock(), {s.peer_id for s in [first, *sybils]})
+    intake = make(tmp_path, judge, limits=IntakeLimits(max_probation=16))
+    intake.introducer = victim.introducer
+    offered: list[str] = []
+
+    async def offer(env, origin):
+        offered.append(env.sender)
+        await intake.offer(env, origin)
+
+    await victim.subscribe("rollouts", offer)
+    carrier = await make_node(bootstrap=victim.listen_addrs, discovery=False)
+    await carry(carrier, victim, [(first, 99)])
+    await wait_until(lambda: len(offered) == 1, what="the first bogus batch")
+    judge.cost = 0.5
+    assert await intake.drain() == 1
+    assert intake.share.level() <= 0.0
+    judge.cost = 0.01
+    judge.clock.t += 30.0  # nothing waits
+    await carry(carrier, victim, [(s, 100 + k) for k, s in enumerate(sybils)])
+    await wait_until(lambda: len(offered) == 17, what="the flood offered")
+    assert intake.queue.probation_waiting == 16
+    served = await intake.drain()
+    assert 1 <= served <= 11, served
+    assert intake.queue.probation_waiting == 16 - served

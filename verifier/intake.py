@@ -174,16 +174,17 @@ class TimeShare:
     def __init__(self, share: float, burst_s: float,
                  clock: Callable[[], float] = time.monotonic, *, top: float | None = None,
                  step: float = 0.0, waiting: Callable[[], bool] | None = None,
-                 quiet_grace_s: float = 1.0):
+                 quiet_grace_s: float = 0.2):
         self.floor, self.top, self.step = share, max(share, top or share), step
         self.share, self.clock, self._burst_s = share, clock, burst_s
         # whether probation work waits (None: always): the bucket refills then and for
-        # `quiet_grace_s` after the lane emptied, so a quiet lane banks next to nothing
-        # for a flood's start (a full 0.5-s bucket let one drain verify ~30 bogus batches
-        # in a row while the trainer's step waited: 0.4-0.7 s in
-        # benchmarks/verifier_flood.py), while a steady stream that the trainer's loop
-        # empties between its turns keeps its share; the caller settles it (`level`)
-        # before work arrives
+        # `quiet_grace_s` after the lane emptied (a turn of the trainer's loop, which may
+        # empty it between two arrivals of a steady stream), so share that no work asked
+        # for is not banked for a flood's start (a full 0.5-s bucket let one drain verify
+        # ~20-30 bogus batches in a row while the trainer's step waited, 0.4-0.7 s, in
+        # benchmarks/verifier_flood.py: refilled through the quiet 30 s, and with a 1-s
+        # grace through the flood's tail, a trickle that idle time served); the caller
+        # settles it (`level`) before work arrives
         self.waiting, self.quiet_grace_s = waiting, quiet_grace_s
         self._quiet_since: float | None = None
         self._level, self._at = burst_s, clock()

@@ -22,24 +22,25 @@ New identities are free, so budgets bind work, not keys. Senders are split in tw
   the connections that introduced the keys, then keys, so a newcomer's first batch goes at
   the head of the next round however many keys one connection brings; when it is full, the
   newest batch of the subnet, connection and sender with the most queued is evicted, so a
-  flood over a few connections evicts its own), get at most `probation_share` of the batches
-  served while established work waits (or the time share, if larger; a credit capped at one
-  batch, so a quiet stretch banks nothing for a flood's start), and together at most a
-  time share of the worker's time (`TimeShare`: a bucket of verification seconds that
-  refills with wall time while probation work waits). The share is priced: it starts at
-  `probation_time_share`, rises by `probation_share_step` per accepted probation batch up
-  to `probation_time_share_max` (the bucket, `probation_burst_s` deep at the floor, deepens
-  with it), and falls back to the floor at the first probation batch found bogus or over
-  budget, or evicted as its sender's only one (more fresh senders waiting than slots). To
-  hold a larger share, an attacker must send batches that verify: sampling with the
-  policy, which costs more than the verification costs the trainer. Idle time, when the trainer only waits for peers, is
-  lent to them one batch at a time, and counted apart (`lent`); so are up to `newcomer_lend`
-  senders' first batches before each of the trainer's own sampling rounds while the share is
-  raised (`lend_to_newcomer`). Each probation sender starts with a credit of
-  `probation_tokens` verified tokens that does not grow with time, only with accepted work
-  (`credit_per_accepted` per accepted, model-checked token); a sender past its budget is
-  answered `over_budget` (no penalty, not verified). Its batch's groups are checked one at a
-  time until one fails (`probe`), so a bogus batch costs one group's forward pass.
+  flood over a few connections evicts its own), get at most `probation_share` of the
+  batches served while established work waits (or the time share, if larger; a credit
+  capped at one batch, so a quiet stretch banks nothing for a flood's start), and together
+  at most a time share of the worker's time (`TimeShare`: a bucket of verification seconds
+  that refills with wall time while probation work waits). The share is priced: it starts
+  at `probation_time_share`, rises by `probation_share_step` per accepted probation batch
+  up to `probation_time_share_max` (the bucket, `probation_burst_s` deep at the floor,
+  deepens with it), and falls back to the floor at the first probation batch found bogus or
+  over budget, or evicted as its sender's only one (more fresh senders waiting than slots).
+  To hold a larger share, an attacker must send batches that verify: sampling with the
+  policy, which costs more than the verification costs the trainer. Idle time, when the
+  trainer only waits for peers, is lent to them one batch at a time, and counted apart
+  (`lent`); so are up to `newcomer_lend` senders' first batches before each of the
+  trainer's own sampling rounds while the share is raised (`lend_to_newcomer`). Each
+  probation sender starts with a credit of `probation_tokens` verified tokens that does not
+  grow with time, only with accepted work (`credit_per_accepted` per accepted,
+  model-checked token); a sender past its budget is answered `over_budget` (no penalty, not
+  verified). Its batch's groups are checked one at a time until one fails (`probe`), so a
+  bogus batch costs one group's forward pass.
 
 A flood of bogus batches from any number of fresh keys therefore costs the trainer at
 most `probation_time_share` of its time once it is seen (plus what was banked while the

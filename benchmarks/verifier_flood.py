@@ -197,6 +197,9 @@ async def run(args) -> dict:
                                        policy_id=tid, swarm_id=SWARM,
                                        length=params.max_new_tokens)
 
+        if args.subnets:
+            flood_sources(args.subnets, args.connections)
+
         def new_flood():
             if args.garbage:  # garbage on every protocol, from fresh identities
                 return GarbageFlood(swarm, boot, tid, connections=8, interval_s=8.0 / args.rate)
@@ -213,6 +216,7 @@ async def run(args) -> dict:
                 flood = new_flood()
                 task = asyncio.ensure_future(flood.run(stop))
             spy = profile(args, trainer.proc.pid, name)
+            wall = time.time()
             samples = [sample()]
             t_end = samples[0].t + args.window_s
             built = 0
@@ -234,7 +238,7 @@ async def run(args) -> dict:
             if spy is not None:
                 spy.wait()
             return {"name": name, "kind": kind, "samples": samples, "built": built,
-                    "ended": time.monotonic(), "flood": flood}
+                    "ended": time.monotonic(), "flood": flood, "wall": (wall, time.time())}
 
         if args.newcomer:
             trials = []
@@ -250,7 +254,8 @@ async def run(args) -> dict:
         windows = []
         for i, kind in enumerate(cycle * args.cycles + ["baseline"]):
             windows.append(await window(f"{kind} {i // len(cycle) + 1}", kind))
-        return {"windows": [summarize(w) for w in windows],
+        phases = honest_phases(trainer.log, peer.log, hid, [w["wall"] for w in windows])
+        return {"windows": [{**summarize(w), **ph} for w, ph in zip(windows, phases)],
                 "recovery_s": recoveries(windows, args.recovery_window_s),
                 "flood": flood_totals([w["flood"] for w in windows if w["flood"] is not None]),
                 "trainer_rss_mib": _rss(trainer.proc.pid)}
@@ -258,6 +263,31 @@ async def run(args) -> dict:
         if peer is not None:
             peer.stop()
         trainer.stop()
+
+
+def flood_sources(subnets: int, connections: int) -> list[str]:
+    """Make the flood's carriers dial from `subnets` /24s: 127.N.0.x, N = 2 .. subnets + 1,
+    round robin, `connections / subnets` hosts each (the trainer sees each carrier's
+    source address, so its subnet: node/p2p/admission.py `subnet_of`). Patches the TCP
+    transport's dial in THIS process (only the flood's carriers dial from here); the
+    honest peers dial from 127.0.0.1, a subnet of their own. Returns the addresses."""
+    from libp2p.transport.tcp import tcp
+
+    hosts = max(1, -(-connections // subnets))
+    sources = [f"127.{n}.0.{h}" for h in range(1, hosts + 1) for n in range(2, subnets + 2)]
+    cycle = itertools.cycle(sources)
+    real = tcp.trio
+
+    class Sourced:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        async def open_tcp_stream(host, port, **kw):
+            return await tcp._open_tcp_stream_from(host, port, (next(cycle), 0))
+
+    tcp.trio = Sourced()
+    return sources
 
 
 class LogTail:
@@ -397,6 +427,46 @@ def newcomer_figures(args, i, flooded, started, published, verified, start, end,
         "bench_cpu_s": end["own_cpu"] - start["own_cpu"],
         "sent": flood.sent if flood else 0, "carriers": flood.carriers if flood else 0,
         "attacker_cpu_s": flood.cpu_s if flood else 0.0}
+
+
+STEP = re.compile(r"train step -> v(\d+)")
+
+
+def honest_phases(trainer_log: Path, peer_log: Path, honest: str,
+                  walls: list[tuple[float, float]]) -> list[dict]:
+    """Per window (wall start, end), from the nodes' logs, where the honest peer's batches
+    spent their time: its batches published and verified in the window, publish -> verified
+    (median, max ms), bogus batches the trainer verified while one of them waited (between
+    its publish and its verification: count, and the longest such run), and the trainer's
+    step cycle (median, max ms, from its `train step` lines)."""
+    import statistics
+
+    published: dict[int, float] = {}
+    for line in peer_log.read_text(errors="replace").splitlines():
+        if (m := PUBLISHED.search(line)) and (t := log_time(line)) is not None:
+            published.setdefault(int(m[1]), t)
+    verified: dict[int, float] = {}
+    bogus: list[float] = []
+    steps: list[float] = []
+    for line in trainer_log.read_text(errors="replace").splitlines():
+        if (m := VERIFIED.search(line)) and (t := log_time(line)) is not None:
+            if m[2] == honest[-8:]:
+                verified.setdefault(int(m[1]), t)
+            else:
+                bogus.append(t)
+        elif STEP.search(line) and (t := log_time(line)) is not None:
+            steps.append(t)
+    out = []
+    for a, b in walls:
+        mine = [(published[r], verified.get(r)) for r in published if a <= published[r] < b]
+        lat = [(v - p) * 1e3 for p, v in mine if v is not None]
+        ahead = [sum(1 for x in bogus if p < x < v) for p, v in mine if v is not None]
+        cyc = [(y - x) * 1e3 for x, y in itertools.pairwise(t for t in steps if a <= t < b)]
+        out.append({"honest_published": len(mine), "honest_verified": len(lat),
+                    "latency_ms": (statistics.median(lat), max(lat)) if lat else (0.0, 0.0),
+                    "bogus_ahead": (sum(ahead), max(ahead, default=0)),
+                    "cycle_ms": (statistics.median(cyc), max(cyc)) if cyc else (0.0, 0.0)})
+    return out
 
 
 def training_gap(samples: list[Sample]) -> float:
@@ -591,6 +661,17 @@ def report(res: dict, load: str, args) -> str:
                    "verification s on them (share + lent)", "flood dropped unverified",
                    "longest gap without a version, s"], rows),
             "",
+            ("Where the honest batches' time went, per window (from the nodes' logs: the "
+             "peer's `published round`, the trainer's `verified round` and `train step` "
+             "lines):\n"),
+            table(["window", "honest batches published / verified",
+                   "publish -> verified, ms (median, max)",
+                   "bogus batches verified while one waited (summed over them, most for one)",
+                   "trainer step cycle, ms (median, max)"],
+                  [[w["window"], f"{w['honest_published']} / {w['honest_verified']}",
+                    _pair(w["latency_ms"]), _pair(w["bogus_ahead"]), _pair(w["cycle_ms"])]
+                   for w in ws]),
+            "",
             (f"- honest share during the flood, per window: {pct}; **median "
              f"{statistics.median(flood):.0%}, lowest {min(flood):.0%}**"
              + (f"; control windows (the attacker's CPU alone): median "
@@ -612,6 +693,10 @@ def report(res: dict, load: str, args) -> str:
              "ms per batch sent.")]),
             f"- trainer RSS at the end: {res['trainer_rss_mib']:.0f} MiB"]
     return "\n".join(text)
+
+
+def _pair(xs) -> str:
+    return ", ".join(f"{x:.0f}" for x in xs)
 
 
 def newcomer_costs(trials: list[dict]) -> dict:
@@ -685,7 +770,10 @@ def report_newcomer(res: dict, load: str, args) -> str:
              "`swarm-node join`, a fresh key, the honest peer's settings: 4 tasks x 4 "
              "completions x 8 tokens, 2 rounds per version) starts "
              f"{args.lead_s:.0f} s after the flood does (at most {args.rate:.0f} bogus "
-             f"batches/s over {args.connections} connections, a fresh key per batch; it lasts "
+             f"batches/s over {args.connections} connections"
+             + (f" from {args.subnets} /24s (127.N.0.x; the newcomer on 127.0.0.1)"
+                if args.subnets else "")
+             + ", a fresh key per batch; it lasts "
              "the whole trial) "
              "or at the same point of a flood-free trial, and is followed until its first "
              f"accepted batch and its first {args.minute_s:.0f} s of publishing (at most "
@@ -758,6 +846,9 @@ def main() -> None:
     ap.add_argument("--connections", type=int, default=4, help="the sybil flood's carrier "
                     "connections (each introduces at most 2 new origins/s: "
                     "node/p2p/admission.py NEW_ORIGINS_PER_S)")
+    ap.add_argument("--subnets", type=int, default=0, help="the flood's carriers dial from "
+                    "this many /24s (127.N.0.x, N >= 2; the honest peers are on 127.0.0.1): "
+                    "floods from many subnets; 0: all from 127.0.0.1")
     ap.add_argument("--workdir", default="/tmp/verifier-flood")
     ap.add_argument("--no-record", action="store_true")
     ap.add_argument("--garbage", action="store_true",

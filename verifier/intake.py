@@ -22,23 +22,25 @@ New identities are free, so budgets bind work, not keys. Senders are split in tw
   the connections that introduced the keys, then keys, so a newcomer's first batch goes at
   the head of the next round however many keys one connection brings; when it is full, the
   newest batch of the subnet, connection and sender with the most queued is evicted, so a
-  flood over a few connections evicts its own), get at most `probation_share` of the batches
-  served while established work waits (or the time share, if larger), and together at most a
-  time share of the worker's time (`TimeShare`: a bucket of verification seconds that
-  refills with wall time). The share is priced: it starts at `probation_time_share`, rises
-  by `probation_share_step` per accepted probation batch up to `probation_time_share_max`
-  (the bucket, `probation_burst_s` deep at the floor, deepens with it), and falls back to
-  the floor at the first probation batch found bogus or over budget, or evicted as its
-  sender's only one (more fresh senders waiting than slots). To hold a larger share, an
-  attacker must send batches that verify: sampling with the policy, which costs more than
-  the verification costs the trainer. Idle time, when the trainer only waits for peers, is
-  lent to them one batch at a time, and counted apart (`lent`); so are up to `newcomer_lend`
-  senders' first batches before each of the trainer's own sampling rounds while the share is
-  raised (`lend_to_newcomer`). Each probation sender starts with a credit of
-  `probation_tokens` verified tokens that does not grow with time, only with accepted work
-  (`credit_per_accepted` per accepted, model-checked token); a sender past its budget is
-  answered `over_budget` (no penalty, not verified). Its batch's groups are checked one at a
-  time until one fails (`probe`), so a bogus batch costs one group's forward pass.
+  flood over a few connections evicts its own), get at most `probation_share` of the
+  batches served while established work waits (or the time share, if larger; a credit
+  capped at one batch, so a quiet stretch banks nothing for a flood's start), and together
+  at most a time share of the worker's time (`TimeShare`: a bucket of verification seconds
+  that refills with wall time while probation work waits). The share is priced: it starts
+  at `probation_time_share`, rises by `probation_share_step` per accepted probation batch
+  up to `probation_time_share_max` (the bucket, `probation_burst_s` deep at the floor,
+  deepens with it), and falls back to the floor at the first probation batch found bogus or
+  over budget, or evicted as its sender's only one (more fresh senders waiting than slots).
+  To hold a larger share, an attacker must send batches that verify: sampling with the
+  policy, which costs more than the verification costs the trainer. Idle time, when the
+  trainer only waits for peers, is lent to them one batch at a time, and counted apart
+  (`lent`); so are up to `newcomer_lend` senders' first batches before each of the
+  trainer's own sampling rounds while the share is raised (`lend_to_newcomer`). Each
+  probation sender starts with a credit of `probation_tokens` verified tokens that does not
+  grow with time, only with accepted work (`credit_per_accepted` per accepted,
+  model-checked token); a sender past its budget is answered `over_budget` (no penalty, not
+  verified). Its batch's groups are checked one at a time until one fails (`probe`), so a
+  bogus batch costs one group's forward pass.
 
 A flood of bogus batches from any number of fresh keys therefore costs the trainer at
 most `probation_time_share` of its time once it is seen (plus what was banked while the
@@ -159,7 +161,8 @@ class Budget:
 
 class TimeShare:
     """A bucket of verification seconds for probation senders: refills at `share` seconds
-    per second of wall time up to `burst_s`; work spends it (a batch in flight may overdraw
+    per second of wall time up to `burst_s` (only while `waiting()`, and for
+    `quiet_grace_s` after it stopped); work spends it (a batch in flight may overdraw
     it: the debt is repaid in full before the next, so a long batch costs its own time,
     whatever `burst_s`).
 
@@ -171,9 +174,20 @@ class TimeShare:
 
     def __init__(self, share: float, burst_s: float,
                  clock: Callable[[], float] = time.monotonic, *, top: float | None = None,
-                 step: float = 0.0):
+                 step: float = 0.0, waiting: Callable[[], bool] | None = None,
+                 quiet_grace_s: float = 0.2):
         self.floor, self.top, self.step = share, max(share, top or share), step
         self.share, self.clock, self._burst_s = share, clock, burst_s
+        # whether probation work waits (None: always): the bucket refills then and for
+        # `quiet_grace_s` after the lane emptied (a turn of the trainer's loop, which may
+        # empty it between two arrivals of a steady stream), so share that no work asked
+        # for is not banked for a flood's start (a full 0.5-s bucket let one drain verify
+        # ~20-30 bogus batches in a row while the trainer's step waited, 0.4-0.7 s, in
+        # benchmarks/verifier_flood.py: refilled through the quiet 30 s, and with a 1-s
+        # grace through the flood's tail, a trickle that idle time served); the caller
+        # settles it (`level`) before work arrives
+        self.waiting, self.quiet_grace_s = waiting, quiet_grace_s
+        self._quiet_since: float | None = None
         self._level, self._at = burst_s, clock()
 
     @property
@@ -186,8 +200,14 @@ class TimeShare:
         return self.share > self.floor
 
     def level(self) -> float:
-        now = self.clock()
-        self._level = min(self.burst_s, self._level + (now - self._at) * self.share)
+        now = end = self.clock()
+        if self.waiting is None or self.waiting():
+            self._quiet_since = None
+        else:
+            if self._quiet_since is None:
+                self._quiet_since = self._at
+            end = max(self._at, min(now, self._quiet_since + self.quiet_grace_s))
+        self._level = min(self.burst_s, self._level + (end - self._at) * self.share)
         self._at = now
         return self._level
 
@@ -263,8 +283,8 @@ class VerificationQueue:
         self._prob_served: OrderedDict[tuple[int, str], int] = OrderedDict()
         self._turns: OrderedDict[tuple[int, str], int] = OrderedDict()
         self._arrivals = itertools.count()
-        self._served_est = 0
-        self._served_prob = 0
+        # the probation lane's credit for picks while established work waits (`get`)
+        self._prob_credit = 0.0
         self.flood_evictions = 0
         self.dropped: dict[str, int] = {}
 
@@ -364,11 +384,19 @@ class VerificationQueue:
         batches only when `probation_ok`; `probation_share`: of the batches served while
         established work waits, `limits.probation_share` by default)."""
         share = self.limits.probation_share if probation_share is None else probation_share
-        take_prob = probation_ok and bool(self._prob) and (
-            not self._est_count
-            or self._served_prob < share * (self._served_est + self._served_prob + 1))
+        take_prob = probation_ok and bool(self._prob)
+        if take_prob and self._est_count:
+            # both lanes wait: a credit of `share` a pick, capped at one batch, so probation
+            # takes every 1/share-th such pick and established work the rest, the first
+            # included; what was served while the other lane was empty banks nothing (a
+            # lifetime ratio let a flood's start catch up on the whole quiet past: dozens
+            # of bogus batches in a row ahead of an established peer's, 0.9 s, in
+            # benchmarks/verifier_flood.py)
+            self._prob_credit = min(1.0, self._prob_credit + share)
+            take_prob = self._prob_credit >= 1.0 - 1e-9
+            if take_prob:
+                self._prob_credit -= 1.0
         if take_prob:
-            self._served_prob += 1
             return self.get_probation()
         if not self._est_count:
             return None
@@ -378,7 +406,6 @@ class VerificationQueue:
         del self._est[sender]
         if q:
             self._est[sender] = q  # back of the round
-        self._served_est += 1
         return sender, item
 
     def next_probation(self) -> str | None:
@@ -460,7 +487,8 @@ class Intake:
         self.budget = Budget(self.limits, clock)
         self.share = TimeShare(self.limits.probation_time_share, self.limits.probation_burst_s,
                                clock, top=self.limits.probation_time_share_max,
-                               step=self.limits.probation_share_step)
+                               step=self.limits.probation_share_step,
+                               waiting=lambda: self.queue.probation_waiting > 0)
         self.arrived = asyncio.Event()
         self.verified_batches = 0  # batches with accepted rollouts (the caller resets it)
         self._told_banned: OrderedDict[str, float] = OrderedDict()
@@ -537,6 +565,7 @@ class Intake:
         verifier = self.verifier_for(env.message.policy_id)
         as_of = verifier.latest_version() if verifier is not None else None
         flood = self.queue.flood_evictions
+        self.share.level()  # settled before the lane changes: no refill while it was empty
         via = None if self.established(sender) else self.introducer(sender)
         if not self.queue.put(sender, (env.message, origin, as_of), via):
             self.state.count("rollout_queue_full")

@@ -10,12 +10,20 @@ the trainer's uploads are rate-limited so that a download takes a few seconds.""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from swarm_node.node.broadcast.follower import KEEP_STALL_S
-from swarm_node.node.broadcast.server import RateLimiter
+from swarm_node.node.broadcast.server import RateLimiter, ShardServer
+from swarm_node.node.broadcast.store import ShardStore
+from swarm_node.node.broadcast.transport import TcpTransport, serve_tcp
+from swarm_node.node.broadcast.wire import fetch
+from swarm_node.node.config import BroadcastSection
+from swarm_node.protocol.messages import ShardRequest
 
-from .conftest import make_checkpoint, node_config, until
+from .conftest import make_checkpoint, node_config, publish, until
+
+CKPT = {"model.safetensors": 470_000}  # ~4.5 s a download at 0.1 MiB/s
 
 
 def _job(follower, tid):
@@ -37,25 +45,40 @@ def _known(follower, tid, version) -> bool:
             or (job is not None and job.version == version))
 
 
-async def test_versions_faster_than_a_download_still_complete(tmp_path, swarm):
-    # ~470 KiB a version at 0.1 MiB/s: ~4.5 s a download
-    cfg = node_config(broadcast__upload_rate_mib_s=0.1)
+class Throttle(RateLimiter):
+    """100 B/s (a 32 KiB chunk waits 327 s): the trainer's uploads all but stop. `asked`
+    is set once an upload waits on it."""
+
+    def __init__(self):
+        super().__init__(100)
+        self.asked = asyncio.Event()
+
+    async def acquire(self, n: int) -> None:
+        self.asked.set()
+        await super().acquire(n)
+
+
+async def _trainer_and_follower(tmp_path, swarm, **overrides):
+    cfg = node_config(broadcast__upload_rate_mib_s=0.1, **overrides)
     tnode, trainer = await swarm("trainer", "trainer", cfg=cfg)
-    tid = tnode.peer_id
-    _fnode, follower = await swarm("follower", "inference", follow=[tid],
+    _fnode, follower = await swarm("follower", "inference", follow=[tnode.peer_id],
                                    bootstrap=tnode.listen_addrs)
+    ckpts = {v: make_checkpoint(tmp_path / f"ckpt{v}", CKPT, seed=v) for v in range(1, 5)}
 
-    async def publish(v):
-        ckpt = make_checkpoint(tmp_path / f"ckpt{v}", {"model.safetensors": 470_000}, seed=v)
-        await trainer.publish(ckpt, version=v)
+    async def publish_version(v):
+        await trainer.publish(ckpts[v], version=v)
+    return tnode.peer_id, trainer, follower, publish_version
 
-    await publish(1)
+
+async def test_versions_faster_than_a_download_still_complete(tmp_path, swarm):
+    tid, _trainer, follower, publish_version = await _trainer_and_follower(tmp_path, swarm)
+    await publish_version(1)
     await until(lambda: _verified(follower, tid, 1), what="v1 under way")
-    await publish(2)  # supersedes v1 (v1 superseded nothing)
+    await publish_version(2)  # supersedes v1 (v1 superseded nothing)
     await until(lambda: _verified(follower, tid, 2), what="v2 under way")
-    await publish(3)  # v2 superseded v1: it runs to its end; v3 waits
+    await publish_version(3)  # v2 superseded v1: it runs to its end; v3 waits
     await until(lambda: _known(follower, tid, 3), what="v3 known")
-    await publish(4)  # ... and v4 takes v3's place
+    await publish_version(4)  # ... and v4 takes v3's place
     await until(lambda: _known(follower, tid, 4), what="v4 known")
     assert _job(follower, tid).version == 2
     await follower.done.wait(tid, 4)
@@ -70,28 +93,59 @@ async def test_versions_faster_than_a_download_still_complete(tmp_path, swarm):
 async def test_a_stalled_download_is_still_superseded(tmp_path, swarm):
     """A download that superseded another but verified nothing for KEEP_STALL_S (its
     sources gone: a partition) does not hold the newest version back until its stall
-    timeout (the h47 run: 120 s, a 104 s heal)."""
-    cfg = node_config(broadcast__upload_rate_mib_s=0.1)
-    tnode, trainer = await swarm("trainer", "trainer", cfg=cfg)
-    tid = tnode.peer_id
-    _fnode, follower = await swarm("follower", "inference", follow=[tid],
-                                   bootstrap=tnode.listen_addrs)
-
-    async def publish(v):
-        ckpt = make_checkpoint(tmp_path / f"ckpt{v}", {"model.safetensors": 470_000}, seed=v)
-        await trainer.publish(ckpt, version=v)
-
-    await publish(1)
+    timeout (the h47 run: 120 s, a 104 s heal). The trainer stays throttled until the
+    follower took the newest version (a v2 that resumed first would rightly keep it
+    waiting), then serves it again at its old pace: v3 completes."""
+    tid, trainer, follower, publish_version = await _trainer_and_follower(
+        tmp_path, swarm, broadcast__chunk_timeout_s=2)
+    await publish_version(1)
     await until(lambda: _verified(follower, tid, 1), what="v1 under way")
-    await publish(2)  # supersedes v1: v2 is kept while it makes progress
+    await publish_version(2)  # supersedes v1: v2 is kept while it makes progress
     await until(lambda: _verified(follower, tid, 2), what="v2 under way")
     limiter = trainer.server.limiter
-    trainer.server.limiter = RateLimiter(100)  # the trainer's uploads all but stop
+    trainer.server.limiter = Throttle()
     job = _job(follower, tid)
     await until(lambda: time.monotonic() - job.downloader.last_progress > KEEP_STALL_S + 0.5,
                 timeout=60, what="v2 stalled")
-    trainer.server.limiter = limiter
-    await publish(3)
+    await publish_version(3)
     await until(lambda: _known(follower, tid, 3), what="v3 known")
     assert _job(follower, tid).version == 3  # superseded the stalled v2, did not wait
+    trainer.server.limiter = limiter
     await follower.done.wait(tid, 3)
+    assert (tid, 2) not in follower.done.got
+    assert follower.counters()["downloads_superseded"] == 2
+
+
+async def test_uploads_asleep_in_the_limiter_give_their_slot_back(tmp_path, trainer):
+    """A superseded download closes its transfers; the trainer's uploads to it that wait
+    on the upload limiter are cut within `chunk_timeout_s` (the pace counts in the take
+    window) and give back their slot and their tokens. Before (heal48), each slept as long
+    as the limiter's debt said: throttled to 100 B/s, a follower's 4 uploads held its 4
+    slots for 327-1310 s, and its next version got only `busy` answers (the CI failure of
+    test_a_stalled_download_is_still_superseded)."""
+    shard = 1024 * 1024
+    ckpt = make_checkpoint(tmp_path / "ckpt", {"model.safetensors": shard})
+    cfg = BroadcastSection(shard_size=shard, min_shard_size=4096, chunk_size=16 * 1024,
+                           chunk_timeout_s=1.0)
+    acc = publish(trainer, ckpt, 1, shard)
+    store = ShardStore(tmp_path / "trainer")
+    store.add_checkpoint(acc, ckpt)
+    server = ShardServer(store, cfg)
+    server.limiter = RateLimiter(256 * 1024)  # the whole shard in ~4 s
+    tcp = await serve_tcp(server.serve_connection)
+    source = f"127.0.0.1:{tcp.sockets[0].getsockname()[1]}"
+    req = ShardRequest(policy_id=acc.manifest.policy_id, version=1, shard=0)
+    upload = fetch(TcpTransport(), source, req, expected_len=shard, request_timeout=5,
+                   chunk_timeout=30, chunk_size=cfg.chunk_size)
+    try:
+        assert await anext(upload)  # under way
+        throttle = server.limiter = Throttle()
+        await asyncio.wait_for(throttle.asked.wait(), 15)  # its next chunk waits 163 s
+        await upload.aclose()  # superseded: the follower is gone
+        await until(lambda: not server.active, 15, "the upload's slot given back")
+        assert server.active_total == 0
+        assert server.metrics["upload_stalled"] == 1
+        assert throttle.tokens >= 0  # the cut chunk's tokens given back
+    finally:
+        await upload.aclose()
+        tcp.close()

@@ -271,11 +271,16 @@ class Follower:
 
     async def _download_then_next(self, accepted: AcceptedManifest) -> None:
         """Download `accepted`'s version; then start the version that waited for it, if
-        any (not when cancelled: superseded, or the node stopping)."""
-        try:
-            await self._download(accepted)
-        finally:
-            nxt = self.waiting.pop(accepted.manifest.policy_id, None)
+        any. Not when cancelled (superseded, or the node stopping) nor when another
+        download took its place meanwhile: the waiting version is then that one's. Before
+        (heal48), a superseded download took the waiting version with it when it ended: one
+        deferred behind its successor while it unwound (its streams closing, up to
+        CLOSE_TIMEOUT_S) was dropped until the trainer's next version."""
+        policy = accepted.manifest.policy_id
+        await self._download(accepted)
+        if policy in self.jobs:  # superseded as it ended: not this one's to start
+            return
+        nxt = self.waiting.pop(policy, None)
         if nxt is not None:
             self.start(nxt)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from swarm_node.node.broadcast import follower as follower_module
 from swarm_node.node.broadcast.follower import KEEP_STALL_S
 from swarm_node.node.broadcast.server import RateLimiter, ShardServer
 from swarm_node.node.broadcast.store import ShardStore
@@ -90,30 +91,58 @@ async def test_versions_faster_than_a_download_still_complete(tmp_path, swarm):
     assert c["downloads_deferred"] == 2
 
 
-async def test_a_stalled_download_is_still_superseded(tmp_path, swarm):
+async def test_a_stalled_download_is_still_superseded(tmp_path, swarm, monkeypatch):
     """A download that superseded another but verified nothing for KEEP_STALL_S (its
     sources gone: a partition) does not hold the newest version back until its stall
     timeout (the h47 run: 120 s, a 104 s heal). The trainer stays throttled until the
     follower took the newest version (a v2 that resumed first would rightly keep it
-    waiting), then serves it again at its old pace: v3 completes."""
+    waiting), then serves again at its old pace: v3 completes, then v4.
+
+    And a version deferred behind v3 while the superseded v2 still unwinds (held here;
+    its streams closing take up to CLOSE_TIMEOUT_S) stays deferred: before (heal48), v2
+    took it with it when it ended, and it never started."""
     tid, trainer, follower, publish_version = await _trainer_and_follower(
         tmp_path, swarm, broadcast__chunk_timeout_s=2)
+    f = follower.follower
+    download, unwound = f._download, asyncio.Event()
+
+    async def held_unwind(accepted):
+        try:
+            await download(accepted)
+        except asyncio.CancelledError:
+            if accepted.manifest.version == 2:
+                await unwound.wait()
+            raise
+    f._download = held_unwind
+
     await publish_version(1)
     await until(lambda: _verified(follower, tid, 1), what="v1 under way")
     await publish_version(2)  # supersedes v1: v2 is kept while it makes progress
     await until(lambda: _verified(follower, tid, 2), what="v2 under way")
     limiter = trainer.server.limiter
     trainer.server.limiter = Throttle()
-    job = _job(follower, tid)
-    await until(lambda: time.monotonic() - job.downloader.last_progress > KEEP_STALL_S + 0.5,
+    v2 = _job(follower, tid)
+    await until(lambda: time.monotonic() - v2.downloader.last_progress > KEEP_STALL_S + 0.5,
                 timeout=60, what="v2 stalled")
     await publish_version(3)
     await until(lambda: _known(follower, tid, 3), what="v3 known")
     assert _job(follower, tid).version == 3  # superseded the stalled v2, did not wait
+
+    monkeypatch.setattr(follower_module, "KEEP_STALL_S", 1e9)  # v3 is kept, stalled or not
+    await publish_version(4)
+    await until(lambda: _known(follower, tid, 4), what="v4 known")
+    assert _job(follower, tid).version == 3 and f.waiting[tid].manifest.version == 4
+    assert not v2.task.done()  # v2 still unwinding
+    unwound.set()
+    await asyncio.wait({v2.task}, timeout=30)
+    assert v2.task.cancelled()
+    assert f.waiting[tid].manifest.version == 4  # before: popped by v2 as it ended
+
     trainer.server.limiter = limiter
-    await follower.done.wait(tid, 3)
-    assert (tid, 2) not in follower.done.got
-    assert follower.counters()["downloads_superseded"] == 2
+    await follower.done.wait(tid, 4)
+    assert (tid, 3) in follower.done.got and (tid, 2) not in follower.done.got
+    c = follower.counters()
+    assert c["downloads_superseded"] == 2 and c["downloads_deferred"] == 1
 
 
 async def test_uploads_asleep_in_the_limiter_give_their_slot_back(tmp_path, trainer):

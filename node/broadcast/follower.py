@@ -205,6 +205,8 @@ class Follower:
                 # it runs to its end: the newest version waits for it
                 self.waiting[m.policy_id] = accepted
                 self.counters["downloads_deferred"] += 1
+                log.info("policy %s v%d waits: v%d is kept (it superseded another and is "
+                         "making progress)", m.policy_id[-8:], m.version, current.version)
                 return
             current.task.cancel()  # a newer version supersedes an unfinished one
             self.space.release((m.policy_id, current.version))  # even if it never ran

@@ -1,7 +1,13 @@
 """The follower side of the broadcaster: which manifests to act on (the gate, the trainer
 choice), and the downloads of the versions it accepts.
 
-One download per followed policy at a time; a newer version supersedes an unfinished one.
+One download per followed policy at a time; a newer version supersedes an unfinished one,
+unless that one superseded another itself and verified a shard in the last KEEP_STALL_S:
+then it runs to its end and the newest version announced meanwhile waits
+(`Follower.waiting`) and starts after it. Before (heal47), a follower that needs longer
+for a version than the trainer takes between versions (a home peer on a 200 ms path: 3-4 s
+a version, one every 1.4-2.3 s) had each download cancelled by the next and completed none
+for 48 s, until the trainer's interval happened to be longer.
 A version is accepted only if its missing bytes fit the disk beside the other downloads'
 reservations (space.py). A peer that advertises a version this node does not know yet is
 asked for its manifest (MANIFEST_PROTOCOL), one pull per policy at a time.
@@ -36,6 +42,11 @@ from .store import ShardStore, VersionEntry
 log = logging.getLogger(__name__)
 
 PULL_BACKOFF_S = 60.0
+KEEP_STALL_S = 5.0
+"""A download that superseded another is kept (newer versions wait for it) only while it
+verified a shard within this long: one stuck since a partition (its sources gone) is
+superseded as before. Without it (h47 run): half b's stuck downloads held the newest
+version back until their 120 s stall timeout, and the heal took 104 s."""
 PULL_GRACE_S = 1.0
 """A version first seen in an advert is pulled only if its manifest did not arrive by
 gossip this long after (a trainer advertises a version just before gossiping its
@@ -77,6 +88,7 @@ class Job:
     task: asyncio.Task
     started: float = field(default_factory=time.monotonic)
     downloader: Downloader | None = None
+    superseded: bool = False  # it cancelled an unfinished download: it is not cancelled
 
 
 NATTED = frozenset({Verdict.RELAYED, Verdict.DIRECT, Verdict.UNREACHABLE})
@@ -117,6 +129,9 @@ class Follower:
         self.on_shard: Callable[[tuple[str, int]], None] | None = None  # adverts
         self.on_done: Callable[[tuple[str, int]], None] | None = None  # adverts
         self.jobs: dict[str, Job] = {}  # per policy: the version downloading
+        # per policy: the newest version announced while a download that superseded
+        # another runs (it starts when that one ends)
+        self.waiting: dict[str, AcceptedManifest] = {}
         self._pulling: dict[str, int] = {}  # per policy: the version whose manifest is asked
         self._backoff: OrderedDict[str, float] = OrderedDict()  # peer -> no pulls until
         self._told: OrderedDict[str, None] = OrderedDict()
@@ -180,19 +195,31 @@ class Follower:
         m = accepted.manifest
         key = (m.policy_id, m.version)
         current = self.jobs.get(m.policy_id)
+        waiting = self.waiting.get(m.policy_id)
+        if waiting is not None and waiting.manifest.version >= m.version:
+            return
         if current is not None:
             if current.version >= m.version:
+                return
+            if current.superseded and not self._stalled(current):
+                # it runs to its end: the newest version waits for it
+                self.waiting[m.policy_id] = accepted
+                self.counters["downloads_deferred"] += 1
+                log.info("policy %s v%d waits: v%d is kept (it superseded another and is "
+                         "making progress)", m.policy_id[-8:], m.version, current.version)
                 return
             current.task.cancel()  # a newer version supersedes an unfinished one
             self.space.release((m.policy_id, current.version))  # even if it never ran
             self.counters["downloads_superseded"] += 1
+        self.waiting.pop(m.policy_id, None)
         if self.store.current_version(m.policy_id) >= m.version:
             return
         entry = self.store.get(*key)
         self.space.reserve(key, m.total_size - (entry.verified_bytes() if entry else 0))
         self.counters["downloads_started"] += 1
         self.jobs[m.policy_id] = Job(m.version, self.tasks.spawn(
-            self._download(accepted), f"download {m.policy_id[-8:]} v{m.version}"))
+            self._download_then_next(accepted), f"download {m.policy_id[-8:]} v{m.version}"),
+            superseded=current is not None)
         self.changed.fire()
 
     def resume(self) -> None:
@@ -237,6 +264,27 @@ class Follower:
                           on_shard=(lambda i, k=rec.key: on_shard(k)) if on_shard else None,
                           progress=progress, disk=self.disk, on_verified=self.proven.add,
                           space=self.space)
+
+    @staticmethod
+    def _stalled(job: Job) -> bool:
+        d = job.downloader
+        last = d.last_progress if d is not None else job.started
+        return time.monotonic() - last > KEEP_STALL_S
+
+    async def _download_then_next(self, accepted: AcceptedManifest) -> None:
+        """Download `accepted`'s version; then start the version that waited for it, if
+        any. Not when cancelled (superseded, or the node stopping) nor when another
+        download took its place meanwhile: the waiting version is then that one's. Before
+        (heal48), a superseded download took the waiting version with it when it ended: one
+        deferred behind its successor while it unwound (its streams closing, up to
+        CLOSE_TIMEOUT_S) was dropped until the trainer's next version."""
+        policy = accepted.manifest.policy_id
+        await self._download(accepted)
+        if policy in self.jobs:  # superseded as it ended: not this one's to start
+            return
+        nxt = self.waiting.pop(policy, None)
+        if nxt is not None:
+            self.start(nxt)
 
     async def _download(self, accepted: AcceptedManifest) -> None:
         m = accepted.manifest

@@ -14,7 +14,13 @@ the trainer's first copies of 3 shards uploaded each to all 10 other receivers a
 ~30 flows on its 100 Mbit/s uplink at 0.2 MiB/s each; every receiver's copy of those
 shards ended 15-25 s after it began, together, and nobody else held them before. An upload the
 client does not take (each `chunk_size` bytes within `chunk_timeout_s`) is cut, so a peer
-that asks and never reads cannot hold upload slots that honest peers need.
+that asks and never reads cannot hold upload slots that honest peers need. The upload
+limiter's pace counts in that window too (the client abandons a transfer that delivers no
+bytes for `chunk_timeout_s` whatever the cause): before (heal48), an upload asleep in the
+limiter held its slot for as long as the limiter's debt said, its client long gone. Measured
+in test_supersede.py: a follower's 4 uploads from a trainer throttled to 100 B/s slept
+327-1310 s each (4 slots, `max_uploads_per_peer`), and its next version, served again at the
+old pace, got only `busy` answers (292) and no byte in 15 s.
 """
 
 from __future__ import annotations
@@ -51,7 +57,11 @@ class RateLimiter:
         self.last = now
         self.tokens -= n
         if self.tokens < 0:
-            await asyncio.sleep(-self.tokens / self.rate)
+            try:
+                await asyncio.sleep(-self.tokens / self.rate)
+            except asyncio.CancelledError:
+                self.tokens += n  # never sent (an upload cut): later ones do not wait for it
+                raise
 
 
 async def _abort(stream: ByteStream) -> None:
@@ -125,7 +135,7 @@ class ShardServer:
 
     def _take_within(self, n: int) -> float:
         """Seconds a client has to take n bytes of an answer: `chunk_timeout_s` per
-        `chunk_size` (the pace of the upload limiter is not counted)."""
+        `chunk_size` (for a paced upload, the wait on the upload limiter included)."""
         return self.cfg.chunk_timeout_s * max(1.0, n / self.cfg.chunk_size)
 
     async def _sendfile(self, stream, entry, shard: int, offset: int, length: int) -> bool:
@@ -213,7 +223,7 @@ class ShardServer:
             return done
         except TimeoutError:
             self.metrics["upload_stalled"] += 1
-            log.info("cut a shard upload to %s: the client did not take it", peer)
+            log.info("cut a shard upload to %s: the client did not take it in time", peer)
             await _abort(stream)
             return False
         finally:
@@ -240,7 +250,8 @@ class ShardServer:
         return True
 
     async def _upload(self, stream: ByteStream, entry, req: ShardRequest, length: int) -> bool:
-        """Send one answer; TimeoutError if the client does not take it (_take_within)."""
+        """Send one answer; TimeoutError if the client does not take it, or the upload
+        limiter does not let it go, within _take_within."""
         if self.zero_copy and self.limiter.rate <= 0 and hasattr(stream, "sendfile"):
             return await self._sendfile(stream, entry, req.shard, req.offset, length)
         chunks = self.store.read_shard(entry, req.shard, req.offset, length,
@@ -254,8 +265,8 @@ class ShardServer:
             await write_frame(stream, ShardResponseHeader(ok=True, length=length).encode())
         data = first
         while data is not None:
-            await self.limiter.acquire(len(data))
             async with asyncio.timeout(self._take_within(len(data))):
+                await self.limiter.acquire(len(data))
                 await stream.write(data)
             self.metrics["bytes_sent"] += len(data)
             data = next(chunks, None)

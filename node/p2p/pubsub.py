@@ -410,7 +410,8 @@ class GossipService:
                 bulk.client, self.cfg, self.metrics,
                 max_size=lambda: limits.max_envelope() + 4096,
                 held=lambda d: d in self._payloads, charge=self._reject_body,
-                spawn=self.ctx.spawn, reachable=self._public, member=self._member)
+                spawn=self.ctx.spawn, reachable=self._public, member=self._member,
+                me=self.ctx.peer_id)
             bulk.register(PUSH_KIND, self.pusher.serve)
             bulk.client.add_kind(PUSH_KIND, "pushed gossip bodies", 1, cfg.idle_s / 2)
             # found to be behind NAT: links the other way to the peers connected already
@@ -503,7 +504,7 @@ class GossipService:
         self.pull_slots.served(origin)
         self.store_payload(ann.content_hash, data)
         if self.pusher is not None:  # to the peers its pusher named, if it named any
-            self.pusher.forward(ann.content_hash, data, origin)
+            self.pusher.forward(ann.content_hash, data, origin, self.topic_peers(kind))
         self.metrics.inc("payload_fetched")
         await self._deliver(kind, inner, origin)
 

@@ -15,15 +15,15 @@ not publicly reachable also dials RECEIVE links to them, so a public publisher r
 too. Frames: u8 type + 32-byte SHA-256 + u32 BE length (+ for type 2, forward: the peers
 to push it on to; + for type 3, forward-all: those, the public peers the body went to, and
 the subscribers the publisher reaches or named) + the body. Two nodes behind NAT have no
-link: the publisher names such a subscriber to one public peer it pushes to, which
-forwards the body once it checked the announce (so forwards stay within the origin's
-admitted rate). A subscriber the publisher is not connected to at all (both behind NAT,
+link: the publisher names such a subscriber to FORWARD_COPIES (2) public peers it pushes
+to, which forward the body once they checked the announce (so forwards stay within the
+origin's admitted rate; two: one of them may hold no connection to it). A subscriber the publisher is not connected to at all (both behind NAT,
 no relayed connection) it cannot name: a forward-all frame lets each of its public peers
-push the body on to its own subscribers outside the publisher's lists, each to the one
+push the body on to its own subscribers outside the publisher's lists, each to the two
 the rendezvous hash picks. In the 12-node simulated WAN such subscribers pulled 40-356
 bodies a run, each ~1-2 s into its round: most rounds ended with one (RESULTS "wan:
 gossip"). A forwarder's upload per body: at most MAX_FORWARD copies, within the origin's
-admitted rate.
+admitted rate; a receiver's second copy is dropped as a duplicate.
 
 What a receiver does with a pushed body: the length is bounded by the largest payload it
 accepts (more: `too_large`, charged to the pusher, link closed); the hash must match
@@ -59,6 +59,11 @@ SEND, RECEIVE = b"S", b"R"  # the dialler's first byte: which way the link carri
 FRAME_BODY, FRAME_FORWARD, FRAME_FORWARD_ALL = 1, 2, 3
 _FRAME = struct.Struct(">B32sI")
 MAX_FORWARD = 64  # peers one forward frame may name
+# Public peers a subscriber the publisher does not push to is named to (or, unnamed, given
+# to by the rendezvous hash): the first one the hash picks may hold no connection to it.
+# In the 12-node simulated WAN a peer behind a symmetric NAT held connections to 5 of the 6
+# public peers; with one forwarder each, every body forwarded by the sixth was pulled.
+FORWARD_COPIES = 2
 # Pushed bodies held before their announce: per pusher and in all (oldest dropped first).
 UNCLAIMED_PER_PEER = 32
 UNCLAIMED_MAX = 1024
@@ -225,13 +230,13 @@ class BodyPusher:
              via: int = 0) -> int:
         """Push a body we announce to up to `fanout` of the peers `to` (its topic's
         subscribers) we have a link with; how many. Each subscriber we have no link with
-        (both of us behind NAT) is named to one public peer we push to (rendezvous hash of
-        body and subscriber), which forwards it once it checked the announce, if it has a
-        link with that subscriber; else the subscriber pulls.
+        (both of us behind NAT) is named to FORWARD_COPIES public peers we push to
+        (rendezvous hash of body and subscriber), which forward it once they checked the
+        announce, if they have a link with that subscriber; else the subscriber pulls.
 
         `via` > 0 while we are not publicly reachable (a home uplink): the body goes to at
         most `via` public peers only (rendezvous hash of the body: spread over them), and
-        every other subscriber is named to one of them to forward. Each public peer the
+        every other subscriber is named to them to forward. Each public peer the
         body goes to gets a forward-all frame (see `forward`), while the lists fit in
         MAX_FORWARD. Writing it to every
         subscriber at once queued all the copies (and the announce behind them) in the
@@ -250,8 +255,8 @@ class BodyPusher:
         public = [link.peer for link in links if link.dialled]
         forward: dict[str, list[str]] = {}
         for peer in sorted(to.difference(link.peer for link in links))[:MAX_FORWARD]:
-            if public:
-                forward.setdefault(_rendezvous(digest, peer, public), []).append(peer)
+            for by in _rendezvous(digest, peer, public):
+                forward.setdefault(by, []).append(peer)
         # the subscribers we reach ourselves or name: a public peer pushes the body on to
         # its own subscribers outside this set (we know nothing of them: no connection)
         covered = sorted(to.difference(public))
@@ -273,8 +278,8 @@ class BodyPusher:
         """After a pushed body was claimed and opened: push it on to the peers its pusher
         named (forward frame) that we have a link with; how many. A forward-all frame
         adds our `subscribers` (the topic's) that its origin neither reaches nor named,
-        those whose rendezvous hash over the origin's forwarders picks us (one copy
-        each); MAX_FORWARD copies in all at most."""
+        those whose rendezvous hash over the origin's forwarders picks us (one of
+        FORWARD_COPIES); MAX_FORWARD copies in all at most."""
         names, extra = self._forward.pop(digest, ((), None))
         targets = list(dict.fromkeys(names))
         if extra is not None and self.me:
@@ -282,7 +287,7 @@ class BodyPusher:
             if self.me in vias:
                 skip = covered.union(vias, names, (origin,))
                 targets += [p for p in sorted(subscribers) if p not in skip
-                            and _rendezvous(digest, p, vias) == self.me]
+                            and self.me in _rendezvous(digest, p, vias)]
         frame = _FRAME.pack(FRAME_BODY, digest, len(data)) + data
         n = 0
         for peer in targets:
@@ -534,10 +539,11 @@ class BodyPusher:
             self._drop(link)
 
 
-def _rendezvous(digest: bytes, peer: str, forwarders) -> str:
-    """Which of `forwarders` pushes the body `digest` on to `peer` (rendezvous hash)."""
-    return max(forwarders, key=lambda p: hashlib.sha256(digest + peer.encode()
-                                                          + p.encode()).digest())
+def _rendezvous(digest: bytes, peer: str, forwarders) -> list[str]:
+    """Which of `forwarders` push the body `digest` on to `peer`: the FORWARD_COPIES the
+    rendezvous hash of body, peer and forwarder ranks first."""
+    return sorted(forwarders, key=lambda p: hashlib.sha256(
+        digest + peer.encode() + p.encode()).digest(), reverse=True)[:FORWARD_COPIES]
 
 
 def _names(peers: list[str]) -> bytes:

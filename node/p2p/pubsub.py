@@ -403,7 +403,7 @@ class GossipService:
         bulk.client.add_kind(BODY_KIND, "gossip bodies", self.cfg.payload_pulls_per_peer,
                              cfg.idle_s / 2)
         bulk.add_known(self.pull_slots.proven)
-        self.puller = BodyPuller(bulk.client, self.cfg, self.metrics)
+        self.puller = BodyPuller(bulk.client, self.cfg, self.metrics, spawn=self.ctx.spawn)
         if self.cfg.payload_push_fanout > 0:
             limits = self.ctx.limits
             self.pusher = BodyPusher(

@@ -187,7 +187,7 @@ def test_batches_between_nat_peers_without_a_path_are_pushed_on_by_a_public_peer
     so A pushes each body to the public peer in a forward-all frame, and the public peer
     pushes it on to B once it checked the announce. B pulls none of them (before: every
     one, ~3 round trips after its announce: RESULTS "wan: gossip")."""
-    with two_homes("symmetric", "wgpush") as (_lab, pub, a, b):
+    with two_homes("symmetric", "wgpush", "--bulk") as (_lab, pub, a, b):
         pub.wait(lambda s: {a.peer_id, b.peer_id} <= set(s["mesh"]), 30, "pub's mesh")
         a.wait(lambda s: pub.peer_id in s["mesh"]
                and s["counters"].get("payload_push_links", 0) >= 1, 30, "A's mesh and link")

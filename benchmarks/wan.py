@@ -1027,6 +1027,44 @@ async def _gossip_worker(args) -> None:
             return n
 
         pusher.claim, pusher.push, pusher.forward = timed_claim, timed_push, timed_forward
+    # each bulk-plane ask of a pull: (source, asked at, connection ready, answer's header,
+    # body read, whether the connection was pooled, outcome): where a pull's time goes
+    asks: list = []
+    puller = node.gossip.puller
+    if puller is not None:
+        b_open, b_ask = puller._open, puller._ask
+
+        async def timed_open(peer, fresh, *a, **kw):
+            t0 = time.time()
+            conn = await b_open(peer, fresh, *a, **kw)
+            conn._probe = [peer, t0, time.time(), 0.0, 0.0, bool(conn.reused), "?"]
+            asks.append(conn._probe)
+            return conn
+
+        async def timed_ask(conn, digest, size, *a, **kw):
+            probe = getattr(conn, "_probe", None)
+            read = conn.readexactly
+
+            async def first_read(n):  # the answer's header: the ask's round trip
+                out = await read(n)
+                if probe is not None and not probe[3]:
+                    probe[3] = time.time()
+                return out
+
+            conn.readexactly = first_read
+            try:
+                data = await b_ask(conn, digest, size, *a, **kw)
+            except BaseException as e:
+                if probe is not None:
+                    probe[6] = type(e).__name__
+                raise
+            finally:
+                conn.readexactly = read
+            if probe is not None:
+                probe[4], probe[6] = time.time(), "ok"
+            return data
+
+        puller._open, puller._ask = timed_open, timed_ask
     emit(event="ready", peer_id=node.peer_id, addrs=node.listen_addrs)
     n_others = args.peers - 1
     deadline = time.monotonic() + args.mesh_wait
@@ -1068,7 +1106,7 @@ async def _gossip_worker(args) -> None:
          announced=announced, traces=traces,
          heartbeat_s=node.context.router.heartbeat_interval,
          hops={**hops, "handled": handled, "pub_calls": pub_calls, "bodies": bodies,
-               "sends": sends,
+               "sends": sends, "asks": asks,
                "trio_lag": [pct(hops["trio_lag"], q) for q in (50, 95, 99)]
                + [max(hops["trio_lag"], default=0.0)]},
          loop_lag=[pct(lags, 50), pct(lags, 95), pct(lags, 99), max(lags, default=0.0)])

@@ -403,14 +403,15 @@ class GossipService:
         bulk.client.add_kind(BODY_KIND, "gossip bodies", self.cfg.payload_pulls_per_peer,
                              cfg.idle_s / 2)
         bulk.add_known(self.pull_slots.proven)
-        self.puller = BodyPuller(bulk.client, self.cfg, self.metrics)
+        self.puller = BodyPuller(bulk.client, self.cfg, self.metrics, spawn=self.ctx.spawn)
         if self.cfg.payload_push_fanout > 0:
             limits = self.ctx.limits
             self.pusher = BodyPusher(
                 bulk.client, self.cfg, self.metrics,
                 max_size=lambda: limits.max_envelope() + 4096,
                 held=lambda d: d in self._payloads, charge=self._reject_body,
-                spawn=self.ctx.spawn, reachable=self._public, member=self._member)
+                spawn=self.ctx.spawn, reachable=self._public, member=self._member,
+                me=self.ctx.peer_id)
             bulk.register(PUSH_KIND, self.pusher.serve)
             bulk.client.add_kind(PUSH_KIND, "pushed gossip bodies", 1, cfg.idle_s / 2)
             # found to be behind NAT: links the other way to the peers connected already
@@ -503,7 +504,7 @@ class GossipService:
         self.pull_slots.served(origin)
         self.store_payload(ann.content_hash, data)
         if self.pusher is not None:  # to the peers its pusher named, if it named any
-            self.pusher.forward(ann.content_hash, data, origin)
+            self.pusher.forward(ann.content_hash, data, origin, self.topic_peers(kind))
         self.metrics.inc("payload_fetched")
         await self._deliver(kind, inner, origin)
 

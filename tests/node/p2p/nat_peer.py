@@ -10,6 +10,7 @@ stdin, one JSON line each:
   publish <round>  -> {"ok": bool, "error": str}  (a ~64 KiB RolloutBatch: announced, pulled)
 Exits cleanly when stdin closes.
 Usage: python nat_peer.py --listen MULTIADDR [--bootstrap MULTIADDR]... [--relay] [--fast]
+       [--bulk]
 """
 
 from __future__ import annotations
@@ -31,12 +32,16 @@ async def main() -> int:
     ap.add_argument("--listen", required=True)
     ap.add_argument("--bootstrap", action="append", default=[])
     ap.add_argument("--relay", action="store_true", help="serve as a relay (hop)")
+    ap.add_argument("--bulk", action="store_true",
+                    help="serve a bulk plane (default: off; pushed bodies need one)")
     ap.add_argument("--fast", action="store_true",
                     help="short liveness and dial timeouts (partition tests)")
     args = ap.parse_args()
     overrides = {"node.listen": [args.listen], "p2p.discovery_interval_s": 0.5,
-                 "p2p.bootstrap_timeout_s": 30, "bulk.listen": "off",
+                 "p2p.bootstrap_timeout_s": 30,
                  "p2p.relay.service": "on" if args.relay else "off"}
+    if not args.bulk:
+        overrides["bulk.listen"] = "off"
     if args.fast:
         overrides.update({"p2p.liveness_interval_s": 2.0, "p2p.dial_timeout_s": 3.0})
     cfg = load_config(None, overrides)

@@ -166,7 +166,7 @@ def test_peers_reconnect_after_a_partition_heals():
 def test_batches_between_nat_peers_without_a_path_arrive_through_a_public_peer():
     """Two peers behind symmetric NATs and no relay: neither can reach the other, so each
     one's announced batches reach the other through the public peer's mesh, and their bodies
-    are pulled from that peer (which may still be pulling them itself: asked again). Every
+    come from that peer (pushed on, or pulled: it may still be pulling them itself). Every
     batch arrives within seconds, and the announcer nobody could reach is not charged for
     the pull that could not reach it (before: a 10 s dial to it first, then a penalty)."""
     with two_homes("symmetric", "wgnat") as (_lab, pub, a, b):
@@ -179,3 +179,27 @@ def test_batches_between_nat_peers_without_a_path_arrive_through_a_public_peer()
                     <= {tuple(g) for g in s["got"]}, 8, "A's 3 batches at B")
         assert a.peer_id not in st["connected"], st  # no path between them: the case
         assert st["counters"].get("rejected.unserved_announce", 0) == 0, st["counters"]
+
+
+@pytest.mark.slow
+def test_batches_between_nat_peers_without_a_path_are_pushed_on_by_a_public_peer():
+    """The same two peers behind symmetric NATs: A cannot name B to anyone (no connection),
+    so A pushes each body to the public peer in a forward-all frame, and the public peer
+    pushes it on to B once it checked the announce. B pulls none of them (before: every
+    one, ~3 round trips after its announce: RESULTS "wan: gossip")."""
+    with two_homes("symmetric", "wgpush", "--bulk") as (_lab, pub, a, b):
+        pub.wait(lambda s: {a.peer_id, b.peer_id} <= set(s["mesh"]), 30, "pub's mesh")
+        a.wait(lambda s: pub.peer_id in s["mesh"]
+               and s["counters"].get("payload_push_links", 0) >= 1, 30, "A's mesh and link")
+        # B's links to pub both ways: the RECEIVE one is the one pub pushes to B on
+        b.wait(lambda s: pub.peer_id in s["mesh"]
+               and s["counters"].get("payload_push_links", 0) >= 2, 30, "B's mesh and links")
+        for r in (1, 2, 3):
+            assert a.cmd(f"publish {r}")["ok"]
+        st = b.wait(lambda s: {(a.peer_id, r) for r in (1, 2, 3)}
+                    <= {tuple(g) for g in s["got"]}, 8, "A's 3 batches at B")
+        assert a.peer_id not in st["connected"], st  # no path between them: the case
+        c = st["counters"]
+        assert c.get("payload_push_claimed", 0) == 3, c
+        assert c.get("payload_pulled_bulk", 0) + c.get("payload_pulled_libp2p", 0) == 0, c
+        assert pub.cmd("status")["counters"].get("payload_push_forwarded_unnamed", 0) == 3

@@ -3,7 +3,7 @@
 A pull costs the announce's trip, then a request round trip before the first byte: over a
 200 ms path that is ~1.5 RTT before the body moves (RESULTS "wan: gossip"). So a publisher
 also writes each body it announces, at once, down one long-lived bulk-plane link (kind
-"push") to each directly connected peer it has one with: the body arrives half a round
+"push2") to each directly connected peer it has one with: the body arrives half a round
 trip plus its transfer after the publish, often before its announce. Pulls stay the
 fallback (a peer with no link, a push that failed or did not come).
 
@@ -17,10 +17,10 @@ to push it on to; + for type 3, forward-all: those, the public peers the body we
 the subscribers the publisher reaches or named) + the body. Two nodes behind NAT have no
 link: the publisher names such a subscriber to FORWARD_COPIES (2) public peers it pushes
 to, which forward the body once they checked the announce (so forwards stay within the
-origin's admitted rate; two: one of them may hold no connection to it). A subscriber the publisher is not connected to at all (both behind NAT,
-no relayed connection) it cannot name: a forward-all frame lets each of its public peers
-push the body on to its own subscribers outside the publisher's lists, each to the two
-the rendezvous hash picks. In the 12-node simulated WAN such subscribers pulled 40-356
+origin's admitted rate; two: one of them may hold no connection to it). A subscriber the
+publisher is not connected to at all (both behind NAT, no relayed connection) it cannot
+name: a forward-all frame lets each of its public peers push the body on to its own
+subscribers outside the publisher's lists, each to the two the rendezvous hash picks. In the 12-node simulated WAN such subscribers pulled 40-356
 bodies a run, each ~1-2 s into its round: most rounds ended with one (RESULTS "wan:
 gossip"). A forwarder's upload per body: at most MAX_FORWARD copies, within the origin's
 admitted rate; a receiver's second copy is dropped as a duplicate.
@@ -54,7 +54,8 @@ from .metrics import P2PMetrics
 
 log = logging.getLogger(__name__)
 
-KIND = "push"
+KIND = "push2"  # "push" before the forward-all frame (type 3): an older node answers
+# NO_HANDLER to a push2 hello, so mixed versions pull, and none charges the other for type 3
 SEND, RECEIVE = b"S", b"R"  # the dialler's first byte: which way the link carries bodies
 FRAME_BODY, FRAME_FORWARD, FRAME_FORWARD_ALL = 1, 2, 3
 _FRAME = struct.Struct(">B32sI")
@@ -193,7 +194,7 @@ class BodyPusher:
         self.out[link.peer] = link
 
     async def serve(self, peer: str, conn: BulkConn) -> None:
-        """Bulk-plane handler of kind "push": the dialler's first byte says which way."""
+        """Bulk-plane handler of kind "push2": the dialler's first byte says which way."""
         if self._closed:
             return  # the handler's return closes the connection
         try:

@@ -98,3 +98,26 @@ class HostContext:
             return False
         allow = self.peer_filter
         return allow is None or bool(allow(peer))
+
+
+class ConnectionNotifee:
+    """A py-libp2p network notifee that hears nothing: subclasses override `connected` /
+    `disconnected` (the libp2p thread calls them for every connection)."""
+
+    async def connected(self, network, conn) -> None:
+        pass
+
+    async def disconnected(self, network, conn) -> None:
+        pass
+
+    async def opened_stream(self, network, stream) -> None:
+        pass
+
+    async def closed_stream(self, network, stream) -> None:
+        pass
+
+    async def listen(self, network, multiaddr) -> None:
+        pass
+
+    async def listen_close(self, network, multiaddr) -> None:
+        pass

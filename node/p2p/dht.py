@@ -54,7 +54,7 @@ from multiaddr import Multiaddr
 
 from ..lifecycle import wait_set
 from .closing import t_close_peer
-from .context import HostContext
+from .context import ConnectionNotifee, HostContext
 from .discovery import dial_order
 from .errors import NotRunning, P2PError
 from .patches.internals import providers_from_peer
@@ -346,7 +346,7 @@ class DHTService:
         return await self.find_providers(self.swarm_key, count)
 
 
-class _LookupDials:
+class _LookupDials(ConnectionNotifee):
     """py-libp2p network notifee: a connection announced inside a lookup's tasks (an
     outbound one is announced from the task that dialled it) is that lookup's."""
 
@@ -354,18 +354,3 @@ class _LookupDials:
         dials = _LOOKUP_DIALS.get()
         if dials is not None:
             dials.append(conn)
-
-    async def disconnected(self, network, conn) -> None:
-        pass
-
-    async def opened_stream(self, network, stream) -> None:
-        pass
-
-    async def closed_stream(self, network, stream) -> None:
-        pass
-
-    async def listen(self, network, multiaddr) -> None:
-        pass
-
-    async def listen_close(self, network, multiaddr) -> None:
-        pass

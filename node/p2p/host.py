@@ -38,7 +38,7 @@ from .bridge import TrioBridge
 from .bulk import BulkPlane
 from .closing import t_close_peer
 from .connmgr import ConnectionManager
-from .context import HostContext
+from .context import ConnectionNotifee, HostContext
 from .dht import DHTService
 from .dialback import Dialback
 from .discovery import Discovery
@@ -586,7 +586,7 @@ def _log_reachability(snap: Reachability) -> None:
     log.log(level, "%s", snap.line())
 
 
-class _Notifee:
+class _Notifee(ConnectionNotifee):
     """py-libp2p network notifee: hands connection events to the node (libp2p thread)."""
 
     def __init__(self, connected: Callable[[object], None],
@@ -594,23 +594,11 @@ class _Notifee:
         self.on_connected = connected
         self.on_disconnected = disconnected
 
-    async def opened_stream(self, network, stream) -> None:
-        pass
-
-    async def closed_stream(self, network, stream) -> None:
-        pass
-
     async def connected(self, network, conn) -> None:
         self.on_connected(conn)
 
     async def disconnected(self, network, conn) -> None:
         self.on_disconnected(network, conn)
-
-    async def listen(self, network, multiaddr) -> None:
-        pass
-
-    async def listen_close(self, network, multiaddr) -> None:
-        pass
 
 
 def _remote_ip(muxed_conn) -> str | None:

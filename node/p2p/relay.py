@@ -47,7 +47,7 @@ from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_ms
 
 from ..lifecycle import wait_set
 from .closing import closed_by
-from .context import HostContext
+from .context import ConnectionNotifee, HostContext
 from .dialback import ip_tcp, transport_addrs
 from .errors import DialError, NotRunning, P2PError
 from .patches.dcutr import DCUtRService
@@ -395,7 +395,7 @@ def connection_addr(conn) -> str | None:
     return None
 
 
-class ConnectionLog:
+class ConnectionLog(ConnectionNotifee):
     """py-libp2p network notifee: a DEBUG line per connection opened and closed (libp2p
     thread). At the close it says how the connection's reads and writes ended (yamux reads
     its secured connection until that fails: EOF, a reset, a decryption error), recorded by
@@ -455,15 +455,3 @@ class ConnectionLog:
                   f"closed by us ({why})" if why else "not closed by our code (the other "
                   "side, the path, or py-libp2p)",
                   "; ".join(ended[:3]) or "reads and writes had not failed")
-
-    async def opened_stream(self, network, stream) -> None:
-        pass
-
-    async def closed_stream(self, network, stream) -> None:
-        pass
-
-    async def listen(self, network, multiaddr) -> None:
-        pass
-
-    async def listen_close(self, network, multiaddr) -> None:
-        pass

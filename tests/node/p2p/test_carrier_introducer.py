@@ -42,12 +42,12 @@ def rollout(round_: int) -> RolloutBatch:
     return one_completion_batch(OWN, ids, np.zeros(4, dtype=np.float32), round_)
 
 
-async def trainer(make_node, tmp_path, sybils: set[str], **listen):
+async def trainer(make_node, tmp_path, sybils: set[str], reputation=None, **listen):
     """A trainer's gossip host and intake: `rollouts` offered to the intake, whose probation
     lane asks the host who introduced each sender. Returns (node, intake, judge, offered)."""
     node = await make_node(discovery=False, **listen)
     judge = Judge(Clock(), sybils)
-    intake = make(tmp_path, judge, limits=IntakeLimits(max_probation=16))
+    intake = make(tmp_path, judge, limits=IntakeLimits(max_probation=16), reputation=reputation)
     intake.introducer = node.introducer
     offered: list[str] = []
 

@@ -7,12 +7,11 @@ are real hosts connected to it."""
 from __future__ import annotations
 
 from swarm_node.node.identity import Identity
-from swarm_node.verifier.intake import IntakeLimits
 from swarm_node.verifier.reputation import Reputation
 
-from ...verifier.test_intake import Clock, establish, make
+from ...verifier.test_intake import Clock, establish
 from .conftest import wait_until
-from .test_carrier_introducer import Judge, carry
+from .test_carrier_introducer import carry, trainer
 
 
 async def test_a_flood_start_does_not_catch_up_on_the_quiet_past(make_node, tmp_path):
@@ -26,20 +25,11 @@ async def test_a_flood_start_does_not_catch_up_on_the_quiet_past(make_node, tmp_
     benchmarks/verifier_flood.py, ~36 at each flood's start: 0.9 s of the trainer's
     ~0.2-s cycle)."""
     sybils = [Identity.generate() for _ in range(12)]
-    victim = await make_node(discovery=False)
-    judge = Judge(Clock(), {s.peer_id for s in sybils})
     rep = Reputation(None)
+    victim, intake, judge, offered = await trainer(make_node, tmp_path,
+                                                   {s.peer_id for s in sybils}, rep)
     honest = await make_node(bootstrap=victim.listen_addrs, discovery=False)
     establish(rep, honest.peer_id)
-    intake = make(tmp_path, judge, limits=IntakeLimits(max_probation=16), reputation=rep)
-    intake.introducer = victim.introducer
-    offered: list[str] = []
-
-    async def offer(env, origin):
-        offered.append(env.sender)
-        await intake.offer(env, origin)
-
-    await victim.subscribe("rollouts", offer)
     for r in range(20):  # the quiet past: nothing else waits
         await carry(honest, victim, [(honest.identity, r)])
         await wait_until(lambda n=r + 1: len(offered) == n, what=f"honest batch {r}")
@@ -75,17 +65,8 @@ async def test_a_quiet_lane_banks_no_time_for_a_flood_start(make_node, tmp_path)
     verified all 16 while the trainer's step waited (in benchmarks/verifier_flood.py ~30
     bogus batches, 0.4-0.7 s, at a flood window's start)."""
     first, *sybils = [Identity.generate() for _ in range(17)]
-    victim = await make_node(discovery=False)
-    judge = Judge(Clock(), {s.peer_id for s in [first, *sybils]})
-    intake = make(tmp_path, judge, limits=IntakeLimits(max_probation=16))
-    intake.introducer = victim.introducer
-    offered: list[str] = []
-
-    async def offer(env, origin):
-        offered.append(env.sender)
-        await intake.offer(env, origin)
-
-    await victim.subscribe("rollouts", offer)
+    victim, intake, judge, offered = await trainer(make_node, tmp_path,
+                                                   {s.peer_id for s in [first, *sybils]})
     carrier = await make_node(bootstrap=victim.listen_addrs, discovery=False)
     await carry(carrier, victim, [(first, 99)])
     await wait_until(lambda: len(offered) == 1, what="the first bogus batch")

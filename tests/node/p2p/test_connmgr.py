@@ -33,7 +33,11 @@ async def test_connection_bound_holds_with_many_peers(make_node):
     await wait_until(lambda: all(len(n.connected_peers()) <= BOUND["max_peers"] for n in nodes),
                      30, what="every node within the bound")
     assert keep in boot.connected_peers()  # protected
-    assert all(n.connected_peers() for n in nodes)
+    # a node whose only connection the bootstrap node trimmed is alone until its discovery
+    # dials again (it is below target): none stays alone (a snapshot here failed once in CI,
+    # 2026-12-05, beside a heavy test: a node between the trim and its next dial)
+    await wait_until(lambda: all(n.connected_peers() for n in nodes), 30,
+                     what="no node left without a connection")
     # The bounded graph carries gossip to every node (mesh forwarding and IHAVE gossip, not
     # one hop). GossipSub is best effort while meshes re-form after the trims (a peer
     # pruned with a backoff may miss one message), so the publisher sends one message a

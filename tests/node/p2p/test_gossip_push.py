@@ -9,6 +9,7 @@ import asyncio
 import hashlib
 import os
 
+from swarm_node.node.p2p import gossip_push
 from swarm_node.node.p2p.gossip_push import (
     _FRAME,
     FRAME_BODY,
@@ -219,12 +220,15 @@ async def test_a_body_of_an_origin_we_are_not_connected_to_is_pushed_on_to_us(ma
 
 
 async def test_an_unnamed_subscriber_gets_the_body_from_a_forwarder_it_is_connected_to(
-        make_node):
+        make_node, monkeypatch):
     # b behind NAT pushes to its two public peers c and d (p2p.payload_push_via 2); a,
     # behind NAT too, is connected to c only, not to b nor d. Each body goes on to a from
     # both forwarders the rendezvous hash picks (FORWARD_COPIES: here c and d), so from c:
     # with one pick, d's bodies would have been pulled (a symmetric-NAT peer of the WAN lab
-    # held connections to 5 of its 6 public peers).
+    # held connections to 5 of its 6 public peers). a waits 20 s for a push before it
+    # pulls (PUSH_WAIT_S, 0.3 s in the node): the claim is that c forwards every body, not
+    # how fast; under CI load a forward once landed after a's 0.3 s and a pulled it.
+    monkeypatch.setattr(gossip_push, "PUSH_WAIT_S", 20.0)
     c = await make_node()
     d = await make_node(bootstrap=c.listen_addrs, discovery=False)
     b = await make_node(bootstrap=c.listen_addrs[:1] + d.listen_addrs[:1],
@@ -247,12 +251,13 @@ async def test_an_unnamed_subscriber_gets_the_body_from_a_forwarder_it_is_connec
     assert not b.gossip._public()
     assert b.peer_id not in a.connected_peers() and d.peer_id not in a.connected_peers()
     for r in range(1, 5):
-        await wait_until(lambda: all(p.peer_id in b.gossip.pusher.out for p in public), 30,
-                         what="b's links to c and d")
+        await wait_until(lambda: all(p.peer_id in b.gossip.pusher.out for p in public)
+                         and a.peer_id in c.gossip.pusher.out, 30, what="the push links")
         await b.publish(TOPIC, batch(b.peer_id, 8192, r))
         await wait_until(lambda r=r: len(got) == r, 30, what=f"batch {r}")
-    assert c.metrics["payload_push_forwarded_unnamed"] == 4
-    assert d.metrics["payload_push_forwarded_unnamed"] == 0  # no link to a
+        # c forwards each body to a, a subscriber b never named (a copy more is no fault)
+        await wait_until(lambda r=r: c.metrics["payload_push_forwarded_unnamed"] >= r, 30,
+                         what=f"c's forward of batch {r}")
     assert a.metrics["payload_push_claimed"] == 4
     assert a.metrics["payload_pulled_bulk"] + a.metrics["payload_pulled_libp2p"] == 0
 

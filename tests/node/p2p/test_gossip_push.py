@@ -251,7 +251,9 @@ async def test_an_unnamed_subscriber_gets_the_body_from_a_forwarder_it_is_connec
     assert not b.gossip._public()
     assert b.peer_id not in a.connected_peers() and d.peer_id not in a.connected_peers()
     for r in range(1, 5):
-        await wait_until(lambda: all(p.peer_id in b.gossip.pusher.out for p in public)
+        await wait_until(lambda: all(p.peer_id in b.gossip.pusher.out
+                                     and p.peer_id in b.gossip.topic_peers(TOPIC)
+                                     for p in public)
                          and a.peer_id in c.gossip.pusher.out, 30, what="the push links")
         await b.publish(TOPIC, batch(b.peer_id, 8192, r))
         await wait_until(lambda r=r: len(got) == r, 30, what=f"batch {r}")

@@ -11,7 +11,8 @@ connection and why, and how steadily each follower completed versions.
   else UNEXPLAINED with both sides' read/write endings. Needs the JSON of a wan.py that
   records `nat_of`, the churn's `left_nodes` and the partition's `at`/`healed_at`/`sides`.
 - followers: per boot peer, versions completed per minute in the WINDOW_S after its first
-  (before the partition), the trainer's rate then; and the versions that waited behind a
+  (before the partition), the trainer's rate then; the versions each peer on the trainer's
+  side completed during the partition; and the versions that waited behind a
   kept download (follower.py: the last 'vN waits' before the kept one completed) and how
   many of them completed.
 """
@@ -85,7 +86,7 @@ def closes(work: Path, run: dict, everyone: bool) -> Counter:
             cause = "run end"
         elif gone:
             cause = f"churn: {gone[0]} left ({left[gone[0]]})"
-        elif part and part["at"] - 1 <= t <= part["healed_at"] + 10 and side(a) != side(b):
+        elif "at" in part and part["at"] - 1 <= t <= part["healed_at"] + 10 and side(a) != side(b):
             cause = "partition: " + ("liveness" if any("liveness" in w for w in whys)
                                      else "noise_io write bound" if any(NOISE_BOUND in w for w in whys)
                                      else whys[0].split("; ", 1)[-1][:80])
@@ -104,7 +105,26 @@ def closes(work: Path, run: dict, everyone: bool) -> Counter:
     return tally
 
 
-def followers(work: Path) -> None:
+def partition_rates(logs: dict[str, list[str]], pubs: list[float], part: dict) -> None:
+    """Versions each peer on the trainer's side completed during the partition (the trainer
+    publishes fastest then: half b's rollouts stop). Its start from the JSON, else the
+    60 s of the trainer's log with the most publishes."""
+    span = part.get("seconds", 60.0)
+    at = part.get("at") or max(pubs, key=lambda t: sum(1 for u in pubs if t <= u < t + span))
+    sides = part.get("sides", {})
+    got = {}
+    for name, lines in logs.items():
+        if name.startswith("p") and sides.get(name, "a") == "a":
+            got[name] = sum(1 for ln in lines if "progress: policy" in ln and ": complete," in ln
+                            and at <= _ts(ln) < at + span)
+    got = {n: k for n, k in got.items() if k > 2}  # no sides known: half b completes ~none
+    slow = min(got, key=got.get)
+    print(f"during the partition ({span:.0f} s, trainer {sum(1 for u in pubs if at <= u < at + span)}"
+          f" versions), versions completed on its side: "
+          + ", ".join(f"{n} {k}" for n, k in sorted(got.items())) + f"; slowest {slow} {got[slow]}")
+
+
+def followers(work: Path, part: dict) -> None:
     logs = _logs(work)
     t0 = min(_ts(lines[0]) for lines in logs.values())
     pubs = [_ts(ln) for ln in logs["trainer"] if "publisher: published policy" in ln]
@@ -136,6 +156,7 @@ def followers(work: Path) -> None:
           f"(trainer {trainer:.1f}/min): "
           + ", ".join(f"{n} {r:.1f}" for n, (_, r) in sorted(rates.items()))
           + f"; slowest {slow} {rates[slow][1]:.1f}")
+    partition_rates(logs, pubs, part)
     ok, n = (sum(v[i] for v in waited.values()) for i in (0, 1))
     print(f"versions that waited behind a kept download, completed: {ok}/{n} ("
           + ", ".join(f"{k} {a}/{b}" for k, (a, b) in sorted(waited.items())) + ")")
@@ -151,7 +172,7 @@ def main() -> None:
     print("direct connections closed (both sides paired):")
     for (cause, pair), k in sorted(closes(args.work, run, args.all).items()):
         print(f"  {k} x {pair}: {cause}")
-    followers(args.work)
+    followers(args.work, run.get("partition") or {})
 
 
 if __name__ == "__main__":

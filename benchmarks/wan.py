@@ -572,7 +572,11 @@ class SwarmRun:
                          if d.get("t", 0) >= w0 and d.get("seconds") is not None]
             self.joined += [n.name for n in joined]
             minutes.append({"minute": minute + 1, "seconds": round(time.monotonic() - t0, 1),
-                            "left": k, "joined": len(joined),
+                            "left": k, "joined": len(joined), "at": round(w0, 1),
+                            # who left (SIGKILL or SIGTERM) and joined: the node logs' closes
+                            "left_nodes": {n.name: "kill" if i % 2 == 0 else "term"
+                                           for i, n in enumerate(leaving)},
+                            "joined_nodes": [n.name for n in joined],
                             "trainer_versions": self.trainer.status.get("policy_version", 0) - v0,
                             "joined_contributing": sum(n.name in self.first_accepted
                                                        for n in joined),
@@ -587,6 +591,7 @@ class SwarmRun:
         sent0 = {n.name: n.status.get("rollouts_sent", 0) for n in peers}
         v0 = self.trainer.status.get("policy_version", 0)
         self.lab.partition(half_a, half_b)
+        at = time.time()
         time.sleep(self.args.partition_s)
         sw.poll()
         side = {n.name: ("a" if n.host in half_a else "b") for n in peers}
@@ -594,6 +599,7 @@ class SwarmRun:
                        if side[n.name] == s) for s in ("a", "b")}
         v_heal = self.trainer.status.get("policy_version", 0)
         self.lab.heal()
+        healed_at = time.time()
         t0 = time.monotonic()
         tid = self.trainer.peer_id
 
@@ -610,13 +616,18 @@ class SwarmRun:
                                  "trainer_versions_during": v_heal - v0,
                                  "rollouts_sent_during": sent,
                                  "converged_after_heal_s": converge,
-                                 "since_heal_s": round(time.monotonic() - t0, 1)}
+                                 "since_heal_s": round(time.monotonic() - t0, 1),
+                                 # wall clock, for the node logs (closes across the halves)
+                                 "at": round(at, 1), "healed_at": round(healed_at, 1),
+                                 "sides": side}
 
     def finish(self) -> None:
         self.swarm.poll()
         self.track()
         # churn's newcomers: s from launch to first accepted (None: not yet, or it left)
         self.out["joined_first_accepted_s"] = [self.first_accepted.get(n) for n in self.joined]
+        self.out["nat_of"] = {n.name: self.plan.nat_of(n.host)  # every peer run, left too
+                              for n in self.swarm.nodes.values() if n.role == "inference"}
         hist = self.trainer.status.get("reward_history", [])
         rewards = [r for _, r in hist]
         versions = [v for v, _ in hist]

@@ -2,12 +2,14 @@
 choice), and the downloads of the versions it accepts.
 
 One download per followed policy at a time; a newer version supersedes an unfinished one,
-unless that one superseded another itself and verified a shard in the last KEEP_STALL_S:
-then it runs to its end and the newest version announced meanwhile waits
-(`Follower.waiting`) and starts after it. Before (heal47), a follower that needs longer
-for a version than the trainer takes between versions (a home peer on a 200 ms path: 3-4 s
-a version, one every 1.4-2.3 s) had each download cancelled by the next and completed none
-for 48 s, until the trainer's interval happened to be longer.
+unless that one is kept (it superseded another, or it waited for one) and verified a shard
+in the last KEEP_STALL_S: then it runs to its end and the newest version announced
+meanwhile waits (`Follower.waiting`) and starts after it, kept too. Before (heal47), a
+follower that needs longer for a version than the trainer takes between versions (a home
+peer on a 200 ms path: 3-4 s a version, one every 1.4-2.3 s) had each download cancelled by
+the next and completed none for 48 s, until the trainer's interval happened to be longer;
+after heal47 and before swarm49, the version that had waited started unkept and the next
+version cancelled it: such a follower completed every other download it started.
 A version is accepted only if its missing bytes fit the disk beside the other downloads'
 reservations (space.py). A peer that advertises a version this node does not know yet is
 asked for its manifest (MANIFEST_PROTOCOL), one pull per policy at a time.
@@ -43,9 +45,9 @@ log = logging.getLogger(__name__)
 
 PULL_BACKOFF_S = 60.0
 KEEP_STALL_S = 5.0
-"""A download that superseded another is kept (newer versions wait for it) only while it
-verified a shard within this long: one stuck since a partition (its sources gone) is
-superseded as before. Without it (h47 run): half b's stuck downloads held the newest
+"""A kept download (it superseded or waited for another) holds newer versions back only
+while it verified a shard within this long: one stuck since a partition (its sources gone)
+is superseded as before. Without it (h47 run): half b's stuck downloads held the newest
 version back until their 120 s stall timeout, and the heal took 104 s."""
 PULL_GRACE_S = 1.0
 """A version first seen in an advert is pulled only if its manifest did not arrive by
@@ -88,7 +90,8 @@ class Job:
     task: asyncio.Task
     started: float = field(default_factory=time.monotonic)
     downloader: Downloader | None = None
-    superseded: bool = False  # it cancelled an unfinished download: it is not cancelled
+    kept: bool = False  # it cancelled an unfinished download or waited for one: while it
+    # makes progress, newer versions wait for it
 
 
 NATTED = frozenset({Verdict.RELAYED, Verdict.DIRECT, Verdict.UNREACHABLE})
@@ -191,7 +194,9 @@ class Follower:
 
     # Downloads -----------------------------------------------------------------------
 
-    def start(self, accepted: AcceptedManifest) -> None:
+    def start(self, accepted: AcceptedManifest, *, waited: bool = False) -> None:
+        """Download `accepted`'s version, or hold it to start next (see the module's
+        docstring). `waited`: it waited in `waiting` for the download before it."""
         m = accepted.manifest
         key = (m.policy_id, m.version)
         current = self.jobs.get(m.policy_id)
@@ -201,12 +206,13 @@ class Follower:
         if current is not None:
             if current.version >= m.version:
                 return
-            if current.superseded and not self._stalled(current):
+            if current.kept and not self._stalled(current):
                 # it runs to its end: the newest version waits for it
                 self.waiting[m.policy_id] = accepted
                 self.counters["downloads_deferred"] += 1
-                log.info("policy %s v%d waits: v%d is kept (it superseded another and is "
-                         "making progress)", m.policy_id[-8:], m.version, current.version)
+                log.info("policy %s v%d waits: v%d is kept (it superseded or waited for "
+                         "another and is making progress)", m.policy_id[-8:], m.version,
+                         current.version)
                 return
             current.task.cancel()  # a newer version supersedes an unfinished one
             self.space.release((m.policy_id, current.version))  # even if it never ran
@@ -219,7 +225,7 @@ class Follower:
         self.counters["downloads_started"] += 1
         self.jobs[m.policy_id] = Job(m.version, self.tasks.spawn(
             self._download_then_next(accepted), f"download {m.policy_id[-8:]} v{m.version}"),
-            superseded=current is not None)
+            kept=current is not None or waited)
         self.changed.fire()
 
     def resume(self) -> None:
@@ -284,7 +290,7 @@ class Follower:
             return
         nxt = self.waiting.pop(policy, None)
         if nxt is not None:
-            self.start(nxt)
+            self.start(nxt, waited=True)
 
     async def _download(self, accepted: AcceptedManifest) -> None:
         m = accepted.manifest

@@ -91,6 +91,42 @@ async def test_versions_faster_than_a_download_still_complete(tmp_path, swarm):
     assert c["downloads_deferred"] == 2
 
 
+async def test_a_version_that_waited_is_kept_too(tmp_path, swarm, monkeypatch):
+    """The version that waited behind a kept download starts kept: the next version waits
+    for it in turn. Before (swarm49), it started unkept and the next version cancelled it:
+    the slowest follower of the 10-node runs (heal48) completed every other download it
+    started. The trainer's uploads are throttled while a version is announced, so that no
+    download ends in between (KEEP_STALL_S raised: the throttle is no stall here)."""
+    tid, trainer, follower, publish_version = await _trainer_and_follower(
+        tmp_path, swarm, broadcast__chunk_timeout_s=2)
+    f = follower.follower
+    monkeypatch.setattr(follower_module, "KEEP_STALL_S", 1e9)
+    limiter = trainer.server.limiter
+
+    async def announce_while_throttled(v):
+        trainer.server.limiter = Throttle()
+        await publish_version(v)
+        await until(lambda: _known(follower, tid, v), what=f"v{v} known")
+        trainer.server.limiter = limiter
+
+    await publish_version(1)
+    await until(lambda: _verified(follower, tid, 1), what="v1 under way")
+    await announce_while_throttled(2)  # supersedes v1: kept
+    await until(lambda: _verified(follower, tid, 2), what="v2 under way")
+    await announce_while_throttled(3)  # waits for v2
+    assert _job(follower, tid).version == 2 and f.waiting[tid].manifest.version == 3
+    await until(lambda: _verified(follower, tid, 3), timeout=60, what="v3 under way")
+    assert _job(follower, tid).kept  # it waited for v2
+    await announce_while_throttled(4)
+    assert _job(follower, tid).version == 3  # before: cancelled by v4
+    assert f.waiting[tid].manifest.version == 4
+    await follower.done.wait(tid, 4)
+    assert {(tid, 2), (tid, 3), (tid, 4)} <= set(follower.done.got)
+    c = follower.counters()
+    assert c["downloads_superseded"] == 1 and c["downloads_deferred"] == 2
+    assert c["downloads_completed"] == 3
+
+
 async def test_a_stalled_download_is_still_superseded(tmp_path, swarm, monkeypatch):
     """A download that superseded another but verified nothing for KEEP_STALL_S (its
     sources gone: a partition) does not hold the newest version back until its stall

@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 
+from swarm_node.node.p2p import pubsub
 from swarm_node.node.p2p.gossip_push import _FRAME, FRAME_FORWARD, _names
+from swarm_node.protocol.limits import TopicRate
 
 from .conftest import wait_until
 from .test_gossip_push import raw_link
@@ -109,5 +111,31 @@ async def test_an_origins_bad_body_is_not_forwarded_early(make_node):
         assert c.metrics["payload_push_forwarded_early"] == 0
         assert c.metrics["payload_push_forwarded"] == 0
         assert not a.gossip.pusher.unclaimed
+    finally:
+        conn.abort()
+
+
+async def test_early_forwards_are_bounded_by_the_origins_rate(make_node, monkeypatch):
+    # Bodies an origin pushes and never announces pass no announce's admission: its early
+    # forwards take tokens of their own, at the topic's per-origin rate (here a burst of
+    # 1, refilled once in 1000 s): the second body waits for its announce.
+    a, b, c, _ = await three(make_node)
+    admission = c.gossip.validator.admission
+    rates = admission.rates if admission is not None else pubsub.DEFAULT_TOPIC_RATES
+    monkeypatch.setitem(rates, TOPIC, TopicRate(per_s=0.001, burst=1.0))
+    bodies = [announce_of(b, batch(b.peer_id, 8192, r))[:2] for r in (1, 2)]
+    conn = await raw_link(b, c)
+    try:
+        for body, _ in bodies:
+            await conn.write(forward_frame(body, [a.peer_id]))
+        await wait_until(lambda: all(held_from(c, ann.content_hash, b)
+                                     or held_from(a, ann.content_hash, c)
+                                     for _, ann in bodies), 30, what="both pushes")
+        await wait_until(lambda: held_from(a, bodies[0][1].content_hash, c), 30,
+                         what="the first body's early forward")
+        assert c.metrics["payload_push_early_rate_limited"] == 1
+        assert c.metrics["payload_push_forwarded_early"] == 1
+        assert held_from(c, bodies[1][1].content_hash, b)  # waits for its announce
+        assert not held_from(a, bodies[1][1].content_hash, c)
     finally:
         conn.abort()

@@ -17,7 +17,9 @@ to push it on to; + for type 3, forward-all: those, the public peers the body we
 the subscribers the publisher reaches or named) + the body. Two nodes behind NAT have no
 link: the publisher names such a subscriber to FORWARD_COPIES (2) public peers it pushes
 to, which forward the body once they checked the announce (so forwards stay within the
-origin's admitted rate; two: one of them may hold no connection to it). A subscriber the
+origin's admitted rate; two: one of them may hold no connection to it), or at once when
+the publisher pushed them its own body and it opens (`_forward_early`: the body proves
+its origin; within a per-origin budget at the topic's rate). A subscriber the
 publisher is not connected to at all (both behind NAT, no relayed connection) it cannot
 name: a forward-all frame lets each of its public peers push the body on to its own
 subscribers outside the publisher's lists, each to the two the rendezvous hash picks. In the 12-node simulated WAN such subscribers pulled 40-356

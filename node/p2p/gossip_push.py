@@ -279,8 +279,9 @@ class BodyPusher:
 
     def forward(self, digest: bytes, data: bytes, origin: str,
                 subscribers: Collection[str] = ()) -> int:
-        """After a pushed body was claimed and opened: push it on to the peers its pusher
-        named (forward frame) that we have a link with; how many. A forward-all frame
+        """After a pushed body was claimed and opened (or opened before its announce:
+        `_forward_early`): push it on to the peers its pusher named (forward frame) that
+        we have a link with; how many. A forward-all frame
         adds our `subscribers` (the topic's) that its origin neither reaches nor named,
         those whose rendezvous hash over the origin's forwarders picks us (one of
         FORWARD_COPIES); MAX_FORWARD copies in all at most."""

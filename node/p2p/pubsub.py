@@ -20,7 +20,7 @@ import trio
 from ...protocol.envelope import Envelope, open_envelope, seal
 from ...protocol.errors import ProtocolError
 from ...protocol.ids import FETCH_PROTOCOL, topic
-from ...protocol.limits import TOPIC_MESSAGE_TYPES
+from ...protocol.limits import DEFAULT_TOPIC_RATES, OTHER_TOPIC_RATE, TOPIC_MESSAGE_TYPES
 from ...protocol.messages import PayloadAnnounce, WireModel
 from . import patches
 from .bodies import KIND as BODY_KIND
@@ -31,6 +31,7 @@ from .errors import PublishError, RequestError
 from .gossip import GossipValidator, mesh_ready, origin_b58
 from .gossip_push import KIND as PUSH_KIND
 from .gossip_push import BodyPusher
+from .penalties import TokenBuckets
 from .reachability import Verdict
 from .requests import RequestService
 
@@ -142,6 +143,7 @@ class GossipService:
         self.body_server: BodyServer | None = None
         self.puller: BodyPuller | None = None
         self.pusher: BodyPusher | None = None  # bodies pushed by their publisher
+        self._early_rate = TokenBuckets(max_buckets=16384)  # early forwards: (origin, kind)
         self._t_shorter: trio.Event | None = None  # set when an outbound queue shrinks
         self.on_body: Callable[[BodyTrace], None] | None = None  # a benchmark's probe
 
@@ -411,13 +413,37 @@ class GossipService:
                 max_size=lambda: limits.max_envelope() + 4096,
                 held=lambda d: d in self._payloads, charge=self._reject_body,
                 spawn=self.ctx.spawn, reachable=self._public, member=self._member,
-                me=self.ctx.peer_id)
+                me=self.ctx.peer_id, early=self._opens_pushed)
             bulk.register(PUSH_KIND, self.pusher.serve)
             bulk.client.add_kind(PUSH_KIND, "pushed gossip bodies", 1, cfg.idle_s / 2)
             # found to be behind NAT: links the other way to the peers connected already
             self.ctx.reach.subscribe(
                 lambda _: self._public() or self.peers_connected(
                     set(self.ctx.peers.connected_peers()), warm=False))
+
+    def _opens_pushed(self, pusher: str, data: bytes) -> list[str] | None:
+        """BodyPusher's `early`: the subscribers of the body's topic if `data` is an
+        envelope `pusher` signed itself that opens (signature, sizes, a type one topic
+        allows, timestamp within the skew the replay cache enforces: the cache itself is
+        left to the announce's open) and the pusher's early forwards of that topic are within
+        its per-origin rate (a token bucket at the topic's rate, besides the one its
+        announces pass: bodies it pushes and never announces are forwarded no faster).
+        None: forward after the announce's check, as before."""
+        replay = self.validator.replay
+        skew = self.ctx.config.limits.max_clock_skew_s
+        try:
+            env = open_envelope(data, limits=self.ctx.limits, expected_sender=pusher,
+                                max_skew_s=min(skew, replay.window_s / 2))
+        except ProtocolError:
+            return None
+        kind = next((k for k, types in TOPIC_MESSAGE_TYPES.items() if env.type in types), None)
+        if kind is None or kind not in self._subs:
+            return None
+        rates = getattr(self.validator.admission, "rates", None) or DEFAULT_TOPIC_RATES
+        if not self._early_rate.take((pusher, kind), rates.get(kind, OTHER_TOPIC_RATE)):
+            self.metrics.inc("payload_push_early_rate_limited")
+            return None
+        return self.topic_peers(kind)
 
     def _member(self, peer: str) -> bool:
         return peer in self.ctx.peers.connected_peers()

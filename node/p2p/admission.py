@@ -25,8 +25,9 @@ Before verification (admit), in order:
    (budget / active subnets), or else if its (connection, origin) flow is below the flow
    share (the subnet share / the subnet's active flows). Many identities behind one subnet
    get that subnet's share, a flood spread over many flows their flows' shares, and light
-   honest flows pass whole (`over_budget`); what honest flows leave unused, the flood may
-   use. Origins the `established(peer)` callable names (peers with verified history, from
+   honest flows pass whole (`over_budget`), bursts included: a flow under its share banks
+   up to FairShare.BURST_S seconds of it (a relay's stall bunching its messages costs it
+   nothing); what honest flows leave unused, the flood may use. Origins the `established(peer)` callable names (peers with verified history, from
    the verifier) skip the fair shares.
 
 The trainers this node follows (`followed(peer)`, from the broadcaster) on the topics of

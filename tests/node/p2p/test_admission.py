@@ -264,3 +264,32 @@ def test_our_own_messages_echoed_back_are_dropped_silently():
     assert adm.metrics["gossip_own_echoes"] == 100
     assert adm.metrics["rejected.new_origin_throttled"] == 0 and not cuts
     assert adm.admit(relay, msg(peer()), False)  # the relay's new-origin tokens are intact
+
+
+def test_fair_share_lets_a_light_flow_bunched_by_a_stall_through_whole():
+    """The burst allowance (FairShare.BURST_S): 20 flood flows at twice their share and a
+    light flow at ~52% of it, all held back by a 3 s stall (of the relay that carries them)
+    and delivered at once: every light message passes (before the allowance: 33 of 38),
+    and the flood stays at its share over the whole run (the budget, 100/s)."""
+    clock = Clock()
+    fair = FairShare(100.0, clock=clock)
+    light = sent = flood = 0
+    for step in range(150):  # 15 s in rounds of 100 ms: each flood flow 10/s, the light 2.5/s
+        if not 60 <= step < 90:  # rounds 60-89: the stall, delivered at the end of it
+            clock.t += 0.1
+        elif step == 60:
+            clock.t += 3.0
+        for k in range(20):
+            flood += fair.allow(k)
+        if step % 4 == 0:
+            sent += 1
+            light += fair.allow("light")
+    assert light == sent == 38
+    assert flood <= 100 * 15 * 1.1
+    rich = FairShare(100.0, clock=clock)  # a flood flow never banks an allowance
+    for _ in range(300):
+        clock.t += 0.05
+        for k in range(20):
+            rich.allow(k)
+    clock.t += 0.001
+    assert sum(rich.allow(0) for _ in range(20)) <= 1

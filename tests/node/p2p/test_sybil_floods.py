@@ -59,6 +59,29 @@ def _message(kind: str, origin: str, i: int):
     return ShardAdvert(policy_id=origin, version=1000 + i, complete=True)  # "future" versions
 
 
+async def _flood_swarm(make_node, identities: int):
+    """(victim, relay, honest, sybils): the honest peer and each identity on its own
+    connection to the relay (as sybil peers), the relay connected to the victim, which
+    must not take the relay for the flooder."""
+    victim = await make_node(discovery=False)
+    relay = await make_node(bootstrap=victim.listen_addrs, discovery=False)
+    honest = await make_node(bootstrap=relay.listen_addrs, discovery=False)
+    sybils = [await make_node(bootstrap=relay.listen_addrs, discovery=False, **SETUP)
+              for _ in range(identities)]
+    return victim, relay, honest, sybils
+
+
+async def _meshed(kind, victim, relay, honest, sybils, at_victim) -> dict:
+    """Subscribe (the victim with `at_victim`), wait for the honest peer's path to the
+    victim on `kind`, and open each sybil's raw meshsub stream to the relay (by peer id)."""
+    await victim.subscribe(kind, at_victim)
+    for node in (relay, honest):
+        await node.subscribe(kind, ignore)
+    await wait_until(lambda: honest.peer_id in relay.gossip.topic_peers(kind)
+                     and relay.peer_id in victim.gossip.topic_peers(kind), 30, what="the topic")
+    return {s.peer_id: await s.open_stream(relay.peer_id, MESHSUB) for s in sybils}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(FLOODS))
 async def test_a_relay_carrying_a_many_identity_flood_is_never_cut(make_node, kind):
@@ -71,13 +94,7 @@ async def test_a_relay_carrying_a_many_identity_flood_is_never_cut(make_node, ki
     not in seconds: a loaded machine slows both alike (CI failed counting at an instant,
     the flood's end: 30 of 40 there by then, asked 32)."""
     identities, per_identity, rate = FLOODS[kind]
-    victim = await make_node(discovery=False)
-    relay = await make_node(bootstrap=victim.listen_addrs, discovery=False)
-    honest = await make_node(bootstrap=relay.listen_addrs, discovery=False)
-    # each identity its own connection to the relay (as sybil peers): the relay forwards
-    # all of them to the victim, which must not take it for the flooder
-    sybils = [await make_node(bootstrap=relay.listen_addrs, discovery=False, **SETUP)
-              for _ in range(identities)]
+    victim, relay, honest, sybils = await _flood_swarm(make_node, identities)
     flood_at_victim = 0
     honest_at_victim: dict[int, int] = {}  # honest message -> flood messages heard before it
     honest_sent_after: dict[int, int] = {}  # honest message -> flood messages sent before it
@@ -89,12 +106,7 @@ async def test_a_relay_carrying_a_many_identity_flood_is_never_cut(make_node, ki
         else:
             flood_at_victim += 1
 
-    await victim.subscribe(kind, at_victim)
-    for node in (relay, honest):
-        await node.subscribe(kind, ignore)
-    await wait_until(lambda: honest.peer_id in relay.gossip.topic_peers(kind)
-                     and relay.peer_id in victim.gossip.topic_peers(kind), 30, what="the topic")
-    streams = {s.peer_id: await s.open_stream(relay.peer_id, MESHSUB) for s in sybils}
+    streams = await _meshed(kind, victim, relay, honest, sybils, at_victim)
     loop = asyncio.get_running_loop()
     designed = identities * per_identity
     during: list[int] = []  # the honest messages published during the flood
@@ -171,11 +183,7 @@ async def test_a_stalled_relay_never_costs_an_honest_flow_under_its_fair_share(m
     dropped `over_budget`. Before the allowance: 16 of the 60 honest messages were lost
     (`over_budget` 11 at the relay, 5 at the victim)."""
     kind, identities, rate = "rollouts", 20, 10.0
-    victim = await make_node(discovery=False)
-    relay = await make_node(bootstrap=victim.listen_addrs, discovery=False)
-    honest = await make_node(bootstrap=relay.listen_addrs, discovery=False)
-    sybils = [await make_node(bootstrap=relay.listen_addrs, discovery=False, **SETUP)
-              for _ in range(identities)]
+    victim, relay, honest, sybils = await _flood_swarm(make_node, identities)
     honest_at_victim: set[int] = set()
     flood_at_victim = 0
 
@@ -186,12 +194,7 @@ async def test_a_stalled_relay_never_costs_an_honest_flow_under_its_fair_share(m
         else:
             flood_at_victim += 1
 
-    await victim.subscribe(kind, at_victim)
-    for node in (relay, honest):
-        await node.subscribe(kind, ignore)
-    await wait_until(lambda: honest.peer_id in relay.gossip.topic_peers(kind)
-                     and relay.peer_id in victim.gossip.topic_peers(kind), 30, what="the topic")
-    streams = {s.peer_id: await s.open_stream(relay.peer_id, MESHSUB) for s in sybils}
+    streams = await _meshed(kind, victim, relay, honest, sybils, at_victim)
 
     async def block() -> None:
         time.sleep(STALL_S)  # noqa: ASYNC251 - the stall under test: the thread blocked

@@ -1159,6 +1159,13 @@ def gossip_figures(args, n: int, work: Path) -> dict:
             start = time.time() + 2.0
             for p in procs:
                 p.send(json.dumps({"start": start}))
+            # each worker's RSS and CPU over the publishing window (from outside: the
+            # worker's code is the gossip section's), and the machine's busy share
+            time.sleep(max(0.0, start - time.time()))
+            u0, busy0 = [proc_usage(p) for p in procs], cpu_times()
+            window = args.rounds * args.interval
+            time.sleep(max(0.0, start + window - time.time()))
+            u1, busy1 = [proc_usage(p) for p in procs], cpu_times()
             results = [p.event("done", args.rounds * args.interval + args.drain + 120)
                        for p in procs]
             for r, h in zip(results, hosts, strict=True):
@@ -1167,6 +1174,9 @@ def gossip_figures(args, n: int, work: Path) -> dict:
             # every arrival, for a per-pair look at what was late or missing
             (work / "gossip" / "results.json").write_text(json.dumps(results))
             summary = summarize_libp2p(results, args)
+            summary["usage"] = worker_usage(results, plan, u0, u1, window)
+            summary["busy"] = busy_share(busy0, busy1)
+            summary["interval"] = args.interval
             summary["stage"] = lab.stage_stats()
         finally:
             for p in procs:
@@ -1192,6 +1202,31 @@ def gossip_figures(args, n: int, work: Path) -> dict:
     summary["cpu_rounds_s"] = sum(r.get("cpu_rounds_s", 0.0) for r in results)
     summary["nodes"] = n
     return summary
+
+
+def host_kind(plan: WanPlan, host: str) -> str:
+    """trainer / relay (the hubs every worker dials first) or the host's NAT kind."""
+    if host == plan.trainer:
+        return "trainer"
+    return "relay" if host in plan.relays else plan.nat_of(host)
+
+
+def worker_usage(results: list[dict], plan: WanPlan, u0: list[dict], u1: list[dict],
+                 window: float) -> dict[str, list[dict]]:
+    """Per kind, each gossip worker's open connections and GossipSub mesh degree at its end
+    (after the drain), its RSS at the end of the publishing window, its CPU s/s over that
+    window and its CPU per delivery (first round to last delivery over the batches it got)."""
+    usage: dict[str, list[dict]] = {}
+    for r, a, b in zip(results, u0, u1, strict=True):
+        links = r.get("links", {})
+        usage.setdefault(host_kind(plan, r["host"]), []).append({
+            "connections": len(links),
+            "relayed": sum(v == "relayed" for v in links.values()),
+            "mesh": len(r.get("mesh", [])), "rss_mib": b["rss_mib"],
+            "cpu_per_s": (b["cpu_s"] - a["cpu_s"]) / window if window else float("nan"),
+            "cpu_ms_per_delivery": (1000 * r.get("cpu_rounds_s", float("nan"))
+                                    / max(1, len(r.get("records", []))))})
+    return usage
 
 
 HOP_STAGES = ("seal_to_trio", "queue", "write", "wire", "wire_excess", "sched", "check",
@@ -1875,7 +1910,16 @@ def broadcast_body(args, out: dict, pending: str = "not run (no .venv-shardcast)
 
 # scaling --------------------------------------------------------------------------------------
 
+def scaling_interval(args, n: int) -> float:
+    """The gossip interval at `n` nodes: `--interval`, or with `--scaling-interval-per-peer`
+    that many s per other node (every node then receives the same bodies/s at every N)."""
+    per_peer = args.scaling_interval_per_peer
+    return round(per_peer * (n - 1), 2) if per_peer else args.interval
+
+
 def section_scaling(args, work: Path, model_dir: Path) -> tuple[str, dict]:
+    if args.scaling_layer == "p2p":
+        return section_scaling_p2p(args, work)
     out = {}
     for n in args.scaling:
         try:
@@ -1912,6 +1956,68 @@ def scaling_body(args, out: dict) -> str:
                     starts) + "\n\n"
             + table(["N", "kind", "n", "connections", "RSS MiB", "CPU s/s"], rows) + "\n\n"
             + table(GOSSIP_HEAD, grows))
+
+
+def section_scaling_p2p(args, work: Path) -> tuple[str, dict]:
+    """The p2p layer alone (gossip workers: our P2PNode, no model) at each `--scaling` N."""
+    out = {}
+    for n in args.scaling:
+        a = argparse.Namespace(**{**vars(args), "interval": scaling_interval(args, n)})
+        try:
+            with LoadSampler() as loads:
+                g = gossip_figures(a, n, work / f"p2p{n}")
+        except Exception as e:  # noqa: BLE001 - a size this machine cannot hold is a figure
+            out[n] = {"failed": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+            continue
+        g["rounds"], g["load"] = args.rounds, loads.summary()
+        out[n] = {"gossip": g}
+    return scaling_p2p_body(args, out), out
+
+
+def p2p_usage_rows(out: dict) -> list[list]:
+    """Per N and node kind: mean (min-max) connections, mesh degree, RSS, CPU."""
+    rows = []
+    for n, o in out.items():
+        if "failed" in o:
+            rows.append([n, "failed", o["failed"], "-", "-", "-", "-", "-", "-"])
+            continue
+        for kind, items in sorted(o["gossip"]["usage"].items()):
+            conns = [i["connections"] for i in items]
+            rows.append([n, kind, len(items),
+                         f"{statistics.fmean(conns):.1f} ({min(conns)}-{max(conns)})",
+                         sum(i["relayed"] for i in items),
+                         statistics.fmean(i["mesh"] for i in items),
+                         statistics.fmean(i["rss_mib"] for i in items),
+                         statistics.fmean(i["cpu_per_s"] for i in items),
+                         statistics.fmean(i["cpu_ms_per_delivery"] for i in items)])
+    return rows
+
+
+def scaling_p2p_body(args, out: dict) -> str:
+    runs = []
+    for n, o in out.items():
+        if "failed" in o:
+            continue
+        g = o["gossip"]
+        cores = sum(i["cpu_per_s"] for v in g["usage"].values() for i in v)
+        runs.append([n, g["interval"], (n - 1) / g["interval"],
+                     f"{g['rounds_complete']}/{g['rounds']}", f"{g['ratio']:.3f}",
+                     f"{g['round_p50']:.2f} / {g['round_p95']:.2f}", g["lat_p95"],
+                     g["pull_failed"], cores, g["busy"], g["load"]])
+    return (f"Load before: {args.load_before}. The p2p layer alone: `--sections gossip` workers "
+            "(our P2PNode: connection manager, GossipSub, pushes and pulls; no model) in the "
+            f"same `wan_plan` at {', '.join(map(str, out))} nodes, {args.rounds} rounds of "
+            f"{args.batch_kib} KiB per node"
+            + (f", interval {args.scaling_interval_per_peer:g} s per other node (each node "
+               "receives the same bodies/s at every N)" if args.scaling_interval_per_peer
+               else f", interval {args.interval:g} s") + ". Connections and mesh at each "
+            "worker's end; RSS at the end of the publishing window; CPU s/s over it; CPU "
+            "per delivery from the first round to the last delivery.\n\n"
+            + table(["N", "interval s", "bodies/s a node receives", "rounds all-delivered",
+                     "delivery ratio", "round p50 / p95 s", "message p95 s", "pulls failed",
+                     "workers' cores", "machine busy", "1-min load"], runs) + "\n\n"
+            + table(["N", "kind", "n", "connections mean (min-max)", "relayed", "mesh degree",
+                     "RSS MiB", "CPU s/s", "CPU ms per delivery"], p2p_usage_rows(out)))
 
 
 # headline rows ----------------------------------------------------------------------------------
@@ -1972,6 +2078,23 @@ def headlines(name: str, out: dict, args) -> list[Headline]:
                          f"shardcast {sc['t_all']:.0f} s, egress "
                          f"{sc['egress'] / out['size']:.1f}x" if sc and sc["t_all"]
                          else "shardcast not run or incomplete")]
+    if name == "scaling" and args.scaling_layer == "p2p":
+        per_n = []
+        for n, o in out.items():
+            if "failed" in o:
+                per_n.append(f"N={n}: failed")
+                continue
+            usage = o["gossip"]["usage"]
+            items = [i for k, v in usage.items() if k not in ("trainer", "relay") for i in v]
+            hubs = [i["connections"] for k in ("trainer", "relay") for i in usage.get(k, [])]
+            per_n.append(f"N={n}: peers {statistics.fmean(i['connections'] for i in items):.1f}"
+                         f" conns (max {max(i['connections'] for i in items)}), "
+                         f"{statistics.fmean(i['rss_mib'] for i in items):.0f} MiB, "
+                         f"{statistics.fmean(i['cpu_ms_per_delivery'] for i in items):.1f} ms "
+                         f"CPU/delivery; hubs {min(hubs)}-{max(hubs)} conns; "
+                         f"ratio {o['gossip']['ratio']:.3f}")
+        return [Headline("wan: per-node connections, RSS, CPU as N grows", "flat",
+                         "p2p layer (gossip workers, no model): " + "; ".join(per_n))]
     if name == "scaling":
         per_n = []
         for n, o in out.items():
@@ -1998,6 +2121,12 @@ def parse(argv=None):
     ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     ap.add_argument("--nodes", type=int, default=30)
     ap.add_argument("--scaling", type=int, nargs="+", default=[10, 20, 40])
+    ap.add_argument("--scaling-layer", choices=["full", "p2p"], default="full",
+                    help="scaling: full `swarm-node join` nodes (swarm steady state and "
+                         "gossip), or the p2p layer alone (gossip workers, no model)")
+    ap.add_argument("--scaling-interval-per-peer", type=float, metavar="S",
+                    help="scaling: the gossip interval at N nodes is S * (N - 1) (the same "
+                         "receive load per node at every N) instead of --interval")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trainer-mbit", type=float, default=1000.0)
     ap.add_argument("--workdir", type=Path)

@@ -18,9 +18,12 @@ from benchmarks.wan import (
     parse,
     peer_timeline,
     receiver_timelines,
+    scaling_interval,
+    scaling_p2p_body,
     swarm_body,
     unconnected_line,
     unconnected_pairs,
+    worker_usage,
 )
 from tests.waiting import wait_until
 
@@ -128,6 +131,44 @@ def test_scaling_headline_says_which_size_failed():
     out = {10: {"swarm": swarm_out({"cone": [40.0]})}, 40: {"failed": "NetlabError: x"}}
     (row,) = headlines("scaling", out, args)
     assert row.current == "N=10: peers 8.0 conns, 490 MiB, 0.04 CPU; N=40: failed"
+
+
+def p2p_scaling_out(plan) -> dict:
+    hosts = [plan.trainer, *plan.relays, *plan.peers]
+    # each worker's done event: its links at the end (one relayed), mesh, CPU, batches got
+    results = [{"host": h, "links": {"a": "direct", "b": "relayed", "c": "direct"},
+                "mesh": ["a", "c"], "cpu_rounds_s": 0.9, "records": [[]] * 90}
+               for h in hosts]
+    u0 = [{"rss_mib": 100.0, "cpu_s": 1.0}] * len(hosts)
+    u1 = [{"rss_mib": 150.0 + i, "cpu_s": 3.0} for i in range(len(hosts))]
+    usage = worker_usage(results, plan, u0, u1, window=20.0)
+    g = {"usage": usage, "interval": 4.5, "rounds": 10, "rounds_complete": 10, "ratio": 1.0,
+         "round_p50": 0.9, "round_p95": 1.2, "lat_p95": 0.7, "pull_failed": 0, "busy": 0.4,
+         "load": "min 1.0 / mean 2.0 / max 3.0 (3 samples)"}
+    return {len(hosts): {"gossip": g}, 40: {"failed": "NetlabError: out of memory"}}
+
+
+def test_p2p_scaling_reports_each_kind_of_worker_and_the_size_that_failed():
+    args = parse(["--sections", "scaling", "--scaling-layer", "p2p", "--scaling", "10", "40",
+                  "--scaling-interval-per-peer", "0.5"])
+    args.load_before = "1.00/1.00/1.00"
+    assert (scaling_interval(args, 10), scaling_interval(args, 40)) == (4.5, 19.5)
+    plan = wan_plan(10)
+    out = p2p_scaling_out(plan)
+    usage = out[10]["gossip"]["usage"]
+    assert sorted(usage) == ["cone", "public", "relay", "symmetric", "trainer"]
+    assert len(usage["trainer"]) == 1 and len(usage["relay"]) == 2
+    w = usage["trainer"][0]
+    assert (w["connections"], w["relayed"], w["mesh"]) == (3, 1, 2)
+    assert (w["rss_mib"], w["cpu_per_s"], w["cpu_ms_per_delivery"]) == (150.0, 0.1, 10.0)
+    body = scaling_p2p_body(args, out)
+    assert "interval 0.5 s per other node" in body
+    assert "| 10 | trainer | 1 | 3.0 (3-3) | 1 | 2 |" in body, body
+    assert "| 40 | failed | NetlabError: out of memory |" in body
+    (row,) = headlines("scaling", out, args)
+    assert row.current.startswith("p2p layer (gossip workers, no model): N=10: peers 3.0 "
+                                  "conns (max 3), ")
+    assert row.current.endswith("hubs 3-3 conns; ratio 1.000; N=40: failed"), row.current
 
 
 def test_load_sampler_samples_while_a_section_runs():

@@ -8,8 +8,12 @@ connection and why, and how steadily each follower completed versions.
   how the reads and writes ended), attributed in this order: the run's end; a churn leaver's
   exit (its log ends within 8 s); the partition (the two sides in different halves, from
   its start to 10 s after the heal); our code (`closed by us`, noise_io's write bound);
-  else UNEXPLAINED with both sides' read/write endings. Needs the JSON of a wan.py that
-  records `nat_of`, the churn's `left_nodes` and the partition's `at`/`healed_at`/`sides`.
+  else UNEXPLAINED with both sides' read/write endings, followed by both sides' py-libp2p
+  lines naming the other peer from LIB_BEFORE_S before the close to LIB_AFTER_S after it
+  (in the logs only when the run set `SWARM_NODE_LIBRARY_LOGS`, e.g.
+  `libp2p.relay.circuit_v2.dcutr=DEBUG,libp2p.network.swarm=DEBUG`). Needs the JSON of a
+  wan.py that records `nat_of`, the churn's `left_nodes` and the partition's
+  `at`/`healed_at`/`sides`.
 - followers: per boot peer, versions completed per minute in the WINDOW_S after its first
   (before the partition), the trainer's rate then; the versions each peer on the trainer's
   side completed during the partition; and the versions that waited behind a
@@ -30,6 +34,21 @@ WINDOW_S = 100.0
 CLOSE = re.compile(r"^(\S+ \S+) DEBUG\s+\S+relay: connection to (\S+) (opened|closed)"
                    r"(?: after (\S+) s)?: (direct \S+|relayed), (\w+)(?:; (.*))?$")
 NOISE_BOUND = "Noise write unfinished"
+LIB_BEFORE_S, LIB_AFTER_S = 5.0, 1.0  # py-libp2p lines shown around an unexplained close
+LIB_LINE = re.compile(r"^\S+ \S+ \w+\s+libp2p\.")
+
+
+def library_lines(lines: list[str], other_id: str, t: float) -> list[str]:
+    """A node's py-libp2p lines that name `other_id`, around a close at `t`."""
+    out = []
+    for ln in lines:
+        if LIB_LINE.match(ln) and other_id in ln:
+            s = _ts(ln)
+            if t - LIB_BEFORE_S <= s <= t + LIB_AFTER_S:
+                out.append(ln)
+            elif s > t + LIB_AFTER_S:
+                break
+    return out
 
 
 def _ts(line: str) -> float:
@@ -54,6 +73,7 @@ def closes(work: Path, run: dict, everyone: bool) -> Counter:
         for ln in lines[:400]:
             for m in re.finditer(r"peer id (12D3\w+)", ln):
                 names[m.group(1)] = name
+    ids = {name: pid for pid, name in names.items()}
     last = {n: _ts(lines[-1]) for n, lines in logs.items()}
     stops = [_ts(ln) for ln in logs["trainer"] if " swarm_node: stopp" in ln]
     end = min([last["trainer"], *stops]) - 3
@@ -100,6 +120,10 @@ def closes(work: Path, run: dict, everyone: bool) -> Counter:
         if cause != "run end":
             print(f"  {dt.datetime.fromtimestamp(t, dt.UTC):%H:%M:%S} {a}-{b} "
                   f"({pair}, {age} s old): {cause}")
+        if cause.startswith("UNEXPLAINED"):
+            for x, y in ((a, b), (b, a)):
+                for ln in library_lines(logs.get(x, []), ids.get(y, "?"), t):
+                    print(f"    {x}: {ln[11:]}")
         tally[(cause.split(":")[0] + (": " + cause.split(": ", 1)[1][:40] if ":" in cause else ""),
                "cone/cone" if pair == "cone/cone" else "other")] += 1
     return tally

@@ -261,3 +261,33 @@ def test_delivery_paths_name_how_each_rounds_slowest_delivery_came():
     assert {c: n for c, (n, _, _) in out["paths"].items()} == {
         "push/direct": 1, "pull/direct": 1, "pull/none": 2}
     assert out["worst"] == {"pull/none": 1, "pull/direct": 1}
+
+
+def test_swarm_logs_show_the_library_lines_around_an_unexplained_close(tmp_path, capsys):
+    from benchmarks.swarm_logs import closes
+
+    ida, idb = "12D3KooWAAAA", "12D3KooWBBBB"
+    day = "2026-12-05 06:51:"
+    logs = {
+        "trainer": [f"{day}00.000 INFO    swarm_node: peer id 12D3KooWTTTT",
+                    f"{day}59.000 INFO    swarm_node: stopping"],
+        "p1g1": [f"{day}00.000 INFO    swarm_node: peer id {ida}",
+                 f"{day}02.900 DEBUG   libp2p.relay.circuit_v2.dcutr: Connection established "
+                 f"to {idb} at /ip4/10.0.0.2/tcp/4001",
+                 f"{day}02.950 DEBUG   libp2p.network.swarm: dialing 12D3KooWCCCC",
+                 f"{day}03.000 DEBUG   swarm_node.node.p2p.relay: connection to {idb} closed "
+                 "after 0.3 s: direct /ip4/10.0.0.2/tcp/4001, outbound; reads ended (EOF)",
+                 f"{day}30.000 DEBUG   libp2p.network.swarm: much later {idb}"],
+        "p2g2": [f"{day}00.000 INFO    swarm_node: peer id {idb}",
+                 f"{day}03.010 DEBUG   swarm_node.node.p2p.relay: connection to {ida} closed "
+                 "after 0.3 s: direct /ip4/10.0.0.1/tcp/4001, inbound; writes ended (closed)"],
+    }
+    for name, lines in logs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "node.log").write_text("\n".join(lines) + "\n")
+    tally = closes(tmp_path, {"nat_of": {"p1g1": "cone", "p2g2": "cone"}}, everyone=False)
+    assert sum(tally.values()) == 1
+    out = capsys.readouterr().out
+    assert "p1g1-p2g2 (cone/cone, 0.3 s old): UNEXPLAINED" in out, out
+    shown = [ln for ln in out.splitlines() if ln.startswith("    p1g1: ")]
+    assert len(shown) == 1 and "dcutr: Connection established to 12D3KooWBBBB" in shown[0], out

@@ -10,9 +10,9 @@ connection and why, and how steadily each follower completed versions.
   its start to 10 s after the heal); our code (`closed by us`, noise_io's write bound);
   else UNEXPLAINED with both sides' read/write endings, followed by both sides' py-libp2p
   lines naming the other peer from LIB_BEFORE_S before the close to LIB_AFTER_S after it
-  (in the logs only when the run set `SWARM_NODE_LIBRARY_LOGS`, e.g.
-  `libp2p.relay.circuit_v2.dcutr=DEBUG,libp2p.network.swarm=DEBUG`). Needs the JSON of a
-  wan.py that records `nat_of`, the churn's `left_nodes` and the partition's
+  (in the logs only when the run raised them: `--node-set 'node.library_log_levels=
+  {"libp2p.relay.circuit_v2.dcutr": "DEBUG", "libp2p.network.swarm": "DEBUG"}'`). Needs the
+  JSON of a wan.py that records `nat_of`, the churn's `left_nodes` and the partition's
   `at`/`healed_at`/`sides`.
 - followers: per boot peer, versions completed per minute in the WINDOW_S after its first
   (before the partition), the trainer's rate then; the versions each peer on the trainer's

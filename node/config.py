@@ -121,6 +121,9 @@ class NodeSection(Section):
     """Log one JSON object per line instead of plain text."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     """Minimum level of log lines."""
+    library_log_levels: dict[str, Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]] = {}
+    """For diagnosis: chosen library loggers' levels over the defaults (libraries at WARNING,
+    py-libp2p at CRITICAL), e.g. `{"libp2p.network.swarm" = "DEBUG"}`."""
     dishonest: Literal["none", "tamper_tokens", "forge_reward"] = "none"
     """For demos and tests only: make this inference peer cheat in the given way."""
 

@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 import threading
 import time
 from typing import Any
-
-from .errors import NodeError
 
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {
     "message", "asctime", "taskName"}
@@ -120,23 +117,7 @@ def _repeat_key(record: logging.LogRecord) -> tuple:
 LIBRARY_LOGGERS = ("libp2p", "multiaddr", "trio", "urllib3", "httpx", "transformers",
                    "filelock", "asyncio", "huggingface_hub", "py.warnings", "torch")
 LIBRARY_ROOTS = {name.split(".", 1)[0] for name in LIBRARY_LOGGERS}
-LIBRARY_LOGS_ENV = "SWARM_NODE_LIBRARY_LOGS"
-"""For diagnosis: `logger=LEVEL,...` (e.g. `libp2p.network.swarm=DEBUG,libp2p.relay=INFO`)
-sets those library loggers' levels over the defaults above (py-libp2p at CRITICAL)."""
-
-
-def library_log_levels(spec: str | None = None) -> dict[str, int]:
-    """The levels `SWARM_NODE_LIBRARY_LOGS` (or `spec`) asks for, by logger name."""
-    spec = os.environ.get(LIBRARY_LOGS_ENV, "") if spec is None else spec
-    levels = {}
-    for item in filter(None, (x.strip() for x in spec.split(","))):
-        name, sep, level = item.rpartition("=")
-        value = logging.getLevelName(level.strip().upper())
-        if not sep or not name.strip() or not isinstance(value, int):
-            raise NodeError(f"{LIBRARY_LOGS_ENV}: {item!r} is not logger=LEVEL "
-                             "(DEBUG, INFO, WARNING, ERROR or CRITICAL)")
-        levels[name.strip()] = value
-    return levels
+_chosen_levels: dict[str, int] = {}  # `node.library_log_levels`, set by setup_logging
 
 
 def route_library_logs() -> None:
@@ -161,13 +142,19 @@ def route_library_logs() -> None:
             # library's level set in setup_logging. Only where one is set: each setLevel
             # clears every logger's cache (~800 library loggers once the model is loaded)
             logger.setLevel(logging.NOTSET)
-    for name, level in library_log_levels().items():  # chosen for diagnosis: over the above
+    for name, level in _chosen_levels.items():  # chosen for diagnosis: over the above
         logging.getLogger(name).setLevel(level)
 
 
-def setup_logging(level: str = "INFO", json_lines: bool = False, stream=None) -> None:
-    """Configure the root logger once: our lines at `level`, noisy libraries at WARNING,
-    every library and Python warning through our formatter, repeated warnings limited."""
+def setup_logging(level: str = "INFO", json_lines: bool = False, stream=None,
+                  library_levels: dict[str, str] | None = None) -> None:
+    """Configure the root logger once: our lines at `level`, noisy libraries at WARNING
+    (py-libp2p at CRITICAL) but for `library_levels` (logger name -> level, for
+    diagnosis), every library and Python warning through our formatter, repeated warnings
+    limited."""
+    _chosen_levels.clear()
+    _chosen_levels.update({name: logging.getLevelName(lv.upper())
+                           for name, lv in (library_levels or {}).items()})
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(JsonFormatter() if json_lines else PlainFormatter())
     handler.addFilter(RateLimit())

@@ -52,7 +52,8 @@ NOTIFY_SOCKET = "NOTIFY_SOCKET"  # set by a supervisor that wants the readiness 
 def run_node(cfg: Config, *, new_model: bool = False) -> None:
     # Library progress bars are not log lines (they break one-line and JSON logs).
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    setup_logging(cfg.node.log_level, json_lines=cfg.node.log_json)
+    setup_logging(cfg.node.log_level, json_lines=cfg.node.log_json,
+                  library_levels=cfg.node.library_log_levels)
     notes = check_config(cfg, new_model=new_model)
     lock = claim_data_dir(cfg)
     try:

@@ -272,15 +272,17 @@ def test_swarm_logs_show_the_library_lines_around_an_unexplained_close(tmp_path,
         "trainer": [f"{day}00.000 INFO    swarm_node: peer id 12D3KooWTTTT",
                     f"{day}59.000 INFO    swarm_node: stopping"],
         "p1g1": [f"{day}00.000 INFO    swarm_node: peer id {ida}",
-                 f"{day}02.900 DEBUG   libp2p.relay.circuit_v2.dcutr: Connection established "
-                 f"to {idb} at /ip4/10.0.0.2/tcp/4001",
+                 (f"{day}02.900 DEBUG   libp2p.relay.circuit_v2.dcutr: Connection "
+                  f"established to {idb} at /ip4/10.0.0.2/tcp/4001"),
                  f"{day}02.950 DEBUG   libp2p.network.swarm: dialing 12D3KooWCCCC",
-                 f"{day}03.000 DEBUG   swarm_node.node.p2p.relay: connection to {idb} closed "
-                 "after 0.3 s: direct /ip4/10.0.0.2/tcp/4001, outbound; reads ended (EOF)",
+                 (f"{day}03.000 DEBUG   swarm_node.node.p2p.relay: connection to {idb} "
+                  "closed after 0.3 s: direct /ip4/10.0.0.2/tcp/4001, outbound; reads ended "
+                  "(EOF)"),
                  f"{day}30.000 DEBUG   libp2p.network.swarm: much later {idb}"],
         "p2g2": [f"{day}00.000 INFO    swarm_node: peer id {idb}",
-                 f"{day}03.010 DEBUG   swarm_node.node.p2p.relay: connection to {ida} closed "
-                 "after 0.3 s: direct /ip4/10.0.0.1/tcp/4001, inbound; writes ended (closed)"],
+                 (f"{day}03.010 DEBUG   swarm_node.node.p2p.relay: connection to {ida} "
+                  "closed after 0.3 s: direct /ip4/10.0.0.1/tcp/4001, inbound; writes ended "
+                  "(closed)")],
     }
     for name, lines in logs.items():
         (tmp_path / name).mkdir()

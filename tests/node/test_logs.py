@@ -8,7 +8,6 @@ import logging
 import threading
 
 import pytest
-from swarm_node.node.errors import NodeError
 from swarm_node.node.logs import event, setup_logging
 
 
@@ -145,17 +144,18 @@ def test_exact_repeats_of_info_lines_are_rate_limited(capture):
     assert sum("published round" in d["msg"] for d in docs) == 5
 
 
-def test_chosen_library_loggers_can_be_turned_up_for_diagnosis(capture, monkeypatch):
-    # py-libp2p is at CRITICAL; SWARM_NODE_LIBRARY_LOGS opens chosen loggers (a node's
-    # hole-punch or swarm DEBUG lines) without opening the rest of the library
-    from swarm_node.node.logs import LIBRARY_LOGS_ENV
+def test_chosen_library_loggers_can_be_turned_up_for_diagnosis(capture):
+    # py-libp2p is at CRITICAL; node.library_log_levels opens chosen loggers (a node's
+    # hole-punch or swarm DEBUG lines) without opening the rest of the library, and
+    # route_library_logs (run again after the heavy imports) keeps them open
+    from swarm_node.node.logs import route_library_logs
 
-    monkeypatch.setenv(LIBRARY_LOGS_ENV,
-                       "libp2p.relay.circuit_v2.dcutr=DEBUG, libp2p.network.swarm=info")
     chosen = [logging.getLogger("libp2p.relay.circuit_v2.dcutr"),
               logging.getLogger("libp2p.network.swarm")]
     try:
-        setup_logging("INFO", stream=capture)
+        setup_logging("INFO", stream=capture, library_levels={
+            "libp2p.relay.circuit_v2.dcutr": "DEBUG", "libp2p.network.swarm": "INFO"})
+        route_library_logs()
         chosen[0].debug("hole punch to %s", "QmPeer")
         chosen[1].debug("not at INFO")
         chosen[1].info("closing connection")
@@ -165,16 +165,15 @@ def test_chosen_library_loggers_can_be_turned_up_for_diagnosis(capture, monkeypa
                                                               "closing connection"], lines
         assert "DEBUG   libp2p.relay.circuit_v2.dcutr" in lines[0]
     finally:
-        monkeypatch.delenv(LIBRARY_LOGS_ENV)
         setup_logging("INFO", stream=capture)  # back to the defaults for other tests
     assert all(logger.level == logging.NOTSET for logger in chosen)
 
 
-def test_a_malformed_library_log_switch_is_refused_by_name():
-    from swarm_node.node.logs import library_log_levels
+def test_library_log_levels_are_checked_with_the_config():
+    from pydantic import ValidationError
+    from swarm_node.node.config import NodeSection
 
-    assert library_log_levels("") == {}
-    assert library_log_levels("libp2p=warning,") == {"libp2p": logging.WARNING}
-    for bad in ("libp2p.network.swarm", "libp2p=LOUD", "=DEBUG"):
-        with pytest.raises(NodeError, match="SWARM_NODE_LIBRARY_LOGS"):
-            library_log_levels(bad)
+    assert NodeSection(library_log_levels={"libp2p": "WARNING"}).library_log_levels == {
+        "libp2p": "WARNING"}
+    with pytest.raises(ValidationError, match="library_log_levels"):
+        NodeSection(library_log_levels={"libp2p": "LOUD"})

@@ -8,7 +8,9 @@ connection and why, and how steadily each follower completed versions.
   how the reads and writes ended), attributed in this order: the run's end; a churn leaver's
   exit (its log ends within 8 s); the partition (the two sides in different halves, from
   its start to 10 s after the heal); our code (`closed by us`, noise_io's write bound);
-  else UNEXPLAINED with both sides' read/write endings, followed by both sides' py-libp2p
+  py-libp2p's hole punch closing the connection it had just made (`[ADDCONN_FAIL] ...
+  Cancelled` in a side's swarm log: `cancelled_add_conn`); else UNEXPLAINED with both
+  sides' read/write endings, followed by both sides' py-libp2p
   lines naming the other peer from LIB_BEFORE_S before the close to LIB_AFTER_S after it
   (in the logs only when the run raised them: `--node-set 'node.library_log_levels=
   {"libp2p.relay.circuit_v2.dcutr": "DEBUG", "libp2p.network.swarm": "DEBUG"}'`). Needs the
@@ -36,6 +38,19 @@ CLOSE = re.compile(r"^(\S+ \S+) DEBUG\s+\S+relay: connection to (\S+) (opened|cl
 NOISE_BOUND = "Noise write unfinished"
 LIB_BEFORE_S, LIB_AFTER_S = 5.0, 1.0  # py-libp2p lines shown around an unexplained close
 LIB_LINE = re.compile(r"^\S+ \S+ \w+\s+libp2p\.")
+
+
+def cancelled_add_conn(logs: dict[str, list[str]], ids: dict[str, str], a: str, b: str,
+                       t: float) -> bool:
+    """py-libp2p's own close (swarm logger at DEBUG): DCUtR's `_perform_hole_punch` cancels
+    its dial tasks once a direct connection verifies, and the task that made that very
+    connection was still in `add_conn`'s notify (pubsub's notifee): add_conn's cleanup logs
+    `[ADDCONN_FAIL] ... Cancelled` and closes the connection it had just registered."""
+    for x, y in ((a, b), (b, a)):
+        for ln in library_lines(logs.get(x, []), ids.get(y, "?"), t):
+            if "[ADDCONN_FAIL]" in ln and "Cancelled" in ln:
+                return True
+    return False
 
 
 def library_lines(lines: list[str], other_id: str, t: float) -> list[str]:
@@ -112,6 +127,8 @@ def closes(work: Path, run: dict, everyone: bool) -> Counter:
                                      else whys[0].split("; ", 1)[-1][:80])
         elif ours:
             cause = "ours: " + ours[0].split("(", 1)[1].split(")")[0]
+        elif cancelled_add_conn(logs, ids, a, b, t):
+            cause = "py-libp2p: hole punch cancelled its own dial in add_conn"
         elif any(NOISE_BOUND in w for w in whys):
             cause = "ours: noise_io write bound"
         else:

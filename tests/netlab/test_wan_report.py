@@ -263,9 +263,9 @@ def test_delivery_paths_name_how_each_rounds_slowest_delivery_came():
     assert out["worst"] == {"pull/none": 1, "pull/direct": 1}
 
 
-def test_swarm_logs_show_the_library_lines_around_an_unexplained_close(tmp_path, capsys):
-    from benchmarks.swarm_logs import closes
-
+def write_close_logs(path, extra: tuple[str, ...] = ()) -> None:
+    """Two peers' node logs: a direct connection closed 0.3 s after it opened, on both
+    sides, and py-libp2p lines around it (`extra`: more of p1g1's, before its close)."""
     ida, idb = "12D3KooWAAAA", "12D3KooWBBBB"
     day = "2026-12-05 06:51:"
     logs = {
@@ -275,6 +275,7 @@ def test_swarm_logs_show_the_library_lines_around_an_unexplained_close(tmp_path,
                  (f"{day}02.900 DEBUG   libp2p.relay.circuit_v2.dcutr: Connection "
                   f"established to {idb} at /ip4/10.0.0.2/tcp/4001"),
                  f"{day}02.950 DEBUG   libp2p.network.swarm: dialing 12D3KooWCCCC",
+                 *(f"{day}02.960 {line}".replace("PEER", idb) for line in extra),
                  (f"{day}03.000 DEBUG   swarm_node.node.p2p.relay: connection to {idb} "
                   "closed after 0.3 s: direct /ip4/10.0.0.2/tcp/4001, outbound; reads ended "
                   "(EOF)"),
@@ -285,11 +286,31 @@ def test_swarm_logs_show_the_library_lines_around_an_unexplained_close(tmp_path,
                   "(closed)")],
     }
     for name, lines in logs.items():
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "node.log").write_text("\n".join(lines) + "\n")
+        (path / name).mkdir()
+        (path / name / "node.log").write_text("\n".join(lines) + "\n")
+
+
+def test_swarm_logs_show_the_library_lines_around_an_unexplained_close(tmp_path, capsys):
+    from benchmarks.swarm_logs import closes
+
+    write_close_logs(tmp_path)
     tally = closes(tmp_path, {"nat_of": {"p1g1": "cone", "p2g2": "cone"}}, everyone=False)
     assert sum(tally.values()) == 1
     out = capsys.readouterr().out
     assert "p1g1-p2g2 (cone/cone, 0.3 s old): UNEXPLAINED" in out, out
     shown = [ln for ln in out.splitlines() if ln.startswith("    p1g1: ")]
     assert len(shown) == 1 and "dcutr: Connection established to 12D3KooWBBBB" in shown[0], out
+
+
+def test_swarm_logs_name_the_hole_punch_that_closed_its_own_connection(tmp_path, capsys):
+    # swarm10 s50 10:02:14: DCUtR cancelled its dials once the connection verified; the dial
+    # that made it was still in add_conn's notify, whose cleanup closed it
+    from benchmarks.swarm_logs import closes
+
+    failed = ("WARNING libp2p.network.swarm: [ADDCONN_FAIL] add_conn failed for peer PEER: "
+              "BaseExceptionGroup('Exceptions from Trio nursery', [Cancelled(source='explicit')])")
+    write_close_logs(tmp_path, (failed,))
+    closes(tmp_path, {"nat_of": {"p1g1": "cone", "p2g2": "cone"}}, everyone=False)
+    out = capsys.readouterr().out
+    assert ("p1g1-p2g2 (cone/cone, 0.3 s old): py-libp2p: hole punch cancelled its own dial "
+            "in add_conn") in out, out

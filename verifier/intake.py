@@ -30,10 +30,14 @@ New identities are free, so budgets bind work, not keys. Senders are split in tw
   at `probation_time_share`, rises by `probation_share_step` per accepted probation batch
   up to `probation_time_share_max` (the bucket, `probation_burst_s` deep at the floor,
   deepens with it), and falls back to the floor at the first probation batch found bogus or
-  over budget, or evicted as its sender's only one (more fresh senders waiting than slots).
+  over budget, or evicted as its sender's only one (more fresh senders waiting than slots);
+  below it, while probation batches keep failing and none was accepted for
+  `probation_hold_s`, each further failure halves it, down to `probation_time_share_min`
+  (an accepted batch, or `probation_recover_s` of an empty lane, restores the floor).
   To hold a larger share, an attacker must send batches that verify: sampling with the
   policy, which costs more than the verification costs the trainer. Idle time, when the
-  trainer only waits for peers, is lent to them one batch at a time, and counted apart
+  trainer only waits for peers, is lent to them one batch at a time (not while the latest
+  probation batch failed: a flood's batches would take it), and counted apart
   (`lent`); so are up to `newcomer_lend` senders' first batches before each of the
   trainer's own sampling rounds while the share is raised (`lend_to_newcomer`). Each
   probation sender starts with a credit of `probation_tokens` verified tokens that does not
@@ -43,9 +47,9 @@ New identities are free, so budgets bind work, not keys. Senders are split in tw
   bogus batch costs one group's forward pass.
 
 A flood of bogus batches from any number of fresh keys therefore costs the trainer at
-most `probation_time_share` of its time once it is seen (plus what was banked while the
-share was raised: at most the raised bucket and one lent batch, and what it lends while
-idle), established peers are served first throughout, and the flood's own batches mostly
+most `probation_time_share` of its time once it is seen, `probation_time_share_min` once it
+lasted `probation_hold_s` (plus what was banked while the share was raised: at most the
+raised bucket and one lent batch), established peers are served first throughout, and the flood's own batches mostly
 expire in the probation queue unverified. `established` is also what the gossip layer may
 use to give peers with verified history priority (a plain callable: peer id -> bool).
 

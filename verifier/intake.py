@@ -30,10 +30,14 @@ New identities are free, so budgets bind work, not keys. Senders are split in tw
   at `probation_time_share`, rises by `probation_share_step` per accepted probation batch
   up to `probation_time_share_max` (the bucket, `probation_burst_s` deep at the floor,
   deepens with it), and falls back to the floor at the first probation batch found bogus or
-  over budget, or evicted as its sender's only one (more fresh senders waiting than slots).
+  over budget, or evicted as its sender's only one (more fresh senders waiting than slots);
+  below it, while probation batches keep failing and none was accepted for
+  `probation_hold_s`, each further failure halves it, down to `probation_time_share_min`
+  (an accepted batch, or `probation_recover_s` of an empty lane, restores the floor).
   To hold a larger share, an attacker must send batches that verify: sampling with the
   policy, which costs more than the verification costs the trainer. Idle time, when the
-  trainer only waits for peers, is lent to them one batch at a time, and counted apart
+  trainer only waits for peers, is lent to them one batch at a time (not while the latest
+  probation batch failed: a flood's batches would take it), and counted apart
   (`lent`); so are up to `newcomer_lend` senders' first batches before each of the
   trainer's own sampling rounds while the share is raised (`lend_to_newcomer`). Each
   probation sender starts with a credit of `probation_tokens` verified tokens that does not
@@ -43,9 +47,9 @@ New identities are free, so budgets bind work, not keys. Senders are split in tw
   bogus batch costs one group's forward pass.
 
 A flood of bogus batches from any number of fresh keys therefore costs the trainer at
-most `probation_time_share` of its time once it is seen (plus what was banked while the
-share was raised: at most the raised bucket and one lent batch, and what it lends while
-idle), established peers are served first throughout, and the flood's own batches mostly
+most `probation_time_share` of its time once it is seen, `probation_time_share_min` once it
+lasted `probation_hold_s` (plus what was banked while the share was raised: at most the
+raised bucket and one lent batch), established peers are served first throughout, and the flood's own batches mostly
 expire in the probation queue unverified. `established` is also what the gossip layer may
 use to give peers with verified history priority (a plain callable: peer id -> bool).
 
@@ -93,6 +97,15 @@ class IntakeLimits:
     # back to `probation_time_share` at the first bogus, over-budget or flood-evicted batch
     probation_time_share_max: float = 0.5
     probation_share_step: float = 0.1
+    # below the floor, while probation work keeps failing (a flood of fresh keys): each
+    # further bogus, over-budget or flood-evicted batch halves the share, down to
+    # `probation_time_share_min`, once `probation_hold_s` passed since the last accepted
+    # probation batch (a newcomer's next batches keep the floor); no idle time is lent
+    # while the latest probation batch failed; an accepted probation batch, or
+    # `probation_recover_s` with no probation work waiting, restores the floor (and lending)
+    probation_time_share_min: float = 0.02
+    probation_hold_s: float = 10.0
+    probation_recover_s: float = 5.0
     newcomer_lend: int = 4  # first batches lent time before each of the trainer's own rounds
     # verification seconds they may spend at once: short, so the share is spread over the
     # trainer's loop instead of stalling one step for seconds (a 2-s burst cut an honest
@@ -170,13 +183,28 @@ class TimeShare:
     by `step` (`rise`), the first bogus, over-budget or flood-evicted one drops it back to
     the floor (`fall`). The burst scales with it (`burst_s` at the floor), so a raised share
     may verify several newcomers' batches between two of the trainer's steps, and a fallen
-    one is back to short turns at once."""
+    one is back to short turns at once.
+
+    Below the floor (`flooded`): each further failing batch at the floor halves the share,
+    down to `low`, once `hold_s` passed since the last accepted one (a newcomer's next
+    batches, before it is established, keep the floor), so a sustained flood of failing
+    fresh keys gets `low` of the time (the
+    `verifier-flood` benchmark: 0.4-0.8 s of the trainer's verification a 15-s window at
+    the floor, with idle time lent). An accepted probation batch lifts it back to the
+    floor and a step above (`rise`), and so does `recover_s` with no probation work
+    waiting (the flood is over): a newcomer is never held below the floor longer than the
+    flood that put it there."""
 
     def __init__(self, share: float, burst_s: float,
                  clock: Callable[[], float] = time.monotonic, *, top: float | None = None,
                  step: float = 0.0, waiting: Callable[[], bool] | None = None,
-                 quiet_grace_s: float = 0.2):
+                 quiet_grace_s: float = 0.2, low: float | None = None,
+                 hold_s: float = 10.0, recover_s: float = 5.0):
         self.floor, self.top, self.step = share, max(share, top or share), step
+        self.low = share if low is None else min(share, max(low, 1e-3))
+        self.hold_s, self.recover_s = hold_s, recover_s
+        self._accepted_at = float("-inf")  # the last accepted probation batch
+        self._failing = False
         self.share, self.clock, self._burst_s = share, clock, burst_s
         # whether probation work waits (None: always): the bucket refills then and for
         # `quiet_grace_s` after the lane emptied (a turn of the trainer's loop, which may
@@ -199,6 +227,17 @@ class TimeShare:
         """Above the floor: recent probation work was verified and accepted."""
         return self.share > self.floor
 
+    @property
+    def flooded(self) -> bool:
+        """Below the floor: probation work kept failing."""
+        return self.share < self.floor
+
+    @property
+    def failing(self) -> bool:
+        """The latest probation batch failed (`fall`; until one is accepted or the lane
+        stays empty for `recover_s`): no idle time is lent then."""
+        return self._failing
+
     def level(self) -> float:
         now = end = self.clock()
         if self.waiting is None or self.waiting():
@@ -207,6 +246,9 @@ class TimeShare:
             if self._quiet_since is None:
                 self._quiet_since = self._at
             end = max(self._at, min(now, self._quiet_since + self.quiet_grace_s))
+            if self._failing and now - self._quiet_since >= self.recover_s:
+                # the lane stayed empty: the flood is over
+                self.share, self._failing = max(self.share, self.floor), False
         self._level = min(self.burst_s, self._level + (end - self._at) * self.share)
         self._at = now
         return self._level
@@ -223,14 +265,22 @@ class TimeShare:
         self._level = self.level() - seconds
 
     def rise(self) -> None:
-        """An accepted probation batch: the share rises a step (up to `top`)."""
+        """An accepted probation batch: the share rises a step (up to `top`), from the
+        floor at least."""
         self.level()  # the refill so far at the old rate
-        self.share = min(self.top, self.share + self.step)
+        self.share = min(self.top, max(self.share, self.floor) + self.step)
+        self._accepted_at, self._failing = self.clock(), False
 
     def fall(self) -> None:
-        """A bogus, over-budget or flood-evicted probation batch: back to the floor."""
+        """A bogus, over-budget or flood-evicted probation batch: back to the floor, or
+        from it (or below) half the way down, to `low` at least, once `hold_s` passed since
+        the last accepted one."""
         self.level()
-        self.share = self.floor
+        self._failing = True
+        if self.share > self.floor:
+            self.share = self.floor
+        elif self.clock() - self._accepted_at >= self.hold_s:
+            self.share = max(self.low, self.share / 2)
         self._level = min(self._level, self.burst_s)
 
 
@@ -488,7 +538,10 @@ class Intake:
         self.share = TimeShare(self.limits.probation_time_share, self.limits.probation_burst_s,
                                clock, top=self.limits.probation_time_share_max,
                                step=self.limits.probation_share_step,
-                               waiting=lambda: self.queue.probation_waiting > 0)
+                               waiting=lambda: self.queue.probation_waiting > 0,
+                               low=self.limits.probation_time_share_min,
+                               hold_s=self.limits.probation_hold_s,
+                               recover_s=self.limits.probation_recover_s)
         self.arrived = asyncio.Event()
         self.verified_batches = 0  # batches with accepted rollouts (the caller resets it)
         self._told_banned: OrderedDict[str, float] = OrderedDict()
@@ -586,8 +639,13 @@ class Intake:
 
     # serving ------------------------------------------------------------------------------
 
+    def _lend(self, idle: bool) -> bool:
+        """Whether idle time may go to probation work beyond the share: not while the
+        latest probation batch failed (`TimeShare.failing`: a flood of fresh keys)."""
+        return idle and not self.share.failing
+
     def _next(self, idle: bool) -> tuple[str, object] | None:
-        return self.queue.get(probation_ok=idle or self.share.ready(),
+        return self.queue.get(probation_ok=self._lend(idle) or self.share.ready(),
                               probation_share=max(self.limits.probation_share,
                                                   self.share.share))
 
@@ -616,7 +674,7 @@ class Intake:
     def servable(self, idle: bool = False) -> bool:
         """Whether `drain` would verify something now."""
         return bool(self.queue.established_waiting) or (
-            len(self.queue) > 0 and (idle or self.share.ready()))
+            len(self.queue) > 0 and (self._lend(idle) or self.share.ready()))
 
     async def wait(self, stop: asyncio.Event, timeout: float, idle: bool = False) -> None:
         """Until something is servable (or a batch arrives), `stop` is set, or `timeout`."""
@@ -641,7 +699,7 @@ class Intake:
         deadline = self.clock() + self.limits.drain_max_s
         done = 0
         while self.clock() < deadline and not (stop is not None and stop.is_set()):
-            lent = idle and not self.share.ready()
+            lent = self._lend(idle) and not self.share.ready()
             nxt = self._next(idle)
             if nxt is None:
                 break

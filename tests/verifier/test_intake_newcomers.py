@@ -13,6 +13,7 @@ from swarm_node.verifier.intake import IntakeLimits, TimeShare, VerificationQueu
 from .test_intake import Clock, Scripted, batch, make
 
 FLOOR = IntakeLimits().probation_time_share
+LOW = IntakeLimits().probation_time_share_min
 
 
 async def offer(intake, sender: str, round_: int) -> None:
@@ -147,7 +148,7 @@ async def test_a_bogus_flood_drops_the_share_to_the_floor_within_a_batch(tmp_pat
         await intake.drain()
         clock.t += 1.0
     flood_s = (len(v.calls) - flood_calls) * 0.2
-    assert intake.share.share == FLOOR
+    assert intake.share.share == LOW  # below the floor once it kept failing
     assert flood_s <= FLOOR * (clock.t - start) + 2.5 + 0.2, (flood_s, clock.t - start)
 
 
@@ -190,3 +191,66 @@ async def test_a_newcomers_second_batch_is_not_lent_time(tmp_path):
     await offer(intake, "12D3KooWfirst", 2)
     assert not intake.newcomer_waiting() and await intake.lend_to_newcomer() == 0
     assert intake.batches["probation_lent"] == 1
+
+
+async def test_a_failing_flood_gets_less_than_the_floor_and_no_idle_time(tmp_path):
+    """The `verifier-flood` shape (issue 30, flood50): 50 fresh keys a second over 4
+    connections, every batch bogus (50 ms of the worker each), against a trainer that
+    drains between steps and, waiting for its peers, offers its idle time (`drain(idle)`,
+    node/roles/trainer.py). Once `probation_hold_s` passed with nothing accepted, the share
+    halves at each failing batch down to `probation_time_share_min`, and no idle time is
+    lent to it while its batches fail: over 60 s the flood verifies at most the floor's
+    share for 10 s at the start and after the newcomer's accepted batch, the minimum's
+    otherwise and the buckets (<= 4.8 s), where the old intake gave it the floor throughout
+    and every idle turn. An honest newcomer on its own connection,
+    joining 30 s in, is still accepted (within 15 s; at the floor: 2.5 s), and 5 s after
+    the flood the share is back at its floor."""
+    lim = IntakeLimits()
+
+    class Judge(Scripted):
+        def verify(self, b, sender, spot_check=None, probe=False, as_of=None):
+            self.reason = "proof_index_mismatch" if sender.startswith("sybil") else "ok"
+            return super().verify(b, sender, spot_check, probe, as_of)
+
+    clock = Clock()
+    v = Judge(clock, cost=0.05)
+    intake = make(tmp_path, v)
+    carrier: dict[str, str] = {}
+    intake.introducer = lambda sender: (carrier.get(sender, sender), "127.0.0.0/24")
+    start, keys, joined, accepted_at = clock.t, 0, None, None
+    for second in range(60):
+        for _ in range(50):
+            keys += 1
+            carrier[f"sybil{keys}"] = f"carrier{keys % 4}"
+            await offer(intake, f"sybil{keys}", keys)
+        if second == 30:
+            joined = clock.t
+        if joined is not None and second % 2 == 0:
+            await offer(intake, "newcomer", 10_000 + second)
+        await intake.drain()  # between two steps
+        for _ in range(5):  # waiting for its peers: idle
+            await intake.drain(idle=True)
+            clock.t += 0.1
+        got = intake.state.by_peer.get("newcomer")
+        if accepted_at is None and got is not None and got.accepted:
+            accepted_at = clock.t
+    elapsed = clock.t - start
+    bogus_s = (intake.seconds["probation"] + intake.seconds["probation_lent"]
+               - 0.05 * sum(1 for s, _ in v.calls if s == "newcomer"))
+    # the floor for `hold_s` at the start and after the newcomer's accepted batch, the
+    # minimum otherwise, the floor's bucket and the raised one (0.2: twice as deep)
+    bound = (2 * lim.probation_time_share * lim.probation_hold_s
+             + lim.probation_time_share_min * elapsed + 3 * lim.probation_burst_s + 0.1)
+    assert bogus_s <= bound, (bogus_s, bound, intake.seconds)
+    # lent: the flood's first batch (nothing had failed yet) and one after the newcomer's
+    # accepted batch, each then found bogus
+    assert intake.batches["probation_lent"] <= 2, intake.batches
+    assert intake.share.share == lim.probation_time_share_min
+    assert accepted_at is not None and accepted_at - joined <= 15.0, (accepted_at, joined)
+    # the flood ends: its queued batches age out of the lane or are verified, then 5 s quiet
+    while intake.queue.probation_waiting:
+        intake.queue.get_probation()
+    intake.share.level()
+    clock.t += lim.probation_recover_s
+    intake.share.level()
+    assert intake.share.share == lim.probation_time_share

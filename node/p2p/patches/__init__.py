@@ -32,6 +32,7 @@ import libp2p
 from . import (
     accept_gate,
     autodial,
+    connected_shield,
     flood_publish,
     handlers,
     inbound_slots,
@@ -87,11 +88,13 @@ def install() -> None:
 
 def patch_host(host, on_fault: FaultHook, accept: accept_gate.Admit | None = None) -> None:
     """Stream handlers guarded, the AutoConnector off, inbound slots released on close,
-    and (given `accept`: accept_gate.Admit) new inbound connections paced at TCP accept. Before
-    the host listens and before pubsub adds its handlers."""
+    registered connections kept when their dial is cancelled, and (given `accept`:
+    accept_gate.Admit) new inbound connections paced at TCP accept. Before the host listens
+    and before pubsub adds its handlers."""
     handlers.patch_stream_handlers(host, on_fault)
     autodial.patch_auto_connector(host)
     inbound_slots.patch_inbound_slots(host.get_network())
+    connected_shield.patch_connected_shield(host.get_network())
     if accept is not None:
         accept_gate.patch_accept_gate(host.get_network(), accept)
 

@@ -1,5 +1,5 @@
 """The per-host and per-connection patches (node/p2p/patches: handlers, autodial,
-yamux_buffers, inbound_slots, accept_gate) against plain py-libp2p hosts on loopback: py-libp2p alone still shows each
+yamux_buffers, inbound_slots, accept_gate, connected_shield) against plain py-libp2p hosts on loopback: py-libp2p alone still shows each
 problem (the patch is still needed), and the patched object behaves."""
 
 from __future__ import annotations
@@ -10,9 +10,11 @@ import pytest
 import trio
 from libp2p.network.auto_connector import AutoConnector
 from libp2p.protocol_muxer.multiselect import MULTISELECT_PROTOCOL_ID, Multiselect
+from swarm_node.node.p2p.context import ConnectionNotifee
 from swarm_node.node.p2p.patches import (
     accept_gate,
     autodial,
+    connected_shield,
     handlers,
     inbound_slots,
     yamux_buffers,
@@ -109,6 +111,49 @@ def test_needed_no_auto_connect():
 
     assert trio.run(main)  # py-libp2p dials a known peer beside discovery.py
 
+
+
+class _SlowConnectedNotifee(ConnectionNotifee):
+    """A notifee whose `connected` waits for `release`: the window in which DCUtR's poll
+    already sees the registered connection and cancels the dial that made it."""
+
+    def __init__(self):
+        self.entered, self.release = trio.Event(), trio.Event()
+
+    async def connected(self, network, conn) -> None:
+        self.entered.set()
+        await self.release.wait()
+
+
+def test_needed_connected_kept_on_cancel():
+    async def main(shield: bool) -> tuple[bool, bool]:
+        a, b = raw_host(), raw_host()
+        a.set_stream_handler("/echo/1", _echo)
+        notifee = _SlowConnectedNotifee()
+        async with running(a, b):
+            if shield:
+                connected_shield.patch_connected_shield(b.get_network())
+            b.get_network().register_notifee(notifee)
+            async with trio.open_nursery() as dials:
+                dials.start_soon(connect, b, a)
+                await notifee.entered.wait()  # registered, b is telling its notifees
+                registered = a.get_id() in b.get_network().connections
+                dials.cancel_scope.cancel()  # as _perform_hole_punch once it sees it
+                notifee.release.set()
+            if a.get_id() not in b.get_network().connections:
+                return registered, False
+            stream = await b.new_stream(a.get_id(), ["/echo/1"])  # the connection works
+            await stream.write(b"ping")
+            return registered, await stream.read(4) == b"ping"
+
+    # py-libp2p alone: the cancelled dial closes the connection it had registered
+    assert trio.run(main, False) == (True, False)
+    assert trio.run(main, True) == (True, True)
+
+
+async def _echo(stream) -> None:
+    await stream.write(await stream.read(4))
+    await stream.close()
 
 def _buffered(host, peer) -> int:
     conns = host.get_network().connections.get(peer)

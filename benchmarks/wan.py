@@ -1190,8 +1190,27 @@ def gossip_figures(args, n: int, work: Path) -> dict:
     # the workers' CPU from their first round to their last delivery, all together: on a
     # 2-core machine the rounds cannot be shorter than this per round over 2
     summary["cpu_rounds_s"] = sum(r.get("cpu_rounds_s", 0.0) for r in results)
+    summary["body_copies"] = body_copies(results)
     summary["nodes"] = n
     return summary
+
+
+def body_copies(results: list[dict]) -> dict:
+    """The bodies' copies, all workers together: pushed bodies read (`received`), of them
+    duplicates, and skipped unread, by path (origin push, forward, forwarded early), pulls;
+    per delivered body. `gossip_copies_in` counts the gossipsub messages (the announces)."""
+    keys = ("payload_push_received", "payload_push_duplicate", "payload_push_skipped",
+            "payload_pushed", "payload_push_forwarded", "payload_push_forwarded_early",
+            "payload_push_forwarded_unnamed", "payload_push_claimed", "payload_fetched",
+            "payload_push_failed", "payload_push_broken", "payload_push_dontwant",
+            "payload_push_dontwant_skipped", "gossip_copies_in", "received")
+    tot = {k: sum(r["metrics"].get(k, 0) for r in results) for k in keys}
+    delivered = max(1, tot["received"])
+    tot["body_copies_per_delivery"] = (tot["payload_push_received"]
+                                       + tot["payload_push_skipped"]
+                                       + tot["payload_fetched"]) / delivered
+    tot["announce_copies_per_delivery"] = tot["gossip_copies_in"] / delivered
+    return tot
 
 
 HOP_STAGES = ("seal_to_trio", "queue", "write", "wire", "wire_excess", "sched", "check",

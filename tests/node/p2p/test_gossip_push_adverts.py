@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from swarm_node.node.p2p import gossip_push
 
 from .conftest import wait_until

@@ -15,19 +15,14 @@ not publicly reachable also dials RECEIVE links to them, so a public publisher r
 too. Frames: u8 type + 32-byte SHA-256 + u32 BE length (+ for type 2, forward: the peers
 to push it on to; + for type 3, forward-all: those, the public peers the body went to, and
 the subscribers the publisher reaches or named) + the body. Two nodes behind NAT have no
-link: the publisher names such a subscriber to a public peer it pushes to, which forwards
-the body once it checked the announce (so forwards stay within the origin's admitted
-rate), or at once when
+link: the publisher names such a subscriber to FORWARD_COPIES (2) public peers it pushes
+to, which forward the body once they checked the announce (so forwards stay within the
+origin's admitted rate; two: one of them may hold no connection to it), or at once when
 the publisher pushed them its own body and it opens (`_forward_early`: the body proves
-its origin; within a per-origin budget at the topic's rate). Which public peer: the first,
-by the rendezvous hash, whose links advert (each pusher tells the peers it pushes to whom it
-pushes to: a forward frame of the empty body) names the subscriber; none known, the
-FORWARD_COPIES (2) it ranks first (the first may hold no connection to it). With two copies
-each, every NAT'd origin's body reached its subscribers twice through its two public peers
-in the 12-node simulated WAN (~52 duplicate copies a round). A subscriber the
+its origin; within a per-origin budget at the topic's rate). A subscriber the
 publisher is not connected to at all (both behind NAT, no relayed connection) it cannot
 name: a forward-all frame lets each of its public peers push the body on to its own
-subscribers outside the publisher's lists, each by the same choice over those peers. In the 12-node simulated WAN such subscribers pulled 40-356
+subscribers outside the publisher's lists, each to the two the rendezvous hash picks. In the 12-node simulated WAN such subscribers pulled 40-356
 bodies a run, each ~1-2 s into its round: most rounds ended with one (RESULTS "wan:
 gossip"). A forwarder's upload per body: at most MAX_FORWARD copies, within the origin's
 admitted rate; a receiver's second copy is dropped as a duplicate.
@@ -72,16 +67,6 @@ MAX_FORWARD = 64  # peers one forward frame may name
 # In the 12-node simulated WAN a peer behind a symmetric NAT held connections to 5 of the 6
 # public peers; with one forwarder each, every body forwarded by the sixth was pulled.
 FORWARD_COPIES = 2
-# A pusher tells the peers it pushes to which peers it pushes to (a links advert: a forward
-# frame of the empty body, so an older receiver holds it as an unclaimed empty body that
-# nothing claims). A subscriber then goes to the first forwarder, by the rendezvous order,
-# known to push to it: one copy, not FORWARD_COPIES. In the 12-node simulated WAN each NAT'd
-# origin's body reached every other subscriber from both of its two public peers: ~52
-# duplicate 64 KiB copies a round over the public uplinks (RESULTS "wan: gossip"). One
-# copy, not the faster of two: pulls rose from 2-7 to 6-19 a run (of 2640 bodies), the
-# round p95 did not move beyond the runs' spread.
-EMPTY_DIGEST = hashlib.sha256(b"").digest()
-ADVERT_DELAY_S = 0.2  # link changes within this are told in one advert
 # Pushed bodies held before their announce: per pusher and in all (oldest dropped first).
 UNCLAIMED_PER_PEER = 32
 UNCLAIMED_MAX = 1024
@@ -155,8 +140,6 @@ class BodyPusher:
         self._closed = False  # close(): no link is opened or accepted after it
         # claimed: to whom (the names, and a forward-all frame's extra: `_Unclaimed`)
         self._forward: OrderedDict[bytes, tuple] = OrderedDict()
-        self.reach: dict[str, frozenset[str]] = {}  # a pusher's links advert: whom it pushes to
-        self._advert_due = False
 
     # Links ---------------------------------------------------------------------------
 
@@ -212,7 +195,6 @@ class BodyPusher:
             link.conn.abort()  # one link per peer to push on: the first stays
             return
         self.out[link.peer] = link
-        self._advertise()
 
     async def serve(self, peer: str, conn: BulkConn) -> None:
         """Bulk-plane handler of kind "push2": the dialler's first byte says which way."""
@@ -240,48 +222,11 @@ class BodyPusher:
         link.conn.abort()
         if self.out.get(link.peer) is link:
             del self.out[link.peer]
-            self._advertise()
         links = self.inn.get(link.peer)
         if links and link in links:
             links.remove(link)
             if not links:
                 del self.inn[link.peer]
-                self.reach.pop(link.peer, None)  # its adverts came on those links
-
-    def _advertise(self) -> None:
-        """Soon (ADVERT_DELAY_S: a burst of link changes is one advert): tell each peer we
-        push to the peers we push to (MAX_FORWARD of them), so that a publisher or a fellow
-        forwarder names a subscriber to one forwarder known to reach it (`_forwarders`)."""
-        if self._advert_due or self._closed:
-            return
-        self._advert_due = True
-        self.spawn(self._send_adverts(), "push links advert")
-
-    async def _send_adverts(self) -> None:
-        try:
-            await asyncio.sleep(ADVERT_DELAY_S)
-        finally:
-            self._advert_due = False
-        peers = sorted(p for p, link in self.out.items() if not link.closed.is_set())
-        frame = _FRAME.pack(FRAME_FORWARD, EMPTY_DIGEST, 0) + _names(peers[:MAX_FORWARD])
-        for link in [self.out[p] for p in peers]:
-            self.spawn(self._send(link, frame, counted=False), "push links advert")
-
-    def _has(self, forwarder: str, peer: str) -> bool:
-        """Whether `forwarder` is known to push to `peer`: us, a live link; another, its
-        last links advert."""
-        if forwarder == self.me:
-            link = self.out.get(peer)
-            return link is not None and not link.closed.is_set()
-        return peer in self.reach.get(forwarder, ())
-
-    def _forwarders(self, digest: bytes, peer: str, candidates) -> list[str]:
-        """Which of `candidates` push the body `digest` on to `peer`: the first, by the
-        rendezvous hash of body, peer and forwarder, known to push to it (one copy); none
-        known, the FORWARD_COPIES it ranks first (the first may hold no link to it)."""
-        ranked = _ranked(digest, peer, candidates)
-        known = [f for f in ranked if self._has(f, peer)]
-        return known[:1] if known else ranked[:FORWARD_COPIES]
 
     # Sending -------------------------------------------------------------------------
 
@@ -289,9 +234,9 @@ class BodyPusher:
              via: int = 0) -> int:
         """Push a body we announce to up to `fanout` of the peers `to` (its topic's
         subscribers) we have a link with; how many. Each subscriber we have no link with
-        (both of us behind NAT) is named to the public peer we push to that `_forwarders`
-        picks (known to push to it, else FORWARD_COPIES of them), which forwards it once it
-        checked the announce, if it has a link with that subscriber; else it pulls.
+        (both of us behind NAT) is named to FORWARD_COPIES public peers we push to
+        (rendezvous hash of body and subscriber), which forward it once they checked the
+        announce, if they have a link with that subscriber; else the subscriber pulls.
 
         `via` > 0 while we are not publicly reachable (a home uplink): the body goes to at
         most `via` public peers only (rendezvous hash of the body: spread over them), and
@@ -314,7 +259,7 @@ class BodyPusher:
         public = [link.peer for link in links if link.dialled]
         forward: dict[str, list[str]] = {}
         for peer in sorted(to.difference(link.peer for link in links))[:MAX_FORWARD]:
-            for by in self._forwarders(digest, peer, public):
+            for by in _rendezvous(digest, peer, public):
                 forward.setdefault(by, []).append(peer)
         # the subscribers we reach ourselves or name: a public peer pushes the body on to
         # its own subscribers outside this set (we know nothing of them: no connection)
@@ -338,8 +283,8 @@ class BodyPusher:
         `_forward_early`): push it on to the peers its pusher named (forward frame) that
         we have a link with; how many. A forward-all frame
         adds our `subscribers` (the topic's) that its origin neither reaches nor named,
-        those that `_forwarders` over the origin's forwarders gives to us (the first known
-        to push to it, else one of FORWARD_COPIES); MAX_FORWARD copies in all at most."""
+        those whose rendezvous hash over the origin's forwarders picks us (one of
+        FORWARD_COPIES); MAX_FORWARD copies in all at most."""
         names, extra = self._forward.pop(digest, ((), None))
         targets = list(dict.fromkeys(names))
         if extra is not None and self.me:
@@ -347,7 +292,7 @@ class BodyPusher:
             if self.me in vias:
                 skip = covered.union(vias, names, (origin,))
                 targets += [p for p in sorted(subscribers) if p not in skip
-                            and self.me in self._forwarders(digest, p, vias)]
+                            and self.me in _rendezvous(digest, p, vias)]
         frame = _FRAME.pack(FRAME_BODY, digest, len(data)) + data
         n = 0
         for peer in targets:
@@ -362,7 +307,7 @@ class BodyPusher:
         self.metrics.inc("payload_push_forwarded", n)
         return n
 
-    async def _send(self, link: _Link, frame: bytes, counted: bool = True) -> None:
+    async def _send(self, link: _Link, frame: bytes) -> None:
         try:
             async with link.lock, asyncio.timeout(self.cfg.payload_pull_timeout_s):
                 await link.conn.write(frame)
@@ -371,8 +316,7 @@ class BodyPusher:
             log.debug("push to %s failed: %s", link.peer[-8:], e)
             self._drop(link)
             return
-        if counted:
-            self.metrics.inc("payload_pushed")
+        self.metrics.inc("payload_pushed")
 
     # Receiving -----------------------------------------------------------------------
 
@@ -397,10 +341,6 @@ class BodyPusher:
                     if covered is None:
                         return
                     extra = (vias, frozenset(covered))
-                if kind == FRAME_FORWARD and digest == EMPTY_DIGEST and size == 0:
-                    self.reach[link.peer] = frozenset(names)  # a links advert
-                    self.metrics.inc("payload_push_adverts")
-                    continue
                 if kind in (FRAME_FORWARD, FRAME_FORWARD_ALL):
                     kind = FRAME_BODY
                 if not await self._read_body(link, kind, digest, size, names, extra):
@@ -624,10 +564,11 @@ class BodyPusher:
             self._drop(link)
 
 
-def _ranked(digest: bytes, peer: str, forwarders) -> list[str]:
-    """`forwarders` in the rendezvous order of body `digest` and `peer`."""
+def _rendezvous(digest: bytes, peer: str, forwarders) -> list[str]:
+    """Which of `forwarders` push the body `digest` on to `peer`: the FORWARD_COPIES the
+    rendezvous hash of body, peer and forwarder ranks first."""
     return sorted(forwarders, key=lambda p: hashlib.sha256(
-        digest + peer.encode() + p.encode()).digest(), reverse=True)
+        digest + peer.encode() + p.encode()).digest(), reverse=True)[:FORWARD_COPIES]
 
 
 def _names(peers: list[str]) -> bytes:

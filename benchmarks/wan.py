@@ -1214,8 +1214,9 @@ def body_copies(results: list[dict]) -> dict:
 
 
 # The gossip workers' loop-lag probes (a sleep in each loop, and how late it wakes). At
-# 10 ms the two cost a worker ~32 ms of CPU a second (trio 19, asyncio 13, measured alone):
-# 0.38 of the lab's 2 cores for 12 workers, ~half of the workers' CPU between rounds.
+# 10 ms the two cost ~32 ms of CPU a second measured alone (trio 19, asyncio 13); in the
+# 12-node lab the workers' CPU over the rounds did not fall measurably at 0.1 s (RESULTS
+# "wan: gossip": a busy loop wakes anyway), but nothing there needs 10 ms.
 LAG_PROBE_S = 0.1
 
 

@@ -61,6 +61,7 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
 
 from swarm_node.node.testing.netlab import Host, Lab, Link, NetlabError, Topology, probe
 from swarm_node.node.testing.netlab.scenarios import (
+    LEG_LOSS,
     WanPlan,
     link_kind,
     pair_topology,
@@ -1129,7 +1130,7 @@ async def _gossip_worker(args) -> None:
 def gossip_figures(args, n: int, work: Path) -> dict:
     from benchmarks.gossip import summarize_libp2p
 
-    plan = wan_plan(n, seed=args.seed, trainer_mbit=args.trainer_mbit)
+    plan = wan_plan(n, seed=args.seed, trainer_mbit=args.trainer_mbit, leg_loss=args.leg_loss)
     hosts = [plan.trainer, *plan.relays, *plan.peers]
     topo = plan.topology
     worker = [sys.executable, str(Path(__file__).resolve()), "--worker", "gossip",
@@ -1187,6 +1188,7 @@ def gossip_figures(args, n: int, work: Path) -> dict:
     summary["bound_s"] = max(rtts) / 1000 + transfer
     summary["bound_parts"] = {"max_rtt_ms": max(rtts), "slowest_up_mbit": slow_up,
                               "transfer_ms": transfer * 1000}
+    summary["leg_loss"] = args.leg_loss
     summary.update(announce_pull_split(results))
     host_of = {r["peer_id"]: r["host"] for r in results}
     summary["hop_split"] = hop_split(
@@ -2155,6 +2157,8 @@ def parse(argv=None):
                          "receive load per node at every N) instead of --interval")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trainer-mbit", type=float, default=1000.0)
+    ap.add_argument("--leg-loss", type=float, default=LEG_LOSS,
+                    help="gossip: random loss per leg (a path has two), LEG_LOSS by default")
     ap.add_argument("--workdir", type=Path)
     ap.add_argument("--no-record", action="store_true")
     ap.add_argument("--json", type=Path, help="also write every figure here")

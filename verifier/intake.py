@@ -185,12 +185,12 @@ class TimeShare:
     may verify several newcomers' batches between two of the trainer's steps, and a fallen
     one is back to short turns at once.
 
-    Below the floor (`flooded`): each further failing batch at the floor halves the share,
-    down to `low`, once `hold_s` passed since the last accepted one (a newcomer's next
-    batches, before it is established, keep the floor), so a sustained flood of failing
-    fresh keys gets `low` of the time (the
-    `verifier-flood` benchmark: 0.4-0.8 s of the trainer's verification a 15-s window at
-    the floor, with idle time lent). An accepted probation batch lifts it back to the
+    Below the floor: each further failing batch at the floor halves the share, down to
+    `low`, once `hold_s` passed since the last accepted one (a newcomer's next batches,
+    before it is established, keep the floor), so a sustained flood of failing fresh keys
+    gets `low` of the time (the `verifier-flood` benchmark: 0.3-0.5 s of the trainer's
+    verification a 15-s window, against 0.4-0.9 s at the floor with idle time lent). An
+    accepted probation batch lifts it back to the
     floor and a step above (`rise`), and so does `recover_s` with no probation work
     waiting (the flood is over): a newcomer is never held below the floor longer than the
     flood that put it there."""
@@ -226,11 +226,6 @@ class TimeShare:
     def raised(self) -> bool:
         """Above the floor: recent probation work was verified and accepted."""
         return self.share > self.floor
-
-    @property
-    def flooded(self) -> bool:
-        """Below the floor: probation work kept failing."""
-        return self.share < self.floor
 
     @property
     def failing(self) -> bool:

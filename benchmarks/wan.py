@@ -1631,6 +1631,12 @@ def ours_broadcast(lab: Lab, plan: WanPlan, ckpt: Path, work: Path, timeout: flo
                     h: d["t"] - t_cmd for h, d in zip(hosts, each, strict=True) if d}),
                 "metrics_each": {h: d["metrics"] for h, d in zip(hosts, each, strict=True)
                                  if d},
+                # each receiver's transfers as its downloader saw them (start, end: s from
+                # the publish command; shard, source host, outcome, bytes received)
+                "flights_each": {h: [(round(a - t_cmd, 2), round(b - t_cmd, 2), sh,
+                                      hosts_of.get(p, p[-6:]), oc, n)
+                                     for a, b, sh, p, oc, n in d.get("flights", [])]
+                                 for h, d in zip(hosts, each, strict=True) if d},
                 "machine": machine_account(cpu_pub, cpu_end, stage0, stage1,
                                            time.time() - t_cmd)}
     finally:

@@ -75,58 +75,6 @@ async def _abort(stream: ByteStream) -> None:
         await stream.reset()
 
 
-SHARE_FLOOR_BPS = 1024 * 1024
-"""A holder takes another upload of another's version only while its uploads of the last
-SHARE_WINDOW_S moved at least this much per upload, the new one counted (UploadShare)."""
-SHARE_WINDOW_S = 2.0
-SHARE_FREE = 2
-"""Uploads always admitted (within the other limits), whatever the measured share."""
-
-
-class UploadShare:
-    """What a holder's uplink gives each of its uploads, measured: the bytes its uploads
-    sent in the last SHARE_WINDOW_S (in pieces of at most `chunk_size`) over that window,
-    counted only once uploads ran the whole window. `room()` says whether one more upload
-    would still get SHARE_FLOOR_BPS.
-
-    Measured first (the simulated WAN, 12 nodes, flight logs of every receiver): in the
-    last third of the run a public peer on a 50 Mbit/s uplink carried 9-13 uploads at
-    0.5-0.6 MB/s each and each NAT'd holder (10-30 Mbit/s) 2-6 at 0.2-0.5 MB/s, while the
-    relays' 200 Mbit/s uplinks carried 2-6 uploads at 2-12 MB/s in all: the receivers' last
-    shards crawled on the saturated uplinks (a 4 MiB shard in 7-20 s) and the swarm's rate
-    fell from ~50 to ~30 MB/s for the last 6-8 s of the run. A holder that answers `busy`
-    once its uplink is shared below the floor sends the next askers to holders with room."""
-
-    def __init__(self, clock=time.monotonic):
-        self.clock = clock
-        self.sent: deque[tuple[float, int]] = deque()
-        self.busy_since: float | None = None  # uploads ran without a gap since
-
-    def active(self, n: int) -> None:
-        """The number of uploads in flight changed to `n`."""
-        if n == 0:
-            self.busy_since = None
-        elif self.busy_since is None:
-            self.busy_since = self.clock()
-
-    def add(self, nbytes: int) -> None:
-        now = self.clock()
-        self.sent.append((now, nbytes))
-        while self.sent and self.sent[0][0] < now - SHARE_WINDOW_S:
-            self.sent.popleft()
-
-    def room(self, active: int) -> bool:
-        if active < SHARE_FREE:
-            return True
-        now = self.clock()
-        if self.busy_since is None or now - self.busy_since < SHARE_WINDOW_S:
-            return True  # not measured yet
-        while self.sent and self.sent[0][0] < now - SHARE_WINDOW_S:
-            self.sent.popleft()
-        rate = sum(n for _, n in self.sent) / SHARE_WINDOW_S
-        return rate / (active + 1) >= SHARE_FLOOR_BPS
-
-
 MAX_SERVED_PEERS = 4096  # peers counted one by one in `served_to`
 MAX_TRACE = 8192
 """Served shards remembered in `ShardServer.trace` (the newest), for benchmarks' per-shard
@@ -140,7 +88,6 @@ class ShardServer:
         self.active: Counter[str] = Counter()
         self.active_total = 0
         self.active_shards: Counter[tuple[str, int, int]] = Counter()  # (policy, version, shard)
-        self.share = UploadShare()  # what the uplink gives each upload (another's version)
         self.limiter = RateLimiter(cfg.upload_rate_mib_s * 2**20)
         self.metrics: Counter[str] = Counter()
         self.served_to: Counter[str] = Counter()  # bytes of whole answers, per peer (bounded)
@@ -201,14 +148,10 @@ class ShardServer:
             return False
         async with asyncio.timeout(self.cfg.chunk_timeout_s):
             await write_frame(stream, ShardResponseHeader(ok=True, length=length).encode())
-        step = self.cfg.chunk_size  # counted piece by piece: the upload share's measure
         for path, off, n in pieces:
-            for at in range(off, off + n, step):
-                k = min(step, off + n - at)
-                async with asyncio.timeout(self._take_within(k)):
-                    await stream.sendfile(path, at, k)
-                self.metrics["bytes_sent"] += k
-                self.share.add(k)
+            async with asyncio.timeout(self._take_within(n)):
+                await stream.sendfile(path, off, n)
+            self.metrics["bytes_sent"] += n
         self.metrics["shards_sent"] += 1
         self.metrics["shards_sendfile"] += 1
         return True
@@ -260,10 +203,6 @@ class ShardServer:
         if not copy and 0 < self.cfg.max_uploads_per_shard <= self.active_shards[spread]:
             self.metrics["spread_seeded"] += 1  # its copies are on their way: take one there
             return await self._seeded(stream, req, peer)
-        if not copy and not self.share.room(self.active_total):
-            self.metrics["share_busy"] += 1  # its uplink is shared thin: ask a holder with room
-            await self._error(stream, "busy")
-            return False
         if (self.active[peer] >= self.cfg.max_uploads_per_peer
                 or self.active_total >= self.cfg.max_uploads_total):
             if copy:
@@ -272,7 +211,6 @@ class ShardServer:
             return False
         self.active[peer] += 1
         self.active_total += 1
-        self.share.active(self.active_total)
         self.active_shards[spread] += 1
         done = False
         t0 = time.time()
@@ -299,7 +237,6 @@ class ShardServer:
             if self.active[peer] <= 0:
                 del self.active[peer]
             self.active_total -= 1
-            self.share.active(self.active_total)
             self.active_shards[spread] -= 1
             if self.active_shards[spread] <= 0:
                 del self.active_shards[spread]
@@ -332,7 +269,6 @@ class ShardServer:
                 await self.limiter.acquire(len(data))
                 await stream.write(data)
             self.metrics["bytes_sent"] += len(data)
-            self.share.add(len(data))
             data = next(chunks, None)
         self.metrics["shards_sent"] += 1
         return True

@@ -1631,6 +1631,9 @@ def ours_broadcast(lab: Lab, plan: WanPlan, ckpt: Path, work: Path, timeout: flo
                     h: d["t"] - t_cmd for h, d in zip(hosts, each, strict=True) if d}),
                 "metrics_each": {h: d["metrics"] for h, d in zip(hosts, each, strict=True)
                                  if d},
+                # each receiver's CPU seconds by thread kind at its completion (since start)
+                "cpu_threads_each": {h: d.get("cpu_threads") for h, d in
+                                     zip(hosts, each, strict=True) if d},
                 # each receiver's transfers as its downloader saw them (start, end: s from
                 # the publish command; shard, source host, outcome, bytes received)
                 "flights_each": {h: [(round(a - t_cmd, 2), round(b - t_cmd, 2), sh,

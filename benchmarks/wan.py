@@ -1582,7 +1582,8 @@ def ours_broadcast(lab: Lab, plan: WanPlan, ckpt: Path, work: Path, timeout: flo
             hosts_of[ev["peer_id"]] = f.host
         time.sleep(5)  # gossip mesh
         verdicts = reachability_verdicts([*relays, *followers], 120)
-        cpu_pub = cpu_now(procs)  # each node's CPU seconds just before the publish
+        threads0: dict[str, dict] = {}
+        cpu_pub = cpu_now(procs, threads0)  # each node's CPU seconds just before the publish
         stage0 = lab.stage_stats()
         tx0 = lab.link_bytes(plan.trainer)["tx"]
         t_cmd = time.time()
@@ -1593,12 +1594,13 @@ def ours_broadcast(lab: Lab, plan: WanPlan, ckpt: Path, work: Path, timeout: flo
         done = [d for d in each if d is not None]
         t_all = max(d["t"] for d in done) - t_cmd if len(done) == len(each) else None
         stage1 = lab.stage_stats()
-        traces, cpu_end = {}, {}
+        traces, cpu_end, threads1 = {}, {}, {}
         for p in procs:  # every node's served shards, for the per-shard account
             p.send("stats")
             st = p.event("stats", 60)
             traces[p.host] = st.get("trace", [])
             cpu_end[p.host] = st.get("cpu_s", 0.0)
+            threads1[p.host] = st.get("cpu_threads") or {}
             if p is origin:
                 served = st["server"]
                 released = {k: v for k, v in st.get("counters", {}).items()
@@ -1631,9 +1633,11 @@ def ours_broadcast(lab: Lab, plan: WanPlan, ckpt: Path, work: Path, timeout: flo
                     h: d["t"] - t_cmd for h, d in zip(hosts, each, strict=True) if d}),
                 "metrics_each": {h: d["metrics"] for h, d in zip(hosts, each, strict=True)
                                  if d},
-                # each receiver's CPU seconds by thread kind at its completion (since start)
-                "cpu_threads_each": {h: d.get("cpu_threads") for h, d in
-                                     zip(hosts, each, strict=True) if d},
+                # each node's CPU seconds by thread kind, from the publish command until
+                # the stats after the last copy
+                "cpu_threads_each": {h: {k: round(v - threads0.get(h, {}).get(k, 0.0), 2)
+                                         for k, v in t.items() if ":" not in k}
+                                     for h, t in threads1.items()},
                 # each receiver's transfers as its downloader saw them (start, end: s from
                 # the publish command; shard, source host, outcome, bytes received)
                 "flights_each": {h: [(round(a - t_cmd, 2), round(b - t_cmd, 2), sh,
@@ -1703,12 +1707,16 @@ def phases_line(ours: dict | None) -> str:
     return line + "."
 
 
-def cpu_now(procs: list[LabProc]) -> dict[str, float]:
-    """Each node's own CPU seconds now (its `stats` answer)."""
+def cpu_now(procs: list[LabProc], threads: dict | None = None) -> dict[str, float]:
+    """Each node's own CPU seconds now (its `stats` answer); `threads`: filled with each
+    node's CPU seconds by thread kind."""
     out = {}
     for p in procs:
         p.send("stats")
-        out[p.host] = p.event("stats", 60).get("cpu_s", 0.0)
+        st = p.event("stats", 60)
+        out[p.host] = st.get("cpu_s", 0.0)
+        if threads is not None:
+            threads[p.host] = st.get("cpu_threads") or {}
     return out
 
 

@@ -1582,7 +1582,8 @@ def ours_broadcast(lab: Lab, plan: WanPlan, ckpt: Path, work: Path, timeout: flo
             hosts_of[ev["peer_id"]] = f.host
         time.sleep(5)  # gossip mesh
         verdicts = reachability_verdicts([*relays, *followers], 120)
-        cpu_pub = cpu_now(procs)  # each node's CPU seconds just before the publish
+        threads0: dict[str, dict] = {}
+        cpu_pub = cpu_now(procs, threads0)  # each node's CPU seconds just before the publish
         stage0 = lab.stage_stats()
         tx0 = lab.link_bytes(plan.trainer)["tx"]
         t_cmd = time.time()
@@ -1593,12 +1594,13 @@ def ours_broadcast(lab: Lab, plan: WanPlan, ckpt: Path, work: Path, timeout: flo
         done = [d for d in each if d is not None]
         t_all = max(d["t"] for d in done) - t_cmd if len(done) == len(each) else None
         stage1 = lab.stage_stats()
-        traces, cpu_end = {}, {}
+        traces, cpu_end, threads1 = {}, {}, {}
         for p in procs:  # every node's served shards, for the per-shard account
             p.send("stats")
             st = p.event("stats", 60)
             traces[p.host] = st.get("trace", [])
             cpu_end[p.host] = st.get("cpu_s", 0.0)
+            threads1[p.host] = st.get("cpu_threads") or {}
             if p is origin:
                 served = st["server"]
                 released = {k: v for k, v in st.get("counters", {}).items()
@@ -1631,6 +1633,17 @@ def ours_broadcast(lab: Lab, plan: WanPlan, ckpt: Path, work: Path, timeout: flo
                     h: d["t"] - t_cmd for h, d in zip(hosts, each, strict=True) if d}),
                 "metrics_each": {h: d["metrics"] for h, d in zip(hosts, each, strict=True)
                                  if d},
+                # each node's CPU seconds by thread kind, from the publish command until
+                # the stats after the last copy
+                "cpu_threads_each": {h: {k: round(v - threads0.get(h, {}).get(k, 0.0), 2)
+                                         for k, v in t.items() if ":" not in k}
+                                     for h, t in threads1.items()},
+                # each receiver's transfers as its downloader saw them (start, end: s from
+                # the publish command; shard, source host, outcome, bytes received)
+                "flights_each": {h: [(round(a - t_cmd, 2), round(b - t_cmd, 2), sh,
+                                      hosts_of.get(p, p[-6:]), oc, n)
+                                     for a, b, sh, p, oc, n in d.get("flights", [])]
+                                 for h, d in zip(hosts, each, strict=True) if d},
                 "machine": machine_account(cpu_pub, cpu_end, stage0, stage1,
                                            time.time() - t_cmd)}
     finally:
@@ -1638,12 +1651,72 @@ def ours_broadcast(lab: Lab, plan: WanPlan, ckpt: Path, work: Path, timeout: flo
             p.stop()
 
 
-def cpu_now(procs: list[LabProc]) -> dict[str, float]:
-    """Each node's own CPU seconds now (its `stats` answer)."""
+def flight_phases(flights: dict[str, list]) -> dict:
+    """From the receivers' flight logs: the swarm's verified-copy rate in each second after
+    the publish command (MB/s: bytes of transfers that verified, spread over each one's
+    time), all bytes received likewise, the transfers in flight, and per receiver when
+    its endgame could begin (every missing shard in flight) and its last transfer ended.
+    Where the time goes: the middle of a run is the lab's rate, the ramp and the tail the
+    protocol's."""
+    end = max((e for fl in flights.values() for _s, e, *_ in fl), default=0.0)
+    secs = int(end) + 1
+    useful, total, flows = [0.0] * secs, [0.0] * secs, [0.0] * secs
+    for fl in flights.values():
+        for a, e, _sh, _src, oc, nb in fl:
+            if "seeded" in oc or oc == "busy":
+                continue
+            for k in range(int(a), min(secs, int(e) + 1)):
+                ov = max(0.0, min(e, k + 1) - max(a, k))
+                r = nb * ov / max(e - a, 1e-3) / 1e6
+                total[k] += r
+                flows[k] += ov
+                if oc in ("ok", "spare_ok"):
+                    useful[k] += r
+    endgame = {}
+    for h, fl in flights.items():
+        done = sorted(e for _a, e, _sh, _src, oc, _nb in fl if oc in ("ok", "spare_ok"))
+        n = len(done)
+        t = 0.0
+        while n and t < done[-1]:
+            missing = n - sum(1 for e in done if e <= t)
+            busy = {sh for a, e, sh, _src, oc, _nb in fl
+                    if a <= t < e and "seeded" not in oc and oc != "busy"}
+            if 0 < missing <= len(busy):
+                endgame[h] = round(t, 1)
+                break
+            t += 0.1
+    return {"useful_mb_s": [round(x, 1) for x in useful],
+            "received_mb_s": [round(x, 1) for x in total],
+            "flows": [round(x, 1) for x in flows], "endgame_from": endgame}
+
+
+def phases_line(ours: dict | None) -> str:
+    """The swarm's verified-copy rate by second, and the receivers' endgames (flight_phases)."""
+    ph = (ours or {}).get("phases")
+    if not ph or not ph.get("useful_mb_s"):
+        return ""
+    eg = ph["endgame_from"]
+    ends = (ours or {}).get("t_each") or {}
+    spans = [ends[h] - t for h, t in eg.items() if ends.get(h) is not None]
+    line = (" Verified copies, MB/s by second from the publish: "
+            + " ".join(f"{x:.0f}" for x in ph["useful_mb_s"]))
+    if spans:
+        line += (f"; each receiver's endgame (every missing shard in flight) began"
+                 f" {min(eg.values()):.1f}-{max(eg.values()):.1f} s and lasted"
+                 f" {min(spans):.1f}-{max(spans):.1f} s")
+    return line + "."
+
+
+def cpu_now(procs: list[LabProc], threads: dict | None = None) -> dict[str, float]:
+    """Each node's own CPU seconds now (its `stats` answer); `threads`: filled with each
+    node's CPU seconds by thread kind."""
     out = {}
     for p in procs:
         p.send("stats")
-        out[p.host] = p.event("stats", 60).get("cpu_s", 0.0)
+        st = p.event("stats", 60)
+        out[p.host] = st.get("cpu_s", 0.0)
+        if threads is not None:
+            threads[p.host] = st.get("cpu_threads") or {}
     return out
 
 
@@ -1829,6 +1902,7 @@ def section_broadcast(args, work: Path) -> tuple[str, dict]:
     with Lab(plan.topology, prefix=args.lab_prefix, seed=args.seed) as lab:
         out["ours"] = ours_broadcast(lab, plan, ckpt, work / "ours", args.half_timeout,
                                      args.peer_set)
+        out["ours"]["phases"] = flight_phases(out["ours"].get("flights_each") or {})
     if SHARDCAST_PY.exists() and not args.skip_shardcast:
         record_half(args, out, "shardcast pending (running next)")
         with Lab(plan.topology, prefix=args.lab_prefix, seed=args.seed) as lab:
@@ -1930,7 +2004,7 @@ def broadcast_body(args, out: dict, pending: str = "not run (no .venv-shardcast)
             "nothing); egress counted on the trainer's access link."
             + verdict_line(out.get("ours")) + endgame_line(out.get("ours"), size)
             + seed_line(out.get("ours"))
-            + machine_line(out.get("ours")) + "\n\n"
+            + machine_line(out.get("ours")) + phases_line(out.get("ours")) + "\n\n"
             + table(["system", "copies verified", "time s", "x lower bound (goal <= 1.5)",
                      "trainer egress / checkpoint (goal <= 2)",
                      "copies served by trainer / relays / peers"], rows))

@@ -49,7 +49,7 @@ import heapq
 import logging
 import random
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +76,8 @@ while another source (not dropped, not failed on it) holds it, for up to this lo
 first such answer: the follower waits for those holders (trial transfers included) instead.
 Then the trainer is asked again as after any hold (its own rule serves an asker that waited
 3 holds: seeding.py), so advertisers that hold a shard back cost at most this."""
+MAX_FLIGHT_LOG = 4096
+"""Transfers remembered in `Downloader.flight_log` (the newest)."""
 ENDGAME_MIN_S = 2.0
 """A transfer is raced by a second copy only once it ran this long and is expected to need
 this long again (short transfers are not worth the bytes)."""
@@ -95,6 +97,8 @@ class _Flight:
     lost: bool = False  # the other copy of the shard verified first (endgame): cancelled
     won: bool = False  # an endgame copy that verified first
     writer: object | None = None  # the shard's ShardWriter once the transfer began
+    outcome: str = "cancelled"  # how it ended (flight_log): ok, seeded, a failure, ...
+    wall: float = 0.0  # its start, wall-clock (flight_log)
 
 
 class Downloader:
@@ -121,6 +125,10 @@ class Downloader:
         self.metrics: Counter[str] = Counter()
         self.last_progress = time.monotonic()
         self.times: dict[str, float] = {}  # wall-clock phases, for benchmarks and logs
+        # every transfer's (start, end (wall time), shard, peer, outcome, bytes), the newest
+        # MAX_FLIGHT_LOG: where a download's time went (benchmarks)
+        self.flight_log: deque[tuple[float, float, int, str, str, int]] = deque(
+            maxlen=MAX_FLIGHT_LOG)
         n = entry.manifest.num_shards
         # Different peers start at different shards, so that they can serve each other
         # early. (Tried: starts in the last quarter, so that the in-order whole hash
@@ -171,6 +179,11 @@ class Downloader:
         log.debug("policy %s v%d complete: %d shards, sources %s", m.policy_id, m.version,
                  m.num_shards, self.book.summary())
         return path
+
+    def _logged(self, shard: int, f: _Flight, kind: str = "") -> None:
+        received = getattr(f.writer, "received", 0)
+        self.flight_log.append((f.wall, time.time(), shard, f.peer, kind + f.outcome,
+                                received))
 
     def _unhashed(self, shard: int) -> None:
         """Shard `shard` did not verify: the whole hash, if any, may have taken its bytes."""
@@ -276,8 +289,8 @@ class Downloader:
             shard, peer = job
             self.in_flight.add(shard)
             self.book.started(peer)
-            flight = self.flights[shard] = _Flight(peer, time.monotonic())
-            flight.task = asyncio.create_task(self._fetch(shard, peer))
+            flight = self.flights[shard] = _Flight(peer, time.monotonic(), wall=time.time())
+            flight.task = asyncio.create_task(self._fetch(shard, peer, flight))
             try:
                 await flight.task
             except DiskFull as e:
@@ -288,13 +301,16 @@ class Downloader:
                 if not (flight.preempted or flight.lost) or asyncio.current_task().cancelling():
                     raise
                 if flight.lost:  # the endgame copy verified first: nothing held against it
+                    flight.outcome = "lost"
                     self.metrics["endgame_first_lost"] += 1
                     self.metrics["endgame_bytes_wasted"] += getattr(flight.writer, "received", 0)
                     continue
+                flight.outcome = "preempted"
                 self.metrics["fail_preempted"] += 1
                 self.book.failure(peer, "preempted", shard)  # on trial: cools down
                 self.tried.setdefault(shard, set()).add(peer)
             finally:
+                self._logged(shard, flight)
                 self.flights.pop(shard, None)
                 self.in_flight.discard(shard)
                 self.book.finished(peer)
@@ -344,7 +360,7 @@ class Downloader:
     async def _run_spare(self, shard: int, peer: str) -> None:
         self.metrics["endgame_copies"] += 1
         self.book.started(peer)
-        spare = self.spares[shard] = _Flight(peer, time.monotonic())
+        spare = self.spares[shard] = _Flight(peer, time.monotonic(), wall=time.time())
         spare.task = asyncio.create_task(self._fetch_spare(shard, peer, spare))
         try:
             await spare.task
@@ -356,6 +372,7 @@ class Downloader:
                 raise
             self.metrics["endgame_spare_lost"] += 1  # the first transfer won the race
         finally:
+            self._logged(shard, spare, "spare_")
             if spare.writer is not None:
                 self.metrics["endgame_bytes"] += spare.writer.received
                 if not spare.won:
@@ -389,6 +406,7 @@ class Downloader:
             await self._transfer(shard, peer, writer.write)
         except (ShardFetchError, StoreError) as e:
             writer.abort()
+            spare.outcome = e.reason
             if self.entry.has(shard):
                 self.metrics["endgame_spare_lost"] += 1
             elif e.reason == "seeded":
@@ -401,6 +419,7 @@ class Downloader:
             raise
         if self.entry.has(shard):  # the first transfer verified while the last bytes came
             writer.abort()
+            spare.outcome = "lost"
             self.metrics["endgame_spare_lost"] += 1
             return
         first = self.flights.get(shard)
@@ -412,6 +431,7 @@ class Downloader:
                 first.task.cancel()
             raise
         if not ok:  # the first transfer goes on (aborted only for a verified copy)
+            spare.outcome = "corrupt"
             self.metrics["shards_corrupt"] += 1
             self.metrics["bytes_corrupt"] += writer.received
             self.tried.setdefault(shard, set()).add(peer)
@@ -423,6 +443,7 @@ class Downloader:
             first.lost = True
             first.task.cancel()
         spare.won = True
+        spare.outcome = "ok"
         self.metrics["endgame_won"] += 1
         self._verified(shard, peer, self.entry.shard_len(shard), t0)
 
@@ -457,13 +478,11 @@ class Downloader:
                 return True
         return False
 
-    async def _fetch(self, shard: int, peer: str) -> None:
+    async def _fetch(self, shard: int, peer: str, flight: _Flight) -> None:
         # DiskFull: the worker pauses, nothing fetched; other downloads' reservations kept
         self.space.check_write(self.entry.key, self.entry.shard_len(shard))
         writer = self.store.begin_shard(self.entry, shard, self.whole)
-        flight = self.flights.get(shard)
-        if flight is not None:
-            flight.writer = writer
+        flight.writer = writer
         t0 = time.monotonic()
         try:
             # hashing and writing leave the event loop (it keeps serving and receiving);
@@ -472,6 +491,7 @@ class Downloader:
         except (ShardFetchError, StoreError) as e:
             writer.abort()
             self._unhashed(shard)
+            flight.outcome = e.reason
             if self.entry.has(shard):  # the endgame copy verified first: not its fault
                 self.metrics["endgame_first_lost"] += 1
                 self.metrics["endgame_bytes_wasted"] += writer.received
@@ -491,10 +511,12 @@ class Downloader:
             self.metrics["bytes_fetched"] += writer.received
         self.disk.resumed()
         if self.entry.has(shard):  # the endgame copy went in first
+            flight.outcome = "lost"
             self.metrics["endgame_first_lost"] += 1
             self.metrics["endgame_bytes_wasted"] += writer.received
             return
         if not writer.commit():
+            flight.outcome = "corrupt"
             self._unhashed(shard)
             self.metrics["shards_corrupt"] += 1
             self.metrics["bytes_corrupt"] += writer.received
@@ -503,6 +525,7 @@ class Downloader:
             log.warning("shard %d from %s does not match its hash: source penalised",
                         shard, peer)
             return
+        flight.outcome = "ok"
         spare = self.spares.get(shard)
         if spare is not None and spare.task is not None:
             spare.lost = True  # this copy won the endgame race

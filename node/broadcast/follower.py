@@ -77,6 +77,7 @@ class Completed:
     metrics: dict[str, int] = field(default_factory=dict)  # the Downloader's
     times: dict[str, float] = field(default_factory=dict)
     sources: dict[str, dict] = field(default_factory=dict)
+    flights: list[tuple] = field(default_factory=list)  # the Downloader's flight_log
 
 
 OnComplete = Callable[[Completed], Awaitable[None] | None]
@@ -322,7 +323,7 @@ class Follower:
         await asyncio.to_thread(self.store.prune, m.policy_id)
         self.records.settle(m.policy_id)
         done = Completed(m, path, d.metrics["bytes_verified"], time.monotonic() - job.started,
-                         dict(d.metrics), dict(d.times), d.book.summary())
+                         dict(d.metrics), dict(d.times), d.book.summary(), list(d.flight_log))
         if self.on_complete is not None:
             try:
                 result = self.on_complete(done)

@@ -148,6 +148,7 @@ async def main(argv: list[str] | None = None) -> int:
         m = done.manifest
         emit(event="complete", policy=m.policy_id, version=m.version, path=str(done.path),
              t=time.time(), metrics=done.metrics, times=done.times, sources=done.sources,
+             flights=done.flights,
              streams=dict(bc.transport.opened), rx=node.bulk.client.rx.as_dict(),
              peak_rss_mib=peak_rss_mib(), cpu_s=cpu_seconds(), cpu_threads=thread_cpu(),
              p2p=dict(node.metrics.counters))

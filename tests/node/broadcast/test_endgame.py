@@ -87,6 +87,22 @@ async def test_a_slow_sources_last_shards_are_raced_and_the_first_copy_wins(
     assert 0 < wasted < d.metrics["endgame_won"] * cfg.shard_size
 
 
+async def test_the_flight_log_tells_each_transfer_and_how_it_ended(tmp_path, trainer, ckpt,
+                                                                   cfg):
+    """Benchmarks read where a download's time went from `flight_log`: every transfer,
+    first copies and endgame copies, with its source, outcome and bytes."""
+    d, _book, _path, slow, other, acc = await _race(tmp_path, trainer, ckpt, cfg)
+    log = list(d.flight_log)
+    ok = {shard for _s, _e, shard, _p, outcome, _n in log if outcome in ("ok", "spare_ok")}
+    assert ok == set(range(acc.manifest.num_shards)), log
+    assert all(s <= e for s, e, *_ in log)
+    won = [r for r in log if r[4] == "spare_ok"]
+    assert len(won) == d.metrics["endgame_won"] and all(r[3] == other for r in won)
+    lost = [r for r in log if r[4] == "lost"]
+    assert len(lost) == d.metrics["endgame_first_lost"] and all(r[3] == slow for r in lost)
+    assert all(r[5] == d.entry.shard_len(r[2]) for r in log if r[4] == "ok")
+
+
 async def test_a_source_not_measured_yet_does_not_hide_the_measured_one(
         tmp_path, trainer, ckpt, cfg):
     """An advertiser on trial that holds the shards ranks first in the source choice; the

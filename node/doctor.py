@@ -278,6 +278,35 @@ def gpu_possible(build: dict[str, str | None]) -> bool:
     return any(Path("/").glob(pattern.lstrip("/")) for pattern in GPU_DEVICE_NODES)
 
 
+def tcp_congestion(proc: Path = Path("/proc/sys/net/ipv4")) -> tuple[str, list[str]] | None:
+    """(the congestion control new TCP connections use, those the kernel has loaded), or
+    None where the kernel does not say (not Linux)."""
+    try:
+        current = (proc / "tcp_congestion_control").read_text().strip()
+        loaded = (proc / "tcp_available_congestion_control").read_text().split()
+    except OSError:
+        return None
+    return current, loaded
+
+
+def tcp_lines(found: tuple[str, list[str]] | None) -> list[str]:
+    """The network line of `doctor`: the TCP congestion control, and what to do where it is
+    not BBR. Home links lose packets at random (not only when a queue is full); loss-based
+    controls (cubic, reno) take each loss for congestion, and in the simulated internet a
+    64 KiB gossip body took several times longer over cubic than over BBR at ~1% loss
+    (RESULTS "tcp-tail"). A tip, not a problem: the node works either way."""
+    if found is None:
+        return []
+    current, loaded = found
+    lines = [f"network: TCP congestion control {current} (loaded: {' '.join(loaded) or '?'})"]
+    if current != "bbr":
+        lines.append("  tip: on a lossy home link BBR delivers gossip and shards much faster "
+                     "than " + current + " (benchmarks/RESULTS.md, tcp-tail); as root: "
+                     "modprobe tcp_bbr && sysctl -w net.ipv4.tcp_congestion_control=bbr "
+                     "(lasting: a file in /etc/sysctl.d)")
+    return lines
+
+
 def doctor_report(cfg: Config, load: bool = False,
                   say: Callable[[str], None] = print) -> tuple[list[str], list[str]]:
     """(lines to print, problems). Never raises for a missing GPU: that is a finding. Reads
@@ -360,6 +389,7 @@ def doctor_report(cfg: Config, load: bool = False,
                             f"{max(fit['train_micro_batch'], 1)}")
     for dev, free, bf16 in devices:
         lines.append(recommend(dev, free, seq, cfg.node.role, bf16, plan))
+    lines.extend(tcp_lines(tcp_congestion()))
     return lines, problems
 
 

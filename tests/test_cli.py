@@ -157,6 +157,7 @@ def test_doctor_reports_hardware_fit_and_problems(tmp_path, tiny_model_dir):
     assert "parameters (estimated from" in out and ") on cpu (" in out
     assert "sampling batch <=" in out and "recommended on cpu: model" in out
     assert "float32" in out and "bfloat16" in out and "<- configured" in out
+    assert sys.platform != "linux" or "network: TCP congestion control " in out
     bad = run("doctor", "--model", str(tiny_model_dir), "--set", "model.device=cuda",
               home=tmp_path)
     assert bad.returncode == 1 and "problem: model.device = 'cuda'" in bad.stdout
@@ -315,6 +316,25 @@ def test_doctor_reads_no_weights_and_estimates_parameters_exactly(tmp_path, tiny
     exact = sum(p.numel() for p in model.parameters())
     for name in (str(tiny_model_dir), "builtin:tiny"):  # its config.json; the definition
         assert model_plan(load_config(None, {"model.name": name}))["params"] == exact, name
+
+
+def test_doctor_names_the_tcp_congestion_control_and_tips_where_it_is_not_bbr(tmp_path):
+    from swarm_node.node.doctor import tcp_congestion, tcp_lines
+
+    proc = tmp_path / "ipv4"
+    proc.mkdir()
+    assert tcp_congestion(proc) is None and tcp_lines(None) == []  # not Linux: no line
+    (proc / "tcp_congestion_control").write_text("cubic\n")
+    (proc / "tcp_available_congestion_control").write_text("reno cubic\n")
+    lines = tcp_lines(tcp_congestion(proc))
+    assert lines[0] == "network: TCP congestion control cubic (loaded: reno cubic)"
+    assert len(lines) == 2 and "net.ipv4.tcp_congestion_control=bbr" in lines[1]
+    (proc / "tcp_congestion_control").write_text("bbr\n")
+    assert tcp_lines(tcp_congestion(proc)) == [
+        "network: TCP congestion control bbr (loaded: reno cubic)"]
+    if sys.platform == "linux":  # this kernel's own answer reaches the report
+        current = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+        assert tcp_congestion()[0] == current
 
 
 def test_doctor_recommends_per_device():

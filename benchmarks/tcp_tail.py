@@ -161,9 +161,15 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--count", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), help="only these")
+    ap.add_argument("--slow-start-after-idle", type=int, choices=(0, 1),
+                    help="net.ipv4.tcp_slow_start_after_idle in every lab host (default: "
+                         "the kernel's, 1)")
     ap.add_argument("--no-record", action="store_true")
     ap.add_argument("--json", help="write the summary here too")
     args = ap.parse_args()
+    for name in set(VARIANTS) - set(args.variants or VARIANTS):
+        del VARIANTS[name]
     if args.role == "recv":
         return role_recv(args.out)
     if args.role == "send":
@@ -183,10 +189,15 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="tcp_tail"))
     me = [sys.executable, str(Path(__file__).resolve())]
     with Lab(topo, prefix="tcptail", seed=args.seed) as lab:
+        if args.slow_start_after_idle is not None:
+            for h in "abcd":
+                ssai = f"net.ipv4.tcp_slow_start_after_idle={args.slow_start_after_idle}"
+                lab.run(h, ["sysctl", "-qw", ssai], check=True)
         for rx in ("b", "d"):
             lab.popen(rx, [*me, "--role", "recv", "--out", str(tmp / f"{rx}.jsonl")])
+        only = ["--variants", *VARIANTS]
         senders = [lab.popen(tx, [*me, "--role", "send", "--dst", lab.addr(rx), "--count",
-                                  str(args.count), "--out", str(tmp / f"{tx}.json")])
+                                  str(args.count), "--out", str(tmp / f"{tx}.json"), *only])
                    for tx, rx in (("a", "b"), ("c", "d"))]
         wait_for(lambda: all(p.poll() is not None for p in senders), args.count + 60,
                  "the senders", poll=1.0)
@@ -201,7 +212,8 @@ def main() -> None:
         for line in (tmp / f"{rx}.jsonl").read_text().splitlines():
             r = json.loads(line)
             got.setdefault((path, r["variant"], r["mode"]), []).append(r["extra_s"])
-    rows, summary = [], {"stage": stage, "load": load, "count": args.count, "rows": []}
+    rows, summary = [], {"stage": stage, "load": load, "count": args.count, "rows": [],
+                         "slow_start_after_idle": args.slow_start_after_idle}
     for path in ("lossy", "no loss"):
         for mode in SIZES:
             for variant in VARIANTS:

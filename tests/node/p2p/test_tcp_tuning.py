@@ -31,10 +31,14 @@ def _kernel_has_rto_min() -> bool:
 
 
 @pytest.fixture(autouse=True)
-def _untouched_after():
+def _untouched_after(monkeypatch):
+    # tcp_slow_start_after_idle = 0 unless a test says otherwise: the floor applies whatever
+    # this machine's default congestion control
+    monkeypatch.setattr(tcp_tuning, "_ssai", [False])
+    monkeypatch.setattr(tcp_tuning, "_skipped_cc", set())
+    monkeypatch.setattr(tcp_tuning, "_refused", set())
     yield
     tcp_tuning.configure(0)
-    tcp_tuning._refused.clear()
 
 
 async def _bulk_options(opts: tuple[int, ...]) -> tuple[list[int], list[int]]:
@@ -103,3 +107,25 @@ def test_the_key_is_validated():
     for bad in (-1, 201):
         with pytest.raises(ValueError, match="tcp_rto_min_ms"):
             Config.model_validate({"p2p": {"tcp_rto_min_ms": bad}})
+
+
+@pytest.mark.skipif(not _kernel_has_rto_min(), reason="kernel older than 6.15")
+@pytest.mark.parametrize(("cc", "ssai", "floor"), [
+    ("cubic", True, 200_000),  # idle restart by RTOs: a lower RTO would shrink the window
+    ("cubic", False, 20_000),
+    ("bbr", True, 20_000),  # BBR skips the idle restart
+])
+def test_the_floor_is_left_where_the_window_restarts_from_idle(monkeypatch, caplog, cc, ssai,
+                                                               floor):
+    monkeypatch.setattr(tcp_tuning, "_ssai", [ssai])
+    tcp_tuning.configure(20)
+    with caplog.at_level(logging.DEBUG, logger=tcp_tuning.__name__):
+        for _ in range(2):
+            with socket.socket() as s:
+                try:
+                    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, cc.encode())
+                except OSError:
+                    pytest.skip(f"{cc} not available here")
+                tcp_tuning.tune_socket(s)
+                assert s.getsockopt(socket.IPPROTO_TCP, RTO_MIN) == floor
+    assert caplog.text.count("left at the kernel's") == (floor == 200_000)

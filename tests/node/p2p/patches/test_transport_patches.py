@@ -292,6 +292,7 @@ def _rto_floors(monkeypatch, upstream: bool) -> list[int]:
     connection, with `p2p.tcp_rto_min_ms` = 20."""
     patches.install()
     tcp_tuning.configure(20)
+    monkeypatch.setattr(tcp_tuning, "_ssai", [False])  # whatever this machine's default cc
     if upstream:
         monkeypatch.setattr(TrioTCPStream, "__init__", original(TrioTCPStream, "__init__"))
     made: list[TrioTCPStream] = []

@@ -242,8 +242,17 @@ def main() -> None:
     print(f"load {load:.1f}")
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))
-    if not args.no_record:
-        record("tcp-tail", text + "\n\n" + late + "\n", headline=())
+    if not args.no_record:  # compact: RESULTS.md is kept under 100 kB
+        by = {(r["path"], r["mode"], r["variant"]): r for r in summary["rows"]}
+        brief = [[m, v, f"{by[('no loss', m, v)]['p50']:.0f}",
+                  "/".join(f"{by[('lossy', m, v)][k]:.0f}" for k in ("p50", "p95", "p99", "max"))]
+                 for m in SIZES for v in VARIANTS
+                 if ("no loss", m, v) in by and ("lossy", m, v) in by]
+        ssai = ("" if args.slow_start_after_idle is None
+                else f"; tcp_slow_start_after_idle={args.slow_start_after_idle}")
+        record("tcp-tail", table(["msg", "variant", "no loss p50", "lossy p50/p95/p99/max"],
+                                 brief) + f"\n\nms beyond one-way delay, n={args.count}{ssai}; "
+               + late + "\n", headline=())
 
 
 if __name__ == "__main__":

@@ -15,13 +15,13 @@ early, which costs a duplicate segment (F-RTO, on by default, undoes the window 
 spurious RTO). The receiver's delayed ACK is capped as well (`TCP_DELACK_MAX_US`, to the same
 value) so a lone segment's ACK does not come later than the lowered floor.
 
-Not where the congestion control restarts from idle by RTOs: cubic and reno with
-`net.ipv4.tcp_slow_start_after_idle` = 1 (the kernel's default) halve the window once per
-RTO a connection sat idle, so a lower RTO shrinks the window of the next message more (a
-64 KiB message after 1 s idle on a lossless 183 ms path: 187 -> 370 ms with cubic and a
-20 ms floor). BBR skips that restart; so does any congestion control with the sysctl at 0.
-A socket whose congestion control (read from the socket) is not BBR while the sysctl is 1 is
-left untouched (logged once at debug).
+BBR only (the socket's congestion control, read from it; others are left untouched,
+logged once at debug): under cubic a lower floor makes things worse (RESULTS "tcp-tail",
+lossy 183 ms path, 64 KiB message: p95 1106 -> 1844 ms): an RTO that fires before the
+probe would have restarts the window from one segment, and with
+`net.ipv4.tcp_slow_start_after_idle` = 1 (the default) the window also halves once per RTO
+a connection sat idle (lossless path: 187 -> 370 ms). BBR skips the idle restart and does
+not rebuild its window from slow start after an RTO.
 
 `p2p.tcp_rto_min_ms` (0: the kernel's settings untouched). A kernel without the options
 (older than 6.15, not Linux) refuses them: skipped, logged once at debug, never an error."""
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import socket
-from pathlib import Path
 
 from libp2p.io.trio import TrioTCPStream
 
@@ -63,42 +62,27 @@ def configure(rto_min_ms: float) -> None:
                      (TCP_DELACK_MAX_US, us, "TCP_DELACK_MAX_US")] if us > 0 else [])
 
 
-IDLE_KEEPS_WINDOW = frozenset({"bbr", "bbr2", "bbr3"})
-"""Congestion controls with their own `cong_control`: Linux skips the idle restart for them."""
-SLOW_START_AFTER_IDLE = Path("/proc/sys/net/ipv4/tcp_slow_start_after_idle")
-_ssai: list[bool] = []  # the sysctl (this network namespace), read once
+TUNED_CCS = frozenset({"bbr", "bbr2", "bbr3"})
+"""Congestion controls whose sockets get the settings (see the module's docstring)."""
 _skipped_cc: set[str] = set()  # congestion controls left untouched (logged once each)
-
-
-def slow_start_after_idle() -> bool:
-    """`net.ipv4.tcp_slow_start_after_idle` of this process's network namespace (True where
-    it cannot be read: the kernel's default)."""
-    if not _ssai:
-        try:
-            _ssai.append(SLOW_START_AFTER_IDLE.read_text().strip() != "0")
-        except OSError:
-            _ssai.append(True)
-    return _ssai[0]
 
 
 def tune_socket(sock) -> None:
     """Apply the configured settings to a TCP socket (a stdlib or a trio one, before or
-    after connect): not where its congestion control restarts from idle by RTOs (see the
-    module's docstring). An option the kernel refuses is skipped from then on."""
+    after connect) whose congestion control is BBR. An option the kernel refuses is skipped
+    from then on."""
     if not _settings:
         return
-    if slow_start_after_idle():
-        try:
-            cc = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16)
-            cc = cc.split(b"\0", 1)[0].decode()
-        except OSError:
-            cc = "unknown"
-        if cc not in IDLE_KEEPS_WINDOW:
-            if cc not in _skipped_cc:
-                _skipped_cc.add(cc)
-                log.debug("TCP's RTO floor left at the kernel's: congestion control %s "
-                          "with net.ipv4.tcp_slow_start_after_idle=1", cc)
-            return
+    try:
+        cc = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16)
+        cc = cc.split(b"\0", 1)[0].decode()
+    except OSError:
+        cc = "unknown"
+    if cc not in TUNED_CCS:
+        if cc not in _skipped_cc:
+            _skipped_cc.add(cc)
+            log.debug("TCP's RTO floor left at the kernel's: congestion control %s", cc)
+        return
     for opt, value, name in _settings:
         if opt in _refused:
             continue

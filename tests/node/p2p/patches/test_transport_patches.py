@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 import struct
+from pathlib import Path
 
 import libp2p.security.secure_session as secure_session_mod
 import libp2p.stream_muxer.yamux.yamux as yamux_mod
@@ -292,7 +293,8 @@ def _rto_floors(monkeypatch, upstream: bool) -> list[int]:
     connection, with `p2p.tcp_rto_min_ms` = 20."""
     patches.install()
     tcp_tuning.configure(20)
-    monkeypatch.setattr(tcp_tuning, "_ssai", [False])  # whatever this machine's default cc
+    default_cc = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+    monkeypatch.setattr(tcp_tuning, "TUNED_CCS", tcp_tuning.TUNED_CCS | {default_cc})
     if upstream:
         monkeypatch.setattr(TrioTCPStream, "__init__", original(TrioTCPStream, "__init__"))
     made: list[TrioTCPStream] = []

@@ -414,6 +414,12 @@ class P2PSection(Section):
     """Per-request timeout on stream protocols."""
     dial_timeout_s: float = Field(10.0, gt=0)
     """Timeout of one dial attempt (TCP connect + Noise + Yamux negotiation)."""
+    tcp_rto_min_ms: float = Field(20.0, ge=0, le=200)
+    """Floor of TCP's retransmission timeout and cap of its delayed ACK on every connection
+    (libp2p's and the bulk plane's; Linux >= 6.15 and BBR sockets only, else ignored: under
+    cubic it made the tail worse). The kernel's 200 ms makes a lost tail segment of a small
+    gossip write cost ~200 ms more than the path's RTT (benchmarks/RESULTS.md "tcp-tail").
+    0: the kernel's settings untouched."""
     discovery_interval_s: float = Field(5.0, gt=0)
     """Seconds between peer-exchange rounds (learn peers, redial lost ones)."""
     reconnect_max_backoff_s: float = Field(60.0, gt=0)

@@ -15,6 +15,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from ..patches.tcp_tuning import tune_socket
 from .cert import CertificateError, client_context, peer_id_of
 from .conn import BulkConn, RxStats
 from .errors import BulkBusy, BulkError, BulkUnavailable
@@ -232,6 +233,7 @@ class BulkClient:
         family, socktype, proto, _, addr = infos[0]
         sock = socket.socket(family, socktype, proto)
         sock.setblocking(False)
+        tune_socket(sock)
         try:
             await loop.sock_connect(sock, addr)
             tls = self.ctx.wrap_socket(sock, do_handshake_on_connect=False)

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 from ...lifecycle import TaskOwner
 from ..metrics import P2PMetrics
+from ..patches.tcp_tuning import tune_socket
 from .conn import BulkConn
 from .errors import BulkError
 from .hello import (
@@ -166,6 +167,7 @@ class BulkServer:
                 await asyncio.sleep(0.1)  # not a poll: a pause before the next accept
                 continue
             sock.setblocking(False)
+            tune_socket(sock)
             self.metrics.inc("bulk_accepted")
             pending = _Pending(address_group(addr[0]))
             self._make_room(pending.ip)

@@ -48,6 +48,7 @@ from . import (
     spawn_gate,
     stream_retry,
     subscriptions,
+    tcp_tuning,
     validation_cache,
     yamux_buffers,
     yamux_frames,
@@ -63,7 +64,7 @@ FaultHook = Callable[[str, str, BaseException], None]
 __all__ = [
     "PATCHES", "PINNED_LIBP2P", "Admit", "Patch", "PatchError", "QueueLimits", "TunedQueues",
     "check_version", "install", "patch_connection", "patch_host", "patch_pubsub",
-    "patch_running_pubsub", "patch_subscription_channel", "problems",
+    "patch_running_pubsub", "patch_subscription_channel", "problems", "tcp_tuning",
 ]
 
 
@@ -84,6 +85,7 @@ def install() -> None:
     yamux_window.install()
     yamux_frames.install()
     noise_io.install()
+    tcp_tuning.install()
 
 
 def patch_host(host, on_fault: FaultHook, accept: accept_gate.Admit | None = None) -> None:

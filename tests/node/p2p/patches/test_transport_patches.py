@@ -8,16 +8,18 @@ import logging
 import os
 import socket
 import struct
+from pathlib import Path
 
 import libp2p.security.secure_session as secure_session_mod
 import libp2p.stream_muxer.yamux.yamux as yamux_mod
 import pytest
 import trio
 import trio.testing
+from libp2p.io.trio import TrioTCPStream
 from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH, NoiseTransportReadWriter
 from libp2p.security.secure_session import SecureSession
 from swarm_node.node.p2p import patches
-from swarm_node.node.p2p.patches import noise_io
+from swarm_node.node.p2p.patches import noise_io, tcp_tuning
 from swarm_node.node.p2p.patches.registry import original
 
 from .rawhost import Wire, connect, noise_session_pair, raw_host, running, until
@@ -284,3 +286,51 @@ def test_a_cancelled_noise_write_does_not_break_the_session(ours, monkeypatch):
         assert got == big + after
     else:  # the problem: the cancelled write's tail is lost, the session stuck
         assert len(got) < len(big) and not got.endswith(after)
+
+
+def _rto_floors(monkeypatch, upstream: bool) -> list[int]:
+    """TCP_RTO_MIN_US of both ends (the dialled and the accepted socket) of one libp2p
+    connection, with `p2p.tcp_rto_min_ms` = 20."""
+    patches.install()
+    tcp_tuning.configure(20)
+    default_cc = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+    monkeypatch.setattr(tcp_tuning, "TUNED_CCS", tcp_tuning.TUNED_CCS | {default_cc})
+    if upstream:
+        monkeypatch.setattr(TrioTCPStream, "__init__", original(TrioTCPStream, "__init__"))
+    made: list[TrioTCPStream] = []
+    init = TrioTCPStream.__init__
+
+    def recorded(self, stream) -> None:
+        init(self, stream)
+        made.append(self)
+
+    monkeypatch.setattr(TrioTCPStream, "__init__", recorded)
+
+    async def main() -> list[int]:
+        a, b = raw_host(), raw_host()
+        async with running(a, b):
+            await connect(b, a)
+            await until(lambda: len(made) == 2, what="both ends' TCP streams")
+            return [s.stream.socket.getsockopt(socket.IPPROTO_TCP, tcp_tuning.TCP_RTO_MIN_US)
+                    for s in made]
+
+    try:
+        return trio.run(main)
+    finally:
+        tcp_tuning.configure(0)
+
+
+def _kernel_has_rto_min() -> bool:
+    with socket.socket() as s:
+        try:
+            s.getsockopt(socket.IPPROTO_TCP, tcp_tuning.TCP_RTO_MIN_US)
+        except OSError:
+            return False
+    return True
+
+
+@pytest.mark.skipif(not _kernel_has_rto_min(), reason="kernel older than 6.15")
+def test_needed_tcp_loss_recovery(monkeypatch):
+    assert _rto_floors(monkeypatch, upstream=True) == [200_000, 200_000]  # the kernel's
+    monkeypatch.undo()
+    assert _rto_floors(monkeypatch, upstream=False) == [20_000, 20_000]

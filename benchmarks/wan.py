@@ -965,6 +965,9 @@ async def _gossip_worker(args) -> None:
     if args.slow_start_after_idle is not None:  # this lab host's namespace only
         Path("/proc/sys/net/ipv4/tcp_slow_start_after_idle").write_text(
             f"{args.slow_start_after_idle}\n")
+    if args.congestion_control:  # this lab host's namespace only (its new connections)
+        Path("/proc/sys/net/ipv4/tcp_congestion_control").write_text(
+            f"{args.congestion_control}\n")
     cfg = load_config(None, over)
     node = P2PNode(Identity.generate(), cfg)
     records = []
@@ -1139,7 +1142,9 @@ def gossip_figures(args, n: int, work: Path) -> dict:
               str(args.drain), "--mesh-wait", str(args.mesh_wait),
               *(x for kv in args.set for x in ("--set", kv)),
               *(["--slow-start-after-idle", str(args.slow_start_after_idle)]
-                if args.slow_start_after_idle is not None else [])]
+                if args.slow_start_after_idle is not None else []),
+              *(["--congestion-control", args.congestion_control]
+                if args.congestion_control else [])]
     procs: list[LabProc] = []
     with Lab(topo, prefix=args.lab_prefix, seed=args.seed) as lab:
         try:
@@ -1189,6 +1194,7 @@ def gossip_figures(args, n: int, work: Path) -> dict:
     summary["bound_parts"] = {"max_rtt_ms": max(rtts), "slowest_up_mbit": slow_up,
                               "transfer_ms": transfer * 1000}
     summary["leg_loss"] = args.leg_loss
+    summary["congestion_control"] = args.congestion_control or "inherited"
     summary.update(announce_pull_split(results))
     host_of = {r["peer_id"]: r["host"] for r in results}
     summary["hop_split"] = hop_split(
@@ -2270,6 +2276,10 @@ def parse(argv=None):
                     help="gossip: set net.ipv4.tcp_slow_start_after_idle in every worker's "
                          "namespace (Linux default 1: an idle TCP connection restarts from "
                          "its initial window, so each body on an idle link pays ~2 RTTs more)")
+    ap.add_argument("--congestion-control", choices=["bbr", "cubic", "reno"],
+                    help="gossip: set net.ipv4.tcp_congestion_control in every worker's "
+                         "namespace (the lab's hosts inherit this machine's, bbr here; most "
+                         "operators' kernels default to cubic: RESULTS tcp-tail)")
     # broadcast
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--skip-shardcast", action="store_true")

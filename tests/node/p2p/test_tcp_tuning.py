@@ -39,8 +39,11 @@ def _untouched_after(monkeypatch):
     monkeypatch.setattr(tcp_tuning, "TUNED_CCS", tcp_tuning.TUNED_CCS | {DEFAULT_CC})
     monkeypatch.setattr(tcp_tuning, "_skipped_cc", set())
     monkeypatch.setattr(tcp_tuning, "_refused", set())
-    yield
+    # the settings are process-wide: a node an earlier test made in this worker set them
+    saved = list(tcp_tuning._settings)
     tcp_tuning.configure(0)
+    yield
+    tcp_tuning._settings[:] = saved
 
 
 async def _bulk_options(opts: tuple[int, ...]) -> tuple[list[int], list[int]]:

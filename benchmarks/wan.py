@@ -1146,7 +1146,8 @@ def gossip_figures(args, n: int, work: Path) -> dict:
               *(["--congestion-control", args.congestion_control]
                 if args.congestion_control else [])]
     procs: list[LabProc] = []
-    with Lab(topo, prefix=args.lab_prefix, seed=args.seed) as lab:
+    with Lab(topo, prefix=args.lab_prefix, seed=args.seed) as lab, \
+            allowed_congestion_control(args.congestion_control):
         try:
             first = LabProc(lab, hosts[0], [*worker, "--listen",
                                             f"/ip4/{lab.addr(hosts[0])}/tcp/4001"],
@@ -1211,6 +1212,24 @@ def gossip_figures(args, n: int, work: Path) -> dict:
     summary["body_copies"] = body_copies(results)
     summary["nodes"] = n
     return summary
+
+
+@contextlib.contextmanager
+def allowed_congestion_control(cc: str | None):
+    """While the lab runs, `cc` in this machine's net.ipv4.tcp_allowed_congestion_control
+    (init namespace; restored after): a namespace other than the init one may make only an
+    allowed control its default (the kernel answers EPERM otherwise; here only "reno bbr"
+    are allowed, so `--congestion-control cubic` needs this)."""
+    path = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
+    before = path.read_text().split() if cc else []
+    if not cc or cc in before:
+        yield
+        return
+    path.write_text(" ".join([*before, cc]) + "\n")
+    try:
+        yield
+    finally:
+        path.write_text(" ".join(before) + "\n")
 
 
 def host_kind(plan: WanPlan, host: str) -> str:

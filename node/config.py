@@ -420,6 +420,15 @@ class P2PSection(Section):
     cubic it made the tail worse). The kernel's 200 ms makes a lost tail segment of a small
     gossip write cost ~200 ms more than the path's RTT (benchmarks/RESULTS.md "tcp-tail").
     0: the kernel's settings untouched."""
+    tcp_congestion: str = Field("bbr", pattern=r"^([a-z][a-z0-9_]{0,15})?$")
+    """TCP congestion control asked for on every connection (libp2p's and the bulk plane's),
+    where the kernel has it loaded and lets this process choose it (root, or listed in
+    net.ipv4.tcp_allowed_congestion_control); else the kernel's default stays (said once in
+    the log). Home links lose packets at random: in the simulated internet a 12-node gossip
+    round's p95 was 3.2-3.9 s over cubic, the usual default, against 1.1-1.3 s over BBR
+    (benchmarks/RESULTS.md "tcp-tail"). BBR also takes more of a shared bottleneck than
+    cubic flows beside it (other traffic on your home uplink): "" leaves the kernel's
+    choice."""
     discovery_interval_s: float = Field(5.0, gt=0)
     """Seconds between peer-exchange rounds (learn peers, redial lost ones)."""
     reconnect_max_backoff_s: float = Field(60.0, gt=0)

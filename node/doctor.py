@@ -289,21 +289,44 @@ def tcp_congestion(proc: Path = Path("/proc/sys/net/ipv4")) -> tuple[str, list[s
     return current, loaded
 
 
-def tcp_lines(found: tuple[str, list[str]] | None) -> list[str]:
-    """The network line of `doctor`: the TCP congestion control, and what to do where it is
-    not BBR. Home links lose packets at random (not only when a queue is full); loss-based
-    controls (cubic, reno) take each loss for congestion, and in the simulated internet a
-    64 KiB gossip body took several times longer over cubic than over BBR at ~1% loss
-    (RESULTS "tcp-tail"). A tip, not a problem: the node works either way."""
+def selectable(cc: str) -> bool:
+    """Whether this process may ask for congestion control `cc` on its sockets (loaded, and
+    root or listed in net.ipv4.tcp_allowed_congestion_control), as the node does."""
+    import socket
+
+    if not cc or not hasattr(socket, "TCP_CONGESTION"):
+        return False
+    with socket.socket() as s:
+        try:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, cc.encode())
+        except OSError:
+            return False
+    return True
+
+
+def tcp_lines(found: tuple[str, list[str]] | None, wanted: str = "",
+              chosen: bool = False) -> list[str]:
+    """The network line of `doctor`: the kernel's TCP congestion control, what the node's
+    connections use (`p2p.tcp_congestion`, `wanted`, if this process may choose it:
+    `chosen`), and what to do where that is not BBR. Home links lose packets at random;
+    loss-based controls (cubic, reno) take each loss for congestion: in the simulated
+    internet a 12-node gossip round's p95 was ~3x longer over cubic than over BBR (RESULTS
+    "wan: gossip", "tcp-tail"). A tip, not a problem: the node works either way."""
     if found is None:
         return []
     current, loaded = found
-    lines = [f"network: TCP congestion control {current} (loaded: {' '.join(loaded) or '?'})"]
-    if current != "bbr":
-        lines.append("  tip: on a lossy home link BBR delivers gossip and shards much faster "
-                     "than " + current + " (benchmarks/RESULTS.md, tcp-tail); as root: "
-                     "modprobe tcp_bbr && sysctl -w net.ipv4.tcp_congestion_control=bbr "
-                     "(lasting: a file in /etc/sysctl.d)")
+    used = wanted if wanted and chosen else current
+    how = (f"{used} (p2p.tcp_congestion)" if used != current else
+           f"{used} (the kernel's)" + (f"; {wanted} not available to this node" if wanted
+                                      and wanted != current else ""))
+    kernel = f"{current} (loaded: {' '.join(loaded) or '?'})"
+    lines = [f"network: TCP congestion control {kernel}; this node's connections: {how}"]
+    if used != "bbr":
+        fix = ("set p2p.tcp_congestion = \"bbr\"" if chosen and selectable("bbr") else
+               "as root: modprobe tcp_bbr && sysctl -w net.ipv4.tcp_congestion_control=bbr "
+               "(lasting: a file in /etc/sysctl.d)")
+        lines.append(f"  tip: on a lossy home link BBR delivers gossip and shards much faster "
+                     f"than {used} (benchmarks/RESULTS.md, tcp-tail); {fix}")
     return lines
 
 
@@ -389,7 +412,8 @@ def doctor_report(cfg: Config, load: bool = False,
                             f"{max(fit['train_micro_batch'], 1)}")
     for dev, free, bf16 in devices:
         lines.append(recommend(dev, free, seq, cfg.node.role, bf16, plan))
-    lines.extend(tcp_lines(tcp_congestion()))
+    wanted = cfg.p2p.tcp_congestion
+    lines.extend(tcp_lines(tcp_congestion(), wanted, selectable(wanted)))
     return lines, problems
 
 

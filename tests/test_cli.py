@@ -319,22 +319,32 @@ def test_doctor_reads_no_weights_and_estimates_parameters_exactly(tmp_path, tiny
 
 
 def test_doctor_names_the_tcp_congestion_control_and_tips_where_it_is_not_bbr(tmp_path):
-    from swarm_node.node.doctor import tcp_congestion, tcp_lines
+    from swarm_node.node.doctor import selectable, tcp_congestion, tcp_lines
 
     proc = tmp_path / "ipv4"
     proc.mkdir()
     assert tcp_congestion(proc) is None and tcp_lines(None) == []  # not Linux: no line
     (proc / "tcp_congestion_control").write_text("cubic\n")
     (proc / "tcp_available_congestion_control").write_text("reno cubic\n")
-    lines = tcp_lines(tcp_congestion(proc))
-    assert lines[0] == "network: TCP congestion control cubic (loaded: reno cubic)"
+    found = tcp_congestion(proc)
+    # the node may choose bbr for its own connections: no tip
+    assert tcp_lines(found, "bbr", chosen=True) == [
+        ("network: TCP congestion control cubic (loaded: reno cubic); this node's "
+        "connections: bbr (p2p.tcp_congestion)")]
+    # it may not: the kernel's cubic, said, and how to switch
+    lines = tcp_lines(found, "bbr", chosen=False)
+    assert lines[0].endswith("this node's connections: cubic (the kernel's); bbr not "
+                             "available to this node")
     assert len(lines) == 2 and "net.ipv4.tcp_congestion_control=bbr" in lines[1]
+    assert len(tcp_lines(found, "", chosen=False)) == 2  # p2p.tcp_congestion = "": the same
     (proc / "tcp_congestion_control").write_text("bbr\n")
-    assert tcp_lines(tcp_congestion(proc)) == [
-        "network: TCP congestion control bbr (loaded: reno cubic)"]
+    assert tcp_lines(tcp_congestion(proc), "bbr", chosen=True) == [
+        ("network: TCP congestion control bbr (loaded: reno cubic); this node's "
+        "connections: bbr (the kernel's)")]
+    assert not selectable("nosuchcc") and not selectable("")
     if sys.platform == "linux":  # this kernel's own answer reaches the report
         current = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
-        assert tcp_congestion()[0] == current
+        assert tcp_congestion()[0] == current and selectable(current)
 
 
 def test_doctor_recommends_per_device():

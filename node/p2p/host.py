@@ -93,8 +93,10 @@ class P2PNode:
         self._outbound: set[str] = set()  # peers with a direct connection this node dialled
         # peer ID -> (trio.Event set when our dial to it ends, is it a circuit dial)
         self._dialing: dict = {}
-        # TCP's loss-recovery floor on every socket: libp2p's and the bulk plane's
-        patches.tcp_tuning.configure(config.p2p.tcp_rto_min_ms)
+        # TCP's congestion control and loss-recovery floor on every socket: libp2p's and
+        # the bulk plane's
+        patches.tcp_tuning.configure(config.p2p.tcp_rto_min_ms,
+                                       congestion=config.p2p.tcp_congestion)
         self.admission = Admission(self.penalties, self.metrics, self_id=self.peer_id)
         self.validation_queue = ValidationQueue(self.admission)  # received, not yet validated
         self.requests = RequestService(ctx)  # request/response seam

@@ -40,13 +40,20 @@ def _untouched_after(monkeypatch):
     monkeypatch.setattr(tcp_tuning, "_skipped_cc", set())
     monkeypatch.setattr(tcp_tuning, "_refused", set())
     # the settings are process-wide: a node an earlier test made in this worker set them
-    saved = list(tcp_tuning._settings)
+    saved = list(tcp_tuning._settings), list(tcp_tuning._congestion)
+    monkeypatch.setattr(tcp_tuning, "_refused_cc", set())
     tcp_tuning.configure(0)
     yield
-    tcp_tuning._settings[:] = saved
+    tcp_tuning._settings[:], tcp_tuning._congestion[:] = saved
 
 
-async def _bulk_options(opts: tuple[int, ...]) -> tuple[list[int], list[int]]:
+def _read(sock, opt: int):
+    if opt == socket.TCP_CONGESTION:
+        return sock.getsockopt(socket.IPPROTO_TCP, opt, 16).split(b"\0", 1)[0].decode()
+    return sock.getsockopt(socket.IPPROTO_TCP, opt)
+
+
+async def _bulk_options(opts: tuple[int, ...]) -> tuple[list, list]:
     """The options `opts` read on the client's and the server's socket of one bulk-plane
     connection that also carries a byte each way."""
     srv, me = Identity.generate(), Identity.generate()
@@ -54,7 +61,7 @@ async def _bulk_options(opts: tuple[int, ...]) -> tuple[list[int], list[int]]:
 
     async def serve(peer, conn) -> None:
         await conn.read(1)
-        seen.set_result([conn.sock.getsockopt(socket.IPPROTO_TCP, o) for o in opts])
+        seen.set_result([_read(conn.sock, o) for o in opts])
         await conn.write(b"k")
 
     server = BulkServer(srv.peer_id, server_context(srv), BulkSection(), P2PMetrics())
@@ -67,7 +74,7 @@ async def _bulk_options(opts: tuple[int, ...]) -> tuple[list[int], list[int]]:
         conn = await client.open(srv.peer_id, "t")
         await conn.write(b"g")
         assert await conn.readexactly(1) == b"k"
-        mine = [conn.sock.getsockopt(socket.IPPROTO_TCP, o) for o in opts]
+        mine = [_read(conn.sock, o) for o in opts]
         conn.abort()
         return mine, await seen
     finally:
@@ -130,3 +137,43 @@ def test_the_floor_is_lowered_under_bbr_only(monkeypatch, caplog, cc, floor):
                 tcp_tuning.tune_socket(s)
                 assert s.getsockopt(socket.IPPROTO_TCP, RTO_MIN) == floor
     assert caplog.text.count("left at the kernel's") == (floor == 200_000)
+
+
+def _other_cc() -> str:
+    """A congestion control this kernel has loaded other than its default (reno always is)."""
+    loaded = Path("/proc/sys/net/ipv4/tcp_available_congestion_control").read_text().split()
+    return next(cc for cc in ("bbr", "cubic", "reno") if cc in loaded and cc != DEFAULT_CC)
+
+
+def test_bulk_plane_sockets_get_the_configured_congestion_control_on_both_ends():
+    other = _other_cc()
+    with socket.socket() as s:
+        try:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, other.encode())
+        except OSError as e:  # not root and not allowed: the refused test covers that
+            pytest.skip(f"{other} not selectable by this process: {e}")
+    cc = (socket.TCP_CONGESTION,)
+    assert asyncio.run(_bulk_options(cc)) == ([DEFAULT_CC], [DEFAULT_CC])  # untouched
+    tcp_tuning.configure(0, congestion=other)
+    assert asyncio.run(_bulk_options(cc)) == ([other], [other])
+
+
+def test_a_congestion_control_the_kernel_refuses_keeps_its_default_said_once(caplog):
+    tcp_tuning.configure(0, congestion="nosuchcc")
+    with caplog.at_level(logging.INFO, logger=tcp_tuning.__name__):
+        for _ in range(3):
+            with socket.socket() as s:
+                tcp_tuning.tune_socket(s)  # never raises
+                assert _read(s, socket.TCP_CONGESTION) == DEFAULT_CC
+    assert caplog.text.count("nosuchcc not available to this node") == 1
+    # the connection still works, with the kernel's default
+    assert asyncio.run(_bulk_options((socket.TCP_CONGESTION,))) == ([DEFAULT_CC],
+                                                                    [DEFAULT_CC])
+
+
+def test_the_congestion_key_is_validated():
+    assert Config().p2p.tcp_congestion == "bbr"
+    assert Config.model_validate({"p2p": {"tcp_congestion": ""}}).p2p.tcp_congestion == ""
+    for bad in ("BBR", "bbr cubic", "x" * 17):
+        with pytest.raises(ValueError, match="tcp_congestion"):
+            Config.model_validate({"p2p": {"tcp_congestion": bad}})

@@ -1232,6 +1232,13 @@ def allowed_congestion_control(cc: str | None):
         path.write_text(" ".join(before) + "\n")
 
 
+def hosts_congestion(lab: Lab, hosts: list[str], cc: str | None) -> None:
+    """Each host's default TCP congestion control (its namespace's sysctl), if `cc`."""
+    if cc:
+        for h in hosts:
+            lab.run(h, ["sysctl", "-qw", f"net.ipv4.tcp_congestion_control={cc}"], check=True)
+
+
 def host_kind(plan: WanPlan, host: str) -> str:
     """trainer / relay (the hubs every worker dials first) or the host's NAT kind."""
     if host == plan.trainer:
@@ -1924,9 +1931,12 @@ def section_broadcast(args, work: Path) -> tuple[str, dict]:
     out = {"bound_s": bound, "size": size, "receivers": len(receivers),
            "relays": len(plan.relays), "followers": len(plan.peers),
            "homes": len(plan.topology.homes)}
-    with Lab(plan.topology, prefix=args.lab_prefix, seed=args.seed) as lab:
+    with Lab(plan.topology, prefix=args.lab_prefix, seed=args.seed) as lab, \
+            allowed_congestion_control(args.congestion_control):
+        hosts_congestion(lab, [plan.trainer, *receivers], args.congestion_control)
         out["ours"] = ours_broadcast(lab, plan, ckpt, work / "ours", args.half_timeout,
                                      args.peer_set)
+        out["congestion_control"] = args.congestion_control or "inherited"
         out["ours"]["phases"] = flight_phases(out["ours"].get("flights_each") or {})
     if SHARDCAST_PY.exists() and not args.skip_shardcast:
         record_half(args, out, "shardcast pending (running next)")
@@ -2296,7 +2306,8 @@ def parse(argv=None):
                          "namespace (Linux default 1: an idle TCP connection restarts from "
                          "its initial window, so each body on an idle link pays ~2 RTTs more)")
     ap.add_argument("--congestion-control", choices=["bbr", "cubic", "reno"],
-                    help="gossip: set net.ipv4.tcp_congestion_control in every worker's "
+                    help="gossip, broadcast: set net.ipv4.tcp_congestion_control in every "
+                         "host's "
                          "namespace (the lab's hosts inherit this machine's, bbr here; most "
                          "operators' kernels default to cubic: RESULTS tcp-tail)")
     # broadcast

@@ -965,9 +965,6 @@ async def _gossip_worker(args) -> None:
     if args.slow_start_after_idle is not None:  # this lab host's namespace only
         Path("/proc/sys/net/ipv4/tcp_slow_start_after_idle").write_text(
             f"{args.slow_start_after_idle}\n")
-    if args.congestion_control:  # this lab host's namespace only (its new connections)
-        Path("/proc/sys/net/ipv4/tcp_congestion_control").write_text(
-            f"{args.congestion_control}\n")
     cfg = load_config(None, over)
     node = P2PNode(Identity.generate(), cfg)
     records = []
@@ -1142,12 +1139,10 @@ def gossip_figures(args, n: int, work: Path) -> dict:
               str(args.drain), "--mesh-wait", str(args.mesh_wait),
               *(x for kv in args.set for x in ("--set", kv)),
               *(["--slow-start-after-idle", str(args.slow_start_after_idle)]
-                if args.slow_start_after_idle is not None else []),
-              *(["--congestion-control", args.congestion_control]
-                if args.congestion_control else [])]
+                if args.slow_start_after_idle is not None else [])]
     procs: list[LabProc] = []
     with Lab(topo, prefix=args.lab_prefix, seed=args.seed) as lab, \
-            allowed_congestion_control(args.congestion_control):
+            hosts_congestion(lab, hosts, args.congestion_control):
         try:
             first = LabProc(lab, hosts[0], [*worker, "--listen",
                                             f"/ip4/{lab.addr(hosts[0])}/tcp/4001"],
@@ -1215,28 +1210,26 @@ def gossip_figures(args, n: int, work: Path) -> dict:
 
 
 @contextlib.contextmanager
-def allowed_congestion_control(cc: str | None):
-    """While the lab runs, `cc` in this machine's net.ipv4.tcp_allowed_congestion_control
-    (init namespace; restored after): a namespace other than the init one may make only an
-    allowed control its default (the kernel answers EPERM otherwise; here only "reno bbr"
-    are allowed, so `--congestion-control cubic` needs this)."""
-    path = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
-    before = path.read_text().split() if cc else []
-    if not cc or cc in before:
+def hosts_congestion(lab: Lab, hosts: list[str], cc: str | None):
+    """While the lab runs, each host's default TCP congestion control is `cc` (its
+    namespace's sysctl; nothing if None). A namespace other than the init one may make only
+    an allowed control its default (EPERM otherwise; here only "reno bbr" are allowed), so
+    `cc` joins this machine's net.ipv4.tcp_allowed_congestion_control meanwhile (restored
+    after)."""
+    if not cc:
         yield
         return
-    path.write_text(" ".join([*before, cc]) + "\n")
+    path = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
+    before = path.read_text().split()
+    if cc not in before:
+        path.write_text(" ".join([*before, cc]) + "\n")
     try:
-        yield
-    finally:
-        path.write_text(" ".join(before) + "\n")
-
-
-def hosts_congestion(lab: Lab, hosts: list[str], cc: str | None) -> None:
-    """Each host's default TCP congestion control (its namespace's sysctl), if `cc`."""
-    if cc:
         for h in hosts:
             lab.run(h, ["sysctl", "-qw", f"net.ipv4.tcp_congestion_control={cc}"], check=True)
+        yield
+    finally:
+        if cc not in before:
+            path.write_text(" ".join(before) + "\n")
 
 
 def host_kind(plan: WanPlan, host: str) -> str:
@@ -1932,8 +1925,7 @@ def section_broadcast(args, work: Path) -> tuple[str, dict]:
            "relays": len(plan.relays), "followers": len(plan.peers),
            "homes": len(plan.topology.homes)}
     with Lab(plan.topology, prefix=args.lab_prefix, seed=args.seed) as lab, \
-            allowed_congestion_control(args.congestion_control):
-        hosts_congestion(lab, [plan.trainer, *receivers], args.congestion_control)
+            hosts_congestion(lab, [plan.trainer, *receivers], args.congestion_control):
         out["ours"] = ours_broadcast(lab, plan, ckpt, work / "ours", args.half_timeout,
                                      args.peer_set)
         out["congestion_control"] = args.congestion_control or "inherited"

@@ -425,7 +425,7 @@ class P2PSection(Section):
     where the kernel has it loaded and lets this process choose it (root, or listed in
     net.ipv4.tcp_allowed_congestion_control); else the kernel's default stays (said once in
     the log). Home links lose packets at random: in the simulated internet a 12-node gossip
-    round's p95 was 3.2-3.9 s over cubic, the usual default, against 1.1-1.3 s over BBR,
+    round's p95 was 2.8-3.9 s over cubic, the usual default, against 1.1-1.3 s over BBR,
     and a 64 MiB checkpoint took 127-135 s against 21-22 s (benchmarks/RESULTS.md "wan:
     gossip", "wan: broadcast"). BBR also takes more of a shared bottleneck than
     cubic flows beside it (other traffic on your home uplink): "" leaves the kernel's

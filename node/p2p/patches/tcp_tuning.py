@@ -26,7 +26,7 @@ not rebuild its window from slow start after an RTO.
 The congestion control itself (`p2p.tcp_congestion`, "bbr" by default; "" leaves the
 kernel's): each socket asks for it (TCP_CONGESTION) before the floor is decided. Random loss
 on home links is what loss-based controls take for congestion: in the simulated internet a
-12-node gossip round's p95 was 3.2-3.9 s over cubic against 1.1-1.3 s over BBR (RESULTS
+12-node gossip round's p95 was 2.8-3.9 s over cubic against 1.1-1.3 s over BBR (RESULTS
 "wan: gossip"). A kernel without it loaded, or one that does not let this process choose
 it (not root and not in net.ipv4.tcp_allowed_congestion_control), keeps its default, said
 once at INFO.
